@@ -1,0 +1,1122 @@
+//! The only module that holds SQL.
+//!
+//! Every write a worker makes is fenced by its lease token
+//! (`WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')`):
+//! zero rows means the lease is lost, and the caller discards its outcome
+//! (`DbError::LeaseLost`) instead of retrying the write. Only [`Db::lease`]
+//! produces a [`Lease`], and only a `Lease` can complete, fail or cancel a step
+//! (typestate, as in underway). Transactions are short: none is held while a
+//! child runs. Times for leases come from the database clock (`now()`).
+
+use std::collections::BTreeMap;
+use std::time::Duration as StdDuration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Acquire, ConnectOptions, Executor, PgPool, Row};
+use uuid::Uuid;
+
+use crate::retry::RetryPolicy;
+use crate::state::{self, Failure, FailureDecision, RunState, StepFacts, StepState};
+
+/// The schema every table lives in.
+pub const SCHEMA: &str = "durable";
+/// NOTIFY channel: a step became leasable (payload: executor_kind).
+pub const CHANNEL_STEPS: &str = "durable_steps";
+/// NOTIFY channel: cancellation was requested (payload: run id). A hint only:
+/// the heartbeat is the path that always sees a cancel.
+pub const CHANNEL_CANCEL: &str = "durable_cancel";
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("cannot connect to PostgreSQL at {url}: {source}. Is the server running and DATABASE_URL right?")]
+    Connect {
+        url: String,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("database error while {context}: {source}")]
+    Query {
+        context: &'static str,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("invalid spec: {0}")]
+    InvalidSpec(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("the lease on step {step_run_id} is lost (another owner, expired, or the step moved on); the outcome is discarded")]
+    LeaseLost { step_run_id: Uuid },
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+trait Ctx<T> {
+    fn ctx(self, context: &'static str) -> Result<T, DbError>;
+}
+
+impl<T> Ctx<T> for Result<T, sqlx::Error> {
+    fn ctx(self, context: &'static str) -> Result<T, DbError> {
+        self.map_err(|source| DbError::Query { context, source })
+    }
+}
+
+/// A handle on the runtime's database.
+#[derive(Clone, Debug)]
+pub struct Db {
+    pool: PgPool,
+}
+
+/// A routing entry: this worker can run steps of `executor_kind` / `kind`
+/// whose labels are all offered in `labels`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Route {
+    pub executor_kind: String,
+    pub kind: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Proof of ownership of one step attempt. Only [`Db::lease`] creates one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    step_run_id: Uuid,
+    token: Uuid,
+    attempt: u32,
+}
+
+impl Lease {
+    pub fn step_run_id(&self) -> Uuid {
+        self.step_run_id
+    }
+    pub fn token(&self) -> Uuid {
+        self.token
+    }
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+    /// For tests that play a stale or forged owner: a lease with another token.
+    pub fn forged(step_run_id: Uuid, token: Uuid, attempt: u32) -> Lease {
+        Lease {
+            step_run_id,
+            token,
+            attempt,
+        }
+    }
+}
+
+/// A step this worker now owns, with everything needed to run it.
+#[derive(Debug, Clone)]
+pub struct LeasedStep {
+    pub lease: Lease,
+    pub run_id: Uuid,
+    pub name: String,
+    pub executor_kind: String,
+    pub kind: String,
+    pub labels: BTreeMap<String, String>,
+    pub input: serde_json::Value,
+    pub idempotency_key: String,
+    pub retry: RetryPolicy,
+    pub timeout_ms: Option<i64>,
+    pub heartbeat_timeout_ms: Option<i64>,
+    pub deadline: Option<DateTime<Utc>>,
+    pub secrets: Vec<String>,
+    pub checkpoint: Option<Vec<u8>>,
+    pub cancel_requested: bool,
+    pub lease_expires_at: DateTime<Utc>,
+    /// The database clock when the lease was taken.
+    pub db_now: DateTime<Utc>,
+}
+
+/// What one batched heartbeat learned.
+#[derive(Debug, Default)]
+pub struct HeartbeatReport {
+    /// Leases renewed whose step has a cancel request.
+    pub cancel_requested: Vec<Uuid>,
+    /// Leases this worker no longer holds.
+    pub lost: Vec<Uuid>,
+    pub renewed: usize,
+}
+
+/// A progress event, as persisted.
+#[derive(Debug, Clone)]
+pub struct NewEvent<'a> {
+    pub sequence: u64,
+    pub kind: &'a str,
+    pub message: &'a str,
+    pub fraction: Option<f64>,
+    pub checkpoint: Option<&'a [u8]>,
+    pub executor_at: Option<DateTime<Utc>>,
+}
+
+/// An artifact verified on local disk, to be stored with a successful result.
+#[derive(Debug, Clone)]
+pub struct NewArtifact {
+    pub name: String,
+    pub sha256: String,
+    pub media_type: String,
+    pub content: Vec<u8>,
+    pub derived_from: Vec<Uuid>,
+}
+
+/// An input artifact for a step: the output of one of its dependencies.
+#[derive(Debug, Clone)]
+pub struct InputArtifact {
+    pub id: Uuid,
+    pub name: String,
+    pub sha256: String,
+    pub size: i64,
+    pub media_type: String,
+    pub step_name: String,
+    pub content: Vec<u8>,
+}
+
+/// A failure as the worker observed it, with the evidence to store.
+#[derive(Debug, Clone)]
+pub struct FailureReport {
+    pub failure: Failure,
+    pub message: String,
+    pub details: Option<serde_json::Value>,
+    pub sequence: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StepError {
+    pub code: String,
+    pub message: String,
+    pub retryable: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub details: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ArtifactSummary {
+    pub id: Uuid,
+    pub name: String,
+    pub sha256: String,
+    pub size: i64,
+    pub media_type: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StepStatus {
+    pub name: String,
+    pub step_run_id: Uuid,
+    pub state: String,
+    pub attempt: i32,
+    pub executor_kind: String,
+    pub kind: String,
+    pub idempotency_key: String,
+    pub cancel_requested: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<StepError>,
+    pub events: i64,
+    pub artifacts: Vec<ArtifactSummary>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct WaitingStep {
+    pub name: String,
+    pub depends_on: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunStatus {
+    pub run_id: Uuid,
+    pub name: String,
+    pub state: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    pub cancel_requested: bool,
+    pub created_at: DateTime<Utc>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<DateTime<Utc>>,
+    pub steps: Vec<StepStatus>,
+    /// Steps not created yet: they wait for their dependencies to succeed.
+    pub waiting: Vec<WaitingStep>,
+}
+
+/// One row of the transition history.
+#[derive(Debug, Clone, Serialize)]
+pub struct TransitionRow {
+    pub step: Option<String>,
+    pub from_state: Option<String>,
+    pub to_state: String,
+    pub attempt: Option<i32>,
+    pub worker: Option<String>,
+    pub reason: Option<String>,
+    pub at: DateTime<Utc>,
+}
+
+fn parse_labels(v: serde_json::Value) -> Result<BTreeMap<String, String>, DbError> {
+    serde_json::from_value(v).map_err(|e| DbError::Corrupt(format!("labels: {e}")))
+}
+
+impl Db {
+    /// Connects with a pool of `max_connections`.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Db, DbError> {
+        let opts: PgConnectOptions = url.parse().map_err(|source| DbError::Connect {
+            url: redact_url(url),
+            source,
+        })?;
+        let opts = opts.log_statements(tracing::log::LevelFilter::Trace);
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(StdDuration::from_secs(30))
+            .connect_with(opts)
+            .await
+            .map_err(|source| DbError::Connect {
+                url: redact_url(url),
+                source,
+            })?;
+        Ok(Db { pool })
+    }
+
+    pub fn from_pool(pool: PgPool) -> Db {
+        Db { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies the migrations; safe to run again and from several processes at
+    /// once (sqlx takes an advisory lock). The bookkeeping table lives in the
+    /// runtime's schema too, not in `public`.
+    pub async fn migrate(&self) -> Result<(), DbError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .ctx("acquiring a connection to migrate")?;
+        conn.execute("CREATE SCHEMA IF NOT EXISTS durable")
+            .await
+            .ctx("creating schema durable")?;
+        conn.execute("SET search_path TO durable")
+            .await
+            .ctx("setting search_path")?;
+        let res = MIGRATOR.run(&mut *conn).await;
+        // the connection goes back to the pool: restore the default path
+        conn.execute("RESET search_path")
+            .await
+            .ctx("resetting search_path")?;
+        res?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------
+    // submit, cancel, status
+
+    /// Validates and submits a spec through `durable.submit_run`. An invalid
+    /// spec is `DbError::InvalidSpec` with a message that names the field;
+    /// nothing is written then.
+    pub async fn submit(&self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
+        let res = sqlx::query_scalar::<_, Uuid>("SELECT durable.submit_run($1)")
+            .bind(spec)
+            .fetch_one(&self.pool)
+            .await;
+        match res {
+            Ok(id) => Ok(id),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => {
+                Err(DbError::InvalidSpec(e.message().to_owned()))
+            }
+            Err(e) => Err(DbError::Query {
+                context: "submitting a run",
+                source: e,
+            }),
+        }
+    }
+
+    /// Requests cancellation of a run or one of its steps; returns the run's
+    /// state afterwards.
+    pub async fn cancel(&self, run_id: Uuid, step: Option<&str>) -> Result<RunState, DbError> {
+        let res = sqlx::query_scalar::<_, String>("SELECT durable.cancel_run($1, $2)")
+            .bind(run_id)
+            .bind(step)
+            .fetch_one(&self.pool)
+            .await;
+        match res {
+            Ok(s) => s
+                .parse()
+                .map_err(|e| DbError::Corrupt(format!("run state: {e}"))),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("P0D04") => {
+                Err(DbError::NotFound(e.message().to_owned()))
+            }
+            Err(e) => Err(DbError::Query {
+                context: "cancelling",
+                source: e,
+            }),
+        }
+    }
+
+    pub async fn run_state(&self, run_id: Uuid) -> Result<Option<RunState>, DbError> {
+        let s: Option<String> =
+            sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
+                .bind(run_id)
+                .fetch_optional(&self.pool)
+                .await
+                .ctx("reading a run's state")?;
+        s.map(|s| {
+            s.parse()
+                .map_err(|e| DbError::Corrupt(format!("run state: {e}")))
+        })
+        .transpose()
+    }
+
+    /// The run and its steps, or `NotFound`.
+    pub async fn status(&self, run_id: Uuid) -> Result<RunStatus, DbError> {
+        let run = sqlx::query(
+            "SELECT id, name, state, idempotency_key, cancel_requested, created_at, finished_at
+               FROM durable.workflow_runs WHERE id = $1",
+        )
+        .bind(run_id)
+        .fetch_optional(&self.pool)
+        .await
+        .ctx("reading a run")?
+        .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
+
+        let rows = sqlx::query(
+            "SELECT s.id, s.name, s.state, s.attempt, s.executor_kind, s.kind, s.idempotency_key,
+                    s.cancel_requested, s.next_attempt_at, s.output, s.error_code, s.error_message,
+                    s.error_retryable, s.error_details,
+                    (SELECT count(*) FROM durable.step_events e WHERE e.step_run_id = s.id) AS events
+               FROM durable.step_runs s WHERE s.run_id = $1 ORDER BY s.position",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading a run's steps")?;
+        let arts = sqlx::query(
+            "SELECT id, step_run_id, name, sha256, size, media_type FROM durable.artifacts
+              WHERE run_id = $1 ORDER BY created_at, name",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading a run's artifacts")?;
+
+        let mut steps = Vec::with_capacity(rows.len());
+        for r in rows {
+            let id: Uuid = r.get("id");
+            let state: String = r.get("state");
+            let code: Option<String> = r.get("error_code");
+            let error = code.map(|code| StepError {
+                code,
+                message: r
+                    .get::<Option<String>, _>("error_message")
+                    .unwrap_or_default(),
+                retryable: r.get::<Option<bool>, _>("error_retryable").unwrap_or(false),
+                details: r.get("error_details"),
+            });
+            let next: Option<DateTime<Utc>> = if state == "retryable_failed" {
+                r.get("next_attempt_at")
+            } else {
+                None
+            };
+            steps.push(StepStatus {
+                name: r.get("name"),
+                step_run_id: id,
+                state,
+                attempt: r.get("attempt"),
+                executor_kind: r.get("executor_kind"),
+                kind: r.get("kind"),
+                idempotency_key: r.get("idempotency_key"),
+                cancel_requested: r.get("cancel_requested"),
+                next_attempt_at: next,
+                output: r.get("output"),
+                error,
+                events: r.get("events"),
+                artifacts: arts
+                    .iter()
+                    .filter(|a| a.get::<Uuid, _>("step_run_id") == id)
+                    .map(|a| ArtifactSummary {
+                        id: a.get("id"),
+                        name: a.get("name"),
+                        sha256: a.get("sha256"),
+                        size: a.get("size"),
+                        media_type: a.get("media_type"),
+                    })
+                    .collect(),
+            });
+        }
+        let waiting = sqlx::query(
+            "SELECT d.name, d.depends_on FROM durable.step_defs d
+              WHERE d.run_id = $1
+                AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = d.run_id AND s.name = d.name)
+              ORDER BY d.position",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading a run's waiting steps")?
+        .into_iter()
+        .map(|r| WaitingStep {
+            name: r.get("name"),
+            depends_on: r.get("depends_on"),
+        })
+        .collect();
+
+        Ok(RunStatus {
+            run_id: run.get("id"),
+            name: run.get("name"),
+            state: run.get("state"),
+            idempotency_key: run.get("idempotency_key"),
+            cancel_requested: run.get("cancel_requested"),
+            created_at: run.get("created_at"),
+            finished_at: run.get("finished_at"),
+            steps,
+            waiting,
+        })
+    }
+
+    /// The transition history of a run (runs and steps), oldest first.
+    pub async fn transitions(&self, run_id: Uuid) -> Result<Vec<TransitionRow>, DbError> {
+        let rows = sqlx::query(
+            "SELECT s.name AS step, t.from_state, t.to_state, t.attempt, t.worker, t.reason, t.at
+               FROM durable.transitions t LEFT JOIN durable.step_runs s ON s.id = t.step_run_id
+              WHERE t.run_id = $1 ORDER BY t.id",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading transitions")?;
+        Ok(rows
+            .into_iter()
+            .map(|r| TransitionRow {
+                step: r.get("step"),
+                from_state: r.get("from_state"),
+                to_state: r.get("to_state"),
+                attempt: r.get("attempt"),
+                worker: r.get("worker"),
+                reason: r.get("reason"),
+                at: r.get("at"),
+            })
+            .collect())
+    }
+
+    // -----------------------------------------------------------------------
+    // workers
+
+    pub async fn register_worker(
+        &self,
+        id: Uuid,
+        name: &str,
+        host: &str,
+        capabilities: &serde_json::Value,
+    ) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO durable.workers (id, name, host, pid, capabilities) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(id)
+        .bind(name)
+        .bind(host)
+        .bind(std::process::id() as i32)
+        .bind(capabilities)
+        .execute(&self.pool)
+        .await
+        .ctx("registering the worker")?;
+        Ok(())
+    }
+
+    pub async fn worker_stopped(&self, id: Uuid) -> Result<(), DbError> {
+        sqlx::query("UPDATE durable.workers SET stopped_at = now() WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .ctx("marking the worker stopped")?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------
+    // the queue
+
+    /// Leases up to `limit` steps this worker can route, in one statement:
+    /// `pending` ones, and `retryable_failed` ones whose time has come. Sets the
+    /// owner, a fresh lease token and an expiry on the database clock, and
+    /// counts the attempt.
+    pub async fn lease(
+        &self,
+        worker_id: Uuid,
+        worker_name: &str,
+        routes: &[Route],
+        limit: u32,
+        ttl: StdDuration,
+    ) -> Result<Vec<LeasedStep>, DbError> {
+        if routes.is_empty() || limit == 0 {
+            return Ok(Vec::new());
+        }
+        let eks: Vec<&str> = routes.iter().map(|r| r.executor_kind.as_str()).collect();
+        let kinds: Vec<&str> = routes.iter().map(|r| r.kind.as_str()).collect();
+        let labels: Vec<serde_json::Value> = routes
+            .iter()
+            .map(|r| serde_json::to_value(&r.labels).unwrap_or_default())
+            .collect();
+        let rows = sqlx::query(
+            "WITH routes AS (
+                 SELECT * FROM unnest($3::text[], $4::text[], $5::jsonb[]) AS r(executor_kind, kind, labels)
+             ), candidates AS (
+                 SELECT s.id FROM durable.step_runs s
+                  WHERE s.state IN ('pending', 'retryable_failed')
+                    AND s.next_attempt_at <= now()
+                    AND EXISTS (SELECT 1 FROM routes r
+                                 WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
+                                   AND r.labels @> s.labels)
+                  ORDER BY s.next_attempt_at, s.position
+                  LIMIT $6
+                  FOR UPDATE SKIP LOCKED
+             )
+             UPDATE durable.step_runs s
+                SET state = 'leased', owner_worker_id = $1, lease_token = gen_random_uuid(),
+                    lease_expires_at = now() + make_interval(secs => $7::double precision / 1000.0),
+                    leased_at = now(), started_at = NULL, attempt = s.attempt + 1,
+                    transition_reason = 'LEASED', transition_by = $2
+               FROM candidates c
+              WHERE s.id = c.id
+          RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input, s.idempotency_key,
+                    s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
+                    s.secrets, s.checkpoint, s.cancel_requested, s.lease_expires_at, now() AS db_now",
+        )
+        .bind(worker_id)
+        .bind(worker_name)
+        .bind(&eks)
+        .bind(&kinds)
+        .bind(&labels)
+        .bind(limit as i64)
+        .bind(ttl.as_millis() as f64)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("leasing steps")?;
+        rows.into_iter().map(leased_from_row).collect()
+    }
+
+    /// One statement per worker per interval, however many leases it holds:
+    /// renews every live lease, reports which were cancel-requested and which
+    /// are lost, and stamps the worker's own heartbeat.
+    pub async fn heartbeat(
+        &self,
+        worker_id: Uuid,
+        leases: &[Lease],
+        ttl: StdDuration,
+    ) -> Result<HeartbeatReport, DbError> {
+        let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id).collect();
+        let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+        let rows = sqlx::query(
+            "WITH w AS (
+                 UPDATE durable.workers SET last_heartbeat_at = now() WHERE id = $1
+             ), h AS (
+                 SELECT * FROM unnest($2::uuid[], $3::uuid[]) AS h(id, token)
+             )
+             UPDATE durable.step_runs s
+                SET lease_expires_at = now() + make_interval(secs => $4::double precision / 1000.0)
+               FROM h
+              WHERE s.id = h.id AND s.lease_token = h.token AND s.state IN ('leased', 'running')
+          RETURNING s.id, s.cancel_requested",
+        )
+        .bind(worker_id)
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(ttl.as_millis() as f64)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("renewing leases")?;
+        let mut report = HeartbeatReport {
+            renewed: rows.len(),
+            ..Default::default()
+        };
+        let mut alive = std::collections::HashSet::with_capacity(rows.len());
+        for r in rows {
+            let id: Uuid = r.get("id");
+            alive.insert(id);
+            if r.get::<bool, _>("cancel_requested") {
+                report.cancel_requested.push(id);
+            }
+        }
+        report.lost = ids.into_iter().filter(|id| !alive.contains(id)).collect();
+        Ok(report)
+    }
+
+    /// The executor accepted the job: `leased → running`, with its event.
+    pub async fn mark_running(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        event: &NewEvent<'_>,
+    ) -> Result<(), DbError> {
+        let n = sqlx::query(
+            "WITH s AS (
+                 UPDATE durable.step_runs SET state = 'running', started_at = now(),
+                        transition_reason = 'ACCEPTED', transition_by = $3
+                  WHERE id = $1 AND lease_token = $2 AND state = 'leased'
+              RETURNING id, attempt
+             )
+             INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint, executor_at)
+             SELECT s.id, s.attempt, $4, $5, $6, $7, false, $8 FROM s",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(event.sequence as i64)
+        .bind(event.kind)
+        .bind(event.message)
+        .bind(event.fraction)
+        .bind(event.executor_at)
+        .execute(&self.pool)
+        .await
+        .ctx("marking a step running")?
+        .rows_affected();
+        fenced(n, lease)
+    }
+
+    /// Persists a progress event (and its checkpoint, if any), fenced.
+    pub async fn record_event(&self, lease: &Lease, event: &NewEvent<'_>) -> Result<(), DbError> {
+        let n = sqlx::query(
+            "WITH s AS (
+                 UPDATE durable.step_runs
+                    SET checkpoint = CASE WHEN $3 THEN $4 ELSE checkpoint END
+                  WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')
+              RETURNING id, attempt
+             )
+             INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint, executor_at)
+             SELECT s.id, s.attempt, $5, $6, $7, $8, $3, $9 FROM s",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(event.checkpoint.is_some())
+        .bind(event.checkpoint)
+        .bind(event.sequence as i64)
+        .bind(event.kind)
+        .bind(event.message)
+        .bind(event.fraction)
+        .bind(event.executor_at)
+        .execute(&self.pool)
+        .await
+        .ctx("recording a progress event")?
+        .rows_affected();
+        fenced(n, lease)
+    }
+
+    /// The attempt succeeded: stores artifacts, lineage, the terminal event and
+    /// the output, and moves `running → succeeded` — one short transaction,
+    /// fenced. The run is recomputed (and dependents created) by the database in
+    /// the same transaction.
+    pub async fn complete(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        output: &serde_json::Value,
+        artifacts: &[NewArtifact],
+        sequence: Option<u64>,
+    ) -> Result<Vec<Uuid>, DbError> {
+        let mut tx = self.pool.begin().await.ctx("beginning a completion")?;
+        let run_id: Option<Uuid> = sqlx::query_scalar(
+            "SELECT run_id FROM durable.step_runs
+              WHERE id = $1 AND lease_token = $2 AND state = 'running' FOR UPDATE",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .fetch_optional(&mut *tx)
+        .await
+        .ctx("locking a step to complete it")?;
+        let Some(run_id) = run_id else {
+            return Err(DbError::LeaseLost {
+                step_run_id: lease.step_run_id,
+            });
+        };
+        let mut ids = Vec::with_capacity(artifacts.len());
+        for a in artifacts {
+            let id = Uuid::new_v4();
+            sqlx::query(
+                "INSERT INTO durable.artifact_blobs (sha256, size, content) VALUES ($1, $2, $3)
+                 ON CONFLICT (sha256) DO NOTHING",
+            )
+            .bind(&a.sha256)
+            .bind(a.content.len() as i64)
+            .bind(&a.content)
+            .execute(&mut *tx)
+            .await
+            .ctx("storing an artifact's bytes")?;
+            sqlx::query(
+                "INSERT INTO durable.artifacts (id, run_id, step_run_id, attempt, name, sha256, size, media_type)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            )
+            .bind(id)
+            .bind(run_id)
+            .bind(lease.step_run_id)
+            .bind(lease.attempt as i32)
+            .bind(&a.name)
+            .bind(&a.sha256)
+            .bind(a.content.len() as i64)
+            .bind(&a.media_type)
+            .execute(&mut *tx)
+            .await
+            .ctx("storing an artifact")?;
+            if !a.derived_from.is_empty() {
+                sqlx::query(
+                    "INSERT INTO durable.artifact_lineage (artifact_id, derived_from_id)
+                     SELECT $1, unnest($2::uuid[]) ON CONFLICT DO NOTHING",
+                )
+                .bind(id)
+                .bind(&a.derived_from)
+                .execute(&mut *tx)
+                .await
+                .ctx("storing artifact lineage")?;
+            }
+            ids.push(id);
+        }
+        if let Some(seq) = sequence {
+            insert_terminal_event(&mut tx, lease, seq, "succeeded", "").await?;
+        }
+        sqlx::query(
+            "UPDATE durable.step_runs
+                SET state = 'succeeded', output = $3, error_code = NULL, error_message = NULL,
+                    error_retryable = NULL, error_details = NULL,
+                    transition_reason = 'SUCCEEDED', transition_by = $4
+              WHERE id = $1 AND lease_token = $2",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(output)
+        .bind(worker_name)
+        .execute(&mut *tx)
+        .await
+        .ctx("completing a step")?;
+        tx.commit().await.ctx("committing a completion")?;
+        Ok(ids)
+    }
+
+    /// The attempt failed: the state module decides retry, terminal failure or
+    /// cancellation from the row's current facts; fenced.
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        report: &FailureReport,
+        jitter: f64,
+    ) -> Result<FailureDecision, DbError> {
+        let mut tx = self.pool.begin().await.ctx("beginning a failure")?;
+        let row = sqlx::query(
+            "SELECT attempt, retry, deadline, cancel_requested, now() AS db_now FROM durable.step_runs
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') FOR UPDATE",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .fetch_optional(&mut *tx)
+        .await
+        .ctx("locking a step to fail it")?
+        .ok_or(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })?;
+        let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
+            .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+        let facts = StepFacts {
+            attempt: row.get::<i32, _>("attempt").max(0) as u32,
+            policy: &policy,
+            deadline: row.get("deadline"),
+            cancel_requested: row.get("cancel_requested"),
+        };
+        let decision = state::decide_failure(&facts, &report.failure, row.get("db_now"), jitter);
+        if let Some(seq) = report.sequence {
+            insert_terminal_event(&mut tx, lease, seq, decision.to.as_str(), &report.message)
+                .await?;
+        }
+        write_failure(&mut tx, lease, worker_name, report, &decision).await?;
+        tx.commit().await.ctx("committing a failure")?;
+        Ok(decision)
+    }
+
+    /// Cancellation is confirmed and the executor has exited: `→ cancelled`.
+    pub async fn confirm_cancelled(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        message: &str,
+    ) -> Result<(), DbError> {
+        let n = sqlx::query(
+            "UPDATE durable.step_runs
+                SET state = 'cancelled', error_code = 'CANCELLED', error_message = $4,
+                    error_retryable = false, transition_reason = 'CANCELLED', transition_by = $3
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(message)
+        .execute(&self.pool)
+        .await
+        .ctx("confirming a cancellation")?
+        .rows_affected();
+        fenced(n, lease)
+    }
+
+    /// The executor refused the job before executing it (routing mismatch):
+    /// the step goes back to the queue after `delay` and the attempt is given
+    /// back, since nothing ran.
+    pub async fn refuse(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        code: &str,
+        message: &str,
+        delay: StdDuration,
+    ) -> Result<(), DbError> {
+        let n = sqlx::query(
+            "UPDATE durable.step_runs
+                SET state = 'retryable_failed', attempt = attempt - 1,
+                    next_attempt_at = now() + make_interval(secs => $6::double precision / 1000.0),
+                    error_code = $4, error_message = $5, error_retryable = true, error_details = NULL,
+                    owner_worker_id = NULL, lease_token = NULL,
+                    transition_reason = $4, transition_by = $3
+              WHERE id = $1 AND lease_token = $2 AND state = 'leased'",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(code)
+        .bind(message)
+        .bind(delay.as_millis() as f64)
+        .execute(&self.pool)
+        .await
+        .ctx("returning a refused step")?
+        .rows_affected();
+        fenced(n, lease)
+    }
+
+    /// Moves expired leases on: `retryable_failed`, `terminal_failed` when
+    /// attempts are spent (or no retry fits before the deadline), `cancelled`
+    /// when cancellation was requested — reason `LEASE_EXPIRED`. Returns how
+    /// many were reclaimed.
+    pub async fn reclaim_expired(&self, worker_name: &str, limit: u32) -> Result<usize, DbError> {
+        let mut tx = self.pool.begin().await.ctx("beginning a reclaim")?;
+        let rows = sqlx::query(
+            "SELECT id, lease_token, attempt, retry, deadline, cancel_requested, now() AS db_now
+               FROM durable.step_runs
+              WHERE state IN ('leased', 'running') AND lease_expires_at < now()
+              ORDER BY lease_expires_at
+              LIMIT $1
+              FOR UPDATE SKIP LOCKED",
+        )
+        .bind(limit as i64)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("finding expired leases")?;
+        let n = rows.len();
+        for row in rows {
+            let lease = Lease {
+                step_run_id: row.get("id"),
+                token: row.get("lease_token"),
+                attempt: row.get::<i32, _>("attempt").max(0) as u32,
+            };
+            let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
+                .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+            let facts = StepFacts {
+                attempt: lease.attempt,
+                policy: &policy,
+                deadline: row.get("deadline"),
+                cancel_requested: row.get("cancel_requested"),
+            };
+            let report = FailureReport {
+                failure: Failure {
+                    code: "LEASE_EXPIRED".into(),
+                    retryable: true,
+                    next_retry_delay: None,
+                },
+                message: "the owning worker stopped renewing its lease".into(),
+                details: None,
+                sequence: None,
+            };
+            let decision =
+                state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
+            write_failure(&mut tx, &lease, worker_name, &report, &decision).await?;
+        }
+        tx.commit().await.ctx("committing a reclaim")?;
+        Ok(n)
+    }
+
+    /// The artifacts a step receives as input: those of its dependencies, in
+    /// `depends_on` order.
+    pub async fn input_artifacts(
+        &self,
+        run_id: Uuid,
+        step_name: &str,
+    ) -> Result<Vec<InputArtifact>, DbError> {
+        let rows = sqlx::query(
+            "SELECT a.id, a.name, a.sha256, a.size, a.media_type, s.name AS step_name, b.content
+               FROM durable.step_defs d
+               JOIN durable.step_runs s ON s.run_id = d.run_id AND s.name = ANY (d.depends_on)
+               JOIN durable.artifacts a ON a.step_run_id = s.id
+               JOIN durable.artifact_blobs b ON b.sha256 = a.sha256
+              WHERE d.run_id = $1 AND d.name = $2
+              ORDER BY array_position(d.depends_on, s.name), a.name",
+        )
+        .bind(run_id)
+        .bind(step_name)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading input artifacts")?;
+        Ok(rows
+            .into_iter()
+            .map(|r| InputArtifact {
+                id: r.get("id"),
+                name: r.get("name"),
+                sha256: r.get("sha256"),
+                size: r.get("size"),
+                media_type: r.get("media_type"),
+                step_name: r.get("step_name"),
+                content: r.get("content"),
+            })
+            .collect())
+    }
+
+    /// The step's current state (tests, diagnostics).
+    pub async fn step_state(&self, step_run_id: Uuid) -> Result<Option<StepState>, DbError> {
+        let s: Option<String> =
+            sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE id = $1")
+                .bind(step_run_id)
+                .fetch_optional(&self.pool)
+                .await
+                .ctx("reading a step's state")?;
+        s.map(|s| {
+            s.parse()
+                .map_err(|e| DbError::Corrupt(format!("step state: {e}")))
+        })
+        .transpose()
+    }
+
+    /// A dedicated listener for the wake-up channels.
+    pub async fn listener(&self) -> Result<sqlx::postgres::PgListener, DbError> {
+        let mut l = sqlx::postgres::PgListener::connect_with(&self.pool)
+            .await
+            .ctx("opening a LISTEN connection")?;
+        l.listen_all([CHANNEL_STEPS, CHANNEL_CANCEL])
+            .await
+            .ctx("listening for wake-ups")?;
+        Ok(l)
+    }
+}
+
+fn fenced(rows: u64, lease: &Lease) -> Result<(), DbError> {
+    if rows == 0 {
+        Err(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+async fn insert_terminal_event(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    lease: &Lease,
+    sequence: u64,
+    kind: &str,
+    message: &str,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message)
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+    )
+    .bind(lease.step_run_id)
+    .bind(lease.attempt as i32)
+    .bind(sequence as i64)
+    .bind(kind)
+    .bind(message)
+    .execute(&mut **tx)
+    .await
+    .ctx("recording a terminal event")?;
+    Ok(())
+}
+
+async fn write_failure(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    lease: &Lease,
+    worker_name: &str,
+    report: &FailureReport,
+    decision: &FailureDecision,
+) -> Result<(), DbError> {
+    let conn = tx.acquire().await.ctx("using the transaction")?;
+    let n = sqlx::query(
+        "UPDATE durable.step_runs
+            SET state = $3, next_attempt_at = coalesce($4, next_attempt_at),
+                error_code = $5, error_message = $6, error_retryable = $7, error_details = $8,
+                owner_worker_id = CASE WHEN $3 = 'retryable_failed' THEN NULL ELSE owner_worker_id END,
+                transition_reason = $9, transition_by = $10
+          WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')",
+    )
+    .bind(lease.step_run_id)
+    .bind(lease.token)
+    .bind(decision.to.as_str())
+    .bind(decision.next_attempt_at)
+    .bind(&report.failure.code)
+    .bind(&report.message)
+    .bind(report.failure.retryable)
+    .bind(&report.details)
+    .bind(&decision.reason)
+    .bind(worker_name)
+    .execute(&mut *conn)
+    .await
+    .ctx("failing a step")?
+    .rows_affected();
+    fenced(n, lease)
+}
+
+fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
+    let retry: RetryPolicy = serde_json::from_value(r.get("retry"))
+        .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+    Ok(LeasedStep {
+        lease: Lease {
+            step_run_id: r.get("id"),
+            token: r.get("lease_token"),
+            attempt: r.get::<i32, _>("attempt").max(0) as u32,
+        },
+        run_id: r.get("run_id"),
+        name: r.get("name"),
+        executor_kind: r.get("executor_kind"),
+        kind: r.get("kind"),
+        labels: parse_labels(r.get("labels"))?,
+        input: r.get("input"),
+        idempotency_key: r.get("idempotency_key"),
+        retry,
+        timeout_ms: r.get("timeout_ms"),
+        heartbeat_timeout_ms: r.get("heartbeat_timeout_ms"),
+        deadline: r.get("deadline"),
+        secrets: r.get("secrets"),
+        checkpoint: r.get("checkpoint"),
+        cancel_requested: r.get("cancel_requested"),
+        lease_expires_at: r.get("lease_expires_at"),
+        db_now: r.get("db_now"),
+    })
+}
+
+/// A database URL with its password replaced, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            super::redact_url("postgres://u:secret@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
+        assert_eq!(super::redact_url("postgres://u@h/db"), "postgres://u@h/db");
+    }
+}

@@ -1,0 +1,186 @@
+//! Varint-delimited frames: a base-128 varint byte length, then the message.
+//! The length is checked against the cap before anything is allocated for the
+//! body; a clean EOF (between frames) is told apart from a truncated frame.
+
+use std::marker::PhantomData;
+
+use bytes::{Buf, BytesMut};
+use prost::Message;
+use tokio_util::codec::Decoder;
+
+use super::{first_bytes, WireError};
+
+/// Default cap on one frame (PROTOCOL.md).
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 8 * 1024 * 1024;
+
+/// Decodes frames of message type `M` from a byte stream.
+#[derive(Debug)]
+pub struct FrameDecoder<M> {
+    max: usize,
+    _m: PhantomData<fn() -> M>,
+}
+
+impl<M> FrameDecoder<M> {
+    pub fn new(max: usize) -> Self {
+        FrameDecoder {
+            max,
+            _m: PhantomData,
+        }
+    }
+}
+
+/// Reads a varint prefix: `Ok(None)` when more bytes are needed,
+/// `Ok(Some((value, prefix_len)))` when complete.
+fn read_varint(buf: &[u8]) -> Result<Option<(u64, usize)>, String> {
+    let mut value: u64 = 0;
+    for (i, &b) in buf.iter().enumerate().take(10) {
+        if i == 9 && b > 1 {
+            return Err("length prefix overflows 64 bits".into());
+        }
+        value |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Ok(Some((value, i + 1)));
+        }
+    }
+    if buf.len() >= 10 {
+        return Err("length prefix longer than 10 bytes".into());
+    }
+    Ok(None)
+}
+
+impl<M: Message + Default> Decoder for FrameDecoder<M> {
+    type Item = M;
+    type Error = WireError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<M>, WireError> {
+        let (len, prefix) = match read_varint(src) {
+            Ok(Some(v)) => v,
+            Ok(None) => return Ok(None),
+            Err(reason) => {
+                return Err(WireError::Malformed {
+                    reason,
+                    first_bytes: first_bytes(src, 32),
+                })
+            }
+        };
+        if len > self.max as u64 {
+            return Err(WireError::TooLarge { len, cap: self.max });
+        }
+        let len = len as usize;
+        if src.len() < prefix + len {
+            // reserve only what a frame within the cap needs
+            src.reserve(prefix + len - src.len());
+            return Ok(None);
+        }
+        let evidence = first_bytes(&src[..(prefix + len).min(src.len())], 32);
+        src.advance(prefix);
+        let body = src.split_to(len);
+        M::decode(body.freeze())
+            .map(Some)
+            .map_err(|e| WireError::Malformed {
+                reason: e.to_string(),
+                first_bytes: evidence,
+            })
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<M>, WireError> {
+        match self.decode(src)? {
+            Some(m) => Ok(Some(m)),
+            None if src.is_empty() => Ok(None),
+            None => Err(WireError::Truncated {
+                buffered: src.len(),
+                first_bytes: first_bytes(src, 32),
+            }),
+        }
+    }
+}
+
+/// Encodes one message as a delimited frame.
+pub fn encode_frame<M: Message>(m: &M) -> Vec<u8> {
+    m.encode_length_delimited_to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::pb;
+
+    fn hello() -> pb::ExecutorFrame {
+        pb::ExecutorFrame {
+            frame: Some(pb::executor_frame::Frame::Hello(pb::Hello {
+                protocol_version: 1,
+                executor_kind: "go".into(),
+                kinds: vec!["demo.echo".into()],
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn round_trips_and_splits_at_any_byte() {
+        let mut bytes = encode_frame(&hello());
+        bytes.extend(encode_frame(&hello()));
+        for cut in 0..bytes.len() {
+            let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1024);
+            let mut buf = BytesMut::from(&bytes[..cut]);
+            let mut got = Vec::new();
+            while let Some(m) = d.decode(&mut buf).expect("decode") {
+                got.push(m);
+            }
+            buf.extend_from_slice(&bytes[cut..]);
+            while let Some(m) = d.decode(&mut buf).expect("decode") {
+                got.push(m);
+            }
+            assert_eq!(got, vec![hello(), hello()], "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn clean_eof_versus_truncated() {
+        let bytes = encode_frame(&hello());
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1024);
+        let mut empty = BytesMut::new();
+        assert!(d.decode_eof(&mut empty).expect("clean eof").is_none());
+        let mut partial = BytesMut::from(&bytes[..bytes.len() - 1]);
+        assert!(matches!(
+            d.decode_eof(&mut partial),
+            Err(WireError::Truncated { .. })
+        ));
+        let mut half_varint = BytesMut::from(&[0x80u8][..]);
+        assert!(matches!(
+            d.decode_eof(&mut half_varint),
+            Err(WireError::Truncated { .. })
+        ));
+    }
+
+    #[test]
+    fn oversize_is_refused_before_allocating() {
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1024);
+        // announces 64 MiB
+        let mut buf = BytesMut::from(&[0x80u8, 0x80, 0x80, 0x20, 1, 2, 3][..]);
+        let cap_before = buf.capacity();
+        assert!(matches!(
+            d.decode(&mut buf),
+            Err(WireError::TooLarge {
+                len: 67_108_864,
+                cap: 1024
+            })
+        ));
+        assert_eq!(buf.capacity(), cap_before);
+    }
+
+    #[test]
+    fn garbage_is_an_error() {
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut buf = BytesMut::from(&b"\x05\xff\xff\xff\xff\xff"[..]);
+        assert!(matches!(
+            d.decode(&mut buf),
+            Err(WireError::Malformed { .. })
+        ));
+        let mut long = BytesMut::from(&[0xffu8; 11][..]);
+        assert!(matches!(
+            d.decode(&mut long),
+            Err(WireError::Malformed { .. })
+        ));
+    }
+}
