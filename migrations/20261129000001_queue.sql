@@ -117,6 +117,8 @@ CREATE TABLE durable.step_runs (
     lease_expires_at     timestamptz,
     leased_at            timestamptz,
     started_at           timestamptz,
+    -- the process (and process group) of the running attempt, for operators
+    executor_pid         integer,
     cancel_requested     boolean NOT NULL DEFAULT false,
     -- the last checkpoint reported, handed to the next attempt
     checkpoint           bytea,

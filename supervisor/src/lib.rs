@@ -1,5 +1,9 @@
 //! The durable workflow runtime's supervisor. See ARCHITECTURE.md for the map.
+pub mod cli;
+pub mod config;
 pub mod db;
+pub mod process;
 pub mod retry;
 pub mod state;
 pub mod wire;
+pub mod worker;

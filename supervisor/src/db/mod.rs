@@ -648,11 +648,12 @@ impl Db {
         &self,
         lease: &Lease,
         worker_name: &str,
+        executor_pid: i32,
         event: &NewEvent<'_>,
     ) -> Result<(), DbError> {
         let n = sqlx::query(
             "WITH s AS (
-                 UPDATE durable.step_runs SET state = 'running', started_at = now(),
+                 UPDATE durable.step_runs SET state = 'running', started_at = now(), executor_pid = $9,
                         transition_reason = 'ACCEPTED', transition_by = $3
                   WHERE id = $1 AND lease_token = $2 AND state = 'leased'
               RETURNING id, attempt
@@ -668,6 +669,7 @@ impl Db {
         .bind(event.message)
         .bind(event.fraction)
         .bind(event.executor_at)
+        .bind(executor_pid)
         .execute(&self.pool)
         .await
         .ctx("marking a step running")?

@@ -1,0 +1,304 @@
+//! The worker configuration (TOML). `supervisor dev --print-config` prints a
+//! complete one for the bundled demo executors.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read the worker config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid worker config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid worker config: {0}")]
+    Invalid(String),
+}
+
+fn d_lease_ttl() -> u64 {
+    10_000
+}
+fn d_heartbeat() -> u64 {
+    2_000
+}
+fn d_poll() -> u64 {
+    1_000
+}
+fn d_reclaim() -> u64 {
+    1_000
+}
+fn d_cancel_grace() -> u64 {
+    2_000
+}
+fn d_term_grace() -> u64 {
+    2_000
+}
+fn d_drain() -> u64 {
+    30_000
+}
+fn d_handshake() -> u64 {
+    10_000
+}
+fn d_max_frame() -> usize {
+    crate::wire::DEFAULT_MAX_FRAME_BYTES
+}
+fn d_stderr_tail() -> usize {
+    64 * 1024
+}
+fn d_db_conns() -> u32 {
+    10
+}
+fn d_refusal_delay() -> u64 {
+    1_000
+}
+fn d_concurrency() -> u32 {
+    4
+}
+fn d_allowlist() -> Vec<String> {
+    ["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// `supervisor worker --config FILE`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Overridden by `--database-url` and by `DATABASE_URL`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database_url: Option<String>,
+    /// A readable name for logs and the transition history (default: host:pid).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// How long a lease lasts without renewal (seconds, not hours: a crashed
+    /// worker's steps are reclaimed quickly).
+    #[serde(default = "d_lease_ttl")]
+    pub lease_ttl_ms: u64,
+    /// How often the one batched heartbeat statement renews all leases.
+    #[serde(default = "d_heartbeat")]
+    pub heartbeat_interval_ms: u64,
+    /// Polling fallback when no NOTIFY arrives.
+    #[serde(default = "d_poll")]
+    pub poll_interval_ms: u64,
+    /// How often expired leases are looked for.
+    #[serde(default = "d_reclaim")]
+    pub reclaim_interval_ms: u64,
+    /// After a cancel frame, how long to wait for the terminal before SIGTERM.
+    #[serde(default = "d_cancel_grace")]
+    pub cancel_grace_ms: u64,
+    /// After SIGTERM, how long before SIGKILL.
+    #[serde(default = "d_term_grace")]
+    pub term_grace_ms: u64,
+    /// On SIGTERM/SIGINT: how long running attempts may finish before they are stopped.
+    #[serde(default = "d_drain")]
+    pub drain_timeout_ms: u64,
+    /// How long an executor has to say hello.
+    #[serde(default = "d_handshake")]
+    pub handshake_timeout_ms: u64,
+    #[serde(default = "d_max_frame")]
+    pub max_frame_bytes: usize,
+    /// How much of each child's stderr is kept (the tail) for failures.
+    #[serde(default = "d_stderr_tail")]
+    pub stderr_tail_bytes: usize,
+    #[serde(default = "d_db_conns")]
+    pub db_max_connections: u32,
+    /// Delay before a refused step can be leased again.
+    #[serde(default = "d_refusal_delay")]
+    pub refusal_delay_ms: u64,
+    /// Where per-attempt working directories are created (default: the system temp dir).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub executors: Vec<ExecutorConfig>,
+}
+
+/// One executor: a plain binary or script speaking the executor protocol.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutorConfig {
+    pub name: String,
+    /// The program. A relative path with a `/` is resolved against the
+    /// worker's working directory at load time; a bare name is looked up in PATH.
+    pub command: String,
+    /// Passed verbatim. The child runs in a fresh per-attempt directory, so
+    /// give file arguments as absolute paths.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Variables copied from the worker's environment (the rest is cleared).
+    #[serde(default = "d_allowlist")]
+    pub env_allowlist: Vec<String>,
+    /// Variables set explicitly.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Host capabilities this worker adds to the executor's own hello labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Restricts the kinds leased for this executor (default: all it offers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kinds: Option<Vec<String>>,
+    /// Attempts run at once with this executor.
+    #[serde(default = "d_concurrency")]
+    pub concurrency: u32,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            database_url: None,
+            name: None,
+            lease_ttl_ms: d_lease_ttl(),
+            heartbeat_interval_ms: d_heartbeat(),
+            poll_interval_ms: d_poll(),
+            reclaim_interval_ms: d_reclaim(),
+            cancel_grace_ms: d_cancel_grace(),
+            term_grace_ms: d_term_grace(),
+            drain_timeout_ms: d_drain(),
+            handshake_timeout_ms: d_handshake(),
+            max_frame_bytes: d_max_frame(),
+            stderr_tail_bytes: d_stderr_tail(),
+            db_max_connections: d_db_conns(),
+            refusal_delay_ms: d_refusal_delay(),
+            work_dir: None,
+            executors: Vec::new(),
+        }
+    }
+}
+
+impl Default for ExecutorConfig {
+    fn default() -> Self {
+        ExecutorConfig {
+            name: String::new(),
+            command: String::new(),
+            args: Vec::new(),
+            env_allowlist: d_allowlist(),
+            env: BTreeMap::new(),
+            labels: BTreeMap::new(),
+            kinds: None,
+            concurrency: d_concurrency(),
+        }
+    }
+}
+
+impl WorkerConfig {
+    pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mut cfg: WorkerConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        cfg.resolve_paths(
+            &std::env::current_dir().map_err(|source| ConfigError::Read {
+                path: PathBuf::from("."),
+                source,
+            })?,
+        );
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn resolve_paths(&mut self, base: &Path) {
+        for e in &mut self.executors {
+            let p = Path::new(&e.command);
+            if e.command.contains('/') && p.is_relative() {
+                e.command = base.join(p).to_string_lossy().into_owned();
+            }
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.lease_ttl_ms < 200 {
+            return bad(format!("lease_ttl_ms = {} is below 200", self.lease_ttl_ms));
+        }
+        if self.heartbeat_interval_ms == 0 || self.heartbeat_interval_ms * 2 > self.lease_ttl_ms {
+            return bad(format!(
+                "heartbeat_interval_ms = {} must be positive and at most half of lease_ttl_ms = {}, so one late heartbeat does not lose the lease",
+                self.heartbeat_interval_ms, self.lease_ttl_ms
+            ));
+        }
+        if self.poll_interval_ms == 0 || self.reclaim_interval_ms == 0 {
+            return bad("poll_interval_ms and reclaim_interval_ms must be positive".into());
+        }
+        if self.max_frame_bytes < 1024 {
+            return bad("max_frame_bytes must be at least 1024".into());
+        }
+        if self.executors.is_empty() {
+            return bad("no [[executors]]: a worker needs at least one".into());
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for e in &self.executors {
+            if e.name.is_empty() || !names.insert(e.name.clone()) {
+                return bad(format!(
+                    "executor names must be unique and non-empty: {:?}",
+                    e.name
+                ));
+            }
+            if e.command.is_empty() {
+                return bad(format!("executor {:?} has no command", e.name));
+            }
+            if e.concurrency == 0 {
+                return bad(format!(
+                    "executor {:?}: concurrency must be at least 1",
+                    e.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_unknown_fields() {
+        let cfg: WorkerConfig = toml::from_str(
+            r#"
+            [[executors]]
+            name = "go"
+            command = "bin/x"
+            "#,
+        )
+        .expect("parse");
+        assert_eq!(cfg.lease_ttl_ms, 10_000);
+        assert_eq!(cfg.executors[0].concurrency, 4);
+        assert!(cfg.executors[0].env_allowlist.contains(&"PATH".to_string()));
+        cfg.validate().expect("valid");
+        let err = toml::from_str::<WorkerConfig>("lease_ttl = 5").expect_err("unknown field");
+        assert!(err.to_string().contains("lease_ttl"), "{err}");
+    }
+
+    #[test]
+    fn heartbeat_must_fit_in_the_lease() {
+        let mut cfg: WorkerConfig =
+            toml::from_str("[[executors]]\nname = \"a\"\ncommand = \"a\"\n").expect("parse");
+        cfg.heartbeat_interval_ms = 6_000;
+        assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn relative_commands_resolve_against_the_base() {
+        let mut cfg: WorkerConfig = toml::from_str(
+            "[[executors]]\nname = \"a\"\ncommand = \"target/x\"\n[[executors]]\nname = \"b\"\ncommand = \"sh\"\n",
+        )
+        .expect("parse");
+        cfg.resolve_paths(Path::new("/repo"));
+        assert_eq!(cfg.executors[0].command, "/repo/target/x");
+        assert_eq!(cfg.executors[1].command, "sh");
+    }
+}
