@@ -261,7 +261,9 @@ mod unit_tests {
         let mut out = Vec::new();
         let mut s = LineSplitter::new(max);
         for c in chunks {
-            s.feed(c, |l, t| out.push((String::from_utf8_lossy(l).into_owned(), t)));
+            s.feed(c, |l, t| {
+                out.push((String::from_utf8_lossy(l).into_owned(), t))
+            });
         }
         s.finish(|l, t| out.push((String::from_utf8_lossy(l).into_owned(), t)));
         out

@@ -1,0 +1,473 @@
+//! Tests with real processes. Every test that spawns asserts, within a bounded
+//! wait, that nothing of the child's process group survives.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::path::PathBuf;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::RwLock;
+
+use super::*;
+
+/// `kill_all_groups` hits every child of this test binary: that test takes
+/// the write side, every other spawning test the read side.
+static KILL_ALL_LOCK: RwLock<()> = RwLock::const_new(());
+
+fn spawner() -> Spawner {
+    Spawner::start().expect("start spawner")
+}
+
+fn sh(script: &str) -> SpawnSpec {
+    let mut spec = SpawnSpec::new("/bin/sh", "/");
+    spec.args = vec!["-c".into(), script.into()];
+    spec.env_allowlist = vec!["PATH".into()];
+    spec
+}
+
+/// Waits until `pgid` has no members left; returns the survivors on timeout.
+async fn wait_group_empty(pgid: i32, within: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let members = group_members(pgid);
+        if members.is_empty() || Instant::now() >= deadline {
+            return members;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn assert_group_empty(pgid: i32) {
+    let left = wait_group_empty(pgid, Duration::from_secs(3)).await;
+    assert!(left.is_empty(), "group {pgid} still has members {left:?}");
+    assert!(
+        !live_groups().contains(&pgid),
+        "group {pgid} still registered"
+    );
+}
+
+/// Waits until the group has at least `n` members (so backgrounded children
+/// really exist before we test killing them).
+async fn wait_group_size(pgid: i32, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let members = group_members(pgid);
+        if members.len() >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "group {pgid} never reached {n} members: {members:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn is_alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| group::parse_stat(&s))
+        .is_some_and(|s| s.state != 'Z' && s.state != 'X')
+}
+
+#[test]
+fn handles_are_send_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Spawner>();
+    check::<Child>();
+    check::<StderrTail>();
+    check::<ProcessError>();
+}
+
+#[tokio::test]
+async fn terminate_kills_whole_group() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let child = spawner().spawn(sh("sleep 60 & sleep 60")).await.unwrap();
+    let pid = child.pid;
+    wait_group_size(pid, 3).await;
+    let start = Instant::now();
+    let report = child.terminate(Duration::from_secs(5)).await.unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(report.status, ExitStatusKind::Signaled("SIGTERM".into()));
+    assert!(!report.escalated_to_kill);
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn terminate_escalates_when_term_is_ignored() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    // The ignored disposition is inherited by the background sleep too.
+    let child = spawner()
+        .spawn(sh(r#"trap "" TERM; sleep 60 & wait"#))
+        .await
+        .unwrap();
+    let pid = child.pid;
+    wait_group_size(pid, 2).await;
+    let grace = Duration::from_millis(300);
+    let start = Instant::now();
+    let report = child.terminate(grace).await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Signaled("SIGKILL".into()));
+    assert!(report.escalated_to_kill);
+    let left = wait_group_empty(pid, Duration::from_secs(1)).await;
+    assert!(left.is_empty(), "survivors {left:?}");
+    assert!(start.elapsed() < grace + Duration::from_secs(1));
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn exited_does_not_need_stdout_eof() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    // The background sleep inherits stdout, so stdout never reaches EOF.
+    let mut child = spawner().spawn(sh("sleep 60 & exit 0")).await.unwrap();
+    let pid = child.pid;
+    let mut stdout = child.take_stdout().unwrap();
+    tokio::time::timeout(Duration::from_secs(2), child.exited())
+        .await
+        .expect("exited() should resolve promptly")
+        .unwrap();
+    assert!(child.has_exited());
+    // The leader is a zombie, not reaped: its group (the sleep) is still there.
+    assert!(group_members(pid).contains(&pid));
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(Duration::from_millis(200), stdout.read(&mut buf)).await;
+    assert!(read.is_err(), "stdout should still be held open: {read:?}");
+    // exited() again returns immediately.
+    child.exited().await.unwrap();
+
+    let report = child.finish().await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Exited(0));
+    assert!(!report.escalated_to_kill);
+    assert_group_empty(pid).await;
+    let n = tokio::time::timeout(Duration::from_secs(2), stdout.read(&mut buf))
+        .await
+        .expect("stdout EOF after the grandchild died")
+        .unwrap();
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn stderr_flood_is_drained_and_bounded() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let child = spawner()
+        .spawn(sh(
+            r#"head -c 50000000 /dev/zero | tr '\0' x >&2; echo done >&2"#,
+        ))
+        .await
+        .unwrap();
+    let pid = child.pid;
+    let tail = child.stderr();
+    let report = tokio::time::timeout(Duration::from_secs(15), child.finish())
+        .await
+        .expect("no deadlock on a full stderr pipe")
+        .unwrap();
+    assert_eq!(report.status, ExitStatusKind::Exited(0));
+    assert_eq!(report.stderr_total_bytes, 50_000_005);
+    assert!(report.stderr_tail.ends_with("xxxxdone\n"));
+    assert_eq!(report.stderr_tail.len(), DEFAULT_STDERR_TAIL_BYTES);
+    assert_eq!(tail.total_bytes(), 50_000_005);
+    assert!(tail.is_closed());
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn stderr_tail_respects_small_cap() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let mut spec = sh("printf 0123456789abcdef >&2");
+    spec.stderr_tail_bytes = 8;
+    let child = spawner().spawn(spec).await.unwrap();
+    let pid = child.pid;
+    let report = child.finish().await.unwrap();
+    assert_eq!(report.stderr_tail, "89abcdef");
+    assert_eq!(report.stderr_total_bytes, 16);
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn environment_is_cleared_to_allowlist_and_explicit_pairs() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let parent_path = std::env::var("PATH").expect("tests need PATH");
+    let mut spec = SpawnSpec::new("/usr/bin/env", "/");
+    spec.env_allowlist = vec![
+        "PATH".into(),
+        "HOME".into(),
+        "PROCESS_TEST_SURELY_UNSET_VARIABLE".into(),
+    ];
+    spec.env = vec![
+        ("HOME".into(), "/explicit-home".into()),
+        ("FOO".into(), "bar baz".into()),
+    ];
+    let mut child = spawner().spawn(spec).await.unwrap();
+    let pid = child.pid;
+    let mut out = String::new();
+    child
+        .take_stdout()
+        .unwrap()
+        .read_to_string(&mut out)
+        .await
+        .unwrap();
+    let report = child.finish().await.unwrap();
+    assert!(report.status.success(), "{report:?}");
+    let got: BTreeSet<&str> = out.lines().collect();
+    let path_line = format!("PATH={parent_path}");
+    let want: BTreeSet<&str> = [path_line.as_str(), "HOME=/explicit-home", "FOO=bar baz"]
+        .into_iter()
+        .collect();
+    assert_eq!(got, want);
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn cwd_is_set_and_stdin_stdout_work() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let dir = std::env::temp_dir().canonicalize().unwrap();
+    let mut spec = sh("pwd -P; cat");
+    spec.cwd = dir.clone();
+    let mut child = spawner().spawn(spec).await.unwrap();
+    let pid = child.pid;
+    let mut stdin = child.take_stdin().unwrap();
+    stdin.write_all(b"hello through stdin\n").await.unwrap();
+    drop(stdin);
+    let mut out = String::new();
+    child
+        .take_stdout()
+        .unwrap()
+        .read_to_string(&mut out)
+        .await
+        .unwrap();
+    assert_eq!(out, format!("{}\nhello through stdin\n", dir.display()));
+    assert!(child.finish().await.unwrap().status.success());
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn child_survives_exit_of_the_thread_that_called_spawn() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let spawner = spawner();
+    let main_rt = tokio::runtime::Handle::current();
+    let temp_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(1)
+        .thread_keep_alive(Duration::from_millis(10))
+        .build()
+        .unwrap();
+    let (caller_tid, child) = {
+        let spawner = spawner.clone();
+        temp_rt
+            .spawn_blocking(move || {
+                // SAFETY: gettid has no preconditions.
+                let tid = unsafe { libc::gettid() };
+                let child = main_rt.block_on(spawner.spawn(sh("exec sleep 60")));
+                (tid, child)
+            })
+            .await
+            .unwrap()
+    };
+    let child = child.unwrap();
+    let pid = child.pid;
+    // Shut down the runtime whose blocking thread called spawn(); make sure
+    // that thread is really gone.
+    tokio::task::spawn_blocking(move || temp_rt.shutdown_timeout(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while std::path::Path::new(&format!("/proc/self/task/{caller_tid}")).exists() {
+        assert!(Instant::now() < deadline, "calling thread never exited");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(is_alive(pid), "child died with the calling thread");
+    assert!(!child.has_exited());
+    let report = child.kill().await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Signaled("SIGKILL".into()));
+    assert!(report.escalated_to_kill);
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn pdeathsig_kills_child_when_spawner_thread_dies() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let spawner = spawner();
+    let mut child = spawner.spawn(sh("exec sleep 60")).await.unwrap();
+    let pid = child.pid;
+    assert!(!child.has_exited());
+    spawner.exit_thread_for_test();
+    tokio::time::timeout(Duration::from_secs(5), child.exited())
+        .await
+        .expect("PR_SET_PDEATHSIG should kill the child when its forking thread exits")
+        .unwrap();
+    let report = child.finish().await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Signaled("SIGKILL".into()));
+    assert!(!report.escalated_to_kill);
+    assert_group_empty(pid).await;
+    // The thread is gone: spawning now reports it.
+    let err = spawner.spawn(sh("true")).await.unwrap_err();
+    assert!(matches!(err, ProcessError::SpawnerGone { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn spawn_of_missing_program_names_it() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let spec = SpawnSpec::new("/nonexistent/definitely-not-a-program", "/");
+    let err = spawner().spawn(spec).await.unwrap_err();
+    match &err {
+        ProcessError::Spawn {
+            program, source, ..
+        } => {
+            assert_eq!(
+                program,
+                &PathBuf::from("/nonexistent/definitely-not-a-program")
+            );
+            assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        }
+        other => panic!("unexpected error {other:?}"),
+    }
+    assert!(err
+        .to_string()
+        .contains("/nonexistent/definitely-not-a-program"));
+
+    let mut spec = sh("true");
+    spec.cwd = "/nonexistent/cwd".into();
+    let err = spawner().spawn(spec).await.unwrap_err();
+    assert!(matches!(err, ProcessError::Spawn { .. }), "{err}");
+    assert!(err.to_string().contains("/nonexistent/cwd"), "{err}");
+}
+
+#[tokio::test]
+async fn dropping_an_unreaped_child_kills_its_group() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let child = spawner().spawn(sh("sleep 60 & sleep 60")).await.unwrap();
+    let pid = child.pid;
+    wait_group_size(pid, 3).await;
+    assert!(live_groups().contains(&pid));
+    drop(child);
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn dropping_an_exited_child_kills_grandchildren_and_reaps() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let mut child = spawner().spawn(sh("sleep 60 & exit 7")).await.unwrap();
+    let pid = child.pid;
+    child.exited().await.unwrap();
+    drop(child);
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn signal_group_after_reap_is_refused() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let mut child = spawner().spawn(sh("exit 3")).await.unwrap();
+    let pid = child.pid;
+    child.signal_group(Signal::SIGCONT).unwrap(); // alive or zombie: fine
+    let report = child.reap().await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Exited(3));
+    assert!(child.has_exited());
+    let err = child.signal_group(Signal::SIGTERM).unwrap_err();
+    assert!(
+        matches!(err, ProcessError::AlreadyReaped { pid: p, .. } if p == pid),
+        "{err}"
+    );
+    // Reaping is idempotent and never signals again.
+    assert_eq!(child.reap().await.unwrap(), report);
+    assert_eq!(child.finish().await.unwrap(), report);
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn signal_group_reaches_grandchildren() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let mut child = spawner().spawn(sh("sleep 60 & wait")).await.unwrap();
+    let pid = child.pid;
+    wait_group_size(pid, 2).await;
+    child.signal_group(Signal::SIGKILL).unwrap();
+    child.exited().await.unwrap();
+    let report = child.finish().await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Signaled("SIGKILL".into()));
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn exited_is_cancel_safe_and_has_exited_polls() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let mut child = spawner().spawn(sh("sleep 0.3")).await.unwrap();
+    let pid = child.pid;
+    assert!(!child.has_exited());
+    let mut cancelled = 0;
+    loop {
+        match tokio::time::timeout(Duration::from_millis(20), child.exited()).await {
+            Ok(result) => break result.unwrap(),
+            Err(_) => cancelled += 1,
+        }
+    }
+    assert!(cancelled > 3, "{cancelled}");
+    assert!(child.has_exited());
+    assert!(child.finish().await.unwrap().status.success());
+    assert_group_empty(pid).await;
+}
+
+#[tokio::test]
+async fn cancelled_spawn_does_not_leak_the_child() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let spawner = spawner();
+    // Poll the spawn future exactly once (the request is sent), then drop it
+    // before the spawner thread can reply.
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let mut fut = std::pin::pin!(spawner.spawn(sh("exec sleep 60")));
+        let first = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await;
+        match first {
+            Poll::Pending => break,
+            // The thread replied within the first poll (practically never): retry.
+            Poll::Ready(result) => assert!(attempts < 5, "{:?}", result.map(|c| c.pid)),
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let pid = loop {
+        let orphan = spawner::orphaned_for_test()
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        if let Some(pid) = orphan {
+            break pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the spawner never saw the cancelled reply"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_group_empty(pid).await;
+    assert!(!is_alive(pid));
+}
+
+#[tokio::test]
+async fn kill_all_groups_kills_every_live_group() {
+    let _exclusive = KILL_ALL_LOCK.write().await;
+    let spawner = spawner();
+    let mut a = spawner.spawn(sh("sleep 60 & sleep 60")).await.unwrap();
+    let mut b = spawner.spawn(sh("exec sleep 60")).await.unwrap();
+    wait_group_size(a.pid, 3).await;
+    assert!(live_groups().contains(&a.pid) && live_groups().contains(&b.pid));
+    kill_all_groups();
+    for child in [&mut a, &mut b] {
+        tokio::time::timeout(Duration::from_secs(2), child.exited())
+            .await
+            .expect("killed")
+            .unwrap();
+    }
+    let (pa, pb) = (a.pid, b.pid);
+    for child in [a, b] {
+        let report = child.finish().await.unwrap();
+        assert_eq!(report.status, ExitStatusKind::Signaled("SIGKILL".into()));
+    }
+    assert_group_empty(pa).await;
+    assert_group_empty(pb).await;
+}
