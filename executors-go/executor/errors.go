@@ -1,0 +1,114 @@
+package executor
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Error codes the SDK produces. Handlers choose their own UPPER_SNAKE_CASE
+// codes; these are reserved (see proto/PROTOCOL.md, "Stable error codes").
+const (
+	// CodeCancelled: the job stopped because of a Cancel frame (or stdin closed
+	// while it ran). Not retryable.
+	CodeCancelled = "CANCELLED"
+	// CodeUnsupportedKind: refusal, no handler is registered for the job's kind.
+	CodeUnsupportedKind = "UNSUPPORTED_KIND"
+	// CodeHandlerPanic: the handler panicked. Retryable.
+	CodeHandlerPanic = "HANDLER_PANIC"
+	// CodeHandlerError: the handler returned an error that is not an *Error.
+	// Retryable.
+	CodeHandlerError = "HANDLER_ERROR"
+	// CodeBadInput: the job's input could not be decoded (Job.DecodeInput). Not
+	// retryable.
+	CodeBadInput = "BAD_INPUT"
+	// CodeOutputInvalid: the handler's Result.Output is not valid JSON. Not
+	// retryable (the supervisor would reject it with the same code).
+	CodeOutputInvalid = "OUTPUT_INVALID"
+	// CodeResultTooLarge: the JobResult frame would exceed the frame cap. Not
+	// retryable.
+	CodeResultTooLarge = "RESULT_TOO_LARGE"
+	// CodeExecutorBusy: refusal, a Job arrived while another job was running
+	// (the supervisor sends one job at a time; this guards against a bug).
+	CodeExecutorBusy = "EXECUTOR_BUSY"
+)
+
+// Error is a handler failure with a stable code. Return it (or an error wrapping
+// it) from a handler to control the JobError the supervisor receives:
+//
+//	return nil, &executor.Error{Code: "UPSTREAM_DOWN", Message: "api.example.com: 503", Retryable: true}
+//
+// Any other error becomes JobError{code: "HANDLER_ERROR", retryable: true}.
+type Error struct {
+	// Code is stable, machine-readable, UPPER_SNAKE_CASE. Empty means
+	// "HANDLER_ERROR".
+	Code string
+	// Message is for humans. Never put secret values in it (the SDK replaces
+	// the job's secret values it finds with "[REDACTED]", but do not rely on it).
+	Message string
+	// Retryable is the default the step's retry policy starts from.
+	Retryable bool
+	// Details is sent as a JSON object; nil means none.
+	Details map[string]any
+	// NextRetryDelay, when positive, overrides the retry policy's backoff for
+	// the next attempt (rounded up to whole milliseconds). Zero means "use the
+	// policy".
+	NextRetryDelay time.Duration
+	// Err is an optional underlying cause, reachable with errors.Unwrap. It is
+	// not sent.
+	Err error
+}
+
+// Errorf returns an *Error with a formatted message. A %w verb in format sets
+// Err as fmt.Errorf would.
+func Errorf(code string, retryable bool, format string, args ...any) *Error {
+	wrapped := fmt.Errorf(format, args...)
+	return &Error{Code: code, Message: wrapped.Error(), Retryable: retryable, Err: errors.Unwrap(wrapped)}
+}
+
+func (e *Error) Error() string {
+	code := e.Code
+	if code == "" {
+		code = CodeHandlerError
+	}
+	if e.Message == "" {
+		return code
+	}
+	return code + ": " + e.Message
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// ErrJobFinished is returned by Job's event methods once the job's terminal
+// frame has been sent (for example from a goroutine that outlived its handler).
+var ErrJobFinished = errors.New("executor: job already finished")
+
+// Cancellation is the cause of a handler's context cancellation:
+// context.Cause(ctx) returns a *Cancellation once the job is cancelled.
+type Cancellation struct {
+	// Reason is the Cancel frame's reason without its prefix ("REQUESTED",
+	// "ATTEMPT_TIMEOUT", "DEADLINE", "LEASE_LOST", "SHUTDOWN", "UNSPECIFIED"),
+	// or, when no Cancel frame was received, "STDIN_CLOSED" (the supervisor
+	// closed stdin mid-job), "PROTOCOL_ERROR" (stdin carried a broken frame) or
+	// "OUTPUT_BROKEN" (the frame stream could not be written).
+	Reason string
+	// Message is the Cancel frame's message, or the SDK's explanation.
+	Message string
+	// Grace is how long the supervisor waits for the terminal before it signals
+	// the process group (0 when unknown).
+	Grace time.Duration
+}
+
+// Cancellation reasons the SDK produces itself (no Cancel frame).
+const (
+	ReasonStdinClosed   = "STDIN_CLOSED"
+	ReasonProtocolError = "PROTOCOL_ERROR"
+	ReasonOutputBroken  = "OUTPUT_BROKEN"
+)
+
+func (c *Cancellation) Error() string {
+	if c.Message == "" {
+		return "job cancelled (" + c.Reason + ")"
+	}
+	return "job cancelled (" + c.Reason + "): " + c.Message
+}

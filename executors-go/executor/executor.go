@@ -1,0 +1,563 @@
+package executor
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"os"
+	"path/filepath"
+	"runtime/debug"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
+)
+
+// SDKName is sent as Hello.sdk_name unless Options.SDKName overrides it.
+const SDKName = "durable-executor-go"
+
+// Version is this SDK's version, sent as Hello.sdk_version unless
+// Options.SDKVersion overrides it.
+const Version = "0.1.0"
+
+// DefaultStopGrace is how long Serve waits, once stdin has ended (or carried a
+// broken frame) in the middle of a job, for the cancelled handler to return.
+const DefaultStopGrace = 10 * time.Second
+
+// HandlerFunc runs one job. ctx is cancelled when the supervisor cancels the job
+// (context.Cause(ctx) is then a *Cancellation) or stdin ends mid-job.
+//
+// Return a *Result on success, or an error: an *Error (possibly wrapped) picks
+// the JobError's code; any other error becomes HANDLER_ERROR (retryable). Once
+// ctx is cancelled, whatever the handler returns is reported as CANCELLED.
+type HandlerFunc func(ctx context.Context, job *Job) (*Result, error)
+
+// Options describe an executor in its Hello.
+type Options struct {
+	// ExecutorKind is matched exactly against a step's executor_kind; default "go".
+	ExecutorKind string
+	// Labels are the capabilities offered; a step's every label must be
+	// offered with an equal value.
+	Labels map[string]string
+	// SDKName and SDKVersion default to SDKName and Version.
+	SDKName    string
+	SDKVersion string
+	// MaxJobsPerProcess: N > 0 serves N jobs, then Serve returns; 0 or negative
+	// serves jobs until stdin ends or a Shutdown arrives (Hello says -1).
+	MaxJobsPerProcess int
+	// MaxFrameBytes caps frames in both directions; default DefaultMaxFrameBytes.
+	MaxFrameBytes int
+	// StopGrace: see DefaultStopGrace (the default when zero).
+	StopGrace time.Duration
+	// Logger receives the SDK's diagnostics; default: stderr.
+	Logger *log.Logger
+}
+
+// Executor dispatches jobs to handlers by kind.
+type Executor struct {
+	opts Options
+	log  *log.Logger
+
+	mu       sync.Mutex
+	handlers map[string]HandlerFunc
+	started  bool
+}
+
+// New returns an executor with no handlers.
+func New(opts Options) *Executor {
+	if opts.ExecutorKind == "" {
+		opts.ExecutorKind = "go"
+	}
+	if opts.SDKName == "" {
+		opts.SDKName = SDKName
+	}
+	if opts.SDKVersion == "" {
+		opts.SDKVersion = Version
+	}
+	if opts.MaxFrameBytes <= 0 {
+		opts.MaxFrameBytes = DefaultMaxFrameBytes
+	}
+	if opts.StopGrace <= 0 {
+		opts.StopGrace = DefaultStopGrace
+	}
+	lg := opts.Logger
+	if lg == nil {
+		lg = log.New(os.Stderr, SDKName+": ", log.LstdFlags|log.Lmicroseconds|log.LUTC)
+	}
+	labels := make(map[string]string, len(opts.Labels))
+	for k, v := range opts.Labels {
+		labels[k] = v
+	}
+	opts.Labels = labels
+	return &Executor{opts: opts, log: lg, handlers: map[string]HandlerFunc{}}
+}
+
+// Handle registers the handler for a job kind, e.g. "demo.echo". It panics on
+// an empty kind, a nil handler, a kind registered twice, or a call after Serve
+// or Run started.
+func (e *Executor) Handle(kind string, h HandlerFunc) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case e.started:
+		panic("executor: Handle called after Serve/Run started")
+	case kind == "":
+		panic("executor: Handle with an empty kind")
+	case h == nil:
+		panic("executor: Handle(" + kind + ") with a nil handler")
+	case e.handlers[kind] != nil:
+		panic("executor: kind " + kind + " registered twice")
+	}
+	e.handlers[kind] = h
+}
+
+// Kinds returns the registered kinds, sorted.
+func (e *Executor) Kinds() []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	kinds := make([]string, 0, len(e.handlers))
+	for k := range e.handlers {
+		kinds = append(kinds, k)
+	}
+	sort.Strings(kinds)
+	return kinds
+}
+
+// Run serves the supervisor on the process's stdin and stdout and returns the
+// exit code for os.Exit: 0 after a clean end (stdin closed or Shutdown, or the
+// job quota served), 1 after a broken stream, 2 if the standard streams could
+// not be set up.
+//
+// Before anything else it moves stdout to a private descriptor used only for
+// frames and points fd 1 (and so os.Stdout, fmt.Println and child processes
+// inheriting fd 1) at stderr; stdin likewise moves to a private descriptor and
+// fd 0 reads /dev/null, so no child process can consume frames.
+func (e *Executor) Run() int {
+	in, out, err := takeStdio()
+	if err != nil {
+		e.log.Printf("cannot set up the frame streams: %v", err)
+		return 2
+	}
+	if err := e.Serve(in, out); err != nil {
+		e.log.Printf("%v", err)
+		return 1
+	}
+	return 0
+}
+
+// Serve runs the protocol on in (SupervisorFrames) and out (ExecutorFrames):
+// Hello first, then jobs one at a time. It returns nil when in ends between
+// frames or a Shutdown arrives while idle (or after the running job ends), or
+// when MaxJobsPerProcess jobs were served; it returns an error when in carries
+// a broken frame or out cannot be written.
+func (e *Executor) Serve(in io.Reader, out io.Writer) error {
+	e.mu.Lock()
+	e.started = true
+	handlers := make(map[string]HandlerFunc, len(e.handlers))
+	for k, h := range e.handlers {
+		handlers[k] = h
+	}
+	e.mu.Unlock()
+	s := &session{
+		e:        e,
+		handlers: handlers,
+		w:        &frameWriter{w: out, max: e.opts.MaxFrameBytes},
+	}
+	return s.serve(in)
+}
+
+func (e *Executor) hello() *pb.Hello {
+	maxJobs := int32(-1)
+	if n := e.opts.MaxJobsPerProcess; n > 0 {
+		maxJobs = int32(min(n, 1<<31-1))
+	}
+	return &pb.Hello{
+		ProtocolVersion:   pb.ProtocolVersion_PROTOCOL_VERSION_1,
+		ExecutorKind:      e.opts.ExecutorKind,
+		Kinds:             e.Kinds(),
+		Labels:            e.opts.Labels,
+		SdkName:           e.opts.SDKName,
+		SdkVersion:        e.opts.SDKVersion,
+		MaxJobsPerProcess: maxJobs,
+		Pid:               uint32(os.Getpid()),
+	}
+}
+
+// session is one Serve call: one frame stream, jobs one after another.
+type session struct {
+	e        *Executor
+	handlers map[string]HandlerFunc
+	w        *frameWriter
+}
+
+type inbound struct {
+	frame *pb.SupervisorFrame
+	err   error
+}
+
+// readFrames keeps reading stdin, also while a handler runs, so that a Cancel is
+// seen as soon as it arrives. It stops after the first error.
+func readFrames(fr *FrameReader, out chan<- inbound, quit <-chan struct{}) {
+	for {
+		f := &pb.SupervisorFrame{}
+		err := fr.Read(f)
+		select {
+		case out <- inbound{frame: f, err: err}:
+		case <-quit:
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (s *session) serve(in io.Reader) error {
+	if err := s.w.write(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Hello{Hello: s.e.hello()}}); err != nil {
+		return fmt.Errorf("executor: sending hello: %w", err)
+	}
+	frames := make(chan inbound)
+	quit := make(chan struct{})
+	defer close(quit)
+	go readFrames(NewFrameReader(in, s.e.opts.MaxFrameBytes), frames, quit)
+
+	var cur *jobRun
+	served := 0
+	shuttingDown := false
+	// finish accounts for the job whose run has ended; stop reports that this
+	// session is over (Shutdown received, or the job quota served).
+	finish := func() (stop bool, err error) {
+		cur = nil
+		served++
+		if err := s.w.broken(); err != nil {
+			return true, fmt.Errorf("executor: %w", err)
+		}
+		n := s.e.opts.MaxJobsPerProcess
+		return shuttingDown || (n > 0 && served >= n), nil
+	}
+	for {
+		var curDone <-chan struct{}
+		if cur != nil {
+			curDone = cur.done
+		}
+		select {
+		case <-curDone:
+			if stop, err := finish(); stop {
+				return err
+			}
+
+		case msg := <-frames:
+			if msg.err != nil {
+				return s.endOfInput(cur, msg.err, shuttingDown)
+			}
+			switch f := msg.frame.GetFrame().(type) {
+			case *pb.SupervisorFrame_Job:
+				if cur != nil && cur.terminalSent() {
+					// The supervisor saw the terminal and sent the next job
+					// before this loop saw the run end: it ends right now.
+					<-cur.done
+					if stop, err := finish(); stop {
+						if err == nil {
+							err = s.refuse(f.Job, CodeExecutorBusy, "this executor is not taking more jobs (Shutdown received or max_jobs_per_process served)")
+						}
+						return err
+					}
+				}
+				if cur != nil {
+					s.e.log.Printf("protocol: job %q arrived while job %q is running; refusing it", f.Job.GetJobId(), cur.job.ID)
+					if err := s.refuse(f.Job, CodeExecutorBusy, fmt.Sprintf("job %q is still running; this executor runs one job at a time", cur.job.ID)); err != nil {
+						return err
+					}
+					continue
+				}
+				h := s.handlers[f.Job.GetKind()]
+				if h == nil {
+					if err := s.refuse(f.Job, CodeUnsupportedKind, fmt.Sprintf("no handler for kind %q (this executor handles: %s)", f.Job.GetKind(), strings.Join(s.e.Kinds(), ", "))); err != nil {
+						return err
+					}
+					continue
+				}
+				cur = s.start(f.Job, h)
+
+			case *pb.SupervisorFrame_Cancel:
+				c := f.Cancel
+				if cur == nil || c.GetJobId() != cur.job.ID {
+					// Normal when a cancel crosses the job's terminal on the wire.
+					s.e.log.Printf("ignoring cancel for job %q: it is not running", c.GetJobId())
+					continue
+				}
+				cur.cancel(&Cancellation{
+					Reason:  strings.TrimPrefix(c.GetReason().String(), "CANCEL_REASON_"),
+					Message: c.GetMessage(),
+					Grace:   time.Duration(c.GetGraceMs()) * time.Millisecond,
+				})
+
+			case *pb.SupervisorFrame_Shutdown:
+				if cur == nil {
+					return nil
+				}
+				// No more jobs: let the running one finish, then return.
+				shuttingDown = true
+
+			default:
+				// A frame type newer than this SDK: skip it.
+				s.e.log.Printf("ignoring a supervisor frame of an unknown type")
+			}
+		}
+	}
+}
+
+// endOfInput handles the end of stdin (clean EOF or a broken frame). A running
+// job is cancelled (unless a Shutdown already asked it to finish) and given
+// StopGrace to send its terminal.
+func (s *session) endOfInput(cur *jobRun, err error, shuttingDown bool) error {
+	var readErr error
+	reason, msg := ReasonStdinClosed, "stdin closed while the job was running"
+	if !errors.Is(err, io.EOF) {
+		readErr = fmt.Errorf("executor: reading stdin: %w", err)
+		reason, msg = ReasonProtocolError, readErr.Error()
+	}
+	if cur == nil {
+		return readErr
+	}
+	if shuttingDown && readErr == nil {
+		// Shutdown then EOF is the normal way to stop a persistent executor:
+		// the running job finishes (the supervisor signals if it must end sooner).
+		<-cur.done
+		if err := s.w.broken(); err != nil {
+			return fmt.Errorf("executor: %w", err)
+		}
+		return nil
+	}
+	cur.cancel(&Cancellation{Reason: reason, Message: msg})
+	t := time.NewTimer(s.e.opts.StopGrace)
+	defer t.Stop()
+	select {
+	case <-cur.done:
+	case <-t.C:
+		return errors.Join(readErr, fmt.Errorf("executor: the handler for job %q (kind %q) did not return within %s of being cancelled (%s)",
+			cur.job.ID, cur.job.Kind, s.e.opts.StopGrace, reason))
+	}
+	if err := s.w.broken(); err != nil {
+		return errors.Join(readErr, fmt.Errorf("executor: %w", err))
+	}
+	return readErr
+}
+
+// refuse answers a job with a JobError before ACCEPTED: the job was not run.
+func (s *session) refuse(j *pb.Job, code, message string) error {
+	err := s.w.write(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
+		JobId:     j.GetJobId(),
+		Sequence:  1,
+		Code:      code,
+		Message:   message,
+		Retryable: false,
+	}}})
+	if errors.Is(err, errOutputBroken) {
+		return fmt.Errorf("executor: refusing job %q: %w", j.GetJobId(), err)
+	}
+	if err != nil {
+		s.e.log.Printf("refusing job %q: %v", j.GetJobId(), err)
+	}
+	return nil
+}
+
+func (s *session) start(p *pb.Job, h HandlerFunc) *jobRun {
+	job := newJob(p)
+	ctx, cancel := context.WithCancelCause(context.Background())
+	run := &jobRun{job: job, w: s.w, done: make(chan struct{}), cancel: cancel}
+	job.run = run
+	go s.execute(ctx, run, h)
+	return run
+}
+
+// handlerOutcome is what the handler did.
+type handlerOutcome struct {
+	res      *Result
+	err      error
+	panicked bool
+	panicVal any
+	stack    []byte
+	exited   bool // runtime.Goexit: neither returned nor panicked
+}
+
+func callHandler(ctx context.Context, h HandlerFunc, job *Job) (o handlerOutcome) {
+	o.exited = true
+	defer func() {
+		if p := recover(); p != nil {
+			o.panicked, o.panicVal, o.stack, o.exited = true, p, debug.Stack(), false
+		}
+	}()
+	o.res, o.err = h(ctx, job)
+	o.exited = false
+	return o
+}
+
+func (s *session) execute(ctx context.Context, run *jobRun, h HandlerFunc) {
+	job := run.job
+	defer close(run.done)
+	defer run.cancel(context.Canceled) // release the context once the terminal is out
+
+	for _, kind := range []pb.EventKind{pb.EventKind_EVENT_KIND_ACCEPTED, pb.EventKind_EVENT_KIND_RUNNING} {
+		if err := run.sendEvent(&pb.ProgressEvent{JobId: job.ID, Kind: kind}); err != nil {
+			// Without ACCEPTED the job must not run; the stream is broken anyway.
+			s.e.log.Printf("job %q: %v; not running it", job.ID, err)
+			return
+		}
+	}
+
+	// The terminal goes out from a deferred call so that a handler calling
+	// runtime.Goexit (which unwinds without returning) still gets one.
+	o := handlerOutcome{exited: true}
+	defer func() {
+		err := run.sendTerminal(s.terminal(ctx, job, o), s.shrink(job))
+		if err != nil && !errors.Is(err, ErrJobFinished) { // finished: UnsafeSendFrame sent one
+			s.e.log.Printf("job %q: sending the terminal: %v", job.ID, err)
+		}
+	}()
+	o = callHandler(ctx, h, job)
+	if o.panicked {
+		s.e.log.Printf("job %q (kind %q): handler panicked: %v\n%s", job.ID, job.Kind, o.panicVal, o.stack)
+	}
+}
+
+// terminal builds the job's terminal frame from the handler's outcome.
+func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func(seq uint64) *pb.ExecutorFrame {
+	jobErr := func(code, message string, retryable bool, details []byte, retryDelay *uint64) func(uint64) *pb.ExecutorFrame {
+		return func(seq uint64) *pb.ExecutorFrame {
+			return &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
+				JobId:            job.ID,
+				Sequence:         seq,
+				Code:             code,
+				Message:          job.redact(message),
+				Retryable:        retryable,
+				Details:          details,
+				NextRetryDelayMs: retryDelay,
+			}}}
+		}
+	}
+
+	if ctx.Err() != nil {
+		// Cancelled: whatever the handler did afterwards, the job is CANCELLED.
+		c, ok := context.Cause(ctx).(*Cancellation)
+		if !ok {
+			c = &Cancellation{Reason: "UNSPECIFIED", Message: fmt.Sprint(context.Cause(ctx))}
+		}
+		message := c.Error()
+		switch {
+		case o.panicked:
+			message += fmt.Sprintf("; the handler then panicked: %v", o.panicVal)
+		case o.err != nil && !errors.Is(o.err, context.Canceled):
+			message += "; the handler returned: " + o.err.Error()
+		}
+		return jobErr(CodeCancelled, message, false, s.details(job, map[string]any{"reason": c.Reason}), nil)
+	}
+
+	switch {
+	case o.exited:
+		return jobErr(CodeHandlerPanic, "the handler called runtime.Goexit", true, nil, nil)
+	case o.panicked:
+		return jobErr(CodeHandlerPanic, fmt.Sprintf("the handler panicked: %v", o.panicVal), true, nil, nil)
+	case o.err != nil:
+		var xe *Error
+		if !errors.As(o.err, &xe) {
+			return jobErr(CodeHandlerError, o.err.Error(), true, nil, nil)
+		}
+		code := xe.Code
+		if code == "" {
+			code = CodeHandlerError
+		}
+		message := xe.Message
+		if o.err != error(xe) || message == "" {
+			message = o.err.Error()
+		}
+		var delay *uint64
+		if xe.NextRetryDelay > 0 {
+			ms := uint64((xe.NextRetryDelay + time.Millisecond - 1) / time.Millisecond)
+			delay = &ms
+		}
+		return jobErr(code, message, xe.Retryable, s.details(job, xe.Details), delay)
+	}
+
+	output := []byte("null")
+	var artifacts []Artifact
+	if o.res != nil {
+		if len(o.res.Output) > 0 {
+			output = o.res.Output
+		}
+		artifacts = o.res.Artifacts
+	}
+	if !json.Valid(output) {
+		return jobErr(CodeOutputInvalid, fmt.Sprintf("the handler's output is not valid JSON (%d bytes)", len(output)), false, nil, nil)
+	}
+	entries := make([]*pb.ArtifactManifestEntry, 0, len(artifacts))
+	for _, a := range artifacts {
+		if !filepath.IsLocal(filepath.FromSlash(a.Path)) {
+			return jobErr("ARTIFACT_INVALID", fmt.Sprintf("artifact %q: path %q is not a relative path inside the output directory", a.Name, a.Path), false, nil, nil)
+		}
+		entries = append(entries, &pb.ArtifactManifestEntry{
+			Name:        a.Name,
+			Path:        a.Path,
+			Sha256:      a.SHA256,
+			Size:        a.Size,
+			MediaType:   a.MediaType,
+			DerivedFrom: a.DerivedFrom,
+		})
+	}
+	return func(seq uint64) *pb.ExecutorFrame {
+		return &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Result{Result: &pb.JobResult{
+			JobId:     job.ID,
+			Sequence:  seq,
+			Output:    output,
+			Artifacts: entries,
+		}}}
+	}
+}
+
+// shrink builds the replacement terminal when the real one is over the frame cap.
+func (s *session) shrink(job *Job) func(seq uint64, tooLarge error) *pb.ExecutorFrame {
+	return func(seq uint64, tooLarge error) *pb.ExecutorFrame {
+		s.e.log.Printf("job %q: terminal frame rejected: %v", job.ID, tooLarge)
+		return &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
+			JobId:     job.ID,
+			Sequence:  seq,
+			Code:      CodeResultTooLarge,
+			Message:   truncateUTF8(tooLarge.Error()+"; write large outputs as artifacts", 1024),
+			Retryable: false,
+		}}}
+	}
+}
+
+// details encodes a JobError's details object, with the job's secrets redacted.
+func (s *session) details(job *Job, d map[string]any) []byte {
+	if d == nil {
+		return nil
+	}
+	b, err := json.Marshal(d)
+	if err != nil {
+		s.e.log.Printf("job %q: dropping error details that do not encode as JSON: %v", job.ID, err)
+		return nil
+	}
+	red := []byte(job.redact(string(b)))
+	if !json.Valid(red) {
+		s.e.log.Printf("job %q: dropping error details: redacting secrets made them invalid JSON", job.ID)
+		return nil
+	}
+	return red
+}
+
+func truncateUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}

@@ -1,0 +1,762 @@
+package executor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"reflect"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
+)
+
+func echoHandler(_ context.Context, j *Job) (*Result, error) {
+	return &Result{Output: j.Input}, nil
+}
+
+// blockHandler waits for cancellation and reports the cause it saw.
+func blockHandler(started chan<- struct{}, cause chan<- error) HandlerFunc {
+	return func(ctx context.Context, _ *Job) (*Result, error) {
+		close(started)
+		<-ctx.Done()
+		cause <- context.Cause(ctx)
+		return nil, ctx.Err()
+	}
+}
+
+func waitClosed(t *testing.T, c <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-c:
+	case <-time.After(waitTimeout):
+		t.Fatalf("%s did not happen within %s", what, waitTimeout)
+	}
+}
+
+func TestHelloContents(t *testing.T) {
+	ex := newExecutor(Options{ExecutorKind: "go", Labels: map[string]string{"gpu": "a100", "region": "eu"}})
+	ex.Handle("z.last", echoHandler)
+	ex.Handle("a.first", echoHandler)
+	ex.Handle("m.middle", echoHandler)
+	h := serve(t, ex)
+
+	protoEqual(t, "hello", h.hello(), &pb.Hello{
+		ProtocolVersion:   pb.ProtocolVersion_PROTOCOL_VERSION_1,
+		ExecutorKind:      "go",
+		Kinds:             []string{"a.first", "m.middle", "z.last"},
+		Labels:            map[string]string{"gpu": "a100", "region": "eu"},
+		SdkName:           "durable-executor-go",
+		SdkVersion:        Version,
+		MaxJobsPerProcess: -1,
+		Pid:               uint32(os.Getpid()),
+	})
+}
+
+func TestHelloOverrides(t *testing.T) {
+	ex := newExecutor(Options{ExecutorKind: "py-ish", SDKName: "custom", SDKVersion: "9.9", MaxJobsPerProcess: 3})
+	h := serve(t, ex)
+	got := h.hello()
+	if got.GetSdkName() != "custom" || got.GetSdkVersion() != "9.9" || got.GetMaxJobsPerProcess() != 3 || len(got.GetKinds()) != 0 {
+		t.Fatalf("hello = %v", got)
+	}
+}
+
+func TestEchoRoundTrip(t *testing.T) {
+	ex := newExecutor(Options{})
+	ex.Handle("demo.echo", echoHandler)
+	h := serve(t, ex)
+	h.hello()
+
+	input := `{"a":1,"b":[true,null,"x"]}`
+	h.sendJob(job("j1", "demo.echo", input))
+	h.started("j1")
+	r := h.result("j1", 3)
+	if string(r.GetOutput()) != input || len(r.GetArtifacts()) != 0 {
+		t.Fatalf("result = %v, want output %s", r, input)
+	}
+
+	// Persistent: the same stream serves another job, sequences restart at 1.
+	h.sendJob(job("j2", "demo.echo", `"again"`))
+	h.started("j2")
+	if r := h.result("j2", 3); string(r.GetOutput()) != `"again"` {
+		t.Fatalf("second result = %v", r)
+	}
+	h.closeStdin()
+	if err := h.wait(); err != nil {
+		t.Fatalf("Serve after clean EOF: %v", err)
+	}
+}
+
+func TestJobFieldsReachHandler(t *testing.T) {
+	got := make(chan *Job, 1)
+	ex := newExecutor(Options{})
+	ex.Handle("k", func(_ context.Context, j *Job) (*Result, error) {
+		got <- j
+		return nil, nil
+	})
+	h := serve(t, ex)
+	h.hello()
+	pj := &pb.Job{
+		JobId: "j", WorkflowRunId: "wr", StepRunId: "sr", IdempotencyKey: "idem", ExecutorKind: "go", Kind: "k",
+		Attempt: 4, DeadlineUnixMs: 1_700_000_000_123, AttemptDeadlineUnixMs: 1_700_000_000_456, HeartbeatTimeoutMs: 2500,
+		Input: []byte(`{"x":1}`),
+		InputArtifacts: []*pb.ArtifactRef{
+			{Id: "a1", Name: "n1", Sha256: "00", Size: 3, MediaType: "text/plain", Path: "/abs/1", StepName: "s1"},
+			{Id: "a2", Name: "n2", Sha256: "11", Size: 4, MediaType: "image/png", Path: "/abs/2", StepName: "s2"},
+		},
+		Checkpoint: []byte("cp"), OutputDir: "/out",
+		Secrets: map[string]string{"TOKEN": "t0ken"}, Labels: map[string]string{"gpu": "yes"},
+	}
+	h.sendJob(pj)
+	h.started("j")
+	h.result("j", 3)
+	j := <-got
+	want := &Job{
+		ID: "j", WorkflowRunID: "wr", StepRunID: "sr", IdempotencyKey: "idem", ExecutorKind: "go", Kind: "k",
+		Attempt: 4, Deadline: time.UnixMilli(1_700_000_000_123), AttemptDeadline: time.UnixMilli(1_700_000_000_456),
+		HeartbeatTimeout: 2500 * time.Millisecond, Input: []byte(`{"x":1}`),
+		InputArtifacts: []ArtifactRef{
+			{ID: "a1", Name: "n1", SHA256: "00", Size: 3, MediaType: "text/plain", Path: "/abs/1", StepName: "s1"},
+			{ID: "a2", Name: "n2", SHA256: "11", Size: 4, MediaType: "image/png", Path: "/abs/2", StepName: "s2"},
+		},
+		PreviousCheckpoint: []byte("cp"), HasPreviousCheckpoint: true, OutputDir: "/out",
+		Secrets: map[string]string{"TOKEN": "t0ken"}, Labels: map[string]string{"gpu": "yes"},
+	}
+	j.run = nil
+	if !reflect.DeepEqual(j, want) {
+		t.Fatalf("job:\n got %+v\nwant %+v", *j, *want)
+	}
+	var in struct{ X int }
+	if err := j.DecodeInput(&in); err != nil || in.X != 1 {
+		t.Fatalf("DecodeInput = %v, %+v", err, in)
+	}
+}
+
+func TestUnknownKindIsRefusedBeforeAccepted(t *testing.T) {
+	ex := newExecutor(Options{})
+	ex.Handle("demo.echo", echoHandler)
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j1", "demo.nope", `{}`))
+	e := h.jobError("j1", 1, CodeUnsupportedKind)
+	if e.GetRetryable() || !strings.Contains(e.GetMessage(), `"demo.nope"`) || !strings.Contains(e.GetMessage(), "demo.echo") {
+		t.Fatalf("refusal = %v", e)
+	}
+	// Still serving.
+	h.sendJob(job("j2", "demo.echo", `1`))
+	h.started("j2")
+	h.result("j2", 3)
+}
+
+func TestCancelMidHandlerYieldsCancelledQuickly(t *testing.T) {
+	started, cause := make(chan struct{}), make(chan error, 1)
+	ex := newExecutor(Options{})
+	ex.Handle("block", blockHandler(started, cause))
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j1", "block", ""))
+	h.started("j1")
+	waitClosed(t, started, "handler start")
+
+	// A cancel for another job is ignored.
+	h.sendCancel(&pb.Cancel{JobId: "other", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
+	h.noFrame(50 * time.Millisecond)
+
+	sent := time.Now()
+	h.sendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_LEASE_LOST, GraceMs: 1500, Message: "lease gone"})
+	e := h.jobError("j1", 3, CodeCancelled)
+	if d := time.Since(sent); d > 100*time.Millisecond {
+		t.Fatalf("CANCELLED took %s, want < 100ms", d)
+	}
+	if e.GetRetryable() || string(e.GetDetails()) != `{"reason":"LEASE_LOST"}` || !strings.Contains(e.GetMessage(), "lease gone") {
+		t.Fatalf("cancelled error = %v", e)
+	}
+	var c *Cancellation
+	if err := <-cause; !errors.As(err, &c) || c.Reason != "LEASE_LOST" || c.Message != "lease gone" || c.Grace != 1500*time.Millisecond {
+		t.Fatalf("context cause = %#v", err)
+	}
+}
+
+func TestAnythingReturnedAfterCancelIsCancelled(t *testing.T) {
+	ex := newExecutor(Options{})
+	ex.Handle("stubborn", func(ctx context.Context, _ *Job) (*Result, error) {
+		<-ctx.Done()
+		return NewResult("finished anyway")
+	})
+	ex.Handle("failing", func(ctx context.Context, _ *Job) (*Result, error) {
+		<-ctx.Done()
+		return nil, &Error{Code: "OTHER", Message: "cleanup failed", Retryable: true}
+	})
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j1", "stubborn", ""))
+	h.started("j1")
+	h.sendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
+	h.jobError("j1", 3, CodeCancelled)
+
+	h.sendJob(job("j2", "failing", ""))
+	h.started("j2")
+	h.sendCancel(&pb.Cancel{JobId: "j2", Reason: pb.CancelReason_CANCEL_REASON_ATTEMPT_TIMEOUT})
+	e := h.jobError("j2", 3, CodeCancelled)
+	if e.GetRetryable() || !strings.Contains(e.GetMessage(), "cleanup failed") || string(e.GetDetails()) != `{"reason":"ATTEMPT_TIMEOUT"}` {
+		t.Fatalf("cancelled error = %v", e)
+	}
+}
+
+func TestPanicBecomesHandlerPanicAndServingContinues(t *testing.T) {
+	ex := newExecutor(Options{})
+	ex.Handle("boom", func(context.Context, *Job) (*Result, error) { panic("kaboom") })
+	ex.Handle("exit", func(context.Context, *Job) (*Result, error) { runtime.Goexit(); return nil, nil })
+	ex.Handle("demo.echo", echoHandler)
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j1", "boom", ""))
+	h.started("j1")
+	e := h.jobError("j1", 3, CodeHandlerPanic)
+	if !e.GetRetryable() || !strings.Contains(e.GetMessage(), "kaboom") {
+		t.Fatalf("panic error = %v", e)
+	}
+	h.sendJob(job("j2", "exit", ""))
+	h.started("j2")
+	if e := h.jobError("j2", 3, CodeHandlerPanic); !strings.Contains(e.GetMessage(), "Goexit") {
+		t.Fatalf("Goexit error = %v", e)
+	}
+	h.sendJob(job("j3", "demo.echo", `3`))
+	h.started("j3")
+	h.result("j3", 3)
+}
+
+func TestErrorMapping(t *testing.T) {
+	typed := &Error{Code: "UPSTREAM_DOWN", Message: "503 from api", Retryable: true,
+		Details: map[string]any{"status": 503, "host": "api"}, NextRetryDelay: 1500*time.Millisecond + 1}
+	ms := func(v uint64) *uint64 { return &v }
+	cases := []struct {
+		name string
+		err  error
+		want *pb.JobError
+	}{
+		{"plain", errors.New("disk full"), &pb.JobError{Code: CodeHandlerError, Message: "disk full", Retryable: true}},
+		{"typed", typed, &pb.JobError{Code: "UPSTREAM_DOWN", Message: "503 from api", Retryable: true,
+			Details: []byte(`{"host":"api","status":503}`), NextRetryDelayMs: ms(1501)}},
+		{"wrapped", fmt.Errorf("calling api: %w", &Error{Code: "UPSTREAM_DOWN", Message: "503"}),
+			&pb.JobError{Code: "UPSTREAM_DOWN", Message: "calling api: UPSTREAM_DOWN: 503"}},
+		{"empty code", &Error{Message: "oops", Retryable: true}, &pb.JobError{Code: CodeHandlerError, Message: "oops", Retryable: true}},
+		{"errorf", Errorf("QUOTA", false, "quota %d exceeded", 7), &pb.JobError{Code: "QUOTA", Message: "quota 7 exceeded"}},
+	}
+	ex := newExecutor(Options{})
+	for _, c := range cases {
+		ex.Handle(c.name, func(context.Context, *Job) (*Result, error) { return nil, c.err })
+	}
+	ex.Handle("decode", func(_ context.Context, j *Job) (*Result, error) {
+		var v struct{ N int }
+		return nil, j.DecodeInput(&v)
+	})
+	h := serve(t, ex)
+	h.hello()
+	for i, c := range cases {
+		id := fmt.Sprint("j", i)
+		h.sendJob(job(id, c.name, ""))
+		h.started(id)
+		got := h.jobError(id, 3, c.want.GetCode())
+		c.want.JobId, c.want.Sequence = id, 3
+		protoEqual(t, c.name, got, c.want)
+	}
+	h.sendJob(job("bad", "decode", `{"N":"not a number"}`))
+	h.started("bad")
+	if e := h.jobError("bad", 3, CodeBadInput); e.GetRetryable() {
+		t.Fatalf("BAD_INPUT must not be retryable: %v", e)
+	}
+}
+
+func TestSequencesStrictlyIncrease(t *testing.T) {
+	const workers, each = 8, 25
+	ex := newExecutor(Options{})
+	ex.Handle("chatty", func(_ context.Context, j *Job) (*Result, error) {
+		var wg sync.WaitGroup
+		errs := make(chan error, workers*each)
+		for w := 0; w < workers; w++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; i < each; i++ {
+					if i%2 == 0 {
+						errs <- j.Progress(fmt.Sprint(w, i), float64(i)/each)
+					} else {
+						errs <- j.Heartbeat()
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	})
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j", "chatty", ""))
+	var last uint64
+	for n := 0; ; n++ {
+		f := h.next()
+		var seq uint64
+		switch {
+		case f.GetEvent() != nil:
+			seq = f.GetEvent().GetSequence()
+		case f.GetResult() != nil:
+			seq = f.GetResult().GetSequence()
+			if want := uint64(2 + workers*each + 1); seq != want || n+1 != int(want) {
+				t.Fatalf("terminal sequence %d after %d frames, want %d", seq, n+1, want)
+			}
+			return
+		default:
+			t.Fatalf("unexpected frame %v", f)
+		}
+		if seq != last+1 {
+			t.Fatalf("sequence %d follows %d", seq, last)
+		}
+		last = seq
+	}
+}
+
+func TestCheckpoints(t *testing.T) {
+	type seen struct {
+		cp  []byte
+		has bool
+	}
+	got := make(chan seen, 3)
+	ex := newExecutor(Options{})
+	ex.Handle("cp", func(_ context.Context, j *Job) (*Result, error) {
+		got <- seen{j.PreviousCheckpoint, j.HasPreviousCheckpoint}
+		if err := j.Checkpoint([]byte("hb-cp")); err != nil {
+			return nil, err
+		}
+		if err := j.ProgressWithCheckpoint("half", 0.5, []byte("pr-cp")); err != nil {
+			return nil, err
+		}
+		if err := j.Progress("unknown fraction", NoFraction); err != nil {
+			return nil, err
+		}
+		if err := j.Progress("bad", 1.5); err == nil {
+			return nil, errors.New("fraction 1.5 accepted")
+		}
+		return nil, j.Heartbeat()
+	})
+	h := serve(t, ex)
+	h.hello()
+
+	for _, c := range []struct {
+		id string
+		cp []byte
+	}{{"with", []byte("resume-here")}, {"empty", []byte{}}, {"absent", nil}} {
+		pj := job(c.id, "cp", "")
+		pj.Checkpoint = c.cp
+		h.sendJob(pj)
+		h.started(c.id)
+		ev := h.event(c.id, 3, pb.EventKind_EVENT_KIND_HEARTBEAT)
+		if ev.Checkpoint == nil || string(ev.Checkpoint) != "hb-cp" || ev.Fraction != nil {
+			t.Fatalf("checkpoint heartbeat = %v", ev)
+		}
+		ev = h.event(c.id, 4, pb.EventKind_EVENT_KIND_PROGRESS)
+		if string(ev.Checkpoint) != "pr-cp" || ev.Fraction == nil || *ev.Fraction != 0.5 || ev.Message != "half" {
+			t.Fatalf("progress with checkpoint = %v", ev)
+		}
+		if ev = h.event(c.id, 5, pb.EventKind_EVENT_KIND_PROGRESS); ev.Fraction != nil || ev.Checkpoint != nil {
+			t.Fatalf("progress without fraction = %v", ev)
+		}
+		if ev = h.event(c.id, 6, pb.EventKind_EVENT_KIND_HEARTBEAT); ev.Checkpoint != nil || ev.AtUnixMs == 0 {
+			t.Fatalf("heartbeat = %v", ev)
+		}
+		h.result(c.id, 7)
+		s := <-got
+		if s.has != (c.cp != nil) || string(s.cp) != string(c.cp) || (s.has && s.cp == nil) {
+			t.Fatalf("job %s: handler saw checkpoint %q (present %v), want %q (present %v)", c.id, s.cp, s.has, c.cp, c.cp != nil)
+		}
+	}
+}
+
+func TestCleanEOFWhenIdleReturnsNil(t *testing.T) {
+	h := serve(t, newExecutor(Options{}))
+	h.hello()
+	h.stillServing(20 * time.Millisecond)
+	h.closeStdin()
+	if err := h.wait(); err != nil {
+		t.Fatalf("Serve = %v, want nil", err)
+	}
+	if err := h.nextErr(); err.Error() != "EOF" {
+		t.Fatalf("frame stream ended with %v, want a clean EOF", err)
+	}
+}
+
+func TestTruncatedFrameIsAnError(t *testing.T) {
+	h := serve(t, newExecutor(Options{}))
+	h.hello()
+	h.sendRaw([]byte{10, 1, 2, 3}) // announces 10 bytes, sends 3
+	h.closeStdin()
+	err := h.wait()
+	isErr(t, err, ErrTruncatedFrame)
+	if !strings.Contains(err.Error(), "3 of 10") {
+		t.Fatalf("error %q does not say how much was read", err)
+	}
+}
+
+func TestMalformedFrameIsAnError(t *testing.T) {
+	h := serve(t, newExecutor(Options{}))
+	h.hello()
+	h.sendRaw([]byte{3, 0xff, 0xff, 0xff}) // a 3-byte body that is no SupervisorFrame
+	isErr(t, h.wait(), ErrMalformedFrame)
+}
+
+func TestOversizeFrameRejectedByServe(t *testing.T) {
+	h := serve(t, newExecutor(Options{MaxFrameBytes: 1024}))
+	h.hello()
+	h.sendRaw([]byte{0x81, 0x08}) // 1025
+	err := h.wait()
+	var tl *FrameTooLargeError
+	if !errors.As(err, &tl) || tl.Size != 1025 || tl.MaxSize != 1024 {
+		t.Fatalf("Serve = %v, want a FrameTooLargeError for 1025 > 1024", err)
+	}
+}
+
+func TestBrokenFrameMidJobCancelsTheJob(t *testing.T) {
+	started, cause := make(chan struct{}), make(chan error, 1)
+	ex := newExecutor(Options{})
+	ex.Handle("block", blockHandler(started, cause))
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j", "block", ""))
+	h.started("j")
+	waitClosed(t, started, "handler start")
+	h.sendRaw([]byte{0x05, 1})
+	h.closeStdin()
+	h.jobError("j", 3, CodeCancelled)
+	isErr(t, h.wait(), ErrTruncatedFrame)
+	var c *Cancellation
+	if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonProtocolError {
+		t.Fatalf("cause = %v", err)
+	}
+}
+
+func TestEOFMidJobCancelsAndStillSendsTerminal(t *testing.T) {
+	started, cause := make(chan struct{}), make(chan error, 1)
+	ex := newExecutor(Options{})
+	ex.Handle("block", blockHandler(started, cause))
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j", "block", ""))
+	h.started("j")
+	waitClosed(t, started, "handler start")
+	h.closeStdin()
+	if e := h.jobError("j", 3, CodeCancelled); string(e.GetDetails()) != `{"reason":"STDIN_CLOSED"}` {
+		t.Fatalf("terminal = %v", e)
+	}
+	if err := h.wait(); err != nil {
+		t.Fatalf("Serve = %v", err)
+	}
+	var c *Cancellation
+	if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonStdinClosed {
+		t.Fatalf("cause = %v", err)
+	}
+}
+
+func TestEOFMidJobGivesUpAfterStopGrace(t *testing.T) {
+	ex := newExecutor(Options{StopGrace: 50 * time.Millisecond})
+	release := make(chan struct{})
+	defer close(release)
+	ex.Handle("deaf", func(context.Context, *Job) (*Result, error) { <-release; return nil, nil })
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j", "deaf", ""))
+	h.started("j")
+	h.closeStdin()
+	err := h.wait()
+	if err == nil || !strings.Contains(err.Error(), "did not return within 50ms") {
+		t.Fatalf("Serve = %v, want a stop-grace error", err)
+	}
+}
+
+func TestShutdown(t *testing.T) {
+	t.Run("idle", func(t *testing.T) {
+		h := serve(t, newExecutor(Options{}))
+		h.hello()
+		h.send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{Reason: "done"}}})
+		if err := h.wait(); err != nil {
+			t.Fatalf("Serve = %v", err)
+		}
+	})
+	t.Run("mid job lets it finish", func(t *testing.T) {
+		release := make(chan struct{})
+		ex := newExecutor(Options{})
+		ex.Handle("slow", func(ctx context.Context, _ *Job) (*Result, error) {
+			select {
+			case <-release:
+				return NewResult("finished")
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		})
+		h := serve(t, ex)
+		h.hello()
+		h.sendJob(job("j", "slow", ""))
+		h.started("j")
+		h.send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{}}})
+		h.closeStdin() // EOF after Shutdown does not cancel the job
+		h.stillServing(30 * time.Millisecond)
+		close(release)
+		if r := h.result("j", 3); string(r.GetOutput()) != `"finished"` {
+			t.Fatalf("result = %v", r)
+		}
+		if err := h.wait(); err != nil {
+			t.Fatalf("Serve = %v", err)
+		}
+	})
+}
+
+func TestMaxJobsPerProcess(t *testing.T) {
+	ex := newExecutor(Options{MaxJobsPerProcess: 1})
+	ex.Handle("demo.echo", echoHandler)
+	h := serve(t, ex)
+	if got := h.hello().GetMaxJobsPerProcess(); got != 1 {
+		t.Fatalf("hello max_jobs_per_process = %d", got)
+	}
+	h.sendJob(job("j", "demo.echo", `1`))
+	h.started("j")
+	h.result("j", 3)
+	if err := h.wait(); err != nil { // without stdin closing
+		t.Fatalf("Serve = %v", err)
+	}
+}
+
+func TestNoFrameAfterTerminal(t *testing.T) {
+	leaked := make(chan *Job, 1)
+	ex := newExecutor(Options{})
+	ex.Handle("leak", func(_ context.Context, j *Job) (*Result, error) {
+		leaked <- j
+		return nil, nil
+	})
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j", "leak", ""))
+	h.started("j")
+	h.result("j", 3)
+	j := <-leaked
+	if err := j.Progress("late", 1); !errors.Is(err, ErrJobFinished) {
+		t.Fatalf("Progress after the terminal = %v, want ErrJobFinished", err)
+	}
+	if err := j.Heartbeat(); !errors.Is(err, ErrJobFinished) {
+		t.Fatalf("Heartbeat after the terminal = %v, want ErrJobFinished", err)
+	}
+	h.noFrame(30 * time.Millisecond)
+}
+
+func TestResultValidation(t *testing.T) {
+	ex := newExecutor(Options{MaxFrameBytes: 4096})
+	ex.Handle("not-json", func(context.Context, *Job) (*Result, error) { return &Result{Output: []byte("{nope")}, nil })
+	ex.Handle("nil", func(context.Context, *Job) (*Result, error) { return nil, nil })
+	ex.Handle("huge", func(context.Context, *Job) (*Result, error) { return NewResult(strings.Repeat("x", 10_000)) })
+	ex.Handle("escape", func(context.Context, *Job) (*Result, error) {
+		return &Result{Output: []byte(`1`), Artifacts: []Artifact{{Name: "a", Path: "../etc/passwd"}}}, nil
+	})
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j1", "not-json", ""))
+	h.started("j1")
+	if e := h.jobError("j1", 3, CodeOutputInvalid); e.GetRetryable() {
+		t.Fatalf("OUTPUT_INVALID retryable: %v", e)
+	}
+	h.sendJob(job("j2", "nil", ""))
+	h.started("j2")
+	if r := h.result("j2", 3); string(r.GetOutput()) != "null" {
+		t.Fatalf("nil result output = %q, want null", r.GetOutput())
+	}
+	h.sendJob(job("j3", "huge", ""))
+	h.started("j3")
+	if e := h.jobError("j3", 3, CodeResultTooLarge); e.GetRetryable() || !strings.Contains(e.GetMessage(), "4096") {
+		t.Fatalf("RESULT_TOO_LARGE = %v", e)
+	}
+	h.sendJob(job("j4", "escape", ""))
+	h.started("j4")
+	h.jobError("j4", 3, "ARTIFACT_INVALID")
+}
+
+func TestSecretsAreRedactedFromMessages(t *testing.T) {
+	ex := newExecutor(Options{})
+	ex.Handle("leaky", func(_ context.Context, j *Job) (*Result, error) {
+		if err := j.Progress("using "+j.Secrets["TOKEN"], NoFraction); err != nil {
+			return nil, err
+		}
+		return nil, &Error{Code: "AUTH", Message: "token " + j.Secrets["TOKEN"] + " rejected",
+			Details: map[string]any{"token": j.Secrets["TOKEN"], "pin": j.Secrets["PIN"]}}
+	})
+	h := serve(t, ex)
+	h.hello()
+	pj := job("j", "leaky", "")
+	pj.Secrets = map[string]string{"TOKEN": "s3cr3t-value", "PIN": "42"}
+	h.sendJob(pj)
+	h.started("j")
+	if ev := h.event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS); ev.GetMessage() != "using [REDACTED]" {
+		t.Fatalf("progress message = %q", ev.GetMessage())
+	}
+	e := h.jobError("j", 4, "AUTH")
+	if e.GetMessage() != "token [REDACTED] rejected" || string(e.GetDetails()) != `{"pin":"42","token":"[REDACTED]"}` {
+		t.Fatalf("error = %v", e)
+	}
+}
+
+func TestSecondJobWhileBusyIsRefused(t *testing.T) {
+	release := make(chan struct{})
+	ex := newExecutor(Options{})
+	ex.Handle("slow", func(context.Context, *Job) (*Result, error) { <-release; return nil, nil })
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j1", "slow", ""))
+	h.started("j1")
+	h.sendJob(job("j2", "slow", ""))
+	h.jobError("j2", 1, CodeExecutorBusy)
+	close(release)
+	h.result("j1", 3)
+}
+
+// failingWriter accepts n writes, then fails.
+type failingWriter struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (w *failingWriter) Write(b []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.n == 0 {
+		return 0, errors.New("broken pipe")
+	}
+	w.n--
+	return len(b), nil
+}
+
+func TestBrokenOutput(t *testing.T) {
+	t.Run("hello", func(t *testing.T) {
+		err := newExecutor(Options{}).Serve(strings.NewReader(""), &failingWriter{n: 0})
+		if err == nil || !strings.Contains(err.Error(), "sending hello") {
+			t.Fatalf("Serve = %v", err)
+		}
+	})
+	t.Run("mid job", func(t *testing.T) {
+		cause := make(chan error, 1)
+		ex := newExecutor(Options{})
+		ex.Handle("talk", func(ctx context.Context, j *Job) (*Result, error) {
+			err := j.Progress("x", NoFraction)
+			if err == nil {
+				return nil, errors.New("progress on a broken stream succeeded")
+			}
+			<-ctx.Done() // the broken stream cancels the job
+			cause <- context.Cause(ctx)
+			return nil, err
+		})
+		in, inW := pipeWithJob(t, job("j", "talk", ""))
+		defer inW.Close()
+		err := ex.Serve(in, &failingWriter{n: 3}) // hello, ACCEPTED, RUNNING
+		if err == nil || !strings.Contains(err.Error(), "broken pipe") {
+			t.Fatalf("Serve = %v", err)
+		}
+		var c *Cancellation
+		if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonOutputBroken {
+			t.Fatalf("cause = %v", err)
+		}
+	})
+}
+
+// pipeWithJob returns a reader that yields the job frame and then blocks until
+// the writer is closed.
+func pipeWithJob(t *testing.T, j *pb.Job) (*os.File, *os.File) {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: j}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r, w
+}
+
+func TestHandleMisuse(t *testing.T) {
+	mustPanic := func(name string, f func()) {
+		t.Helper()
+		defer func() {
+			if recover() == nil {
+				t.Errorf("%s did not panic", name)
+			}
+		}()
+		f()
+	}
+	ex := newExecutor(Options{})
+	ex.Handle("k", echoHandler)
+	mustPanic("duplicate kind", func() { ex.Handle("k", echoHandler) })
+	mustPanic("empty kind", func() { ex.Handle("", echoHandler) })
+	mustPanic("nil handler", func() { ex.Handle("x", nil) })
+	if got := ex.Kinds(); !slices.Equal(got, []string{"k"}) {
+		t.Fatalf("Kinds = %v", got)
+	}
+	_ = ex.Serve(strings.NewReader(""), &failingWriter{n: 10})
+	mustPanic("Handle after Serve", func() { ex.Handle("late", echoHandler) })
+}
+
+func TestErrorString(t *testing.T) {
+	e := &Error{Code: "X", Message: "m", Err: os.ErrNotExist}
+	if e.Error() != "X: m" || !errors.Is(e, os.ErrNotExist) {
+		t.Fatalf("Error() = %q, Is(ErrNotExist) = %v", e.Error(), errors.Is(e, os.ErrNotExist))
+	}
+	if (&Error{}).Error() != CodeHandlerError {
+		t.Fatalf("empty Error() = %q", (&Error{}).Error())
+	}
+	w := Errorf("Y", true, "wrapping: %w", os.ErrClosed)
+	if !errors.Is(w, os.ErrClosed) || w.Message != "wrapping: "+os.ErrClosed.Error() {
+		t.Fatalf("Errorf = %#v", w)
+	}
+	if (&Cancellation{Reason: "R", Message: "why"}).Error() != "job cancelled (R): why" {
+		t.Fatal("Cancellation.Error format changed")
+	}
+}
+
+func TestUnsafeSendFrameTerminalSuppressesTheSDKTerminal(t *testing.T) {
+	ex := newExecutor(Options{})
+	ex.Handle("raw", func(_ context.Context, j *Job) (*Result, error) {
+		if err := j.UnsafeSendFrame(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: &pb.ProgressEvent{
+			JobId: j.ID, Sequence: 9, Kind: pb.EventKind_EVENT_KIND_PROGRESS}}}); err != nil {
+			return nil, err
+		}
+		if err := j.UnsafeSendFrame(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Result{Result: &pb.JobResult{
+			JobId: j.ID, Sequence: 10, Output: []byte(`"raw"`)}}}); err != nil {
+			return nil, err
+		}
+		if err := j.Progress("late", NoFraction); !errors.Is(err, ErrJobFinished) {
+			return nil, fmt.Errorf("Progress after a raw terminal = %v", err)
+		}
+		return nil, errors.New("ignored: the terminal already went out")
+	})
+	ex.Handle("demo.echo", echoHandler)
+	h := serve(t, ex)
+	h.hello()
+	h.sendJob(job("j", "raw", ""))
+	h.started("j")
+	h.event("j", 9, pb.EventKind_EVENT_KIND_PROGRESS)
+	h.result("j", 10)
+	// The next job's frames follow directly: no SDK terminal for "j".
+	h.sendJob(job("k", "demo.echo", `1`))
+	h.started("k")
+	h.result("k", 3)
+}

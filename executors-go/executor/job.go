@@ -1,0 +1,316 @@
+package executor
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
+)
+
+// Job is one attempt of one step, as the supervisor sent it, plus the methods a
+// handler uses to report progress. Handlers must not modify its fields.
+type Job struct {
+	// ID is the supervisor's correlation id, unique per attempt.
+	ID            string
+	WorkflowRunID string
+	StepRunID     string
+	// IdempotencyKey is stable across every attempt of the step: key side
+	// effects on it.
+	IdempotencyKey string
+	ExecutorKind   string
+	Kind           string
+	// Attempt is 1 for the first attempt.
+	Attempt uint32
+	// Deadline is the step deadline (all attempts); zero when none.
+	Deadline time.Time
+	// AttemptDeadline is the end of this attempt; zero when none. The
+	// supervisor enforces both deadlines by sending Cancel; the handler's
+	// context carries no deadline of its own.
+	AttemptDeadline time.Time
+	// HeartbeatTimeout: silence (no frame) longer than this ends the attempt;
+	// zero when none. Long handlers call Progress or Heartbeat well within it.
+	HeartbeatTimeout time.Duration
+
+	// Input is the step's input JSON value, UTF-8 encoded (may be empty).
+	Input []byte
+	// InputArtifacts are the dependencies' artifacts, on local disk.
+	InputArtifacts []ArtifactRef
+
+	// PreviousCheckpoint is the last checkpoint an earlier attempt reported;
+	// HasPreviousCheckpoint tells an absent checkpoint from an empty one.
+	PreviousCheckpoint    []byte
+	HasPreviousCheckpoint bool
+
+	// OutputDir is an empty directory owned by this attempt; artifacts are
+	// written below it.
+	OutputDir string
+
+	// Secrets the step named, for this attempt only. Never log or echo them.
+	Secrets map[string]string
+	// Labels are the step's labels.
+	Labels map[string]string
+
+	run *jobRun
+}
+
+// ArtifactRef is an input artifact, materialised read-only on local disk.
+type ArtifactRef struct {
+	ID        string
+	Name      string
+	SHA256    string
+	Size      uint64
+	MediaType string
+	// Path is the absolute local path of the bytes.
+	Path string
+	// StepName is the step that produced it.
+	StepName string
+}
+
+func newJob(p *pb.Job) *Job {
+	j := &Job{
+		ID:                    p.GetJobId(),
+		WorkflowRunID:         p.GetWorkflowRunId(),
+		StepRunID:             p.GetStepRunId(),
+		IdempotencyKey:        p.GetIdempotencyKey(),
+		ExecutorKind:          p.GetExecutorKind(),
+		Kind:                  p.GetKind(),
+		Attempt:               p.GetAttempt(),
+		Deadline:              unixMs(p.GetDeadlineUnixMs()),
+		AttemptDeadline:       unixMs(p.GetAttemptDeadlineUnixMs()),
+		HeartbeatTimeout:      time.Duration(p.GetHeartbeatTimeoutMs()) * time.Millisecond,
+		Input:                 p.GetInput(),
+		PreviousCheckpoint:    p.GetCheckpoint(),
+		HasPreviousCheckpoint: p.Checkpoint != nil,
+		OutputDir:             p.GetOutputDir(),
+		Secrets:               p.GetSecrets(),
+		Labels:                p.GetLabels(),
+	}
+	if j.HasPreviousCheckpoint && j.PreviousCheckpoint == nil {
+		j.PreviousCheckpoint = []byte{}
+	}
+	if j.Secrets == nil {
+		j.Secrets = map[string]string{}
+	}
+	if j.Labels == nil {
+		j.Labels = map[string]string{}
+	}
+	for _, a := range p.GetInputArtifacts() {
+		j.InputArtifacts = append(j.InputArtifacts, ArtifactRef{
+			ID:        a.GetId(),
+			Name:      a.GetName(),
+			SHA256:    a.GetSha256(),
+			Size:      a.GetSize(),
+			MediaType: a.GetMediaType(),
+			Path:      a.GetPath(),
+			StepName:  a.GetStepName(),
+		})
+	}
+	return j
+}
+
+func unixMs(ms int64) time.Time {
+	if ms == 0 {
+		return time.Time{}
+	}
+	return time.UnixMilli(ms)
+}
+
+// DecodeInput unmarshals the input JSON into v. An empty input or JSON null
+// leaves v unchanged. On failure it returns an *Error with code BAD_INPUT (not
+// retryable), so a handler can return it as is.
+func (j *Job) DecodeInput(v any) error {
+	in := bytes.TrimSpace(j.Input)
+	if len(in) == 0 {
+		return nil
+	}
+	if err := json.Unmarshal(in, v); err != nil {
+		return &Error{Code: CodeBadInput, Message: fmt.Sprintf("input for kind %q: %v", j.Kind, err), Err: err}
+	}
+	return nil
+}
+
+// OutputPath returns OutputDir joined with rel, refusing paths that would
+// escape it (absolute, or containing "..").
+func (j *Job) OutputPath(rel string) (string, error) {
+	if !filepath.IsLocal(rel) {
+		return "", fmt.Errorf("executor: output path %q is not a relative path inside the output directory", rel)
+	}
+	if j.OutputDir == "" {
+		return "", errors.New("executor: the job has no output directory")
+	}
+	return filepath.Join(j.OutputDir, rel), nil
+}
+
+// NoFraction as Progress's fraction sends the event without a fraction.
+const NoFraction = -1.0
+
+// Progress sends a PROGRESS event. fraction is in 0..1, or negative (NoFraction)
+// when unknown.
+func (j *Job) Progress(message string, fraction float64) error {
+	return j.send(pb.EventKind_EVENT_KIND_PROGRESS, message, fraction, nil)
+}
+
+// ProgressWithCheckpoint sends a PROGRESS event carrying a checkpoint: opaque
+// resume state the supervisor stores and hands to the next attempt as
+// PreviousCheckpoint. A nil checkpoint is sent as an empty one.
+func (j *Job) ProgressWithCheckpoint(message string, fraction float64, checkpoint []byte) error {
+	if checkpoint == nil {
+		checkpoint = []byte{}
+	}
+	return j.send(pb.EventKind_EVENT_KIND_PROGRESS, message, fraction, checkpoint)
+}
+
+// Checkpoint sends a HEARTBEAT event carrying a checkpoint (see
+// ProgressWithCheckpoint).
+func (j *Job) Checkpoint(checkpoint []byte) error {
+	if checkpoint == nil {
+		checkpoint = []byte{}
+	}
+	return j.send(pb.EventKind_EVENT_KIND_HEARTBEAT, "", NoFraction, checkpoint)
+}
+
+// Heartbeat sends a HEARTBEAT event: liveness only, it resets the supervisor's
+// heartbeat timeout.
+func (j *Job) Heartbeat() error {
+	return j.send(pb.EventKind_EVENT_KIND_HEARTBEAT, "", NoFraction, nil)
+}
+
+func (j *Job) send(kind pb.EventKind, message string, fraction float64, checkpoint []byte) error {
+	if math.IsNaN(fraction) || fraction > 1 {
+		return fmt.Errorf("executor: progress fraction %v is outside 0..1", fraction)
+	}
+	ev := &pb.ProgressEvent{
+		JobId:      j.ID,
+		Kind:       kind,
+		Message:    j.redact(message),
+		Checkpoint: checkpoint,
+	}
+	if fraction >= 0 {
+		ev.Fraction = &fraction
+	}
+	return j.run.sendEvent(ev)
+}
+
+// UnsafeWriteRaw writes b verbatim on the frame stream, bypassing framing,
+// sequencing and the one-terminal rule. It exists only so that protocol
+// conformance tests (demo.misbehave) can produce broken streams; a real
+// executor must never call it.
+func (j *Job) UnsafeWriteRaw(b []byte) error {
+	return j.run.w.writeRaw(b)
+}
+
+// UnsafeSendFrame writes f as is (its sequence and job_id untouched), bypassing
+// the SDK's sequencing. A JobResult or JobError sent this way counts as the
+// job's terminal: the SDK sends none of its own afterwards (the job still runs
+// until its handler returns). For protocol conformance tests only, like
+// UnsafeWriteRaw.
+func (j *Job) UnsafeSendFrame(f *pb.ExecutorFrame) error {
+	b, err := MarshalFrame(f)
+	if err != nil {
+		return err
+	}
+	r := j.run
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if f.GetResult() != nil || f.GetError() != nil {
+		r.finished = true
+	}
+	return r.w.writeRaw(b)
+}
+
+// redact replaces the job's secret values found in s with "[REDACTED]". Values
+// shorter than 4 bytes are left alone: replacing them would garble the text
+// and they are not secrets worth the name.
+func (j *Job) redact(s string) string {
+	return redactSecrets(s, j.Secrets)
+}
+
+func redactSecrets(s string, secrets map[string]string) string {
+	if len(secrets) == 0 {
+		return s
+	}
+	values := make([]string, 0, len(secrets))
+	for _, v := range secrets {
+		if len(v) >= 4 {
+			values = append(values, v)
+		}
+	}
+	// Longest first, so a secret containing another is replaced whole.
+	sort.Slice(values, func(a, b int) bool {
+		if len(values[a]) != len(values[b]) {
+			return len(values[a]) > len(values[b])
+		}
+		return values[a] < values[b]
+	})
+	for _, v := range values {
+		s = strings.ReplaceAll(s, v, "[REDACTED]")
+	}
+	return s
+}
+
+// jobRun is the SDK side of one running job: its context, sequence counter and
+// the one-terminal guarantee.
+type jobRun struct {
+	job  *Job
+	w    *frameWriter
+	done chan struct{} // closed once the terminal was sent (or could not be)
+
+	cancel func(error)
+
+	mu       sync.Mutex
+	seq      uint64
+	finished bool
+}
+
+// sendEvent numbers and writes an event, unless the terminal has been sent.
+func (r *jobRun) sendEvent(ev *pb.ProgressEvent) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.finished {
+		return ErrJobFinished
+	}
+	ev.Sequence = r.seq + 1
+	ev.AtUnixMs = time.Now().UnixMilli()
+	err := r.w.write(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: ev}})
+	if err != nil {
+		if errors.Is(err, errOutputBroken) {
+			r.cancel(&Cancellation{Reason: ReasonOutputBroken, Message: err.Error()})
+		}
+		return fmt.Errorf("executor: sending %s event: %w", ev.Kind, err)
+	}
+	r.seq++
+	return nil
+}
+
+// terminalSent reports whether the job's terminal frame has gone out.
+func (r *jobRun) terminalSent() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.finished
+}
+
+// sendTerminal writes the job's one terminal frame; build gets the sequence.
+// When that frame is over the frame cap, the frame shrink builds (same
+// sequence) is sent instead, so the job still ends with exactly one terminal.
+func (r *jobRun) sendTerminal(build func(seq uint64) *pb.ExecutorFrame, shrink func(seq uint64, tooLarge error) *pb.ExecutorFrame) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.finished {
+		return ErrJobFinished
+	}
+	r.finished = true
+	r.seq++
+	err := r.w.write(build(r.seq))
+	if errors.Is(err, ErrFrameTooLarge) && shrink != nil {
+		err = r.w.write(shrink(r.seq, err))
+	}
+	return err
+}

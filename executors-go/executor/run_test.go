@@ -1,0 +1,103 @@
+//go:build unix
+
+package executor
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
+)
+
+// helperEnv makes the test binary act as an executor (see TestMain).
+const helperEnv = "DURABLE_EXECUTOR_TEST_HELPER"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(helperEnv) == "run" {
+		os.Exit(helperMain())
+	}
+	os.Exit(m.Run())
+}
+
+// helperMain is an executor whose handler writes to stdout in every way a
+// careless handler could.
+func helperMain() int {
+	ex := New(Options{ExecutorKind: "go"})
+	ex.Handle("noisy", func(context.Context, *Job) (*Result, error) {
+		fmt.Println("stray fmt.Println")
+		os.Stdout.WriteString("stray os.Stdout write\n")
+		cmd := exec.Command("sh", "-c", "echo stray child echo; cat >/dev/null")
+		cmd.Stdout = os.Stdout // fd 1, which Run pointed at stderr
+		cmd.Stdin = os.Stdin   // fd 0, which Run pointed at /dev/null
+		if err := cmd.Run(); err != nil {
+			return nil, err
+		}
+		return NewResult("quiet frames")
+	})
+	return ex.Run()
+}
+
+func TestRunKeepsStrayStdoutOffTheFrameStream(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), helperEnv+"=run")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+
+	b, _ := MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: job("j", "noisy", "")}})
+	if _, err := stdin.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	// Closing stdin right away: the job still runs, the handler's child reads
+	// /dev/null rather than the frame stream, and the SDK cancels the job only
+	// if EOF arrives before the handler finishes. Read until the terminal first.
+	fr := NewFrameReader(stdout, 0)
+	var frames []*pb.ExecutorFrame
+	deadline := time.AfterFunc(waitTimeout, func() { cmd.Process.Kill() })
+	defer deadline.Stop()
+	for {
+		f := &pb.ExecutorFrame{}
+		if err := fr.Read(f); err != nil {
+			t.Fatalf("frame %d: %v (stderr: %s)", len(frames), err, stderr.String())
+		}
+		frames = append(frames, f)
+		if f.GetResult() != nil || f.GetError() != nil {
+			break
+		}
+	}
+	stdin.Close()
+	rest, err := io.ReadAll(stdout)
+	if err != nil || len(rest) != 0 {
+		t.Fatalf("bytes after the terminal: %q, %v", rest, err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("executor exit: %v (stderr: %s)", err, stderr.String())
+	}
+	if len(frames) != 4 || frames[0].GetHello() == nil || frames[0].GetHello().GetPid() != uint32(cmd.Process.Pid) ||
+		string(frames[3].GetResult().GetOutput()) != `"quiet frames"` {
+		t.Fatalf("frames = %v", frames)
+	}
+	for _, line := range []string{"stray fmt.Println", "stray os.Stdout write", "stray child echo"} {
+		if !strings.Contains(stderr.String(), line+"\n") {
+			t.Errorf("stderr lacks %q: %q", line, stderr.String())
+		}
+	}
+}
