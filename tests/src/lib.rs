@@ -37,12 +37,13 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// A database of its own for one test, dropped at the end.
+/// A database of its own for one test. Test databases (`t_*`) are left for
+/// `scripts/test` to drop before the next run: dropping them from `Drop` would
+/// block the test's runtime on its own sockets.
 pub struct TestDb {
     pub db: Db,
     pub url: String,
-    name: String,
-    admin_url: String,
+    pub name: String,
 }
 
 fn admin_url() -> String {
@@ -88,12 +89,7 @@ impl TestDb {
             .await
             .expect("connect to the test database");
         db.migrate().await.expect("migrate");
-        TestDb {
-            db,
-            url,
-            name,
-            admin_url: admin,
-        }
+        TestDb { db, url, name }
     }
 
     /// Another pool on the same database (a separate "worker host").
@@ -144,32 +140,6 @@ impl TestDb {
             .fetch_one(self.db.pool())
             .await
             .expect(sql)
-    }
-}
-
-impl Drop for TestDb {
-    fn drop(&mut self) {
-        let (admin, name) = (self.admin_url.clone(), self.name.clone());
-        let pool = self.db.pool().clone();
-        // a thread of its own: Drop may run inside a runtime
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async move {
-                pool.close().await;
-                if let Ok(root) = Db::connect(&admin, 1).await {
-                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                        .execute(root.pool())
-                        .await;
-                    root.pool().close().await;
-                }
-            });
-        })
-        .join();
     }
 }
 
@@ -373,4 +343,18 @@ pub fn step<'a>(st: &'a RunStatus, name: &str) -> &'a supervisor::db::StepStatus
             serde_json::to_string(st).unwrap_or_default()
         )
     })
+}
+
+/// The `supervisor` binary of this build (scripts/test builds it first).
+pub fn supervisor_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/<test> -> target/<profile>/supervisor
+    let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
+    let bin = dir.join("supervisor");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (`cargo build --workspace --bins`, done by scripts/test)",
+        bin.display()
+    );
+    bin
 }
