@@ -386,7 +386,11 @@ BEGIN
          WHERE run_id = NEW.run_id AND id <> NEW.id AND state IN ('leased', 'running') AND NOT cancel_requested;
     END IF;
 
-    IF NEW.state = 'leased' OR durable.step_state_is_terminal(NEW.state) THEN
+    -- Lock order everywhere: the run row first, then step rows. Workers'
+    -- single-step writes lock the run before the step (db::lock_run_of_step);
+    -- the multi-row lease never touches the run, so a run turns `running` when
+    -- its first step starts running, not when it is leased.
+    IF NEW.state = 'running' OR durable.step_state_is_terminal(NEW.state) THEN
         PERFORM durable.recompute_run(NEW.run_id, 'step ' || NEW.name || ' ' || NEW.state);
     END IF;
     RETURN NULL;

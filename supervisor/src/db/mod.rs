@@ -651,6 +651,7 @@ impl Db {
         executor_pid: i32,
         event: &NewEvent<'_>,
     ) -> Result<(), DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
         let n = sqlx::query(
             "WITH s AS (
                  UPDATE durable.step_runs SET state = 'running', started_at = now(), executor_pid = $9,
@@ -670,11 +671,12 @@ impl Db {
         .bind(event.fraction)
         .bind(event.executor_at)
         .bind(executor_pid)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
         .ctx("marking a step running")?
         .rows_affected();
-        fenced(n, lease)
+        fenced(n, lease)?;
+        tx.commit().await.ctx("committing the start of a step")
     }
 
     /// Persists a progress event (and its checkpoint, if any), fenced.
@@ -717,7 +719,7 @@ impl Db {
         artifacts: &[NewArtifact],
         sequence: Option<u64>,
     ) -> Result<Vec<Uuid>, DbError> {
-        let mut tx = self.pool.begin().await.ctx("beginning a completion")?;
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
         let run_id: Option<Uuid> = sqlx::query_scalar(
             "SELECT run_id FROM durable.step_runs
               WHERE id = $1 AND lease_token = $2 AND state = 'running' FOR UPDATE",
@@ -803,7 +805,7 @@ impl Db {
         report: &FailureReport,
         jitter: f64,
     ) -> Result<FailureDecision, DbError> {
-        let mut tx = self.pool.begin().await.ctx("beginning a failure")?;
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
         let row = sqlx::query(
             "SELECT attempt, retry, deadline, cancel_requested, now() AS db_now FROM durable.step_runs
               WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') FOR UPDATE",
@@ -841,6 +843,7 @@ impl Db {
         worker_name: &str,
         message: &str,
     ) -> Result<(), DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
         let n = sqlx::query(
             "UPDATE durable.step_runs
                 SET state = 'cancelled', error_code = 'CANCELLED', error_message = $4,
@@ -851,11 +854,12 @@ impl Db {
         .bind(lease.token)
         .bind(worker_name)
         .bind(message)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
         .ctx("confirming a cancellation")?
         .rows_affected();
-        fenced(n, lease)
+        fenced(n, lease)?;
+        tx.commit().await.ctx("committing a cancellation")
     }
 
     /// The executor refused the job before executing it (routing mismatch):
@@ -869,6 +873,7 @@ impl Db {
         message: &str,
         delay: StdDuration,
     ) -> Result<(), DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
         let n = sqlx::query(
             "UPDATE durable.step_runs
                 SET state = 'retryable_failed', attempt = attempt - 1,
@@ -884,11 +889,12 @@ impl Db {
         .bind(code)
         .bind(message)
         .bind(delay.as_millis() as f64)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await
         .ctx("returning a refused step")?
         .rows_affected();
-        fenced(n, lease)
+        fenced(n, lease)?;
+        tx.commit().await.ctx("committing a refusal")
     }
 
     /// Moves expired leases on: `retryable_failed`, `terminal_failed` when
@@ -896,21 +902,34 @@ impl Db {
     /// when cancellation was requested — reason `LEASE_EXPIRED`. Returns how
     /// many were reclaimed.
     pub async fn reclaim_expired(&self, worker_name: &str, limit: u32) -> Result<usize, DbError> {
-        let mut tx = self.pool.begin().await.ctx("beginning a reclaim")?;
-        let rows = sqlx::query(
-            "SELECT id, lease_token, attempt, retry, deadline, cancel_requested, now() AS db_now
-               FROM durable.step_runs
+        let candidates: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM durable.step_runs
               WHERE state IN ('leased', 'running') AND lease_expires_at < now()
               ORDER BY lease_expires_at
-              LIMIT $1
-              FOR UPDATE SKIP LOCKED",
+              LIMIT $1",
         )
         .bind(limit as i64)
-        .fetch_all(&mut *tx)
+        .fetch_all(&self.pool)
         .await
         .ctx("finding expired leases")?;
-        let n = rows.len();
-        for row in rows {
+        let mut reclaimed = 0;
+        for id in candidates {
+            // run lock first, like every step write; then the step, skipping
+            // one another worker is reclaiming or its owner is writing right now
+            let mut tx = begin_step_write(&self.pool, id).await?;
+            let row = sqlx::query(
+                "SELECT id, lease_token, attempt, retry, deadline, cancel_requested, now() AS db_now
+                   FROM durable.step_runs
+                  WHERE id = $1 AND state IN ('leased', 'running') AND lease_expires_at < now()
+                  FOR UPDATE SKIP LOCKED",
+            )
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await
+            .ctx("locking an expired lease")?;
+            let Some(row) = row else {
+                continue;
+            };
             let lease = Lease {
                 step_run_id: row.get("id"),
                 token: row.get("lease_token"),
@@ -937,9 +956,10 @@ impl Db {
             let decision =
                 state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
             write_failure(&mut tx, &lease, worker_name, &report, &decision).await?;
+            tx.commit().await.ctx("committing a reclaim")?;
+            reclaimed += 1;
         }
-        tx.commit().await.ctx("committing a reclaim")?;
-        Ok(n)
+        Ok(reclaimed)
     }
 
     /// The artifacts a step receives as input: those of its dependencies, in
@@ -1002,6 +1022,26 @@ impl Db {
             .ctx("listening for wake-ups")?;
         Ok(l)
     }
+}
+
+/// Begins a single-step write: locks the step's run row first. Every writer
+/// that changes a step's state takes the run lock before the step lock (the
+/// triggers recompute the run), so concurrent completions, cancels and reclaims
+/// in one run serialise instead of deadlocking.
+async fn begin_step_write(
+    pool: &PgPool,
+    step_run_id: Uuid,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, DbError> {
+    let mut tx = pool.begin().await.ctx("beginning a step write")?;
+    sqlx::query(
+        "SELECT 1 FROM durable.workflow_runs
+          WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1) FOR UPDATE",
+    )
+    .bind(step_run_id)
+    .execute(&mut *tx)
+    .await
+    .ctx("locking the step's run")?;
+    Ok(tx)
 }
 
 fn fenced(rows: u64, lease: &Lease) -> Result<(), DbError> {
