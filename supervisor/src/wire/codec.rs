@@ -184,3 +184,101 @@ mod tests {
         ));
     }
 }
+
+/// The decoder against arbitrary input: random bytes and mutations of valid
+/// frames. It never panics, never allocates past the cap, and every bad input
+/// is an error (or a clean "need more bytes" at most).
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::wire::pb;
+    use rand::{Rng, SeedableRng};
+
+    fn valid_stream() -> Vec<u8> {
+        let mut out = Vec::new();
+        for i in 0..4u64 {
+            out.extend(encode_frame(&pb::ExecutorFrame {
+                frame: Some(pb::executor_frame::Frame::Event(pb::ProgressEvent {
+                    job_id: "j".into(),
+                    sequence: i + 1,
+                    kind: 3,
+                    message: "x".repeat(i as usize * 40),
+                    fraction: Some(0.5),
+                    checkpoint: Some(vec![i as u8; 8]),
+                    at_unix_ms: 1,
+                })),
+            }));
+        }
+        out
+    }
+
+    fn run(bytes: &[u8], cap: usize) {
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(cap);
+        let mut buf = BytesMut::new();
+        // feed in irregular chunks, as a pipe would
+        let mut i = 0;
+        let mut chunk = 1;
+        while i < bytes.len() {
+            let end = (i + chunk).min(bytes.len());
+            buf.extend_from_slice(&bytes[i..end]);
+            i = end;
+            chunk = chunk % 97 + 3;
+            loop {
+                match d.decode(&mut buf) {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => break,
+                    Err(_) => return,
+                }
+            }
+            assert!(
+                buf.capacity() <= cap + 64 + bytes.len().min(8192),
+                "buffer grew past the cap"
+            );
+        }
+        let _ = d.decode_eof(&mut buf);
+    }
+
+    #[test]
+    fn random_and_mutated_input_never_panics() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+        let valid = valid_stream();
+        for _ in 0..20_000 {
+            let len = rng.random_range(0..600);
+            let random: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+            run(&random, 1024);
+            let mut m = valid.clone();
+            for _ in 0..rng.random_range(1..6) {
+                let at = rng.random_range(0..m.len());
+                match rng.random_range(0..3) {
+                    0 => m[at] = rng.random(),
+                    1 => {
+                        m.remove(at);
+                    }
+                    _ => m.insert(at, rng.random()),
+                }
+            }
+            run(&m, 1024);
+            m.truncate(rng.random_range(0..m.len()));
+            run(&m, 1024);
+        }
+    }
+
+    #[test]
+    fn every_cut_of_a_valid_stream_is_truncated_or_clean() {
+        let valid = valid_stream();
+        for cut in 0..=valid.len() {
+            let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+            let mut buf = BytesMut::from(&valid[..cut]);
+            let mut frames = 0;
+            loop {
+                match d.decode_eof(&mut buf) {
+                    Ok(Some(_)) => frames += 1,
+                    Ok(None) => break,
+                    Err(WireError::Truncated { .. }) => break,
+                    Err(e) => panic!("cut {cut}: unexpected {e}"),
+                }
+            }
+            assert!(frames <= 4);
+        }
+    }
+}

@@ -1,0 +1,359 @@
+//! Malformed specs: each is rejected with a message that names the problem,
+//! through the CLI (exit 2) and through the SQL function, and nothing is written.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use serde_json::{json, Value};
+use supervisor::db::DbError;
+use tests::TestDb;
+
+fn step() -> Value {
+    json!({"name": "a", "executor_kind": "go", "kind": "demo.echo"})
+}
+
+fn with_step(f: impl FnOnce(&mut serde_json::Map<String, Value>)) -> Value {
+    let mut s = step();
+    if let Value::Object(m) = &mut s {
+        f(m);
+    }
+    json!({"name": "bad", "steps": [s]})
+}
+
+/// (what, spec text, a fragment the error must contain)
+fn cases() -> Vec<(&'static str, String, &'static str)> {
+    let big = "x".repeat(1_100_000);
+    let v = |v: Value| v.to_string();
+    vec![
+        ("not JSON", "{\"name\": ".to_string(), "not JSON"),
+        (
+            "not an object",
+            v(json!([1, 2])),
+            "spec: must be a JSON object",
+        ),
+        (
+            "missing name",
+            v(json!({"steps": [step()]})),
+            "name: is required",
+        ),
+        (
+            "name of the wrong type",
+            v(json!({"name": 7, "steps": [step()]})),
+            "name: must be a string",
+        ),
+        (
+            "missing steps",
+            v(json!({"name": "x"})),
+            "steps: is required",
+        ),
+        (
+            "empty steps",
+            v(json!({"name": "x", "steps": []})),
+            "steps: must contain at least one step",
+        ),
+        (
+            "steps not an array",
+            v(json!({"name": "x", "steps": {"a": 1}})),
+            "steps: must be an array",
+        ),
+        (
+            "unknown top-level field",
+            v(json!({"name": "x", "stepz": [], "steps": [step()]})),
+            "spec.stepz: unknown field",
+        ),
+        (
+            "missing executor_kind",
+            v(with_step(|m| {
+                m.remove("executor_kind");
+            })),
+            "steps[0].executor_kind: is required",
+        ),
+        (
+            "missing kind",
+            v(with_step(|m| {
+                m.remove("kind");
+            })),
+            "steps[0].kind: is required",
+        ),
+        (
+            "empty step name",
+            v(with_step(|m| {
+                m.insert("name".into(), json!(""));
+            })),
+            "steps[0].name: must not be empty",
+        ),
+        (
+            "duplicate step names",
+            v(json!({"name": "x", "steps": [step(), step()]})),
+            "steps[1].name: duplicate step name \"a\"",
+        ),
+        (
+            "unknown dependency",
+            v(with_step(|m| {
+                m.insert("depends_on".into(), json!(["nope"]));
+            })),
+            "steps[0].depends_on[0]: unknown step \"nope\"",
+        ),
+        (
+            "self dependency",
+            v(with_step(|m| {
+                m.insert("depends_on".into(), json!(["a"]));
+            })),
+            "a step cannot depend on itself",
+        ),
+        (
+            "cycle",
+            v(json!({"name": "x", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k", "depends_on": ["c"]},
+            {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]},
+            {"name": "c", "executor_kind": "go", "kind": "k", "depends_on": ["b"]}]})),
+            "dependency cycle among steps",
+        ),
+        (
+            "labels not strings",
+            v(with_step(|m| {
+                m.insert("labels".into(), json!({"zone": 1}));
+            })),
+            "steps[0].labels.zone: must be a string",
+        ),
+        (
+            "max_attempts zero",
+            v(with_step(|m| {
+                m.insert("retry".into(), json!({"max_attempts": 0}));
+            })),
+            "steps[0].retry.max_attempts: must be between 1 and 1000",
+        ),
+        (
+            "backoff below one",
+            v(with_step(|m| {
+                m.insert("retry".into(), json!({"backoff_coefficient": 0.5}));
+            })),
+            "steps[0].retry.backoff_coefficient: must be between 1 and 100",
+        ),
+        (
+            "max interval below initial",
+            v(with_step(|m| {
+                m.insert(
+                    "retry".into(),
+                    json!({"initial_interval_ms": 5000, "max_interval_ms": 10}),
+                );
+            })),
+            "steps[0].retry.max_interval_ms: must be at least initial_interval_ms",
+        ),
+        (
+            "unknown retry field",
+            v(with_step(|m| {
+                m.insert("retry".into(), json!({"attempts": 3}));
+            })),
+            "steps[0].retry.attempts: unknown field",
+        ),
+        (
+            "timeout not an integer",
+            v(with_step(|m| {
+                m.insert("timeout_ms".into(), json!("10s"));
+            })),
+            "steps[0].timeout_ms: must be an integer",
+        ),
+        (
+            "negative heartbeat timeout",
+            v(with_step(|m| {
+                m.insert("heartbeat_timeout_ms".into(), json!(-5));
+            })),
+            "steps[0].heartbeat_timeout_ms: must be between 1",
+        ),
+        (
+            "deadline not a timestamp",
+            v(with_step(|m| {
+                m.insert("deadline".into(), json!("tomorrow"));
+            })),
+            "steps[0].deadline: must be an RFC 3339 timestamp",
+        ),
+        (
+            "secret-looking input key",
+            v(with_step(|m| {
+                m.insert("input".into(), json!({"db": {"Password": "hunter2"}}));
+            })),
+            "steps[0].input.db.Password: looks like a secret",
+        ),
+        (
+            "api_key in a list",
+            v(with_step(|m| {
+                m.insert("input".into(), json!({"items": [{"my_api_key": "k"}]}));
+            })),
+            "steps[0].input.items[0].my_api_key: looks like a secret",
+        ),
+        (
+            "bad secret name",
+            v(with_step(|m| {
+                m.insert("secrets".into(), json!(["not-a-name"]));
+            })),
+            "steps[0].secrets[0]: must be a secret name",
+        ),
+        (
+            "huge input",
+            v(with_step(|m| {
+                m.insert("input".into(), json!({"blob": big}));
+            })),
+            "steps[0].input: is larger than 1 MiB",
+        ),
+        (
+            "wrong type for a step",
+            v(json!({"name": "x", "steps": ["a"]})),
+            "steps[0]: must be an object",
+        ),
+    ]
+}
+
+#[tokio::test]
+async fn every_malformed_spec_is_rejected_with_a_message_naming_it_and_nothing_is_written() {
+    let t = TestDb::new().await;
+    let bin = tests::supervisor_bin();
+    let cases = cases();
+    assert!(cases.len() >= 15);
+    for (what, text, fragment) in &cases {
+        // through the CLI, from stdin
+        let mut child = Command::new(&bin)
+            .args(["submit", "-", "--json"])
+            .env("DATABASE_URL", &t.url)
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn supervisor");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(text.as_bytes())
+            .expect("write spec");
+        let out = child.wait_with_output().expect("supervisor submit");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{what}: exit code; stderr: {stderr}"
+        );
+        assert!(
+            stderr.contains(fragment),
+            "{what}: message {stderr:?} does not contain {fragment:?}"
+        );
+        assert!(out.stdout.is_empty(), "{what}: printed a run id");
+
+        // through the SQL function
+        if let Ok(spec) = serde_json::from_str::<Value>(text) {
+            match t.db.submit(&spec).await {
+                Err(DbError::InvalidSpec(msg)) => {
+                    assert!(
+                        msg.contains(fragment),
+                        "{what}: SQL message {msg:?} lacks {fragment:?}"
+                    )
+                }
+                other => panic!("{what}: SQL submit returned {other:?}"),
+            }
+        }
+        println!("rejected: {what:<28} {fragment}");
+    }
+    for table in ["workflow_runs", "step_defs", "step_runs", "transitions"] {
+        assert_eq!(
+            t.scalar_i64(&format!("SELECT count(*) FROM durable.{table}"))
+                .await,
+            0,
+            "{table} must stay empty"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_secret_reference_is_accepted_and_named_for_the_worker() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "ok", "steps": [{"name": "a", "executor_kind": "go", "kind": "k",
+            "input": {"db": {"password": {"$secret": "DB_PASSWORD"}}}, "secrets": ["REPORT_API_TOKEN"]}]}))
+        .await;
+    let secrets: Vec<String> = sqlx::query_scalar(
+        "SELECT unnest(secrets) FROM durable.step_runs WHERE run_id = $1 ORDER BY 1",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("secrets");
+    assert_eq!(secrets, vec!["DB_PASSWORD", "REPORT_API_TOKEN"]);
+}
+
+#[tokio::test]
+async fn status_and_cancel_of_an_unknown_run_exit_4() {
+    let t = TestDb::new().await;
+    let bin = tests::supervisor_bin();
+    let id = uuid::Uuid::new_v4().to_string();
+    for args in [
+        vec!["status", id.as_str(), "--json"],
+        vec!["cancel", id.as_str()],
+        vec!["status", "not-a-uuid"],
+    ] {
+        let out = Command::new(&bin)
+            .args(&args)
+            .env("DATABASE_URL", &t.url)
+            .output()
+            .expect("run");
+        assert_eq!(
+            out.status.code(),
+            Some(4),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // a valid spec through the CLI prints {"run_id": ...} and status finds it
+    let spec = tempfile::NamedTempFile::new().expect("tmp");
+    std::fs::write(
+        spec.path(),
+        tests::one_step("cli", "go", "demo.echo", json!({"a": 1})).to_string(),
+    )
+    .expect("write");
+    let out = Command::new(&bin)
+        .args(["submit", spec.path().to_str().expect("path"), "--json"])
+        .env("DATABASE_URL", &t.url)
+        .output()
+        .expect("submit");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let run = v["run_id"].as_str().expect("run_id").to_string();
+    let out = Command::new(&bin)
+        .args(["status", &run, "--json"])
+        .env("DATABASE_URL", &t.url)
+        .output()
+        .expect("status");
+    assert_eq!(out.status.code(), Some(0));
+    let st: Value = serde_json::from_slice(&out.stdout).expect("status json");
+    assert_eq!(st["state"], "pending");
+    assert_eq!(st["steps"][0]["name"], "s");
+    assert_eq!(st["steps"][0]["state"], "pending");
+    assert_eq!(st["steps"][0]["attempt"], 0);
+    for key in [
+        "step_run_id",
+        "executor_kind",
+        "kind",
+        "events",
+        "artifacts",
+    ] {
+        assert!(st["steps"][0].get(key).is_some(), "status lacks {key}");
+    }
+    let out = Command::new(&bin)
+        .args(["cancel", &run])
+        .env("DATABASE_URL", &t.url)
+        .output()
+        .expect("cancel");
+    assert_eq!(out.status.code(), Some(0));
+    let out = Command::new(&bin)
+        .args(["status", &run, "--json"])
+        .env("DATABASE_URL", &t.url)
+        .output()
+        .expect("status");
+    let st: Value = serde_json::from_slice(&out.stdout).expect("status json");
+    assert_eq!(st["state"], "cancelled");
+}

@@ -1,0 +1,261 @@
+//! S03, queue half: a retryable failure raises the attempt, delays grow as the
+//! policy says (within the jitter), the idempotency key is the same on every
+//! attempt, exhausted attempts end terminal_failed; a second submit with the
+//! same run key creates nothing new.
+
+use std::time::Duration;
+
+use serde_json::json;
+use supervisor::db::{FailureReport, NewEvent, Route};
+use supervisor::retry::JITTER;
+use supervisor::state::{Failure, StepState};
+use tests::TestDb;
+use uuid::Uuid;
+
+fn route() -> Vec<Route> {
+    vec![Route {
+        executor_kind: "go".into(),
+        kind: "k".into(),
+        labels: Default::default(),
+    }]
+}
+
+fn ev() -> NewEvent<'static> {
+    NewEvent {
+        sequence: 1,
+        kind: "accepted",
+        message: "",
+        fraction: None,
+        checkpoint: None,
+        executor_at: None,
+    }
+}
+
+fn failure(code: &str, retryable: bool, next_ms: Option<i64>) -> FailureReport {
+    FailureReport {
+        failure: Failure {
+            code: code.into(),
+            retryable,
+            next_retry_delay: next_ms.map(chrono::Duration::milliseconds),
+        },
+        message: format!("{code} for the test"),
+        details: Some(json!({"why": "test"})),
+        sequence: Some(2),
+    }
+}
+
+async fn lease_when_due(t: &TestDb, w: Uuid) -> supervisor::db::LeasedStep {
+    for _ in 0..400 {
+        let mut got =
+            t.db.lease(w, "w", &route(), 1, Duration::from_secs(30))
+                .await
+                .expect("lease");
+        if let Some(s) = got.pop() {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("nothing became leasable");
+}
+
+#[tokio::test]
+async fn retries_back_off_and_exhaust() {
+    let t = TestDb::new().await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let run = t
+        .submit(json!({"name": "retry", "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
+            "retry": {"max_attempts": 4, "initial_interval_ms": 200, "backoff_coefficient": 2.0, "max_interval_ms": 500}}]}))
+        .await;
+    let mut keys = Vec::new();
+    let mut lines = Vec::new();
+    for attempt in 1..=4u32 {
+        let s = lease_when_due(&t, w).await;
+        assert_eq!(s.lease.attempt(), attempt);
+        keys.push(s.idempotency_key.clone());
+        t.db.mark_running(&s.lease, "w", 1, &ev())
+            .await
+            .expect("running");
+        let d =
+            t.db.fail(&s.lease, "w", &failure("FLAKY", true, None), 0.5)
+                .await
+                .expect("fail");
+        if attempt < 4 {
+            assert_eq!(d.to, StepState::RetryableFailed);
+            let next = d.next_attempt_at.expect("next attempt time");
+            let row: (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+                sqlx::query_as(
+                    "SELECT next_attempt_at, updated_at FROM durable.step_runs WHERE id = $1",
+                )
+                .bind(s.lease.step_run_id())
+                .fetch_one(t.db.pool())
+                .await
+                .expect("row");
+            assert_eq!(row.0, next);
+            let delay = (row.0 - row.1).num_milliseconds() as f64;
+            let base = (200.0 * 2f64.powi(attempt as i32 - 1)).min(500.0);
+            assert!(
+                delay >= base * (1.0 - JITTER) - 5.0
+                    && delay <= (base * (1.0 + JITTER)).min(500.0) + 5.0,
+                "attempt {attempt}: delay {delay} ms not within the jitter of {base} ms"
+            );
+            lines.push(format!(
+                "attempt {attempt} failed -> retry in {delay:.0} ms (base {base} ms)"
+            ));
+        } else {
+            assert_eq!(d.to, StepState::TerminalFailed, "attempts exhausted");
+            lines.push(format!(
+                "attempt {attempt} failed -> terminal_failed ({})",
+                d.reason
+            ));
+        }
+    }
+    println!("{}", lines.join("\n"));
+    assert!(
+        keys.windows(2).all(|w| w[0] == w[1]),
+        "idempotency key changed: {keys:?}"
+    );
+    let st = t.status(run).await;
+    assert_eq!(st.state, "failed");
+    assert_eq!(st.steps[0].state, "terminal_failed");
+    assert_eq!(st.steps[0].attempt, 4);
+    let err = st.steps[0].error.as_ref().expect("error");
+    assert_eq!((err.code.as_str(), err.retryable), ("FLAKY", true));
+    assert_eq!(err.details, Some(json!({"why": "test"})));
+}
+
+#[tokio::test]
+async fn non_retryable_codes_own_delays_and_deadlines() {
+    let t = TestDb::new().await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let spec = |name: &str, extra: serde_json::Value| {
+        let mut s = json!({"name": "s", "executor_kind": "go", "kind": "k",
+                           "retry": {"max_attempts": 5, "non_retryable_codes": ["BAD_INPUT"]}});
+        if let (Some(o), Some(e)) = (s.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        json!({"name": name, "steps": [s]})
+    };
+
+    // a code the policy lists as non-retryable ends the step at once
+    let r1 = t.submit(spec("nonretryable", json!({}))).await;
+    let s = lease_when_due(&t, w).await;
+    t.db.mark_running(&s.lease, "w", 1, &ev())
+        .await
+        .expect("running");
+    let d =
+        t.db.fail(&s.lease, "w", &failure("BAD_INPUT", true, None), 0.5)
+            .await
+            .expect("fail");
+    assert_eq!(d.to, StepState::TerminalFailed);
+    assert_eq!(t.status(r1).await.state, "failed");
+
+    // the error's own next_retry_delay overrides the backoff
+    let r2 = t.submit(spec("own-delay", json!({}))).await;
+    let s = lease_when_due(&t, w).await;
+    t.db.mark_running(&s.lease, "w", 1, &ev())
+        .await
+        .expect("running");
+    let d =
+        t.db.fail(&s.lease, "w", &failure("LATER", true, Some(3_000)), 0.0)
+            .await
+            .expect("fail");
+    let (next, upd): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT next_attempt_at, updated_at FROM durable.step_runs WHERE id = $1")
+            .bind(s.lease.step_run_id())
+            .fetch_one(t.db.pool())
+            .await
+            .expect("row");
+    assert_eq!(d.to, StepState::RetryableFailed);
+    assert_eq!((next - upd).num_milliseconds(), 3_000);
+    t.db.cancel(r2, None).await.expect("cancel");
+    assert_eq!(
+        t.status(r2).await.state,
+        "cancelled",
+        "cancelling a waiting retry ends the run"
+    );
+
+    // no retry is scheduled past the step deadline
+    let deadline = (chrono::Utc::now() + chrono::Duration::seconds(2)).to_rfc3339();
+    let r3 = t.submit(spec("deadline", json!({"deadline": deadline, "retry": {"max_attempts": 5, "initial_interval_ms": 5000}}))).await;
+    let s = lease_when_due(&t, w).await;
+    t.db.mark_running(&s.lease, "w", 1, &ev())
+        .await
+        .expect("running");
+    let d =
+        t.db.fail(&s.lease, "w", &failure("FLAKY", true, None), 0.5)
+            .await
+            .expect("fail");
+    assert_eq!(d.to, StepState::TerminalFailed, "{}", d.reason);
+    assert!(d.reason.contains("deadline"), "{}", d.reason);
+    assert_eq!(t.status(r3).await.state, "failed");
+}
+
+#[tokio::test]
+async fn the_same_run_key_submits_once() {
+    let t = TestDb::new().await;
+    let spec = json!({"name": "nightly", "idempotency_key": "nightly-2026-11-29",
+                      "steps": [{"name": "a", "executor_kind": "go", "kind": "k"},
+                                {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]});
+    let first = t.submit(spec.clone()).await;
+    // concurrent submits with the same key
+    let mut handles = Vec::new();
+    for _ in 0..8 {
+        let db = t.connect(1).await;
+        let spec = spec.clone();
+        handles.push(tokio::spawn(async move {
+            db.submit(&spec).await.expect("submit")
+        }));
+    }
+    for h in handles {
+        assert_eq!(h.await.expect("task"), first);
+    }
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+            .await,
+        1
+    );
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.step_runs").await,
+        1,
+        "b waits for a"
+    );
+    let st = t.status(first).await;
+    assert_eq!(st.steps[0].idempotency_key, "nightly-2026-11-29/a");
+    assert_eq!(st.waiting.len(), 1);
+}
+
+#[tokio::test]
+async fn a_dependent_step_is_created_when_its_last_dependency_succeeds() {
+    let t = TestDb::new().await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let run = t
+        .submit(json!({"name": "dag", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k"},
+            {"name": "c", "executor_kind": "go", "kind": "k", "depends_on": ["a", "b"]}]}))
+        .await;
+    for expected_created in [2, 2, 3] {
+        assert_eq!(t.status(run).await.steps.len(), expected_created);
+        let s = lease_when_due(&t, w).await;
+        t.db.mark_running(&s.lease, "w", 1, &ev())
+            .await
+            .expect("running");
+        t.db.complete(&s.lease, "w", &json!({"step": s.name}), &[], Some(2))
+            .await
+            .expect("complete");
+    }
+    let st = t.status(run).await;
+    assert_eq!(st.state, "succeeded");
+    assert!(st.waiting.is_empty());
+}
