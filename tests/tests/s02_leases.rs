@@ -48,7 +48,9 @@ async fn eight_workers_complete_each_step_exactly_once() {
         tasks.push(tokio::spawn(async move {
             let id = Uuid::new_v4();
             let name = format!("w{w}");
-            db.register_worker(id, &name, "test", &json!([])).await.expect("register");
+            db.register_worker(id, &name, "test", &json!([]))
+                .await
+                .expect("register");
             let mut idle = 0;
             while idle < 5 {
                 let steps = db
@@ -62,8 +64,13 @@ async fn eight_workers_complete_each_step_exactly_once() {
                 }
                 idle = 0;
                 for s in steps {
-                    db.mark_running(&s.lease, &name, 1, &accepted()).await.expect("running");
-                    match db.complete(&s.lease, &name, &json!({"by": name}), &[], Some(2)).await {
+                    db.mark_running(&s.lease, &name, 1, &accepted())
+                        .await
+                        .expect("running");
+                    match db
+                        .complete(&s.lease, &name, &json!({"by": name}), &[], Some(2))
+                        .await
+                    {
                         Ok(_) => completions
                             .lock()
                             .expect("lock")
@@ -83,18 +90,23 @@ async fn eight_workers_complete_each_step_exactly_once() {
     let completions = completions.lock().expect("lock");
     assert_eq!(completions.len(), STEPS, "every step completed");
     let twice: Vec<_> = completions.iter().filter(|(_, v)| v.len() != 1).collect();
-    assert!(twice.is_empty(), "steps completed more than once: {twice:?}");
+    assert!(
+        twice.is_empty(),
+        "steps completed more than once: {twice:?}"
+    );
     let mut per_worker = [0usize; 8];
     for v in completions.values() {
         per_worker[v[0]] += 1;
     }
     println!("completions per worker: {per_worker:?}");
     assert_eq!(
-        t.scalar_i64("SELECT count(*) FROM durable.step_runs WHERE state = 'succeeded'").await,
+        t.scalar_i64("SELECT count(*) FROM durable.step_runs WHERE state = 'succeeded'")
+            .await,
         STEPS as i64
     );
     assert_eq!(
-        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs WHERE state = 'succeeded'").await,
+        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs WHERE state = 'succeeded'")
+            .await,
         STEPS as i64
     );
 }
@@ -103,47 +115,92 @@ async fn eight_workers_complete_each_step_exactly_once() {
 async fn a_silent_owner_loses_its_lease_and_its_late_completion_is_refused() {
     let t = TestDb::new().await;
     let run = t
-        .submit(json!({"name": "expiry", "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
-                       "retry": {"initial_interval_ms": 0, "max_attempts": 3}}]}))
+        .submit(
+            json!({"name": "expiry", "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
+                       "retry": {"initial_interval_ms": 0, "max_attempts": 3}}]}),
+        )
         .await;
     let (a, b): (Db, Db) = (t.connect(2).await, t.connect(2).await);
     let (ida, idb) = (Uuid::new_v4(), Uuid::new_v4());
-    a.register_worker(ida, "stale", "test", &json!([])).await.expect("register");
-    b.register_worker(idb, "fresh", "test", &json!([])).await.expect("register");
+    a.register_worker(ida, "stale", "test", &json!([]))
+        .await
+        .expect("register");
+    b.register_worker(idb, "fresh", "test", &json!([]))
+        .await
+        .expect("register");
 
-    let leased = a.lease(ida, "stale", &route(), 1, Duration::from_millis(300)).await.expect("lease");
+    let leased = a
+        .lease(ida, "stale", &route(), 1, Duration::from_millis(300))
+        .await
+        .expect("lease");
     assert_eq!(leased.len(), 1);
     let stale = leased[0].lease.clone();
-    a.mark_running(&stale, "stale", 1, &accepted()).await.expect("running");
+    a.mark_running(&stale, "stale", 1, &accepted())
+        .await
+        .expect("running");
     // no other worker can take it while the lease lives
-    assert!(b.lease(idb, "fresh", &route(), 1, Duration::from_millis(300)).await.expect("lease").is_empty());
-    assert_eq!(b.reclaim_expired("fresh", 10).await.expect("reclaim"), 0, "not expired yet");
+    assert!(b
+        .lease(idb, "fresh", &route(), 1, Duration::from_millis(300))
+        .await
+        .expect("lease")
+        .is_empty());
+    assert_eq!(
+        b.reclaim_expired("fresh", 10).await.expect("reclaim"),
+        0,
+        "not expired yet"
+    );
 
     // the owner stops heartbeating; the lease expires on the database clock
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(b.reclaim_expired("fresh", 10).await.expect("reclaim"), 1);
     let st = t.status(run).await;
     assert_eq!(st.steps[0].state, "retryable_failed");
-    assert_eq!(st.steps[0].error.as_ref().map(|e| e.code.as_str()), Some("LEASE_EXPIRED"));
+    assert_eq!(
+        st.steps[0].error.as_ref().map(|e| e.code.as_str()),
+        Some("LEASE_EXPIRED")
+    );
 
-    let again = b.lease(idb, "fresh", &route(), 1, Duration::from_millis(5_000)).await.expect("lease");
+    let again = b
+        .lease(idb, "fresh", &route(), 1, Duration::from_millis(5_000))
+        .await
+        .expect("lease");
     assert_eq!(again.len(), 1);
     let fresh = again[0].lease.clone();
     assert_eq!(fresh.attempt(), 2);
     assert_ne!(fresh.token(), stale.token());
-    assert_eq!(again[0].idempotency_key, leased[0].idempotency_key, "same key on every attempt");
+    assert_eq!(
+        again[0].idempotency_key, leased[0].idempotency_key,
+        "same key on every attempt"
+    );
 
     // the stale owner's heartbeat reports the loss; its writes are refused
-    let hb = a.heartbeat(ida, &[stale.clone()], Duration::from_millis(300)).await.expect("heartbeat");
+    let hb = a
+        .heartbeat(ida, &[stale.clone()], Duration::from_millis(300))
+        .await
+        .expect("heartbeat");
     assert_eq!(hb.lost, vec![stale.step_run_id()]);
-    b.mark_running(&fresh, "fresh", 1, &accepted()).await.expect("running");
-    let late = a.complete(&stale, "stale", &json!({"by": "stale"}), &[], Some(9)).await;
+    b.mark_running(&fresh, "fresh", 1, &accepted())
+        .await
+        .expect("running");
+    let late = a
+        .complete(&stale, "stale", &json!({"by": "stale"}), &[], Some(9))
+        .await;
     assert!(matches!(late, Err(DbError::LeaseLost { .. })), "{late:?}");
     let late_event = a.record_event(&stale, &accepted()).await;
-    assert!(matches!(late_event, Err(DbError::LeaseLost { .. })), "{late_event:?}");
-    b.complete(&fresh, "fresh", &json!({"by": "fresh"}), &[], Some(2)).await.expect("complete");
-    let late = a.complete(&stale, "stale", &json!({"by": "stale"}), &[], Some(9)).await;
-    assert!(matches!(late, Err(DbError::LeaseLost { .. })), "after success too: {late:?}");
+    assert!(
+        matches!(late_event, Err(DbError::LeaseLost { .. })),
+        "{late_event:?}"
+    );
+    b.complete(&fresh, "fresh", &json!({"by": "fresh"}), &[], Some(2))
+        .await
+        .expect("complete");
+    let late = a
+        .complete(&stale, "stale", &json!({"by": "stale"}), &[], Some(9))
+        .await;
+    assert!(
+        matches!(late, Err(DbError::LeaseLost { .. })),
+        "after success too: {late:?}"
+    );
 
     let st = t.status(run).await;
     assert_eq!(st.state, "succeeded");
@@ -155,9 +212,23 @@ async fn a_silent_owner_loses_its_lease_and_its_late_completion_is_refused() {
     .fetch_all(t.db.pool())
     .await
     .expect("history");
-    let expired = reasons.iter().find(|(to, _, _)| to == "retryable_failed").expect("reclaim recorded");
-    assert!(expired.1.as_deref().unwrap_or("").starts_with("LEASE_EXPIRED"), "{reasons:?}");
-    assert_eq!(expired.2.as_deref(), Some("fresh"), "recorded as done by the reclaimer");
+    let expired = reasons
+        .iter()
+        .find(|(to, _, _)| to == "retryable_failed")
+        .expect("reclaim recorded");
+    assert!(
+        expired
+            .1
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("LEASE_EXPIRED"),
+        "{reasons:?}"
+    );
+    assert_eq!(
+        expired.2.as_deref(),
+        Some("fresh"),
+        "recorded as done by the reclaimer"
+    );
 }
 
 #[tokio::test]
@@ -170,24 +241,40 @@ async fn heartbeats_keep_a_short_lease_alive_in_one_statement() {
     let w = t.connect(2).await;
     let reclaimer = t.connect(2).await;
     let id = Uuid::new_v4();
-    w.register_worker(id, "hb", "test", &json!([])).await.expect("register");
-    let steps = w.lease(id, "hb", &route(), 20, Duration::from_millis(400)).await.expect("lease");
+    w.register_worker(id, "hb", "test", &json!([]))
+        .await
+        .expect("register");
+    let steps = w
+        .lease(id, "hb", &route(), 20, Duration::from_millis(400))
+        .await
+        .expect("lease");
     assert_eq!(steps.len(), 20);
     let leases: Vec<_> = steps.iter().map(|s| s.lease.clone()).collect();
     for _ in 0..8 {
         tokio::time::sleep(Duration::from_millis(150)).await;
-        let r = w.heartbeat(id, &leases, Duration::from_millis(400)).await.expect("heartbeat");
+        let r = w
+            .heartbeat(id, &leases, Duration::from_millis(400))
+            .await
+            .expect("heartbeat");
         assert_eq!(r.renewed, 20, "one statement renews all twenty");
         assert!(r.lost.is_empty());
-        assert_eq!(reclaimer.reclaim_expired("r", 100).await.expect("reclaim"), 0);
+        assert_eq!(
+            reclaimer.reclaim_expired("r", 100).await.expect("reclaim"),
+            0
+        );
     }
     // a cancel request shows up in the next heartbeat
     let run = t.status_of_step(steps[3].lease.step_run_id()).await;
     t.db.cancel(run, None).await.expect("cancel");
-    let r = w.heartbeat(id, &leases, Duration::from_millis(400)).await.expect("heartbeat");
+    let r = w
+        .heartbeat(id, &leases, Duration::from_millis(400))
+        .await
+        .expect("heartbeat");
     assert_eq!(r.cancel_requested, vec![steps[3].lease.step_run_id()]);
     for s in &steps {
-        w.confirm_cancelled(&s.lease, "hb", "test").await.expect("cancel");
+        w.confirm_cancelled(&s.lease, "hb", "test")
+            .await
+            .expect("cancel");
     }
 }
 
