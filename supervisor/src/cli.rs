@@ -314,8 +314,10 @@ pub fn repo_root() -> PathBuf {
 
 /// The worker config of `supervisor dev`: the two bundled demo executors.
 pub fn dev_config(root: &Path) -> WorkerConfig {
-    let mut cfg = WorkerConfig::default();
-    cfg.name = Some("dev".into());
+    let mut cfg = WorkerConfig {
+        name: Some("dev".into()),
+        ..WorkerConfig::default()
+    };
     let go = ExecutorConfig {
         name: "go-demo".into(),
         command: root

@@ -87,7 +87,7 @@ async fn eight_workers_complete_each_step_exactly_once() {
     for task in tasks {
         task.await.expect("worker task");
     }
-    let completions = completions.lock().expect("lock");
+    let completions = completions.lock().expect("lock").clone();
     assert_eq!(completions.len(), STEPS, "every step completed");
     let twice: Vec<_> = completions.iter().filter(|(_, v)| v.len() != 1).collect();
     assert!(
@@ -175,7 +175,11 @@ async fn a_silent_owner_loses_its_lease_and_its_late_completion_is_refused() {
 
     // the stale owner's heartbeat reports the loss; its writes are refused
     let hb = a
-        .heartbeat(ida, &[stale.clone()], Duration::from_millis(300))
+        .heartbeat(
+            ida,
+            std::slice::from_ref(&stale),
+            Duration::from_millis(300),
+        )
         .await
         .expect("heartbeat");
     assert_eq!(hb.lost, vec![stale.step_run_id()]);

@@ -985,29 +985,27 @@ async fn watch_after_terminal(
     grace: Duration,
 ) -> AfterTerminal {
     let until = Instant::now() + grace;
-    loop {
-        tokio::select! {
-            biased;
-            f = frames.next() => match f {
-                Some(Ok(f)) => return AfterTerminal::Violation(format!("a {} frame", FromExecutor::from(f).name())),
-                Some(Err(e)) => return AfterTerminal::Violation(e.to_string()),
-                None => {
-                    // stdout closed; wait for the exit itself
-                    return match tokio::time::timeout_at(until, child.exited()).await {
-                        Ok(_) => AfterTerminal::Clean,
-                        Err(_) => AfterTerminal::StillRunning,
-                    };
+    tokio::select! {
+        biased;
+        f = frames.next() => match f {
+            Some(Ok(f)) => AfterTerminal::Violation(format!("a {} frame", FromExecutor::from(f).name())),
+            Some(Err(e)) => AfterTerminal::Violation(e.to_string()),
+            None => {
+                // stdout closed; wait for the exit itself
+                match tokio::time::timeout_at(until, child.exited()).await {
+                    Ok(_) => AfterTerminal::Clean,
+                    Err(_) => AfterTerminal::StillRunning,
                 }
-            },
-            _ = child.exited(), if !child.has_exited() => {
-                return match drain_after_exit(frames).await {
-                    Drained::Frames(v) if v.is_empty() => AfterTerminal::Clean,
-                    Drained::Frames(v) => AfterTerminal::Violation(format!("a {} frame", v[0].name())),
-                    Drained::Error(e) => AfterTerminal::Violation(e.to_string()),
-                };
             }
-            _ = tokio::time::sleep_until(until) => return AfterTerminal::StillRunning,
+        },
+        _ = child.exited(), if !child.has_exited() => {
+            match drain_after_exit(frames).await {
+                Drained::Frames(v) if v.is_empty() => AfterTerminal::Clean,
+                Drained::Frames(v) => AfterTerminal::Violation(format!("a {} frame", v[0].name())),
+                Drained::Error(e) => AfterTerminal::Violation(e.to_string()),
+            }
         }
+        _ = tokio::time::sleep_until(until) => AfterTerminal::StillRunning,
     }
 }
 
