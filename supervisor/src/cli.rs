@@ -60,9 +60,18 @@ pub enum Command {
     },
     /// Local development.
     Dev {
-        /// Print the worker config (TOML) for the bundled demo executors.
+        /// Print the worker config (TOML) for the bundled demo executors, and exit.
         #[arg(long)]
         print_config: bool,
+        /// Submit this spec (a file, or -) once the worker runs.
+        #[arg(long)]
+        submit: Option<String>,
+        /// Stop (after draining) once no run is pending or running.
+        #[arg(long)]
+        exit_when_idle: bool,
+        /// Port of the local cluster started under ./.dev/ when DATABASE_URL is unset.
+        #[arg(long, default_value_t = 54330)]
+        dev_port: u16,
     },
     /// Start each configured executor, handshake, print its capabilities, stop it.
     Executors {
@@ -79,6 +88,8 @@ pub enum CliError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Worker(#[from] WorkerError),
+    #[error(transparent)]
+    Dev(#[from] crate::dev::DevError),
     #[error(
         "no database: pass --database-url or set DATABASE_URL (e.g. postgres://user@localhost/db)"
     )]
@@ -209,21 +220,45 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             worker.run(shutdown).await?;
             Ok(0)
         }
-        Command::Dev { print_config } => {
+        Command::Dev {
+            print_config,
+            submit,
+            exit_when_idle,
+            dev_port,
+        } => {
+            let cfg = dev_config(&repo_root());
             if print_config {
-                let cfg = dev_config(&repo_root());
                 print!(
                     "{}",
                     toml::to_string_pretty(&cfg).map_err(|e| CliError::Other(e.to_string()))?
                 );
-                Ok(0)
-            } else {
-                Err(CliError::Other(
-                    "`supervisor dev` without --print-config is not available in this build; run \
-                     `supervisor dev --print-config > worker.toml` and `supervisor worker --config worker.toml`"
-                        .into(),
-                ))
+                return Ok(0);
             }
+            crate::dev::check_executors(&cfg)?;
+            let spec = submit
+                .as_deref()
+                .map(|f| {
+                    let text = read_input(f)?;
+                    serde_json::from_str::<serde_json::Value>(&text)
+                        .map_err(|e| CliError::NotJson(e.to_string()))
+                })
+                .transpose()?;
+            let cluster = match &cli.database_url {
+                Some(_) => None,
+                None => Some(crate::dev::DevCluster::ensure(
+                    &std::env::current_dir().unwrap_or_default().join(".dev"),
+                    dev_port,
+                )?),
+            };
+            let url = cli
+                .database_url
+                .clone()
+                .or_else(|| cluster.as_ref().map(|c| c.url.clone()));
+            let result = dev_session(url, cfg, spec, exit_when_idle).await;
+            if let Some(c) = cluster {
+                c.stop();
+            }
+            result
         }
         Command::Executors { config } => {
             let cfg = WorkerConfig::load(&config)?;
@@ -255,6 +290,52 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             Ok(if all_ok { 0 } else { 1 })
         }
     }
+}
+
+/// Runs a worker with the bundled executors; optionally submits a spec and
+/// stops once nothing is left to do.
+async fn dev_session(
+    url: Option<String>,
+    cfg: WorkerConfig,
+    spec: Option<serde_json::Value>,
+    exit_when_idle: bool,
+) -> Result<u8, CliError> {
+    let db = connect(&url, cfg.db_max_connections).await?;
+    let worker = Worker::start(db.clone(), cfg).await?;
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let mut run_id = None;
+    if let Some(spec) = spec {
+        let id = db.submit(&spec).await?;
+        println!("{}", serde_json::json!({ "run_id": id }));
+        run_id = Some(id);
+    }
+    if exit_when_idle {
+        let (db2, stop) = (db.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                match db2.open_runs().await {
+                    Ok(0) => {
+                        tracing::info!("no run is pending or running: stopping");
+                        stop.cancel();
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "cannot count open runs"),
+                }
+            }
+        });
+    }
+    worker.run(shutdown).await?;
+    if let Some(id) = run_id {
+        let st = db.status(id).await?;
+        eprintln!("run {} {:?}: {}", st.run_id, st.name, st.state);
+        for s in &st.steps {
+            eprintln!("  {:<24} {:<17} attempt {}", s.name, s.state, s.attempt);
+        }
+    }
+    Ok(0)
 }
 
 fn read_input(file: &str) -> Result<String, CliError> {

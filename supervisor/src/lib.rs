@@ -2,6 +2,7 @@
 pub mod cli;
 pub mod config;
 pub mod db;
+pub mod dev;
 pub mod process;
 pub mod retry;
 pub mod state;

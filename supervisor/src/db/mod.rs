@@ -997,6 +997,16 @@ impl Db {
             .collect())
     }
 
+    /// How many runs are pending or running.
+    pub async fn open_runs(&self) -> Result<i64, DbError> {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM durable.workflow_runs WHERE state IN ('pending', 'running')",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .ctx("counting open runs")
+    }
+
     /// The step's current state (tests, diagnostics).
     pub async fn step_state(&self, step_run_id: Uuid) -> Result<Option<StepState>, DbError> {
         let s: Option<String> =

@@ -1,0 +1,155 @@
+//! `supervisor dev`: local development in one command. With no DATABASE_URL it
+//! runs its own PostgreSQL cluster under `./.dev/` (data kept between runs,
+//! server stopped at exit), migrates, and runs a worker with the bundled Go and
+//! Python demo executors.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DevError {
+    #[error("no PostgreSQL server binaries found in /usr/lib/postgresql/*/bin: install them (Debian: apt-get install postgresql) or set DATABASE_URL")]
+    NoPostgres,
+    #[error("{what} failed: {detail}")]
+    Command { what: String, detail: String },
+    #[error(
+        "the bundled executor {0} is missing: run scripts/setup from the repository root first"
+    )]
+    MissingExecutor(PathBuf),
+}
+
+/// A local cluster under `dir`, started on `port`.
+#[derive(Debug)]
+pub struct DevCluster {
+    bin: PathBuf,
+    dir: PathBuf,
+    pub url: String,
+}
+
+fn is_root() -> bool {
+    nix::unistd::Uid::effective().is_root()
+}
+
+/// Runs a PostgreSQL tool as the cluster's owner: as root that is the
+/// `postgres` system user, since initdb refuses to run as root.
+fn pg_tool(bin: &Path, tool: &str) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(bin.join(tool));
+        c
+    } else {
+        Command::new(bin.join(tool))
+    }
+}
+
+fn run(mut c: Command, what: &str) -> Result<(), DevError> {
+    let out = c.output().map_err(|e| DevError::Command {
+        what: what.into(),
+        detail: e.to_string(),
+    })?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(DevError::Command {
+            what: what.into(),
+            detail: format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+            .trim()
+            .to_owned(),
+        })
+    }
+}
+
+fn find_bin() -> Result<PathBuf, DevError> {
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .map_err(|_| DevError::NoPostgres)?
+        .flatten()
+        .filter_map(|e| {
+            let v = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("initdb").exists().then_some((v, bin))
+        })
+        .collect();
+    found.sort();
+    found.pop().map(|(_, b)| b).ok_or(DevError::NoPostgres)
+}
+
+impl DevCluster {
+    /// Creates the cluster if needed and starts it if it is not running.
+    pub fn ensure(dir: &Path, port: u16) -> Result<DevCluster, DevError> {
+        let bin = find_bin()?;
+        std::fs::create_dir_all(dir).map_err(|e| DevError::Command {
+            what: format!("creating {}", dir.display()),
+            detail: e.to_string(),
+        })?;
+        if is_root() {
+            let mut c = Command::new("chown");
+            c.arg("postgres:").arg(dir);
+            run(c, "chown of the dev cluster directory to postgres")?;
+        }
+        let data = dir.join("data");
+        if !data.join("PG_VERSION").exists() {
+            let mut c = pg_tool(&bin, "initdb");
+            c.arg("-D").arg(&data).args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-locale",
+            ]);
+            run(c, "initdb")?;
+        }
+        let mut status = pg_tool(&bin, "pg_ctl");
+        status.arg("-D").arg(&data).arg("status");
+        let running = status.output().map(|o| o.status.success()).unwrap_or(false);
+        if !running {
+            let mut c = pg_tool(&bin, "pg_ctl");
+            c.arg("-D")
+                .arg(&data)
+                .arg("-l")
+                .arg(dir.join("server.log"))
+                .args(["-w", "-t", "60", "start", "-o"])
+                .arg(format!(
+                    "-p {port} -k {} -c listen_addresses=127.0.0.1",
+                    dir.display()
+                ));
+            run(c, "starting the dev PostgreSQL (see .dev/server.log)")?;
+        }
+        Ok(DevCluster {
+            bin,
+            dir: dir.to_owned(),
+            url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+        })
+    }
+
+    /// Stops the server; the data stays for the next run.
+    pub fn stop(&self) {
+        let mut c = pg_tool(&self.bin, "pg_ctl");
+        c.arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "fast", "-w", "stop"]);
+        if let Err(e) = run(c, "stopping the dev PostgreSQL") {
+            tracing::warn!(error = %e, "dev cluster did not stop cleanly");
+        }
+    }
+}
+
+/// Checks that the bundled executors of `cfg` exist.
+pub fn check_executors(cfg: &crate::config::WorkerConfig) -> Result<(), DevError> {
+    for e in &cfg.executors {
+        let p = PathBuf::from(&e.command);
+        if !p.exists() {
+            return Err(DevError::MissingExecutor(p));
+        }
+        for a in e.args.iter().filter(|a| a.ends_with(".py")) {
+            if !Path::new(a).exists() {
+                return Err(DevError::MissingExecutor(a.into()));
+            }
+        }
+    }
+    Ok(())
+}
