@@ -28,13 +28,65 @@ pub fn repo_root() -> PathBuf {
 }
 
 pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    // what the test prints (RUST_LOG, default warn) ...
+    let shown = tracing_subscriber::fmt::layer()
+        .with_test_writer()
+        .with_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_test_writer()
+        );
+    // ... and, whatever RUST_LOG says, the supervisor's own info and above,
+    // kept in memory so a test can assert on what the worker logged
+    let kept = tracing_subscriber::fmt::layer()
+        .with_ansi(false)
+        .with_writer(|| LogCapture)
+        .with_filter(
+            tracing_subscriber::filter::Targets::new()
+                .with_target("supervisor", tracing::Level::INFO),
+        );
+    let _ = tracing_subscriber::registry()
+        .with(shown)
+        .with(kept)
         .try_init();
+}
+
+/// Lines the supervisor logged in this test process (info and above), newest last.
+static CAPTURED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+const CAPTURED_MAX: usize = 200_000;
+
+struct LogCapture;
+
+impl std::io::Write for LogCapture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let text = String::from_utf8_lossy(buf);
+        let mut kept = CAPTURED.lock().unwrap_or_else(|p| p.into_inner());
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            kept.push(line.to_owned());
+        }
+        if kept.len() > CAPTURED_MAX {
+            let extra = kept.len() - CAPTURED_MAX;
+            kept.drain(..extra);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The captured supervisor log lines (see [`init_tracing`]) that contain every
+/// one of `needles`, e.g. a step_run_id and a message.
+pub fn logged(needles: &[&str]) -> Vec<String> {
+    CAPTURED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|l| needles.iter().all(|n| l.contains(n)))
+        .cloned()
+        .collect()
 }
 
 /// A database of its own for one test. Test databases (`t_*`) are left for
@@ -357,4 +409,166 @@ pub fn supervisor_bin() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+// ---------------------------------------------------------------------------
+// helpers for the end-to-end tests of the worker (S03-S05, misbehaviour)
+
+/// The demo executors' languages, as `executor_kind`.
+pub const LANGS: [&str; 2] = ["go", "python"];
+
+/// The demo executor of `lang` ("go" or "python").
+pub fn demo(
+    lang: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+    kinds: Option<&[&str]>,
+) -> ExecutorConfig {
+    match lang {
+        "go" => go_demo(name, labels, kinds),
+        "python" => python_demo(name, labels, kinds),
+        other => panic!("no demo executor for {other:?}"),
+    }
+}
+
+/// Runs the executor through `/bin/sh -c SCRIPT`, where the script ends with
+/// `exec "$0" "$@"` (the program and its arguments): the executor keeps the
+/// shell's pid. `PATH` stays available (it is in the default allowlist).
+pub fn wrap_in_shell(mut cfg: ExecutorConfig, script: &str) -> ExecutorConfig {
+    let mut args = vec!["-c".to_string(), script.to_string(), cfg.command.clone()];
+    args.append(&mut cfg.args);
+    cfg.command = "/bin/sh".into();
+    cfg.args = args;
+    cfg
+}
+
+/// Serialises the tests of one test binary that run workers in this process:
+/// a worker's drain ends with `kill_all_groups()`, which signals every child
+/// group of the process, and two-core machines prefer one test at a time.
+pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
+}
+
+/// One row of a step's transition history.
+#[derive(Debug, Clone)]
+pub struct StepTransition {
+    pub from_state: Option<String>,
+    pub to_state: String,
+    pub attempt: Option<i32>,
+    pub worker: Option<String>,
+    pub reason: Option<String>,
+}
+
+/// The transition history of one step, oldest first.
+pub async fn step_transitions(db: &Db, step_run_id: Uuid) -> Vec<StepTransition> {
+    let rows: Vec<(
+        Option<String>,
+        String,
+        Option<i32>,
+        Option<String>,
+        Option<String>,
+    )> = sqlx::query_as(
+        "SELECT from_state, to_state, attempt, worker, reason FROM durable.transitions
+              WHERE step_run_id = $1 ORDER BY id",
+    )
+    .bind(step_run_id)
+    .fetch_all(db.pool())
+    .await
+    .expect("step transitions");
+    rows.into_iter()
+        .map(
+            |(from_state, to_state, attempt, worker, reason)| StepTransition {
+                from_state,
+                to_state,
+                attempt,
+                worker,
+                reason,
+            },
+        )
+        .collect()
+}
+
+/// How many progress events a step has (all attempts).
+pub async fn event_count(db: &Db, step_run_id: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM durable.step_events WHERE step_run_id = $1")
+        .bind(step_run_id)
+        .fetch_one(db.pool())
+        .await
+        .expect("event count")
+}
+
+/// The step_run_id of the only step of a run, waiting until it exists.
+pub async fn only_step_id(t: &TestDb, run: Uuid) -> Uuid {
+    t.wait_run(run, Duration::from_secs(30), |s| !s.steps.is_empty())
+        .await
+        .steps[0]
+        .step_run_id
+}
+
+/// The worker config as TOML, for `supervisor worker --config FILE`.
+pub fn worker_toml(cfg: &WorkerConfig) -> String {
+    toml::to_string(cfg).expect("worker config as TOML")
+}
+
+/// A `supervisor worker` process (the real binary) with `cfg`, logging to a file.
+pub struct WorkerProcess {
+    pub child: std::process::Child,
+    pub log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl WorkerProcess {
+    pub fn spawn(url: &str, cfg: &WorkerConfig) -> WorkerProcess {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg_path = dir.path().join("worker.toml");
+        std::fs::write(&cfg_path, toml::to_string(cfg).expect("config to TOML"))
+            .expect("write config");
+        let log = dir.path().join("worker.log");
+        let child = std::process::Command::new(supervisor_bin())
+            .args(["worker", "--config"])
+            .arg(&cfg_path)
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "info")
+            .stdout(std::fs::File::create(&log).expect("log"))
+            .stderr(std::fs::File::create(dir.path().join("worker.err")).expect("log"))
+            .spawn()
+            .expect("spawn supervisor worker");
+        WorkerProcess {
+            child,
+            log,
+            _dir: dir,
+        }
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig)
+            .expect("signal worker");
+    }
+
+    /// Waits for the process to exit (bounded) and returns its exit code.
+    pub async fn wait(&mut self, within: Duration) -> Option<i32> {
+        let until = std::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status.code();
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "worker did not exit within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("worker.err")).unwrap_or_default()
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -569,7 +569,7 @@ impl Db {
                     AND EXISTS (SELECT 1 FROM routes r
                                  WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
                                    AND r.labels @> s.labels)
-                  ORDER BY s.next_attempt_at, s.position
+                  ORDER BY s.next_attempt_at
                   LIMIT $6
                   FOR UPDATE SKIP LOCKED
              )

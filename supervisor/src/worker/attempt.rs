@@ -107,6 +107,7 @@ pub(crate) async fn run(
     let started = Instant::now();
     let outcome = execute(&shared, &exec, &step, control).await;
     let label = outcome.label();
+    shared.forget(step.lease.step_run_id());
     commit(&shared, &step, outcome).await;
     info!(outcome = %label, elapsed_ms = started.elapsed().as_millis() as u64, "attempt finished");
 }
@@ -440,6 +441,31 @@ async fn converse(
             },
         )
         .await;
+    }
+
+    // a cancel or a lost lease that arrived during spawn and handshake: the
+    // step is still only leased, so the job is never sent
+    let before_job = *control.borrow_and_update();
+    if before_job != Control::Run {
+        let outcome = if before_job == Control::Cancel {
+            Outcome::Cancelled {
+                message: "cancellation was requested before the job was sent".into(),
+            }
+        } else {
+            Outcome::Abandoned {
+                why: "the lease was lost before the job was sent".into(),
+            }
+        };
+        write_frame(
+            &mut stdin,
+            &ToExecutor::Shutdown {
+                reason: outcome.label(),
+            },
+        )
+        .await;
+        drop(stdin);
+        let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
+        return stop_now(child, cfg, outcome).await;
     }
 
     // --- the job

@@ -68,6 +68,13 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The attempt stops executing: its lease leaves the heartbeat set. The
+    /// commit that follows is fenced, so if the lease expires meanwhile the
+    /// outcome is refused, as it must be.
+    fn forget(&self, step_run_id: Uuid) {
+        self.leases().remove(&step_run_id);
+    }
+
     fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, (Lease, watch::Sender<Control>)>> {
         // a panic while holding this lock cannot leave the map inconsistent
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
@@ -288,7 +295,7 @@ impl Worker {
                         async move {
                             let id = step.lease.step_run_id();
                             attempt::run(shared2.clone(), exec2.clone(), step, rx).await;
-                            shared2.leases().remove(&id);
+                            shared2.forget(id);
                             exec2.running.fetch_sub(1, Ordering::SeqCst);
                             freed.notify_one();
                         }
