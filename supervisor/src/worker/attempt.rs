@@ -295,18 +295,29 @@ fn sanitize(name: &str) -> String {
 
 type Frames = FramedRead<tokio::process::ChildStdout, wire::FrameDecoder<wire::pb::ExecutorFrame>>;
 
+/// How long one frame may take to go into the child's stdin. A child that
+/// does not read its stdin must not block the attempt's event loop.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
 async fn write_frame(stdin: &mut Option<ChildStdin>, m: &ToExecutor) {
     if let Some(w) = stdin.as_mut() {
         let bytes = wire::encode_to_executor(m);
-        let res = async {
+        let res = tokio::time::timeout(WRITE_TIMEOUT, async {
             w.write_all(&bytes).await?;
             w.flush().await
-        }
+        })
         .await;
-        if let Err(e) = res {
-            // the child closed stdin or died; its exit tells the rest
-            debug!(error = %e, "cannot write to the executor's stdin");
-            *stdin = None;
+        match res {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                // the child closed stdin or died; its exit tells the rest
+                debug!(error = %e, "cannot write to the executor's stdin");
+                *stdin = None;
+            }
+            Err(_) => {
+                warn!("the executor does not read its stdin; closing it");
+                *stdin = None;
+            }
         }
     }
 }
@@ -1010,6 +1021,14 @@ async fn watch_after_terminal(
     frames: &mut Frames,
     grace: Duration,
 ) -> AfterTerminal {
+    if child.has_exited() {
+        // the leader is gone; a grandchild may hold stdout open, so only drain
+        return match drain_after_exit(frames).await {
+            Drained::Frames(v) if v.is_empty() => AfterTerminal::Clean,
+            Drained::Frames(v) => AfterTerminal::Violation(format!("a {} frame", v[0].name())),
+            Drained::Error(e) => AfterTerminal::Violation(e.to_string()),
+        };
+    }
     let until = Instant::now() + grace;
     tokio::select! {
         biased;
