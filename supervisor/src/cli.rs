@@ -217,7 +217,10 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             let worker = Worker::start(db, cfg).await?;
             let shutdown = CancellationToken::new();
             spawn_signal_handler(shutdown.clone());
-            worker.run(shutdown).await?;
+            let res = worker.run(shutdown).await;
+            // the last line of defence: no child outlives the worker process
+            crate::process::kill_all_groups();
+            res?;
             Ok(0)
         }
         Command::Dev {
@@ -327,7 +330,9 @@ async fn dev_session(
             }
         });
     }
-    worker.run(shutdown).await?;
+    let res = worker.run(shutdown).await;
+    crate::process::kill_all_groups();
+    res?;
     if let Some(id) = run_id {
         let st = db.status(id).await?;
         eprintln!("run {} {:?}: {}", st.run_id, st.name, st.state);

@@ -451,7 +451,7 @@ pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
 }
 
 /// One row of a step's transition history.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct StepTransition {
     pub from_state: Option<String>,
     pub to_state: String,
@@ -462,31 +462,14 @@ pub struct StepTransition {
 
 /// The transition history of one step, oldest first.
 pub async fn step_transitions(db: &Db, step_run_id: Uuid) -> Vec<StepTransition> {
-    let rows: Vec<(
-        Option<String>,
-        String,
-        Option<i32>,
-        Option<String>,
-        Option<String>,
-    )> = sqlx::query_as(
+    sqlx::query_as::<_, StepTransition>(
         "SELECT from_state, to_state, attempt, worker, reason FROM durable.transitions
-              WHERE step_run_id = $1 ORDER BY id",
+          WHERE step_run_id = $1 ORDER BY id",
     )
     .bind(step_run_id)
     .fetch_all(db.pool())
     .await
-    .expect("step transitions");
-    rows.into_iter()
-        .map(
-            |(from_state, to_state, attempt, worker, reason)| StepTransition {
-                from_state,
-                to_state,
-                attempt,
-                worker,
-                reason,
-            },
-        )
-        .collect()
+    .expect("step transitions")
 }
 
 /// How many progress events a step has (all attempts).

@@ -322,6 +322,20 @@ async fn write_frame(stdin: &mut Option<ChildStdin>, m: &ToExecutor) {
     }
 }
 
+/// Resolves with the control value once it is no longer `Run`.
+async fn until_stopped(control: &mut watch::Receiver<Control>) -> Control {
+    loop {
+        let c = *control.borrow_and_update();
+        if c != Control::Run {
+            return c;
+        }
+        if control.changed().await.is_err() {
+            // the heartbeat side is gone: nothing will ever stop us from here
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 async fn sleep_opt(at: Option<Instant>) {
     match at {
         Some(t) => tokio::time::sleep_until(t).await,
@@ -370,13 +384,35 @@ async fn converse(
     let mut stdin = stdin;
     let mut frames: Frames = FramedRead::new(stdout, wire::executor_decoder(cfg.max_frame_bytes));
 
-    // --- handshake: the executor speaks first
-    let hello: Hello = match tokio::time::timeout(
+    // --- handshake: the executor speaks first; a cancel, a lost lease or the
+    // worker's abort during it stops the child at once
+    let handshake = tokio::time::timeout(
         Duration::from_millis(cfg.handshake_timeout_ms),
         frames.next(),
-    )
-    .await
-    {
+    );
+    let read = tokio::select! {
+        r = handshake => r,
+        c = until_stopped(control) => {
+            let outcome = match c {
+                Control::LeaseLost => Outcome::Abandoned {
+                    why: "the lease was lost while the executor started".into(),
+                },
+                _ => Outcome::Cancelled {
+                    message: "cancelled while the executor started; no job was sent".into(),
+                },
+            };
+            return stop_now(child, cfg, outcome).await;
+        }
+        _ = shared.abort.cancelled() => {
+            return stop_now(
+                child,
+                cfg,
+                Outcome::failed("WORKER_SHUTDOWN", true, "the worker shut down while the executor started"),
+            )
+            .await;
+        }
+    };
+    let hello: Hello = match read {
         Ok(Some(Ok(frame))) => match FromExecutor::from(frame) {
             FromExecutor::Hello(h) => h,
             other => {

@@ -342,7 +342,9 @@ impl Worker {
         if let Err(e) = shared.db.worker_stopped(shared.id).await {
             warn!(error = %e, "cannot mark the worker stopped");
         }
-        crate::process::kill_all_groups();
+        // every attempt of this worker has reaped its child by now; the
+        // process-wide safety net (kill_all_groups) belongs to the command's
+        // exit path, since other workers may share this process
         info!("worker stopped");
         Ok(())
     }

@@ -1,0 +1,393 @@
+//! S04: cancel, attempt timeout and step deadline, for the Go and the Python
+//! demo executors. A cancel of a leased step never starts it; a cancel of a
+//! running step ends it `cancelled` and leaves no process behind; a
+//! start-to-close timeout fails the attempt with ATTEMPT_TIMEOUT (retried while
+//! attempts remain); a passed deadline fails the step with DEADLINE_EXCEEDED;
+//! an executor that ignores the cancel and SIGTERM is ended with SIGKILL.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use supervisor::config::WorkerConfig;
+use supervisor::db::Route;
+use tests::{
+    attempt_processes, demo, event_count, executor_pid, fast_config, logged, only_step_id,
+    step_transitions, wrap_in_shell, RunningWorker, TestDb,
+};
+use uuid::Uuid;
+
+/// Generous bound for anything that should take seconds on an idle machine.
+const LONG: Duration = Duration::from_secs(120);
+
+/// Every test runs for both demo executors.
+macro_rules! for_each_lang {
+    ($($name:ident),* $(,)?) => { $(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn go() {
+                super::$name("go").await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn python() {
+                super::$name("python").await
+            }
+        }
+    )* };
+}
+
+for_each_lang!(
+    cancel_leased_step_through_the_db,
+    cancel_leased_step_through_a_worker,
+    cancel_running_step,
+    attempt_timeout,
+    step_deadline,
+    ignore_cancel_escalates_to_sigkill,
+);
+
+/// A one-step run of `kind` for `lang`, with extra step fields merged in.
+fn spec(name: &str, lang: &str, kind: &str, input: Value, extra: Value) -> Value {
+    let mut step = json!({"name": "s", "executor_kind": lang, "kind": kind, "input": input});
+    if let (Some(s), Some(e)) = (step.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            s.insert(k.clone(), v.clone());
+        }
+    }
+    json!({"name": name, "steps": [step]})
+}
+
+fn worker_config(lang: &str) -> WorkerConfig {
+    fast_config(vec![demo(lang, lang, &[], None)])
+}
+
+/// The bound within which no process of a stopped attempt may remain.
+fn stop_bound(cfg: &WorkerConfig) -> Duration {
+    Duration::from_millis(cfg.cancel_grace_ms + cfg.term_grace_ms) + Duration::from_secs(1)
+}
+
+/// Waits until the run's only step is running and has at least `events` events.
+async fn wait_running(t: &TestDb, run: Uuid, events: i64) {
+    t.wait_run(run, LONG, |s| {
+        s.steps
+            .first()
+            .is_some_and(|st| st.state == "running" && st.events >= events)
+    })
+    .await;
+}
+
+/// Waits until the run is terminal, then checks that nothing of the attempt
+/// is alive within `bound` of that moment.
+async fn assert_gone_after(step: Uuid, pgid: Option<i32>, bound: Duration) {
+    let at = Instant::now();
+    tests::assert_no_survivors(step, pgid, bound).await;
+    assert!(
+        at.elapsed() <= bound,
+        "processes of {step} outlived the bound {bound:?}"
+    );
+}
+
+/// a. A step that is leased (owned, not running): the owner learns of the
+/// cancel from its heartbeat and confirms it; the step never runs.
+async fn cancel_leased_step_through_the_db(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let run = t
+        .submit(spec(
+            "cancel-leased-db",
+            lang,
+            "demo.sleep",
+            json!({"ms": 60000}),
+            json!({}),
+        ))
+        .await;
+    let me = Uuid::new_v4();
+    t.db.register_worker(me, "fake", "test", &json!([]))
+        .await
+        .expect("register");
+    let routes = vec![Route {
+        executor_kind: lang.into(),
+        kind: "demo.sleep".into(),
+        labels: Default::default(),
+    }];
+    let leased =
+        t.db.lease(me, "fake", &routes, 1, Duration::from_secs(30))
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 1, "the fake worker leases the step");
+    let lease = leased[0].lease.clone();
+    assert!(!leased[0].cancel_requested);
+    assert_eq!(t.status(run).await.steps[0].state, "leased");
+
+    let after = t.db.cancel(run, None).await.expect("cancel");
+    assert!(
+        !after.is_terminal(),
+        "the run waits for the owner to confirm: {after:?}"
+    );
+    let st = t.status(run).await;
+    assert_eq!(
+        st.steps[0].state, "leased",
+        "only the owner ends a leased step"
+    );
+    assert!(st.steps[0].cancel_requested);
+
+    let hb =
+        t.db.heartbeat(me, std::slice::from_ref(&lease), Duration::from_secs(30))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.cancel_requested, vec![lease.step_run_id()]);
+    assert!(hb.lost.is_empty());
+    t.db.confirm_cancelled(&lease, "fake", "cancelled before it started")
+        .await
+        .expect("confirm");
+
+    let st = t.status(run).await;
+    assert_eq!(st.state, "cancelled");
+    assert_eq!(st.steps[0].state, "cancelled");
+    let history = step_transitions(&t.db, lease.step_run_id()).await;
+    assert!(
+        history.iter().all(|h| h.to_state != "running"),
+        "{history:?}"
+    );
+    assert_eq!(
+        history.last().map(|h| h.from_state.as_deref()),
+        Some(Some("leased"))
+    );
+}
+
+/// a. The same through a real worker. The executor is started through a shell
+/// that waits three seconds first, so the step stays `leased` (spawned, not
+/// handshaken) long enough to be cancelled there: the job must never be sent.
+async fn cancel_leased_step_through_a_worker(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let slow = wrap_in_shell(demo(lang, lang, &[], None), "sleep 3; exec \"$0\" \"$@\"");
+    let cfg = fast_config(vec![slow]);
+    let bound = stop_bound(&cfg);
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+
+    let run = t
+        .submit(spec(
+            "cancel-leased",
+            lang,
+            "demo.sleep",
+            json!({"ms": 60000, "steps": 600}),
+            json!({}),
+        ))
+        .await;
+    let st = t
+        .wait_run(run, LONG, |s| {
+            s.steps.first().is_some_and(|st| st.state != "pending")
+        })
+        .await;
+    assert_eq!(
+        st.steps[0].state, "leased",
+        "the slow executor cannot have accepted yet"
+    );
+    let step = st.steps[0].step_run_id;
+    t.db.cancel(run, None).await.expect("cancel");
+
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(st.state, "cancelled");
+    assert_eq!(st.steps[0].state, "cancelled");
+    assert_gone_after(step, None, bound).await;
+    let history = step_transitions(&t.db, step).await;
+    assert!(
+        history.iter().all(|h| h.to_state != "running"),
+        "a step cancelled while leased never runs: {history:?}"
+    );
+    assert_eq!(event_count(&t.db, step).await, 0, "no job was executed");
+    assert_eq!(executor_pid(&t.db, step).await, None);
+    w.shutdown().await;
+}
+
+/// b. A running demo.sleep, cancelled: `cancelled`, and every process of the
+/// attempt is gone within cancel_grace + term_grace + 1 s of the commit.
+async fn cancel_running_step(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = worker_config(lang);
+    let bound = stop_bound(&cfg);
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "cancel-running",
+            lang,
+            "demo.sleep",
+            json!({"ms": 60000, "steps": 600}),
+            json!({}),
+        ))
+        .await;
+    // accepted, running and at least one progress event
+    wait_running(&t, run, 3).await;
+    let step = only_step_id(&t, run).await;
+    let pgid = executor_pid(&t.db, step).await.expect("executor pid");
+    assert!(
+        !attempt_processes(step, Some(pgid)).is_empty(),
+        "the executor runs"
+    );
+
+    t.db.cancel(run, None).await.expect("cancel");
+    let st = t.wait_terminal(run, LONG).await;
+    assert_gone_after(step, Some(pgid), bound).await;
+    assert_eq!(st.state, "cancelled");
+    assert_eq!(st.steps[0].state, "cancelled");
+    assert_eq!(
+        st.steps[0].error.as_ref().map(|e| e.code.as_str()),
+        Some("CANCELLED")
+    );
+    let history = step_transitions(&t.db, step).await;
+    let last = history.last().expect("history");
+    assert_eq!(
+        (last.from_state.as_deref(), last.to_state.as_str()),
+        (Some("running"), "cancelled")
+    );
+    assert!(
+        logged(&[&step.to_string(), "ignored SIGTERM"]).is_empty(),
+        "the demo honours the cancel: no escalation was needed"
+    );
+    w.shutdown().await;
+}
+
+/// c. timeout_ms bounds one attempt: ATTEMPT_TIMEOUT, terminal when no attempt
+/// is left, retried (retryable_failed in between) while one is.
+async fn attempt_timeout(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = worker_config(lang);
+    let bound = stop_bound(&cfg);
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let input = json!({"ms": 60000, "steps": 600});
+    let once = t
+        .submit(spec(
+            "timeout-once",
+            lang,
+            "demo.sleep",
+            input.clone(),
+            json!({"timeout_ms": 1000, "retry": {"max_attempts": 1}}),
+        ))
+        .await;
+    let twice = t
+        .submit(spec(
+            "timeout-twice",
+            lang,
+            "demo.sleep",
+            input,
+            json!({"timeout_ms": 1000, "retry": {"max_attempts": 2, "initial_interval_ms": 0}}),
+        ))
+        .await;
+
+    for (run, attempts) in [(once, 1), (twice, 2)] {
+        let st = t.wait_terminal(run, LONG).await;
+        assert_eq!(st.state, "failed");
+        let s = &st.steps[0];
+        assert_eq!(s.state, "terminal_failed");
+        assert_eq!(s.attempt, attempts);
+        let err = s.error.as_ref().expect("error");
+        assert_eq!(err.code, "ATTEMPT_TIMEOUT", "{}", err.message);
+        let pgid = executor_pid(&t.db, s.step_run_id).await;
+        assert_gone_after(s.step_run_id, pgid, bound).await;
+
+        let history = step_transitions(&t.db, s.step_run_id).await;
+        let failures: Vec<(Option<i32>, &str, &str)> = history
+            .iter()
+            .filter(|h| h.to_state.ends_with("failed"))
+            .map(|h| {
+                (
+                    h.attempt,
+                    h.to_state.as_str(),
+                    h.reason.as_deref().unwrap_or(""),
+                )
+            })
+            .collect();
+        let expected: Vec<(Option<i32>, &str)> = if attempts == 1 {
+            vec![(Some(1), "terminal_failed")]
+        } else {
+            vec![(Some(1), "retryable_failed"), (Some(2), "terminal_failed")]
+        };
+        assert_eq!(
+            failures.iter().map(|f| (f.0, f.1)).collect::<Vec<_>>(),
+            expected,
+            "{history:?}"
+        );
+        assert!(
+            failures.iter().all(|f| f.2.starts_with("ATTEMPT_TIMEOUT")),
+            "{failures:?}"
+        );
+        let runs = history.iter().filter(|h| h.to_state == "running").count();
+        assert_eq!(runs, attempts as usize, "each attempt ran: {history:?}");
+    }
+    w.shutdown().await;
+}
+
+/// d. A deadline bounds the whole step: DEADLINE_EXCEEDED, not retried, no
+/// process left.
+async fn step_deadline(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = worker_config(lang);
+    let bound = stop_bound(&cfg);
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let deadline = (chrono::Utc::now() + chrono::Duration::milliseconds(1500)).to_rfc3339();
+    let run = t
+        .submit(spec(
+            "deadline",
+            lang,
+            "demo.sleep",
+            json!({"ms": 60000, "steps": 600}),
+            json!({"deadline": deadline, "retry": {"max_attempts": 5, "initial_interval_ms": 0}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(st.state, "failed");
+    let s = &st.steps[0];
+    assert_eq!(s.state, "terminal_failed");
+    let err = s.error.as_ref().expect("error");
+    assert_eq!(err.code, "DEADLINE_EXCEEDED", "{}", err.message);
+    assert!(!err.retryable);
+    assert_eq!(s.attempt, 1, "a passed deadline is not retried");
+    let pgid = executor_pid(&t.db, s.step_run_id).await;
+    assert_gone_after(s.step_run_id, pgid, bound).await;
+    w.shutdown().await;
+}
+
+/// e. demo.misbehave ignore_cancel ignores the cancel frame and SIGTERM: the
+/// escalation reaches SIGKILL; the step still ends `cancelled`, nothing survives.
+async fn ignore_cancel_escalates_to_sigkill(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = worker_config(lang);
+    let graces = Duration::from_millis(cfg.cancel_grace_ms + cfg.term_grace_ms);
+    let bound = stop_bound(&cfg);
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "ignore-cancel",
+            lang,
+            "demo.misbehave",
+            json!({"mode": "ignore_cancel"}),
+            json!({}),
+        ))
+        .await;
+    // the PROGRESS event after accepted/running says the SIGTERM handler is installed
+    wait_running(&t, run, 3).await;
+    let step = only_step_id(&t, run).await;
+    let pgid = executor_pid(&t.db, step).await.expect("executor pid");
+
+    let asked = Instant::now();
+    t.db.cancel(run, None).await.expect("cancel");
+    let st = t.wait_terminal(run, LONG).await;
+    let took = asked.elapsed();
+    assert_gone_after(step, Some(pgid), bound).await;
+    assert_eq!(st.state, "cancelled");
+    assert_eq!(st.steps[0].state, "cancelled");
+    assert!(
+        took >= graces,
+        "cancel frame and SIGTERM were both ignored, so the end took at least both graces ({took:?})"
+    );
+    let escalated = logged(&[&step.to_string(), "ignored SIGTERM; sending SIGKILL"]);
+    assert!(
+        !escalated.is_empty(),
+        "the worker escalated to SIGKILL for step {step}"
+    );
+    println!("{lang}: cancel → cancelled in {took:?}; {}", escalated[0]);
+    w.shutdown().await;
+}
