@@ -555,3 +555,42 @@ impl Drop for WorkerProcess {
         let _ = self.child.wait();
     }
 }
+
+/// Defines, for each named `async fn name(lang: &str)`, a module with one
+/// test per demo executor language (`name::go`, `name::python`).
+#[macro_export]
+macro_rules! for_each_lang {
+    ($($name:ident),* $(,)?) => { $(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn go() {
+                super::$name("go").await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn python() {
+                super::$name("python").await
+            }
+        }
+    )* };
+}
+
+/// The route of the queue-only tests: executor_kind "go", kind "k", no labels.
+pub fn route_go_k() -> Vec<supervisor::db::Route> {
+    vec![supervisor::db::Route {
+        executor_kind: "go".into(),
+        kind: "k".into(),
+        labels: Default::default(),
+    }]
+}
+
+/// An `accepted` event with sequence 1, as an executor's first.
+pub fn accepted_event() -> supervisor::db::NewEvent<'static> {
+    supervisor::db::NewEvent {
+        sequence: 1,
+        kind: "accepted",
+        message: "",
+        fraction: None,
+        checkpoint: None,
+        executor_at: None,
+    }
+}

@@ -35,36 +35,42 @@ fn path_to(target: StepState) -> Vec<StepState> {
     path
 }
 
-async fn try_step_update(
+/// Tries one state update inside a savepoint; the error text if refused.
+async fn try_update(
     tx: &mut Transaction<'_, Postgres>,
+    table: &str,
     id: Uuid,
-    to: StepState,
+    to: &str,
 ) -> Result<(), String> {
     sqlx::query("SAVEPOINT sp")
         .execute(&mut **tx)
         .await
         .map_err(|e| e.to_string())?;
-    let r = sqlx::query("UPDATE durable.step_runs SET state = $2 WHERE id = $1")
-        .bind(id)
-        .bind(to.as_str())
+    let r = sqlx::query(&format!(
+        "UPDATE durable.{table} SET state = $2 WHERE id = $1"
+    ))
+    .bind(id)
+    .bind(to)
+    .execute(&mut **tx)
+    .await;
+    let end = if r.is_ok() {
+        "RELEASE SAVEPOINT sp"
+    } else {
+        "ROLLBACK TO SAVEPOINT sp"
+    };
+    sqlx::query(end)
         .execute(&mut **tx)
-        .await;
-    match r {
-        Ok(_) => {
-            sqlx::query("RELEASE SAVEPOINT sp")
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok(())
-        }
-        Err(e) => {
-            sqlx::query("ROLLBACK TO SAVEPOINT sp")
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| e.to_string())?;
-            Err(e.to_string())
-        }
-    }
+        .await
+        .map_err(|e| e.to_string())?;
+    r.map(|_| ()).map_err(|e| e.to_string())
+}
+
+async fn try_step_update(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    to: StepState,
+) -> Result<(), String> {
+    try_update(tx, "step_runs", id, to.as_str()).await
 }
 
 async fn try_run_update(
@@ -72,31 +78,7 @@ async fn try_run_update(
     id: Uuid,
     to: RunState,
 ) -> Result<(), String> {
-    sqlx::query("SAVEPOINT sp")
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| e.to_string())?;
-    let r = sqlx::query("UPDATE durable.workflow_runs SET state = $2 WHERE id = $1")
-        .bind(id)
-        .bind(to.as_str())
-        .execute(&mut **tx)
-        .await;
-    match r {
-        Ok(_) => {
-            sqlx::query("RELEASE SAVEPOINT sp")
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok(())
-        }
-        Err(e) => {
-            sqlx::query("ROLLBACK TO SAVEPOINT sp")
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| e.to_string())?;
-            Err(e.to_string())
-        }
-    }
+    try_update(tx, "workflow_runs", id, to.as_str()).await
 }
 
 fn spec() -> serde_json::Value {

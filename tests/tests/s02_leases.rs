@@ -8,28 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::json;
-use supervisor::db::{Db, DbError, NewEvent, Route};
+use supervisor::db::{Db, DbError};
 use tests::TestDb;
 use uuid::Uuid;
-
-fn route() -> Vec<Route> {
-    vec![Route {
-        executor_kind: "go".into(),
-        kind: "k".into(),
-        labels: Default::default(),
-    }]
-}
-
-fn accepted() -> NewEvent<'static> {
-    NewEvent {
-        sequence: 1,
-        kind: "accepted",
-        message: "",
-        fraction: None,
-        checkpoint: None,
-        executor_at: None,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn eight_workers_complete_each_step_exactly_once() {
@@ -54,7 +35,13 @@ async fn eight_workers_complete_each_step_exactly_once() {
             let mut idle = 0;
             while idle < 5 {
                 let steps = db
-                    .lease(id, &name, &route(), 3, Duration::from_millis(800))
+                    .lease(
+                        id,
+                        &name,
+                        &tests::route_go_k(),
+                        3,
+                        Duration::from_millis(800),
+                    )
                     .await
                     .expect("lease");
                 if steps.is_empty() {
@@ -64,7 +51,7 @@ async fn eight_workers_complete_each_step_exactly_once() {
                 }
                 idle = 0;
                 for s in steps {
-                    db.mark_running(&s.lease, &name, 1, &accepted())
+                    db.mark_running(&s.lease, &name, 1, &tests::accepted_event())
                         .await
                         .expect("running");
                     match db
@@ -130,17 +117,29 @@ async fn a_silent_owner_loses_its_lease_and_its_late_completion_is_refused() {
         .expect("register");
 
     let leased = a
-        .lease(ida, "stale", &route(), 1, Duration::from_millis(300))
+        .lease(
+            ida,
+            "stale",
+            &tests::route_go_k(),
+            1,
+            Duration::from_millis(300),
+        )
         .await
         .expect("lease");
     assert_eq!(leased.len(), 1);
     let stale = leased[0].lease.clone();
-    a.mark_running(&stale, "stale", 1, &accepted())
+    a.mark_running(&stale, "stale", 1, &tests::accepted_event())
         .await
         .expect("running");
     // no other worker can take it while the lease lives
     assert!(b
-        .lease(idb, "fresh", &route(), 1, Duration::from_millis(300))
+        .lease(
+            idb,
+            "fresh",
+            &tests::route_go_k(),
+            1,
+            Duration::from_millis(300)
+        )
         .await
         .expect("lease")
         .is_empty());
@@ -161,7 +160,13 @@ async fn a_silent_owner_loses_its_lease_and_its_late_completion_is_refused() {
     );
 
     let again = b
-        .lease(idb, "fresh", &route(), 1, Duration::from_millis(5_000))
+        .lease(
+            idb,
+            "fresh",
+            &tests::route_go_k(),
+            1,
+            Duration::from_millis(5_000),
+        )
         .await
         .expect("lease");
     assert_eq!(again.len(), 1);
@@ -183,14 +188,14 @@ async fn a_silent_owner_loses_its_lease_and_its_late_completion_is_refused() {
         .await
         .expect("heartbeat");
     assert_eq!(hb.lost, vec![stale.step_run_id()]);
-    b.mark_running(&fresh, "fresh", 1, &accepted())
+    b.mark_running(&fresh, "fresh", 1, &tests::accepted_event())
         .await
         .expect("running");
     let late = a
         .complete(&stale, "stale", &json!({"by": "stale"}), &[], Some(9))
         .await;
     assert!(matches!(late, Err(DbError::LeaseLost { .. })), "{late:?}");
-    let late_event = a.record_event(&stale, &accepted()).await;
+    let late_event = a.record_event(&stale, &tests::accepted_event()).await;
     assert!(
         matches!(late_event, Err(DbError::LeaseLost { .. })),
         "{late_event:?}"
@@ -249,7 +254,13 @@ async fn heartbeats_keep_a_short_lease_alive_in_one_statement() {
         .await
         .expect("register");
     let steps = w
-        .lease(id, "hb", &route(), 20, Duration::from_millis(400))
+        .lease(
+            id,
+            "hb",
+            &tests::route_go_k(),
+            20,
+            Duration::from_millis(400),
+        )
         .await
         .expect("lease");
     assert_eq!(steps.len(), 20);

@@ -16,22 +16,7 @@ use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
 
-macro_rules! for_each_lang {
-    ($($name:ident),* $(,)?) => { $(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn go() {
-                super::$name("go").await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn python() {
-                super::$name("python").await
-            }
-        }
-    )* };
-}
-
-for_each_lang!(
+tests::for_each_lang!(
     effect_once_after_a_retryable_failure,
     effect_once_after_a_crash,
     killed_worker_step_is_reclaimed_and_completed,
@@ -107,29 +92,16 @@ async fn assert_effect_once(t: &TestDb, run: Uuid, sink: &Path, code: &str) {
 /// (a) demo.effect {fail_after_effect}: EFFECT_FAILED (retryable) after the
 /// effect and its checkpoint; attempt 2 skips the effect and succeeds.
 async fn effect_once_after_a_retryable_failure(lang: &str) {
-    let _serial = tests::exclusive().await;
-    let t = TestDb::new().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let sink = dir.path().join("sink.txt");
-    let w = RunningWorker::start(
-        t.connect(5).await,
-        fast_config(vec![demo(lang, lang, &[], None)]),
-    )
-    .await;
-    let run = t
-        .submit(effect_spec(
-            "effect-fail",
-            lang,
-            json!({"sink": sink, "fail_after_effect": true}),
-        ))
-        .await;
-    assert_effect_once(&t, run, &sink, "EFFECT_FAILED").await;
-    w.shutdown().await;
+    effect_once(lang, "fail_after_effect", "EFFECT_FAILED").await
 }
 
 /// (b) demo.effect {crash_after_effect}: the process exits 3 after the effect
 /// and its checkpoint (EXECUTOR_CRASHED); attempt 2 skips the effect.
 async fn effect_once_after_a_crash(lang: &str) {
+    effect_once(lang, "crash_after_effect", "EXECUTOR_CRASHED").await
+}
+
+async fn effect_once(lang: &str, flag: &str, code: &str) {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let dir = tempfile::tempdir().expect("tempdir");
@@ -141,12 +113,12 @@ async fn effect_once_after_a_crash(lang: &str) {
     .await;
     let run = t
         .submit(effect_spec(
-            "effect-crash",
+            &format!("effect-{flag}"),
             lang,
-            json!({"sink": sink, "crash_after_effect": true}),
+            json!({"sink": sink, flag: true}),
         ))
         .await;
-    assert_effect_once(&t, run, &sink, "EXECUTOR_CRASHED").await;
+    assert_effect_once(&t, run, &sink, code).await;
     w.shutdown().await;
 }
 

@@ -6,30 +6,11 @@
 use std::time::Duration;
 
 use serde_json::json;
-use supervisor::db::{FailureReport, NewEvent, Route};
+use supervisor::db::FailureReport;
 use supervisor::retry::JITTER;
 use supervisor::state::{Failure, StepState};
 use tests::TestDb;
 use uuid::Uuid;
-
-fn route() -> Vec<Route> {
-    vec![Route {
-        executor_kind: "go".into(),
-        kind: "k".into(),
-        labels: Default::default(),
-    }]
-}
-
-fn ev() -> NewEvent<'static> {
-    NewEvent {
-        sequence: 1,
-        kind: "accepted",
-        message: "",
-        fraction: None,
-        checkpoint: None,
-        executor_at: None,
-    }
-}
 
 fn failure(code: &str, retryable: bool, next_ms: Option<i64>) -> FailureReport {
     FailureReport {
@@ -47,7 +28,7 @@ fn failure(code: &str, retryable: bool, next_ms: Option<i64>) -> FailureReport {
 async fn lease_when_due(t: &TestDb, w: Uuid) -> supervisor::db::LeasedStep {
     for _ in 0..400 {
         let mut got =
-            t.db.lease(w, "w", &route(), 1, Duration::from_secs(30))
+            t.db.lease(w, "w", &tests::route_go_k(), 1, Duration::from_secs(30))
                 .await
                 .expect("lease");
         if let Some(s) = got.pop() {
@@ -75,7 +56,7 @@ async fn retries_back_off_and_exhaust() {
         let s = lease_when_due(&t, w).await;
         assert_eq!(s.lease.attempt(), attempt);
         keys.push(s.idempotency_key.clone());
-        t.db.mark_running(&s.lease, "w", 1, &ev())
+        t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
             .await
             .expect("running");
         let d =
@@ -147,7 +128,7 @@ async fn non_retryable_codes_own_delays_and_deadlines() {
     // a code the policy lists as non-retryable ends the step at once
     let r1 = t.submit(spec("nonretryable", json!({}))).await;
     let s = lease_when_due(&t, w).await;
-    t.db.mark_running(&s.lease, "w", 1, &ev())
+    t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
         .await
         .expect("running");
     let d =
@@ -160,7 +141,7 @@ async fn non_retryable_codes_own_delays_and_deadlines() {
     // the error's own next_retry_delay overrides the backoff
     let r2 = t.submit(spec("own-delay", json!({}))).await;
     let s = lease_when_due(&t, w).await;
-    t.db.mark_running(&s.lease, "w", 1, &ev())
+    t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
         .await
         .expect("running");
     let d =
@@ -186,7 +167,7 @@ async fn non_retryable_codes_own_delays_and_deadlines() {
     let deadline = (chrono::Utc::now() + chrono::Duration::seconds(2)).to_rfc3339();
     let r3 = t.submit(spec("deadline", json!({"deadline": deadline, "retry": {"max_attempts": 5, "initial_interval_ms": 5000}}))).await;
     let s = lease_when_due(&t, w).await;
-    t.db.mark_running(&s.lease, "w", 1, &ev())
+    t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
         .await
         .expect("running");
     let d =
@@ -248,7 +229,7 @@ async fn a_dependent_step_is_created_when_its_last_dependency_succeeds() {
     for expected_created in [2, 2, 3] {
         assert_eq!(t.status(run).await.steps.len(), expected_created);
         let s = lease_when_due(&t, w).await;
-        t.db.mark_running(&s.lease, "w", 1, &ev())
+        t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
             .await
             .expect("running");
         t.db.complete(&s.lease, "w", &json!({"step": s.name}), &[], Some(2))

@@ -19,23 +19,7 @@ use uuid::Uuid;
 /// Generous bound for anything that should take seconds on an idle machine.
 const LONG: Duration = Duration::from_secs(120);
 
-/// Every test runs for both demo executors.
-macro_rules! for_each_lang {
-    ($($name:ident),* $(,)?) => { $(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn go() {
-                super::$name("go").await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn python() {
-                super::$name("python").await
-            }
-        }
-    )* };
-}
-
-for_each_lang!(
+tests::for_each_lang!(
     cancel_leased_step_through_the_db,
     cancel_leased_step_through_a_worker,
     cancel_running_step,
