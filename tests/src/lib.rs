@@ -19,6 +19,8 @@ use uuid::Uuid;
 
 pub use supervisor;
 
+pub mod bench;
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -104,7 +106,8 @@ fn admin_url() -> String {
     )
 }
 
-fn db_url(admin: &str, name: &str) -> String {
+/// `admin` with its database name replaced by `name`.
+pub fn db_url(admin: &str, name: &str) -> String {
     // replace the path (database name) of the URL, keep the query
     let (base, query) = match admin.split_once('?') {
         Some((b, q)) => (b, Some(q)),

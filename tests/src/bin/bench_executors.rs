@@ -1,0 +1,658 @@
+//! Benchmark (not a test; run through `scripts/bench`): `demo.echo` steps per
+//! second through the whole worker (an in-process `RunningWorker` with one
+//! executor; K one-step runs submitted first, timed from the moment the worker
+//! is started until all K runs succeeded), with the Go and with the Python
+//! demo executor, beside the bare cost of one executor round trip with no
+//! database, measured in the same run: spawn through `process::Spawner` (the
+//! worker's spawn spec: cleared environment, own process group, per-attempt
+//! directory with out/ and in/), read the hello, send the `Job`, read events
+//! until the terminal, close stdin, wait for stdout EOF and the exit, reap.
+//!
+//! A fresh database `bench_e_*` is created, migrated, and dropped at the end
+//! (also on error and on Ctrl-C).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use futures::StreamExt;
+use supervisor::config::{ExecutorConfig, WorkerConfig};
+use supervisor::db::Db;
+use supervisor::process::{SpawnSpec, Spawner};
+use supervisor::wire::{self, EventKind, FromExecutor, ToExecutor};
+use tests::bench::*;
+use tests::{fast_config, go_demo, one_step, python_demo, RunningWorker};
+use tokio::io::AsyncWriteExt;
+use tokio_util::codec::FramedRead;
+use uuid::Uuid;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "demo.echo through the whole worker vs bare executor round trips")]
+struct Args {
+    /// Server where the benchmark may create and drop a database (bench_e_*).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// One-step runs submitted per worker measurement.
+    #[arg(long, default_value_t = 200)]
+    steps: u32,
+    /// Bare round trips per measurement.
+    #[arg(long, default_value_t = 100)]
+    rounds: u32,
+    /// Executor concurrency of the worker (and parallel bare round trips).
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    concurrency: Vec<u32>,
+    /// Which demo executors: go, python.
+    #[arg(long, value_delimiter = ',', default_value = "go,python")]
+    executors: Vec<String>,
+    /// Give up on one worker measurement after this long.
+    #[arg(long, default_value_t = 600)]
+    timeout_secs: u64,
+}
+
+const WARMUP_ROUNDS: u32 = 3;
+const POLL: Duration = Duration::from_millis(10);
+
+/// Runs done before the clock starts in a worker measurement.
+fn warmup_runs(concurrency: u32) -> u32 {
+    (2 * concurrency).max(5)
+}
+
+fn executor_config(which: &str) -> Result<ExecutorConfig> {
+    match which {
+        "go" => Ok(go_demo("go", &[], Some(&["demo.echo"]))),
+        "python" => Ok(python_demo("python", &[], Some(&["demo.echo"]))),
+        other => bail!("unknown executor {other:?} (go, python)"),
+    }
+}
+
+/// One bare round trip, split in phases.
+#[derive(Debug, Clone, Copy)]
+struct Trip {
+    total: Duration,
+    /// directory + spawn until the hello is read
+    startup: Duration,
+    /// job written until the terminal is read
+    job: Duration,
+    /// terminal read until the child is reaped and its directory removed
+    exit: Duration,
+}
+
+async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<Trip> {
+    let wcfg = WorkerConfig::default();
+    let t0 = Instant::now();
+    let dir = tempfile::Builder::new()
+        .prefix("durable-bench-")
+        .tempdir()?;
+    let out_dir = dir.path().join("out");
+    std::fs::create_dir(&out_dir)?;
+    std::fs::create_dir(dir.path().join("in"))?;
+    let spec = SpawnSpec {
+        program: cfg.command.clone().into(),
+        args: cfg.args.clone(),
+        cwd: dir.path().to_owned(),
+        env: cfg
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        env_allowlist: cfg.env_allowlist.clone(),
+        stderr_tail_bytes: wcfg.stderr_tail_bytes,
+    };
+    let mut child = spawner.spawn(spec).await?;
+    let stdout = child.take_stdout().context("no stdout pipe")?;
+    let mut stdin = child.take_stdin().context("no stdin pipe")?;
+    let mut frames = FramedRead::new(stdout, wire::executor_decoder(wcfg.max_frame_bytes));
+    let hello = match frames.next().await {
+        Some(Ok(f)) => match FromExecutor::from(f) {
+            FromExecutor::Hello(h) => h,
+            other => bail!("first frame was a {}, not a hello", other.name()),
+        },
+        Some(Err(e)) => bail!("reading the hello: {e}"),
+        None => bail!(
+            "the executor closed stdout before its hello; stderr: {}",
+            child.stderr().tail_string()
+        ),
+    };
+    let t_hello = t0.elapsed();
+    let input = format!("{{\"i\": {n}}}").into_bytes();
+    let job = wire::Job {
+        job_id: format!("bench-{n}:1"),
+        workflow_run_id: Uuid::new_v4().to_string(),
+        step_run_id: Uuid::new_v4().to_string(),
+        idempotency_key: format!("bench/{n}"),
+        executor_kind: hello.executor_kind.clone(),
+        kind: "demo.echo".into(),
+        attempt: 1,
+        deadline_unix_ms: 0,
+        attempt_deadline_unix_ms: 0,
+        heartbeat_timeout_ms: 0,
+        input: input.clone(),
+        input_artifacts: Vec::new(),
+        checkpoint: None,
+        output_dir: out_dir.to_string_lossy().into_owned(),
+        secrets: BTreeMap::new(),
+        labels: BTreeMap::new(),
+    };
+    stdin
+        .write_all(&wire::encode_to_executor(&ToExecutor::Job(Box::new(job))))
+        .await?;
+    stdin.flush().await?;
+    let mut accepted = false;
+    loop {
+        match frames.next().await {
+            Some(Ok(f)) => match FromExecutor::from(f) {
+                FromExecutor::Event(e) => accepted |= e.kind == EventKind::Accepted,
+                FromExecutor::Result(r) => {
+                    if !accepted {
+                        bail!("result before accepted");
+                    }
+                    let got: serde_json::Value = serde_json::from_slice(&r.output)?;
+                    let want: serde_json::Value = serde_json::from_slice(&input)?;
+                    if got != want {
+                        bail!("echo returned {got}, expected {want}");
+                    }
+                    break;
+                }
+                FromExecutor::Error(e) => bail!("job failed: {} {}", e.code, e.message),
+                other => bail!("unexpected {} during the job", other.name()),
+            },
+            Some(Err(e)) => bail!("reading the job's frames: {e}"),
+            None => bail!("stdout closed without a terminal"),
+        }
+    }
+    let t_term = t0.elapsed();
+    // as the worker does: close stdin, the executor exits; stdout EOF, exit, reap
+    drop(stdin);
+    if let Some(f) = frames.next().await {
+        bail!(
+            "a frame after the terminal: {:?}",
+            f.map(|f| FromExecutor::from(f).name())
+        );
+    }
+    child.exited().await?;
+    let report = child.finish().await?;
+    if !report.status.success() {
+        bail!(
+            "the executor {}; stderr: {}",
+            report.status,
+            report.stderr_tail
+        );
+    }
+    drop(dir);
+    let total = t0.elapsed();
+    Ok(Trip {
+        total,
+        startup: t_hello,
+        job: t_term - t_hello,
+        exit: total - t_term,
+    })
+}
+
+struct BareCell {
+    executor: String,
+    concurrency: u32,
+    trips: Vec<Trip>,
+    secs: f64,
+    child_cpu: f64,
+    bench_cpu: f64,
+    busy: Option<f64>,
+}
+
+async fn bare(
+    spawner: &Spawner,
+    cfg: &ExecutorConfig,
+    which: &str,
+    conc: u32,
+    rounds: u32,
+) -> Result<BareCell> {
+    let cpu_c0 = rusage(libc::RUSAGE_CHILDREN);
+    let cpu_s0 = self_cpu();
+    let stat0 = machine_cpu();
+    let t0 = Instant::now();
+    let mut handles = Vec::new();
+    for w in 0..conc {
+        let n = rounds / conc + u32::from(w < rounds % conc);
+        let (spawner, cfg) = (spawner.clone(), cfg.clone());
+        handles.push(tokio::spawn(async move {
+            let mut trips = Vec::with_capacity(n as usize);
+            for i in 0..n {
+                trips.push(round_trip(&spawner, &cfg, (w as u64) << 32 | i as u64).await?);
+            }
+            anyhow::Ok(trips)
+        }));
+    }
+    let mut trips = Vec::new();
+    for h in handles {
+        trips.extend(h.await??);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    Ok(BareCell {
+        executor: which.into(),
+        concurrency: conc,
+        trips,
+        secs,
+        child_cpu: rusage(libc::RUSAGE_CHILDREN) - cpu_c0,
+        bench_cpu: self_cpu() - cpu_s0,
+        busy: stat0.zip(machine_cpu()).map(|(a, b)| busy_fraction(a, b)),
+    })
+}
+
+struct WorkerCell {
+    executor: String,
+    concurrency: u32,
+    steps: u32,
+    submit_secs: f64,
+    secs: f64,
+    lease_to_started: Vec<Duration>,
+    started_to_finished: Vec<Duration>,
+    finished_to_next: Vec<Duration>,
+    db_cpu: Option<f64>,
+    child_cpu: f64,
+    bench_cpu: f64,
+    busy: Option<f64>,
+}
+
+/// CPU seconds of every backend connected to the current database, by pid,
+/// except the asking connection (the benchmark's own polling).
+async fn db_backends(db: &Db) -> Result<Vec<(i32, Option<f64>)>> {
+    let pids: Vec<i32> = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()
+            AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    Ok(pids.into_iter().map(|p| (p, proc_cpu(p))).collect())
+}
+
+/// CPU used by the backends between two snapshots (new backends count from 0).
+fn db_cpu_between(before: &[(i32, Option<f64>)], after: &[(i32, Option<f64>)]) -> Option<f64> {
+    let mut sum = 0.0;
+    for (pid, cpu) in after {
+        let now = (*cpu)?;
+        let then = before
+            .iter()
+            .find(|(p, _)| p == pid)
+            .map(|(_, c)| *c)
+            .unwrap_or(Some(0.0))?;
+        sum += now - then;
+    }
+    Some(sum)
+}
+
+async fn through_worker(
+    url: &str,
+    which: &str,
+    conc: u32,
+    steps: u32,
+    timeout: Duration,
+) -> Result<WorkerCell> {
+    // one connection: submits, polling, and excluded from the db CPU
+    let db = Db::connect(url, 1).await?;
+    let mut ecfg = executor_config(which)?;
+    ecfg.concurrency = conc;
+    let ek = which.to_string();
+    // warm-up runs first (FIFO: leased first), so the measured runs find the
+    // worker's connections open and its statements prepared
+    let warm = warmup_runs(conc);
+    let mut all_ids = Vec::new();
+    for i in 0..warm {
+        let spec = one_step(
+            &format!("warm-{which}-{conc}-{i}"),
+            &ek,
+            "demo.echo",
+            serde_json::json!({"warm": i}),
+        );
+        all_ids.push(db.submit(&spec).await?);
+    }
+    let t = Instant::now();
+    let mut ids = Vec::with_capacity(steps as usize);
+    for i in 0..steps {
+        let spec = one_step(
+            &format!("bench-{which}-{conc}-{i}"),
+            &ek,
+            "demo.echo",
+            serde_json::json!({"i": i}),
+        );
+        ids.push(db.submit(&spec).await?);
+    }
+    let submit_secs = t.elapsed().as_secs_f64();
+
+    let wcfg = fast_config(vec![ecfg]);
+    let wdb = Db::connect(url, wcfg.db_max_connections).await?;
+    let worker = RunningWorker::start(wdb, wcfg).await;
+    all_ids.extend(ids.iter().copied());
+    let open_runs = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM durable.workflow_runs WHERE state IN ('pending', 'running')",
+        )
+        .fetch_one(db.pool())
+        .await
+    };
+    // the clock starts once the warm-up runs are done
+    let t_warm = Instant::now();
+    while open_runs().await? > steps as i64 {
+        if t_warm.elapsed() > timeout {
+            worker.shutdown().await;
+            bail!("the warm-up runs did not finish within {timeout:?}");
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let db_cpu0 = db_backends(&db).await?;
+    let cpu_c0 = rusage(libc::RUSAGE_CHILDREN);
+    let cpu_s0 = self_cpu();
+    let stat0 = machine_cpu();
+    let t0 = Instant::now();
+    loop {
+        let open = open_runs().await?;
+        if open == 0 {
+            break;
+        }
+        if t0.elapsed() > timeout {
+            worker.shutdown().await;
+            bail!("{open} runs still open after {timeout:?}");
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let db_cpu1 = db_backends(&db).await?;
+    let child_cpu = rusage(libc::RUSAGE_CHILDREN) - cpu_c0;
+    let bench_cpu = self_cpu() - cpu_s0;
+    let stat1 = machine_cpu();
+    worker.shutdown().await;
+
+    let bad: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT id, state FROM durable.workflow_runs WHERE id = ANY($1) AND state <> 'succeeded'",
+    )
+    .bind(&all_ids)
+    .fetch_all(db.pool())
+    .await?;
+    if let Some((id, state)) = bad.first() {
+        let st = db.status(*id).await?;
+        bail!(
+            "{} of {} runs did not succeed; e.g. {id} is {state}: {}",
+            bad.len(),
+            all_ids.len(),
+            serde_json::to_string(&st).unwrap_or_default()
+        );
+    }
+    // the gap to the next lease is the complete transaction, the attempt's end
+    // and the worker loop; meaningful only when one attempt runs at a time
+    let phases: Vec<(f64, f64, Option<f64>)> = sqlx::query_as(
+        "SELECT extract(epoch FROM started_at - leased_at)::float8,
+                extract(epoch FROM finished_at - started_at)::float8,
+                extract(epoch FROM lead(leased_at) OVER (ORDER BY leased_at) - finished_at)::float8
+           FROM durable.step_runs WHERE run_id = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(db.pool())
+    .await?;
+    db.pool().close().await;
+    Ok(WorkerCell {
+        executor: which.into(),
+        concurrency: conc,
+        steps,
+        submit_secs,
+        secs,
+        lease_to_started: phases
+            .iter()
+            .map(|p| Duration::from_secs_f64(p.0.max(0.0)))
+            .collect(),
+        started_to_finished: phases
+            .iter()
+            .map(|p| Duration::from_secs_f64(p.1.max(0.0)))
+            .collect(),
+        finished_to_next: phases
+            .iter()
+            .filter_map(|p| p.2)
+            .map(|g| Duration::from_secs_f64(g.max(0.0)))
+            .collect(),
+        db_cpu: db_cpu_between(&db_cpu0, &db_cpu1),
+        child_cpu,
+        bench_cpu,
+        busy: stat0.zip(stat1).map(|(a, b)| busy_fraction(a, b)),
+    })
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    tests::init_tracing();
+    let created: Arc<Mutex<Vec<String>>> = Arc::default();
+    let res = tokio::select! {
+        r = run(&args, created.clone()) => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    let names = created.lock().unwrap().clone();
+    drop_databases(&args.database_url, &names).await;
+    if let Err(e) = res {
+        eprintln!("bench_executors failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
+    if args.steps == 0
+        || args.rounds == 0
+        || args.concurrency.is_empty()
+        || args.concurrency.contains(&0)
+    {
+        bail!("--steps, --rounds and --concurrency must be positive");
+    }
+    let configs: Vec<(String, ExecutorConfig)> = args
+        .executors
+        .iter()
+        .map(|w| executor_config(w).map(|c| (w.clone(), c)))
+        .collect::<Result<_>>()?;
+    let admin = Db::connect(&args.database_url, 1)
+        .await
+        .context("connecting to DATABASE_URL")?;
+    println!("== bench_executors: demo.echo through the whole worker vs bare executor round trips");
+    print_setup(&admin, &args.database_url).await?;
+    for (w, c) in &configs {
+        println!("executor    : {w}: {} {}", c.command, c.args.join(" "));
+    }
+    println!(
+        "parameters  : {} runs per worker measurement, {} bare round trips per measurement, concurrency {:?}",
+        args.steps, args.rounds, args.concurrency
+    );
+    println!(
+        "method      : bare = spawn (Spawner, the worker's spawn spec, fresh directory with out/ and in/) → hello →\n\
+         \x20             Job → events until the terminal → close stdin → stdout EOF → exit → reap; no database;\n\
+         \x20             {WARMUP_ROUNDS} untimed warm-up trips per executor first; with concurrency c, c loops run at once.\n\
+         \x20             worker = submit max(5, 2c) warm-up runs and then K one-step demo.echo runs (untimed,\n\
+         \x20             reported), start an in-process RunningWorker (tests::fast_config, one executor with\n\
+         \x20             concurrency c; startup untimed); the clock runs from the end of the warm-up runs until no\n\
+         \x20             run is open (polled every {} ms); then all runs are checked to have succeeded.\n\
+         \x20             CPU: children = reaped executors (getrusage RUSAGE_CHILDREN), bench = this process (incl.\n\
+         \x20             the in-process worker), db = backends connected to the bench database (/proc/<pid>/stat).",
+        POLL.as_millis()
+    );
+    println!();
+
+    let name = format!("bench_e_{}", &Uuid::new_v4().simple().to_string()[..12]);
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(admin.pool())
+        .await?;
+    created.lock().unwrap().push(name.clone());
+    let url = db_url(&args.database_url, &name);
+    {
+        let db = Db::connect(&url, 1).await?;
+        db.migrate().await?;
+        db.pool().close().await;
+    }
+    let spawner = Spawner::start()?;
+    let mut bares = Vec::new();
+    let mut workers = Vec::new();
+    for (which, cfg) in &configs {
+        for i in 0..WARMUP_ROUNDS {
+            round_trip(&spawner, cfg, 1_000_000 + i as u64).await?;
+        }
+        for &c in &args.concurrency {
+            let b = bare(&spawner, cfg, which, c, args.rounds).await?;
+            eprintln!(
+                "[{which}] bare c={c}: {} round trips in {:.2} s, mean {} ms",
+                b.trips.len(),
+                b.secs,
+                fmt_ms(mean(&b.trips.iter().map(|t| t.total).collect::<Vec<_>>()))
+            );
+            bares.push(b);
+        }
+        for &c in &args.concurrency {
+            let w = through_worker(
+                &url,
+                which,
+                c,
+                args.steps,
+                Duration::from_secs(args.timeout_secs),
+            )
+            .await?;
+            eprintln!(
+                "[{which}] worker c={c}: {} steps in {:.2} s = {:.1} steps/s",
+                w.steps,
+                w.secs,
+                w.steps as f64 / w.secs
+            );
+            workers.push(w);
+        }
+    }
+    drop_databases(&args.database_url, std::slice::from_ref(&name)).await;
+    created.lock().unwrap().clear();
+    admin.pool().close().await;
+
+    println!("-- bare executor round trips, no database (ms per round trip)");
+    let mut rows = Vec::new();
+    for b in &bares {
+        let tot: Vec<Duration> = b.trips.iter().map(|t| t.total).collect();
+        let st: Vec<Duration> = b.trips.iter().map(|t| t.startup).collect();
+        let jb: Vec<Duration> = b.trips.iter().map(|t| t.job).collect();
+        let ex: Vec<Duration> = b.trips.iter().map(|t| t.exit).collect();
+        let n = b.trips.len().max(1) as f64;
+        let cpu_per = (b.child_cpu + b.bench_cpu) / n;
+        rows.push(vec![
+            b.executor.clone(),
+            b.concurrency.to_string(),
+            b.trips.len().to_string(),
+            fmt_ms(mean(&tot)),
+            fmt_ms(pct(&tot, 50.0)),
+            fmt_ms(pct(&tot, 95.0)),
+            fmt_ms(pct(&st, 50.0)),
+            fmt_ms(pct(&jb, 50.0)),
+            fmt_ms(pct(&ex, 50.0)),
+            format!("{:.1}", n / b.secs),
+            format!("{:.2}", b.child_cpu * 1e3 / n),
+            format!("{:.2}", b.bench_cpu * 1e3 / n),
+            format!("{:.0}", 1.0 / cpu_per),
+            b.busy
+                .map(|x| format!("{:.0}%", x * 100.0))
+                .unwrap_or("n/a".into()),
+        ]);
+    }
+    print_table(
+        &[
+            "executor",
+            "conc",
+            "trips",
+            "mean",
+            "p50",
+            "p95",
+            "spawn→hello p50",
+            "job→terminal p50",
+            "terminal→reaped p50",
+            "trips/s (wall)",
+            "child CPU ms/trip",
+            "bench CPU ms/trip",
+            "max trips/s per core",
+            "machine busy",
+        ],
+        1,
+        &rows,
+    );
+    println!("   max trips/s per core = 1 / (child + bench CPU per trip): the CPU-bound ceiling of one core.");
+    println!();
+
+    println!("-- demo.echo through the whole worker (PostgreSQL, lease → spawn → … → complete)");
+    let mut rows = Vec::new();
+    for w in &workers {
+        let bare = bares
+            .iter()
+            .find(|b| b.executor == w.executor && b.concurrency == w.concurrency);
+        let rate = w.steps as f64 / w.secs;
+        let n = w.steps.max(1) as f64;
+        rows.push(vec![
+            w.executor.clone(),
+            w.concurrency.to_string(),
+            w.steps.to_string(),
+            format!("{:.2}", w.secs),
+            format!("{rate:.1}"),
+            format!("{:.2}", w.secs * 1e3 / n),
+            bare.map(|b| format!("{:.1}", b.trips.len() as f64 / b.secs))
+                .unwrap_or_default(),
+            bare.map(|b| format!("{:.0}%", 100.0 * rate / (b.trips.len() as f64 / b.secs)))
+                .unwrap_or_default(),
+            fmt_ms(mean(&w.lease_to_started)),
+            fmt_ms(mean(&w.started_to_finished)),
+            if w.concurrency == 1 {
+                fmt_ms(mean(&w.finished_to_next))
+            } else {
+                "-".into()
+            },
+            w.db_cpu
+                .map(|c| format!("{:.2}", c * 1e3 / n))
+                .unwrap_or("n/a".into()),
+            format!("{:.2}", w.child_cpu * 1e3 / n),
+            format!("{:.2}", w.bench_cpu * 1e3 / n),
+            w.db_cpu
+                .map(|d| format!("{:.0}", n / (d + w.child_cpu + w.bench_cpu)))
+                .unwrap_or("n/a".into()),
+            w.busy
+                .map(|x| format!("{:.0}%", x * 100.0))
+                .unwrap_or("n/a".into()),
+            format!("{:.2}", w.submit_secs * 1e3 / n),
+        ]);
+    }
+    print_table(
+        &[
+            "executor",
+            "conc",
+            "steps",
+            "secs",
+            "steps/s",
+            "wall ms/step",
+            "bare trips/s",
+            "worker/bare",
+            "leased→started mean",
+            "started→finished mean",
+            "finished→next leased mean",
+            "db CPU ms/step",
+            "child CPU ms/step",
+            "bench CPU ms/step",
+            "max steps/s per core",
+            "machine busy",
+            "submit ms/run",
+        ],
+        1,
+        &rows,
+    );
+    println!("   leased→started / started→finished: step_runs.leased_at, started_at (mark_running) and finished_at");
+    println!("   (complete), each the start time of its transaction on the database clock; finished→next leased");
+    println!("   (concurrency 1 only) = the complete transaction + the attempt's end + the worker loop until the next lease.");
+    println!("   db CPU: the worker's backends (the benchmark's polling connection is left out), including the");
+    println!("   worker's fixed-rate heartbeat / reclaim / poll statements. max steps/s per core = 1 / (db + child + bench");
+    println!("   CPU per step).");
+    println!("   submit ms/run: Db::submit (durable.submit_run) one run at a time before the worker starts (untimed above).");
+    println!();
+    println!("load average at the end: {}", loadavg());
+    Ok(())
+}
+
+fn mean(v: &[Duration]) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.iter().sum::<Duration>() / v.len() as u32
+}
+
+// ---------------------------------------------------------------------------
+// measurement helpers (as in bench_queue.rs)
