@@ -186,6 +186,24 @@ impl Default for ExecutorConfig {
     }
 }
 
+impl ExecutorConfig {
+    /// How to start this executor in `cwd`.
+    pub fn spawn_spec(&self, cwd: &Path, stderr_tail_bytes: usize) -> crate::process::SpawnSpec {
+        crate::process::SpawnSpec {
+            program: PathBuf::from(&self.command),
+            args: self.args.clone(),
+            cwd: cwd.to_owned(),
+            env: self
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            env_allowlist: self.env_allowlist.clone(),
+            stderr_tail_bytes,
+        }
+    }
+}
+
 impl WorkerConfig {
     pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

@@ -9,7 +9,7 @@
 //! the lease token.
 
 use std::collections::BTreeMap;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Component, Path};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +27,7 @@ use uuid::Uuid;
 
 use super::{Control, ExecutorRuntime, Shared};
 use crate::db::{DbError, FailureReport, LeasedStep, NewArtifact, NewEvent};
-use crate::process::{Child, SpawnSpec};
+use crate::process::Child;
 use crate::state::Failure;
 use crate::wire::{
     self, CancelReason, EventKind, FromExecutor, Hello, JobError, JobResult, ToExecutor, WireError,
@@ -210,19 +210,9 @@ async fn execute(
         labels: step.labels.clone(),
     };
 
-    let spec = SpawnSpec {
-        program: PathBuf::from(&exec.cfg.command),
-        args: exec.cfg.args.clone(),
-        cwd: workdir.path().to_owned(),
-        env: exec
-            .cfg
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        env_allowlist: exec.cfg.env_allowlist.clone(),
-        stderr_tail_bytes: shared.cfg.stderr_tail_bytes,
-    };
+    let spec = exec
+        .cfg
+        .spawn_spec(workdir.path(), shared.cfg.stderr_tail_bytes);
     let mut child = match shared.spawner.spawn(spec).await {
         Ok(c) => c,
         Err(e) => return Outcome::failed("SPAWN_FAILED", true, e.to_string()),
@@ -710,6 +700,7 @@ async fn converse(
         (Some(o), _) => o,
         (None, Some(Terminal::Result(r))) => finish_result(step, job, r, accepted),
         (None, Some(Terminal::Error(e))) => {
+            let own_cancel = step.cancel_requested || *control.borrow() == Control::Cancel;
             if !accepted {
                 Outcome::Refused {
                     code: if e.code.is_empty() {
@@ -719,34 +710,12 @@ async fn converse(
                     },
                     message: e.message,
                 }
-            } else if e.code == "CANCELLED"
-                && !step.cancel_requested
-                && *control.borrow() != Control::Cancel
-            {
-                // an executor may not cancel on its own: that is a failure
-                Outcome::Failed {
-                    code: e.code,
-                    message: e.message,
-                    retryable: e.retryable,
-                    details: parse_details(&e.details),
-                    next_retry_delay_ms: e.next_retry_delay_ms,
-                    sequence: Some(e.sequence),
-                }
-            } else if e.code == "CANCELLED" {
+            } else if e.code == "CANCELLED" && own_cancel {
                 Outcome::Cancelled { message: e.message }
             } else {
-                Outcome::Failed {
-                    code: if e.code.is_empty() {
-                        "EXECUTOR_ERROR".into()
-                    } else {
-                        e.code
-                    },
-                    message: e.message,
-                    retryable: e.retryable,
-                    details: parse_details(&e.details),
-                    next_retry_delay_ms: e.next_retry_delay_ms,
-                    sequence: Some(e.sequence),
-                }
+                // includes CANCELLED without a cancel request: an executor may
+                // not cancel on its own, so that is a failure with its code
+                executor_failure(e)
             }
         }
         (None, None) => {
@@ -758,6 +727,22 @@ async fn converse(
                 format!("the executor ended without a terminal ({exit_text})"),
             )
         }
+    }
+}
+
+/// An executor's error as a failed outcome.
+fn executor_failure(e: JobError) -> Outcome {
+    Outcome::Failed {
+        code: if e.code.is_empty() {
+            "EXECUTOR_ERROR".into()
+        } else {
+            e.code
+        },
+        message: e.message,
+        retryable: e.retryable,
+        details: parse_details(&e.details),
+        next_retry_delay_ms: e.next_retry_delay_ms,
+        sequence: Some(e.sequence),
     }
 }
 

@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use crate::config::{ExecutorConfig, WorkerConfig};
 use crate::db::{Db, DbError, Lease, Route};
-use crate::process::{ProcessError, SpawnSpec, Spawner};
+use crate::process::{ProcessError, Spawner};
 use crate::wire::{self, FromExecutor, Hello, ToExecutor};
 
 #[derive(Debug, thiserror::Error)]
@@ -96,18 +96,7 @@ pub async fn probe(
         .prefix("durable-probe-")
         .tempdir()
         .map_err(|e| fail(format!("cannot create a temp dir: {e}")))?;
-    let spec = SpawnSpec {
-        program: cfg.command.clone().into(),
-        args: cfg.args.clone(),
-        cwd: dir.path().to_owned(),
-        env: cfg
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        env_allowlist: cfg.env_allowlist.clone(),
-        stderr_tail_bytes: wcfg.stderr_tail_bytes,
-    };
+    let spec = cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes);
     let mut child = spawner.spawn(spec).await.map_err(|e| fail(e.to_string()))?;
     let stdout = child.take_stdout();
     let mut stdin = child.take_stdin();

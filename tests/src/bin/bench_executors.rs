@@ -20,7 +20,7 @@ use clap::Parser;
 use futures::StreamExt;
 use supervisor::config::{ExecutorConfig, WorkerConfig};
 use supervisor::db::Db;
-use supervisor::process::{SpawnSpec, Spawner};
+use supervisor::process::Spawner;
 use supervisor::wire::{self, EventKind, FromExecutor, ToExecutor};
 use tests::bench::*;
 use tests::{fast_config, go_demo, one_step, python_demo, RunningWorker};
@@ -88,18 +88,7 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
     let out_dir = dir.path().join("out");
     std::fs::create_dir(&out_dir)?;
     std::fs::create_dir(dir.path().join("in"))?;
-    let spec = SpawnSpec {
-        program: cfg.command.clone().into(),
-        args: cfg.args.clone(),
-        cwd: dir.path().to_owned(),
-        env: cfg
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        env_allowlist: cfg.env_allowlist.clone(),
-        stderr_tail_bytes: wcfg.stderr_tail_bytes,
-    };
+    let spec = cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes);
     let mut child = spawner.spawn(spec).await?;
     let stdout = child.take_stdout().context("no stdout pipe")?;
     let mut stdin = child.take_stdin().context("no stdin pipe")?;

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use supervisor::db::{Db, NewEvent, Route};
+use supervisor::db::{Db, Route};
 use tests::bench::*;
 use uuid::Uuid;
 
@@ -149,17 +149,6 @@ fn routes() -> Vec<Route> {
     }]
 }
 
-fn accepted_event() -> NewEvent<'static> {
-    NewEvent {
-        sequence: 1,
-        kind: "accepted",
-        message: "",
-        fraction: None,
-        checkpoint: None,
-        executor_at: None,
-    }
-}
-
 /// A worker of the runtime: lease a batch, then mark_running + complete each
 /// step (output = input, like demo.echo; terminal event sequence 2).
 async fn runtime_worker(db: Db, ix: u32, batch: u32, ctl: Arc<Ctl>) -> Result<WorkerStats> {
@@ -186,7 +175,7 @@ async fn runtime_worker(db: Db, ix: u32, batch: u32, ctl: Arc<Ctl>) -> Result<Wo
         }
         for s in leased {
             let t = Instant::now();
-            db.mark_running(&s.lease, &name, pid, &accepted_event())
+            db.mark_running(&s.lease, &name, pid, &tests::accepted_event())
                 .await?;
             st.mark.push(t.elapsed());
             let t = Instant::now();
