@@ -656,32 +656,21 @@ impl Db {
         executor_pid: i32,
         event: &NewEvent<'_>,
     ) -> Result<(), DbError> {
-        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
-        let n = sqlx::query(
-            "WITH s AS (
-                 UPDATE durable.step_runs SET state = 'running', started_at = now(), executor_pid = $9,
-                        transition_reason = 'ACCEPTED', transition_by = $3
-                  WHERE id = $1 AND lease_token = $2 AND state = 'leased'
-              RETURNING id, attempt
-             )
-             INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint, executor_at)
-             SELECT s.id, s.attempt, $4, $5, $6, $7, false, $8 FROM s",
-        )
-        .bind(lease.step_run_id)
-        .bind(lease.token)
-        .bind(worker_name)
-        .bind(event.sequence as i64)
-        .bind(event.kind)
-        .bind(event.message)
-        .bind(event.fraction)
-        .bind(event.executor_at)
-        .bind(executor_pid)
-        .execute(&mut *tx)
-        .await
-        .ctx("marking a step running")?
-        .rows_affected();
-        fenced(n, lease)?;
-        tx.commit().await.ctx("committing the start of a step")
+        let started: bool =
+            sqlx::query_scalar("SELECT durable.start_step($1, $2, $3, $4, $5, $6, $7, $8, $9)")
+                .bind(lease.step_run_id)
+                .bind(lease.token)
+                .bind(worker_name)
+                .bind(executor_pid)
+                .bind(event.sequence as i64)
+                .bind(event.kind)
+                .bind(event.message)
+                .bind(event.fraction)
+                .bind(event.executor_at)
+                .fetch_one(&self.pool)
+                .await
+                .ctx("marking a step running")?;
+        fenced(u64::from(started), lease)
     }
 
     /// Persists a progress event (and its checkpoint, if any), fenced.
@@ -724,81 +713,35 @@ impl Db {
         artifacts: &[NewArtifact],
         sequence: Option<u64>,
     ) -> Result<Vec<Uuid>, DbError> {
-        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
-        let run_id: Option<Uuid> = sqlx::query_scalar(
-            "SELECT run_id FROM durable.step_runs
-              WHERE id = $1 AND lease_token = $2 AND state = 'running' FOR UPDATE",
+        let names: Vec<&str> = artifacts.iter().map(|a| a.name.as_str()).collect();
+        let shas: Vec<&str> = artifacts.iter().map(|a| a.sha256.as_str()).collect();
+        let media: Vec<&str> = artifacts.iter().map(|a| a.media_type.as_str()).collect();
+        let contents: Vec<&[u8]> = artifacts.iter().map(|a| a.content.as_slice()).collect();
+        let derived = serde_json::Value::Array(
+            artifacts
+                .iter()
+                .map(|a| serde_json::json!(a.derived_from))
+                .collect(),
+        );
+        let ids: Option<Vec<Uuid>> = sqlx::query_scalar(
+            "SELECT durable.complete_step($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(lease.step_run_id)
         .bind(lease.token)
-        .fetch_optional(&mut *tx)
-        .await
-        .ctx("locking a step to complete it")?;
-        let Some(run_id) = run_id else {
-            return Err(DbError::LeaseLost {
-                step_run_id: lease.step_run_id,
-            });
-        };
-        let mut ids = Vec::with_capacity(artifacts.len());
-        for a in artifacts {
-            let id = Uuid::new_v4();
-            sqlx::query(
-                "INSERT INTO durable.artifact_blobs (sha256, size, content) VALUES ($1, $2, $3)
-                 ON CONFLICT (sha256) DO NOTHING",
-            )
-            .bind(&a.sha256)
-            .bind(a.content.len() as i64)
-            .bind(&a.content)
-            .execute(&mut *tx)
-            .await
-            .ctx("storing an artifact's bytes")?;
-            sqlx::query(
-                "INSERT INTO durable.artifacts (id, run_id, step_run_id, attempt, name, sha256, size, media_type)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-            )
-            .bind(id)
-            .bind(run_id)
-            .bind(lease.step_run_id)
-            .bind(lease.attempt as i32)
-            .bind(&a.name)
-            .bind(&a.sha256)
-            .bind(a.content.len() as i64)
-            .bind(&a.media_type)
-            .execute(&mut *tx)
-            .await
-            .ctx("storing an artifact")?;
-            if !a.derived_from.is_empty() {
-                sqlx::query(
-                    "INSERT INTO durable.artifact_lineage (artifact_id, derived_from_id)
-                     SELECT $1, unnest($2::uuid[]) ON CONFLICT DO NOTHING",
-                )
-                .bind(id)
-                .bind(&a.derived_from)
-                .execute(&mut *tx)
-                .await
-                .ctx("storing artifact lineage")?;
-            }
-            ids.push(id);
-        }
-        if let Some(seq) = sequence {
-            insert_terminal_event(&mut tx, lease, seq, "succeeded", "").await?;
-        }
-        sqlx::query(
-            "UPDATE durable.step_runs
-                SET state = 'succeeded', output = $3, error_code = NULL, error_message = NULL,
-                    error_retryable = NULL, error_details = NULL,
-                    transition_reason = 'SUCCEEDED', transition_by = $4
-              WHERE id = $1 AND lease_token = $2",
-        )
-        .bind(lease.step_run_id)
-        .bind(lease.token)
-        .bind(output)
         .bind(worker_name)
-        .execute(&mut *tx)
+        .bind(output)
+        .bind(sequence.map(|s| s as i64))
+        .bind(&names)
+        .bind(&shas)
+        .bind(&media)
+        .bind(&contents)
+        .bind(&derived)
+        .fetch_one(&self.pool)
         .await
         .ctx("completing a step")?;
-        tx.commit().await.ctx("committing a completion")?;
-        Ok(ids)
+        ids.ok_or(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })
     }
 
     /// The attempt failed: the state module decides retry, terminal failure or

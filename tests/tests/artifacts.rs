@@ -1,0 +1,79 @@
+//! Artifacts cross steps and languages: a Go step writes one, a Python step
+//! that depends on it receives it as an input artifact, derives a new one from
+//! it, and the lineage, sizes and hashes are what the bytes say.
+
+use std::time::Duration;
+
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use tests::{fast_config, go_demo, python_demo, RunningWorker, TestDb};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn artifacts_flow_between_steps_with_lineage() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(5).await,
+        fast_config(vec![go_demo("go", &[], None), python_demo("py", &[], None)]),
+    )
+    .await;
+    let run = t
+        .submit(json!({"name": "lineage", "steps": [
+            {"name": "make", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "raw.txt", "content": "abc", "repeat": 2}},
+            {"name": "derive", "executor_kind": "python", "kind": "demo.artifact",
+             "input": {"name": "derived.txt", "content": "XYZ"}, "depends_on": ["make"]}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(
+        st.state,
+        "succeeded",
+        "{}",
+        serde_json::to_string_pretty(&st).unwrap_or_default()
+    );
+
+    let make = &tests::step(&st, "make").artifacts;
+    let derive = &tests::step(&st, "derive").artifacts;
+    assert_eq!((make.len(), derive.len()), (1, 1));
+    let (raw, derived) = (&make[0], &derive[0]);
+    let expect_raw = b"abcabc".to_vec();
+    let mut expect_derived = expect_raw.clone();
+    expect_derived.extend_from_slice(b"XYZ");
+    assert_eq!(raw.name, "raw.txt");
+    assert_eq!(raw.size, expect_raw.len() as i64);
+    assert_eq!(raw.sha256, hex(&expect_raw));
+    assert_eq!(derived.size, expect_derived.len() as i64);
+    assert_eq!(
+        derived.sha256,
+        hex(&expect_derived),
+        "derived = input bytes + content"
+    );
+
+    let stored: Vec<u8> =
+        sqlx::query_scalar("SELECT content FROM durable.artifact_blobs WHERE sha256 = $1")
+            .bind(&derived.sha256)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("blob");
+    assert_eq!(stored, expect_derived);
+    let lineage: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT derived_from_id FROM durable.artifact_lineage WHERE artifact_id = $1",
+    )
+    .bind(derived.id)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("lineage");
+    assert_eq!(
+        lineage,
+        vec![raw.id],
+        "the derived artifact names its input"
+    );
+    w.shutdown().await;
+}
+
+fn hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
