@@ -51,6 +51,9 @@ fn d_max_frame() -> usize {
 fn d_stderr_tail() -> usize {
     64 * 1024
 }
+fn d_max_artifact() -> u64 {
+    256 * 1024 * 1024
+}
 fn d_db_conns() -> u32 {
     10
 }
@@ -104,6 +107,9 @@ pub struct WorkerConfig {
     pub handshake_timeout_ms: u64,
     #[serde(default = "d_max_frame")]
     pub max_frame_bytes: usize,
+    /// The largest artifact accepted (held in memory, stored in PostgreSQL).
+    #[serde(default = "d_max_artifact")]
+    pub max_artifact_bytes: u64,
     /// How much of each child's stderr is kept (the tail) for failures.
     #[serde(default = "d_stderr_tail")]
     pub stderr_tail_bytes: usize,
@@ -162,6 +168,7 @@ impl Default for WorkerConfig {
             drain_timeout_ms: d_drain(),
             handshake_timeout_ms: d_handshake(),
             max_frame_bytes: d_max_frame(),
+            max_artifact_bytes: d_max_artifact(),
             stderr_tail_bytes: d_stderr_tail(),
             db_max_connections: d_db_conns(),
             refusal_delay_ms: d_refusal_delay(),

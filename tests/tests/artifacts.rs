@@ -77,3 +77,34 @@ fn hex(bytes: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_artifact_over_the_cap_fails_the_attempt_before_it_is_read() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.max_artifact_bytes = 64;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "big", "steps": [
+            {"name": "make", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "big.txt", "content": "0123456789", "repeat": 10}}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    let s = tests::step(&st, "make");
+    assert_eq!(s.state, "terminal_failed");
+    let e = s.error.as_ref().expect("error");
+    assert_eq!(e.code, "ARTIFACT_INVALID");
+    assert!(
+        e.message.contains("max_artifact_bytes is 64"),
+        "{}",
+        e.message
+    );
+    assert!(s.artifacts.is_empty());
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.artifact_blobs")
+            .await,
+        0
+    );
+    w.shutdown().await;
+}

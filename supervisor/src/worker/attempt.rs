@@ -694,11 +694,13 @@ async fn converse(
     match (imposed, terminal) {
         // a cancelled job that completed anyway keeps its result
         (Some(Outcome::Cancelled { .. }), Some(Terminal::Result(r))) => {
-            finish_result(step, job, r, accepted)
+            finish_result(step, job, r, accepted, cfg.max_artifact_bytes)
         }
         (Some(Outcome::Cancelled { message }), _) => Outcome::Cancelled { message },
         (Some(o), _) => o,
-        (None, Some(Terminal::Result(r))) => finish_result(step, job, r, accepted),
+        (None, Some(Terminal::Result(r))) => {
+            finish_result(step, job, r, accepted, cfg.max_artifact_bytes)
+        }
         (None, Some(Terminal::Error(e))) => {
             let own_cancel = step.cancel_requested || *control.borrow() == Control::Cancel;
             if !accepted {
@@ -875,7 +877,13 @@ fn new_event(e: &wire::Event) -> NewEvent<'_> {
 
 /// Turns a result into an outcome: the output must be JSON and every artifact
 /// must be where the manifest says, with its size and hash.
-fn finish_result(step: &LeasedStep, job: &wire::Job, r: JobResult, accepted: bool) -> Outcome {
+fn finish_result(
+    step: &LeasedStep,
+    job: &wire::Job,
+    r: JobResult,
+    accepted: bool,
+    max_artifact_bytes: u64,
+) -> Outcome {
     if !accepted {
         return Outcome::failed(
             "PROTOCOL_UNEXPECTED_FRAME",
@@ -944,6 +952,19 @@ fn finish_result(step: &LeasedStep, job: &wire::Job, r: JobResult, accepted: boo
                 "ARTIFACT_INVALID",
                 false,
                 format!("artifact {:?} escapes output_dir", m.name),
+            );
+        }
+        // checked before reading: artifacts are held in memory and stored in PostgreSQL
+        let on_disk = std::fs::metadata(&real).map(|m| m.len()).unwrap_or(0);
+        if on_disk > max_artifact_bytes || m.size > max_artifact_bytes {
+            return Outcome::failed(
+                "ARTIFACT_INVALID",
+                false,
+                format!(
+                    "artifact {:?} has {} bytes; max_artifact_bytes is {max_artifact_bytes}",
+                    m.name,
+                    on_disk.max(m.size)
+                ),
             );
         }
         let content = match std::fs::read(&real) {
