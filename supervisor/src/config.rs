@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -279,10 +278,6 @@ impl WorkerConfig {
             }
         }
         Ok(())
-    }
-
-    pub fn ms(v: u64) -> Duration {
-        Duration::from_millis(v)
     }
 }
 

@@ -18,10 +18,8 @@ use sqlx::{Acquire, ConnectOptions, Executor, PgPool, Row};
 use uuid::Uuid;
 
 use crate::retry::RetryPolicy;
-use crate::state::{self, Failure, FailureDecision, RunState, StepFacts, StepState};
+use crate::state::{self, Failure, FailureDecision, RunState, StepFacts};
 
-/// The schema every table lives in.
-pub const SCHEMA: &str = "durable";
 /// NOTIFY channel: a step became leasable (payload: executor_kind).
 pub const CHANNEL_STEPS: &str = "durable_steps";
 /// NOTIFY channel: cancellation was requested (payload: run id). A hint only:
@@ -99,14 +97,6 @@ impl Lease {
     pub fn attempt(&self) -> u32 {
         self.attempt
     }
-    /// For tests that play a stale or forged owner: a lease with another token.
-    pub fn forged(step_run_id: Uuid, token: Uuid, attempt: u32) -> Lease {
-        Lease {
-            step_run_id,
-            token,
-            attempt,
-        }
-    }
 }
 
 /// A step this worker now owns, with everything needed to run it.
@@ -127,9 +117,6 @@ pub struct LeasedStep {
     pub secrets: Vec<String>,
     pub checkpoint: Option<Vec<u8>>,
     pub cancel_requested: bool,
-    pub lease_expires_at: DateTime<Utc>,
-    /// The database clock when the lease was taken.
-    pub db_now: DateTime<Utc>,
 }
 
 /// What one batched heartbeat learned.
@@ -244,18 +231,6 @@ pub struct RunStatus {
     pub waiting: Vec<WaitingStep>,
 }
 
-/// One row of the transition history.
-#[derive(Debug, Clone, Serialize)]
-pub struct TransitionRow {
-    pub step: Option<String>,
-    pub from_state: Option<String>,
-    pub to_state: String,
-    pub attempt: Option<i32>,
-    pub worker: Option<String>,
-    pub reason: Option<String>,
-    pub at: DateTime<Utc>,
-}
-
 fn parse_labels(v: serde_json::Value) -> Result<BTreeMap<String, String>, DbError> {
     serde_json::from_value(v).map_err(|e| DbError::Corrupt(format!("labels: {e}")))
 }
@@ -283,10 +258,6 @@ impl Db {
                 source,
             })?;
         Ok(Db { pool })
-    }
-
-    pub fn from_pool(pool: PgPool) -> Db {
-        Db { pool }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -360,20 +331,6 @@ impl Db {
                 source: e,
             }),
         }
-    }
-
-    pub async fn run_state(&self, run_id: Uuid) -> Result<Option<RunState>, DbError> {
-        let s: Option<String> =
-            sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
-                .bind(run_id)
-                .fetch_optional(&self.pool)
-                .await
-                .ctx("reading a run's state")?;
-        s.map(|s| {
-            s.parse()
-                .map_err(|e| DbError::Corrupt(format!("run state: {e}")))
-        })
-        .transpose()
     }
 
     /// The run and its steps, or `NotFound`.
@@ -482,31 +439,6 @@ impl Db {
         })
     }
 
-    /// The transition history of a run (runs and steps), oldest first.
-    pub async fn transitions(&self, run_id: Uuid) -> Result<Vec<TransitionRow>, DbError> {
-        let rows = sqlx::query(
-            "SELECT s.name AS step, t.from_state, t.to_state, t.attempt, t.worker, t.reason, t.at
-               FROM durable.transitions t LEFT JOIN durable.step_runs s ON s.id = t.step_run_id
-              WHERE t.run_id = $1 ORDER BY t.id",
-        )
-        .bind(run_id)
-        .fetch_all(&self.pool)
-        .await
-        .ctx("reading transitions")?;
-        Ok(rows
-            .into_iter()
-            .map(|r| TransitionRow {
-                step: r.get("step"),
-                from_state: r.get("from_state"),
-                to_state: r.get("to_state"),
-                attempt: r.get("attempt"),
-                worker: r.get("worker"),
-                reason: r.get("reason"),
-                at: r.get("at"),
-            })
-            .collect())
-    }
-
     // -----------------------------------------------------------------------
     // workers
 
@@ -587,7 +519,7 @@ impl Db {
               WHERE s.id = c.id
           RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input, s.idempotency_key,
                     s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
-                    s.secrets, s.checkpoint, s.cancel_requested, s.lease_expires_at, now() AS db_now",
+                    s.secrets, s.checkpoint, s.cancel_requested",
         )
         .bind(worker_id)
         .bind(worker_name)
@@ -955,21 +887,6 @@ impl Db {
         .ctx("counting open runs")
     }
 
-    /// The step's current state (tests, diagnostics).
-    pub async fn step_state(&self, step_run_id: Uuid) -> Result<Option<StepState>, DbError> {
-        let s: Option<String> =
-            sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE id = $1")
-                .bind(step_run_id)
-                .fetch_optional(&self.pool)
-                .await
-                .ctx("reading a step's state")?;
-        s.map(|s| {
-            s.parse()
-                .map_err(|e| DbError::Corrupt(format!("step state: {e}")))
-        })
-        .transpose()
-    }
-
     /// A dedicated listener for the wake-up channels.
     pub async fn listener(&self) -> Result<sqlx::postgres::PgListener, DbError> {
         let mut l = sqlx::postgres::PgListener::connect_with(&self.pool)
@@ -1090,8 +1007,6 @@ fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
         secrets: r.get("secrets"),
         checkpoint: r.get("checkpoint"),
         cancel_requested: r.get("cancel_requested"),
-        lease_expires_at: r.get("lease_expires_at"),
-        db_now: r.get("db_now"),
     })
 }
 

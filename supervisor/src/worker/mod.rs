@@ -46,11 +46,10 @@ pub(crate) enum Control {
     LeaseLost,
 }
 
-/// A probed executor: its config, its hello, and its lease routes.
+/// A probed executor: its config and the lease routes its hello offered.
 #[derive(Debug)]
 pub struct ExecutorRuntime {
     pub cfg: ExecutorConfig,
-    pub hello: Hello,
     pub routes: Vec<Route>,
     running: AtomicU32,
 }
@@ -169,7 +168,6 @@ impl Worker {
                   labels = ?routing::effective_labels(&hello, ecfg), sdk = %hello.sdk_name, "executor ready");
             executors.push(Arc::new(ExecutorRuntime {
                 cfg: ecfg.clone(),
-                hello,
                 routes,
                 running: AtomicU32::new(0),
             }));
@@ -206,10 +204,6 @@ impl Worker {
 
     pub fn id(&self) -> Uuid {
         self.shared.id
-    }
-
-    pub fn executors(&self) -> &[Arc<ExecutorRuntime>] {
-        &self.executors
     }
 
     /// Runs until `shutdown` is cancelled, then drains: no new leases; running
