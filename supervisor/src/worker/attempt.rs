@@ -30,7 +30,8 @@ use crate::db::{DbError, FailureReport, LeasedStep, NewArtifact, NewEvent};
 use crate::process::Child;
 use crate::state::Failure;
 use crate::wire::{
-    self, CancelReason, EventKind, FromExecutor, Hello, JobError, JobResult, ToExecutor, WireError,
+    self, CancelReason, EventKind, FromExecutor, HandshakeError, Hello, JobError, JobResult,
+    ToExecutor, WireError,
 };
 
 /// How long to keep reading stdout after the child exited (a grandchild may
@@ -283,7 +284,7 @@ fn sanitize(name: &str) -> String {
     }
 }
 
-type Frames = FramedRead<tokio::process::ChildStdout, wire::FrameDecoder<wire::pb::ExecutorFrame>>;
+type Frames = wire::ExecutorFrames<tokio::process::ChildStdout>;
 
 /// How long one frame may take to go into the child's stdin. A child that
 /// does not read its stdin must not block the attempt's event loop.
@@ -376,10 +377,7 @@ async fn converse(
 
     // --- handshake: the executor speaks first; a cancel, a lost lease or the
     // worker's abort during it stops the child at once
-    let handshake = tokio::time::timeout(
-        Duration::from_millis(cfg.handshake_timeout_ms),
-        frames.next(),
-    );
+    let handshake = wire::read_hello(&mut frames, Duration::from_millis(cfg.handshake_timeout_ms));
     let read = tokio::select! {
         r = handshake => r,
         c = until_stopped(control) => {
@@ -403,53 +401,15 @@ async fn converse(
         }
     };
     let hello: Hello = match read {
-        Ok(Some(Ok(frame))) => match FromExecutor::from(frame) {
-            FromExecutor::Hello(h) => h,
-            other => {
-                return stop_now(
-                    child,
-                    cfg,
-                    Outcome::failed(
-                        "HANDSHAKE_FAILED",
-                        true,
-                        format!(
-                            "the executor's first frame was a {}, not a hello",
-                            other.name()
-                        ),
-                    ),
-                )
-                .await
-            }
-        },
-        Ok(Some(Err(e))) => {
-            let (_, msg) = wire_failure(&e);
+        Ok(h) => h,
+        Err(e) => {
             warn!(error = %e, stderr_tail = %child.stderr().tail_string(), "handshake failed");
+            // the raw evidence stays in the log; the stored message describes it
+            let msg = match &e {
+                HandshakeError::Wire(w) => wire_failure(w).1,
+                other => other.to_string(),
+            };
             return stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await;
-        }
-        Ok(None) => {
-            warn!(stderr_tail = %child.stderr().tail_string(), "executor closed stdout before hello");
-            return stop_now(
-                child,
-                cfg,
-                Outcome::failed(
-                    "HANDSHAKE_FAILED",
-                    true,
-                    "the executor exited or closed stdout before its hello",
-                ),
-            )
-            .await;
-        }
-        Err(_) => {
-            return stop_now(
-                child,
-                cfg,
-                Outcome::failed(
-                    "HANDSHAKE_FAILED",
-                    true,
-                    format!("no hello within {} ms", cfg.handshake_timeout_ms),
-                ),
-            )
-            .await
         }
     };
     if let Err(why) = super::routing::check(
@@ -460,24 +420,11 @@ async fn converse(
         &step.labels,
     ) {
         warn!(%why, "executor refused before any job was sent");
-        write_frame(
-            &mut stdin,
-            &ToExecutor::Shutdown {
-                reason: format!("refused: {why}"),
-            },
-        )
-        .await;
-        drop(stdin);
-        let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
-        return stop_now(
-            child,
-            cfg,
-            Outcome::Refused {
-                code: "EXECUTOR_REFUSED".into(),
-                message: why,
-            },
-        )
-        .await;
+        let outcome = Outcome::Refused {
+            code: "EXECUTOR_REFUSED".into(),
+            message: why,
+        };
+        return decline(child, stdin, cfg, outcome).await;
     }
 
     // a cancel or a lost lease that arrived during spawn and handshake: the
@@ -493,16 +440,7 @@ async fn converse(
                 why: "the lease was lost before the job was sent".into(),
             }
         };
-        write_frame(
-            &mut stdin,
-            &ToExecutor::Shutdown {
-                reason: outcome.label(),
-            },
-        )
-        .await;
-        drop(stdin);
-        let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
-        return stop_now(child, cfg, outcome).await;
+        return decline(child, stdin, cfg, outcome).await;
     }
 
     // --- the job
@@ -1101,6 +1039,26 @@ async fn wait_exit(child: &mut Child, grace: Duration) -> bool {
         return true;
     }
     tokio::time::timeout(grace, child.exited()).await.is_ok()
+}
+
+/// Sends no job after all: asks the executor to shut down, gives it the
+/// cancel grace to exit, stops what is left, and returns `outcome`.
+async fn decline(
+    child: &mut Child,
+    mut stdin: Option<ChildStdin>,
+    cfg: &crate::config::WorkerConfig,
+    outcome: Outcome,
+) -> Outcome {
+    write_frame(
+        &mut stdin,
+        &ToExecutor::Shutdown {
+            reason: outcome.label(),
+        },
+    )
+    .await;
+    drop(stdin);
+    let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
+    stop_now(child, cfg, outcome).await
 }
 
 /// Stops a child whose outcome is already known, then returns that outcome.

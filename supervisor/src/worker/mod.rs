@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -22,7 +21,7 @@ use uuid::Uuid;
 use crate::config::{ExecutorConfig, WorkerConfig};
 use crate::db::{Db, DbError, Lease, Route};
 use crate::process::{ProcessError, Spawner};
-use crate::wire::{self, FromExecutor, Hello, ToExecutor};
+use crate::wire::{self, Hello, ToExecutor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -103,20 +102,12 @@ pub async fn probe(
         None => Err("no stdout pipe".to_string()),
         Some(out) => {
             let mut frames = FramedRead::new(out, wire::executor_decoder(wcfg.max_frame_bytes));
-            match tokio::time::timeout(
+            wire::read_hello(
+                &mut frames,
                 Duration::from_millis(wcfg.handshake_timeout_ms),
-                frames.next(),
             )
             .await
-            {
-                Ok(Some(Ok(f))) => match FromExecutor::from(f) {
-                    FromExecutor::Hello(h) => Ok(h),
-                    other => Err(format!("first frame was a {}, not a hello", other.name())),
-                },
-                Ok(Some(Err(e))) => Err(e.to_string()),
-                Ok(None) => Err("exited before its hello".into()),
-                Err(_) => Err(format!("no hello within {} ms", wcfg.handshake_timeout_ms)),
-            }
+            .map_err(|e| e.to_string())
         }
     };
     if let Some(w) = stdin.as_mut() {

@@ -93,17 +93,14 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
     let stdout = child.take_stdout().context("no stdout pipe")?;
     let mut stdin = child.take_stdin().context("no stdin pipe")?;
     let mut frames = FramedRead::new(stdout, wire::executor_decoder(wcfg.max_frame_bytes));
-    let hello = match frames.next().await {
-        Some(Ok(f)) => match FromExecutor::from(f) {
-            FromExecutor::Hello(h) => h,
-            other => bail!("first frame was a {}, not a hello", other.name()),
-        },
-        Some(Err(e)) => bail!("reading the hello: {e}"),
-        None => bail!(
-            "the executor closed stdout before its hello; stderr: {}",
-            child.stderr().tail_string()
-        ),
-    };
+    let hello = wire::read_hello(&mut frames, Duration::from_secs(30))
+        .await
+        .with_context(|| {
+            format!(
+                "reading the hello; stderr: {}",
+                child.stderr().tail_string()
+            )
+        })?;
     let t_hello = t0.elapsed();
     let input = format!("{{\"i\": {n}}}").into_bytes();
     let job = wire::Job {
