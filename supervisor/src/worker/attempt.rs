@@ -9,6 +9,7 @@
 //! the lease token.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path};
 use std::sync::Arc;
 use std::time::Duration;
@@ -245,7 +246,12 @@ async fn materialize_inputs(
     for a in arts {
         let dir = in_dir.join(sanitize(&a.step_name));
         let path = dir.join(sanitize(&a.name));
-        let written = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&path, &a.content));
+        let written = async {
+            tokio::fs::create_dir_all(&dir).await?;
+            tokio::fs::write(&path, &a.content).await?;
+            tokio::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).await
+        }
+        .await;
         if let Err(e) = written {
             return Err(Outcome::failed(
                 "SPAWN_FAILED",
@@ -460,6 +466,7 @@ async fn converse(
     let mut imposed: Option<Outcome> = None;
     let mut cancel_reason: Option<CancelReason> = None;
     let mut control_open = true;
+    let mut after_terminal_violation = false;
 
     // --- phase 1: until a terminal, a violation, or a reason to stop
     loop {
@@ -494,12 +501,17 @@ async fn converse(
                 // its last frames may still be in the pipe
                 match drain_after_exit(&mut frames).await {
                     Drained::Frames(rest) => {
-                        for f in rest {
+                        let mut rest = rest.into_iter();
+                        for f in rest.by_ref() {
                             match on_frame(shared, step, job, child.pid, f, &mut accepted, &mut last_seq).await {
                                 FrameVerdict::Continue => {}
                                 FrameVerdict::Terminal(t) => { terminal = Some(t); break; }
                                 FrameVerdict::Impose(o) => { imposed = Some(o); break; }
                             }
+                        }
+                        if terminal.is_some() && rest.next().is_some() {
+                            warn!("frame after the terminal");
+                            after_terminal_violation = true;
                         }
                     }
                     Drained::Error(e) => {
@@ -553,7 +565,6 @@ async fn converse(
     }
 
     // --- phase 2: make sure the child is gone, then decide
-    let mut after_terminal_violation = false;
     if terminal.is_some() && imposed.is_none() {
         // the job is done: no more jobs, the executor exits on EOF
         drop(stdin.take());
@@ -632,12 +643,12 @@ async fn converse(
     match (imposed, terminal) {
         // a cancelled job that completed anyway keeps its result
         (Some(Outcome::Cancelled { .. }), Some(Terminal::Result(r))) => {
-            finish_result(step, job, r, accepted, cfg.max_artifact_bytes)
+            verify_result(job, r, accepted, cfg.max_artifact_bytes).await
         }
         (Some(Outcome::Cancelled { message }), _) => Outcome::Cancelled { message },
         (Some(o), _) => o,
         (None, Some(Terminal::Result(r))) => {
-            finish_result(step, job, r, accepted, cfg.max_artifact_bytes)
+            verify_result(job, r, accepted, cfg.max_artifact_bytes).await
         }
         (None, Some(Terminal::Error(e))) => {
             let own_cancel = step.cancel_requested || *control.borrow() == Control::Cancel;
@@ -815,9 +826,37 @@ fn new_event(e: &wire::Event) -> NewEvent<'_> {
 
 /// Turns a result into an outcome: the output must be JSON and every artifact
 /// must be where the manifest says, with its size and hash.
-fn finish_result(
-    step: &LeasedStep,
+/// Verifies a result off the runtime threads: reading and hashing artifacts
+/// (up to `max_artifact_bytes` each) must not stall other attempts or the heartbeat.
+async fn verify_result(
     job: &wire::Job,
+    r: JobResult,
+    accepted: bool,
+    max_artifact_bytes: u64,
+) -> Outcome {
+    let (out_dir, inputs) = (job.output_dir.clone(), job.input_artifacts.clone());
+    let check = move || {
+        finish_result(
+            Path::new(&out_dir),
+            &inputs,
+            r,
+            accepted,
+            max_artifact_bytes,
+        )
+    };
+    match tokio::task::spawn_blocking(check).await {
+        Ok(outcome) => outcome,
+        Err(e) => Outcome::failed(
+            "ARTIFACT_INVALID",
+            true,
+            format!("verifying the result failed: {e}"),
+        ),
+    }
+}
+
+fn finish_result(
+    out_dir: &Path,
+    input_artifacts: &[wire::InputArtifact],
     r: JobResult,
     accepted: bool,
     max_artifact_bytes: u64,
@@ -843,12 +882,8 @@ fn finish_result(
             }
         }
     };
-    let out_dir = Path::new(&job.output_dir);
-    let inputs: std::collections::HashMap<&str, &wire::InputArtifact> = job
-        .input_artifacts
-        .iter()
-        .map(|a| (a.id.as_str(), a))
-        .collect();
+    let inputs: std::collections::HashMap<&str, &wire::InputArtifact> =
+        input_artifacts.iter().map(|a| (a.id.as_str(), a)).collect();
     let mut artifacts = Vec::with_capacity(r.artifacts.len());
     let mut names = std::collections::HashSet::new();
     for m in &r.artifacts {
@@ -963,7 +998,6 @@ fn finish_result(
             derived_from: derived,
         });
     }
-    let _ = step;
     Outcome::Succeeded {
         output,
         artifacts,
