@@ -1,6 +1,8 @@
 //! Helpers shared by the benchmark binaries (tests/src/bin): CPU and machine
 //! readings, percentiles, tables, and the setup header every benchmark prints.
 
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -239,4 +241,24 @@ pub fn rusage(who: i32) -> f64 {
 /// CPU seconds used by this process (all threads).
 pub fn self_cpu() -> f64 {
     rusage(libc::RUSAGE_SELF)
+}
+
+/// Runs a benchmark until it ends or Ctrl-C, then drops every database it
+/// created (their names are pushed into the shared list) and exits 1 on error.
+pub async fn run_and_clean_up<F, Fut>(name: &str, admin_url: &str, run: F)
+where
+    F: FnOnce(Arc<Mutex<Vec<String>>>) -> Fut,
+    Fut: Future<Output = Result<()>>,
+{
+    let created: Arc<Mutex<Vec<String>>> = Arc::default();
+    let res = tokio::select! {
+        r = run(created.clone()) => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    let names = created.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    drop_databases(admin_url, &names).await;
+    if let Err(e) = res {
+        eprintln!("{name} failed: {e:#}");
+        std::process::exit(1);
+    }
 }

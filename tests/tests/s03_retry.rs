@@ -25,13 +25,17 @@ fn failure(code: &str, retryable: bool, next_ms: Option<i64>) -> FailureReport {
     }
 }
 
-async fn lease_when_due(t: &TestDb, w: Uuid) -> supervisor::db::LeasedStep {
+/// Leases the step once it is due, and starts it as an executor's `accepted` would.
+async fn lease_and_start(t: &TestDb, w: Uuid) -> supervisor::db::LeasedStep {
     for _ in 0..400 {
         let mut got =
             t.db.lease(w, "w", &tests::route_go_k(), 1, Duration::from_secs(30))
                 .await
                 .expect("lease");
         if let Some(s) = got.pop() {
+            t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
+                .await
+                .expect("running");
             return s;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -53,12 +57,9 @@ async fn retries_back_off_and_exhaust() {
     let mut keys = Vec::new();
     let mut lines = Vec::new();
     for attempt in 1..=4u32 {
-        let s = lease_when_due(&t, w).await;
+        let s = lease_and_start(&t, w).await;
         assert_eq!(s.lease.attempt(), attempt);
         keys.push(s.idempotency_key.clone());
-        t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
-            .await
-            .expect("running");
         let d =
             t.db.fail(&s.lease, "w", &failure("FLAKY", true, None), 0.5)
                 .await
@@ -127,10 +128,7 @@ async fn non_retryable_codes_own_delays_and_deadlines() {
 
     // a code the policy lists as non-retryable ends the step at once
     let r1 = t.submit(spec("nonretryable", json!({}))).await;
-    let s = lease_when_due(&t, w).await;
-    t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
-        .await
-        .expect("running");
+    let s = lease_and_start(&t, w).await;
     let d =
         t.db.fail(&s.lease, "w", &failure("BAD_INPUT", true, None), 0.5)
             .await
@@ -140,10 +138,7 @@ async fn non_retryable_codes_own_delays_and_deadlines() {
 
     // the error's own next_retry_delay overrides the backoff
     let r2 = t.submit(spec("own-delay", json!({}))).await;
-    let s = lease_when_due(&t, w).await;
-    t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
-        .await
-        .expect("running");
+    let s = lease_and_start(&t, w).await;
     let d =
         t.db.fail(&s.lease, "w", &failure("LATER", true, Some(3_000)), 0.0)
             .await
@@ -166,10 +161,7 @@ async fn non_retryable_codes_own_delays_and_deadlines() {
     // no retry is scheduled past the step deadline
     let deadline = (chrono::Utc::now() + chrono::Duration::seconds(2)).to_rfc3339();
     let r3 = t.submit(spec("deadline", json!({"deadline": deadline, "retry": {"max_attempts": 5, "initial_interval_ms": 5000}}))).await;
-    let s = lease_when_due(&t, w).await;
-    t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
-        .await
-        .expect("running");
+    let s = lease_and_start(&t, w).await;
     let d =
         t.db.fail(&s.lease, "w", &failure("FLAKY", true, None), 0.5)
             .await
@@ -228,10 +220,7 @@ async fn a_dependent_step_is_created_when_its_last_dependency_succeeds() {
         .await;
     for expected_created in [2, 2, 3] {
         assert_eq!(t.status(run).await.steps.len(), expected_created);
-        let s = lease_when_due(&t, w).await;
-        t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
-            .await
-            .expect("running");
+        let s = lease_and_start(&t, w).await;
         t.db.complete(&s.lease, "w", &json!({"step": s.name}), &[], Some(2))
             .await
             .expect("complete");

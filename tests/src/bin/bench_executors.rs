@@ -405,17 +405,10 @@ async fn through_worker(
 async fn main() {
     let args = Args::parse();
     tests::init_tracing();
-    let created: Arc<Mutex<Vec<String>>> = Arc::default();
-    let res = tokio::select! {
-        r = run(&args, created.clone()) => r,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
-    };
-    let names = created.lock().unwrap().clone();
-    drop_databases(&args.database_url, &names).await;
-    if let Err(e) = res {
-        eprintln!("bench_executors failed: {e:#}");
-        std::process::exit(1);
-    }
+    run_and_clean_up("bench_executors", &args.database_url, |created| {
+        run(&args, created)
+    })
+    .await;
 }
 
 async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {

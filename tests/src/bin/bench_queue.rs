@@ -610,17 +610,10 @@ async fn table_sizes(url: &str) -> Result<Vec<TableSize>> {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let created: Arc<Mutex<Vec<String>>> = Arc::default();
-    let res = tokio::select! {
-        r = run(&args, created.clone()) => r,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
-    };
-    let names = created.lock().unwrap().clone();
-    drop_databases(&args.database_url, &names).await;
-    if let Err(e) = res {
-        eprintln!("bench_queue failed: {e:#}");
-        std::process::exit(1);
-    }
+    run_and_clean_up("bench_queue", &args.database_url, |created| {
+        run(&args, created)
+    })
+    .await;
 }
 
 async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
