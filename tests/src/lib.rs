@@ -445,9 +445,10 @@ pub fn wrap_in_shell(mut cfg: ExecutorConfig, script: &str) -> ExecutorConfig {
     cfg
 }
 
-/// Serialises the tests of one test binary that run workers in this process:
-/// a worker's drain ends with `kill_all_groups()`, which signals every child
-/// group of the process, and two-core machines prefer one test at a time.
+/// Serialises the tests of one test binary that run workers in this process.
+/// Workers are independent (each reaps only its own children), but on a
+/// two-core machine several workers with their executors at once make the
+/// process tests' grace bounds a measure of CPU contention instead.
 pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
     static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     LOCK.lock().await
