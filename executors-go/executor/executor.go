@@ -34,8 +34,15 @@ const DefaultStopGrace = 10 * time.Second
 // (context.Cause(ctx) is then a *Cancellation) or stdin ends mid-job.
 //
 // Return a *Result on success, or an error: an *Error (possibly wrapped) picks
-// the JobError's code; any other error becomes HANDLER_ERROR (retryable). Once
-// ctx is cancelled, whatever the handler returns is reported as CANCELLED.
+// the JobError's code; any other error becomes HANDLER_ERROR (retryable).
+//
+// The terminal reflects what the handler did, also after a cancel: a handler
+// that returns a result (nil error) once ctx is cancelled has finished its work,
+// and that result is sent (the supervisor keeps it if it arrives within the
+// cancel grace, so the finished work is not repeated). A handler that stops
+// because of the cancel returns ctx.Err() (or an error wrapping it); once ctx
+// is cancelled, any error, panic or runtime.Goexit is reported as CANCELLED
+// (not retryable), the handler's own error kept in the message.
 type HandlerFunc func(ctx context.Context, job *Job) (*Result, error)
 
 // Options describe an executor in its Hello.
@@ -443,8 +450,11 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 		}
 	}
 
-	if ctx.Err() != nil {
-		// Cancelled: whatever the handler did afterwards, the job is CANCELLED.
+	if ctx.Err() != nil && (o.err != nil || o.panicked || o.exited) {
+		// Cancelled and the handler did not finish: the job is CANCELLED, even
+		// when its error does not wrap context.Canceled (a killed subprocess,
+		// a closed connection): after a cancel a failure is most likely caused
+		// by it. A result returned after the cancel is sent below as it is.
 		c, ok := context.Cause(ctx).(*Cancellation)
 		if !ok {
 			c = &Cancellation{Reason: "UNSPECIFIED", Message: fmt.Sprint(context.Cause(ctx))}
@@ -453,7 +463,7 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 		switch {
 		case o.panicked:
 			message += fmt.Sprintf("; the handler then panicked: %v", o.panicVal)
-		case o.err != nil && !errors.Is(o.err, context.Canceled):
+		case o.err != nil && !errors.Is(o.err, context.Canceled) && !errors.Is(o.err, context.Cause(ctx)):
 			message += "; the handler returned: " + o.err.Error()
 		}
 		return jobErr(CodeCancelled, message, false, s.details(job, map[string]any{"reason": c.Reason}), nil)

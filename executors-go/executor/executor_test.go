@@ -183,29 +183,105 @@ func TestCancelMidHandlerYieldsCancelledQuickly(t *testing.T) {
 	}
 }
 
-func TestAnythingReturnedAfterCancelIsCancelled(t *testing.T) {
+// The terminal reflects what the handler did: a handler that ignores the cancel
+// and finishes sends its result (the supervisor keeps it within the grace).
+func TestResultReturnedAfterCancelIsSent(t *testing.T) {
+	cause := make(chan error, 1)
 	ex := newExecutor(Options{})
 	ex.Handle("stubborn", func(ctx context.Context, _ *Job) (*Result, error) {
 		<-ctx.Done()
-		return NewResult("finished anyway")
+		cause <- context.Cause(ctx)
+		return NewResult(map[string]bool{"finished_after_cancel": true})
 	})
-	ex.Handle("failing", func(ctx context.Context, _ *Job) (*Result, error) {
+	ex.Handle("nil-result", func(ctx context.Context, _ *Job) (*Result, error) {
 		<-ctx.Done()
-		return nil, &Error{Code: "OTHER", Message: "cleanup failed", Retryable: true}
+		return nil, nil
 	})
 	h := serve(t, ex)
 	h.hello()
 	h.sendJob(job("j1", "stubborn", ""))
 	h.started("j1")
-	h.sendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
-	h.jobError("j1", 3, CodeCancelled)
+	h.sendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, GraceMs: 500})
+	if r := h.result("j1", 3); string(r.GetOutput()) != `{"finished_after_cancel":true}` {
+		t.Fatalf("result = %v", r)
+	}
+	var c *Cancellation
+	if err := <-cause; !errors.As(err, &c) || c.Reason != "REQUESTED" {
+		t.Fatalf("context cause = %#v", err)
+	}
 
-	h.sendJob(job("j2", "failing", ""))
+	// (nil, nil) is a result too: output null.
+	h.sendJob(job("j2", "nil-result", ""))
 	h.started("j2")
-	h.sendCancel(&pb.Cancel{JobId: "j2", Reason: pb.CancelReason_CANCEL_REASON_ATTEMPT_TIMEOUT})
-	e := h.jobError("j2", 3, CodeCancelled)
-	if e.GetRetryable() || !strings.Contains(e.GetMessage(), "cleanup failed") || string(e.GetDetails()) != `{"reason":"ATTEMPT_TIMEOUT"}` {
-		t.Fatalf("cancelled error = %v", e)
+	h.sendCancel(&pb.Cancel{JobId: "j2", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
+	if r := h.result("j2", 3); string(r.GetOutput()) != "null" {
+		t.Fatalf("result = %v", r)
+	}
+
+	// stdin closing mid-job cancels the same way; a result still goes out.
+	h.sendJob(job("j3", "stubborn", ""))
+	h.started("j3")
+	h.closeStdin()
+	if r := h.result("j3", 3); string(r.GetOutput()) != `{"finished_after_cancel":true}` {
+		t.Fatalf("result = %v", r)
+	}
+	if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonStdinClosed {
+		t.Fatalf("context cause = %#v", err)
+	}
+	if err := h.wait(); err != nil {
+		t.Fatalf("Serve = %v", err)
+	}
+}
+
+// A handler that stops after a cancel ends the job CANCELLED: ctx.Err(), an
+// error wrapping it, the cause, and also any other error or a panic (after a
+// cancel a failure is taken as caused by it; the supervisor confirms the cancel
+// on any error anyway).
+func TestErrorAfterCancelIsCancelled(t *testing.T) {
+	cases := []struct {
+		name    string
+		stop    func(ctx context.Context) (*Result, error)
+		message string // in the CANCELLED message, besides the cancellation
+	}{
+		{"ctx.Err", func(ctx context.Context) (*Result, error) { return nil, ctx.Err() }, ""},
+		{"wrapped", func(ctx context.Context) (*Result, error) {
+			return nil, fmt.Errorf("fetching page 3: %w", ctx.Err())
+		}, ""},
+		{"cause", func(ctx context.Context) (*Result, error) { return nil, context.Cause(ctx) }, ""},
+		{"result and ctx.Err", func(ctx context.Context) (*Result, error) {
+			r, _ := NewResult("half done")
+			return r, ctx.Err()
+		}, ""},
+		{"other error", func(context.Context) (*Result, error) {
+			return nil, &Error{Code: "OTHER", Message: "cleanup failed", Retryable: true}
+		}, "the handler returned: OTHER: cleanup failed"},
+		{"plain error", func(context.Context) (*Result, error) {
+			return nil, errors.New("signal: killed")
+		}, "the handler returned: signal: killed"},
+		{"panic", func(context.Context) (*Result, error) { panic("after cancel") }, "the handler then panicked: after cancel"},
+		{"goexit", func(context.Context) (*Result, error) { runtime.Goexit(); return nil, nil }, ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ex := newExecutor(Options{})
+			ex.Handle("k", func(ctx context.Context, _ *Job) (*Result, error) {
+				<-ctx.Done()
+				return tc.stop(ctx)
+			})
+			h := serve(t, ex)
+			h.hello()
+			h.sendJob(job("j", "k", ""))
+			h.started("j")
+			h.sendCancel(&pb.Cancel{JobId: "j", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, Message: "operator asked"})
+			e := h.jobError("j", 3, CodeCancelled)
+			if e.GetRetryable() || string(e.GetDetails()) != `{"reason":"REQUESTED"}` ||
+				!strings.Contains(e.GetMessage(), "operator asked") || !strings.Contains(e.GetMessage(), tc.message) {
+				t.Fatalf("cancelled error = %v", e)
+			}
+			if tc.message == "" && strings.Contains(e.GetMessage(), "the handler") {
+				t.Fatalf("the message repeats the cancellation: %q", e.GetMessage())
+			}
+		})
 	}
 }
 
