@@ -98,8 +98,11 @@ def _exception_text(e: BaseException) -> str:
 class Cancelled(Exception):
     """The job was cancelled. Raised by :meth:`Job.sleep` / :meth:`Job.raise_if_cancelled`.
 
-    A handler may raise it (or let it propagate); the SDK then reports
-    ``JobError{code: "CANCELLED", retryable: false}``.
+    A handler stops because of a cancel by raising it (or letting it propagate); the
+    SDK then reports ``JobError{code: "CANCELLED", retryable: false}``. Once the job
+    is cancelled, any other exception is reported as ``CANCELLED`` too. A handler
+    that returns a value has finished: its result is sent even after a cancel (the
+    supervisor keeps it when it arrives within the cancel grace).
     """
 
     def __init__(self, message: str = "job cancelled", reason: str | None = None) -> None:
@@ -345,7 +348,12 @@ class Job:
 
     @property
     def cancelled(self) -> bool:
-        """True once the supervisor cancelled the job (or stdin ended mid-job)."""
+        """True once the supervisor cancelled the job (or stdin ended mid-job).
+
+        A handler that sees it and stops calls :meth:`raise_if_cancelled` (or raises
+        :class:`Cancelled`): the job ends ``CANCELLED``. Returning instead means the
+        work finished: the result is sent.
+        """
         return self._cancel.is_set()
 
     @property
@@ -1019,8 +1027,8 @@ class _Session:
             return
         if job._terminal_sent:
             return
-        if job.cancelled:
-            # Once cancelled, whatever the handler returns is reported as CANCELLED.
-            job._finish_cancelled()
-        else:
-            job._finish_result(value)
+        # The terminal reflects what the handler did: a handler that returns has
+        # finished, also after a cancel, and its result is sent (the supervisor keeps
+        # it within the cancel grace). Stopping because of a cancel is raising
+        # Cancelled (job.sleep / job.raise_if_cancelled do) or any exception.
+        job._finish_result(value)

@@ -240,14 +240,21 @@ def test_any_exception_after_cancel_is_reported_as_cancelled(session_factory):
     assert "then raised ExecutorError: SOMETHING_ELSE: cleanup failed" in err.message
 
 
-def test_returning_normally_after_cancel_is_still_cancelled(session_factory):
+def test_a_result_returned_after_cancel_is_sent(session_factory):
+    """The terminal reflects what the handler did: a handler that ignores the cancel and
+    returns has finished, and its result goes out (the supervisor keeps it)."""
     ex = Executor("python")
+    seen = []
 
     @ex.handler("stubborn")
     def stubborn(job: Job):
         assert job.cancel_event.wait(5)
-        assert job.cancel_grace_ms == 1000
-        return "finished anyway"
+        seen.append((job.cancelled, job.cancel_reason, job.cancel_grace_ms))
+        return {"finished_after_cancel": True}
+
+    @ex.handler("none")
+    def returns_none(job: Job):
+        assert job.cancel_event.wait(5)
 
     s = session_factory(ex)
     s.hello()
@@ -255,8 +262,55 @@ def test_returning_normally_after_cancel_is_still_cancelled(session_factory):
     s.frames.next()
     s.frames.next()
     s.send(cancel_frame())
+    frame = s.frames.next()
+    assert which(frame) == "result", frame
+    assert frame.result.sequence == 3
+    assert json.loads(frame.result.output) == {"finished_after_cancel": True}
+
+    # Returning None is a result too (output null).
+    s.send(job_frame("none", job_id="job-2"))
+    s.frames.next()
+    s.frames.next()
+    s.send(cancel_frame(job_id="job-2"))
+    frame = s.frames.next()
+    assert which(frame) == "result", frame
+    assert frame.result.output == b"null"
+
+    # stdin closing mid-job cancels the same way; the result still goes out.
+    s.send(job_frame("stubborn", job_id="job-3"))
+    s.frames.next()
+    s.frames.next()
+    s.close_input()
+    frame = s.frames.next(timeout=5)
+    assert which(frame) == "result", frame
+    assert json.loads(frame.result.output) == {"finished_after_cancel": True}
+    assert s.wait() == 0
+    assert seen == [(True, "REQUESTED", 1000), (True, "STDIN_CLOSED", 0)]
+
+
+def test_stopping_on_cancel_is_cancelled(session_factory):
+    """Raising Cancelled (raise_if_cancelled, job.sleep) after a cancel is CANCELLED."""
+    ex = Executor("python")
+
+    @ex.handler("polling")
+    def polling(job: Job):
+        while not job.cancelled:
+            time.sleep(0.005)
+        job.raise_if_cancelled()
+        return "not reached"
+
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("polling"))
+    s.frames.next()
+    s.frames.next()
+    s.send(cancel_frame(message="operator asked"))
     err = s.frames.next().error
     assert err.code == "CANCELLED" and not err.retryable
+    assert err.sequence == 3
+    assert json.loads(err.details) == {"reason": "REQUESTED"}
+    assert "operator asked" in err.message
+    assert "then raised" not in err.message
 
 
 def test_unexpected_exception_is_handler_error_without_secrets(session_factory, capfd):
