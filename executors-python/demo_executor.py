@@ -216,6 +216,19 @@ def effect(job: Job) -> dict:
     return {"effect_performed": performed}
 
 
+def finish_on_cancel(job: Job) -> dict:
+    """demo.finish_on_cancel {wait_ms}: wait up to wait_ms (default 30 s) for a cancel;
+    when it arrives, ignore it and finish at once with {"finished_after_cancel": true}
+    (a result after a cancel, which the supervisor keeps within the grace). Without a
+    cancel: {"finished_after_cancel": false}."""
+    args = _object_input(job)
+    wait_ms = _int(job, args, "wait_ms", 30_000, maximum=MAX_SLEEP_MS)
+    # Tells the supervisor (and tests) that the handler is waiting for the cancel.
+    job.progress("demo.finish_on_cancel: waiting for a cancel")
+    cancelled = job.cancel_event.wait(wait_ms / 1000.0)
+    return {"finished_after_cancel": cancelled}
+
+
 def _event(job: Job, sequence: int, message: str) -> pb.ExecutorFrame:
     return pb.ExecutorFrame(
         event=pb.ProgressEvent(
@@ -352,6 +365,7 @@ KINDS = {
     "demo.artifact": artifact,
     "demo.effect": effect,
     "demo.misbehave": misbehave,
+    "demo.finish_on_cancel": finish_on_cancel,
 }
 
 

@@ -21,6 +21,7 @@ ALL_KINDS = [
     "demo.echo",
     "demo.effect",
     "demo.fail",
+    "demo.finish_on_cancel",
     "demo.misbehave",
     "demo.sleep",
 ]
@@ -179,6 +180,42 @@ def test_sleep_honours_cancel_within_100ms(demo):
     assert not frame.error.retryable
     assert elapsed < 0.1, f"demo.sleep took {elapsed * 1000:.1f} ms to honour the cancel"
     finish_cleanly(p)
+
+
+# -- demo.finish_on_cancel ------------------------------------------------------
+
+
+def test_finish_on_cancel_returns_a_result_after_the_cancel(demo):
+    """The terminal reflects what the handler did: it finished, so a JobResult."""
+    p = demo()
+    start_job(p, job_frame("demo.finish_on_cancel", {}))
+    waiting = p.frames.next()
+    assert waiting.event.kind == pb.EVENT_KIND_PROGRESS
+    assert "waiting for a cancel" in waiting.event.message
+    t0 = time.monotonic()
+    p.send(cancel_frame())
+    frame = p.frames.next(timeout=5)
+    elapsed = time.monotonic() - t0
+    assert which(frame) == "result", frame
+    assert frame.result.sequence == 4
+    assert json.loads(frame.result.output) == {"finished_after_cancel": True}
+    assert elapsed < 0.1, f"demo.finish_on_cancel took {elapsed * 1000:.1f} ms"
+    finish_cleanly(p)
+
+
+def test_finish_on_cancel_without_a_cancel(demo):
+    p = demo()
+    frames = p.run_job(job_frame("demo.finish_on_cancel", {"wait_ms": 50}))
+    assert len(progress_events(frames)) == 1
+    assert result_json(frames) == {"finished_after_cancel": False}
+    finish_cleanly(p)
+
+
+@pytest.mark.parametrize("args", [{"wait_ms": -1}, {"wait_ms": "soon"}, [1]])
+def test_finish_on_cancel_rejects_bad_input(demo, args):
+    p = demo()
+    err = p.run_job(job_frame("demo.finish_on_cancel", args))[-1].error
+    assert err.code == "BAD_INPUT" and not err.retryable
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import (
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
 )
 
-var allDemoKinds = []string{"demo.artifact", "demo.echo", "demo.effect", "demo.fail", "demo.misbehave", "demo.sleep"}
+var allDemoKinds = []string{"demo.artifact", "demo.echo", "demo.effect", "demo.fail", "demo.finish_on_cancel", "demo.misbehave", "demo.sleep"}
 
 func jsonEqual(t *testing.T, what string, got []byte, want string) {
 	t.Helper()
@@ -141,6 +141,40 @@ func TestSleepHonoursCancelWithin100ms(t *testing.T) {
 		t.Fatalf("CANCELLED is retryable: %v", e)
 	}
 	d.closeAndExpectExit()
+}
+
+// demo.finish_on_cancel answers a cancel with a result, promptly (well within
+// the grace): the terminal reflects what the handler did.
+func TestFinishOnCancelReturnsAResultAfterTheCancel(t *testing.T) {
+	d := startDemo(t)
+	d.hello()
+	d.sendJob(newJob("j", "demo.finish_on_cancel", `{}`))
+	d.started("j")
+	if ev := d.event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS); !strings.Contains(ev.GetMessage(), "waiting for a cancel") {
+		t.Fatalf("event = %v", ev)
+	}
+	sent := time.Now()
+	d.sendCancel("j")
+	r := d.result("j", 4)
+	if took := time.Since(sent); took > 100*time.Millisecond {
+		t.Fatalf("demo.finish_on_cancel took %s to answer a cancel, want < 100ms", took)
+	}
+	jsonEqual(t, "output", r.GetOutput(), `{"finished_after_cancel":true}`)
+	d.closeAndExpectExit()
+}
+
+func TestFinishOnCancelWithoutACancel(t *testing.T) {
+	frames := runOne(t, newJob("j", "demo.finish_on_cancel", `{"wait_ms":50}`))
+	if len(frames) != 2 || frames[0].GetEvent().GetKind() != pb.EventKind_EVENT_KIND_PROGRESS {
+		t.Fatalf("frames = %v", frames)
+	}
+	jsonEqual(t, "output", frames[1].GetResult().GetOutput(), `{"finished_after_cancel":false}`)
+	for _, in := range []string{`{"wait_ms":-1}`, `{"wait_ms":"soon"}`, `[1]`} {
+		frames := runOne(t, newJob("j", "demo.finish_on_cancel", in))
+		if e := frames[0].GetError(); e.GetCode() != executor.CodeBadInput || e.GetRetryable() {
+			t.Errorf("input %s: %v", in, frames)
+		}
+	}
 }
 
 func TestSleepRejectsBadInput(t *testing.T) {

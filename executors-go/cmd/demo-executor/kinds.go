@@ -77,6 +77,39 @@ func sleep(ctx context.Context, job *executor.Job) (*executor.Result, error) {
 	return executor.NewResult(map[string]int64{"slept_ms": ms})
 }
 
+// finishOnCancel: waits up to wait_ms (default 30 s) for a cancel and, when it
+// arrives, ignores it and finishes at once with {"finished_after_cancel": true}:
+// a result after a cancel, which the supervisor keeps when it comes within the
+// grace. Without a cancel it ends with {"finished_after_cancel": false}.
+func finishOnCancel(ctx context.Context, job *executor.Job) (*executor.Result, error) {
+	var in struct {
+		WaitMs *int64 `json:"wait_ms"`
+	}
+	if err := job.DecodeInput(&in); err != nil {
+		return nil, err
+	}
+	waitMs := int64(30_000)
+	if in.WaitMs != nil {
+		waitMs = *in.WaitMs
+	}
+	if waitMs < 0 || waitMs > maxSleepMs {
+		return nil, badInput("demo.finish_on_cancel: wait_ms = %d, want 0..%d", waitMs, maxSleepMs)
+	}
+	// Tells the supervisor (and tests) that the handler is waiting for the cancel.
+	if err := job.Progress("demo.finish_on_cancel: waiting for a cancel", executor.NoFraction); err != nil {
+		return nil, err
+	}
+	timer := time.NewTimer(time.Duration(waitMs) * time.Millisecond)
+	defer timer.Stop()
+	cancelled := false
+	select {
+	case <-ctx.Done():
+		cancelled = true
+	case <-timer.C:
+	}
+	return executor.NewResult(map[string]bool{"finished_after_cancel": cancelled})
+}
+
 // fail: fails while attempt <= fail_attempts (every attempt when absent), then
 // succeeds with {"attempt": n}.
 func fail(_ context.Context, job *executor.Job) (*executor.Result, error) {

@@ -22,12 +22,13 @@ import (
 
 // handlers maps every demo kind to its handler.
 var handlers = map[string]executor.HandlerFunc{
-	"demo.echo":      echo,
-	"demo.sleep":     sleep,
-	"demo.fail":      fail,
-	"demo.artifact":  artifact,
-	"demo.effect":    effect,
-	"demo.misbehave": misbehave,
+	"demo.echo":             echo,
+	"demo.sleep":            sleep,
+	"demo.fail":             fail,
+	"demo.artifact":         artifact,
+	"demo.effect":           effect,
+	"demo.misbehave":        misbehave,
+	"demo.finish_on_cancel": finishOnCancel,
 }
 
 func main() {
