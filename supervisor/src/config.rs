@@ -120,6 +120,12 @@ pub struct WorkerConfig {
     /// Where per-attempt working directories are created (default: the system temp dir).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_dir: Option<PathBuf>,
+    /// Where secret values are read from: the file `<secrets_dir>/<NAME>` (one
+    /// trailing newline stripped, as Docker and Kubernetes mount secrets).
+    /// Unset: from the worker's environment. Which names an executor may
+    /// receive at all is its `secrets` list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets_dir: Option<PathBuf>,
     #[serde(default)]
     pub executors: Vec<ExecutorConfig>,
 }
@@ -142,6 +148,12 @@ pub struct ExecutorConfig {
     /// Variables set explicitly.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// The secrets a step run by this executor may receive, by name (default:
+    /// none). A step naming any other fails before spawn with
+    /// `SECRET_NOT_ALLOWED`; values come from `secrets_dir` or the worker's
+    /// environment.
+    #[serde(default)]
+    pub secrets: Vec<String>,
     /// Host capabilities this worker adds to the executor's own hello labels.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
@@ -172,6 +184,7 @@ impl Default for WorkerConfig {
             db_max_connections: d_db_conns(),
             refusal_delay_ms: d_refusal_delay(),
             work_dir: None,
+            secrets_dir: None,
             executors: Vec::new(),
         }
     }
@@ -185,6 +198,7 @@ impl Default for ExecutorConfig {
             args: Vec::new(),
             env_allowlist: d_allowlist(),
             env: BTreeMap::new(),
+            secrets: Vec::new(),
             labels: BTreeMap::new(),
             kinds: None,
             concurrency: d_concurrency(),
@@ -259,6 +273,14 @@ impl WorkerConfig {
         if self.executors.is_empty() {
             return bad("no [[executors]]: a worker needs at least one".into());
         }
+        if let Some(dir) = &self.secrets_dir {
+            if !dir.is_dir() {
+                return bad(format!(
+                    "secrets_dir = {:?} is not an existing directory: create it (one file per secret, named like the secret) or remove secrets_dir to read secrets from the worker's environment",
+                    dir.display().to_string()
+                ));
+            }
+        }
         let mut names = std::collections::BTreeSet::new();
         for e in &self.executors {
             if e.name.is_empty() || !names.insert(e.name.clone()) {
@@ -273,6 +295,12 @@ impl WorkerConfig {
             if e.concurrency == 0 {
                 return bad(format!(
                     "executor {:?}: concurrency must be at least 1",
+                    e.name
+                ));
+            }
+            if let Some(s) = e.secrets.iter().find(|s| !crate::secrets::is_valid_name(s)) {
+                return bad(format!(
+                    "executor {:?}: secrets entry {s:?} is not a secret name: use letters, digits and _, not starting with a digit, at most 128 characters (like REPORT_API_TOKEN)",
                     e.name
                 ));
             }
@@ -298,9 +326,19 @@ mod tests {
         assert_eq!(cfg.lease_ttl_ms, 10_000);
         assert_eq!(cfg.executors[0].concurrency, 4);
         assert!(cfg.executors[0].env_allowlist.contains(&"PATH".to_string()));
+        // no secrets unless listed, and none read from files unless configured
+        assert!(cfg.executors[0].secrets.is_empty());
+        assert_eq!(cfg.secrets_dir, None);
+        assert!(ExecutorConfig::default().secrets.is_empty());
+        assert_eq!(WorkerConfig::default().secrets_dir, None);
         cfg.validate().expect("valid");
         let err = toml::from_str::<WorkerConfig>("lease_ttl = 5").expect_err("unknown field");
         assert!(err.to_string().contains("lease_ttl"), "{err}");
+        let err = toml::from_str::<WorkerConfig>(
+            "[[executors]]\nname = \"a\"\ncommand = \"a\"\nsecret = [\"X\"]\n",
+        )
+        .expect_err("unknown executor field");
+        assert!(err.to_string().contains("secret"), "{err}");
     }
 
     #[test]
@@ -320,5 +358,100 @@ mod tests {
         cfg.resolve_paths(Path::new("/repo"));
         assert_eq!(cfg.executors[0].command, "/repo/target/x");
         assert_eq!(cfg.executors[1].command, "sh");
+    }
+
+    #[test]
+    fn secret_names_are_validated() {
+        let long = format!("T{}", "_".repeat(127));
+        let too_long = format!("T{}", "_".repeat(128));
+        for (names, ok) in [
+            (vec![], true),
+            (vec!["REPORT_API_TOKEN", "_x", "a1"], true),
+            (vec![long.as_str()], true),
+            (vec!["OK", ""], false),
+            (vec!["1ST"], false),
+            (vec!["API-TOKEN"], false),
+            (vec!["../etc/passwd"], false),
+            (vec!["A B"], false),
+            (vec![too_long.as_str()], false),
+        ] {
+            let toml =
+                format!("[[executors]]\nname = \"go\"\ncommand = \"x\"\nsecrets = {names:?}\n");
+            let cfg: WorkerConfig = toml::from_str(&toml).expect("parse");
+            assert_eq!(cfg.executors[0].secrets, names, "{toml}");
+            match cfg.validate() {
+                Ok(()) => assert!(ok, "{names:?} accepted"),
+                Err(e) => {
+                    assert!(!ok, "{names:?}: {e}");
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains("executor \"go\": secrets entry")
+                            && msg.contains("REPORT_API_TOKEN"),
+                        "{msg}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn secrets_dir_must_be_a_directory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, "x").expect("write");
+        let missing = dir.path().join("missing");
+        for (secrets_dir, ok) in [
+            (None, true),
+            (Some(dir.path().to_owned()), true),
+            (Some(file), false),
+            (Some(missing), false),
+        ] {
+            let cfg = WorkerConfig {
+                secrets_dir: secrets_dir.clone(),
+                executors: vec![ExecutorConfig {
+                    name: "a".into(),
+                    command: "a".into(),
+                    ..ExecutorConfig::default()
+                }],
+                ..WorkerConfig::default()
+            };
+            match cfg.validate() {
+                Ok(()) => assert!(ok, "{secrets_dir:?} accepted"),
+                Err(e) => {
+                    assert!(!ok, "{secrets_dir:?}: {e}");
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains("secrets_dir = ")
+                            && msg.contains("is not an existing directory")
+                            && msg.contains("remove secrets_dir"),
+                        "{msg}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn secrets_survive_print_and_parse() {
+        let mut cfg = WorkerConfig {
+            secrets_dir: Some(PathBuf::from("/run/secrets")),
+            ..WorkerConfig::default()
+        };
+        let mut e = ExecutorConfig {
+            name: "go".into(),
+            command: "/bin/x".into(),
+            secrets: vec!["REPORT_API_TOKEN".into()],
+            ..ExecutorConfig::default()
+        };
+        e.env.insert("K".into(), "v".into());
+        cfg.executors.push(e);
+        let text = toml::to_string(&cfg).expect("print");
+        let back: WorkerConfig = toml::from_str(&text).expect("parse");
+        assert_eq!(back.secrets_dir, cfg.secrets_dir, "{text}");
+        assert_eq!(
+            back.executors[0].secrets,
+            ["REPORT_API_TOKEN".to_string()],
+            "{text}"
+        );
     }
 }

@@ -5,6 +5,7 @@ pub mod db;
 pub mod dev;
 pub mod process;
 pub mod retry;
+pub mod secrets;
 pub mod state;
 pub mod wire;
 pub mod worker;
