@@ -4,39 +4,121 @@
 //! The invariant everything here protects: **a process group id is only ever
 //! signalled while its leader is still un-reaped** (alive or a zombie). The
 //! zombie pins the pid, so the id cannot have been reused by an unrelated
-//! process. Reaping happens strictly after the last signal, and the registry
-//! entry is removed (under the registry lock) before the reap.
+//! process. Reaping happens strictly after the last signal: the registry entry
+//! turns from `Live` (signalled by [`kill_all_groups`]) to `Reaping` under the
+//! registry lock before the reap, and is only released after `waitpid`
+//! returned.
+//!
+//! The registry also tells the orphan reaper ([`super::reaper`]) which of our
+//! children it must leave alone: every registered pid (`Live` or `Reaping`)
+//! belongs to a [`GroupGuard`] that reaps it itself, and while a spawn is in
+//! flight (forked, not yet registered) the reaper leaves group leaders alone.
+//! See [`super::reaper`] for the argument.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use nix::errno::Errno;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
+use super::cgroup::ChildCgroup;
 use super::spawner::KeepAlive;
 use super::{ExitStatusKind, ProcessError};
 
+/// State of one registered child (a process-group leader spawned by us).
+#[derive(Debug)]
+enum Entry {
+    /// Spawned, not yet reaped: its group may be signalled.
+    Live { cgroup: Option<Arc<ChildCgroup>> },
+    /// Its `GroupGuard` is reaping it right now: never signal it again, and
+    /// the orphan reaper must not reap it either.
+    Reaping,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    groups: BTreeMap<i32, Entry>,
+    /// Spawns between fork and registration (see [`SpawnTicket`]).
+    spawns_in_flight: usize,
+}
+
+impl Registry {
+    /// Whether `pid` is one of our tracked children (live or being reaped).
+    pub(crate) fn owns(&self, pid: i32) -> bool {
+        self.groups.contains_key(&pid)
+    }
+
+    pub(crate) fn spawns_in_flight(&self) -> usize {
+        self.spawns_in_flight
+    }
+
+    pub(crate) fn is_live_group(&self, pgid: i32) -> bool {
+        matches!(self.groups.get(&pgid), Some(Entry::Live { .. }))
+    }
+}
+
 /// Process groups (== leader pids) that are spawned and not yet reaped.
-static LIVE_GROUPS: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    groups: BTreeMap::new(),
+    spawns_in_flight: 0,
+});
 
-fn registry() -> MutexGuard<'static, BTreeSet<i32>> {
-    LIVE_GROUPS.lock().unwrap_or_else(PoisonError::into_inner)
+pub(crate) fn registry() -> MutexGuard<'static, Registry> {
+    REGISTRY.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-pub(crate) fn register(pgid: i32) {
-    registry().insert(pgid);
+/// Taken by the spawner thread before it forks; turned into a registration
+/// ([`SpawnTicket::register`]) once the pid is known, under the same lock
+/// acquisition that ends the "in flight" state. Dropping it unregistered
+/// (the spawn failed) just ends the "in flight" state.
+#[derive(Debug)]
+pub(crate) struct SpawnTicket {
+    done: bool,
 }
 
-/// Must be called before the leader is reaped (see module docs).
-pub(crate) fn unregister(pgid: i32) {
-    registry().remove(&pgid);
+pub(crate) fn begin_spawn() -> SpawnTicket {
+    registry().spawns_in_flight += 1;
+    SpawnTicket { done: false }
 }
 
-/// Sends SIGKILL to every live (spawned, not yet reaped) process group.
+impl SpawnTicket {
+    fn register(mut self, pid: i32, cgroup: Option<Arc<ChildCgroup>>) {
+        let mut reg = registry();
+        reg.groups.insert(pid, Entry::Live { cgroup });
+        reg.spawns_in_flight = reg.spawns_in_flight.saturating_sub(1);
+        self.done = true;
+    }
+}
+
+impl Drop for SpawnTicket {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut reg = registry();
+            reg.spawns_in_flight = reg.spawns_in_flight.saturating_sub(1);
+        }
+    }
+}
+
+/// Live → Reaping. Must be called before the leader is reaped (see module docs).
+fn mark_reaping(pgid: i32) {
+    if let Some(entry) = registry().groups.get_mut(&pgid) {
+        *entry = Entry::Reaping;
+    }
+}
+
+/// Forgets `pgid` entirely. Called after the leader was reaped, or when a
+/// killed leader is handed over to the orphan reaper.
+fn release(pgid: i32) {
+    registry().groups.remove(&pgid);
+}
+
+/// Sends SIGKILL to every live (spawned, not yet reaped) process group, and,
+/// where children have their own cgroup, writes `cgroup.kill` (which also ends
+/// processes that left the group with `setsid`).
 ///
 /// For worker shutdown and fatal-error paths. Holds the registry lock while
 /// signalling, so no group can be reaped (and its id reused) concurrently.
@@ -45,16 +127,24 @@ pub(crate) fn unregister(pgid: i32) {
 /// raw signal handler. Groups whose spawn is still in flight (forked but not
 /// yet registered) are not covered.
 pub fn kill_all_groups() {
-    let live = registry();
-    for &pgid in live.iter() {
+    let reg = registry();
+    let mut live = 0usize;
+    for (&pgid, entry) in reg.groups.iter() {
+        let Entry::Live { cgroup } = entry else {
+            continue;
+        };
+        live += 1;
         match killpg(Pid::from_raw(pgid), Signal::SIGKILL) {
             Ok(()) | Err(Errno::ESRCH) => {}
             Err(e) => tracing::warn!(pgid, error = %e, "kill_all_groups: SIGKILL failed"),
         }
+        if let Some(cg) = cgroup {
+            cg.kill_logged();
+        }
     }
-    if !live.is_empty() {
+    if live > 0 {
         tracing::info!(
-            groups = live.len(),
+            groups = live,
             "sent SIGKILL to all live child process groups"
         );
     }
@@ -62,7 +152,12 @@ pub fn kill_all_groups() {
 
 /// Process groups currently registered as live (spawned and not yet reaped).
 pub fn live_groups() -> Vec<i32> {
-    registry().iter().copied().collect()
+    registry()
+        .groups
+        .iter()
+        .filter(|(_, e)| matches!(e, Entry::Live { .. }))
+        .map(|(&pid, _)| pid)
+        .collect()
 }
 
 /// Pids of processes whose process group is `pgid`, from a scan of `/proc/*/stat`.
@@ -75,25 +170,12 @@ pub fn live_groups() -> Vec<i32> {
 /// `/proc` cannot be read. Sorted ascending.
 pub fn group_members(pgid: i32) -> Vec<i32> {
     let me = std::process::id() as i32;
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut procs = Vec::new();
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
-        // The process may vanish between readdir and read: just skip it.
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        if let Some(s) = parse_stat(&stat) {
-            if s.pgrp == pgid {
-                procs.push((pid, s));
-            }
-        }
-    }
+    // A process may vanish between readdir and read: it is just skipped.
+    let procs: Vec<(i32, StatFields)> = proc_pids()
+        .into_iter()
+        .filter_map(|pid| Some((pid, read_stat(pid)?)))
+        .filter(|(_, s)| s.pgrp == pgid)
+        .collect();
     let members: HashSet<i32> = procs.iter().map(|(pid, _)| *pid).collect();
     let mut out: Vec<i32> = procs
         .into_iter()
@@ -109,22 +191,54 @@ pub(crate) struct StatFields {
     pub(crate) state: char,
     pub(crate) ppid: i32,
     pub(crate) pgrp: i32,
+    pub(crate) session: i32,
+    /// Start time in clock ticks after boot: with the pid, identifies a
+    /// process across pid reuse.
+    pub(crate) starttime: u64,
 }
 
 impl StatFields {
-    fn is_dead(&self) -> bool {
+    pub(crate) fn is_dead(&self) -> bool {
         matches!(self.state, 'Z' | 'X' | 'x')
     }
 }
 
-/// Parses `pid (comm) state ppid pgrp ...`; `comm` may contain spaces and parentheses.
+/// Parses `pid (comm) state ppid pgrp session ... starttime ...`; `comm` may
+/// contain spaces and parentheses.
 pub(crate) fn parse_stat(stat: &str) -> Option<StatFields> {
     let rest = stat.get(stat.rfind(')')? + 1..)?;
-    let mut it = rest.split_whitespace();
-    let state = it.next()?.chars().next()?;
-    let ppid = it.next()?.parse().ok()?;
-    let pgrp = it.next()?.parse().ok()?;
-    Some(StatFields { state, ppid, pgrp })
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is field 3 of proc(5) (state); starttime is field 22.
+    let state = fields.first()?.chars().next()?;
+    let ppid = fields.get(1)?.parse().ok()?;
+    let pgrp = fields.get(2)?.parse().ok()?;
+    let session = fields.get(3)?.parse().ok()?;
+    let starttime = fields.get(19)?.parse().ok()?;
+    Some(StatFields {
+        state,
+        ppid,
+        pgrp,
+        session,
+        starttime,
+    })
+}
+
+/// `/proc/<pid>/stat`, parsed; `None` if the process is gone or unreadable.
+pub(crate) fn read_stat(pid: i32) -> Option<StatFields> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| parse_stat(&s))
+}
+
+/// Pids listed under `/proc`, in no particular order.
+pub(crate) fn proc_pids() -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .collect()
 }
 
 /// Opens a pidfd for `pid` (CLOEXEC is implied by the kernel).
@@ -167,7 +281,7 @@ pub(crate) fn leader_exited(pid: i32) -> io::Result<bool> {
 }
 
 /// `waitpid(pid, 0)`, retrying on EINTR. Blocks until `pid` exits.
-fn waitpid_raw(pid: i32, flags: libc::c_int) -> io::Result<Option<libc::c_int>> {
+pub(crate) fn waitpid_raw(pid: i32, flags: libc::c_int) -> io::Result<Option<libc::c_int>> {
     loop {
         let mut status: libc::c_int = 0;
         // SAFETY: valid pointer to a c_int we own.
@@ -204,24 +318,34 @@ pub(crate) fn signal_name(signo: libc::c_int) -> String {
 
 /// Owns the "is this group still un-reaped" state of one child. Its `Drop`
 /// guarantees that a child never outlives its handle: it SIGKILLs the group
-/// and reaps the leader on a detached thread.
+/// (and its cgroup, if it has one) and reaps the leader on a detached thread.
 #[derive(Debug)]
 pub(crate) struct GroupGuard {
     pub(crate) pid: i32,
     pub(crate) program: PathBuf,
     reaped: bool,
+    /// The child's own cgroup (cgroup v2 mode only), removed once empty.
+    cgroup: Option<Arc<ChildCgroup>>,
     /// Keeps the spawner thread (the children's PDEATHSIG parent) alive until reaped.
     keepalive: Option<KeepAlive>,
 }
 
 impl GroupGuard {
-    /// To be created right after a successful spawn (registers the group).
-    pub(crate) fn new(pid: i32, program: PathBuf, keepalive: KeepAlive) -> Self {
-        register(pid);
+    /// To be created right after a successful spawn: registers the group,
+    /// ending the "in flight" state of `ticket` under the same lock.
+    pub(crate) fn new(
+        pid: i32,
+        program: PathBuf,
+        keepalive: KeepAlive,
+        cgroup: Option<Arc<ChildCgroup>>,
+        ticket: SpawnTicket,
+    ) -> Self {
+        ticket.register(pid, cgroup.clone());
         Self {
             pid,
             program,
             reaped: false,
+            cgroup,
             keepalive: Some(keepalive),
         }
     }
@@ -249,6 +373,17 @@ impl GroupGuard {
         }
     }
 
+    /// The final kill: SIGKILL to the group, then `cgroup.kill` for whatever
+    /// left the group but not the cgroup (`setsid` escapees). Refused once
+    /// reaped, like [`signal`](Self::signal).
+    pub(crate) fn kill_everything(&self) -> Result<(), ProcessError> {
+        self.signal(Signal::SIGKILL)?;
+        if let Some(cg) = &self.cgroup {
+            cg.kill_logged();
+        }
+        Ok(())
+    }
+
     /// Reaps the leader. Call only once the leader is known to have exited
     /// (then this does not block) and after the last signal to the group.
     pub(crate) fn reap_exited(&mut self) -> Result<ExitStatusKind, ProcessError> {
@@ -258,11 +393,12 @@ impl GroupGuard {
                 pid: self.pid,
             });
         }
-        unregister(self.pid);
+        mark_reaping(self.pid);
         // Whatever happens below, never signal this id again.
         self.reaped = true;
         self.keepalive = None;
         let result = waitpid_raw(self.pid, 0);
+        release(self.pid);
         match result {
             Ok(Some(status)) => Ok(decode_status(status)),
             Ok(None) => Err(ProcessError::Wait {
@@ -277,11 +413,25 @@ impl GroupGuard {
             }),
         }
     }
+
+    /// After the reap: the child's cgroup, to be removed once empty.
+    pub(crate) fn take_cgroup(&mut self) -> Option<Arc<ChildCgroup>> {
+        if self.reaped {
+            self.cgroup.take()
+        } else {
+            None
+        }
+    }
 }
 
 impl Drop for GroupGuard {
     fn drop(&mut self) {
         if self.reaped {
+            if let Some(cg) = self.cgroup.take() {
+                // Reaped but the caller never removed the cgroup (its future
+                // was dropped): do it here, without waiting.
+                cg.remove_now_logged();
+            }
             return;
         }
         self.reaped = true;
@@ -291,9 +441,13 @@ impl Drop for GroupGuard {
             Ok(()) | Err(Errno::ESRCH) => {}
             Err(e) => tracing::warn!(pid, error = %e, "drop: SIGKILL to child group failed"),
         }
+        let cgroup = self.cgroup.take();
+        if let Some(cg) = &cgroup {
+            cg.kill_logged();
+        }
         let keepalive = self.keepalive.take();
         let reaper = move || {
-            unregister(pid);
+            mark_reaping(pid);
             match waitpid_raw(pid, 0) {
                 Ok(Some(status)) => {
                     tracing::debug!(pid, status = %decode_status(status), "reaped dropped child")
@@ -301,17 +455,24 @@ impl Drop for GroupGuard {
                 Ok(None) => {}
                 Err(e) => tracing::warn!(pid, error = %e, "failed to reap dropped child"),
             }
+            release(pid);
+            if let Some(cg) = cgroup {
+                cg.remove_blocking_logged(super::cgroup::EMPTY_GRACE);
+            }
             drop(keepalive);
         };
         let spawned = std::thread::Builder::new()
             .name(format!("reap-{pid}"))
             .spawn(reaper);
         if let Err(e) = spawned {
-            // No thread available: reap now if it is already dead, else leave
-            // a (killed, unregistered) zombie rather than block in Drop.
-            unregister(pid);
-            if !matches!(waitpid_raw(pid, libc::WNOHANG), Ok(Some(_))) {
-                tracing::warn!(pid, error = %e, "could not start a reaper thread; child left unreaped");
+            // No thread available: reap now if it is already dead; else hand
+            // the killed leader over to the orphan reaper (if it runs) rather
+            // than block in Drop. Its cgroup is then left for a later sweep.
+            mark_reaping(pid);
+            let reaped = matches!(waitpid_raw(pid, libc::WNOHANG), Ok(Some(_)));
+            release(pid);
+            if !reaped {
+                tracing::warn!(pid, error = %e, "could not start a reaper thread; the killed child is left to the orphan reaper");
             }
         }
     }
@@ -323,13 +484,16 @@ mod unit_tests {
 
     #[test]
     fn parses_stat_with_odd_comm() {
-        let s = "1234 (we) ird (name) S 1 777 777 0 -1 4194560 0 0";
+        let s =
+            "1234 (we) ird (name) S 1 777 777 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 123456 1000 10";
         assert_eq!(
             parse_stat(s),
             Some(StatFields {
                 state: 'S',
                 ppid: 1,
-                pgrp: 777
+                pgrp: 777,
+                session: 777,
+                starttime: 123456
             })
         );
         assert_eq!(parse_stat("garbage"), None);

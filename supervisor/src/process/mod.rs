@@ -28,10 +28,28 @@
 //! * **No orphans.** Dropping an un-reaped [`Child`] SIGKILLs its group and
 //!   reaps it on a detached thread; [`kill_all_groups`] SIGKILLs every live
 //!   group (shutdown / fatal paths).
+//! * **Subreaper, no zombies.** The worker registers as child subreaper
+//!   ([`become_subreaper`]; as PID 1 of a container it is init anyway), so
+//!   orphaned grandchildren are re-parented to it, and the orphan reaper
+//!   ([`start_orphan_reaper`]) reaps every exited child that is not a
+//!   tracked leader (rules and argument in `reaper.rs`).
+//! * **Marker and sweep.** A [`Spawner`] started with a [`Marker`] stamps
+//!   every child's environment with the worker's slot (its name) and
+//!   instance; a restarted worker ends what a dead previous incarnation left
+//!   with [`sweep_previous_incarnations`], finding processes by that marker
+//!   in `/proc/<pid>/environ` as it is now, never by a stored pid.
+//! * **cgroup v2 where allowed.** Each child runs in a cgroup of its own and
+//!   stopping it also writes `cgroup.kill`, which ends `setsid` escapees; where
+//!   the host does not allow it, process groups alone ([`cgroup_mode`] and
+//!   `cgroup.rs` say what is detected and what changes).
 
+mod cgroup;
 mod group;
+mod marker;
+mod reaper;
 mod spawner;
 mod stderr;
+mod sweep;
 #[cfg(test)]
 mod tests;
 
@@ -46,9 +64,15 @@ use tokio::io::Interest;
 use tokio::process::{ChildStdin, ChildStdout};
 use tokio::task::JoinHandle;
 
+pub use cgroup::{cgroup_mode, CgroupMode, CGROUPS_ENV};
 pub use group::{group_members, kill_all_groups, live_groups};
+pub use marker::{Marker, INSTANCE_ENV, SLOT_ENV, SUPERVISOR_ENV};
+pub use reaper::{
+    become_subreaper, is_subreaper, orphans_reaped, reap_orphans, start_orphan_reaper, ReapPass,
+};
 pub use spawner::Spawner;
 pub use stderr::{StderrTail, STDERR_TARGET};
+pub use sweep::{sweep_previous_incarnations, SweepReport, MAX_SWEEP_PASSES};
 
 use group::GroupGuard;
 use spawner::RawChild;
@@ -119,6 +143,18 @@ pub enum ProcessError {
         #[source]
         source: std::io::Error,
     },
+
+    /// `prctl(PR_SET_CHILD_SUBREAPER)` failed (Linux < 3.4?).
+    #[error("cannot become a child subreaper (prctl PR_SET_CHILD_SUBREAPER): {0}")]
+    Subreaper(#[source] std::io::Error),
+
+    /// The orphan reaper thread could not be started.
+    #[error("failed to start the orphan reaper: {0}")]
+    ReaperStart(#[source] std::io::Error),
+
+    /// A spawner marker that cannot be put in an environment.
+    #[error("invalid supervisor marker: {reason}")]
+    InvalidMarker { reason: String },
 }
 
 /// What to run and how.
@@ -459,11 +495,16 @@ impl Child {
     }
 
     /// Precondition: the leader has exited (zombie). SIGKILL the group while
-    /// the zombie still pins the id, then reap, then collect stderr.
+    /// the zombie still pins the id (and `cgroup.kill` its cgroup, for
+    /// escapees), then reap, then remove the cgroup once empty, then collect
+    /// stderr.
     async fn reap_after_exit(&mut self, escalated: bool) -> Result<ExitReport, ProcessError> {
-        self.guard.signal(Signal::SIGKILL)?;
+        self.guard.kill_everything()?;
         let status = self.guard.reap_exited()?;
         tracing::debug!(pid = self.guard.pid, %status, escalated, "reaped child");
+        if let Some(cg) = self.guard.take_cgroup() {
+            cg.remove_when_empty(cgroup::EMPTY_GRACE).await;
+        }
         if let Some(mut drain) = self.drain.take() {
             if tokio::time::timeout(STDERR_DRAIN_GRACE, &mut drain)
                 .await

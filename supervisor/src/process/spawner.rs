@@ -6,15 +6,21 @@
 //! `std::thread`; requests arrive over a channel and are answered on a
 //! oneshot. The thread lives as long as any [`Spawner`] handle or any
 //! un-reaped child spawned by it (each child holds a [`KeepAlive`]).
+//!
+//! The thread also stamps the spawner's [`Marker`] on every child's
+//! environment and, in cgroup mode, creates each child's cgroup before the
+//! fork; the child joins it itself before exec.
 
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::process::{ChildStderr, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use tokio::sync::oneshot;
 
+use super::cgroup::{self, ChildCgroup};
 use super::group::{self, GroupGuard};
+use super::marker::{self, Marker};
 use super::{Child, ProcessError, SpawnSpec};
 
 pub(crate) enum Msg {
@@ -64,14 +70,42 @@ impl std::fmt::Debug for Spawner {
 }
 
 impl Spawner {
-    /// Starts the dedicated spawner thread.
+    /// Starts the dedicated spawner thread, without a marker: children get
+    /// no `DURABLE_SUPERVISOR_*` variables, so no sweep will ever find them.
     ///
     /// Usually called once per process; every call starts its own thread.
     pub fn start() -> Result<Spawner, ProcessError> {
+        Self::start_thread(None)
+    }
+
+    /// Starts the dedicated spawner thread; every child it spawns carries
+    /// `marker` (and the identity of this process) in its environment —
+    /// overriding any variable of the same name in the spawn spec — so that
+    /// a later incarnation's [`sweep_previous_incarnations`] can find what
+    /// this one leaves behind. The instance is remembered for the life of
+    /// the process: a sweep here never touches it.
+    ///
+    /// [`sweep_previous_incarnations`]: super::sweep_previous_incarnations
+    pub fn start_with_marker(marker: Marker) -> Result<Spawner, ProcessError> {
+        marker
+            .validate()
+            .map_err(|reason| ProcessError::InvalidMarker { reason })?;
+        marker::register_instance(&marker.instance);
+        Self::start_thread(Some(marker))
+    }
+
+    fn start_thread(marker: Option<Marker>) -> Result<Spawner, ProcessError> {
+        let ctx = ThreadCtx {
+            cgroup_tag: marker
+                .as_ref()
+                .map_or_else(|| "anon".to_string(), |m| marker::slot_tag(&m.slot)),
+            marker_env: marker.map(|m| Arc::new(m.env())),
+            seq: 0,
+        };
         let (tx, rx) = mpsc::channel::<Msg>();
         std::thread::Builder::new()
             .name("process-spawner".into())
-            .spawn(move || run(rx))
+            .spawn(move || run(rx, ctx))
             .map_err(ProcessError::SpawnerStart)?;
         Ok(Spawner { tx })
     }
@@ -116,7 +150,17 @@ pub(crate) fn orphaned_for_test() -> &'static std::sync::Mutex<Vec<i32>> {
     &ORPHANED
 }
 
-fn run(rx: mpsc::Receiver<Msg>) {
+/// What the spawner thread knows about its children.
+struct ThreadCtx {
+    /// The marker's variables, set last (they win over the spec's).
+    marker_env: Option<Arc<Vec<(String, String)>>>,
+    /// Slot tag in cgroup names ("anon" without a marker).
+    cgroup_tag: String,
+    /// Sequence number in cgroup names.
+    seq: u64,
+}
+
+fn run(rx: mpsc::Receiver<Msg>, mut ctx: ThreadCtx) {
     while let Ok(msg) = rx.recv() {
         match msg {
             Msg::Spawn {
@@ -124,7 +168,7 @@ fn run(rx: mpsc::Receiver<Msg>) {
                 reply,
                 keepalive,
             } => {
-                let result = spawn_on_this_thread(*spec, keepalive);
+                let result = spawn_on_this_thread(*spec, keepalive, &mut ctx);
                 // On failure the receiver is gone (the spawn future was
                 // dropped); dropping the returned RawChild kills and reaps the
                 // orphaned child.
@@ -147,7 +191,11 @@ fn run(rx: mpsc::Receiver<Msg>) {
     tracing::debug!("process spawner thread exiting: no handles and no live children left");
 }
 
-fn spawn_on_this_thread(spec: SpawnSpec, keepalive: KeepAlive) -> Result<RawChild, ProcessError> {
+fn spawn_on_this_thread(
+    spec: SpawnSpec,
+    keepalive: KeepAlive,
+    ctx: &mut ThreadCtx,
+) -> Result<RawChild, ProcessError> {
     let SpawnSpec {
         program,
         args,
@@ -172,17 +220,49 @@ fn spawn_on_this_thread(spec: SpawnSpec, keepalive: KeepAlive) -> Result<RawChil
     for (name, value) in &env {
         cmd.env(name, value);
     }
+    if let Some(marker_env) = &ctx.marker_env {
+        for (name, value) in marker_env.iter() {
+            cmd.env(name, value);
+        }
+    }
+
+    // The child's own cgroup, created before the fork so that the child can
+    // join it before exec: nothing it forks is ever outside.
+    let cgroup = new_child_cgroup(ctx);
+    let cgroup_procs = match cgroup.as_ref().map(|cg| cg.procs_path()).transpose() {
+        Ok(path) => path,
+        Err(e) => {
+            tracing::warn!(error = %e, "unusable cgroup path; spawning without a cgroup");
+            None
+        }
+    };
+    let cgroup = if cgroup_procs.is_some() {
+        cgroup
+    } else {
+        discard_cgroup(cgroup);
+        None
+    };
 
     // Captured before fork: the child compares its parent against it.
     let parent = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs between fork and exec and only makes
-    // async-signal-safe system calls (setpgid, prctl, getppid, _exit) and
-    // builds an io::Error from errno (no allocation).
+    // async-signal-safe system calls (setpgid, open, write, close, prctl,
+    // getppid, _exit) on data prepared before the fork, and builds an
+    // io::Error from errno (no allocation).
     unsafe {
         cmd.pre_exec(move || {
             // Leader of its own group, so the whole tree can be signalled.
             if libc::setpgid(0, 0) != 0 {
                 return Err(io::Error::last_os_error());
+            }
+            // Join our own cgroup ("0" is the writing process). A failure is
+            // not fatal here: the parent notices and carries on without.
+            if let Some(path) = &cgroup_procs {
+                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    let _ = libc::write(fd, b"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                }
             }
             // Die with the spawner thread (and so with the process).
             if libc::prctl(
@@ -203,16 +283,42 @@ fn spawn_on_this_thread(spec: SpawnSpec, keepalive: KeepAlive) -> Result<RawChil
         });
     }
 
+    // From before the fork until the pid is registered, the orphan reaper
+    // leaves unregistered group leaders alone (see reaper.rs).
+    let ticket = group::begin_spawn();
     // std waits for exec to succeed (or pre_exec/exec to fail) before
     // returning, so setpgid has happened by the time we see the pid.
-    let mut child = cmd.spawn().map_err(|source| ProcessError::Spawn {
-        program: program.clone(),
-        cwd: cwd.clone(),
-        source,
-    })?;
+    let mut child = match cmd.spawn() {
+        Ok(child) => child,
+        Err(source) => {
+            drop(ticket);
+            discard_cgroup(cgroup);
+            return Err(ProcessError::Spawn {
+                program: program.clone(),
+                cwd: cwd.clone(),
+                source,
+            });
+        }
+    };
     let pid = child.id() as i32;
+    // The exec has happened, so the pre-exec join has too. A child that
+    // already exited cannot be checked; it keeps its (soon empty) cgroup.
+    let cgroup = match cgroup {
+        Some(cg) if cg.contains(pid) || matches!(group::leader_exited(pid), Ok(true)) => {
+            Some(Arc::new(cg))
+        }
+        Some(cg) => {
+            cgroup::disable(format!(
+                "child {pid} could not join its cgroup {}",
+                cg.dir().display()
+            ));
+            cg.remove_now_logged();
+            None
+        }
+        None => None,
+    };
     // From here on, dropping `guard` kills and reaps the child.
-    let guard = GroupGuard::new(pid, program, keepalive);
+    let guard = GroupGuard::new(pid, program, keepalive, cgroup, ticket);
     let stdin = child.stdin.take();
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();
@@ -240,4 +346,29 @@ fn spawn_on_this_thread(spec: SpawnSpec, keepalive: KeepAlive) -> Result<RawChil
         pidfd,
         stderr_tail_bytes,
     })
+}
+
+/// A fresh cgroup for the next child, in cgroup mode. A failure to create it
+/// switches cgroups off (the child still runs, with its process group).
+fn new_child_cgroup(ctx: &mut ThreadCtx) -> Option<ChildCgroup> {
+    let h = cgroup::hierarchy()?;
+    ctx.seq += 1;
+    let name = cgroup::child_name(&ctx.cgroup_tag, &marker::self_identity(), ctx.seq);
+    match ChildCgroup::create(&h, &name) {
+        Ok(cg) => Some(cg),
+        Err(e) => {
+            cgroup::disable(format!(
+                "cannot create the cgroup {}/{name}: {e}",
+                h.own_dir().display()
+            ));
+            None
+        }
+    }
+}
+
+/// Removes a cgroup no child ever joined.
+fn discard_cgroup(cgroup: Option<ChildCgroup>) {
+    if let Some(cg) = cgroup {
+        cg.remove_now_logged();
+    }
 }

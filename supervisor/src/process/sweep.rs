@@ -1,0 +1,293 @@
+//! The start-up sweep: end what a previous incarnation of this worker left.
+//!
+//! A worker killed with SIGKILL cannot clean up. Its executors die with it
+//! (PDEATHSIG), but what they forked survives: re-parented to init (or a
+//! subreaper above us), still in the dead executor's process group, or in a
+//! session of its own. Nobody ends it. The next incarnation — same slot (the
+//! worker's name), new instance — does, at start:
+//! [`sweep_previous_incarnations`] finds processes by the marker in their
+//! environment ([`super::marker`]) as `/proc` shows it *now*, never by a pid
+//! stored somewhere, and SIGKILLs them and their process groups; in cgroup
+//! mode it also writes `cgroup.kill` of the previous incarnation's cgroups
+//! (which catches descendants that cleared their environment) and removes
+//! them.
+//!
+//! A process started while a pass scans `/proc` may be missed by it (a
+//! sweep from one snapshot misses processes forked during it — actions/runner
+//! #4601), so the sweep repeats until a pass finds nothing new, at most
+//! [`MAX_SWEEP_PASSES`] times.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
+use super::cgroup::{self, ChildCgroup};
+use super::group::{self, StatFields};
+use super::marker::{self, FoundMarker, Liveness};
+
+/// Upper bound on sweep passes.
+pub const MAX_SWEEP_PASSES: u32 = 10;
+
+/// Pause between passes: killed processes exit, racing forks show up.
+const PASS_PAUSE: Duration = Duration::from_millis(20);
+
+/// Total time the sweep waits for killed cgroups to empty before removing them.
+const CGROUP_REMOVE_BUDGET: Duration = Duration::from_secs(2);
+
+/// What a sweep did, for one log line.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Passes over `/proc` (the last one found nothing new when `converged`).
+    pub passes: u32,
+    /// Marked processes of a previous incarnation sent SIGKILL.
+    pub processes_killed: usize,
+    /// Distinct process groups sent SIGKILL.
+    pub groups_killed: usize,
+    /// Cgroups of a previous incarnation whose `cgroup.kill` was written.
+    pub cgroups_killed: usize,
+    /// Of those (and of empty leftovers), how many were removed.
+    pub cgroups_removed: usize,
+    /// Marked processes of this slot left alone because their supervisor is
+    /// still alive (another live worker with the same name) or lives in
+    /// another pid namespace.
+    pub spared_live: usize,
+    /// Whether the last pass found nothing new (false: gave up after
+    /// [`MAX_SWEEP_PASSES`]).
+    pub converged: bool,
+}
+
+impl std::fmt::Display for SweepReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} processes and {} process groups of previous incarnations killed, {} cgroups killed, {} removed, {} spared (live supervisor), {} passes{}",
+            self.processes_killed,
+            self.groups_killed,
+            self.cgroups_killed,
+            self.cgroups_removed,
+            self.spared_live,
+            self.passes,
+            if self.converged { "" } else { " (did not converge)" }
+        )
+    }
+}
+
+/// Ends every process that carries the marker of `slot` with an instance
+/// other than `my_instance` (and other than any instance a spawner of this
+/// process uses), whose supervisor process is gone: SIGKILL to its process
+/// group (if that group is not ours and its leader is gone or carries the
+/// same kind of stale marker) and to the process itself. Repeats until a
+/// pass finds nothing new. Blocking (reads `/proc`, sleeps briefly between
+/// passes): from async code run it with `spawn_blocking`.
+///
+/// Never kills: this process, our own process group, a group registered as
+/// one of our live children, a process whose marker is ours, a process whose
+/// supervisor is alive (pid + start time) or unverifiable (another pid
+/// namespace). Processes that are not readable (another user's) are not seen.
+pub fn sweep_previous_incarnations(slot: &str, my_instance: &str) -> SweepReport {
+    let my_pid = std::process::id() as i32;
+    // SAFETY: getpgrp never fails.
+    let my_pgid = unsafe { libc::getpgrp() };
+    let tag = marker::slot_tag(slot);
+    let hierarchy = cgroup::hierarchy();
+    let mut report = SweepReport::default();
+    let mut killed: HashSet<(i32, u64)> = HashSet::new();
+    let mut spared: HashSet<(i32, u64)> = HashSet::new();
+    let mut groups: BTreeSet<i32> = BTreeSet::new();
+    // cgroup dir -> whether cgroup.kill was written
+    let mut stale_cgroups: BTreeMap<PathBuf, bool> = BTreeMap::new();
+
+    let is_stale = |m: &FoundMarker| {
+        m.slot == slot
+            && m.instance != my_instance
+            && !marker::is_our_instance(&m.instance)
+            && m.supervisor.is_none_or(|s| s.liveness() == Liveness::Dead)
+    };
+
+    for pass in 1..=MAX_SWEEP_PASSES {
+        report.passes = pass;
+        let mut new = 0usize;
+        for pid in group::proc_pids() {
+            if pid == my_pid {
+                continue;
+            }
+            let Some(m) = marker::read_marker(pid) else {
+                continue;
+            };
+            if m.slot != slot || m.instance == my_instance || marker::is_our_instance(&m.instance) {
+                continue;
+            }
+            let Some(st) = group::read_stat(pid) else {
+                continue;
+            };
+            if st.is_dead() {
+                continue;
+            }
+            let key = (pid, st.starttime);
+            if killed.contains(&key) {
+                continue; // signalled in an earlier pass, still dying
+            }
+            if !is_stale(&m) {
+                if spared.insert(key) {
+                    tracing::warn!(pid, instance = %m.instance, supervisor = ?m.supervisor,
+                        "a process of this worker's slot belongs to a supervisor that is still alive (or in another pid namespace): not touching it; is another worker configured with the same name?");
+                }
+                continue;
+            }
+            new += 1;
+            killed.insert(key);
+            if let Some(h) = &hierarchy {
+                if let Some(dir) = cgroup::stale_cgroup_of(h, pid, &tag) {
+                    stale_cgroups.entry(dir).or_insert(false);
+                }
+            }
+            if let Some(group_killed) = kill_verified(pid, &m, &is_stale, my_pid, my_pgid) {
+                report.processes_killed += 1;
+                if let Some(pgid) = group_killed {
+                    groups.insert(pgid);
+                }
+                tracing::debug!(pid, pgid = st.pgrp, instance = %m.instance, "killed a process of a previous incarnation");
+            }
+        }
+        if let Some(h) = &hierarchy {
+            for dir in cgroup::stale_children(h, &tag) {
+                stale_cgroups.entry(dir).or_insert(false);
+            }
+        }
+        for (dir, done) in stale_cgroups.iter_mut() {
+            if *done {
+                continue;
+            }
+            *done = true;
+            new += 1;
+            match ChildCgroup::existing(dir.clone()).kill() {
+                Ok(()) => report.cgroups_killed += 1,
+                Err(e) => {
+                    tracing::warn!(cgroup = %dir.display(), error = %e, "cannot write cgroup.kill of a previous incarnation")
+                }
+            }
+        }
+        if new == 0 {
+            report.converged = true;
+            break;
+        }
+        std::thread::sleep(PASS_PAUSE);
+    }
+
+    let deadline = Instant::now() + CGROUP_REMOVE_BUDGET;
+    for dir in stale_cgroups.keys() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if ChildCgroup::existing(dir.clone()).remove_blocking_logged(left) {
+            report.cgroups_removed += 1;
+        }
+    }
+    report.groups_killed = groups.len();
+    report.spared_live = spared.len();
+    report
+}
+
+/// Pins `pid` (pidfd), re-verifies its marker and stat through `/proc` while
+/// it is pinned, then SIGKILLs its group (when [`group_is_stale`]) and the
+/// process. `None` if it vanished or changed before it could be verified.
+/// `Some(Some(pgid))` when the group was signalled too.
+fn kill_verified(
+    pid: i32,
+    seen: &FoundMarker,
+    is_stale: &dyn Fn(&FoundMarker) -> bool,
+    my_pid: i32,
+    my_pgid: i32,
+) -> Option<Option<i32>> {
+    let pidfd = group::pidfd_open(pid).ok();
+    // With a pidfd, the reads below are of the pinned process if it is still
+    // alive after them. Without one (kernel < 5.3) the reads are as fresh as
+    // they can be and the kill follows immediately.
+    let m = marker::read_marker(pid)?;
+    let st = group::read_stat(pid)?;
+    if &m != seen || st.is_dead() {
+        return None;
+    }
+    if let Some(fd) = &pidfd {
+        if !pidfd_alive(fd) {
+            return None;
+        }
+    }
+    let mut group_killed = None;
+    if group_is_stale(&st, is_stale, my_pid, my_pgid) {
+        match killpg(Pid::from_raw(st.pgrp), Signal::SIGKILL) {
+            Ok(()) | Err(Errno::ESRCH) => group_killed = Some(st.pgrp),
+            Err(e) => {
+                tracing::warn!(pgid = st.pgrp, error = %e, "cannot SIGKILL a stale process group")
+            }
+        }
+    }
+    let sent = match &pidfd {
+        Some(fd) => pidfd_kill(fd),
+        None => nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL)
+            .map_err(std::io::Error::from),
+    };
+    match sent {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+        Err(e) => tracing::warn!(pid, error = %e, "cannot SIGKILL a stale process"),
+    }
+    Some(group_killed)
+}
+
+/// Whether the process group of a stale process may be killed as a whole:
+/// not ours, not one of our live children's, and its leader is gone (the
+/// dead executor's group) or itself carries a stale marker of the slot.
+fn group_is_stale(
+    st: &StatFields,
+    is_stale: &dyn Fn(&FoundMarker) -> bool,
+    my_pid: i32,
+    my_pgid: i32,
+) -> bool {
+    let pgid = st.pgrp;
+    if pgid <= 1 || pgid == my_pgid || pgid == my_pid {
+        return false;
+    }
+    if group::registry().is_live_group(pgid) {
+        return false;
+    }
+    match group::read_stat(pgid) {
+        None => true,
+        Some(leader) if leader.is_dead() => true,
+        // The pid is alive but no longer leads that group: judge by member only.
+        Some(leader) if leader.pgrp != pgid => false,
+        Some(_) => marker::read_marker(pgid).is_some_and(|m| is_stale(&m)),
+    }
+}
+
+/// Whether the process behind a pidfd is still running (not readable yet).
+fn pidfd_alive(fd: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let ret = unsafe { libc::poll(&mut pfd, 1, 0) };
+    ret == 0
+}
+
+fn pidfd_kill(fd: &OwnedFd) -> std::io::Result<()> {
+    // SAFETY: plain syscall on a pidfd we own; null siginfo is allowed.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0 as libc::c_uint,
+        )
+    };
+    if ret < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
