@@ -166,7 +166,9 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             let spec: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| CliError::NotJson(e.to_string()))?;
             let db = connect(&cli.database_url, 2).await?;
-            db.migrate().await?;
+            // no DDL here: a submitter needs no schema rights, and an older
+            // CLI never migrates a newer schema; it only checks the version
+            db.check_schema().await?;
             let id = db.submit(&spec).await?;
             if json {
                 println!("{}", serde_json::json!({ "run_id": id }));
@@ -304,6 +306,8 @@ async fn dev_session(
     exit_when_idle: bool,
 ) -> Result<u8, CliError> {
     let db = connect(&url, cfg.db_max_connections).await?;
+    // dev owns its database: it migrates (a plain worker does not)
+    db.migrate().await?;
     let worker = Worker::start(db.clone(), cfg).await?;
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());

@@ -59,6 +59,12 @@ fn d_db_conns() -> u32 {
 fn d_refusal_delay() -> u64 {
     1_000
 }
+fn d_max_refusals() -> u32 {
+    5
+}
+fn d_max_result() -> u64 {
+    512 * 1024 * 1024
+}
 fn d_concurrency() -> u32 {
     4
 }
@@ -117,6 +123,14 @@ pub struct WorkerConfig {
     /// Delay before a refused step can be leased again.
     #[serde(default = "d_refusal_delay")]
     pub refusal_delay_ms: u64,
+    /// How many times a step may be refused (handed back without running)
+    /// before it fails `terminal_failed` with `EXECUTOR_REFUSED`.
+    #[serde(default = "d_max_refusals")]
+    pub max_refusals: u32,
+    /// The most bytes all artifacts of one result may hold together (they
+    /// reach PostgreSQL in one message, whose limit is 1 GiB).
+    #[serde(default = "d_max_result")]
+    pub max_result_bytes: u64,
     /// Where per-attempt working directories are created (default: the system temp dir).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_dir: Option<PathBuf>,
@@ -183,6 +197,8 @@ impl Default for WorkerConfig {
             stderr_tail_bytes: d_stderr_tail(),
             db_max_connections: d_db_conns(),
             refusal_delay_ms: d_refusal_delay(),
+            max_refusals: d_max_refusals(),
+            max_result_bytes: d_max_result(),
             work_dir: None,
             secrets_dir: None,
             executors: Vec::new(),
@@ -272,6 +288,30 @@ impl WorkerConfig {
         }
         if self.executors.is_empty() {
             return bad("no [[executors]]: a worker needs at least one".into());
+        }
+        let stop = self.cancel_grace_ms + self.term_grace_ms + 2 * self.heartbeat_interval_ms;
+        if stop > self.lease_ttl_ms {
+            return bad(format!(
+                "cancel_grace_ms ({}) + term_grace_ms ({}) + 2 * heartbeat_interval_ms ({}) = {stop} must fit in lease_ttl_ms ({}): a child must be stopped before its lease can expire. Raise lease_ttl_ms or shorten the graces",
+                self.cancel_grace_ms, self.term_grace_ms, self.heartbeat_interval_ms, self.lease_ttl_ms
+            ));
+        }
+        let concurrency: u32 = self.executors.iter().map(|e| e.concurrency).sum();
+        if self.db_max_connections < concurrency + 1 {
+            return bad(format!(
+                "db_max_connections = {} is smaller than the executors' total concurrency ({concurrency}) + 1: every running attempt may need a connection for its writes, plus one for leasing. Raise db_max_connections to at least {}",
+                self.db_max_connections,
+                concurrency + 1
+            ));
+        }
+        if self.max_refusals == 0 {
+            return bad("max_refusals must be at least 1".into());
+        }
+        if self.max_artifact_bytes > self.max_result_bytes || self.max_result_bytes > 900 * 1024 * 1024 {
+            return bad(format!(
+                "max_artifact_bytes ({}) must be at most max_result_bytes ({}), which must be at most 900 MiB (PostgreSQL's message limit is 1 GiB)",
+                self.max_artifact_bytes, self.max_result_bytes
+            ));
         }
         if let Some(dir) = &self.secrets_dir {
             if !dir.is_dir() {

@@ -3,6 +3,7 @@ pub mod cli;
 pub mod config;
 pub mod db;
 pub mod dev;
+pub mod fault;
 pub mod process;
 pub mod retry;
 pub mod secrets;

@@ -260,12 +260,16 @@ pub fn decide_failure(
             ),
         };
     }
+    // an executor's own delay is honoured up to the policy's maximum interval
+    // (a huge value must neither overflow the clock nor park a step for ages)
+    let max = Duration::milliseconds(facts.policy.max_interval_ms.min(i64::MAX as u64 / 2) as i64);
     let delay = failure
         .next_retry_delay
+        .map(|d| d.clamp(Duration::zero(), max))
         .unwrap_or_else(|| facts.policy.backoff(facts.attempt, jitter));
-    let next = now + delay;
-    if let Some(deadline) = facts.deadline {
-        if next >= deadline {
+    let next = now.checked_add_signed(delay);
+    if let (Some(deadline), next) = (facts.deadline, next) {
+        if next.is_none_or(|n| n >= deadline) {
             return FailureDecision {
                 to: StepState::TerminalFailed,
                 next_attempt_at: None,
@@ -278,7 +282,7 @@ pub fn decide_failure(
     }
     FailureDecision {
         to: StepState::RetryableFailed,
-        next_attempt_at: Some(next),
+        next_attempt_at: Some(next.unwrap_or(DateTime::<Utc>::MAX_UTC)),
         reason: format!("{}: retry in {} ms", failure.code, delay.num_milliseconds()),
     }
 }
@@ -286,6 +290,40 @@ pub fn decide_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_executors_huge_retry_delay_is_clamped_not_overflowed() {
+        let policy = crate::retry::RetryPolicy {
+            max_attempts: 5,
+            initial_interval_ms: 100,
+            backoff_coefficient: 2.0,
+            max_interval_ms: 60_000,
+            non_retryable_codes: vec![],
+        };
+        let now = Utc::now();
+        for huge in [Duration::MAX, Duration::milliseconds(i64::MAX), Duration::days(1_000_000)] {
+            let facts = StepFacts {
+                attempt: 1,
+                policy: &policy,
+                deadline: None,
+                cancel_requested: false,
+            };
+            let failure = Failure {
+                code: "LATER".into(),
+                retryable: true,
+                next_retry_delay: Some(huge),
+            };
+            let d = decide_failure(&facts, &failure, now, 0.5);
+            assert_eq!(d.to, StepState::RetryableFailed);
+            assert_eq!(d.next_attempt_at, Some(now + Duration::milliseconds(60_000)));
+            // with a deadline, no overflow either
+            let facts = StepFacts {
+                deadline: Some(now + Duration::seconds(10)),
+                ..facts
+            };
+            assert_eq!(decide_failure(&facts, &failure, now, 0.5).to, StepState::TerminalFailed);
+        }
+    }
 
     #[test]
     fn terminal_states_have_no_exit() {

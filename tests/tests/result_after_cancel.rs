@@ -23,13 +23,9 @@ tests::for_each_lang!(result_within_the_grace_is_kept);
 /// Two steps, `b` after `a`; the run is cancelled while `a` waits, and `a`
 /// finishes anyway. `a` keeps its result, `b` never runs, and the run is
 /// terminal: `cancelled`, since `b` will now never exist (it is closed as
-/// cancelled). Run by hand until the run-level cancel closes waiting steps:
-/// with the migrations at this commit the run stays `running` forever
-/// (cancel_run does not close waiting definitions, a succeeded step of a
-/// cancel-requested run does not materialise its dependents, so `b` waits on
-/// nothing and aggregate_run counts it as open).
+/// cancelled). Before the run-level cancel closed waiting definitions, the run
+/// stayed `running` forever (issue 6, item 1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a run-level cancel to close the steps still waiting for dependencies"]
 async fn result_after_cancel_with_a_dependent_step() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;

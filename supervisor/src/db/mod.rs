@@ -52,6 +52,79 @@ pub enum DbError {
     LeaseLost { step_run_id: Uuid },
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    #[error("the database did not answer within {ms} ms while {context}")]
+    Timeout { context: &'static str, ms: u64 },
+    #[error("the database schema is at version {have}; this binary needs at least {need}. Run `supervisor migrate` with a binary at least this new, then start the worker again")]
+    SchemaTooOld { have: i64, need: i64 },
+    #[error("the database has no durable schema (no migrations applied). Run `supervisor migrate` first")]
+    SchemaMissing,
+}
+
+impl DbError {
+    /// The SQLSTATE of a database error, if this is one.
+    pub fn sqlstate(&self) -> Option<String> {
+        match self {
+            DbError::Query {
+                source: sqlx::Error::Database(d),
+                ..
+            } => d.code().map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+
+    /// Whether trying the same write again can succeed: lost connections,
+    /// timeouts, a server restarting, serialization failures and deadlocks,
+    /// lock timeouts, exhausted resources. Everything else (data exceptions,
+    /// constraint violations, program limits such as a message too large, our
+    /// own raised errors) fails the same way every time: permanent.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            DbError::Connect { source, .. } | DbError::Query { source, .. } => {
+                sqlx_is_transient(source)
+            }
+            DbError::Timeout { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+fn sqlx_is_transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(d) => d.code().is_some_and(|c| sqlstate_is_transient(&c)),
+        _ => false,
+    }
+}
+
+/// SQLSTATE classes worth a retry: 08 connection, 40 transaction rollback
+/// (serialization, deadlock), 53 insufficient resources, 57 operator
+/// intervention (admin shutdown, statement timeout), 58 system error, and
+/// 55P03 lock_not_available (lock_timeout), 55006 object in use.
+pub fn sqlstate_is_transient(code: &str) -> bool {
+    ["08", "40", "53", "57", "58"].iter().any(|c| code.starts_with(c))
+        || code == "55P03"
+        || code == "55006"
+}
+
+/// Runs a database call with a bound: no call may wait forever (a blackholed
+/// network must not stall the worker past its lease).
+pub async fn bounded<T>(
+    limit: StdDuration,
+    context: &'static str,
+    fut: impl std::future::Future<Output = Result<T, DbError>>,
+) -> Result<T, DbError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(DbError::Timeout {
+            context,
+            ms: limit.as_millis() as u64,
+        }),
+    }
 }
 
 trait Ctx<T> {
@@ -126,6 +199,10 @@ pub struct HeartbeatReport {
     pub cancel_requested: Vec<Uuid>,
     /// Leases this worker no longer holds.
     pub lost: Vec<Uuid>,
+    /// Leases still held but locked by a write in flight: not renewed this time.
+    pub busy: Vec<Uuid>,
+    /// Leases renewed by this heartbeat (valid until its send time + TTL).
+    pub renewed_ids: Vec<Uuid>,
     pub renewed: usize,
 }
 
@@ -141,7 +218,7 @@ pub struct NewEvent<'a> {
 }
 
 /// An artifact verified on local disk, to be stored with a successful result.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct NewArtifact {
     pub name: String,
     pub sha256: String,
@@ -242,7 +319,11 @@ impl Db {
             url: redact_url(url),
             source,
         })?;
-        let opts = opts.log_statements(tracing::log::LevelFilter::Trace);
+        // no statement waits forever on a lock or runs away (a transient
+        // error the callers retry); the heartbeat's own connection is tighter
+        let opts = opts
+            .log_statements(tracing::log::LevelFilter::Trace)
+            .options([("statement_timeout", "60000"), ("lock_timeout", "10000")]);
         // No ping before every acquire (sqlx's default): it costs a round trip
         // per statement batch (~3 per step, measured by bench_queue); a dead
         // connection surfaces as an error on the next statement instead, which
@@ -250,7 +331,7 @@ impl Db {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .test_before_acquire(false)
-            .acquire_timeout(StdDuration::from_secs(30))
+            .acquire_timeout(StdDuration::from_secs(10))
             .connect_with(opts)
             .await
             .map_err(|source| DbError::Connect {
@@ -262,6 +343,58 @@ impl Db {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// A separate pool of one connection to the same database, with
+    /// `statement_timeout` and `lock_timeout` of `timeout`: the heartbeat's
+    /// own, so a busy pool never delays a renewal. Connects lazily, so a
+    /// database that is away at this moment is not an error here.
+    pub fn dedicated(&self, timeout: StdDuration) -> Db {
+        let ms = timeout.as_millis().max(1).to_string();
+        let opts = (*self.pool.connect_options())
+            .clone()
+            .options([("statement_timeout", ms.as_str()), ("lock_timeout", ms.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .acquire_timeout(timeout)
+            .connect_lazy_with(opts);
+        Db { pool }
+    }
+
+    /// The newest migration this binary knows.
+    pub fn schema_version_needed() -> i64 {
+        MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
+    }
+
+    /// Checks that the schema is at least the version this binary needs. A
+    /// newer schema is accepted (migrations are additive: rolling upgrades run
+    /// new workers and old ones against one database). Returns the version found.
+    pub async fn check_schema(&self) -> Result<i64, DbError> {
+        let res = sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT max(version) FROM durable._sqlx_migrations WHERE success",
+        )
+        .fetch_one(&self.pool)
+        .await;
+        let have = match res {
+            Ok(v) => v.ok_or(DbError::SchemaMissing)?,
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("42P01") | Some("3F000")) =>
+            {
+                return Err(DbError::SchemaMissing)
+            }
+            Err(e) => {
+                return Err(DbError::Query {
+                    context: "reading the schema version",
+                    source: e,
+                })
+            }
+        };
+        let need = Self::schema_version_needed();
+        if have < need {
+            return Err(DbError::SchemaTooOld { have, need });
+        }
+        Ok(have)
     }
 
     /// Applies the migrations; safe to run again and from several processes at
@@ -503,12 +636,15 @@ impl Db {
                  SELECT s.id FROM durable.step_runs s
                   WHERE s.state IN ('pending', 'retryable_failed')
                     AND s.next_attempt_at <= now()
+                    AND NOT s.cancel_requested
+                    AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs wr
+                                     WHERE wr.id = s.run_id AND wr.cancel_requested)
                     AND EXISTS (SELECT 1 FROM routes r
                                  WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
                                    AND r.labels @> s.labels)
                   ORDER BY s.next_attempt_at
                   LIMIT $6
-                  FOR UPDATE SKIP LOCKED
+                  FOR NO KEY UPDATE SKIP LOCKED
              )
              UPDATE durable.step_runs s
                 SET state = 'leased', owner_worker_id = $1, lease_token = gen_random_uuid(),
@@ -535,8 +671,12 @@ impl Db {
     }
 
     /// One statement per worker per interval, however many leases it holds:
-    /// renews every live lease, reports which were cancel-requested and which
-    /// are lost, and stamps the worker's own heartbeat.
+    /// renews every live lease, reports which were cancel-requested (the step's
+    /// flag or its run's) and which are lost, and stamps the worker's own
+    /// heartbeat. Rows locked by a writer right now are skipped (SKIP LOCKED,
+    /// in id order), so the heartbeat never waits on a lock and is never part
+    /// of a deadlock; such a lease is `busy`: neither renewed nor lost this
+    /// time (its owner's write is in flight; the next heartbeat renews it).
     pub async fn heartbeat(
         &self,
         worker_id: Uuid,
@@ -550,12 +690,27 @@ impl Db {
                  UPDATE durable.workers SET last_heartbeat_at = now() WHERE id = $1
              ), h AS (
                  SELECT * FROM unnest($2::uuid[], $3::uuid[]) AS h(id, token)
+             ), locked AS (
+                 SELECT s.id FROM durable.step_runs s JOIN h ON h.id = s.id AND h.token = s.lease_token
+                  WHERE s.state IN ('leased', 'running')
+                  ORDER BY s.id
+                  FOR NO KEY UPDATE OF s SKIP LOCKED
+             ), renewed AS (
+                 UPDATE durable.step_runs s
+                    SET lease_expires_at = now() + make_interval(secs => $4::double precision / 1000.0)
+                   FROM locked
+                  WHERE s.id = locked.id
+              RETURNING s.id, s.run_id, s.cancel_requested
              )
-             UPDATE durable.step_runs s
-                SET lease_expires_at = now() + make_interval(secs => $4::double precision / 1000.0)
+             SELECT h.id,
+                    r.id IS NOT NULL AS renewed,
+                    coalesce(r.cancel_requested OR wr.cancel_requested, false) AS cancel_requested,
+                    (r.id IS NULL AND EXISTS (SELECT 1 FROM durable.step_runs s
+                                               WHERE s.id = h.id AND s.lease_token = h.token
+                                                 AND s.state IN ('leased', 'running'))) AS busy
                FROM h
-              WHERE s.id = h.id AND s.lease_token = h.token AND s.state IN ('leased', 'running')
-          RETURNING s.id, s.cancel_requested",
+               LEFT JOIN renewed r ON r.id = h.id
+               LEFT JOIN durable.workflow_runs wr ON wr.id = r.run_id",
         )
         .bind(worker_id)
         .bind(&ids)
@@ -564,19 +719,21 @@ impl Db {
         .fetch_all(&self.pool)
         .await
         .ctx("renewing leases")?;
-        let mut report = HeartbeatReport {
-            renewed: rows.len(),
-            ..Default::default()
-        };
-        let mut alive = std::collections::HashSet::with_capacity(rows.len());
+        let mut report = HeartbeatReport::default();
         for r in rows {
             let id: Uuid = r.get("id");
-            alive.insert(id);
-            if r.get::<bool, _>("cancel_requested") {
-                report.cancel_requested.push(id);
+            if r.get::<bool, _>("renewed") {
+                report.renewed_ids.push(id);
+                if r.get::<bool, _>("cancel_requested") {
+                    report.cancel_requested.push(id);
+                }
+            } else if r.get::<bool, _>("busy") {
+                report.busy.push(id);
+            } else {
+                report.lost.push(id);
             }
         }
-        report.lost = ids.into_iter().filter(|id| !alive.contains(id)).collect();
+        report.renewed = report.renewed_ids.len();
         Ok(report)
     }
 
@@ -607,30 +764,60 @@ impl Db {
 
     /// Persists a progress event (and its checkpoint, if any), fenced.
     pub async fn record_event(&self, lease: &Lease, event: &NewEvent<'_>) -> Result<(), DbError> {
-        let n = sqlx::query(
-            "WITH s AS (
-                 UPDATE durable.step_runs
-                    SET checkpoint = CASE WHEN $3 THEN $4 ELSE checkpoint END
-                  WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')
-              RETURNING id, attempt
+        self.record_events(lease, std::slice::from_ref(event)).await
+    }
+
+    /// Persists a batch of one attempt's progress events in one statement,
+    /// fenced by the lease. Idempotent (a retried batch inserts nothing twice).
+    /// The step row is rewritten only when the batch carries a checkpoint (the
+    /// last one wins); plain events only read it for the fence.
+    pub async fn record_events(
+        &self,
+        lease: &Lease,
+        events: &[NewEvent<'_>],
+    ) -> Result<(), DbError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let seqs: Vec<i64> = events.iter().map(|e| e.sequence as i64).collect();
+        let kinds: Vec<&str> = events.iter().map(|e| e.kind).collect();
+        let msgs: Vec<&str> = events.iter().map(|e| e.message).collect();
+        let fracs: Vec<Option<f64>> = events.iter().map(|e| e.fraction).collect();
+        let cps: Vec<bool> = events.iter().map(|e| e.checkpoint.is_some()).collect();
+        let ats: Vec<Option<DateTime<Utc>>> = events.iter().map(|e| e.executor_at).collect();
+        let checkpoint = events.iter().rev().find_map(|e| e.checkpoint);
+        let fence = if checkpoint.is_some() {
+            "UPDATE durable.step_runs SET checkpoint = $3
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')
+          RETURNING id, attempt"
+        } else {
+            "SELECT id, attempt FROM durable.step_runs
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') AND $3::bytea IS NULL"
+        };
+        let sql = format!(
+            "WITH s AS ({fence}), ins AS (
+                 INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint, executor_at)
+                 SELECT s.id, s.attempt, e.seq, e.kind, e.msg, e.frac, e.cp, e.at
+                   FROM s, unnest($4::bigint[], $5::text[], $6::text[], $7::float8[], $8::bool[], $9::timestamptz[])
+                        AS e(seq, kind, msg, frac, cp, at)
+                 ON CONFLICT DO NOTHING
              )
-             INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint, executor_at)
-             SELECT s.id, s.attempt, $5, $6, $7, $8, $3, $9 FROM s",
-        )
-        .bind(lease.step_run_id)
-        .bind(lease.token)
-        .bind(event.checkpoint.is_some())
-        .bind(event.checkpoint)
-        .bind(event.sequence as i64)
-        .bind(event.kind)
-        .bind(event.message)
-        .bind(event.fraction)
-        .bind(event.executor_at)
-        .execute(&self.pool)
-        .await
-        .ctx("recording a progress event")?
-        .rows_affected();
-        fenced(n, lease)
+             SELECT count(*) FROM s"
+        );
+        let n: i64 = sqlx::query_scalar(&sql)
+            .bind(lease.step_run_id)
+            .bind(lease.token)
+            .bind(checkpoint)
+            .bind(&seqs)
+            .bind(&kinds)
+            .bind(&msgs)
+            .bind(&fracs)
+            .bind(&cps)
+            .bind(&ats)
+            .fetch_one(&self.pool)
+            .await
+            .ctx("recording progress events")?;
+        fenced(n.max(0) as u64, lease)
     }
 
     /// The attempt succeeded: stores artifacts, lineage, the terminal event and
@@ -687,8 +874,9 @@ impl Db {
     ) -> Result<FailureDecision, DbError> {
         let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
         let row = sqlx::query(
-            "SELECT attempt, retry, deadline, cancel_requested, now() AS db_now FROM durable.step_runs
-              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') FOR UPDATE",
+            "SELECT attempt - uncounted_attempts AS counted, retry, deadline, cancel_requested, now() AS db_now
+               FROM durable.step_runs
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') FOR NO KEY UPDATE",
         )
         .bind(lease.step_run_id)
         .bind(lease.token)
@@ -701,7 +889,7 @@ impl Db {
         let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
             .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
         let facts = StepFacts {
-            attempt: row.get::<i32, _>("attempt").max(0) as u32,
+            attempt: row.get::<i32, _>("counted").max(0) as u32,
             policy: &policy,
             deadline: row.get("deadline"),
             cancel_requested: row.get("cancel_requested"),
@@ -742,9 +930,12 @@ impl Db {
         tx.commit().await.ctx("committing a cancellation")
     }
 
-    /// The executor refused the job before executing it (routing mismatch):
-    /// the step goes back to the queue after `delay` and the attempt is given
-    /// back, since nothing ran.
+    /// The executor refused the job before executing it (routing mismatch, or
+    /// a retryable error before `accepted`): nothing ran, so the attempt is
+    /// given back and the step goes back to the queue after `delay`. Refusals
+    /// are counted; the `max_refusals`-th ends the step `terminal_failed`
+    /// (`EXECUTOR_REFUSED`) instead of looping forever. Returns whether the
+    /// step ended terminal.
     pub async fn refuse(
         &self,
         lease: &Lease,
@@ -752,16 +943,24 @@ impl Db {
         code: &str,
         message: &str,
         delay: StdDuration,
-    ) -> Result<(), DbError> {
+        max_refusals: u32,
+    ) -> Result<bool, DbError> {
         let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
-        let n = sqlx::query(
+        let state: Option<String> = sqlx::query_scalar(
             "UPDATE durable.step_runs
-                SET state = 'retryable_failed', attempt = attempt - 1,
+                SET state = CASE WHEN refusals + 1 >= $7 THEN 'terminal_failed' ELSE 'retryable_failed' END,
+                    refusals = refusals + 1, attempt = attempt - 1,
                     next_attempt_at = now() + make_interval(secs => $6::double precision / 1000.0),
-                    error_code = $4, error_message = $5, error_retryable = true, error_details = NULL,
+                    error_code = CASE WHEN refusals + 1 >= $7 THEN 'EXECUTOR_REFUSED' ELSE $4 END,
+                    error_message = CASE WHEN refusals + 1 >= $7
+                        THEN 'refused ' || (refusals + 1) || ' times (max_refusals = ' || $7 || '); last: ' || $4 || ': ' || $5
+                        ELSE $5 END,
+                    error_retryable = refusals + 1 < $7, error_details = NULL,
                     owner_worker_id = NULL, lease_token = NULL,
-                    transition_reason = $4, transition_by = $3
-              WHERE id = $1 AND lease_token = $2 AND state = 'leased'",
+                    transition_reason = CASE WHEN refusals + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
+                    transition_by = $3
+              WHERE id = $1 AND lease_token = $2 AND state = 'leased'
+          RETURNING state",
         )
         .bind(lease.step_run_id)
         .bind(lease.token)
@@ -769,12 +968,54 @@ impl Db {
         .bind(code)
         .bind(message)
         .bind(delay.as_millis() as f64)
+        .bind(max_refusals.max(1) as i32)
+        .fetch_optional(&mut *tx)
+        .await
+        .ctx("returning a refused step")?;
+        let state = state.ok_or(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })?;
+        tx.commit().await.ctx("committing a refusal")?;
+        Ok(state == "terminal_failed")
+    }
+
+    /// A draining worker stopped the attempt (drain timeout): the step goes
+    /// back to the queue at once and the attempt does not count against
+    /// `max_attempts` (a routine redeploy must not burn attempts). A step with
+    /// a cancel request (its own or its run's) is cancelled instead. Fenced.
+    pub async fn release(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        message: &str,
+    ) -> Result<(), DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let n = sqlx::query(
+            "UPDATE durable.step_runs s
+                SET state = CASE WHEN c.cancel THEN 'cancelled' ELSE 'retryable_failed' END,
+                    uncounted_attempts = s.uncounted_attempts + CASE WHEN c.cancel THEN 0 ELSE 1 END,
+                    next_attempt_at = now(),
+                    error_code = CASE WHEN c.cancel THEN 'CANCELLED' ELSE 'WORKER_SHUTDOWN' END,
+                    error_message = $4, error_retryable = NOT c.cancel, error_details = NULL,
+                    owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
+                    lease_token = CASE WHEN c.cancel THEN s.lease_token END,
+                    transition_reason = CASE WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)' ELSE 'RELEASED' END,
+                    transition_by = $3
+               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
+                       FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
+                      WHERE s2.id = $1) c
+              WHERE s.id = c.id AND s.lease_token = $2 AND s.state IN ('leased', 'running')",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(message)
         .execute(&mut *tx)
         .await
-        .ctx("returning a refused step")?
+        .ctx("releasing a step")?
         .rows_affected();
         fenced(n, lease)?;
-        tx.commit().await.ctx("committing a refusal")
+        tx.commit().await.ctx("committing a release")
     }
 
     /// Moves expired leases on: `retryable_failed`, `terminal_failed` when
@@ -798,10 +1039,11 @@ impl Db {
             // one another worker is reclaiming or its owner is writing right now
             let mut tx = begin_step_write(&self.pool, id).await?;
             let row = sqlx::query(
-                "SELECT id, lease_token, attempt, retry, deadline, cancel_requested, now() AS db_now
+                "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, retry, deadline,
+                        cancel_requested, now() AS db_now
                    FROM durable.step_runs
                   WHERE id = $1 AND state IN ('leased', 'running') AND lease_expires_at < now()
-                  FOR UPDATE SKIP LOCKED",
+                  FOR NO KEY UPDATE SKIP LOCKED",
             )
             .bind(id)
             .fetch_optional(&mut *tx)
@@ -818,7 +1060,7 @@ impl Db {
             let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
                 .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
             let facts = StepFacts {
-                attempt: lease.attempt,
+                attempt: row.get::<i32, _>("counted").max(0) as u32,
                 policy: &policy,
                 deadline: row.get("deadline"),
                 cancel_requested: row.get("cancel_requested"),
@@ -910,7 +1152,7 @@ async fn begin_step_write(
     let mut tx = pool.begin().await.ctx("beginning a step write")?;
     sqlx::query(
         "SELECT 1 FROM durable.workflow_runs
-          WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1) FOR UPDATE",
+          WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1) FOR NO KEY UPDATE",
     )
     .bind(step_run_id)
     .execute(&mut *tx)

@@ -378,3 +378,19 @@ pub fn first_bytes(buf: &[u8], n: usize) -> String {
     }
     s
 }
+
+/// The first field of an executor frame whose text contains a NUL character
+/// (valid UTF-8, but PostgreSQL text cannot hold it), e.g. `"error message"`.
+/// Checked at the wire boundary so such a frame ends the attempt with its own
+/// code instead of failing the commit.
+pub fn text_problem(frame: &FromExecutor) -> Option<&'static str> {
+    let nul = |s: &str| s.contains('\0');
+    match frame {
+        FromExecutor::Event(e) if nul(&e.message) => Some("event message"),
+        FromExecutor::Event(e) if nul(&e.job_id) => Some("event job_id"),
+        FromExecutor::Error(e) if nul(&e.code) => Some("error code"),
+        FromExecutor::Error(e) if nul(&e.message) => Some("error message"),
+        FromExecutor::Result(r) if nul(&r.job_id) => Some("result job_id"),
+        _ => None,
+    }
+}

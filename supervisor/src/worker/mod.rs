@@ -7,8 +7,10 @@ pub mod routing;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+
+use futures::FutureExt;
 
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinSet;
@@ -19,7 +21,7 @@ use tracing::{debug, error, info, info_span, warn, Instrument};
 use uuid::Uuid;
 
 use crate::config::{ExecutorConfig, WorkerConfig};
-use crate::db::{Db, DbError, Lease, Route};
+use crate::db::{bounded, Db, DbError, Lease, Route};
 use crate::process::{ProcessError, Spawner};
 use crate::wire::{self, Hello, ToExecutor};
 
@@ -35,7 +37,15 @@ pub enum WorkerError {
         command: String,
         why: String,
     },
+    #[error("invalid worker setup: {0}")]
+    Setup(String),
+    #[error("the worker's {0} loop stopped unexpectedly; its children were stopped and the worker exits so that no step runs without a renewed lease")]
+    LoopDied(&'static str),
 }
+
+/// How long any single database call of the worker may take (the heartbeat
+/// has its own, tighter bound: its interval).
+pub(crate) const DB_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the heartbeat tells a running attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,37 +55,101 @@ pub(crate) enum Control {
     LeaseLost,
 }
 
+/// What the worker tells a running attempt about its lease: whether to go
+/// on, and until when the lease is certainly valid (the lease clock: the send
+/// time of the last successful renewal + TTL, advanced only on success).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseView {
+    pub control: Control,
+    pub valid_until: Instant,
+}
+
+struct LeaseEntry {
+    lease: Lease,
+    tx: watch::Sender<LeaseView>,
+}
+
 /// A probed executor: its config and the lease routes its hello offered.
 #[derive(Debug)]
 pub struct ExecutorRuntime {
     pub cfg: ExecutorConfig,
-    pub routes: Vec<Route>,
+    routes: RwLock<Vec<Route>>,
     running: AtomicU32,
+}
+
+impl ExecutorRuntime {
+    /// The routes this executor is leased for now.
+    pub fn routes(&self) -> Vec<Route> {
+        self.routes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replaces the routes with those of a fresh hello (a spawned executor
+    /// that no longer offers what its probe did is re-probed by its own hello).
+    pub(crate) fn set_routes(&self, routes: Vec<Route>) {
+        *self.routes.write().unwrap_or_else(|p| p.into_inner()) = routes;
+    }
 }
 
 /// State shared by the loops and the attempts of one worker.
 pub(crate) struct Shared {
     pub db: Db,
+    /// The heartbeat's own connection: a busy pool never delays a renewal.
+    pub hb_db: Db,
     pub cfg: Arc<WorkerConfig>,
     pub id: Uuid,
     pub name: String,
     pub spawner: Spawner,
     /// Cancelled when the drain timeout passes: running children are stopped.
     pub abort: CancellationToken,
-    leases: Mutex<HashMap<Uuid, (Lease, watch::Sender<Control>)>>,
+    leases: Mutex<HashMap<Uuid, LeaseEntry>>,
 }
 
 impl Shared {
-    /// The attempt stops executing: its lease leaves the heartbeat set. The
-    /// commit that follows is fenced, so if the lease expires meanwhile the
-    /// outcome is refused, as it must be.
+    /// The attempt's commit resolved (or it was abandoned): its lease leaves
+    /// the renewal set. Until then the heartbeat keeps renewing it, so a
+    /// commit that waits on a busy database does not lose a valid lease.
     fn forget(&self, step_run_id: Uuid) {
         self.leases().remove(&step_run_id);
     }
 
-    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, (Lease, watch::Sender<Control>)>> {
+    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, LeaseEntry>> {
         // a panic while holding this lock cannot leave the map inconsistent
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A write learned that the lease is gone: tell the attempt.
+    pub(crate) fn lease_lost(&self, step_run_id: Uuid) {
+        if let Some(e) = self.leases().get(&step_run_id) {
+            e.tx.send_modify(|v| v.control = Control::LeaseLost);
+        }
+    }
+
+    /// Time the attempt needs to stop its child (cancel grace, SIGTERM grace)
+    /// plus a margin: a child is stopped this long before its lease can expire.
+    pub(crate) fn stop_budget(&self) -> Duration {
+        Duration::from_millis(
+            self.cfg.cancel_grace_ms + self.cfg.term_grace_ms + self.cfg.heartbeat_interval_ms / 2,
+        )
+    }
+}
+
+/// Frees an attempt's slot whatever happens to its task (a panic included):
+/// the lease leaves the renewal set and the executor's concurrency is given back.
+struct SlotGuard {
+    shared: Arc<Shared>,
+    exec: Arc<ExecutorRuntime>,
+    step_run_id: Uuid,
+    freed: Arc<Notify>,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.shared.forget(self.step_run_id);
+        self.exec.running.fetch_sub(1, Ordering::SeqCst);
+        self.freed.notify_one();
     }
 }
 
@@ -128,6 +202,11 @@ pub async fn probe(
             .await
     };
     match (hello, report) {
+        (Ok(h), _) if h.protocol_version != wire::PROTOCOL_VERSION => Err(fail(format!(
+            "it speaks protocol version {}; this supervisor speaks {}. Upgrade the executor's SDK or the supervisor",
+            h.protocol_version,
+            wire::PROTOCOL_VERSION
+        ))),
         (Ok(h), _) => Ok(h),
         (Err(why), Ok(r)) => Err(fail(format!(
             "{why}; exit {}; stderr: {}",
@@ -147,9 +226,12 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Migrates, probes every executor, registers the worker.
+    /// Checks the schema and the setup, probes every executor, registers the
+    /// worker. It does not migrate: `supervisor migrate` does (rolling
+    /// upgrades: an older worker runs against a newer compatible schema).
     pub async fn start(db: Db, cfg: WorkerConfig) -> Result<Worker, WorkerError> {
-        db.migrate().await?;
+        let version = db.check_schema().await?;
+        check_setup(&db, &cfg)?;
         let spawner = Spawner::start().map_err(WorkerError::Spawner)?;
         let mut executors = Vec::with_capacity(cfg.executors.len());
         for ecfg in &cfg.executors {
@@ -159,7 +241,7 @@ impl Worker {
                   labels = ?routing::effective_labels(&hello, ecfg), sdk = %hello.sdk_name, "executor ready");
             executors.push(Arc::new(ExecutorRuntime {
                 cfg: ecfg.clone(),
-                routes,
+                routes: RwLock::new(routes),
                 running: AtomicU32::new(0),
             }));
         }
@@ -172,14 +254,22 @@ impl Worker {
         let caps = serde_json::to_value(
             executors
                 .iter()
-                .map(|e| serde_json::json!({"executor": e.cfg.name, "routes": e.routes}))
+                .map(|e| serde_json::json!({"executor": e.cfg.name, "routes": e.routes()}))
                 .collect::<Vec<_>>(),
         )
         .unwrap_or_default();
-        db.register_worker(id, &name, &host, &caps).await?;
+        bounded(
+            DB_CALL_TIMEOUT,
+            "registering the worker",
+            db.register_worker(id, &name, &host, &caps),
+        )
+        .await?;
+        info!(schema_version = version, "schema checked");
+        let hb_db = db.dedicated(Duration::from_millis(cfg.heartbeat_interval_ms));
         Ok(Worker {
             shared: Arc::new(Shared {
                 db,
+                hb_db,
                 cfg: Arc::new(cfg),
                 id,
                 name,
@@ -209,13 +299,20 @@ impl Worker {
         let shared = self.shared.clone();
         let cfg = shared.cfg.clone();
         let loops_stop = CancellationToken::new();
+        // the loops a worker cannot run without: if one ends before it is
+        // told to, the worker stops its children and exits non-zero
+        let mut vital: JoinSet<&'static str> = JoinSet::new();
+        let (s1, n1, t1) = (shared.clone(), self.heartbeat_now.clone(), loops_stop.clone());
+        vital.spawn(async move {
+            heartbeat_loop(s1, n1, t1).await;
+            "heartbeat"
+        });
+        let (s2, t2) = (shared.clone(), loops_stop.clone());
+        vital.spawn(async move {
+            reclaim_loop(s2, t2).await;
+            "reclaim"
+        });
         let mut background = JoinSet::new();
-        background.spawn(heartbeat_loop(
-            shared.clone(),
-            self.heartbeat_now.clone(),
-            loops_stop.clone(),
-        ));
-        background.spawn(reclaim_loop(shared.clone(), loops_stop.clone()));
         background.spawn(listen_loop(
             shared.clone(),
             self.wake.clone(),
@@ -225,26 +322,30 @@ impl Worker {
 
         let mut attempts: JoinSet<()> = JoinSet::new();
         let slot_freed = Arc::new(Notify::new());
+        let mut died: Option<&'static str> = None;
         info!(executors = self.executors.len(), "worker running");
         let poll = Duration::from_millis(cfg.poll_interval_ms);
+        let ttl = Duration::from_millis(cfg.lease_ttl_ms);
         while !shutdown.is_cancelled() {
             let mut leased_any_full = false;
             for exec in &self.executors {
                 let running = exec.running.load(Ordering::SeqCst);
                 let free = exec.cfg.concurrency.saturating_sub(running);
-                if free == 0 || exec.routes.is_empty() {
+                let routes = exec.routes();
+                if free == 0 || routes.is_empty() {
                     continue;
                 }
-                let steps = match shared
-                    .db
-                    .lease(
-                        shared.id,
-                        &shared.name,
-                        &exec.routes,
-                        free,
-                        Duration::from_millis(cfg.lease_ttl_ms),
-                    )
-                    .await
+                // the lease clock starts at the send time: the database's
+                // expiry (its now() + TTL) is never earlier than this + TTL
+                let sent = Instant::now();
+                let steps = match bounded(
+                    DB_CALL_TIMEOUT,
+                    "leasing steps",
+                    shared
+                        .db
+                        .lease(shared.id, &shared.name, &routes, free, ttl),
+                )
+                .await
                 {
                     Ok(s) => s,
                     Err(e) => {
@@ -256,22 +357,40 @@ impl Worker {
                     leased_any_full = true;
                 }
                 for step in steps {
-                    let (tx, rx) = watch::channel(Control::Run);
-                    shared
-                        .leases()
-                        .insert(step.lease.step_run_id(), (step.lease.clone(), tx));
+                    let (tx, rx) = watch::channel(LeaseView {
+                        control: Control::Run,
+                        valid_until: sent + ttl,
+                    });
+                    let id = step.lease.step_run_id();
+                    shared.leases().insert(
+                        id,
+                        LeaseEntry {
+                            lease: step.lease.clone(),
+                            tx,
+                        },
+                    );
                     exec.running.fetch_add(1, Ordering::SeqCst);
                     let span = info_span!("attempt", run_id = %step.run_id, step = %step.name,
-                        step_run_id = %step.lease.step_run_id(), attempt = step.lease.attempt(), kind = %step.kind);
-                    let (shared2, exec2, freed) =
-                        (shared.clone(), exec.clone(), slot_freed.clone());
+                        step_run_id = %id, attempt = step.lease.attempt(), kind = %step.kind);
+                    let guard = SlotGuard {
+                        shared: shared.clone(),
+                        exec: exec.clone(),
+                        step_run_id: id,
+                        freed: slot_freed.clone(),
+                    };
+                    let (shared2, exec2) = (shared.clone(), exec.clone());
                     attempts.spawn(
                         async move {
-                            let id = step.lease.step_run_id();
-                            attempt::run(shared2.clone(), exec2.clone(), step, rx).await;
-                            shared2.forget(id);
-                            exec2.running.fetch_sub(1, Ordering::SeqCst);
-                            freed.notify_one();
+                            // the guard frees the slot even if the attempt panics
+                            let _guard = guard;
+                            let res = std::panic::AssertUnwindSafe(attempt::run(
+                                shared2, exec2, step, rx,
+                            ))
+                            .catch_unwind()
+                            .await;
+                            if res.is_err() {
+                                error!("the attempt task panicked; its lease is dropped and the step will be reclaimed");
+                            }
                         }
                         .instrument(span),
                     );
@@ -291,6 +410,17 @@ impl Worker {
                 _ = self.wake.notified() => {}
                 _ = slot_freed.notified() => {}
                 _ = tokio::time::sleep(poll) => {}
+                which = vital.join_next() => {
+                    let name = match which {
+                        Some(Ok(name)) => name,
+                        Some(Err(e)) => { error!(error = %e, "a worker loop panicked"); "heartbeat or reclaim" }
+                        None => "heartbeat",
+                    };
+                    error!(loop_name = name, "a vital worker loop stopped: stopping every attempt");
+                    died = Some(name);
+                    shared.abort.cancel();
+                    break;
+                }
             }
         }
 
@@ -309,12 +439,28 @@ impl Worker {
                     warn!(running = attempts.len(), "drain timeout: stopping running attempts");
                     shared.abort.cancel();
                 }
+                which = vital.join_next(), if died.is_none() && !vital.is_empty() => {
+                    let name = match which { Some(Ok(n)) => n, _ => "heartbeat or reclaim" };
+                    error!(loop_name = name, "a vital worker loop stopped while draining: stopping every attempt");
+                    died = Some(name);
+                    shared.abort.cancel();
+                }
             }
         }
         loops_stop.cancel();
+        while vital.join_next().await.is_some() {}
         while background.join_next().await.is_some() {}
-        if let Err(e) = shared.db.worker_stopped(shared.id).await {
+        if let Err(e) = bounded(
+            DB_CALL_TIMEOUT,
+            "marking the worker stopped",
+            shared.db.worker_stopped(shared.id),
+        )
+        .await
+        {
             warn!(error = %e, "cannot mark the worker stopped");
+        }
+        if let Some(name) = died {
+            return Err(WorkerError::LoopDied(name));
         }
         // every attempt of this worker has reaped its child by now; the
         // process-wide safety net (kill_all_groups) belongs to the command's
@@ -324,29 +470,83 @@ impl Worker {
     }
 }
 
+/// Checks at start what would otherwise surface as the steps' failures:
+/// the stop budget fits in the lease, the pool is not smaller than what the
+/// concurrency needs, the work directory is writable.
+fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
+    let budget = cfg.cancel_grace_ms + cfg.term_grace_ms + 2 * cfg.heartbeat_interval_ms;
+    if budget > cfg.lease_ttl_ms {
+        return Err(WorkerError::Setup(format!(
+            "cancel_grace_ms ({}) + term_grace_ms ({}) + 2 * heartbeat_interval_ms ({}) = {budget} ms exceeds lease_ttl_ms ({}): a child could not be stopped before its lease expires. Raise lease_ttl_ms or shorten the graces",
+            cfg.cancel_grace_ms, cfg.term_grace_ms, cfg.heartbeat_interval_ms, cfg.lease_ttl_ms
+        )));
+    }
+    let conns = db.pool().options().get_max_connections();
+    let concurrency: u32 = cfg.executors.iter().map(|e| e.concurrency).sum();
+    if conns < 2 {
+        return Err(WorkerError::Setup(format!(
+            "the database pool has {conns} connection(s); a worker needs at least 2 (lease and reclaim, writes). Raise db_max_connections"
+        )));
+    }
+    if conns < concurrency + 1 {
+        warn!(
+            pool = conns,
+            concurrency,
+            "the database pool is smaller than the executors' total concurrency + 1: attempts will queue for connections"
+        );
+    }
+    let base = cfg.work_dir.clone().unwrap_or_else(std::env::temp_dir);
+    tempfile::Builder::new()
+        .prefix("durable-check-")
+        .tempdir_in(&base)
+        .map_err(|e| {
+            WorkerError::Setup(format!(
+                "work_dir {} is not writable ({e}): attempts could not create their directories. Fix its permissions or set work_dir",
+                base.display()
+            ))
+        })?;
+    Ok(())
+}
+
 /// One batched statement per interval renews every lease this worker holds
-/// and learns of cancel requests and lost leases. If heartbeats keep failing
-/// for a whole TTL, every lease is treated as lost (others may reclaim them).
+/// and learns of cancel requests and lost leases. The lease clock of a lease
+/// advances only when a renewal succeeds (to its send time + TTL); an
+/// attempt stops its child before that clock runs out, so a blackholed
+/// network never lets two workers run the same step at once.
 async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: CancellationToken) {
     let interval = Duration::from_millis(shared.cfg.heartbeat_interval_ms);
     let ttl = Duration::from_millis(shared.cfg.lease_ttl_ms);
-    let mut last_ok = Instant::now();
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
             _ = now.notified() => {}
         }
-        let leases: Vec<Lease> = shared.leases().values().map(|(l, _)| l.clone()).collect();
-        match shared.db.heartbeat(shared.id, &leases, ttl).await {
+        let leases: Vec<Lease> = shared.leases().values().map(|e| e.lease.clone()).collect();
+        let sent = Instant::now();
+        match bounded(
+            interval,
+            "renewing leases",
+            shared.hb_db.heartbeat(shared.id, &leases, ttl),
+        )
+        .await
+        {
             Ok(report) => {
-                last_ok = Instant::now();
                 let map = shared.leases();
+                for id in &report.renewed_ids {
+                    if let Some(e) = map.get(id) {
+                        e.tx.send_modify(|v| {
+                            if v.valid_until < sent + ttl {
+                                v.valid_until = sent + ttl;
+                            }
+                        });
+                    }
+                }
                 for id in &report.cancel_requested {
-                    if let Some((_, tx)) = map.get(id) {
-                        tx.send_if_modified(|c| {
-                            if *c == Control::Run {
-                                *c = Control::Cancel;
+                    if let Some(e) = map.get(id) {
+                        e.tx.send_if_modified(|v| {
+                            if v.control == Control::Run {
+                                v.control = Control::Cancel;
                                 true
                             } else {
                                 false
@@ -355,21 +555,17 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                     }
                 }
                 for id in &report.lost {
-                    if let Some((_, tx)) = map.get(id) {
+                    if let Some(e) = map.get(id) {
                         warn!(step_run_id = %id, "lease lost");
-                        let _ = tx.send(Control::LeaseLost);
+                        e.tx.send_modify(|v| v.control = Control::LeaseLost);
                     }
                 }
-                debug!(renewed = report.renewed, "heartbeat");
+                debug!(renewed = report.renewed, busy = report.busy.len(), "heartbeat");
             }
             Err(e) => {
-                error!(error = %e, "heartbeat failed");
-                if last_ok.elapsed() >= ttl {
-                    warn!("no successful heartbeat for a whole lease TTL: treating every lease as lost");
-                    for (_, tx) in shared.leases().values() {
-                        let _ = tx.send(Control::LeaseLost);
-                    }
-                }
+                // the lease clocks stand still; each attempt stops its child
+                // before its own clock runs out
+                error!(error = %e, leases = leases.len(), "heartbeat failed");
             }
         }
     }
@@ -382,7 +578,13 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
-        match shared.db.reclaim_expired(&shared.name, 100).await {
+        match bounded(
+            DB_CALL_TIMEOUT,
+            "reclaiming expired leases",
+            shared.db.reclaim_expired(&shared.name, 100),
+        )
+        .await
+        {
             Ok(0) => {}
             Ok(n) => info!(reclaimed = n, "reclaimed expired leases"),
             Err(e) => error!(error = %e, "reclaim failed"),

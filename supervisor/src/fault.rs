@@ -1,0 +1,24 @@
+//! Fault injection for tests of the worker's own failure paths (a panic in an
+//! attempt). Inert unless a test in the same process turns a fault on; the
+//! `supervisor` binary never does.
+
+use std::sync::Mutex;
+
+static PANIC_KIND: Mutex<Option<String>> = Mutex::new(None);
+
+/// Makes every attempt of steps of `kind` panic at its start (None: off).
+pub fn panic_in_attempts_of_kind(kind: Option<&str>) {
+    *PANIC_KIND.lock().unwrap_or_else(|p| p.into_inner()) = kind.map(str::to_owned);
+}
+
+/// Panics if a test asked attempts of `kind` to.
+pub(crate) fn maybe_panic(kind: &str) {
+    let hit = PANIC_KIND
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_deref()
+        == Some(kind);
+    if hit {
+        panic!("fault injection: a panic in an attempt of kind {kind}");
+    }
+}

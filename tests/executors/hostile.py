@@ -1,0 +1,143 @@
+"""A hostile executor for the supervisor's guarantee tests (issue 6).
+
+It speaks the protocol at the frame level, with no SDK policy in the way, and
+misbehaves in the ways a third-party executor written from PROTOCOL.md might.
+The job's kind selects the behaviour (`hostile.<mode>`):
+
+- `refuse_bad_input`: a non-retryable BAD_INPUT error before ACCEPTED.
+- `refuse_retryable`: a retryable error before ACCEPTED (a refusal).
+- `nul_error`: ACCEPTED, then an error whose message contains a NUL.
+- `nul_event`: ACCEPTED, a PROGRESS event whose message contains a NUL, a result.
+- `nul_output`: ACCEPTED, a result whose output JSON holds "\\u0000".
+- `chatty`: ACCEPTED, then PROGRESS events as fast as the pipe takes them,
+  forever (a cancel frame is never read).
+- `huge_retry_delay`: ACCEPTED, a retryable error with next_retry_delay_ms = 2^64-1.
+- `echo`: ACCEPTED, a result with output = input.
+- `secret_echo`: ACCEPTED, echoes every secret value it got into a progress
+  message, the error message and details, and fails retryably.
+
+Environment: HOSTILE_SPAWN_LOG (a file: one line appended per process start),
+HOSTILE_PROTOCOL_VERSION (the hello's version, default 1), HOSTILE_KINDS
+(comma separated kinds offered; default every mode above).
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "executors-python"))
+
+from durable_executor._gen.durable.executor.v1 import executor_pb2 as pb  # noqa: E402
+from durable_executor.framing import read_frame, write_frame  # noqa: E402
+
+MODES = [
+    "refuse_bad_input",
+    "refuse_retryable",
+    "nul_error",
+    "nul_event",
+    "nul_output",
+    "chatty",
+    "huge_retry_delay",
+    "echo",
+    "secret_echo",
+]
+
+
+def main() -> int:
+    log = os.environ.get("HOSTILE_SPAWN_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+    kinds = os.environ.get("HOSTILE_KINDS")
+    hello = pb.ExecutorFrame(
+        hello=pb.Hello(
+            protocol_version=int(os.environ.get("HOSTILE_PROTOCOL_VERSION", "1")),
+            executor_kind="hostile",
+            kinds=kinds.split(",") if kinds else ["hostile." + m for m in MODES],
+            sdk_name="hostile",
+            sdk_version="0",
+            max_jobs_per_process=1,
+            pid=os.getpid(),
+        )
+    )
+    write_frame(out, hello.SerializeToString())
+    raw = read_frame(inp)
+    if raw is None:
+        return 0
+    frame = pb.SupervisorFrame()
+    frame.ParseFromString(raw)
+    if frame.WhichOneof("frame") != "job":
+        return 0
+    job = frame.job
+    mode = job.kind.removeprefix("hostile.")
+    seq = 0
+
+    def send(**kw) -> None:
+        write_frame(out, pb.ExecutorFrame(**kw).SerializeToString())
+
+    def event(kind, message="") -> None:
+        nonlocal seq
+        seq += 1
+        send(event=pb.ProgressEvent(job_id=job.job_id, sequence=seq, kind=kind, message=message))
+
+    def error(code, message, retryable, details=b"", delay=None) -> None:
+        nonlocal seq
+        seq += 1
+        e = pb.JobError(
+            job_id=job.job_id, sequence=seq, code=code, message=message, retryable=retryable, details=details
+        )
+        if delay is not None:
+            e.next_retry_delay_ms = delay
+        send(error=e)
+
+    def result(output: bytes) -> None:
+        nonlocal seq
+        seq += 1
+        send(result=pb.JobResult(job_id=job.job_id, sequence=seq, output=output))
+
+    if mode == "refuse_bad_input":
+        error("BAD_INPUT", "this input can never work", False)
+    elif mode == "refuse_retryable":
+        error("TEMPORARILY_UNAVAILABLE", "not now", True)
+    elif mode == "nul_error":
+        event(pb.EVENT_KIND_ACCEPTED)
+        error("BOOM", "before\x00after", True)
+    elif mode == "nul_event":
+        event(pb.EVENT_KIND_ACCEPTED)
+        event(pb.EVENT_KIND_PROGRESS, "half\x00way")
+        result(b'{"ok": true}')
+    elif mode == "nul_output":
+        event(pb.EVENT_KIND_ACCEPTED)
+        result(b'{"text": "a\\u0000b"}')
+    elif mode == "chatty":
+        event(pb.EVENT_KIND_ACCEPTED)
+        while True:
+            event(pb.EVENT_KIND_PROGRESS, "chatter")
+    elif mode == "huge_retry_delay":
+        event(pb.EVENT_KIND_ACCEPTED)
+        error("LATER", "retry much later", True, delay=2**64 - 1)
+    elif mode == "echo":
+        event(pb.EVENT_KIND_ACCEPTED)
+        result(job.input or b"null")
+    elif mode == "secret_echo":
+        event(pb.EVENT_KIND_ACCEPTED)
+        values = " ".join(job.secrets.values())
+        event(pb.EVENT_KIND_PROGRESS, "progress " + values)
+        details = json.dumps({"leak": values, "dsn": "host=db password=hunter2x user=u"}).encode()
+        error("LEAK", "error " + values + " postgres://u:pw123456@h/db", True, details=details)
+    else:
+        error("BAD_INPUT", "unknown mode " + mode, False)
+    # wait for EOF / shutdown, as an executor should
+    while True:
+        raw = read_frame(inp)
+        if raw is None:
+            return 0
+        time.sleep(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+//! Issue 6, the queue's half: each test pins one failure that was reachable
+//! before its fix, with the interleaving that triggers it made deterministic.
+//!
+//! 1. a run-level cancel closes the steps that will now never exist;
+//! 2. a cancel cannot be lost between the run's flag and a lease;
+//! 3. the lease and the heartbeat never wait on a step writer's locks;
+//! 5. a valid lease's result commits even when its start write was lost;
+//! 11. a released attempt (drain timeout) does not count;
+//! 13. schema checks instead of migrations at worker start and submit.
+
+use std::time::Duration;
+
+use serde_json::json;
+use supervisor::db::{Db, DbError, Lease, LeasedStep};
+use tests::TestDb;
+use uuid::Uuid;
+
+async fn worker(db: &Db, name: &str) -> Uuid {
+    let id = Uuid::new_v4();
+    db.register_worker(id, name, "test", &json!([]))
+        .await
+        .expect("register");
+    id
+}
+
+async fn lease_all(db: &Db, wid: Uuid, n: u32) -> Vec<LeasedStep> {
+    db.lease(
+        wid,
+        "w",
+        &tests::route_go_k(),
+        n,
+        Duration::from_secs(30),
+    )
+    .await
+    .expect("lease")
+}
+
+fn two_step_chain() -> serde_json::Value {
+    json!({"name": "chain", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"},
+        {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]})
+}
+
+/// 1: `a → b`; the run is cancelled while `a` runs; `a` returns its result
+/// within the grace (kept). Before the fix `b` was never created and the run
+/// stayed `running` forever.
+#[tokio::test]
+async fn a_cancelled_run_closes_once_its_running_step_finishes() {
+    let t = TestDb::new().await;
+    let run = t.submit(two_step_chain()).await;
+    let wid = worker(&t.db, "w").await;
+    let a = lease_all(&t.db, wid, 10).await.remove(0);
+    t.db.mark_running(&a.lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    t.db.cancel(run, None).await.expect("cancel");
+    // the result arrives within the grace and is kept
+    t.db.complete(&a.lease, "w", &json!({"done": true}), &[], Some(2))
+        .await
+        .expect("complete");
+    let st = t.status(run).await;
+    assert_eq!(st.state, "cancelled", "{st:?}");
+    assert_eq!(tests::step(&st, "a").state, "succeeded");
+    assert_eq!(tests::step(&st, "b").state, "cancelled");
+    assert!(st.waiting.is_empty());
+}
+
+/// 2: the moment between the run's cancel flag and the step updates (the two
+/// statements of the old cancel_run) is made permanent here: with only the
+/// run flagged, a pending step must not be leased and a running one must be
+/// told to stop by the heartbeat. Before the fix both missed the cancel.
+#[tokio::test]
+async fn the_runs_cancel_flag_is_what_lease_and_heartbeat_see() {
+    let t = TestDb::new().await;
+    let r1 = t
+        .submit(json!({"name": "one", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let s1 = lease_all(&t.db, wid, 10).await.remove(0);
+    let r2 = t
+        .submit(json!({"name": "two", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    for r in [r1, r2] {
+        sqlx::query("UPDATE durable.workflow_runs SET cancel_requested = true WHERE id = $1")
+            .bind(r)
+            .execute(t.db.pool())
+            .await
+            .expect("flag the run only");
+    }
+    assert!(
+        lease_all(&t.db, wid, 10).await.is_empty(),
+        "a step of a cancel-requested run was leased"
+    );
+    let hb = t
+        .db
+        .heartbeat(wid, std::slice::from_ref(&s1.lease), Duration::from_secs(30))
+        .await
+        .expect("heartbeat");
+    assert_eq!(hb.cancel_requested, vec![s1.lease.step_run_id()]);
+    // and the real function closes both runs
+    for r in [r1, r2] {
+        t.db.cancel(r, None).await.expect("cancel");
+    }
+    t.db.confirm_cancelled(&s1.lease, "w", "stopped")
+        .await
+        .expect("confirm");
+    assert_eq!(t.status(r1).await.state, "cancelled");
+    assert_eq!(t.status(r2).await.state, "cancelled");
+}
+
+/// 2, raced for real: leases and cancels of the same runs at once. Every step
+/// of every cancelled run ends cancelled or flagged; none is leased unflagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancels_racing_leases_are_never_lost() {
+    let t = TestDb::new().await;
+    let mut runs = Vec::new();
+    for i in 0..60 {
+        runs.push(
+            t.submit(json!({"name": format!("r{i}"), "steps": [
+                {"name": "a", "executor_kind": "go", "kind": "k"},
+                {"name": "b", "executor_kind": "go", "kind": "k"},
+                {"name": "c", "executor_kind": "go", "kind": "k"}]}))
+                .await,
+        );
+    }
+    let leaser = t.connect(2).await;
+    let wid = worker(&leaser, "w").await;
+    let lease_task = tokio::spawn(async move {
+        let mut leased = Vec::new();
+        for _ in 0..200 {
+            leased.extend(lease_all(&leaser, wid, 3).await);
+            tokio::task::yield_now().await;
+        }
+        leased
+    });
+    let canceller = t.connect(2).await;
+    let rs = runs.clone();
+    let cancel_task = tokio::spawn(async move {
+        for r in rs {
+            canceller.cancel(r, None).await.expect("cancel");
+        }
+    });
+    cancel_task.await.expect("cancels");
+    let leased = lease_task.await.expect("leases");
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM durable.step_runs
+          WHERE state IN ('leased', 'running') AND NOT cancel_requested",
+    )
+    .fetch_one(t.db.pool())
+    .await
+    .expect("count");
+    assert_eq!(open, 0, "a leased step of a cancelled run has no cancel request");
+    let hb = t
+        .db
+        .heartbeat(
+            wid,
+            &leased.iter().map(|s| s.lease.clone()).collect::<Vec<_>>(),
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("heartbeat");
+    assert_eq!(hb.cancel_requested.len(), leased.len());
+    println!("raced: {} leased before their run's cancel, all told to stop", leased.len());
+}
+
+/// Holds a step writer's transaction open (run row and step row locked), the
+/// way a completion in flight does.
+async fn hold_step_write(db: &Db, lease: &Lease) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = db.pool().begin().await.expect("begin");
+    let ok: bool = sqlx::query_scalar(
+        "SELECT durable.start_step($1, $2, 'w', 1, 1, 'accepted', '', NULL, NULL)",
+    )
+    .bind(lease.step_run_id())
+    .bind(lease.token())
+    .fetch_one(&mut *tx)
+    .await
+    .expect("start in a transaction");
+    assert!(ok);
+    tx
+}
+
+/// 3: a step writer holds the run row; leasing a sibling step inserts history
+/// rows whose foreign-key check takes FOR KEY SHARE on that run. With the run
+/// locked FOR UPDATE (before the fix) the lease waited for the writer — one
+/// half of the deadlocks seen. FOR NO KEY UPDATE does not conflict.
+#[tokio::test]
+async fn a_lease_never_waits_on_a_run_lock() {
+    let t = TestDb::new().await;
+    t.submit(json!({"name": "r", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"},
+        {"name": "b", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let a = lease_all(&t.db, wid, 1).await.remove(0);
+    let tx = hold_step_write(&t.db, &a.lease).await;
+    let other = t.connect(1).await;
+    let b = tokio::time::timeout(Duration::from_secs(3), lease_all(&other, wid, 1))
+        .await
+        .expect("the lease waited on the run lock held by a step writer");
+    assert_eq!(b.len(), 1);
+    tx.rollback().await.expect("rollback");
+}
+
+/// 3: the heartbeat skips a row a writer holds (it is neither renewed nor
+/// lost this time) instead of waiting on it — so the heartbeat, which locks
+/// many rows, can never close a wait cycle with a writer.
+#[tokio::test]
+async fn the_heartbeat_never_waits_on_a_step_writer() {
+    let t = TestDb::new().await;
+    t.submit(json!({"name": "r", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"},
+        {"name": "b", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let leases: Vec<Lease> = lease_all(&t.db, wid, 2)
+        .await
+        .into_iter()
+        .map(|s| s.lease)
+        .collect();
+    let tx = hold_step_write(&t.db, &leases[0]).await;
+    let other = t.connect(1).await;
+    let hb = tokio::time::timeout(
+        Duration::from_secs(3),
+        other.heartbeat(wid, &leases, Duration::from_secs(30)),
+    )
+    .await
+    .expect("the heartbeat waited on a locked row")
+    .expect("heartbeat");
+    assert_eq!(hb.busy, vec![leases[0].step_run_id()]);
+    assert_eq!(hb.renewed_ids, vec![leases[1].step_run_id()]);
+    assert!(hb.lost.is_empty());
+    tx.commit().await.expect("commit");
+    let hb = other
+        .heartbeat(wid, &leases, Duration::from_secs(30))
+        .await
+        .expect("heartbeat");
+    assert_eq!(hb.renewed, 2);
+}
+
+/// 3, raced: completions with cascades (terminal failures cancel siblings),
+/// run cancels, heartbeats and leases over the same runs at once. Before the
+/// fix this reached `deadlock detected` (40P01); now no call fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mixed_writers_do_not_deadlock() {
+    let t = TestDb::new().await;
+    let mut runs = Vec::new();
+    for i in 0..40 {
+        let steps: Vec<_> = (0..6)
+            .map(|j| json!({"name": format!("s{j}"), "executor_kind": "go", "kind": "k",
+                            "retry": {"max_attempts": 1}}))
+            .collect();
+        runs.push(t.submit(json!({"name": format!("r{i}"), "steps": steps})).await);
+    }
+    let mut tasks = Vec::new();
+    for w in 0..3 {
+        let db = t.connect(3).await;
+        tasks.push(tokio::spawn(async move {
+            let wid = worker(&db, &format!("w{w}")).await;
+            let mut held: Vec<LeasedStep> = Vec::new();
+            for round in 0..60 {
+                held.extend(
+                    db.lease(wid, "w", &tests::route_go_k(), 4, Duration::from_secs(30))
+                        .await
+                        .map_err(|e| format!("lease: {e}"))?,
+                );
+                let leases: Vec<Lease> = held.iter().map(|s| s.lease.clone()).collect();
+                db.heartbeat(wid, &leases, Duration::from_secs(30))
+                    .await
+                    .map_err(|e| format!("heartbeat: {e}"))?;
+                // finish half of what is held: a terminal failure cascades
+                let n = held.len() / 2;
+                for s in held.drain(..n) {
+                    let r = if round % 2 == 0 {
+                        let report = supervisor::db::FailureReport {
+                            failure: supervisor::state::Failure {
+                                code: "X".into(),
+                                retryable: false,
+                                next_retry_delay: None,
+                            },
+                            message: "x".into(),
+                            details: None,
+                            sequence: None,
+                        };
+                        db.fail(&s.lease, "w", &report, 0.5).await.map(|_| ())
+                    } else {
+                        match db.mark_running(&s.lease, "w", 1, &tests::accepted_event()).await {
+                            Ok(()) => db
+                                .complete(&s.lease, "w", &json!(1), &[], Some(2))
+                                .await
+                                .map(|_| ()),
+                            Err(e) => Err(e),
+                        }
+                    };
+                    match r {
+                        Ok(()) | Err(DbError::LeaseLost { .. }) => {}
+                        Err(e) => return Err(format!("write: {e}")),
+                    }
+                }
+            }
+            Ok::<(), String>(())
+        }));
+    }
+    let canceller = t.connect(2).await;
+    let rs = runs.clone();
+    tasks.push(tokio::spawn(async move {
+        for r in rs.iter().step_by(3) {
+            canceller
+                .cancel(*r, None)
+                .await
+                .map_err(|e| format!("cancel: {e}"))?;
+        }
+        Ok(())
+    }));
+    for task in tasks {
+        task.await.expect("task").expect("no database call failed");
+    }
+}
+
+/// 5: the database went away during the start write (raised here as
+/// `admin_shutdown`, SQLSTATE 57P01, once); the lease is still valid, so the
+/// result must commit. Before the fix the completion found the row `leased`
+/// and threw the result away as "lease lost".
+#[tokio::test]
+async fn a_result_commits_even_if_the_start_was_never_recorded() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let s = lease_all(&t.db, wid, 1).await.remove(0);
+    // the start write never made it; the completion comes straight away
+    let ids = t
+        .db
+        .complete(&s.lease, "w", &json!({"kept": true}), &[], Some(3))
+        .await
+        .expect("the completion of a valid lease commits");
+    assert!(ids.is_empty());
+    let st = t.status(run).await;
+    assert_eq!(st.state, "succeeded");
+    let hist: Vec<(Option<String>, String)> = tests::step_transitions(&t.db, s.lease.step_run_id())
+        .await
+        .into_iter()
+        .map(|h| (h.from_state, h.to_state))
+        .collect();
+    assert_eq!(
+        hist,
+        vec![
+            (None, "pending".to_string()),
+            (Some("pending".into()), "leased".into()),
+            (Some("leased".into()), "running".into()),
+            (Some("running".into()), "succeeded".into()),
+        ]
+    );
+}
+
+/// 11: a step released by a draining worker goes back at once and its
+/// attempt does not count: a `max_attempts = 1` step survives a redeploy.
+#[tokio::test]
+async fn a_released_attempt_is_not_counted() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
+                                               "retry": {"max_attempts": 1}}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let s = lease_all(&t.db, wid, 1).await.remove(0);
+    t.db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    t.db.release(&s.lease, "w", "the worker shut down")
+        .await
+        .expect("release");
+    let st = t.status(run).await;
+    assert_eq!(tests::step(&st, "s").state, "retryable_failed");
+    // leasable at once, and a failure of the next attempt is judged as attempt 1
+    let s2 = lease_all(&t.db, wid, 1).await.remove(0);
+    assert_eq!(s2.lease.attempt(), 2, "attempt numbers stay unique");
+    let report = supervisor::db::FailureReport {
+        failure: supervisor::state::Failure {
+            code: "X".into(),
+            retryable: true,
+            next_retry_delay: None,
+        },
+        message: "x".into(),
+        details: None,
+        sequence: None,
+    };
+    let d = t.db.fail(&s2.lease, "w", &report, 0.5).await.expect("fail");
+    assert!(
+        d.reason.contains("attempts exhausted (1/1)"),
+        "the released attempt was counted: {}",
+        d.reason
+    );
+}
+
+/// 13: a worker does not migrate; it refuses a schema older than it needs,
+/// with the fix in the message, and runs against a newer one.
+#[tokio::test]
+async fn the_worker_checks_the_schema_version_instead_of_migrating() {
+    tests::init_tracing();
+    let admin = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let name = format!("t_{}", Uuid::new_v4().simple());
+    let root = Db::connect(&admin, 1).await.expect("connect");
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(root.pool())
+        .await
+        .expect("create");
+    let url = tests::db_url(&admin, &name);
+    let db = Db::connect(&url, 4).await.expect("connect");
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let err = supervisor::worker::Worker::start(db.clone(), cfg.clone())
+        .await
+        .err()
+        .expect("an empty database is refused");
+    assert!(err.to_string().contains("supervisor migrate"), "{err}");
+    let schemas: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = 'durable'")
+            .fetch_one(db.pool())
+            .await
+            .expect("count");
+    assert_eq!(schemas, 0, "the worker created the schema");
+
+    db.migrate().await.expect("migrate");
+    // an older schema: pretend the newest migration is not applied
+    let need = Db::schema_version_needed();
+    sqlx::query("UPDATE durable._sqlx_migrations SET success = false WHERE version = $1")
+        .bind(need)
+        .execute(db.pool())
+        .await
+        .expect("pretend older");
+    let err = supervisor::worker::Worker::start(db.clone(), cfg.clone())
+        .await
+        .err()
+        .expect("an older schema is refused");
+    assert!(err.to_string().contains(&need.to_string()), "{err}");
+    sqlx::query("UPDATE durable._sqlx_migrations SET success = true WHERE version = $1")
+        .bind(need)
+        .execute(db.pool())
+        .await
+        .expect("restore");
+    // a newer schema (a migration this binary does not know) is fine
+    sqlx::query(
+        "INSERT INTO durable._sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'from the future', true, '\\x00'::bytea, 0)",
+    )
+    .bind(need + 1)
+    .execute(db.pool())
+    .await
+    .expect("a newer migration");
+    let w = supervisor::worker::Worker::start(db.clone(), cfg)
+        .await
+        .expect("a newer schema is accepted");
+    drop(w);
+}
+
+/// 13: `submit` needs no DDL rights and never migrates: against an empty
+/// database it fails naming the fix, and creates nothing.
+#[tokio::test]
+async fn submit_does_not_migrate() {
+    let admin = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let name = format!("t_{}", Uuid::new_v4().simple());
+    let root = Db::connect(&admin, 1).await.expect("connect");
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(root.pool())
+        .await
+        .expect("create");
+    let url = tests::db_url(&admin, &name);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}).to_string(),
+    )
+    .expect("write spec");
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .arg("submit")
+        .arg(&spec)
+        .env("DATABASE_URL", &url)
+        .output()
+        .expect("run submit");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("supervisor migrate"), "{stderr}");
+    let db = Db::connect(&url, 1).await.expect("connect");
+    let schemas: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = 'durable'")
+            .fetch_one(db.pool())
+            .await
+            .expect("count");
+    assert_eq!(schemas, 0, "submit created the schema");
+}
