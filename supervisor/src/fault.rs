@@ -22,3 +22,26 @@ pub(crate) fn maybe_panic(kind: &str) {
         panic!("fault injection: a panic in an attempt of kind {kind}");
     }
 }
+
+static DOOMED_HEARTBEATS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Makes the heartbeat loop of the worker named `worker` panic at its next
+/// beat (a vital loop dying).
+pub fn kill_heartbeat_of(worker: &str) {
+    DOOMED_HEARTBEATS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(worker.to_owned());
+}
+
+/// Panics if a test doomed this worker's heartbeat.
+pub(crate) fn maybe_kill_heartbeat(worker: &str) {
+    let hit = DOOMED_HEARTBEATS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|w| w == worker);
+    if hit {
+        panic!("fault injection: the heartbeat loop of {worker} dies");
+    }
+}

@@ -12,7 +12,7 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `chatty`: ACCEPTED, then PROGRESS events as fast as the pipe takes them,
   forever (a cancel frame is never read).
 - `huge_retry_delay`: ACCEPTED, a retryable error with next_retry_delay_ms = 2^64-1.
-- `echo`: ACCEPTED, a result with output = input.
+- `echo` (and `panic`, for a supervisor-side fault): ACCEPTED, a result with output = input.
 - `secret_echo`: ACCEPTED, echoes every secret value it got into a progress
   message, the error message and details, and fails retryably.
 
@@ -41,6 +41,7 @@ MODES = [
     "huge_retry_delay",
     "echo",
     "secret_echo",
+    "panic",
 ]
 
 
@@ -120,7 +121,7 @@ def main() -> int:
     elif mode == "huge_retry_delay":
         event(pb.EVENT_KIND_ACCEPTED)
         error("LATER", "retry much later", True, delay=2**64 - 1)
-    elif mode == "echo":
+    elif mode in ("echo", "panic"):
         event(pb.EVENT_KIND_ACCEPTED)
         result(job.input or b"null")
     elif mode == "secret_echo":

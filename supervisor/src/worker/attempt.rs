@@ -617,13 +617,14 @@ async fn write_loop(
                         .position(|x| matches!(x, Intent::Start { .. }))
                         .map(|p| i + p)
                         .unwrap_or(buf.len());
-                    let evs: Vec<NewEvent<'_>> = buf[i..end]
+                    let run: Vec<&wire::Event> = buf[i..end]
                         .iter()
                         .filter_map(|x| match x {
-                            Intent::Event(e) => Some(new_event(e)),
+                            Intent::Event(e) => Some(e),
                             Intent::Start { .. } => None,
                         })
                         .collect();
+                    let evs: Vec<NewEvent<'_>> = coalesce(&run).into_iter().map(new_event).collect();
                     i = end;
                     retrying(&control, "recording progress events", || {
                         shared.db.record_events(&lease, &evs)
@@ -644,6 +645,21 @@ async fn write_loop(
         }
         buf.clear();
     }
+}
+
+/// What of a run of queued events is written: every event that carries a
+/// checkpoint or is not plain progress, and of the plain progress events
+/// (no checkpoint) only the latest — when the database is slower than the
+/// executor, progress is coalesced instead of queued without end. In order.
+fn coalesce<'a>(events: &[&'a wire::Event]) -> Vec<&'a wire::Event> {
+    let plain = |e: &wire::Event| e.kind == EventKind::Progress && e.checkpoint.is_none();
+    let last_plain = events.iter().rposition(|e| plain(e));
+    events
+        .iter()
+        .enumerate()
+        .filter(|(i, e)| !plain(e) || Some(*i) == last_plain)
+        .map(|(_, e)| *e)
+        .collect()
 }
 
 /// Runs a write, retrying transient errors while the lease clock says the
@@ -1160,7 +1176,9 @@ async fn converse(
         .unwrap_or_else(|| "unknown status".into());
     // the writer persists what it has (the terminal comes after its events)
     let valid_until = control.borrow().valid_until;
-    writer.finish(valid_until).await;
+    writer
+        .finish(valid_until.min(Instant::now() + DB_CALL_TIMEOUT))
+        .await;
 
     let own_cancel = step.cancel_requested || control.borrow().control == Control::Cancel;
     if terminal.is_none() && imposed.is_none() {

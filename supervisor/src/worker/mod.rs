@@ -522,6 +522,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
             _ = tokio::time::sleep(interval) => {}
             _ = now.notified() => {}
         }
+        crate::fault::maybe_kill_heartbeat(&shared.name);
         let leases: Vec<Lease> = shared.leases().values().map(|e| e.lease.clone()).collect();
         let sent = Instant::now();
         match bounded(

@@ -205,3 +205,29 @@ fn sanitizes_names() {
     assert_eq!(sanitize("../etc/passwd"), "_.._etc_passwd");
     assert_eq!(sanitize(""), "_");
 }
+
+#[test]
+fn plain_progress_is_coalesced_and_the_rest_kept_in_order() {
+    let mk = |seq: u64, kind: EventKind, cp: bool| wire::Event {
+        job_id: "j".into(),
+        sequence: seq,
+        kind,
+        message: String::new(),
+        fraction: None,
+        checkpoint: cp.then(|| b"c".to_vec()),
+        at_unix_ms: 0,
+    };
+    use EventKind::*;
+    let evs = [
+        mk(2, Progress, false),
+        mk(3, Progress, true),
+        mk(4, Running, false),
+        mk(5, Progress, false),
+        mk(6, Progress, false),
+        mk(7, Heartbeat, true),
+    ];
+    let refs: Vec<&wire::Event> = evs.iter().collect();
+    let kept: Vec<u64> = coalesce(&refs).iter().map(|e| e.sequence).collect();
+    assert_eq!(kept, vec![3, 4, 6, 7]);
+    assert!(coalesce(&[]).is_empty());
+}

@@ -1,0 +1,537 @@
+//! Issue 6, the worker's half: hostile executors, a hostile database, and the
+//! worker's own failures. Each test pins a failure that was reachable before
+//! its fix (the item number of the issue is in its doc comment). The hostile
+//! executor (`tests/executors/hostile.py`) speaks the protocol at the frame
+//! level, the way an executor written from PROTOCOL.md alone might.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use supervisor::config::{ExecutorConfig, WorkerConfig};
+use supervisor::worker::Worker;
+use tests::{fast_config, go_demo, step, RunningWorker, TestDb};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn hostile(name: &str, spawn_log: Option<&PathBuf>, env: &[(&str, &str)]) -> ExecutorConfig {
+    let mut e = std::collections::BTreeMap::new();
+    if let Some(p) = spawn_log {
+        e.insert(
+            "HOSTILE_SPAWN_LOG".to_string(),
+            p.to_string_lossy().into_owned(),
+        );
+    }
+    for (k, v) in env {
+        e.insert(k.to_string(), v.to_string());
+    }
+    ExecutorConfig {
+        name: name.into(),
+        command: tests::python().to_string_lossy().into_owned(),
+        args: vec![tests::repo_root()
+            .join("tests/executors/hostile.py")
+            .to_string_lossy()
+            .into_owned()],
+        env: e,
+        concurrency: 4,
+        ..ExecutorConfig::default()
+    }
+}
+
+fn spec(kind: &str, extra: Value) -> Value {
+    let mut s = json!({"name": "s", "executor_kind": "hostile", "kind": kind, "input": {"x": 1},
+                       "retry": {"max_attempts": 1}});
+    if let (Some(o), Some(e)) = (s.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    json!({"name": kind, "steps": [s]})
+}
+
+fn spawns(log: &PathBuf) -> usize {
+    std::fs::read_to_string(log)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// 4: text PostgreSQL cannot store (a NUL in an error message, an event
+/// message, the output JSON) and a result too large for one message: each
+/// ends the first attempt with its own stable code. Before the fix the commit
+/// failed, was retried for a TTL, the step re-ran and ended LEASE_EXPIRED
+/// with the real cause gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unstorable_outcomes_end_with_their_own_code() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![hostile("hostile", None, &[]), go_demo("go", &[], None)]);
+    cfg.max_result_bytes = 1_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let cases = [
+        ("hostile.nul_error", "PROTOCOL_INVALID_TEXT"),
+        ("hostile.nul_event", "PROTOCOL_INVALID_TEXT"),
+        ("hostile.nul_output", "OUTPUT_INVALID"),
+    ];
+    let mut runs = Vec::new();
+    for (kind, code) in cases {
+        runs.push((kind, code, t.submit(spec(kind, json!({}))).await));
+    }
+    let big = t
+        .submit(json!({"name": "big", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.artifact",
+            "input": {"content": "x", "repeat": 2000}, "retry": {"max_attempts": 3}}]}))
+        .await;
+    runs.push(("demo.artifact", "RESULT_TOO_LARGE", big));
+    for (kind, code, run) in runs {
+        let st = t.wait_terminal(run, LONG).await;
+        let s = step(&st, "s");
+        assert_eq!(s.state, "terminal_failed", "{kind}: {s:?}");
+        let e = s.error.as_ref().expect("error");
+        assert_eq!(e.code, code, "{kind}: {}", e.message);
+        assert_eq!(s.attempt, 1, "{kind} ran again");
+        assert!(!e.message.contains('\0'));
+    }
+    w.shutdown().await;
+}
+
+/// 4: a permanent database error on commit (a constraint of the user's own,
+/// raising 22023) commits a terminal failure that names the cause, at once.
+/// Before the fix it was retried for a whole TTL and ended LEASE_EXPIRED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_commit_error_is_a_terminal_failure_naming_it() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.poison() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.state = 'succeeded' AND NEW.output ? 'poison' THEN
+                 RAISE EXCEPTION 'poisoned output refused by a site constraint' USING ERRCODE = '22023';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER poison BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.poison();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("poison trigger");
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![go_demo("go", &[], None)])).await;
+    let started = Instant::now();
+    let run = t
+        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.echo",
+                       "input": {"poison": true}}]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed");
+    let e = s.error.as_ref().expect("error");
+    assert_eq!(e.code, "COMMIT_REJECTED", "{}", e.message);
+    assert!(e.message.contains("poisoned output"), "{}", e.message);
+    assert_eq!(s.attempt, 1);
+    println!("permanent commit error → COMMIT_REJECTED in {:?}", started.elapsed());
+    w.shutdown().await;
+}
+
+/// 5: the start write fails transiently (a restart, raised once as
+/// admin_shutdown 57P01); the worker retries it and the result commits.
+/// Before the fix the failure was logged and ignored, the completion found
+/// the row `leased` and the result was discarded as "lease lost".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transient_failure_of_the_start_write_loses_nothing() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE SEQUENCE public.start_faults;
+         CREATE FUNCTION public.fail_first_start() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF OLD.state = 'leased' AND NEW.state = 'running' AND nextval('public.start_faults') = 1 THEN
+                 RAISE EXCEPTION 'terminating connection due to administrator command' USING ERRCODE = '57P01';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER fail_first_start BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.fail_first_start();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("fault trigger");
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![go_demo("go", &[], None)])).await;
+    let run = t
+        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.echo",
+                       "input": {"kept": 1}, "retry": {"max_attempts": 1}}]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "succeeded", "{:?}", s.error);
+    assert_eq!(s.output, Some(json!({"kept": 1})));
+    assert_eq!(s.attempt, 1);
+    let faults = t.scalar_i64("SELECT last_value FROM public.start_faults").await;
+    assert!(faults >= 2, "the start write was not retried ({faults})");
+    w.shutdown().await;
+}
+
+/// 6: an executor that floods progress events while every event write is
+/// slow (a trigger sleeps per row). Cancel and the attempt timeout must still
+/// end it within the graces. Before the fix the loop awaited each event's
+/// write inside its frame arm, biased to frames: the cancel never won.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chatty_executor_and_a_slow_database_cannot_starve_control() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.slow_events() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(0.05); RETURN NEW; END $$;
+         CREATE TRIGGER slow_events BEFORE INSERT ON durable.step_events FOR EACH ROW EXECUTE FUNCTION public.slow_events();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("slow trigger");
+    let cfg = fast_config(vec![hostile("hostile", None, &[])]);
+    let bound = Duration::from_millis(cfg.cancel_grace_ms + cfg.term_grace_ms) + Duration::from_secs(3);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+
+    // cancel
+    let run = t.submit(spec("hostile.chatty", json!({}))).await;
+    t.wait_run(run, LONG, |s| s.steps.first().is_some_and(|s| s.state == "running"))
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    t.db.cancel(run, None).await.expect("cancel");
+    let st = t.wait_terminal(run, LONG).await;
+    let took = asked.elapsed();
+    assert_eq!(step(&st, "s").state, "cancelled");
+    assert!(took < bound, "cancel took {took:?} (bound {bound:?})");
+    tests::assert_no_survivors(step(&st, "s").step_run_id, None, Duration::from_secs(5)).await;
+
+    // attempt timeout
+    let run = t.submit(spec("hostile.chatty", json!({"timeout_ms": 1500}))).await;
+    let started = Instant::now();
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("ATTEMPT_TIMEOUT"));
+    assert!(started.elapsed() < Duration::from_millis(1500) + bound, "{:?}", started.elapsed());
+    println!("chatty: cancel confirmed in {took:?}, timeout ended in {:?}", started.elapsed());
+    w.shutdown().await;
+}
+
+/// 7: a non-retryable error before ACCEPTED is a terminal failure (before
+/// the fix: refused and respawned every second without end); retryable
+/// refusals are counted and capped by max_refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_do_not_loop_forever() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("spawns");
+    let mut cfg = fast_config(vec![hostile("hostile", Some(&log), &[])]);
+    cfg.max_refusals = 3;
+    cfg.executors[0].concurrency = 1;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let probe_spawns = spawns(&log);
+
+    let run = t.submit(spec("hostile.refuse_bad_input", json!({"retry": {"max_attempts": 5}}))).await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed");
+    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("BAD_INPUT"));
+    assert_eq!(spawns(&log) - probe_spawns, 1, "a non-retryable refusal was respawned");
+
+    let before = spawns(&log);
+    let run = t.submit(spec("hostile.refuse_retryable", json!({"retry": {"max_attempts": 5}}))).await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed");
+    let e = s.error.as_ref().expect("error");
+    assert_eq!(e.code, "EXECUTOR_REFUSED");
+    assert!(e.message.contains("refused 3 times"), "{}", e.message);
+    assert_eq!(spawns(&log) - before, 3);
+    assert_eq!(s.attempt, 0, "refusals are not attempts");
+    w.shutdown().await;
+}
+
+/// 7: a protocol-version mismatch is caught at the probe, with a message
+/// that names both versions, before the worker leases anything.
+#[tokio::test]
+async fn a_protocol_mismatch_is_caught_at_the_probe() {
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![hostile("hostile", None, &[("HOSTILE_PROTOCOL_VERSION", "2")])]);
+    let err = Worker::start(t.connect(4).await, cfg)
+        .await
+        .err()
+        .expect("refused at start");
+    let msg = err.to_string();
+    assert!(msg.contains("protocol version 2"), "{msg}");
+}
+
+/// 8: an executor's next_retry_delay of 2^64-1 ms is clamped to the policy's
+/// max_interval_ms (before: chrono overflow, a panic in the worker), and a
+/// panic inside an attempt fails that attempt with a code and frees its slot
+/// (before: the slot leaked and the lease stayed renewed with no child).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executor_values_and_panics_cannot_take_the_worker_down() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![hostile("hostile", None, &[])]);
+    cfg.executors[0].concurrency = 1;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+
+    let run = t
+        .submit(spec(
+            "hostile.huge_retry_delay",
+            json!({"retry": {"max_attempts": 2, "initial_interval_ms": 100, "max_interval_ms": 500}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed");
+    assert_eq!(s.attempt, 2, "the retry came after max_interval_ms");
+
+    supervisor::fault::panic_in_attempts_of_kind(Some("hostile.panic"));
+    let panicked = t.submit(spec("hostile.panic", json!({}))).await;
+    let st = t.wait_terminal(panicked, LONG).await;
+    supervisor::fault::panic_in_attempts_of_kind(None);
+    let s = step(&st, "s");
+    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("SUPERVISOR_PANIC"));
+    // concurrency 1: this runs only if the panicked attempt gave its slot back
+    let after = t.submit(spec("hostile.echo", json!({}))).await;
+    let st = t.wait_terminal(after, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded");
+    w.shutdown().await;
+}
+
+/// A TCP proxy in front of PostgreSQL that can blackhole its connections
+/// (stop forwarding, keep them open), as a partitioned network does.
+struct Blackhole {
+    port: u16,
+    paused: Arc<AtomicBool>,
+}
+
+impl Blackhole {
+    async fn start(upstream: String) -> Blackhole {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let paused = Arc::new(AtomicBool::new(false));
+        let p = paused.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(pipe(cr, sw, p.clone()));
+                tokio::spawn(pipe(sr, cw, p.clone()));
+            }
+        });
+        Blackhole { port, paused }
+    }
+}
+
+async fn pipe(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    paused: Arc<AtomicBool>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        while paused.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let n = match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        while paused.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if w.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// 9: the worker's network to PostgreSQL is blackholed mid-step. Its lease
+/// clock stops advancing, so it stops its child before the lease can have
+/// expired; only then does another worker reclaim and run the step — never
+/// two children of the same step at once. Before the fix the heartbeat had
+/// no timeout and the child kept running while another worker ran the step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let upstream = {
+        let u = url_host_port(&t.url);
+        u.to_string()
+    };
+    let hole = Blackhole::start(upstream.clone()).await;
+    let via_proxy = t.url.replacen(&upstream, &format!("127.0.0.1:{}", hole.port), 1);
+    let proxied = supervisor::db::Db::connect(&via_proxy, 10).await.expect("connect via proxy");
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.name = Some("cut-off".into());
+    let ttl = Duration::from_millis(cfg.lease_ttl_ms);
+    let interval = Duration::from_millis(cfg.heartbeat_interval_ms);
+    let a = RunningWorker::start(proxied, cfg.clone()).await;
+    let run = t
+        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
+                       "input": {"ms": 3000, "steps": 30}, "retry": {"initial_interval_ms": 100}}]}))
+        .await;
+    let sid = tests::only_step_id(&t, run).await;
+    t.wait_run(run, LONG, |s| s.steps[0].state == "running").await;
+    let pid = tests::executor_pid(&t.db, sid).await.expect("pid");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    hole.paused.store(true, Ordering::SeqCst);
+    let cut = Instant::now();
+    // the other worker, with a direct connection, can reclaim the step
+    let mut cfg_b = cfg.clone();
+    cfg_b.name = Some("rescuer".into());
+    let b = RunningWorker::start(t.connect(10).await, cfg_b).await;
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if stat.contains(") Z ") {
+            break;
+        }
+        assert!(cut.elapsed() < Duration::from_secs(10), "the cut-off worker's child kept running");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopped = cut.elapsed();
+    // the database's expiry is at least the last renewal + TTL, and the last
+    // renewal was at most one interval before the cut
+    assert!(
+        stopped < ttl - interval,
+        "the child was stopped {stopped:?} after the cut; the lease could have expired at {:?}",
+        ttl - interval
+    );
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "succeeded", "{:?}", s.error);
+    let hist = tests::step_transitions(&t.db, sid).await;
+    let expired = hist
+        .iter()
+        .position(|h| h.reason.as_deref().is_some_and(|r| r.starts_with("LEASE_EXPIRED")))
+        .expect("the step was reclaimed after its lease expired");
+    assert!(hist[expired..].iter().all(|h| h.worker.as_deref() != Some("cut-off")));
+    println!("cut off: child stopped {stopped:?} after the cut (TTL {ttl:?}); reclaimed and completed by the rescuer");
+    hole.paused.store(false, Ordering::SeqCst);
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+fn url_host_port(url: &str) -> &str {
+    let rest = &url[url.find('@').map(|i| i + 1).unwrap_or(url.find("://").map(|i| i + 3).unwrap_or(0))..];
+    &rest[..rest.find('/').unwrap_or(rest.len())]
+}
+
+/// 9: the stop budget must fit in the lease, checked at start; and a vital
+/// loop that dies makes the worker stop its children and fail, instead of
+/// running on without renewed leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_refuses_an_unsafe_setup_and_fails_when_its_heartbeat_dies() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut bad = fast_config(vec![go_demo("go", &[], None)]);
+    bad.cancel_grace_ms = 5_000;
+    let err = Worker::start(t.connect(4).await, bad.clone()).await.err().expect("refused");
+    assert!(err.to_string().contains("lease_ttl_ms"), "{err}");
+    assert!(bad.validate().is_err());
+    let mut unwritable = fast_config(vec![go_demo("go", &[], None)]);
+    unwritable.work_dir = Some(PathBuf::from("/proc"));
+    let err = Worker::start(t.connect(4).await, unwritable).await.err().expect("refused");
+    assert!(err.to_string().contains("work_dir"), "{err}");
+
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    let name = format!("doomed-{}", Uuid::new_v4().simple());
+    cfg.name = Some(name.clone());
+    let worker = Worker::start(t.connect(10).await, cfg).await.expect("start");
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(worker.run(stop.clone()));
+    let run = t
+        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
+                       "input": {"ms": 30000}}]}))
+        .await;
+    let sid = tests::only_step_id(&t, run).await;
+    t.wait_run(run, LONG, |s| s.steps[0].state == "running").await;
+    supervisor::fault::kill_heartbeat_of(&name);
+    let res = tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("the worker exited")
+        .expect("join");
+    let err = res.err().expect("the worker failed");
+    assert!(err.to_string().contains("heartbeat"), "{err}");
+    tests::assert_no_survivors(sid, None, Duration::from_secs(5)).await;
+}
+
+/// 11: a routine redeploy (SIGTERM, drain timeout) does not burn attempts:
+/// a `max_attempts = 1` step stopped by the drain goes back at once and the
+/// next worker completes it. Before the fix it ended terminal_failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_step_keeps_its_attempts() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.drain_timeout_ms = 300;
+    let w = RunningWorker::start(t.connect(10).await, cfg.clone()).await;
+    let run = t
+        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
+                       "input": {"ms": 2000, "steps": 4}, "retry": {"max_attempts": 1}}]}))
+        .await;
+    t.wait_run(run, LONG, |s| s.steps.first().is_some_and(|s| s.state == "running"))
+        .await;
+    w.shutdown().await;
+    let st = t.status(run).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "retryable_failed", "{:?}", s.error);
+    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("WORKER_SHUTDOWN"));
+    let w2 = RunningWorker::start(t.connect(10).await, cfg).await;
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{:?}", step(&st, "s").error);
+    w2.shutdown().await;
+}
+
+/// 10: a step receives only secrets its executor's config allows. Naming the
+/// worker's own DATABASE_URL fails before spawn, non-retryably; an allowed
+/// secret (from secrets_dir) reaches the executor, and whatever the executor
+/// echoes of it — and any DSN or URL password — is redacted from everything
+/// stored: event messages, error message and details.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_are_allowlisted_and_never_stored() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let value = "tok-abcdef123456";
+    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
+    let log = dir.path().join("spawns");
+    let mut e = hostile("hostile", Some(&log), &[]);
+    e.secrets = vec!["API_TOKEN".into()];
+    let mut cfg: WorkerConfig = fast_config(vec![e]);
+    cfg.secrets_dir = Some(dir.path().to_owned());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let probes = spawns(&log);
+
+    let run = t
+        .submit(spec("hostile.echo", json!({"secrets": ["DATABASE_URL"], "retry": {"max_attempts": 3}})))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed");
+    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("SECRET_NOT_ALLOWED"));
+    assert_eq!(spawns(&log), probes, "the executor was started for a forbidden secret");
+
+    let run = t.submit(spec("hostile.secret_echo", json!({"secrets": ["API_TOKEN"]}))).await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("LEAK"));
+    let stored: String = sqlx::query_scalar(
+        "SELECT concat_ws(' ', s.error_message, s.error_details::text, s.output::text,
+                          (SELECT string_agg(message, ' ') FROM durable.step_events e WHERE e.step_run_id = s.id))
+           FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(s.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("stored text");
+    assert!(stored.contains("REDACTED"), "{stored}");
+    for leaked in [value, "hunter2x", "pw123456"] {
+        assert!(!stored.contains(leaked), "{leaked} was stored: {stored}");
+    }
+    w.shutdown().await;
+}
