@@ -111,6 +111,9 @@ impl Hierarchy {
 }
 
 struct State {
+    /// What detection found (fixed).
+    detected: CgroupMode,
+    /// What is in use now (cgroups may be switched off after a failure).
     mode: CgroupMode,
     hierarchy: Option<Hierarchy>,
 }
@@ -130,7 +133,11 @@ fn state() -> std::sync::MutexGuard<'static, State> {
                 Err(reason) => (CgroupMode::ProcessGroupsOnly { reason }, None),
             };
             tracing::info!(mode = %mode, "child process containment");
-            Mutex::new(State { mode, hierarchy })
+            Mutex::new(State {
+                detected: mode.clone(),
+                mode,
+                hierarchy,
+            })
         })
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -142,6 +149,12 @@ pub fn cgroup_mode() -> CgroupMode {
     state().mode.clone()
 }
 
+/// What detection found at first use (before any runtime switch-off).
+#[cfg(test)]
+pub(crate) fn detected_mode() -> CgroupMode {
+    state().detected.clone()
+}
+
 /// The hierarchy, when children get cgroups.
 pub(crate) fn hierarchy() -> Option<Hierarchy> {
     state().hierarchy.clone()
@@ -151,7 +164,7 @@ pub(crate) fn hierarchy() -> Option<Hierarchy> {
 pub(crate) fn disable(reason: String) {
     let mut st = state();
     if st.hierarchy.take().is_some() {
-        tracing::warn!(%reason, "cgroups switched off: children get process groups only");
+        tracing::warn!(%reason, detected = %st.detected, "cgroups switched off: children get process groups only");
         st.mode = CgroupMode::ProcessGroupsOnly { reason };
     }
 }

@@ -14,6 +14,7 @@
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::process::{ChildStderr, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 
 use tokio::sync::oneshot;
@@ -100,7 +101,6 @@ impl Spawner {
                 .as_ref()
                 .map_or_else(|| "anon".to_string(), |m| marker::slot_tag(&m.slot)),
             marker_env: marker.map(|m| Arc::new(m.env())),
-            seq: 0,
         };
         let (tx, rx) = mpsc::channel::<Msg>();
         std::thread::Builder::new()
@@ -156,11 +156,9 @@ struct ThreadCtx {
     marker_env: Option<Arc<Vec<(String, String)>>>,
     /// Slot tag in cgroup names ("anon" without a marker).
     cgroup_tag: String,
-    /// Sequence number in cgroup names.
-    seq: u64,
 }
 
-fn run(rx: mpsc::Receiver<Msg>, mut ctx: ThreadCtx) {
+fn run(rx: mpsc::Receiver<Msg>, ctx: ThreadCtx) {
     while let Ok(msg) = rx.recv() {
         match msg {
             Msg::Spawn {
@@ -168,7 +166,7 @@ fn run(rx: mpsc::Receiver<Msg>, mut ctx: ThreadCtx) {
                 reply,
                 keepalive,
             } => {
-                let result = spawn_on_this_thread(*spec, keepalive, &mut ctx);
+                let result = spawn_on_this_thread(*spec, keepalive, &ctx);
                 // On failure the receiver is gone (the spawn future was
                 // dropped); dropping the returned RawChild kills and reaps the
                 // orphaned child.
@@ -194,7 +192,7 @@ fn run(rx: mpsc::Receiver<Msg>, mut ctx: ThreadCtx) {
 fn spawn_on_this_thread(
     spec: SpawnSpec,
     keepalive: KeepAlive,
-    ctx: &mut ThreadCtx,
+    ctx: &ThreadCtx,
 ) -> Result<RawChild, ProcessError> {
     let SpawnSpec {
         program,
@@ -350,10 +348,13 @@ fn spawn_on_this_thread(
 
 /// A fresh cgroup for the next child, in cgroup mode. A failure to create it
 /// switches cgroups off (the child still runs, with its process group).
-fn new_child_cgroup(ctx: &mut ThreadCtx) -> Option<ChildCgroup> {
+fn new_child_cgroup(ctx: &ThreadCtx) -> Option<ChildCgroup> {
+    // One sequence for the whole process: every Spawner (thread) of it names
+    // its children's cgroups with the same supervisor identity.
+    static SEQ: AtomicU64 = AtomicU64::new(0);
     let h = cgroup::hierarchy()?;
-    ctx.seq += 1;
-    let name = cgroup::child_name(&ctx.cgroup_tag, &marker::self_identity(), ctx.seq);
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed) + 1;
+    let name = cgroup::child_name(&ctx.cgroup_tag, &marker::self_identity(), seq);
     match ChildCgroup::create(&h, &name) {
         Ok(cg) => Some(cg),
         Err(e) => {

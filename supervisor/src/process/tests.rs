@@ -568,10 +568,14 @@ async fn setsid_escapee_is_ended_by_cgroup_kill_where_cgroups_are_available() {
     // it ran setsid.
     let deadline = Instant::now() + Duration::from_secs(3);
     while group::read_stat(escapee).expect("escapee runs").pgrp == pid {
-        assert!(Instant::now() < deadline, "the escapee never left the group");
+        assert!(
+            Instant::now() < deadline,
+            "the escapee never left the group"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let mode = cgroup_mode();
+    assert_eq!(mode, cgroup::detected_mode(), "cgroups were switched off");
     let cgroup_dir = match &mode {
         CgroupMode::PerChild { parent } => {
             let rel = cgroup::v2_path(
@@ -754,4 +758,52 @@ async fn sweep_ends_a_stale_cgroup_of_the_slot_even_without_a_marker() {
     assert!(other.dir().exists(), "another slot's cgroup is not touched");
     assert!(other.try_remove().unwrap());
     let _ = child.try_wait();
+}
+
+#[tokio::test]
+async fn cgroups_stay_on_with_many_spawners_at_once() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let spawners: Vec<Spawner> = (0..4).map(|_| spawner()).collect();
+    let mut tasks = Vec::new();
+    for (i, s) in spawners.iter().enumerate() {
+        for j in 0..5 {
+            let s = s.clone();
+            tasks.push(tokio::spawn(async move {
+                let child = s.spawn(sh(&format!("exit {}", i * 5 + j))).await.unwrap();
+                let pid = child.pid;
+                let report = child.finish().await.unwrap();
+                assert_eq!(report.status, ExitStatusKind::Exited((i * 5 + j) as i32));
+                pid
+            }));
+        }
+    }
+    for t in tasks {
+        let pid = t.await.unwrap();
+        assert_group_empty(pid).await;
+    }
+    assert_eq!(
+        cgroup_mode(),
+        cgroup::detected_mode(),
+        "cgroups were switched off"
+    );
+    if let CgroupMode::PerChild { parent } = cgroup_mode() {
+        // Every child's cgroup is removed once it is reaped.
+        let tag = format!("-{}-", marker::self_identity());
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let mine: Vec<String> = std::fs::read_dir(&parent)
+                .unwrap()
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| n.starts_with("durable-anon") && n.contains(&tag))
+                .collect();
+            // Other tests may have children running right now; ours are gone
+            // when no cgroup is left that no live group accounts for.
+            if mine.len() <= live_groups().len() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "cgroups left: {mine:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
