@@ -20,6 +20,7 @@ use uuid::Uuid;
 pub use supervisor;
 
 pub mod bench;
+pub mod chaos;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
