@@ -307,7 +307,9 @@ impl WorkerConfig {
         if self.max_refusals == 0 {
             return bad("max_refusals must be at least 1".into());
         }
-        if self.max_artifact_bytes > self.max_result_bytes || self.max_result_bytes > 900 * 1024 * 1024 {
+        if self.max_artifact_bytes > self.max_result_bytes
+            || self.max_result_bytes > 900 * 1024 * 1024
+        {
             return bad(format!(
                 "max_artifact_bytes ({}) must be at most max_result_bytes ({}), which must be at most 900 MiB (PostgreSQL's message limit is 1 GiB)",
                 self.max_artifact_bytes, self.max_result_bytes

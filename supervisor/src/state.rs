@@ -301,7 +301,11 @@ mod tests {
             non_retryable_codes: vec![],
         };
         let now = Utc::now();
-        for huge in [Duration::MAX, Duration::milliseconds(i64::MAX), Duration::days(1_000_000)] {
+        for huge in [
+            Duration::MAX,
+            Duration::milliseconds(i64::MAX),
+            Duration::days(1_000_000),
+        ] {
             let facts = StepFacts {
                 attempt: 1,
                 policy: &policy,
@@ -315,13 +319,19 @@ mod tests {
             };
             let d = decide_failure(&facts, &failure, now, 0.5);
             assert_eq!(d.to, StepState::RetryableFailed);
-            assert_eq!(d.next_attempt_at, Some(now + Duration::milliseconds(60_000)));
+            assert_eq!(
+                d.next_attempt_at,
+                Some(now + Duration::milliseconds(60_000))
+            );
             // with a deadline, no overflow either
             let facts = StepFacts {
                 deadline: Some(now + Duration::seconds(10)),
                 ..facts
             };
-            assert_eq!(decide_failure(&facts, &failure, now, 0.5).to, StepState::TerminalFailed);
+            assert_eq!(
+                decide_failure(&facts, &failure, now, 0.5).to,
+                StepState::TerminalFailed
+            );
         }
     }
 

@@ -24,15 +24,9 @@ async fn worker(db: &Db, name: &str) -> Uuid {
 }
 
 async fn lease_all(db: &Db, wid: Uuid, n: u32) -> Vec<LeasedStep> {
-    db.lease(
-        wid,
-        "w",
-        &tests::route_go_k(),
-        n,
-        Duration::from_secs(30),
-    )
-    .await
-    .expect("lease")
+    db.lease(wid, "w", &tests::route_go_k(), n, Duration::from_secs(30))
+        .await
+        .expect("lease")
 }
 
 fn two_step_chain() -> serde_json::Value {
@@ -73,12 +67,16 @@ async fn a_cancelled_run_closes_once_its_running_step_finishes() {
 async fn the_runs_cancel_flag_is_what_lease_and_heartbeat_see() {
     let t = TestDb::new().await;
     let r1 = t
-        .submit(json!({"name": "one", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .submit(
+            json!({"name": "one", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}),
+        )
         .await;
     let wid = worker(&t.db, "w").await;
     let s1 = lease_all(&t.db, wid, 10).await.remove(0);
     let r2 = t
-        .submit(json!({"name": "two", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .submit(
+            json!({"name": "two", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}),
+        )
         .await;
     for r in [r1, r2] {
         sqlx::query("UPDATE durable.workflow_runs SET cancel_requested = true WHERE id = $1")
@@ -91,9 +89,12 @@ async fn the_runs_cancel_flag_is_what_lease_and_heartbeat_see() {
         lease_all(&t.db, wid, 10).await.is_empty(),
         "a step of a cancel-requested run was leased"
     );
-    let hb = t
-        .db
-        .heartbeat(wid, std::slice::from_ref(&s1.lease), Duration::from_secs(30))
+    let hb =
+        t.db.heartbeat(
+            wid,
+            std::slice::from_ref(&s1.lease),
+            Duration::from_secs(30),
+        )
         .await
         .expect("heartbeat");
     assert_eq!(hb.cancel_requested, vec![s1.lease.step_run_id()]);
@@ -149,10 +150,12 @@ async fn cancels_racing_leases_are_never_lost() {
     .fetch_one(t.db.pool())
     .await
     .expect("count");
-    assert_eq!(open, 0, "a leased step of a cancelled run has no cancel request");
-    let hb = t
-        .db
-        .heartbeat(
+    assert_eq!(
+        open, 0,
+        "a leased step of a cancelled run has no cancel request"
+    );
+    let hb =
+        t.db.heartbeat(
             wid,
             &leased.iter().map(|s| s.lease.clone()).collect::<Vec<_>>(),
             Duration::from_secs(30),
@@ -160,7 +163,10 @@ async fn cancels_racing_leases_are_never_lost() {
         .await
         .expect("heartbeat");
     assert_eq!(hb.cancel_requested.len(), leased.len());
-    println!("raced: {} leased before their run's cancel, all told to stop", leased.len());
+    println!(
+        "raced: {} leased before their run's cancel, all told to stop",
+        leased.len()
+    );
 }
 
 /// Holds a step writer's transaction open (run row and step row locked), the
@@ -246,10 +252,15 @@ async fn mixed_writers_do_not_deadlock() {
     let mut runs = Vec::new();
     for i in 0..40 {
         let steps: Vec<_> = (0..6)
-            .map(|j| json!({"name": format!("s{j}"), "executor_kind": "go", "kind": "k",
-                            "retry": {"max_attempts": 1}}))
+            .map(|j| {
+                json!({"name": format!("s{j}"), "executor_kind": "go", "kind": "k",
+                            "retry": {"max_attempts": 1}})
+            })
             .collect();
-        runs.push(t.submit(json!({"name": format!("r{i}"), "steps": steps})).await);
+        runs.push(
+            t.submit(json!({"name": format!("r{i}"), "steps": steps}))
+                .await,
+        );
     }
     let mut tasks = Vec::new();
     for w in 0..3 {
@@ -283,7 +294,10 @@ async fn mixed_writers_do_not_deadlock() {
                         };
                         db.fail(&s.lease, "w", &report, 0.5).await.map(|_| ())
                     } else {
-                        match db.mark_running(&s.lease, "w", 1, &tests::accepted_event()).await {
+                        match db
+                            .mark_running(&s.lease, "w", 1, &tests::accepted_event())
+                            .await
+                        {
                             Ok(()) => db
                                 .complete(&s.lease, "w", &json!(1), &[], Some(2))
                                 .await
@@ -329,11 +343,10 @@ async fn a_result_commits_even_if_the_start_was_never_recorded() {
     let wid = worker(&t.db, "w").await;
     let s = lease_all(&t.db, wid, 1).await.remove(0);
     // the start write never made it; the completion comes straight away
-    let ids = t
-        .db
-        .complete(&s.lease, "w", &json!({"kept": true}), &[], Some(3))
-        .await
-        .expect("the completion of a valid lease commits");
+    let ids =
+        t.db.complete(&s.lease, "w", &json!({"kept": true}), &[], Some(3))
+            .await
+            .expect("the completion of a valid lease commits");
     assert!(ids.is_empty());
     let st = t.status(run).await;
     assert_eq!(st.state, "succeeded");
@@ -359,8 +372,10 @@ async fn a_result_commits_even_if_the_start_was_never_recorded() {
 async fn a_released_attempt_is_not_counted() {
     let t = TestDb::new().await;
     let run = t
-        .submit(json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
-                                               "retry": {"max_attempts": 1}}]}))
+        .submit(
+            json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
+                                               "retry": {"max_attempts": 1}}]}),
+        )
         .await;
     let wid = worker(&t.db, "w").await;
     let s = lease_all(&t.db, wid, 1).await.remove(0);
@@ -469,7 +484,8 @@ async fn submit_does_not_migrate() {
     let spec = dir.path().join("spec.json");
     std::fs::write(
         &spec,
-        json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}).to_string(),
+        json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]})
+            .to_string(),
     )
     .expect("write spec");
     let out = std::process::Command::new(tests::supervisor_bin())

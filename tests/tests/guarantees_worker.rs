@@ -67,7 +67,10 @@ fn spawns(log: &PathBuf) -> usize {
 async fn unstorable_outcomes_end_with_their_own_code() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let mut cfg = fast_config(vec![hostile("hostile", None, &[]), go_demo("go", &[], None)]);
+    let mut cfg = fast_config(vec![
+        hostile("hostile", None, &[]),
+        go_demo("go", &[], None),
+    ]);
     cfg.max_result_bytes = 1_000;
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
     let cases = [
@@ -116,11 +119,17 @@ async fn a_permanent_commit_error_is_a_terminal_failure_naming_it() {
     .execute(t.db.pool())
     .await
     .expect("poison trigger");
-    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![go_demo("go", &[], None)])).await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
     let started = Instant::now();
     let run = t
-        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.echo",
-                       "input": {"poison": true}}]}))
+        .submit(
+            json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.echo",
+                       "input": {"poison": true}}]}),
+        )
         .await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
@@ -129,7 +138,10 @@ async fn a_permanent_commit_error_is_a_terminal_failure_naming_it() {
     assert_eq!(e.code, "COMMIT_REJECTED", "{}", e.message);
     assert!(e.message.contains("poisoned output"), "{}", e.message);
     assert_eq!(s.attempt, 1);
-    println!("permanent commit error → COMMIT_REJECTED in {:?}", started.elapsed());
+    println!(
+        "permanent commit error → COMMIT_REJECTED in {:?}",
+        started.elapsed()
+    );
     w.shutdown().await;
 }
 
@@ -155,17 +167,25 @@ async fn a_transient_failure_of_the_start_write_loses_nothing() {
     .execute(t.db.pool())
     .await
     .expect("fault trigger");
-    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![go_demo("go", &[], None)])).await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
     let run = t
-        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.echo",
-                       "input": {"kept": 1}, "retry": {"max_attempts": 1}}]}))
+        .submit(
+            json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.echo",
+                       "input": {"kept": 1}, "retry": {"max_attempts": 1}}]}),
+        )
         .await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
     assert_eq!(s.state, "succeeded", "{:?}", s.error);
     assert_eq!(s.output, Some(json!({"kept": 1})));
     assert_eq!(s.attempt, 1);
-    let faults = t.scalar_i64("SELECT last_value FROM public.start_faults").await;
+    let faults = t
+        .scalar_i64("SELECT last_value FROM public.start_faults")
+        .await;
     assert!(faults >= 2, "the start write was not retried ({faults})");
     w.shutdown().await;
 }
@@ -187,13 +207,16 @@ async fn a_chatty_executor_and_a_slow_database_cannot_starve_control() {
     .await
     .expect("slow trigger");
     let cfg = fast_config(vec![hostile("hostile", None, &[])]);
-    let bound = Duration::from_millis(cfg.cancel_grace_ms + cfg.term_grace_ms) + Duration::from_secs(3);
+    let bound =
+        Duration::from_millis(cfg.cancel_grace_ms + cfg.term_grace_ms) + Duration::from_secs(3);
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
 
     // cancel
     let run = t.submit(spec("hostile.chatty", json!({}))).await;
-    t.wait_run(run, LONG, |s| s.steps.first().is_some_and(|s| s.state == "running"))
-        .await;
+    t.wait_run(run, LONG, |s| {
+        s.steps.first().is_some_and(|s| s.state == "running")
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let asked = Instant::now();
     t.db.cancel(run, None).await.expect("cancel");
@@ -204,13 +227,25 @@ async fn a_chatty_executor_and_a_slow_database_cannot_starve_control() {
     tests::assert_no_survivors(step(&st, "s").step_run_id, None, Duration::from_secs(5)).await;
 
     // attempt timeout
-    let run = t.submit(spec("hostile.chatty", json!({"timeout_ms": 1500}))).await;
+    let run = t
+        .submit(spec("hostile.chatty", json!({"timeout_ms": 1500})))
+        .await;
     let started = Instant::now();
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
-    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("ATTEMPT_TIMEOUT"));
-    assert!(started.elapsed() < Duration::from_millis(1500) + bound, "{:?}", started.elapsed());
-    println!("chatty: cancel confirmed in {took:?}, timeout ended in {:?}", started.elapsed());
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("ATTEMPT_TIMEOUT")
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(1500) + bound,
+        "{:?}",
+        started.elapsed()
+    );
+    println!(
+        "chatty: cancel confirmed in {took:?}, timeout ended in {:?}",
+        started.elapsed()
+    );
     w.shutdown().await;
 }
 
@@ -229,15 +264,29 @@ async fn refusals_do_not_loop_forever() {
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
     let probe_spawns = spawns(&log);
 
-    let run = t.submit(spec("hostile.refuse_bad_input", json!({"retry": {"max_attempts": 5}}))).await;
+    let run = t
+        .submit(spec(
+            "hostile.refuse_bad_input",
+            json!({"retry": {"max_attempts": 5}}),
+        ))
+        .await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
     assert_eq!(s.state, "terminal_failed");
     assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("BAD_INPUT"));
-    assert_eq!(spawns(&log) - probe_spawns, 1, "a non-retryable refusal was respawned");
+    assert_eq!(
+        spawns(&log) - probe_spawns,
+        1,
+        "a non-retryable refusal was respawned"
+    );
 
     let before = spawns(&log);
-    let run = t.submit(spec("hostile.refuse_retryable", json!({"retry": {"max_attempts": 5}}))).await;
+    let run = t
+        .submit(spec(
+            "hostile.refuse_retryable",
+            json!({"retry": {"max_attempts": 5}}),
+        ))
+        .await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
     assert_eq!(s.state, "terminal_failed");
@@ -254,7 +303,11 @@ async fn refusals_do_not_loop_forever() {
 #[tokio::test]
 async fn a_protocol_mismatch_is_caught_at_the_probe() {
     let t = TestDb::new().await;
-    let cfg = fast_config(vec![hostile("hostile", None, &[("HOSTILE_PROTOCOL_VERSION", "2")])]);
+    let cfg = fast_config(vec![hostile(
+        "hostile",
+        None,
+        &[("HOSTILE_PROTOCOL_VERSION", "2")],
+    )]);
     let err = Worker::start(t.connect(4).await, cfg)
         .await
         .err()
@@ -291,7 +344,10 @@ async fn executor_values_and_panics_cannot_take_the_worker_down() {
     let st = t.wait_terminal(panicked, LONG).await;
     supervisor::fault::panic_in_attempts_of_kind(None);
     let s = step(&st, "s");
-    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("SUPERVISOR_PANIC"));
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("SUPERVISOR_PANIC")
+    );
     // concurrency 1: this runs only if the panicked attempt gave its slot back
     let after = t.submit(spec("hostile.echo", json!({}))).await;
     let st = t.wait_terminal(after, LONG).await;
@@ -308,7 +364,9 @@ struct Blackhole {
 
 impl Blackhole {
     async fn start(upstream: String) -> Blackhole {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let port = listener.local_addr().expect("addr").port();
         let paused = Arc::new(AtomicBool::new(false));
         let p = paused.clone();
@@ -364,8 +422,12 @@ async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
         u.to_string()
     };
     let hole = Blackhole::start(upstream.clone()).await;
-    let via_proxy = t.url.replacen(&upstream, &format!("127.0.0.1:{}", hole.port), 1);
-    let proxied = supervisor::db::Db::connect(&via_proxy, 10).await.expect("connect via proxy");
+    let via_proxy = t
+        .url
+        .replacen(&upstream, &format!("127.0.0.1:{}", hole.port), 1);
+    let proxied = supervisor::db::Db::connect(&via_proxy, 10)
+        .await
+        .expect("connect via proxy");
     let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
     cfg.name = Some("cut-off".into());
     let ttl = Duration::from_millis(cfg.lease_ttl_ms);
@@ -376,7 +438,8 @@ async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
                        "input": {"ms": 3000, "steps": 30}, "retry": {"initial_interval_ms": 100}}]}))
         .await;
     let sid = tests::only_step_id(&t, run).await;
-    t.wait_run(run, LONG, |s| s.steps[0].state == "running").await;
+    t.wait_run(run, LONG, |s| s.steps[0].state == "running")
+        .await;
     let pid = tests::executor_pid(&t.db, sid).await.expect("pid");
     tokio::time::sleep(Duration::from_millis(300)).await;
     hole.paused.store(true, Ordering::SeqCst);
@@ -390,7 +453,10 @@ async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
         if stat.contains(") Z ") {
             break;
         }
-        assert!(cut.elapsed() < Duration::from_secs(10), "the cut-off worker's child kept running");
+        assert!(
+            cut.elapsed() < Duration::from_secs(10),
+            "the cut-off worker's child kept running"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let stopped = cut.elapsed();
@@ -407,9 +473,15 @@ async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
     let hist = tests::step_transitions(&t.db, sid).await;
     let expired = hist
         .iter()
-        .position(|h| h.reason.as_deref().is_some_and(|r| r.starts_with("LEASE_EXPIRED")))
+        .position(|h| {
+            h.reason
+                .as_deref()
+                .is_some_and(|r| r.starts_with("LEASE_EXPIRED"))
+        })
         .expect("the step was reclaimed after its lease expired");
-    assert!(hist[expired..].iter().all(|h| h.worker.as_deref() != Some("cut-off")));
+    assert!(hist[expired..]
+        .iter()
+        .all(|h| h.worker.as_deref() != Some("cut-off")));
     println!("cut off: child stopped {stopped:?} after the cut (TTL {ttl:?}); reclaimed and completed by the rescuer");
     hole.paused.store(false, Ordering::SeqCst);
     b.shutdown().await;
@@ -417,7 +489,10 @@ async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
 }
 
 fn url_host_port(url: &str) -> &str {
-    let rest = &url[url.find('@').map(|i| i + 1).unwrap_or(url.find("://").map(|i| i + 3).unwrap_or(0))..];
+    let rest = &url[url
+        .find('@')
+        .map(|i| i + 1)
+        .unwrap_or(url.find("://").map(|i| i + 3).unwrap_or(0))..];
     &rest[..rest.find('/').unwrap_or(rest.len())]
 }
 
@@ -430,32 +505,43 @@ async fn the_worker_refuses_an_unsafe_setup_and_fails_when_its_heartbeat_dies() 
     let t = TestDb::new().await;
     let mut bad = fast_config(vec![go_demo("go", &[], None)]);
     bad.cancel_grace_ms = 5_000;
-    let err = Worker::start(t.connect(4).await, bad.clone()).await.err().expect("refused");
+    let err = Worker::start(t.connect(4).await, bad.clone())
+        .await
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("lease_ttl_ms"), "{err}");
     assert!(bad.validate().is_err());
     let mut unwritable = fast_config(vec![go_demo("go", &[], None)]);
     unwritable.work_dir = Some(PathBuf::from("/proc"));
-    let err = Worker::start(t.connect(4).await, unwritable).await.err().expect("refused");
+    let err = Worker::start(t.connect(4).await, unwritable)
+        .await
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("work_dir"), "{err}");
 
     let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
     let name = format!("doomed-{}", Uuid::new_v4().simple());
     cfg.name = Some(name.clone());
-    let worker = Worker::start(t.connect(10).await, cfg).await.expect("start");
+    let worker = Worker::start(t.connect(10).await, cfg)
+        .await
+        .expect("start");
     let stop = CancellationToken::new();
     let task = tokio::spawn(worker.run(stop.clone()));
     let run = t
-        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
-                       "input": {"ms": 30000}}]}))
+        .submit(
+            json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
+                       "input": {"ms": 30000}}]}),
+        )
         .await;
     let sid = tests::only_step_id(&t, run).await;
-    t.wait_run(run, LONG, |s| s.steps[0].state == "running").await;
+    t.wait_run(run, LONG, |s| s.steps[0].state == "running")
+        .await;
     supervisor::fault::kill_heartbeat_of(&name);
     let res = tokio::time::timeout(Duration::from_secs(20), task)
         .await
         .expect("the worker exited")
         .expect("join");
-    let err = res.err().expect("the worker failed");
+    let err = res.expect_err("the worker failed");
     assert!(err.to_string().contains("heartbeat"), "{err}");
     tests::assert_no_survivors(sid, None, Duration::from_secs(5)).await;
 }
@@ -471,19 +557,31 @@ async fn a_drained_step_keeps_its_attempts() {
     cfg.drain_timeout_ms = 300;
     let w = RunningWorker::start(t.connect(10).await, cfg.clone()).await;
     let run = t
-        .submit(json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
-                       "input": {"ms": 2000, "steps": 4}, "retry": {"max_attempts": 1}}]}))
+        .submit(
+            json!({"name": "p", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
+                       "input": {"ms": 2000, "steps": 4}, "retry": {"max_attempts": 1}}]}),
+        )
         .await;
-    t.wait_run(run, LONG, |s| s.steps.first().is_some_and(|s| s.state == "running"))
-        .await;
+    t.wait_run(run, LONG, |s| {
+        s.steps.first().is_some_and(|s| s.state == "running")
+    })
+    .await;
     w.shutdown().await;
     let st = t.status(run).await;
     let s = step(&st, "s");
     assert_eq!(s.state, "retryable_failed", "{:?}", s.error);
-    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("WORKER_SHUTDOWN"));
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("WORKER_SHUTDOWN")
+    );
     let w2 = RunningWorker::start(t.connect(10).await, cfg).await;
     let st = t.wait_terminal(run, LONG).await;
-    assert_eq!(step(&st, "s").state, "succeeded", "{:?}", step(&st, "s").error);
+    assert_eq!(
+        step(&st, "s").state,
+        "succeeded",
+        "{:?}",
+        step(&st, "s").error
+    );
     w2.shutdown().await;
 }
 
@@ -508,15 +606,30 @@ async fn secrets_are_allowlisted_and_never_stored() {
     let probes = spawns(&log);
 
     let run = t
-        .submit(spec("hostile.echo", json!({"secrets": ["DATABASE_URL"], "retry": {"max_attempts": 3}})))
+        .submit(spec(
+            "hostile.echo",
+            json!({"secrets": ["DATABASE_URL"], "retry": {"max_attempts": 3}}),
+        ))
         .await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
     assert_eq!(s.state, "terminal_failed");
-    assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("SECRET_NOT_ALLOWED"));
-    assert_eq!(spawns(&log), probes, "the executor was started for a forbidden secret");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("SECRET_NOT_ALLOWED")
+    );
+    assert_eq!(
+        spawns(&log),
+        probes,
+        "the executor was started for a forbidden secret"
+    );
 
-    let run = t.submit(spec("hostile.secret_echo", json!({"secrets": ["API_TOKEN"]}))).await;
+    let run = t
+        .submit(spec(
+            "hostile.secret_echo",
+            json!({"secrets": ["API_TOKEN"]}),
+        ))
+        .await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
     assert_eq!(s.error.as_ref().map(|e| e.code.as_str()), Some("LEAK"));

@@ -106,7 +106,9 @@ fn sqlx_is_transient(e: &sqlx::Error) -> bool {
 /// intervention (admin shutdown, statement timeout), 58 system error, and
 /// 55P03 lock_not_available (lock_timeout), 55006 object in use.
 pub fn sqlstate_is_transient(code: &str) -> bool {
-    ["08", "40", "53", "57", "58"].iter().any(|c| code.starts_with(c))
+    ["08", "40", "53", "57", "58"]
+        .iter()
+        .any(|c| code.starts_with(c))
         || code == "55P03"
         || code == "55006"
 }
@@ -351,9 +353,10 @@ impl Db {
     /// database that is away at this moment is not an error here.
     pub fn dedicated(&self, timeout: StdDuration) -> Db {
         let ms = timeout.as_millis().max(1).to_string();
-        let opts = (*self.pool.connect_options())
-            .clone()
-            .options([("statement_timeout", ms.as_str()), ("lock_timeout", ms.as_str())]);
+        let opts = (*self.pool.connect_options()).clone().options([
+            ("statement_timeout", ms.as_str()),
+            ("lock_timeout", ms.as_str()),
+        ]);
         let pool = PgPoolOptions::new()
             .max_connections(1)
             .test_before_acquire(false)

@@ -351,7 +351,16 @@ async fn execute(
         Err(e) => return Outcome::failed("SPAWN_FAILED", true, e.to_string()),
     };
     debug!(pid = child.pid, "executor spawned");
-    let outcome = converse(shared, exec, step, &mut child, &job, &mut control, &redactor).await;
+    let outcome = converse(
+        shared,
+        exec,
+        step,
+        &mut child,
+        &job,
+        &mut control,
+        &redactor,
+    )
+    .await;
     drop(workdir);
     outcome
 }
@@ -481,7 +490,10 @@ async fn until_stopped(control: &mut watch::Receiver<LeaseView>, budget: Duratio
         if v.control != Control::Run {
             return v.control;
         }
-        let stop_at = v.valid_until.checked_sub(budget).unwrap_or_else(Instant::now);
+        let stop_at = v
+            .valid_until
+            .checked_sub(budget)
+            .unwrap_or_else(Instant::now);
         tokio::select! {
             changed = control.changed() => {
                 if changed.is_err() {
@@ -624,7 +636,8 @@ async fn write_loop(
                             Intent::Start { .. } => None,
                         })
                         .collect();
-                    let evs: Vec<NewEvent<'_>> = coalesce(&run).into_iter().map(new_event).collect();
+                    let evs: Vec<NewEvent<'_>> =
+                        coalesce(&run).into_iter().map(new_event).collect();
                     i = end;
                     retrying(&control, "recording progress events", || {
                         shared.db.record_events(&lease, &evs)
@@ -677,9 +690,7 @@ where
     loop {
         match bounded(DB_CALL_TIMEOUT, what, f()).await {
             Ok(()) => return Ok(()),
-            Err(e)
-                if e.is_transient() && Instant::now() + delay < control.borrow().valid_until =>
-            {
+            Err(e) if e.is_transient() && Instant::now() + delay < control.borrow().valid_until => {
                 warn!(error = %e, "{what} failed; retrying");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(1));
@@ -1246,7 +1257,12 @@ async fn commit(
         let limit = valid_until
             .saturating_duration_since(Instant::now())
             .max(Duration::from_secs(1));
-        let res = bounded(limit, "committing an outcome", write_outcome(shared, step, &outcome)).await;
+        let res = bounded(
+            limit,
+            "committing an outcome",
+            write_outcome(shared, step, &outcome),
+        )
+        .await;
         match res {
             Ok(()) => return,
             Err(DbError::LeaseLost { .. }) => {
@@ -1263,7 +1279,8 @@ async fn commit(
                 delay = (delay * 2).min(Duration::from_secs(1));
             }
             Err(e) => {
-                let rejected = matches!(&outcome, Outcome::Failed { code, .. } if code == "COMMIT_REJECTED");
+                let rejected =
+                    matches!(&outcome, Outcome::Failed { code, .. } if code == "COMMIT_REJECTED");
                 error!(error = %redactor.text(&e.to_string()), sqlstate = ?e.sqlstate(), outcome = %outcome.label(), "the database refused the outcome for good");
                 if rejected {
                     return;
@@ -1287,7 +1304,11 @@ async fn commit(
     }
 }
 
-async fn write_outcome(shared: &Shared, step: &LeasedStep, outcome: &Outcome) -> Result<(), DbError> {
+async fn write_outcome(
+    shared: &Shared,
+    step: &LeasedStep,
+    outcome: &Outcome,
+) -> Result<(), DbError> {
     let lease = &step.lease;
     match outcome {
         Outcome::Succeeded {
@@ -1440,7 +1461,11 @@ fn finish_result(
     }
     // all artifacts of one result travel to the database in one message:
     // their sum is capped below PostgreSQL's 1 GiB message limit
-    let declared: u64 = r.artifacts.iter().map(|m| m.size).fold(0, u64::saturating_add);
+    let declared: u64 = r
+        .artifacts
+        .iter()
+        .map(|m| m.size)
+        .fold(0, u64::saturating_add);
     if declared > max_result_bytes {
         return Outcome::failed(
             "RESULT_TOO_LARGE",
@@ -1464,7 +1489,10 @@ fn finish_result(
             return Outcome::failed(
                 "ARTIFACT_INVALID",
                 false,
-                format!("artifact {:?}: a field contains a NUL character", m.name.replace('\0', "\u{fffd}")),
+                format!(
+                    "artifact {:?}: a field contains a NUL character",
+                    m.name.replace('\0', "\u{fffd}")
+                ),
             );
         }
         if m.name.is_empty() || !names.insert(m.name.clone()) {
@@ -1607,7 +1635,10 @@ async fn drain_after_exit(frames: &mut Frames) -> Drained {
     let until = Instant::now() + EXIT_DRAIN_MAX;
     loop {
         if out.len() >= EXIT_DRAIN_MAX_FRAMES || Instant::now() >= until {
-            warn!(frames = out.len(), "stdout still busy after the executor exited; not reading further");
+            warn!(
+                frames = out.len(),
+                "stdout still busy after the executor exited; not reading further"
+            );
             return Drained::Frames(out);
         }
         let idle = EXIT_DRAIN_IDLE.min(until.saturating_duration_since(Instant::now()));

@@ -302,7 +302,11 @@ impl Worker {
         // the loops a worker cannot run without: if one ends before it is
         // told to, the worker stops its children and exits non-zero
         let mut vital: JoinSet<&'static str> = JoinSet::new();
-        let (s1, n1, t1) = (shared.clone(), self.heartbeat_now.clone(), loops_stop.clone());
+        let (s1, n1, t1) = (
+            shared.clone(),
+            self.heartbeat_now.clone(),
+            loops_stop.clone(),
+        );
         vital.spawn(async move {
             heartbeat_loop(s1, n1, t1).await;
             "heartbeat"
@@ -341,9 +345,7 @@ impl Worker {
                 let steps = match bounded(
                     DB_CALL_TIMEOUT,
                     "leasing steps",
-                    shared
-                        .db
-                        .lease(shared.id, &shared.name, &routes, free, ttl),
+                    shared.db.lease(shared.id, &shared.name, &routes, free, ttl),
                 )
                 .await
                 {
@@ -561,7 +563,11 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                         e.tx.send_modify(|v| v.control = Control::LeaseLost);
                     }
                 }
-                debug!(renewed = report.renewed, busy = report.busy.len(), "heartbeat");
+                debug!(
+                    renewed = report.renewed,
+                    busy = report.busy.len(),
+                    "heartbeat"
+                );
             }
             Err(e) => {
                 // the lease clocks stand still; each attempt stops its child

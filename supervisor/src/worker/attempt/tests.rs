@@ -75,7 +75,11 @@ fn frame_sequences() {
     // each row: the frames of one job, and what each one leads to
     let rows: Vec<(Vec<FromExecutor>, Vec<&str>)> = vec![
         (
-            vec![ev(1, Accepted, ""), ev(2, Progress, "p"), FromExecutor::Result(res(3))],
+            vec![
+                ev(1, Accepted, ""),
+                ev(2, Progress, "p"),
+                FromExecutor::Result(res(3)),
+            ],
             vec!["start", "event", "result"],
         ),
         (vec![ev(1, Progress, "")], vec!["PROTOCOL_UNEXPECTED_FRAME"]),
@@ -153,30 +157,139 @@ fn precedence_of_outcomes() {
         &'static str,
     );
     let rows: Vec<Row> = vec![
-        (None, Some(Terminal::Result(res(2))), true, false, false, "verify"),
-        (None, Some(Terminal::Result(res(2))), true, false, true, "failed (PROTOCOL_FRAME_AFTER_TERMINAL)"),
+        (
+            None,
+            Some(Terminal::Result(res(2))),
+            true,
+            false,
+            false,
+            "verify",
+        ),
+        (
+            None,
+            Some(Terminal::Result(res(2))),
+            true,
+            false,
+            true,
+            "failed (PROTOCOL_FRAME_AFTER_TERMINAL)",
+        ),
         // a cancel answered by a result within the grace keeps the result
-        (Some(cancelled()), Some(Terminal::Result(res(2))), true, true, false, "verify"),
-        (Some(cancelled()), Some(Terminal::Error(err(2, "CANCELLED", false))), true, true, false, "cancelled"),
+        (
+            Some(cancelled()),
+            Some(Terminal::Result(res(2))),
+            true,
+            true,
+            false,
+            "verify",
+        ),
+        (
+            Some(cancelled()),
+            Some(Terminal::Error(err(2, "CANCELLED", false))),
+            true,
+            true,
+            false,
+            "cancelled",
+        ),
         (Some(cancelled()), None, true, true, false, "cancelled"),
         // the supervisor's own verdicts win over the executor's terminal
-        (Some(timeout()), Some(Terminal::Result(res(2))), true, false, false, "failed (ATTEMPT_TIMEOUT)"),
-        (Some(lost()), Some(Terminal::Result(res(2))), true, false, false, "abandoned (lease lost)"),
-        (Some(released()), None, true, false, false, "released (worker shutdown)"),
+        (
+            Some(timeout()),
+            Some(Terminal::Result(res(2))),
+            true,
+            false,
+            false,
+            "failed (ATTEMPT_TIMEOUT)",
+        ),
+        (
+            Some(lost()),
+            Some(Terminal::Result(res(2))),
+            true,
+            false,
+            false,
+            "abandoned (lease lost)",
+        ),
+        (
+            Some(released()),
+            None,
+            true,
+            false,
+            false,
+            "released (worker shutdown)",
+        ),
         // errors before accepted: refusal or terminal failure
-        (None, Some(Terminal::Error(err(1, "UNSUPPORTED_KIND", false))), false, false, false, "refused (UNSUPPORTED_KIND)"),
-        (None, Some(Terminal::Error(err(1, "BUSY_NOW", true))), false, false, false, "refused (BUSY_NOW)"),
-        (None, Some(Terminal::Error(err(1, "", false))), false, false, false, "refused (EXECUTOR_REFUSED)"),
-        (None, Some(Terminal::Error(err(1, "BAD_INPUT", false))), false, false, false, "failed (BAD_INPUT)"),
+        (
+            None,
+            Some(Terminal::Error(err(1, "UNSUPPORTED_KIND", false))),
+            false,
+            false,
+            false,
+            "refused (UNSUPPORTED_KIND)",
+        ),
+        (
+            None,
+            Some(Terminal::Error(err(1, "BUSY_NOW", true))),
+            false,
+            false,
+            false,
+            "refused (BUSY_NOW)",
+        ),
+        (
+            None,
+            Some(Terminal::Error(err(1, "", false))),
+            false,
+            false,
+            false,
+            "refused (EXECUTOR_REFUSED)",
+        ),
+        (
+            None,
+            Some(Terminal::Error(err(1, "BAD_INPUT", false))),
+            false,
+            false,
+            false,
+            "failed (BAD_INPUT)",
+        ),
         // CANCELLED is a cancel only when we asked for one
-        (None, Some(Terminal::Error(err(2, "CANCELLED", false))), true, true, false, "cancelled"),
-        (None, Some(Terminal::Error(err(2, "CANCELLED", false))), true, false, false, "failed (CANCELLED)"),
-        (None, Some(Terminal::Error(err(2, "E", true))), true, false, false, "failed (E)"),
+        (
+            None,
+            Some(Terminal::Error(err(2, "CANCELLED", false))),
+            true,
+            true,
+            false,
+            "cancelled",
+        ),
+        (
+            None,
+            Some(Terminal::Error(err(2, "CANCELLED", false))),
+            true,
+            false,
+            false,
+            "failed (CANCELLED)",
+        ),
+        (
+            None,
+            Some(Terminal::Error(err(2, "E", true))),
+            true,
+            false,
+            false,
+            "failed (E)",
+        ),
         (None, None, true, false, false, "failed (EXECUTOR_CRASHED)"),
     ];
     for (imposed, terminal, accepted, own_cancel, after, want) in rows {
-        let got = precedence(imposed.clone(), terminal.clone(), accepted, own_cancel, after, "exit 0");
-        assert_eq!(label(&got), want, "imposed {imposed:?}, terminal {terminal:?}");
+        let got = precedence(
+            imposed.clone(),
+            terminal.clone(),
+            accepted,
+            own_cancel,
+            after,
+            "exit 0",
+        );
+        assert_eq!(
+            label(&got),
+            want,
+            "imposed {imposed:?}, terminal {terminal:?}"
+        );
     }
 }
 
