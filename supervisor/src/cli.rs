@@ -215,10 +215,11 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Worker { config } => {
             let cfg = WorkerConfig::load(&config)?;
             let url = cli.database_url.clone().or(cfg.database_url.clone());
-            let db = connect(&url, cfg.db_max_connections).await?;
-            let worker = Worker::start(db, cfg).await?;
+            // SIGTERM during start-up (probes, the sweep) is a clean stop too
             let shutdown = CancellationToken::new();
             spawn_signal_handler(shutdown.clone());
+            let db = connect(&url, cfg.db_max_connections).await?;
+            let worker = Worker::start(db, cfg).await?;
             let res = worker.run(shutdown).await;
             // the last line of defence: no child outlives the worker process
             crate::process::kill_all_groups();
@@ -308,9 +309,9 @@ async fn dev_session(
     let db = connect(&url, cfg.db_max_connections).await?;
     // dev owns its database: it migrates (a plain worker does not)
     db.migrate().await?;
-    let worker = Worker::start(db.clone(), cfg).await?;
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
+    let worker = Worker::start(db.clone(), cfg).await?;
     let mut run_id = None;
     if let Some(spec) = spec {
         let id = db.submit(&spec).await?;

@@ -431,11 +431,7 @@ async fn sweep_repeats_until_a_forking_incarnation_is_gone() {
 /// long-lived grandchild; the worker is killed with SIGKILL (the executor dies
 /// by PDEATHSIG, the grandchild survives); a new worker with the same `name`
 /// ends it at start, by its marker.
-///
-/// Needs `Worker::start` to build its spawner with
-/// `Spawner::start_with_marker` and call `sweep_previous_incarnations`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the Worker::start wiring (start_with_marker + sweep_previous_incarnations); run with --include-ignored"]
 async fn restarted_worker_ends_the_grandchild_its_killed_predecessor_left() {
     reaping();
     let _serial = tests::exclusive().await;
@@ -512,9 +508,23 @@ async fn restarted_worker_ends_the_grandchild_its_killed_predecessor_left() {
         "only the new worker's children carry the slot's marker"
     );
 
+    // SIGTERM drains only once the worker runs (its handler is installed
+    // right after it registered); before, it would just kill it
+    let registered = format!("SELECT count(*) FROM durable.workers WHERE pid = {second_pid}");
+    let until = Instant::now() + Duration::from_secs(30);
+    while t.scalar_i64(&registered).await == 0 {
+        assert!(Instant::now() < until, "the second worker never registered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
     second.signal(Signal::SIGTERM);
     let code = second.wait(Duration::from_secs(30)).await;
     assert_eq!(code, Some(0), "stderr: {}", second.stderr());
+    for line in second.stderr().lines() {
+        if line.contains("incarnation") || line.contains("containment") {
+            println!("second worker: {line}");
+        }
+    }
     eventually(
         Duration::from_secs(5),
         "nothing of the slot is left",

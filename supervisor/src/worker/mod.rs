@@ -232,7 +232,30 @@ impl Worker {
     pub async fn start(db: Db, cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         let version = db.check_schema().await?;
         check_setup(&db, &cfg)?;
-        let spawner = Spawner::start().map_err(WorkerError::Spawner)?;
+        let id = Uuid::new_v4();
+        let host = hostname();
+        // every child carries this worker's slot (its name, or the host) and
+        // incarnation; a restarted worker ends what a killed predecessor of
+        // the same slot left behind, found by that marker in /proc, never by
+        // a stored pid (a live worker's children are spared)
+        let slot = cfg.name.clone().unwrap_or_else(|| format!("host:{host}"));
+        let spawner = Spawner::start_with_marker(crate::process::Marker {
+            slot: slot.clone(),
+            instance: id.to_string(),
+        })
+        .map_err(WorkerError::Spawner)?;
+        let (s2, i2) = (slot.clone(), id.to_string());
+        match tokio::task::spawn_blocking(move || {
+            crate::process::sweep_previous_incarnations(&s2, &i2)
+        })
+        .await
+        {
+            Ok(r) if r.processes_killed > 0 || r.cgroups_killed > 0 => {
+                warn!(slot = %slot, report = ?r, "ended what a previous incarnation of this worker left running")
+            }
+            Ok(r) => debug!(slot = %slot, report = ?r, "no leftovers of a previous incarnation"),
+            Err(e) => warn!(error = %e, "the sweep of previous incarnations failed"),
+        }
         let mut executors = Vec::with_capacity(cfg.executors.len());
         for ecfg in &cfg.executors {
             let hello = probe(&spawner, ecfg, &cfg).await?;
@@ -245,8 +268,6 @@ impl Worker {
                 running: AtomicU32::new(0),
             }));
         }
-        let id = Uuid::new_v4();
-        let host = hostname();
         let name = cfg
             .name
             .clone()
