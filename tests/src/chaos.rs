@@ -902,6 +902,11 @@ struct ArtifactRow {
 pub struct AuditInput {
     /// Kill -9s and pauses (for "completed by a worker that was dead or frozen").
     pub outages: Vec<Outage>,
+    /// The workers' lease TTL: a statement a worker sent just before it was
+    /// killed or frozen may still be executed by the server afterwards (it
+    /// does not know its client is gone, and may wait on a lock first), but a
+    /// completion that lands more than a TTL later did not come from it.
+    pub lease_ttl: Duration,
 }
 
 /// One demo.effect step whose effect happened more than once, legitimately.
@@ -1289,7 +1294,7 @@ pub async fn audit(db: &Db, input: &AuditInput) -> Result<Audit> {
                         }
                     }
                 }
-                let slack = chrono::Duration::milliseconds(500);
+                let slack = chrono::Duration::milliseconds(input.lease_ttl.as_millis() as i64);
                 for o in dead.iter().filter(|o| o.worker_id == Some(owner)) {
                     let frozen = match o.paused_until {
                         None => done.at > o.at + slack,
@@ -1655,6 +1660,19 @@ fn check_result(
         }
         _ => {}
     }
+}
+
+/// Up to `n` lock waits logged by the server (log_lock_waits), each with
+/// the lines that follow it (DETAIL, CONTEXT, STATEMENT).
+pub fn lock_wait_samples(log: &str, n: usize) -> Vec<String> {
+    let lines: Vec<&str> = log.lines().collect();
+    lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.contains("still waiting for"))
+        .take(n)
+        .map(|(i, _)| lines[i..(i + 4).min(lines.len())].join("\n    "))
+        .collect()
 }
 
 /// `deadlock detected` (and a count of lock waits) in a server log.

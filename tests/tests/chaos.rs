@@ -811,6 +811,7 @@ async fn chaos() {
         &db,
         &AuditInput {
             outages: chaos.outages.clone(),
+            lease_ttl: Duration::from_millis(TTL_MS),
         },
     )
     .await
@@ -1075,6 +1076,9 @@ async fn chaos() {
             "effect repeated (allowed): {} — {} lines, first checkpoint by attempt {:?}, attempts {:?}",
             r.step, r.lines, r.first_checkpoint_attempt, r.attempts
         );
+    }
+    for w in lock_wait_samples(&server_log, 3) {
+        println!("lock wait (information):\n    {w}");
     }
     for s in &chaos.startup_failures {
         println!("start failure (tolerated): {s}");

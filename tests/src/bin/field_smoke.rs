@@ -308,6 +308,7 @@ async fn main() -> Result<()> {
         &db,
         &AuditInput {
             outages: outages.clone(),
+            lease_ttl: ttl,
         },
     )
     .await?;
