@@ -35,6 +35,10 @@
 //! cannot hold processes, i.e. a threaded or otherwise odd setup) makes us
 //! fall back.
 //!
+//! Cgroups named for a supervisor that is dead (pid + start time) are
+//! garbage once empty: detection removes them (any slot), and so does every
+//! sweep; a populated one is only killed by the sweep of its own slot.
+//!
 //! If moving a child in fails at runtime even though detection succeeded,
 //! the child runs without a cgroup, and cgroups are switched off for the
 //! rest of the process (logged once at warn).
@@ -133,6 +137,12 @@ fn state() -> std::sync::MutexGuard<'static, State> {
                 Err(reason) => (CgroupMode::ProcessGroupsOnly { reason }, None),
             };
             tracing::info!(mode = %mode, "child process containment");
+            if let Some(h) = &hierarchy {
+                let removed = collect_garbage(h);
+                if removed > 0 {
+                    tracing::info!(removed, "removed empty cgroups of dead supervisors");
+                }
+            }
             Mutex::new(State {
                 detected: mode.clone(),
                 mode,
@@ -500,6 +510,31 @@ pub(crate) fn stale_children(h: &Hierarchy, tag: &str) -> Vec<PathBuf> {
             (t == tag && sup.liveness() == marker::Liveness::Dead).then(|| e.path())
         })
         .collect()
+}
+
+/// Removes every *empty* child cgroup of our own cgroup that one of these
+/// supervisors made (by name) and whose supervisor is dead, whatever its
+/// slot: leftovers of a supervisor killed before it could remove them.
+/// Never kills anything (`rmdir` refuses a cgroup with processes; those are
+/// for the slot's next sweep). Returns how many were removed.
+pub(crate) fn collect_garbage(h: &Hierarchy) -> usize {
+    let Ok(entries) = std::fs::read_dir(&h.own_dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some((_, sup)) = name.to_str().and_then(parse_child_name) else {
+            continue;
+        };
+        if sup.liveness() != marker::Liveness::Dead {
+            continue;
+        }
+        if let Ok(true) = ChildCgroup::existing(e.path()).try_remove() {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 /// The cgroup directory of process `pid`, if it is one of ours (by name)

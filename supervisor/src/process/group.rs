@@ -414,13 +414,22 @@ impl GroupGuard {
         }
     }
 
-    /// After the reap: the child's cgroup, to be removed once empty.
-    pub(crate) fn take_cgroup(&mut self) -> Option<Arc<ChildCgroup>> {
+    /// After the reap: the child's cgroup, to be removed once empty. The
+    /// guard keeps it until [`cgroup_removed`](Self::cgroup_removed), so a
+    /// caller dropped while waiting for it to empty still gets it removed
+    /// (by `Drop`).
+    pub(crate) fn cgroup_to_remove(&self) -> Option<Arc<ChildCgroup>> {
         if self.reaped {
-            self.cgroup.take()
+            self.cgroup.clone()
         } else {
             None
         }
+    }
+
+    /// The removal of the cgroup was attempted (successfully or not: a
+    /// cgroup left over is logged and left to a later garbage collection).
+    pub(crate) fn cgroup_removed(&mut self) {
+        self.cgroup = None;
     }
 }
 
@@ -428,9 +437,18 @@ impl Drop for GroupGuard {
     fn drop(&mut self) {
         if self.reaped {
             if let Some(cg) = self.cgroup.take() {
-                // Reaped but the caller never removed the cgroup (its future
-                // was dropped): do it here, without waiting.
-                cg.remove_now_logged();
+                // Reaped, but the caller's removal never finished (its future
+                // was dropped): remove it now, or once empty on a thread.
+                if !matches!(cg.try_remove(), Ok(true)) {
+                    let spawned = std::thread::Builder::new()
+                        .name("cgroup-rmdir".into())
+                        .spawn(move || {
+                            cg.remove_blocking_logged(super::cgroup::EMPTY_GRACE);
+                        });
+                    if let Err(e) = spawned {
+                        tracing::debug!(error = %e, "cgroup left for a later garbage collection");
+                    }
+                }
             }
             return;
         }

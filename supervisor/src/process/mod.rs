@@ -502,8 +502,9 @@ impl Child {
         self.guard.kill_everything()?;
         let status = self.guard.reap_exited()?;
         tracing::debug!(pid = self.guard.pid, %status, escalated, "reaped child");
-        if let Some(cg) = self.guard.take_cgroup() {
+        if let Some(cg) = self.guard.cgroup_to_remove() {
             cg.remove_when_empty(cgroup::EMPTY_GRACE).await;
+            self.guard.cgroup_removed();
         }
         if let Some(mut drain) = self.drain.take() {
             if tokio::time::timeout(STDERR_DRAIN_GRACE, &mut drain)

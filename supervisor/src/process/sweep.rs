@@ -50,7 +50,8 @@ pub struct SweepReport {
     pub groups_killed: usize,
     /// Cgroups of a previous incarnation whose `cgroup.kill` was written.
     pub cgroups_killed: usize,
-    /// Of those (and of empty leftovers), how many were removed.
+    /// Cgroups removed: those killed, and empty leftovers of dead
+    /// supervisors of any slot.
     pub cgroups_removed: usize,
     /// Marked processes of this slot left alone because their supervisor is
     /// still alive (another live worker with the same name) or lives in
@@ -185,6 +186,9 @@ pub fn sweep_previous_incarnations(slot: &str, my_instance: &str) -> SweepReport
         if ChildCgroup::existing(dir.clone()).remove_blocking_logged(left) {
             report.cgroups_removed += 1;
         }
+    }
+    if let Some(h) = &hierarchy {
+        report.cgroups_removed += cgroup::collect_garbage(h);
     }
     report.groups_killed = groups.len();
     report.spared_live = spared.len();
