@@ -135,8 +135,8 @@ pub fn sweep_previous_incarnations(slot: &str, my_instance: &str) -> SweepReport
             }
             if !is_stale(&m) {
                 if spared.insert(key) {
-                    tracing::warn!(pid, instance = %m.instance, supervisor = ?m.supervisor,
-                        "a process of this worker's slot belongs to a supervisor that is still alive (or in another pid namespace): not touching it; is another worker configured with the same name?");
+                    tracing::debug!(pid, instance = %m.instance, supervisor = ?m.supervisor,
+                        "spared: its supervisor is alive or in another pid namespace");
                 }
                 continue;
             }
@@ -192,6 +192,13 @@ pub fn sweep_previous_incarnations(slot: &str, my_instance: &str) -> SweepReport
     }
     report.groups_killed = groups.len();
     report.spared_live = spared.len();
+    if report.spared_live > 0 {
+        tracing::warn!(
+            slot,
+            processes = report.spared_live,
+            "processes of this worker's slot belong to a supervisor that is still alive (or in another pid namespace) and were left alone: is another worker on this host configured with the same name?"
+        );
+    }
     report
 }
 
