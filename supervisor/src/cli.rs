@@ -415,6 +415,8 @@ pub fn dev_config(root: &Path) -> WorkerConfig {
             .join("target/executors/demo-executor-go")
             .to_string_lossy()
             .into_owned(),
+        // the bundled executors stay warm between jobs
+        persistent: true,
         ..ExecutorConfig::default()
     };
     let py = ExecutorConfig {
@@ -424,6 +426,7 @@ pub fn dev_config(root: &Path) -> WorkerConfig {
             .join("executors-python/demo_executor.py")
             .to_string_lossy()
             .into_owned()],
+        persistent: true,
         ..ExecutorConfig::default()
     };
     cfg.executors = vec![go, py];

@@ -177,6 +177,16 @@ pub struct ExecutorConfig {
     /// Attempts run at once with this executor.
     #[serde(default = "d_concurrency")]
     pub concurrency: u32,
+    /// Keep processes warm between jobs (persistent executors, as Bazel's
+    /// persistent workers): a process serves jobs one at a time until it has
+    /// served `max_jobs_per_process` (the smaller of its hello's and this
+    /// setting), breaks the protocol, or does not end a cancelled job within
+    /// its grace; then it is replaced. Default: one process per job.
+    #[serde(default)]
+    pub persistent: bool,
+    /// Caps the jobs one persistent process serves (default: what its hello says).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_jobs_per_process: Option<u32>,
 }
 
 impl Default for WorkerConfig {
@@ -218,6 +228,8 @@ impl Default for ExecutorConfig {
             labels: BTreeMap::new(),
             kinds: None,
             concurrency: d_concurrency(),
+            persistent: false,
+            max_jobs_per_process: None,
         }
     }
 }

@@ -28,7 +28,6 @@ use tokio::io::AsyncWriteExt;
 use tokio::process::ChildStdin;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tokio_util::codec::FramedRead;
 use tracing::{debug, error, info, warn, Instrument};
 use uuid::Uuid;
 
@@ -343,26 +342,104 @@ async fn execute(
         labels: step.labels.clone(),
     };
 
-    let spec = exec
-        .cfg
-        .spawn_spec(workdir.path(), shared.cfg.stderr_tail_bytes);
-    let mut child = match shared.spawner.spawn(spec).await {
-        Ok(c) => c,
-        Err(e) => return Outcome::failed("SPAWN_FAILED", true, e.to_string()),
+    // a warm process of a persistent executor, or a new one (a one-shot
+    // process runs in the attempt's directory; a persistent one in its own)
+    let reused = if exec.cfg.persistent {
+        exec.pool.take()
+    } else {
+        None
     };
-    debug!(pid = child.pid, "executor spawned");
+    let mut session = match reused {
+        Some(s) => {
+            debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
+            s
+        }
+        None => match spawn_session(shared, exec, workdir.path()).await {
+            Ok(s) => s,
+            Err(o) => return o,
+        },
+    };
     let outcome = converse(
         shared,
         exec,
         step,
-        &mut child,
+        &mut session,
         &job,
         &mut control,
         &redactor,
     )
     .await;
+    finish_session(shared, exec, session).await;
     drop(workdir);
     outcome
+}
+
+/// Starts a process of `exec`: in `attempt_dir` (one-shot) or in a directory
+/// of its own that lives as long as the process (persistent).
+pub(crate) async fn spawn_session(
+    shared: &Shared,
+    exec: &ExecutorRuntime,
+    attempt_dir: &Path,
+) -> Result<Session, Outcome> {
+    let dir = if exec.cfg.persistent {
+        let base = shared
+            .cfg
+            .work_dir
+            .clone()
+            .unwrap_or_else(std::env::temp_dir);
+        match tempfile::Builder::new()
+            .prefix(&format!("durable-session-{}-", sanitize(&exec.cfg.name)))
+            .tempdir_in(&base)
+        {
+            Ok(d) => Some(d),
+            Err(e) => {
+                return Err(Outcome::Refused {
+                    code: "WORK_DIR_UNAVAILABLE".into(),
+                    message: format!(
+                        "cannot create a session directory in {}: {e}",
+                        base.display()
+                    ),
+                })
+            }
+        }
+    } else {
+        None
+    };
+    let cwd = dir.as_ref().map(|d| d.path()).unwrap_or(attempt_dir);
+    let spec = exec.cfg.spawn_spec(cwd, shared.cfg.stderr_tail_bytes);
+    let child = shared
+        .spawner
+        .spawn(spec)
+        .await
+        .map_err(|e| Outcome::failed("SPAWN_FAILED", true, e.to_string()))?;
+    debug!(
+        pid = child.pid,
+        persistent = exec.cfg.persistent,
+        "executor spawned"
+    );
+    Session::new(child, shared.cfg.max_frame_bytes, dir)
+        .ok_or_else(|| Outcome::failed("SPAWN_FAILED", true, "the executor's pipes are missing"))
+}
+
+/// After a job: a clean persistent session goes back to its pool (unless it
+/// served its `max_jobs_per_process` or the worker is stopping: then it is
+/// retired in order); anything else was stopped by the attempt already.
+async fn finish_session(shared: &Shared, exec: &ExecutorRuntime, session: Session) {
+    if !session.reusable {
+        return;
+    }
+    let mut session = session;
+    session.reusable = false;
+    let limit = session.job_limit(exec.cfg.max_jobs_per_process);
+    if shared.abort.is_cancelled() || shared.draining.is_cancelled() {
+        session.retire(&shared.cfg, "the worker is stopping").await;
+    } else if session.jobs >= limit {
+        session
+            .retire(&shared.cfg, "max_jobs_per_process served")
+            .await;
+    } else {
+        exec.pool.put(session);
+    }
 }
 
 /// The secrets the step names, as this worker may hand them out: only names
@@ -451,7 +528,7 @@ fn sanitize(name: &str) -> String {
     }
 }
 
-type Frames = wire::ExecutorFrames<tokio::process::ChildStdout>;
+use super::session::{Frames, Session};
 
 /// How long one frame may take to go into the child's stdin. A child that
 /// does not read its stdin must not block the attempt's event loop.
@@ -936,45 +1013,51 @@ async fn converse(
     shared: &Arc<Shared>,
     exec: &ExecutorRuntime,
     step: &LeasedStep,
-    child: &mut Child,
+    session: &mut Session,
     job: &wire::Job,
     control: &mut watch::Receiver<LeaseView>,
     redactor: &Redact,
 ) -> Outcome {
     let cfg = &shared.cfg;
     let budget = shared.stop_budget();
-    let (Some(stdout), stdin) = (child.take_stdout(), child.take_stdin()) else {
-        return Outcome::failed("SPAWN_FAILED", true, "the executor's pipes are missing");
-    };
-    let mut stdin = stdin;
-    let mut frames: Frames = FramedRead::new(stdout, wire::executor_decoder(cfg.max_frame_bytes));
+    let persistent = exec.cfg.persistent;
+    let mut stdin = session.stdin.take();
+    let known_hello = session.hello.clone();
+    let child = &mut session.child;
+    let frames = &mut session.frames;
 
-    // --- handshake: the executor speaks first; a cancel, a lost lease or the
-    // worker's abort during it stops the child at once
-    let handshake = wire::read_hello(&mut frames, Duration::from_millis(cfg.handshake_timeout_ms));
-    let read = tokio::select! {
-        biased;
-        _ = shared.abort.cancelled() => {
-            return stop_now(child, cfg, Outcome::Released {
-                message: "the worker shut down while the executor started; no job was sent".into(),
-            }).await;
-        }
-        c = until_stopped(control, budget) => {
-            return stop_now(child, cfg, before_job_outcome(c)).await;
-        }
-        r = handshake => r,
-    };
-    let hello: Hello = match read {
-        Ok(h) => h,
-        Err(e) => {
-            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %redactor.text(&child.stderr().tail_string()), "handshake failed");
-            // the raw evidence stays in the log; the stored message describes it
-            let msg = match &e {
-                HandshakeError::Wire(w) => wire_failure(w).1,
-                other => other.to_string(),
-            };
-            return stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await;
-        }
+    // --- handshake (a new process only): the executor speaks first; a
+    // cancel, a lost lease or the worker's abort during it stops the child
+    let hello: Hello = if let Some(h) = known_hello {
+        h
+    } else {
+        let handshake = wire::read_hello(frames, Duration::from_millis(cfg.handshake_timeout_ms));
+        let read = tokio::select! {
+            biased;
+            _ = shared.abort.cancelled() => {
+                return stop_now(child, cfg, Outcome::Released {
+                    message: "the worker shut down while the executor started; no job was sent".into(),
+                }).await;
+            }
+            c = until_stopped(control, budget) => {
+                return stop_now(child, cfg, before_job_outcome(c)).await;
+            }
+            r = handshake => r,
+        };
+        let h = match read {
+            Ok(h) => h,
+            Err(e) => {
+                warn!(error = %redactor.text(&e.to_string()), stderr_tail = %redactor.text(&child.stderr().tail_string()), "handshake failed");
+                // the raw evidence stays in the log; the stored message describes it
+                let msg = match &e {
+                    HandshakeError::Wire(w) => wire_failure(w).1,
+                    other => other.to_string(),
+                };
+                return stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await;
+            }
+        };
+        session.hello = Some(h.clone());
+        h
     };
     if let Err(why) = super::routing::check(
         &hello,
@@ -1066,7 +1149,7 @@ async fn converse(
                 if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
                 // its last frames may still be in the pipe: those before a
                 // stream error count, then the error does
-                let (rest, stream_error) = match drain_after_exit(&mut frames).await {
+                let (rest, stream_error) = match drain_after_exit(frames).await {
                     Drained::Frames(v) => (v, None),
                     Drained::Error(v, e) => (v, Some(e)),
                 };
@@ -1114,15 +1197,15 @@ async fn converse(
     }
 
     // --- phase 2: make sure the child is gone, then decide
-    if terminal.is_some() && imposed.is_none() {
+    let mut reusable = false;
+    if terminal.is_some() && imposed.is_none() && persistent && !child.has_exited() {
+        // a persistent process: it waits for the next job (a frame written
+        // between jobs is caught when the session is taken again)
+        reusable = !after_terminal_violation;
+    } else if terminal.is_some() && imposed.is_none() {
         // the job is done: no more jobs, the executor exits on EOF
         drop(stdin.take());
-        match watch_after_terminal(
-            child,
-            &mut frames,
-            Duration::from_millis(cfg.cancel_grace_ms),
-        )
-        .await
+        match watch_after_terminal(child, frames, Duration::from_millis(cfg.cancel_grace_ms)).await
         {
             AfterTerminal::Clean => {}
             AfterTerminal::Violation(what) => {
@@ -1168,23 +1251,51 @@ async fn converse(
                 },
             }
         }
-        drop(stdin.take());
-        if terminal.is_some() && !child.has_exited() {
-            let _ = wait_exit(child, grace).await;
+        // a persistent process that answered a cancel (or an imposed
+        // timeout) within its grace may serve again; one that did not is
+        // killed and replaced
+        let answered = terminal.is_some() && !child.has_exited();
+        if persistent
+            && answered
+            && matches!(
+                reason,
+                CancelReason::Requested | CancelReason::AttemptTimeout | CancelReason::Deadline
+            )
+        {
+            reusable = true;
+        } else {
+            drop(stdin.take());
+            if terminal.is_some() && !child.has_exited() {
+                let _ = wait_exit(child, grace).await;
+            }
         }
     }
-    drop(stdin);
-
-    // SIGTERM → grace → SIGKILL to the group if the leader still runs; always
-    // SIGKILL the group at the end (grandchildren), then reap.
-    let report = stop_child(child, cfg).await;
+    if terminal.is_some() {
+        session.jobs += 1;
+    }
+    let report = if reusable {
+        session.stdin = stdin;
+        session.reusable = true;
+        None
+    } else {
+        drop(stdin);
+        // SIGTERM → grace → SIGKILL to the group if the leader still runs;
+        // always SIGKILL the group at the end (grandchildren), then reap.
+        stop_child(&mut session.child, cfg).await
+    };
     if let Some(r) = &report {
         debug!(status = %r.status, escalated = r.escalated_to_kill, stderr_bytes = r.stderr_total_bytes, "executor reaped");
     }
     let exit_text = report
         .as_ref()
         .map(|r| r.status.to_string())
-        .unwrap_or_else(|| "unknown status".into());
+        .unwrap_or_else(|| {
+            if reusable {
+                "still serving".into()
+            } else {
+                "unknown status".into()
+            }
+        });
     // the writer persists what it has (the terminal comes after its events)
     let valid_until = control.borrow().valid_until;
     writer
@@ -1735,7 +1846,7 @@ async fn stop_now(
 /// SIGTERM to the group if the leader still runs, a grace, SIGKILL to the
 /// group (always: grandchildren go too), reap. Signals the group before
 /// reaping its leader, never after.
-async fn stop_child(
+pub(crate) async fn stop_child(
     child: &mut Child,
     cfg: &crate::config::WorkerConfig,
 ) -> Option<crate::process::ExitReport> {

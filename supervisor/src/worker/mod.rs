@@ -4,6 +4,7 @@
 
 mod attempt;
 pub mod routing;
+mod session;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -75,6 +76,8 @@ pub struct ExecutorRuntime {
     pub cfg: ExecutorConfig,
     routes: RwLock<Vec<Route>>,
     running: AtomicU32,
+    /// Idle warm processes (persistent executors).
+    pool: session::Pool,
 }
 
 impl ExecutorRuntime {
@@ -104,6 +107,8 @@ pub(crate) struct Shared {
     pub spawner: Spawner,
     /// Cancelled when the drain timeout passes: running children are stopped.
     pub abort: CancellationToken,
+    /// Cancelled when the drain starts: no session goes back to a pool.
+    pub draining: CancellationToken,
     leases: Mutex<HashMap<Uuid, LeaseEntry>>,
 }
 
@@ -266,6 +271,7 @@ impl Worker {
                 cfg: ecfg.clone(),
                 routes: RwLock::new(routes),
                 running: AtomicU32::new(0),
+                pool: session::Pool::default(),
             }));
         }
         let name = cfg
@@ -296,6 +302,7 @@ impl Worker {
                 name,
                 spawner,
                 abort: CancellationToken::new(),
+                draining: CancellationToken::new(),
                 leases: Mutex::new(HashMap::new()),
             }),
             executors,
@@ -448,6 +455,7 @@ impl Worker {
         }
 
         // --- drain
+        shared.draining.cancel();
         let running = attempts.len();
         info!(running, drain_timeout_ms = cfg.drain_timeout_ms, "draining");
         let drain_until = Instant::now() + Duration::from_millis(cfg.drain_timeout_ms);
@@ -468,6 +476,12 @@ impl Worker {
                     died = Some(name);
                     shared.abort.cancel();
                 }
+            }
+        }
+        // warm processes: Shutdown, EOF, their grace, then the usual stop
+        for exec in &self.executors {
+            for s in exec.pool.drain() {
+                s.retire(&cfg, "the worker is stopping").await;
             }
         }
         loops_stop.cancel();

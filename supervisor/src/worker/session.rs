@@ -1,0 +1,153 @@
+//! Executor sessions and pools.
+//!
+//! A *session* is one child process and its framed stdio: the hello it said,
+//! the jobs it served. A *pool* per configured executor keeps the idle
+//! sessions of a persistent executor (Bazel's persistent workers): a warm
+//! process serves many jobs, one at a time. A session goes back to the pool
+//! only after a clean job (its terminal received, no violation, nothing
+//! imposed but a cancel it answered within its grace); it is retired after
+//! `max_jobs_per_process` jobs (the smaller of the hello's and the config's),
+//! and killed on anything else. One-shot executors use a session for one job.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::StreamExt;
+use tokio::process::ChildStdin;
+use tokio_util::codec::FramedRead;
+use tracing::{debug, warn};
+
+use crate::config::WorkerConfig;
+use crate::process::Child;
+use crate::wire::{self, Hello, ToExecutor};
+
+pub(crate) type Frames = wire::ExecutorFrames<tokio::process::ChildStdout>;
+
+/// One executor process and its framed stdio.
+pub(crate) struct Session {
+    pub child: Child,
+    pub stdin: Option<ChildStdin>,
+    pub frames: Frames,
+    /// The hello, once read (a new session has not said it yet).
+    pub hello: Option<Hello>,
+    /// Jobs this process has served (terminal received).
+    pub jobs: u32,
+    /// The session's own working directory (persistent sessions; a one-shot
+    /// session runs in its attempt's directory).
+    pub _dir: Option<tempfile::TempDir>,
+    /// Set by the attempt: the job ended cleanly and the process may serve another.
+    pub reusable: bool,
+}
+
+impl Session {
+    /// Wraps a freshly spawned child; `None` if its pipes are missing.
+    pub fn new(
+        mut child: Child,
+        max_frame_bytes: usize,
+        dir: Option<tempfile::TempDir>,
+    ) -> Option<Session> {
+        let stdout = child.take_stdout()?;
+        let stdin = child.take_stdin();
+        Some(Session {
+            child,
+            stdin,
+            frames: FramedRead::new(stdout, wire::executor_decoder(max_frame_bytes)),
+            hello: None,
+            jobs: 0,
+            _dir: dir,
+            reusable: false,
+        })
+    }
+
+    /// How many jobs this process may serve: the hello's `max_jobs_per_process`
+    /// (1 or 0: one; negative: unlimited) capped by the config's.
+    pub fn job_limit(&self, configured: Option<u32>) -> u32 {
+        let from_hello = match self.hello.as_ref().map(|h| h.max_jobs_per_process) {
+            Some(n) if n < 0 => u32::MAX,
+            Some(n) if n > 1 => n as u32,
+            _ => 1,
+        };
+        configured
+            .map(|c| c.max(1))
+            .unwrap_or(u32::MAX)
+            .min(from_hello)
+    }
+
+    /// Whether an idle session can take a job: still running, and it wrote
+    /// nothing while idle (a frame between jobs is a protocol violation; the
+    /// session is not trusted with another job).
+    fn healthy(&mut self) -> bool {
+        if self.child.has_exited() {
+            return false;
+        }
+        match self.frames.next().now_or_never() {
+            None => true,
+            Some(_) => {
+                warn!(
+                    pid = self.child.pid,
+                    "an idle executor wrote to its stdout between jobs; it is replaced"
+                );
+                false
+            }
+        }
+    }
+
+    /// Ends the session in order: `Shutdown`, EOF on stdin, the cancel grace
+    /// to exit, then the usual stop (SIGTERM, grace, SIGKILL to the group, reap).
+    pub async fn retire(mut self, cfg: &WorkerConfig, why: &str) {
+        if let Some(w) = self.stdin.as_mut() {
+            use tokio::io::AsyncWriteExt;
+            let bytes = wire::encode_to_executor(&ToExecutor::Shutdown { reason: why.into() });
+            let _ = tokio::time::timeout(Duration::from_millis(500), w.write_all(&bytes)).await;
+        }
+        drop(self.stdin.take());
+        if !self.child.has_exited() {
+            let _ = tokio::time::timeout(
+                Duration::from_millis(cfg.cancel_grace_ms),
+                self.child.exited(),
+            )
+            .await;
+        }
+        let _ = super::attempt::stop_child(&mut self.child, cfg).await;
+        debug!(jobs = self.jobs, why, "executor session retired");
+    }
+}
+
+/// The idle sessions of one persistent executor.
+#[derive(Default)]
+pub(crate) struct Pool {
+    idle: Mutex<Vec<Session>>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("idle", &self.idle()).finish()
+    }
+}
+
+impl Pool {
+    /// An idle, healthy session, if there is one (unhealthy ones are dropped:
+    /// `Child`'s drop kills and reaps their group).
+    pub fn take(&self) -> Option<Session> {
+        loop {
+            let mut s = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+            if s.healthy() {
+                return Some(s);
+            }
+        }
+    }
+
+    pub fn put(&self, s: Session) {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+    }
+
+    /// Every idle session, for retirement at shutdown.
+    pub fn drain(&self) -> Vec<Session> {
+        std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn idle(&self) -> usize {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
