@@ -579,6 +579,23 @@ pub struct Outage {
     pub at: DateTime<Utc>,
     pub paused_until: Option<DateTime<Utc>>,
     pub orphans: Vec<Orphan>,
+    /// Steps ready to be leased at that moment (pending, or due to retry):
+    /// a reclaimed orphan queues behind them (the lease takes the oldest
+    /// `next_attempt_at` first).
+    pub ready_backlog: i64,
+}
+
+/// How many steps are ready to be leased now.
+pub async fn ready_backlog(db: &Db) -> i64 {
+    retry(Duration::from_secs(30), || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM durable.step_runs
+              WHERE state IN ('pending', 'retryable_failed') AND next_attempt_at <= now()",
+        )
+        .fetch_one(db.pool())
+    })
+    .await
+    .unwrap_or(-1)
 }
 
 /// What happened to one orphan after its worker went away.
@@ -592,11 +609,23 @@ pub struct Recovery {
     pub lease_expires_at: Option<DateTime<Utc>>,
     /// The first transition out of the orphaned attempt: (at, to_state, reason, by).
     pub released: Option<(DateTime<Utc>, String, String, String)>,
+    /// The next attempt's lease: (at, attempt, worker).
+    pub leased: Option<(DateTime<Utc>, i32, String)>,
     /// The next attempt's `running` (reason ACCEPTED): (at, attempt, worker).
     pub accepted: Option<(DateTime<Utc>, i32, String)>,
+    pub ready_backlog: i64,
 }
 
 impl Recovery {
+    /// Outage → the orphaned attempt moved on by LEASE_EXPIRED (the part
+    /// that does not depend on the queue).
+    pub fn reclaimed(&self) -> Option<Duration> {
+        self.released
+            .as_ref()
+            .filter(|(_, _, why, _)| why.starts_with("LEASE_EXPIRED"))
+            .and_then(|(at, _, _, _)| (*at - self.outage_at).to_std().ok())
+    }
+
     /// Outage → the next attempt's accepted.
     pub fn recovery(&self) -> Option<Duration> {
         self.accepted
@@ -621,6 +650,7 @@ pub async fn recoveries(db: &Db, outages: &[Outage]) -> Vec<Recovery> {
             .await
             .unwrap_or_default();
             let mut released = None;
+            let mut leased = None;
             let mut accepted = None;
             for r in rows {
                 let at: DateTime<Utc> = r.get("at");
@@ -643,6 +673,9 @@ pub async fn recoveries(db: &Db, outages: &[Outage]) -> Vec<Recovery> {
                         worker.clone().unwrap_or_default(),
                     ));
                 }
+                if leased.is_none() && to == "leased" && attempt.unwrap_or(0) > orphan.attempt {
+                    leased = Some((at, attempt.unwrap_or(0), worker.clone().unwrap_or_default()));
+                }
                 // the next attempt's leased → running (reason ACCEPTED)
                 if accepted.is_none()
                     && from.as_deref() == Some("leased")
@@ -660,7 +693,9 @@ pub async fn recoveries(db: &Db, outages: &[Outage]) -> Vec<Recovery> {
                 outage_at: o.at,
                 lease_expires_at: orphan.lease_expires_at,
                 released,
+                leased,
                 accepted,
+                ready_backlog: o.ready_backlog,
             });
         }
     }
@@ -710,8 +745,10 @@ pub fn vs_ttl(d: Duration, ttl: Duration) -> String {
     )
 }
 
-/// One line per orphan: when its lease ran out, when it was reclaimed, when
-/// its next attempt was accepted (all relative to the outage), against the TTL.
+/// One line per orphan: when its lease ran out, when it was reclaimed, how
+/// many steps were ready to run at the outage (the orphan queues behind
+/// them), when its next attempt was leased and accepted (all relative to the
+/// outage), and the recovery against the TTL.
 pub fn recovery_table(recs: &[Recovery], ttl: Duration) -> String {
     let rel = |t: DateTime<Utc>, o: DateTime<Utc>| {
         let ms = (t - o).num_milliseconds();
@@ -722,6 +759,8 @@ pub fn recovery_table(recs: &[Recovery], ttl: Duration) -> String {
         "step".into(),
         "lease expired".into(),
         "released (by, reason)".into(),
+        "ready".into(),
+        "next leased".into(),
         "next accepted (attempt, on)".into(),
         "recovery vs TTL".into(),
     ]];
@@ -738,6 +777,11 @@ pub fn recovery_table(recs: &[Recovery], ttl: Duration) -> String {
                     let why: String = why.split([':', ' ']).next().unwrap_or("").to_string();
                     format!("{} {to} ({by}, {why})", rel(*at, r.outage_at))
                 })
+                .unwrap_or_else(|| "-".into()),
+            r.ready_backlog.to_string(),
+            r.leased
+                .as_ref()
+                .map(|(at, _, _)| rel(*at, r.outage_at))
                 .unwrap_or_else(|| "-".into()),
             r.accepted
                 .as_ref()

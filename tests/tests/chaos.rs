@@ -390,6 +390,7 @@ impl Chaos {
             Some(w) => owned_steps(&self.db, w).await,
             None => Vec::new(),
         };
+        let ready_backlog = ready_backlog(&self.db).await;
         let ttl = Duration::from_millis(TTL_MS);
         let delay = *[
             Duration::ZERO,
@@ -417,6 +418,7 @@ impl Chaos {
             at,
             paused_until: None,
             orphans,
+            ready_backlog,
         });
     }
 
@@ -433,6 +435,7 @@ impl Chaos {
             Some(w) => owned_steps(&self.db, w).await,
             None => Vec::new(),
         };
+        let ready_backlog = ready_backlog(&self.db).await;
         self.resumes_due.push((i, Instant::now() + pause_for));
         self.say(format!(
             "SIGSTOP {}#{} for {} ms (TTL {TTL_MS} ms) holding {} steps",
@@ -448,6 +451,7 @@ impl Chaos {
             at,
             paused_until: Some(at + chrono::Duration::milliseconds(pause_for.as_millis() as i64)),
             orphans,
+            ready_backlog,
         });
     }
 
@@ -1006,6 +1010,21 @@ async fn chaos() {
             stats(pause_recovery),
         ],
         vec![
+            "  with nothing queued".into(),
+            String::new(),
+            stats(
+                recs.iter()
+                    .filter(|r| r.ready_backlog == 0)
+                    .filter_map(Recovery::recovery)
+                    .collect(),
+            ),
+        ],
+        vec![
+            "outage → reclaimed".into(),
+            String::new(),
+            stats(recs.iter().filter_map(Recovery::reclaimed).collect()),
+        ],
+        vec![
             "demo.effect".into(),
             audit.effect_steps.to_string(),
             format!(
@@ -1045,8 +1064,19 @@ async fn chaos() {
         ],
     ];
     print!("{}", table(&rows));
-    if let Some(max) = kill_recovery.iter().max() {
-        println!("max recovery after kill -9: {}", vs_ttl(*max, ttl));
+    if let Some(r) = recs
+        .iter()
+        .filter(|r| !r.paused)
+        .max_by_key(|r| r.recovery())
+        .filter(|r| r.recovery().is_some())
+    {
+        println!(
+            "max recovery after kill -9: {} ({} of {}; {} steps were ready to run at the kill, queued ahead of it)",
+            vs_ttl(r.recovery().unwrap_or_default(), ttl),
+            r.name,
+            r.slot,
+            r.ready_backlog
+        );
     }
     println!("\nrecoveries:");
     print!("{}", recovery_table(&recs, ttl));

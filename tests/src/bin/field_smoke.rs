@@ -185,6 +185,7 @@ async fn main() -> Result<()> {
     let kill_at = Utc::now();
     let status = slots[v].kill9();
     let orphans = owned_steps(&db, wid).await;
+    let ready_backlog = ready_backlog(&db).await;
     s.say(format!(
         "kill -9 {victim} ({}) while it held {} steps: {}",
         status.map(|s| s.to_string()).unwrap_or_default(),
@@ -202,6 +203,7 @@ async fn main() -> Result<()> {
         at: kill_at,
         paused_until: None,
         orphans: orphans.clone(),
+        ready_backlog,
     };
     let left = wait_no_leftovers_of(&marker, &work, &slots[1 - v], Duration::from_secs(5)).await;
     if !left.is_empty() {
