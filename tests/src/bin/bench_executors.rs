@@ -44,7 +44,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     concurrency: Vec<u32>,
     /// Which demo executors: go, python.
-    #[arg(long, value_delimiter = ',', default_value = "go,python")]
+    #[arg(long, value_delimiter = ',', default_value = "go,python,go-persistent,python-persistent")]
     executors: Vec<String>,
     /// Give up on one worker measurement after this long.
     #[arg(long, default_value_t = 600)]
@@ -63,7 +63,15 @@ fn executor_config(which: &str) -> Result<ExecutorConfig> {
     match which {
         "go" => Ok(go_demo("go", &[], Some(&["demo.echo"]))),
         "python" => Ok(python_demo("python", &[], Some(&["demo.echo"]))),
-        other => bail!("unknown executor {other:?} (go, python)"),
+        // the same executors kept warm between jobs (persistent sessions)
+        "go-persistent" | "python-persistent" => {
+            let mut c = executor_config(which.trim_end_matches("-persistent"))?;
+            c.persistent = true;
+            Ok(c)
+        }
+        other => bail!(
+            "unknown executor {other:?} (go, python, go-persistent, python-persistent)"
+        ),
     }
 }
 
@@ -278,7 +286,7 @@ async fn through_worker(
     let db = Db::connect(url, 1).await?;
     let mut ecfg = executor_config(which)?;
     ecfg.concurrency = conc;
-    let ek = which.to_string();
+    let ek = which.trim_end_matches("-persistent").to_string();
     // warm-up runs first (FIFO: leased first), so the measured runs find the
     // worker's connections open and its statements prepared
     let warm = warmup_runs(conc);
