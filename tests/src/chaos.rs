@@ -951,6 +951,9 @@ pub struct AuditInput {
     /// does not know its client is gone, and may wait on a lock first), but a
     /// completion that lands more than a TTL later did not come from it.
     pub lease_ttl: Duration,
+    /// When PostgreSQL was down (restarts): a lease cannot be renewed then,
+    /// so one that expires across such a window lost nothing unexplained.
+    pub db_outages: Vec<(DateTime<Utc>, DateTime<Utc>)>,
 }
 
 /// One demo.effect step whose effect happened more than once, legitimately.
@@ -979,6 +982,12 @@ pub struct Audit {
     pub artifacts_checked: usize,
     pub steps_total: usize,
     pub runs_total: usize,
+    /// Attempts moved on by LEASE_EXPIRED although the worker holding them
+    /// was neither killed nor paused meanwhile, and PostgreSQL was up
+    /// (information, not asserted: a live worker
+    /// lost a lease — a starved heartbeat, or a write that failed while
+    /// PostgreSQL restarted and left the attempt unable to commit).
+    pub expired_on_live_workers: Vec<String>,
     /// run id → final state, for the caller's own expectations.
     pub run_states: HashMap<Uuid, String>,
     /// step id → (run name, step name, compact history, completed by).
@@ -1253,6 +1262,44 @@ pub async fn audit(db: &Db, input: &AuditInput) -> Result<Audit> {
                 f.push(format!(
                     "{label}: attempt numbers went backwards between leases ({:?} then {:?})",
                     w[0].attempt, w[1].attempt
+                ));
+            }
+        }
+        for (i, t) in hist.iter().enumerate() {
+            let released = matches!(t.from_state.as_deref(), Some("leased" | "running"))
+                && t.to_state != "running";
+            if !released
+                || !t
+                    .reason
+                    .as_deref()
+                    .unwrap_or("")
+                    .starts_with("LEASE_EXPIRED")
+            {
+                continue;
+            }
+            let Some(lease) = hist[..i].iter().rev().find(|x| x.to_state == "leased") else {
+                continue;
+            };
+            let holder = lease.worker.clone().unwrap_or_default();
+            let ttl = chrono::Duration::milliseconds(input.lease_ttl.as_millis() as i64);
+            let outage = input
+                .outages
+                .iter()
+                .any(|o| o.slot == holder && o.at >= lease.at - ttl && o.at <= t.at);
+            // the database was down while the lease ran out (plus a TTL
+            // for the pools to reconnect and the renewals to resume)
+            let db_down = input
+                .db_outages
+                .iter()
+                .any(|(from, to)| *from <= t.at && *to + ttl >= lease.at);
+            if !outage && !db_down {
+                a.expired_on_live_workers.push(format!(
+                    "{label}: attempt {:?} leased to {holder} at {}, expired (reclaimed by {:?} at {}); history {}",
+                    lease.attempt,
+                    lease.at,
+                    t.worker,
+                    t.at,
+                    compact_history(&hist)
                 ));
             }
         }

@@ -212,6 +212,8 @@ struct PgRestartRec {
     mode: &'static str,
     down: Duration,
     running: i64,
+    /// When the server went down and came back (wall clock, as the database's).
+    window: (chrono::DateTime<Utc>, chrono::DateTime<Utc>),
 }
 
 struct CancelRec {
@@ -231,7 +233,8 @@ struct Chaos {
     pg: PrivatePg,
     slots: Vec<WorkerSlot>,
     restarts_due: Vec<(usize, Instant)>,
-    resumes_due: Vec<(usize, Instant)>,
+    /// (slot, when, the outage whose pause ends then)
+    resumes_due: Vec<(usize, Instant, usize)>,
     outages: Vec<Outage>,
     restarts: usize,
     pg_restarts: Vec<PgRestartRec>,
@@ -239,6 +242,7 @@ struct Chaos {
     cancels: Vec<CancelRec>,
     startup_failures: Vec<String>,
     unexpected_exits: Vec<String>,
+    cancel_errors: Vec<String>,
     submitted: Submitted,
     wide: Vec<Planned>,
 }
@@ -251,15 +255,17 @@ impl Chaos {
     /// Due restarts and resumes; workers that exited on their own.
     async fn tick(&mut self) {
         let now = Instant::now();
-        let due: Vec<usize> = self
+        let due: Vec<(usize, usize)> = self
             .resumes_due
             .iter()
-            .filter(|(_, t)| *t <= now)
-            .map(|(i, _)| *i)
+            .filter(|(_, t, _)| *t <= now)
+            .map(|(i, _, o)| (*i, *o))
             .collect();
-        self.resumes_due.retain(|(_, t)| *t > now);
-        for i in due {
+        self.resumes_due.retain(|(_, t, _)| *t > now);
+        for (i, o) in due {
             self.slots[i].resume();
+            // the pause ends now (at the end of the chaos, earlier than planned)
+            self.outages[o].paused_until = Some(Utc::now());
             self.say(format!("SIGCONT {}", self.slots[i].name));
         }
         let due: Vec<usize> = self
@@ -436,7 +442,8 @@ impl Chaos {
             None => Vec::new(),
         };
         let ready_backlog = ready_backlog(&self.db).await;
-        self.resumes_due.push((i, Instant::now() + pause_for));
+        self.resumes_due
+            .push((i, Instant::now() + pause_for, self.outages.len()));
         self.say(format!(
             "SIGSTOP {}#{} for {} ms (TTL {TTL_MS} ms) holding {} steps",
             self.slots[i].name,
@@ -475,13 +482,16 @@ impl Chaos {
         self.say(format!(
             "PostgreSQL restart (-m {mode}) with {running} steps running"
         ));
+        let from = Utc::now();
         let down = self.pg.restart(mode).await.expect("restart PostgreSQL");
         self.pg_windows.push((start, Instant::now()));
+        let window = (from, Utc::now());
         self.say(format!("PostgreSQL is back after {}", fmt_secs(down)));
         self.pg_restarts.push(PgRestartRec {
             mode,
             down,
             running,
+            window,
         });
     }
 
@@ -537,12 +547,23 @@ impl Chaos {
                     Ok(o) if o.status.success() => {
                         String::from_utf8_lossy(&o.stderr).trim().to_string()
                     }
-                    Ok(o) => format!(
-                        "exit {}: {}",
-                        o.status,
-                        String::from_utf8_lossy(&o.stderr).trim()
-                    ),
-                    Err(e) => format!("cannot run supervisor cancel: {e}"),
+                    other => {
+                        let what = match other {
+                            Ok(o) => format!(
+                                "exit {}: {}",
+                                o.status,
+                                String::from_utf8_lossy(&o.stderr).trim()
+                            ),
+                            Err(e) => format!("cannot run supervisor cancel: {e}"),
+                        };
+                        self.cancel_errors.push(format!(
+                            "supervisor cancel {run}{} failed: {what}",
+                            step.as_deref()
+                                .map(|s| format!(" --step {s}"))
+                                .unwrap_or_default()
+                        ));
+                        what
+                    }
                 }
             }
         };
@@ -708,6 +729,7 @@ async fn chaos() {
         cancels: Vec::new(),
         startup_failures: Vec::new(),
         unexpected_exits: Vec::new(),
+        cancel_errors: Vec::new(),
         submitted: submitted.clone(),
         wide,
     };
@@ -725,8 +747,8 @@ async fn chaos() {
         }
     }
     // the chaos stops: resume the frozen, restart the killed, finish submitting
-    for (i, _) in std::mem::take(&mut chaos.resumes_due) {
-        chaos.slots[i].resume();
+    for r in chaos.resumes_due.iter_mut() {
+        r.1 = Instant::now();
     }
     for r in chaos.restarts_due.iter_mut() {
         r.1 = Instant::now();
@@ -816,6 +838,7 @@ async fn chaos() {
         &AuditInput {
             outages: chaos.outages.clone(),
             lease_ttl: Duration::from_millis(TTL_MS),
+            db_outages: chaos.pg_restarts.iter().map(|r| r.window).collect(),
         },
     )
     .await
@@ -824,6 +847,30 @@ async fn chaos() {
     let recs = recoveries(&db, &chaos.outages).await;
     check_recoveries(&recs, &mut failures);
     failures.extend(chaos.unexpected_exits.iter().cloned());
+    failures.extend(chaos.cancel_errors.iter().cloned());
+    // the chaos itself must have happened (actions are skipped when no
+    // target is available, e.g. fewer than two workers up)
+    let done = |pred: fn(&Outage) -> bool| chaos.outages.iter().filter(|o| pred(o)).count();
+    let (kills_done, pauses_done) = (
+        done(|o| o.paused_until.is_none()),
+        done(|o| o.paused_until.is_some()),
+    );
+    for (what, got, want) in [
+        ("kill -9", kills_done, p.kills.min(10)),
+        (
+            "PostgreSQL restarts",
+            chaos.pg_restarts.len(),
+            p.pg_restarts.min(2),
+        ),
+        ("pauses", pauses_done, 1),
+        ("cancels", chaos.cancels.len(), 1),
+    ] {
+        if got < want {
+            failures.push(format!(
+                "only {got} {what} happened (at least {want} planned)"
+            ));
+        }
+    }
 
     // what each run should have ended as
     let cancelled: std::collections::HashSet<Uuid> = chaos.cancels.iter().map(|c| c.run).collect();
@@ -947,7 +994,11 @@ async fn chaos() {
         vec![
             "attempts".into(),
             audit.attempts.to_string(),
-            format!("{} moved on by LEASE_EXPIRED", audit.lease_expired),
+            format!(
+                "{} moved on by LEASE_EXPIRED, {} of them on a worker neither killed nor paused, with PostgreSQL up",
+                audit.lease_expired,
+                audit.expired_on_live_workers.len()
+            ),
         ],
         vec![
             "attempt endings".into(),
@@ -1106,6 +1157,9 @@ async fn chaos() {
             "effect repeated (allowed): {} — {} lines, first checkpoint by attempt {:?}, attempts {:?}",
             r.step, r.lines, r.first_checkpoint_attempt, r.attempts
         );
+    }
+    for e in audit.expired_on_live_workers.iter().take(5) {
+        println!("lease expired on a live worker (information): {e}");
     }
     for w in lock_wait_samples(&server_log, 3) {
         println!("lock wait (information):\n    {w}");

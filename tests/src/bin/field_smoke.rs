@@ -248,7 +248,9 @@ async fn main() -> Result<()> {
         "PostgreSQL restart (-m fast) with {running} steps running"
     ));
     let pg_start = Instant::now();
+    let pg_from = Utc::now();
     let down = pg.restart("fast").await?;
+    let pg_window = (pg_from, Utc::now());
     s.say(format!("PostgreSQL back after {}", fmt_secs(down)));
 
     // --- the end: every run terminal
@@ -311,6 +313,7 @@ async fn main() -> Result<()> {
         &AuditInput {
             outages: outages.clone(),
             lease_ttl: ttl,
+            db_outages: vec![pg_window],
         },
     )
     .await?;
@@ -376,6 +379,9 @@ async fn main() -> Result<()> {
         counts(&audit.runs_by_state),
         counts(&audit.steps_by_state)
     );
+    for e in &audit.expired_on_live_workers {
+        println!("lease expired on a live worker (information): {e}");
+    }
     if !audit.run_states.values().all(|s| s == "succeeded") {
         failures.push(format!(
             "not every run succeeded: {}",
