@@ -8,6 +8,9 @@
 //! (typestate, as in underway). Transactions are short: none is held while a
 //! child runs. Times for leases come from the database clock (`now()`).
 
+mod inspect;
+pub use inspect::{ConnectError, EventRow, Progress, RunFilter, RunSummary};
+
 use std::collections::BTreeMap;
 use std::time::Duration as StdDuration;
 
