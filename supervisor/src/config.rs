@@ -18,6 +18,8 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("invalid worker config: {0}")]
     Invalid(String),
+    #[error("invalid environment variable {var}: {message}")]
+    Env { var: String, message: String },
 }
 
 fn d_lease_ttl() -> u64 {
@@ -76,7 +78,7 @@ fn d_allowlist() -> Vec<String> {
 }
 
 /// `supervisor worker --config FILE`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Overridden by `--database-url` and by `DATABASE_URL`.
@@ -145,7 +147,7 @@ pub struct WorkerConfig {
 }
 
 /// One executor: a plain binary or script speaking the executor protocol.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExecutorConfig {
     pub name: String,
@@ -253,22 +255,58 @@ impl ExecutorConfig {
 }
 
 impl WorkerConfig {
+    /// Reads, overrides from the environment (`DURABLE_<KEY>`, see
+    /// [`WorkerConfig::apply_env`]), resolves and validates a worker config.
     pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
+        Self::load_with_env(path, std::env::vars_os())
+    }
+
+    /// [`WorkerConfig::load`] with the environment given explicitly.
+    pub fn load_with_env(
+        path: &Path,
+        vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+    ) -> Result<WorkerConfig, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        let mut cfg: WorkerConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        // the file alone first: its errors carry line numbers and name the key
+        let parsed: WorkerConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
             path: path.to_owned(),
             message: e.to_string(),
         })?;
+        let mut table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        let applied = apply_env(&mut table, vars)?;
+        let mut cfg = if applied.is_empty() {
+            parsed
+        } else {
+            toml::Value::Table(table)
+                .try_into::<WorkerConfig>()
+                .map_err(|e| ConfigError::Env {
+                    var: applied.join(", "),
+                    message: e.to_string(),
+                })?
+        };
         cfg.resolve_paths(
             &std::env::current_dir().map_err(|source| ConfigError::Read {
                 path: PathBuf::from("."),
                 source,
             })?,
         );
-        cfg.validate()?;
+        cfg.validate().map_err(|e| match e {
+            ConfigError::Invalid(m) if applied.is_empty() => {
+                ConfigError::Invalid(format!("{m} (in {})", path.display()))
+            }
+            ConfigError::Invalid(m) => ConfigError::Invalid(format!(
+                "{m} (in {}, with {} from the environment)",
+                path.display(),
+                applied.join(", ")
+            )),
+            other => other,
+        })?;
         Ok(cfg)
     }
 
@@ -281,10 +319,32 @@ impl WorkerConfig {
         }
     }
 
+    /// Checks every range and cross-field rule; the message names the key,
+    /// its value and what to change.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        for (key, value) in [
+            ("lease_ttl_ms", self.lease_ttl_ms),
+            ("heartbeat_interval_ms", self.heartbeat_interval_ms),
+            ("poll_interval_ms", self.poll_interval_ms),
+            ("reclaim_interval_ms", self.reclaim_interval_ms),
+            ("cancel_grace_ms", self.cancel_grace_ms),
+            ("term_grace_ms", self.term_grace_ms),
+            ("drain_timeout_ms", self.drain_timeout_ms),
+            ("handshake_timeout_ms", self.handshake_timeout_ms),
+            ("refusal_delay_ms", self.refusal_delay_ms),
+        ] {
+            if value > MAX_MS {
+                return bad(format!(
+                    "{key} = {value} is above {MAX_MS} (one day); give milliseconds, like 10000 for 10 s"
+                ));
+            }
+        }
         if self.lease_ttl_ms < 200 {
-            return bad(format!("lease_ttl_ms = {} is below 200", self.lease_ttl_ms));
+            return bad(format!(
+                "lease_ttl_ms = {} is below 200; give milliseconds, like 10000 for 10 s",
+                self.lease_ttl_ms
+            ));
         }
         if self.heartbeat_interval_ms == 0 || self.heartbeat_interval_ms * 2 > self.lease_ttl_ms {
             return bad(format!(
@@ -292,11 +352,26 @@ impl WorkerConfig {
                 self.heartbeat_interval_ms, self.lease_ttl_ms
             ));
         }
-        if self.poll_interval_ms == 0 || self.reclaim_interval_ms == 0 {
-            return bad("poll_interval_ms and reclaim_interval_ms must be positive".into());
+        for (key, value) in [
+            ("poll_interval_ms", self.poll_interval_ms),
+            ("reclaim_interval_ms", self.reclaim_interval_ms),
+            ("handshake_timeout_ms", self.handshake_timeout_ms),
+        ] {
+            if value == 0 {
+                return bad(format!("{key} = 0 must be positive"));
+            }
         }
-        if self.max_frame_bytes < 1024 {
-            return bad("max_frame_bytes must be at least 1024".into());
+        if self.max_frame_bytes < 1024 || self.max_frame_bytes > MAX_FRAME_BYTES {
+            return bad(format!(
+                "max_frame_bytes = {} must be at least 1024 and at most {MAX_FRAME_BYTES} (1 GiB)",
+                self.max_frame_bytes
+            ));
+        }
+        if self.stderr_tail_bytes > MAX_STDERR_TAIL_BYTES {
+            return bad(format!(
+                "stderr_tail_bytes = {} is above {MAX_STDERR_TAIL_BYTES} (64 MiB): the tail is held in memory for every running attempt",
+                self.stderr_tail_bytes
+            ));
         }
         if self.executors.is_empty() {
             return bad("no [[executors]]: a worker needs at least one".into());
@@ -308,16 +383,19 @@ impl WorkerConfig {
                 self.cancel_grace_ms, self.term_grace_ms, self.heartbeat_interval_ms, self.lease_ttl_ms
             ));
         }
-        let concurrency: u32 = self.executors.iter().map(|e| e.concurrency).sum();
-        if self.db_max_connections < concurrency + 1 {
+        let concurrency: u32 = self
+            .executors
+            .iter()
+            .fold(0u32, |n, e| n.saturating_add(e.concurrency));
+        if self.db_max_connections < concurrency.saturating_add(1) {
             return bad(format!(
                 "db_max_connections = {} is smaller than the executors' total concurrency ({concurrency}) + 1: every running attempt may need a connection for its writes, plus one for leasing. Raise db_max_connections to at least {}",
                 self.db_max_connections,
-                concurrency + 1
+                concurrency.saturating_add(1)
             ));
         }
         if self.max_refusals == 0 {
-            return bad("max_refusals must be at least 1".into());
+            return bad("max_refusals = 0 must be at least 1".into());
         }
         if self.max_artifact_bytes > self.max_result_bytes
             || self.max_result_bytes > 900 * 1024 * 1024
@@ -348,7 +426,13 @@ impl WorkerConfig {
             }
             if e.concurrency == 0 {
                 return bad(format!(
-                    "executor {:?}: concurrency must be at least 1",
+                    "executor {:?}: concurrency = 0 must be at least 1",
+                    e.name
+                ));
+            }
+            if e.max_jobs_per_process == Some(0) {
+                return bad(format!(
+                    "executor {:?}: max_jobs_per_process = 0 must be at least 1 (or leave it out to follow the executor's hello)",
                     e.name
                 ));
             }
@@ -361,6 +445,368 @@ impl WorkerConfig {
         }
         Ok(())
     }
+}
+
+/// The longest any `_ms` setting may be: one day.
+pub const MAX_MS: u64 = 86_400_000;
+/// The largest `max_frame_bytes`: 1 GiB.
+pub const MAX_FRAME_BYTES: usize = 1024 * 1024 * 1024;
+/// The largest `stderr_tail_bytes`: 64 MiB.
+pub const MAX_STDERR_TAIL_BYTES: usize = 64 * 1024 * 1024;
+
+/// The prefix of the environment variables that override top-level keys of
+/// the worker config: `DURABLE_LEASE_TTL_MS=5000` sets `lease_ttl_ms`.
+pub const ENV_PREFIX: &str = "DURABLE_";
+
+/// The top-level settings, in the order `--print-default-config` prints them,
+/// with their comment and, for those with no default, an example value.
+const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
+    (
+        "database_url",
+        "The PostgreSQL URL. --database-url and DATABASE_URL take precedence over it.",
+        Some("\"postgres://user@localhost/db\""),
+    ),
+    (
+        "name",
+        "A readable name for logs and the transition history (default: host:pid).",
+        Some("\"worker-1\""),
+    ),
+    (
+        "lease_ttl_ms",
+        "How long a lease lasts without renewal. Seconds, not hours: a crashed worker's steps are reclaimed this soon.",
+        None,
+    ),
+    (
+        "heartbeat_interval_ms",
+        "How often one batched statement renews every lease this worker holds; at most half of lease_ttl_ms.",
+        None,
+    ),
+    (
+        "poll_interval_ms",
+        "Polling fallback behind LISTEN/NOTIFY: how often the queue is looked at when no wake-up arrives.",
+        None,
+    ),
+    (
+        "reclaim_interval_ms",
+        "How often expired leases (of any worker) are looked for and moved on (LEASE_EXPIRED).",
+        None,
+    ),
+    (
+        "cancel_grace_ms",
+        "After a cancel frame, how long the executor has to end the job before SIGTERM to its process group.",
+        None,
+    ),
+    (
+        "term_grace_ms",
+        "After SIGTERM, how long before SIGKILL. cancel_grace_ms + term_grace_ms + 2 * heartbeat_interval_ms must fit in lease_ttl_ms.",
+        None,
+    ),
+    (
+        "drain_timeout_ms",
+        "On SIGTERM/SIGINT: how long running attempts may finish before they are stopped (WORKER_SHUTDOWN, the attempt is not counted).",
+        None,
+    ),
+    (
+        "handshake_timeout_ms",
+        "How long an executor has to say hello after it is started.",
+        None,
+    ),
+    (
+        "max_frame_bytes",
+        "The largest protocol frame accepted from an executor (checked before allocating); 1024 to 1 GiB.",
+        None,
+    ),
+    (
+        "max_artifact_bytes",
+        "The largest artifact accepted (ARTIFACT_INVALID above it); at most max_result_bytes.",
+        None,
+    ),
+    (
+        "stderr_tail_bytes",
+        "How much of each child's stderr is kept (the tail) for failure reports; the rest is drained and counted. At most 64 MiB.",
+        None,
+    ),
+    (
+        "db_max_connections",
+        "The worker's connection pool; at least the executors' total concurrency + 1 (the heartbeat has a connection of its own).",
+        None,
+    ),
+    (
+        "refusal_delay_ms",
+        "How long a refused step (handed back without running) waits before it can be leased again.",
+        None,
+    ),
+    (
+        "max_refusals",
+        "How many refusals a step may get before it fails terminal_failed with EXECUTOR_REFUSED; at least 1.",
+        None,
+    ),
+    (
+        "max_result_bytes",
+        "All artifacts of one result together (RESULT_TOO_LARGE above it); at most 900 MiB, below PostgreSQL's 1 GiB message limit.",
+        None,
+    ),
+    (
+        "work_dir",
+        "Where per-attempt working directories are created, and removed (default: the system temp directory).",
+        Some("\"/var/lib/durable/work\""),
+    ),
+    (
+        "secrets_dir",
+        "Read secret values from the file <secrets_dir>/<NAME> (one trailing newline stripped, as Docker and Kubernetes mount them) instead of the worker's environment. Must be an existing directory (default: unset, the environment).",
+        Some("\"/run/secrets\""),
+    ),
+];
+
+/// The fields of one `[[executors]]` entry, with their comment and the value
+/// of the printed example (`None`: the default is printed).
+const EXECUTOR_KEYS: &[(&str, &str, Option<&str>)] = &[
+    (
+        "name",
+        "Required. A name for logs and `supervisor executors`; unique in this file.",
+        Some("\"go-main\""),
+    ),
+    (
+        "command",
+        "Required. The program: an absolute path, a relative path with a / (resolved against the worker's working directory at load time) or a bare name looked up in PATH.",
+        Some("\"/opt/durable/bin/demo-executor-go\""),
+    ),
+    (
+        "args",
+        "Arguments, passed verbatim (default: none). The child runs in a fresh per-attempt directory: give file arguments as absolute paths.",
+        Some("[\"--log-level\", \"info\"]"),
+    ),
+    (
+        "env_allowlist",
+        "Variables copied from the worker's environment; the rest is cleared.",
+        None,
+    ),
+    (
+        "env",
+        "Variables set explicitly (default: none).",
+        Some("{ GOMAXPROCS = \"2\" }"),
+    ),
+    (
+        "secrets",
+        "The secret names a step run by this executor may receive (default: none); a step naming another fails SECRET_NOT_ALLOWED. Values come from secrets_dir or the worker's environment.",
+        Some("[\"REPORT_API_TOKEN\"]"),
+    ),
+    (
+        "labels",
+        "Host capabilities this worker adds to the executor's own hello labels; steps route by labels (default: none).",
+        Some("{ region = \"eu-west\" }"),
+    ),
+    (
+        "kinds",
+        "Restricts the kinds leased for this executor (default: every kind its hello offers).",
+        Some("[\"demo.echo\", \"demo.sleep\"]"),
+    ),
+    ("concurrency", "Attempts run at once with this executor.", None),
+    (
+        "persistent",
+        "Keep processes warm between jobs: one process serves jobs one at a time until max_jobs_per_process, a protocol violation or an unanswered cancel; then it is replaced. false: one process per job.",
+        None,
+    ),
+    (
+        "max_jobs_per_process",
+        "Caps the jobs one persistent process serves (default: what its hello says).",
+        Some("100"),
+    ),
+];
+
+/// A setting's value in words, for the comment: `10000` ms is "10 s".
+fn in_words(key: &str, value: &toml::Value) -> Option<String> {
+    let n = value.as_integer()?;
+    if key.ends_with("_ms") {
+        return Some(if n >= 1000 && n % 1000 == 0 {
+            format!("{} s", n / 1000)
+        } else {
+            format!("{n} ms")
+        });
+    }
+    if key.ends_with("_bytes") {
+        for (unit, size) in [("GiB", 1i64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
+            if n >= size && n % size == 0 {
+                return Some(format!("{} {unit}", n / size));
+            }
+        }
+    }
+    None
+}
+
+fn comment(out: &mut String, text: &str, indent: &str) {
+    // wrapped at about 100 columns
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.len() + word.len() + 1 > 96 {
+            out.push_str(&format!("{indent}# {line}\n"));
+            line.clear();
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        out.push_str(&format!("{indent}# {line}\n"));
+    }
+}
+
+fn setting(
+    out: &mut String,
+    key: &str,
+    doc: &str,
+    defaults: &toml::Table,
+    example: Option<&str>,
+    commented: bool,
+) {
+    let value = defaults.get(key);
+    comment(out, doc, "");
+    if let Some(v) = value {
+        match in_words(key, v) {
+            Some(words) => out.push_str(&format!("# Default: {v} ({words}).\n")),
+            None if commented => out.push_str(&format!("# Default: {v}.\n")),
+            None => {}
+        }
+    }
+    match (value, example) {
+        (Some(v), _) if !commented => out.push_str(&format!("{key} = {v}\n\n")),
+        (Some(v), None) => out.push_str(&format!("#{key} = {v}\n\n")),
+        (_, Some(e)) => out.push_str(&format!("#{key} = {e}\n\n")),
+        (None, None) => out.push_str(&format!("#{key} =\n\n")),
+    }
+}
+
+impl WorkerConfig {
+    /// Every worker setting with a comment and its default, as TOML: what
+    /// `supervisor worker --print-default-config` prints. Settings without a
+    /// default, and the example `[[executors]]` entry, are commented out
+    /// (`#key = value`, no space), so the text parses back to
+    /// `WorkerConfig::default()`; uncommented it is a complete example.
+    pub fn default_config_toml() -> String {
+        let empty = toml::Table::new();
+        let defaults = toml::Table::try_from(WorkerConfig::default()).unwrap_or_default();
+        let exec_defaults = toml::Table::try_from(ExecutorConfig::default()).unwrap_or_default();
+        let mut out = String::new();
+        comment(
+            &mut out,
+            "The durable worker's configuration (TOML): every setting with its default. \
+             `supervisor worker --config FILE` reads it. An environment variable DURABLE_<KEY> \
+             overrides a top-level key (DURABLE_LEASE_TTL_MS=5000 sets lease_ttl_ms; an empty one \
+             is ignored). Unknown keys are refused. Lines `#key = value` are settings left at their \
+             default; remove the # to set them.",
+            "",
+        );
+        out.push('\n');
+        for (key, doc, example) in WORKER_KEYS {
+            setting(&mut out, key, doc, &defaults, *example, example.is_some());
+        }
+        comment(
+            &mut out,
+            "One [[executors]] entry per executor program; a worker needs at least one. \
+             `supervisor dev --print-config` prints entries for the bundled demo executors. \
+             An example with every field:",
+            "",
+        );
+        out.push_str("#[[executors]]\n");
+        for (key, doc, example) in EXECUTOR_KEYS {
+            let defaults = if example.is_some() {
+                &empty
+            } else {
+                &exec_defaults
+            };
+            setting(&mut out, key, doc, defaults, *example, true);
+        }
+        out
+    }
+}
+
+/// A non-negative integer that TOML can hold.
+fn whole_number(text: &str) -> Option<i64> {
+    text.parse::<u64>().ok().and_then(|n| i64::try_from(n).ok())
+}
+
+/// Applies `DURABLE_<KEY>` overrides to the top-level keys of a parsed
+/// config file; returns the variables applied. A variable whose key is not a
+/// top-level setting is left alone (other `DURABLE_*` variables exist); one
+/// that names a setting but does not parse is an error naming the variable.
+/// An empty value is ignored.
+pub fn apply_env(
+    table: &mut toml::Table,
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<Vec<String>, ConfigError> {
+    let defaults = toml::Table::try_from(WorkerConfig::default()).unwrap_or_default();
+    let mut applied = Vec::new();
+    let mut vars: Vec<(String, std::ffi::OsString)> = vars
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v)))
+        .filter(|(k, _)| k.starts_with(ENV_PREFIX))
+        .collect();
+    vars.sort();
+    for (var, value) in vars {
+        let key = var[ENV_PREFIX.len()..].to_ascii_lowercase();
+        if key == "executors" {
+            return Err(ConfigError::Env {
+                var,
+                message: "executors cannot be set from the environment: list them as [[executors]] in the config file".into(),
+            });
+        }
+        if !WORKER_KEYS.iter().any(|(k, _, _)| *k == key) {
+            continue;
+        }
+        let Ok(value) = value.into_string() else {
+            return Err(ConfigError::Env {
+                var,
+                message: "the value is not UTF-8".into(),
+            });
+        };
+        let value = value.trim();
+        if value.is_empty() {
+            continue;
+        }
+        // typed like the default: whole numbers, booleans; the settings
+        // with no default are strings (URLs, names, paths)
+        let parsed = match defaults.get(&key) {
+            None | Some(toml::Value::String(_)) => toml::Value::String(value.to_owned()),
+            Some(toml::Value::Boolean(_)) => match value {
+                "true" => toml::Value::Boolean(true),
+                "false" => toml::Value::Boolean(false),
+                _ => {
+                    return Err(ConfigError::Env {
+                        var,
+                        message: format!("{value:?} is not a boolean: {key} takes true or false"),
+                    })
+                }
+            },
+            Some(toml::Value::Integer(_)) => match whole_number(value) {
+                Some(n) => toml::Value::Integer(n),
+                None => {
+                    let unit = if key.ends_with("_ms") {
+                        " of milliseconds, like 5000 for 5 s"
+                    } else if key.ends_with("_bytes") {
+                        " of bytes, like 8388608 for 8 MiB"
+                    } else {
+                        ", like 10"
+                    };
+                    let message = format!(
+                        "{value:?} is not a whole number: {key} takes a non-negative integer{unit}"
+                    );
+                    return Err(ConfigError::Env { var, message });
+                }
+            },
+            Some(_) => {
+                return Err(ConfigError::Env {
+                    var,
+                    message: format!(
+                        "{key} cannot be set from the environment: set it in the config file"
+                    ),
+                })
+            }
+        };
+        table.insert(key, parsed);
+        applied.push(var);
+    }
+    Ok(applied)
 }
 
 #[cfg(test)]
@@ -507,5 +953,76 @@ mod tests {
             ["REPORT_API_TOKEN".to_string()],
             "{text}"
         );
+    }
+
+    fn vars(v: &[(&str, &str)]) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+        v.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect()
+    }
+
+    #[test]
+    fn environment_overrides_are_typed_like_their_setting() {
+        let mut t = toml::Table::new();
+        let applied = apply_env(
+            &mut t,
+            vars(&[
+                ("DURABLE_LEASE_TTL_MS", "5000"),
+                ("DURABLE_NAME", "w-1"),
+                ("DURABLE_SECRETS_DIR", "/run/secrets"),
+                ("DURABLE_POLL_INTERVAL_MS", ""),
+                ("DURABLE_CGROUPS", "0"),
+                ("LEASE_TTL_MS", "1"),
+            ]),
+        )
+        .expect("apply");
+        assert_eq!(
+            applied,
+            [
+                "DURABLE_LEASE_TTL_MS",
+                "DURABLE_NAME",
+                "DURABLE_SECRETS_DIR"
+            ]
+        );
+        assert_eq!(t.get("lease_ttl_ms"), Some(&toml::Value::Integer(5000)));
+        assert_eq!(t.get("name"), Some(&toml::Value::String("w-1".into())));
+        assert!(!t.contains_key("poll_interval_ms") && !t.contains_key("cgroups"));
+        let cfg: WorkerConfig = toml::Value::Table(t).try_into().expect("config");
+        assert_eq!(cfg.lease_ttl_ms, 5000);
+        assert_eq!(cfg.secrets_dir, Some(PathBuf::from("/run/secrets")));
+
+        for (var, value) in [
+            ("DURABLE_LEASE_TTL_MS", "5s"),
+            ("DURABLE_MAX_REFUSALS", "-1"),
+            ("DURABLE_MAX_RESULT_BYTES", "99999999999999999999"),
+            ("DURABLE_EXECUTORS", "[]"),
+        ] {
+            let e = apply_env(&mut toml::Table::new(), vars(&[(var, value)]))
+                .expect_err(value)
+                .to_string();
+            assert!(e.contains(var), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_default_config_text_parses_back_to_the_defaults() {
+        let text = WorkerConfig::default_config_toml();
+        let cfg: WorkerConfig = toml::from_str(&text).expect("parse");
+        assert_eq!(cfg, WorkerConfig::default());
+        assert!(text.contains("#[[executors]]"));
+    }
+
+    #[test]
+    fn ranges_are_checked_before_arithmetic() {
+        let mut cfg: WorkerConfig =
+            toml::from_str("[[executors]]\nname = \"a\"\ncommand = \"a\"\n").expect("parse");
+        cfg.heartbeat_interval_ms = u64::MAX;
+        let e = cfg.validate().expect_err("huge").to_string();
+        assert!(
+            e.contains("heartbeat_interval_ms") && e.contains("one day"),
+            "{e}"
+        );
+        cfg.heartbeat_interval_ms = 2_000;
+        cfg.executors[0].concurrency = u32::MAX;
+        let e = cfg.validate().expect_err("huge concurrency").to_string();
+        assert!(e.contains("db_max_connections"), "{e}");
     }
 }
