@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::config::{ConfigError, ExecutorConfig, WorkerConfig};
-use crate::db::{Db, DbError};
+use crate::db::{ConnectError, Db, DbError, RunFilter};
 use crate::worker::{Worker, WorkerError};
 
 #[derive(Debug, Parser)]
@@ -37,8 +37,12 @@ pub enum Command {
     Migrate,
     /// Run one worker until SIGTERM/SIGINT, then drain.
     Worker {
-        #[arg(long)]
-        config: PathBuf,
+        /// The worker config (TOML); DURABLE_<KEY> variables override its top-level keys.
+        #[arg(long, required_unless_present = "print_default_config")]
+        config: Option<PathBuf>,
+        /// Print every worker setting with a comment and its default (TOML), and exit.
+        #[arg(long, conflicts_with = "config")]
+        print_default_config: bool,
     },
     /// Validate and submit a workflow spec (a file, or - for stdin).
     Submit {
@@ -46,9 +50,37 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Show a run and its steps.
+    /// Show a run and its steps, with each step's latest progress.
     Status {
         run_id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List a run's progress events, in order per step, attempt and sequence.
+    Events {
+        run_id: String,
+        /// Only the events of this step.
+        #[arg(long)]
+        step: Option<String>,
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List runs, newest first, with their step counts by state.
+    Runs {
+        /// Only runs in this state.
+        #[arg(long, value_parser = ["pending", "running", "succeeded", "failed", "cancelled"])]
+        state: Option<String>,
+        /// Only runs of this name (exact).
+        #[arg(long)]
+        name: Option<String>,
+        /// Only runs created within this long, like 30s, 10m, 2h, 3d (or 1h30m).
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        since: Option<std::time::Duration>,
+        /// At most this many runs.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        limit: u32,
+        /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -90,6 +122,8 @@ pub enum CliError {
     Worker(#[from] WorkerError),
     #[error(transparent)]
     Dev(#[from] crate::dev::DevError),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
     #[error(
         "no database: pass --database-url or set DATABASE_URL (e.g. postgres://user@localhost/db)"
     )]
@@ -105,6 +139,8 @@ pub enum CliError {
     #[error("{0:?} is not a run id (a UUID)")]
     BadRunId(String),
     #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
     Other(String),
 }
 
@@ -113,8 +149,24 @@ impl CliError {
         match self {
             CliError::Db(DbError::InvalidSpec(_)) | CliError::NotJson(_) => 2,
             CliError::Config(_) | CliError::NoDatabase | CliError::Read { .. } => 2,
+            CliError::Usage(_) => 2,
+            CliError::Connect(e) if e.is_bad_input() => 2,
             CliError::Db(DbError::NotFound(_)) | CliError::BadRunId(_) => 4,
             _ => 1,
+        }
+    }
+
+    /// What to do about it, when the message alone does not say.
+    pub fn hint(&self) -> Option<&'static str> {
+        match self {
+            CliError::Db(DbError::NotFound(m)) if m.starts_with("unknown run") => {
+                Some("`supervisor runs` lists the newest runs and their ids")
+            }
+            CliError::BadRunId(_) => Some("`supervisor runs` lists the newest runs and their ids"),
+            CliError::NotJson(_) => {
+                Some("a spec is one JSON object: {\"name\": ..., \"steps\": [...]} (CONTRACT §3)")
+            }
+            _ => None,
         }
     }
 }
@@ -139,14 +191,33 @@ pub async fn main_with(cli: Cli) -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("error: {e}");
+            if let Some(hint) = e.hint() {
+                eprintln!("hint: {hint}");
+            }
             ExitCode::from(e.exit_code())
         }
     }
 }
 
-async fn connect(url: &Option<String>, conns: u32) -> Result<Db, CliError> {
-    let url = url.as_deref().ok_or(CliError::NoDatabase)?;
-    Ok(Db::connect(url, conns).await?)
+/// Connects to the database named by `url`, explaining a failure in terms
+/// of the URL. `fail_fast`: a short command, which reports a server that is
+/// down at once instead of waiting out the pool's acquire timeout.
+async fn connect(url: &Option<String>, conns: u32, fail_fast: bool) -> Result<Db, CliError> {
+    let url = url
+        .as_deref()
+        .filter(|u| !u.trim().is_empty())
+        .ok_or(CliError::NoDatabase)?;
+    Ok(Db::connect_explained(url, conns, fail_fast).await?)
+}
+
+/// A query that failed because the schema is not there is a missing
+/// migration, not a mystery: say so.
+fn explain(e: DbError) -> CliError {
+    match e.sqlstate().as_deref() {
+        // undefined_table, invalid_schema_name
+        Some("42P01") | Some("3F000") => CliError::Db(DbError::SchemaMissing),
+        _ => CliError::Db(e),
+    }
 }
 
 fn parse_run_id(s: &str) -> Result<Uuid, CliError> {
@@ -156,7 +227,7 @@ fn parse_run_id(s: &str) -> Result<Uuid, CliError> {
 async fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
         Command::Migrate => {
-            let db = connect(&cli.database_url, 2).await?;
+            let db = connect(&cli.database_url, 2, false).await?;
             db.migrate().await?;
             eprintln!("migrations applied");
             Ok(0)
@@ -165,7 +236,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             let text = read_input(&file)?;
             let spec: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| CliError::NotJson(e.to_string()))?;
-            let db = connect(&cli.database_url, 2).await?;
+            let db = connect(&cli.database_url, 2, true).await?;
             // no DDL here: a submitter needs no schema rights, and an older
             // CLI never migrates a newer schema; it only checks the version
             db.check_schema().await?;
@@ -179,46 +250,79 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
         }
         Command::Status { run_id, json } => {
             let id = parse_run_id(&run_id)?;
-            let db = connect(&cli.database_url, 2).await?;
-            let status = db.status(id).await?;
+            let db = connect(&cli.database_url, 2, true).await?;
+            let status = db.status(id).await.map_err(explain)?;
+            let progress = db.latest_progress(id).await.map_err(explain)?;
+            if json {
+                println!("{}", status_json(&status, &progress));
+            } else {
+                print!("{}", status_text(&status, &progress));
+            }
+            Ok(0)
+        }
+        Command::Events { run_id, step, json } => {
+            let id = parse_run_id(&run_id)?;
+            let db = connect(&cli.database_url, 2, true).await?;
+            let events = db.events(id, step.as_deref()).await.map_err(explain)?;
             if json {
                 println!(
                     "{}",
-                    serde_json::to_string_pretty(&status).unwrap_or_default()
+                    serde_json::to_string_pretty(&events).unwrap_or_default()
                 );
             } else {
-                println!("run {} {:?}: {}", status.run_id, status.name, status.state);
-                for s in &status.steps {
-                    let err = s
-                        .error
-                        .as_ref()
-                        .map(|e| format!("  {}: {}", e.code, e.message))
-                        .unwrap_or_default();
-                    println!(
-                        "  {:<24} {:<17} attempt {:<3}{}",
-                        s.name, s.state, s.attempt, err
-                    );
-                }
-                for w in &status.waiting {
-                    println!("  {:<24} waiting on {}", w.name, w.depends_on.join(", "));
-                }
+                print!("{}", events_text(&events));
+            }
+            Ok(0)
+        }
+        Command::Runs {
+            state,
+            name,
+            since,
+            limit,
+            json,
+        } => {
+            let db = connect(&cli.database_url, 2, true).await?;
+            let filter = RunFilter {
+                state,
+                name,
+                since,
+                limit,
+            };
+            let runs = db.runs(&filter).await.map_err(explain)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&runs).unwrap_or_default()
+                );
+            } else {
+                print!("{}", runs_text(&runs));
             }
             Ok(0)
         }
         Command::Cancel { run_id, step } => {
             let id = parse_run_id(&run_id)?;
-            let db = connect(&cli.database_url, 2).await?;
-            let state = db.cancel(id, step.as_deref()).await?;
+            let db = connect(&cli.database_url, 2, true).await?;
+            let state = db.cancel(id, step.as_deref()).await.map_err(explain)?;
             eprintln!("cancellation requested; run is {state}");
             Ok(0)
         }
-        Command::Worker { config } => {
+        Command::Worker {
+            config,
+            print_default_config,
+        } => {
+            if print_default_config {
+                print!("{}", WorkerConfig::default_config_toml());
+                return Ok(0);
+            }
+            let config = config.ok_or_else(|| {
+                CliError::Usage("supervisor worker needs --config FILE (`supervisor worker --print-default-config` prints one to start from)".into())
+            })?;
             let cfg = WorkerConfig::load(&config)?;
             let url = cli.database_url.clone().or(cfg.database_url.clone());
             // SIGTERM during start-up (probes, the sweep) is a clean stop too
             let shutdown = CancellationToken::new();
             spawn_signal_handler(shutdown.clone());
-            let db = connect(&url, cfg.db_max_connections).await?;
+            let db = connect(&url, cfg.db_max_connections, false).await?;
             let worker = Worker::start(db, cfg).await?;
             let res = worker.run(shutdown).await;
             // the last line of defence: no child outlives the worker process
@@ -306,7 +410,7 @@ async fn dev_session(
     spec: Option<serde_json::Value>,
     exit_when_idle: bool,
 ) -> Result<u8, CliError> {
-    let db = connect(&url, cfg.db_max_connections).await?;
+    let db = connect(&url, cfg.db_max_connections, false).await?;
     // dev owns its database: it migrates (a plain worker does not)
     db.migrate().await?;
     let shutdown = CancellationToken::new();
@@ -431,4 +535,342 @@ pub fn dev_config(root: &Path) -> WorkerConfig {
     };
     cfg.executors = vec![go, py];
     cfg
+}
+
+// ---------------------------------------------------------------------------
+// operator output: durations, tables
+
+/// A duration like `30s`, `10m`, `2h`, `3d` (or several: `1h30m`).
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let bad = || {
+        format!(
+            "{text:?} is not a duration: give a number and a unit (s, m, h or d), like 30s, 10m, 2h, 3d or 1h30m"
+        )
+    };
+    let s = text.trim();
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total: u64 = 0;
+    let mut digits = String::new();
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+            continue;
+        }
+        let unit: u64 = match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3_600,
+            'd' => 86_400,
+            _ => return Err(bad()),
+        };
+        let n: u64 = digits.parse().map_err(|_| bad())?;
+        digits.clear();
+        total = n
+            .checked_mul(unit)
+            .and_then(|v| total.checked_add(v))
+            .filter(|v| *v <= 100 * 365 * 86_400)
+            .ok_or_else(|| format!("{text:?} is too long: at most 100 years"))?;
+    }
+    if !digits.is_empty() {
+        return Err(bad());
+    }
+    Ok(std::time::Duration::from_secs(total))
+}
+
+/// A value from the database or an executor on one table cell: control
+/// characters become spaces, and it is cut at `max` characters.
+fn cell(s: &str, max: usize) -> String {
+    let clean: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let clean = clean.trim();
+    if clean.chars().count() > max {
+        let cut: String = clean.chars().take(max.saturating_sub(1)).collect();
+        format!("{cut}…")
+    } else {
+        clean.to_owned()
+    }
+}
+
+/// Rows under a header, columns padded to their widest cell (the last is not).
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+    }
+    let mut out = String::new();
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    for r in std::iter::once(&header).chain(rows.iter()) {
+        let mut line = String::new();
+        for (i, c) in r.iter().enumerate() {
+            if i + 1 == r.len() {
+                line.push_str(c);
+            } else {
+                let pad = widths[i].saturating_sub(c.chars().count());
+                line.push_str(c);
+                line.push_str(&" ".repeat(pad + 2));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn when(t: &chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%SZ").to_string()
+}
+
+fn when_ms(t: &chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S%.3fZ").to_string()
+}
+
+fn percent(f: Option<f64>) -> String {
+    match f {
+        Some(f) if f.is_finite() => format!("{:.0}%", (f * 100.0).clamp(0.0, 100.0)),
+        _ => String::new(),
+    }
+}
+
+/// `status --json`: [`crate::db::RunStatus`] as it always was, field for
+/// field and in its order, each step with its latest progress added under
+/// `progress` (left out for a step that reported none).
+#[derive(serde::Serialize)]
+struct StatusOut<'a> {
+    run_id: Uuid,
+    name: &'a str,
+    state: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    idempotency_key: Option<&'a str>,
+    cancel_requested: bool,
+    created_at: chrono::DateTime<chrono::Utc>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    finished_at: Option<chrono::DateTime<chrono::Utc>>,
+    steps: Vec<StepOut<'a>>,
+    waiting: &'a [crate::db::WaitingStep],
+}
+
+#[derive(serde::Serialize)]
+struct StepOut<'a> {
+    #[serde(flatten)]
+    step: &'a crate::db::StepStatus,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    progress: Option<&'a crate::db::Progress>,
+}
+
+fn status_json(
+    st: &crate::db::RunStatus,
+    progress: &std::collections::BTreeMap<Uuid, crate::db::Progress>,
+) -> String {
+    // tests/tests/cli_inspect.rs checks that every key of RunStatus is here
+    let crate::db::RunStatus {
+        run_id,
+        name,
+        state,
+        idempotency_key,
+        cancel_requested,
+        created_at,
+        finished_at,
+        steps,
+        waiting,
+        ..
+    } = st;
+    let out = StatusOut {
+        run_id: *run_id,
+        name,
+        state,
+        idempotency_key: idempotency_key.as_deref(),
+        cancel_requested: *cancel_requested,
+        created_at: *created_at,
+        finished_at: *finished_at,
+        steps: steps
+            .iter()
+            .map(|step| StepOut {
+                step,
+                progress: progress.get(&step.step_run_id),
+            })
+            .collect(),
+        waiting,
+    };
+    serde_json::to_string_pretty(&out).unwrap_or_default()
+}
+
+/// `status` without `--json`: the run, then a table of its steps.
+fn status_text(
+    st: &crate::db::RunStatus,
+    progress: &std::collections::BTreeMap<Uuid, crate::db::Progress>,
+) -> String {
+    let mut out = format!(
+        "run {}  {}  {}{}\n",
+        st.run_id,
+        cell(&st.name, 80),
+        st.state,
+        if st.cancel_requested && !matches!(st.state.as_str(), "cancelled") {
+            "  (cancel requested)"
+        } else {
+            ""
+        }
+    );
+    out.push_str(&format!("created {}", when(&st.created_at)));
+    if let Some(f) = &st.finished_at {
+        out.push_str(&format!("  finished {}", when(f)));
+    }
+    out.push_str("\n\n");
+    let mut rows = Vec::new();
+    for s in &st.steps {
+        let p = progress
+            .get(&s.step_run_id)
+            .map(|p| format!("{} {}", percent(p.fraction), cell(&p.message, 48)))
+            .unwrap_or_default();
+        rows.push(vec![
+            cell(&s.name, 40),
+            s.state.clone(),
+            s.attempt.to_string(),
+            p.trim().to_owned(),
+            s.error
+                .as_ref()
+                .map(|e| cell(&e.code, 40))
+                .unwrap_or_default(),
+        ]);
+    }
+    for w in &st.waiting {
+        rows.push(vec![
+            cell(&w.name, 40),
+            "waiting".into(),
+            String::new(),
+            cell(&format!("on {}", w.depends_on.join(", ")), 60),
+            String::new(),
+        ]);
+    }
+    out.push_str(&table(
+        &["STEP", "STATE", "ATTEMPT", "PROGRESS", "ERROR"],
+        &rows,
+    ));
+    let errors: Vec<&crate::db::StepStatus> =
+        st.steps.iter().filter(|s| s.error.is_some()).collect();
+    if !errors.is_empty() {
+        out.push('\n');
+        for s in errors {
+            if let Some(e) = &s.error {
+                out.push_str(&format!(
+                    "{}: {}: {}{}\n",
+                    cell(&s.name, 40),
+                    cell(&e.code, 40),
+                    cell(&e.message, 400),
+                    s.next_attempt_at
+                        .map(|t| format!(" (next attempt at {})", when(&t)))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// `events` without `--json`.
+fn events_text(events: &[crate::db::EventRow]) -> String {
+    if events.is_empty() {
+        return "no progress events yet\n".into();
+    }
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            vec![
+                cell(&e.step, 40),
+                e.attempt.to_string(),
+                e.sequence.to_string(),
+                when_ms(&e.at),
+                cell(&e.kind, 24),
+                percent(e.fraction),
+                if e.checkpoint { "yes" } else { "" }.into(),
+                cell(&e.message, 400),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "STEP",
+            "ATTEMPT",
+            "SEQ",
+            "TIME",
+            "KIND",
+            "FRACTION",
+            "CHECKPOINT",
+            "MESSAGE",
+        ],
+        &rows,
+    )
+}
+
+/// `runs` without `--json`.
+fn runs_text(runs: &[crate::db::RunSummary]) -> String {
+    if runs.is_empty() {
+        return "no runs match\n".into();
+    }
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|r| {
+            vec![
+                r.run_id.to_string(),
+                cell(&r.name, 40),
+                r.state.clone(),
+                when(&r.created_at),
+                r.finished_at.as_ref().map(when).unwrap_or_default(),
+                r.steps
+                    .iter()
+                    .map(|(state, n)| format!("{n} {state}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ]
+        })
+        .collect();
+    table(
+        &["RUN", "NAME", "STATE", "CREATED", "FINISHED", "STEPS"],
+        &rows,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        let secs = |s: &str| parse_duration(s).map(|d| d.as_secs());
+        assert_eq!(secs("30s"), Ok(30));
+        assert_eq!(secs("10m"), Ok(600));
+        assert_eq!(secs("2h"), Ok(7_200));
+        assert_eq!(secs("3d"), Ok(259_200));
+        assert_eq!(secs("1h30m"), Ok(5_400));
+        assert_eq!(secs("0s"), Ok(0));
+        for bad in ["", "10", "m", "10x", "-5m", "1.5h", "10 m", "h1"] {
+            let e = parse_duration(bad).expect_err(bad);
+            assert!(
+                e.contains(&format!("{bad:?}")) && e.contains("like 30s"),
+                "{e}"
+            );
+        }
+        assert!(parse_duration("99999999999999999999d").is_err());
+        assert!(parse_duration("36600000d")
+            .expect_err("long")
+            .contains("too long"));
+    }
+
+    #[test]
+    fn cells_and_tables() {
+        assert_eq!(cell("a\nb\tc", 10), "a b c");
+        assert_eq!(cell("abcdef", 4), "abc…");
+        let t = table(&["A", "BB"], &[vec!["xxx".into(), "y".into()]]);
+        assert_eq!(t, "A    BB\nxxx  y\n");
+        assert_eq!(percent(Some(0.421)), "42%");
+        assert_eq!(percent(None), "");
+        assert_eq!(percent(Some(f64::NAN)), "");
+    }
 }
