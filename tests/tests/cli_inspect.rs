@@ -1,0 +1,668 @@
+//! The operator's read commands through the real `supervisor` binary:
+//! `events`, `status` (table and JSON with the latest progress), `runs`, and
+//! the exit codes and messages of every kind of failure (README "Exit codes").
+
+use std::collections::BTreeSet;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tests::TestDb;
+use uuid::Uuid;
+
+/// Runs the binary against `url` (or with no database URL at all).
+fn cli(url: Option<&str>, args: &[&str]) -> Output {
+    let mut c = Command::new(tests::supervisor_bin());
+    c.args(args)
+        .env_remove("DATABASE_URL")
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null());
+    if let Some(u) = url {
+        c.env("DATABASE_URL", u);
+    }
+    c.output().expect("run supervisor")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts the exit code, and that stderr contains every fragment.
+fn expect_exit(o: &Output, code: i32, fragments: &[&str], what: &str) {
+    assert_eq!(
+        o.status.code(),
+        Some(code),
+        "{what}: exit code; stdout: {}; stderr: {}",
+        stdout(o),
+        stderr(o)
+    );
+    for f in fragments {
+        assert!(
+            stderr(o).contains(f),
+            "{what}: stderr {:?} does not contain {f:?}",
+            stderr(o)
+        );
+    }
+}
+
+fn json_of(o: &Output, what: &str) -> Value {
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{what}: exit code; stderr: {}",
+        stderr(o)
+    );
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {}", stdout(o)))
+}
+
+/// A run with steps `a` and `b` (created, pending) and `c` (waiting on `a`).
+async fn three_step_run(t: &TestDb) -> (Uuid, Uuid, Uuid) {
+    let run = t
+        .submit(json!({"name": "inspect", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k"},
+            {"name": "c", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}
+        ]}))
+        .await;
+    let st = t.status(run).await;
+    (
+        run,
+        tests::step(&st, "a").step_run_id,
+        tests::step(&st, "b").step_run_id,
+    )
+}
+
+/// (step, attempt, sequence, kind, message, fraction, checkpoint)
+type EventRow = (
+    Uuid,
+    i32,
+    i64,
+    &'static str,
+    &'static str,
+    Option<f64>,
+    bool,
+);
+
+/// Inserts events as the persistence layer would, in a scrambled order.
+async fn insert_events(t: &TestDb, a: Uuid, b: Uuid) {
+    let rows: Vec<EventRow> = vec![
+        (b, 1, 2, "heartbeat", "", None, false),
+        (a, 2, 1, "accepted", "", None, false),
+        (a, 1, 3, "progress", "half\nway", Some(0.5), false),
+        (b, 1, 1, "progress", "b nearly done", Some(0.9), false),
+        (a, 1, 1, "accepted", "", None, false),
+        (a, 2, 2, "progress", "again, a quarter", Some(0.25), true),
+        (a, 1, 2, "running", "", None, false),
+    ];
+    for (id, attempt, seq, kind, msg, frac, cp) in rows {
+        sqlx::query(
+            "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(id)
+        .bind(attempt)
+        .bind(seq)
+        .bind(kind)
+        .bind(msg)
+        .bind(frac)
+        .bind(cp)
+        .execute(t.db.pool())
+        .await
+        .expect("insert event");
+    }
+}
+
+#[tokio::test]
+async fn events_are_listed_in_order_per_step_attempt_and_sequence() {
+    let t = TestDb::new().await;
+    let (run, a, b) = three_step_run(&t).await;
+    let run_s = run.to_string();
+    // before any event: an empty array, and a sentence instead of a table
+    let v = json_of(&cli(Some(&t.url), &["events", &run_s, "--json"]), "events");
+    assert_eq!(v, json!([]));
+    let o = cli(Some(&t.url), &["events", &run_s]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("no progress events yet"),
+        "{}",
+        stdout(&o)
+    );
+
+    insert_events(&t, a, b).await;
+    let v = json_of(&cli(Some(&t.url), &["events", &run_s, "--json"]), "events");
+    let got: Vec<(String, i64, i64, String)> = v
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|e| {
+            (
+                e["step"].as_str().expect("step").to_owned(),
+                e["attempt"].as_i64().expect("attempt"),
+                e["sequence"].as_i64().expect("sequence"),
+                e["kind"].as_str().expect("kind").to_owned(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, i64, i64, String)> = [
+        ("a", 1, 1, "accepted"),
+        ("a", 1, 2, "running"),
+        ("a", 1, 3, "progress"),
+        ("a", 2, 1, "accepted"),
+        ("a", 2, 2, "progress"),
+        ("b", 1, 1, "progress"),
+        ("b", 1, 2, "heartbeat"),
+    ]
+    .iter()
+    .map(|(s, a, q, k)| (s.to_string(), *a, *q, k.to_string()))
+    .collect();
+    assert_eq!(got, want);
+    let e = &v[4];
+    assert_eq!(e["step_run_id"], a.to_string());
+    assert_eq!(e["fraction"], 0.25);
+    assert_eq!(e["message"], "again, a quarter");
+    assert_eq!(e["checkpoint"], true);
+    assert!(e["at"].is_string() && e.get("executor_at").is_some(), "{e}");
+    assert_eq!(v[0]["fraction"], Value::Null);
+
+    // one step only
+    let v = json_of(
+        &cli(Some(&t.url), &["events", &run_s, "--step", "b", "--json"]),
+        "events --step b",
+    );
+    let steps: BTreeSet<&str> = v
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|e| e["step"].as_str().expect("step"))
+        .collect();
+    assert_eq!(steps, BTreeSet::from(["b"]));
+    assert_eq!(v.as_array().map(Vec::len), Some(2));
+
+    // the table: a header, one line per event, messages kept on one line
+    let o = cli(Some(&t.url), &["events", &run_s]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 8, "{text}");
+    for h in [
+        "STEP", "ATTEMPT", "SEQ", "TIME", "KIND", "FRACTION", "MESSAGE",
+    ] {
+        assert!(lines[0].contains(h), "header {:?} lacks {h}", lines[0]);
+    }
+    assert!(
+        lines[3].starts_with("a ") && lines[3].contains("50%") && lines[3].contains("half way"),
+        "{text}"
+    );
+    assert!(
+        lines[5].contains("25%") && lines[5].contains("yes") && lines[5].contains("again"),
+        "{text}"
+    );
+
+    // a step that exists but waits has no events yet; an unknown one is exit 4
+    let o = cli(Some(&t.url), &["events", &run_s, "--step", "c", "--json"]);
+    assert_eq!(json_of(&o, "events --step c"), json!([]));
+    let o = cli(Some(&t.url), &["events", &run_s, "--step", "nope"]);
+    expect_exit(&o, 4, &["no step \"nope\"", "a, b, c"], "unknown step");
+    let other = Uuid::new_v4().to_string();
+    let o = cli(Some(&t.url), &["events", &other]);
+    expect_exit(
+        &o,
+        4,
+        &[&format!("unknown run {other}"), "supervisor runs"],
+        "unknown run",
+    );
+}
+
+#[tokio::test]
+async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields() {
+    let t = TestDb::new().await;
+    let (run, a, b) = three_step_run(&t).await;
+    insert_events(&t, a, b).await;
+    let run_s = run.to_string();
+
+    let cli_json = json_of(&cli(Some(&t.url), &["status", &run_s, "--json"]), "status");
+    // backward compatible: everything the library's RunStatus says, unchanged
+    let lib = serde_json::to_value(t.status(run).await).expect("status as JSON");
+    let keys = |v: &Value| -> BTreeSet<String> {
+        v.as_object()
+            .expect("object")
+            .keys()
+            .cloned()
+            .collect::<BTreeSet<_>>()
+    };
+    assert_eq!(keys(&cli_json), keys(&lib));
+    for k in keys(&lib) {
+        if k != "steps" {
+            assert_eq!(cli_json[&k], lib[&k], "run field {k}");
+        }
+    }
+    let (cli_steps, lib_steps) = (
+        cli_json["steps"].as_array().expect("steps"),
+        lib["steps"].as_array().expect("steps"),
+    );
+    assert_eq!(cli_steps.len(), lib_steps.len());
+    for (c, l) in cli_steps.iter().zip(lib_steps) {
+        for k in keys(l) {
+            assert_eq!(c[&k], l[&k], "step {} field {k}", l["name"]);
+        }
+        let extra: Vec<String> = keys(c).difference(&keys(l)).cloned().collect();
+        assert!(
+            extra.is_empty() || extra == ["progress"],
+            "unexpected fields {extra:?}"
+        );
+    }
+    // the latest progress: the newest attempt's last progress event
+    let step = |name: &str| {
+        cli_steps
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no step {name}"))
+            .clone()
+    };
+    let p = step("a")["progress"].clone();
+    assert_eq!(p["attempt"], 2, "{p}");
+    assert_eq!(p["sequence"], 2, "{p}");
+    assert_eq!(p["fraction"], 0.25, "{p}");
+    assert_eq!(p["message"], "again, a quarter", "{p}");
+    assert!(p["at"].is_string(), "{p}");
+    // a heartbeat is not progress
+    assert_eq!(step("b")["progress"]["fraction"], 0.9);
+    assert_eq!(step("b")["progress"]["message"], "b nearly done");
+
+    // the table: one line per step, waiting steps included
+    let o = cli(Some(&t.url), &["status", &run_s]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.starts_with(&format!("run {run}  inspect  pending")),
+        "{text}"
+    );
+    let header = text
+        .lines()
+        .find(|l| l.starts_with("STEP"))
+        .unwrap_or_else(|| panic!("no header in {text}"));
+    for h in ["STATE", "ATTEMPT", "PROGRESS", "ERROR"] {
+        assert!(header.contains(h), "{header}");
+    }
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no line for {name} in {text}"))
+            .to_owned()
+    };
+    assert!(
+        line("a").contains("pending") && line("a").contains("25% again, a quarter"),
+        "{text}"
+    );
+    assert!(line("b").contains("90% b nearly done"), "{text}");
+    assert!(
+        line("c").contains("waiting") && line("c").contains("on a"),
+        "{text}"
+    );
+}
+
+/// A real worker runs a run with progress, a retry and a terminal failure:
+/// `events` and `status` show what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_and_status_of_a_real_run() {
+    let _x = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let w = tests::RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "real", "steps": [
+            {"name": "sleepy", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 300, "steps": 3}},
+            {"name": "flaky", "executor_kind": "go", "kind": "demo.fail",
+             "input": {"code": "UPSTREAM_503", "retryable": true, "fail_attempts": 1},
+             "retry": {"max_attempts": 3, "initial_interval_ms": 100}},
+            {"name": "broken", "executor_kind": "go", "kind": "demo.fail",
+             "input": {"code": "BROKEN_INPUT", "retryable": false},
+             "depends_on": ["sleepy", "flaky"]}
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "failed");
+    let run_s = run.to_string();
+
+    let v = json_of(&cli(Some(&t.url), &["events", &run_s, "--json"]), "events");
+    let events = v.as_array().expect("array");
+    // per (step, attempt): sequences strictly increase, the terminal is last
+    let mut last: Option<(String, i64, i64)> = None;
+    for e in events {
+        let key = (
+            e["step"].as_str().expect("step").to_owned(),
+            e["attempt"].as_i64().expect("attempt"),
+            e["sequence"].as_i64().expect("sequence"),
+        );
+        if let Some((s, a, q)) = &last {
+            if *s == key.0 && *a == key.1 {
+                assert!(key.2 > *q, "out of order: {last:?} then {key:?}");
+            }
+        }
+        last = Some(key);
+    }
+    let sleepy: Vec<&Value> = events.iter().filter(|e| e["step"] == "sleepy").collect();
+    let fractions: Vec<f64> = sleepy
+        .iter()
+        .filter(|e| e["kind"] == "progress")
+        .filter_map(|e| e["fraction"].as_f64())
+        .collect();
+    assert!(fractions.len() >= 2, "{sleepy:?}");
+    assert!(fractions.windows(2).all(|w| w[0] <= w[1]), "{fractions:?}");
+    assert_eq!(
+        sleepy.last().map(|e| e["kind"].clone()),
+        Some(json!("succeeded"))
+    );
+    let flaky_attempts: BTreeSet<i64> = events
+        .iter()
+        .filter(|e| e["step"] == "flaky")
+        .filter_map(|e| e["attempt"].as_i64())
+        .collect();
+    assert_eq!(flaky_attempts, BTreeSet::from([1, 2]));
+
+    let v = json_of(&cli(Some(&t.url), &["status", &run_s, "--json"]), "status");
+    let sleepy = v["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .find(|s| s["name"] == "sleepy")
+        .expect("sleepy")
+        .clone();
+    assert_eq!(sleepy["progress"]["fraction"], 1.0, "{sleepy}");
+
+    let o = cli(Some(&t.url), &["status", &run_s]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no line for {name} in {text}"))
+            .to_owned()
+    };
+    let cols =
+        |name: &str| -> Vec<String> { line(name).split_whitespace().map(str::to_owned).collect() };
+    assert_eq!(cols("sleepy")[1..4], ["succeeded", "1", "100%"], "{text}");
+    assert_eq!(cols("flaky")[1..3], ["succeeded", "2"], "{text}");
+    assert_eq!(cols("broken")[1..3], ["terminal_failed", "1"], "{text}");
+    assert_eq!(
+        cols("broken").last().map(String::as_str),
+        Some("BROKEN_INPUT"),
+        "{text}"
+    );
+    // the error's message is printed in full below the table
+    assert!(text.contains("broken: BROKEN_INPUT: "), "{text}");
+}
+
+#[tokio::test]
+async fn runs_are_listed_newest_first_and_filtered() {
+    let t = TestDb::new().await;
+    let old = t
+        .submit(json!({"name": "beta", "steps": [
+            {"name": "x", "executor_kind": "go", "kind": "k"},
+            {"name": "y", "executor_kind": "go", "kind": "k", "depends_on": ["x"]}]}))
+        .await;
+    // two hours old (a pending run may change anything but its state)
+    sqlx::query(
+        "UPDATE durable.workflow_runs SET created_at = now() - interval '2 hours' WHERE id = $1",
+    )
+    .bind(old)
+    .execute(t.db.pool())
+    .await
+    .expect("backdate");
+    let a1 = t
+        .submit(tests::one_step("alpha", "go", "k", json!({})))
+        .await;
+    let a2 = t
+        .submit(tests::one_step("alpha", "go", "k", json!({})))
+        .await;
+    t.db.cancel(a1, None).await.expect("cancel");
+
+    let ids = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|r| r["run_id"].as_str().expect("run_id").to_owned())
+            .collect()
+    };
+    let v = json_of(&cli(Some(&t.url), &["runs", "--json"]), "runs");
+    assert_eq!(
+        ids(&v),
+        [a2.to_string(), a1.to_string(), old.to_string()],
+        "{v:#}"
+    );
+    let beta = &v[2];
+    assert_eq!(beta["name"], "beta");
+    assert_eq!(beta["state"], "pending");
+    assert_eq!(beta["steps"], json!({"pending": 1, "waiting": 1}));
+    assert!(beta["created_at"].is_string() && beta["finished_at"].is_null());
+    assert_eq!(v[1]["state"], "cancelled");
+    assert_eq!(v[1]["steps"], json!({"cancelled": 1}));
+    assert!(v[1]["finished_at"].is_string());
+
+    for (args, want) in [
+        (vec!["--state", "cancelled"], vec![a1]),
+        (vec!["--state", "pending"], vec![a2, old]),
+        (vec!["--name", "alpha"], vec![a2, a1]),
+        (vec!["--name", "alpha", "--state", "pending"], vec![a2]),
+        (vec!["--since", "1h"], vec![a2, a1]),
+        (vec!["--since", "3h"], vec![a2, a1, old]),
+        (vec!["--since", "1h30m", "--name", "beta"], vec![]),
+        (vec!["--limit", "1"], vec![a2]),
+        (vec!["--name", "nothing-like-it"], vec![]),
+    ] {
+        let mut all = vec!["runs", "--json"];
+        all.extend(&args);
+        let v = json_of(&cli(Some(&t.url), &all), &format!("{all:?}"));
+        let want: Vec<String> = want.iter().map(Uuid::to_string).collect();
+        assert_eq!(ids(&v), want, "{args:?}");
+    }
+
+    // the table
+    let o = cli(Some(&t.url), &["runs"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    for h in ["RUN", "NAME", "STATE", "CREATED", "FINISHED", "STEPS"] {
+        assert!(lines[0].contains(h), "{text}");
+    }
+    assert!(
+        lines[1].starts_with(&a2.to_string()) && lines[1].contains("1 pending"),
+        "{text}"
+    );
+    assert!(
+        lines[3].contains("beta") && lines[3].contains("1 pending, 1 waiting"),
+        "{text}"
+    );
+    let o = cli(Some(&t.url), &["runs", "--name", "nothing-like-it"]);
+    assert!(stdout(&o).contains("no runs match"), "{}", stdout(&o));
+
+    // bad input is exit 2, naming the value
+    for (args, fragment) in [
+        (vec!["runs", "--since", "10x"], "\"10x\" is not a duration"),
+        (vec!["runs", "--since", "5"], "\"5\" is not a duration"),
+        (vec!["runs", "--state", "done"], "'done'"),
+        (vec!["runs", "--limit", "0"], "'0'"),
+    ] {
+        let o = cli(Some(&t.url), &args);
+        expect_exit(&o, 2, &[fragment], &format!("{args:?}"));
+    }
+}
+
+#[tokio::test]
+async fn runs_lists_fifty_by_default() {
+    let t = TestDb::new().await;
+    for i in 0..55 {
+        t.submit(tests::one_step(&format!("r{i}"), "go", "k", json!({})))
+            .await;
+    }
+    let v = json_of(&cli(Some(&t.url), &["runs", "--json"]), "runs");
+    assert_eq!(v.as_array().map(Vec::len), Some(50));
+    let v = json_of(
+        &cli(Some(&t.url), &["runs", "--json", "--limit", "100"]),
+        "runs",
+    );
+    assert_eq!(v.as_array().map(Vec::len), Some(55));
+    assert_eq!(v[0]["name"], "r54");
+}
+
+/// A TCP port on 127.0.0.1 where nothing listens.
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    drop(l);
+    port
+}
+
+#[tokio::test]
+async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
+    let t = TestDb::new().await;
+    let unknown = Uuid::new_v4().to_string();
+
+    // 4: unknown run or step
+    for args in [
+        vec!["status", unknown.as_str()],
+        vec!["status", unknown.as_str(), "--json"],
+        vec!["events", unknown.as_str()],
+        vec!["cancel", unknown.as_str()],
+    ] {
+        let o = cli(Some(&t.url), &args);
+        expect_exit(&o, 4, &[unknown.as_str()], &format!("{args:?}"));
+    }
+    let run = t
+        .submit(tests::one_step("x", "go", "k", json!({})))
+        .await
+        .to_string();
+    let o = cli(Some(&t.url), &["cancel", &run, "--step", "nope"]);
+    expect_exit(
+        &o,
+        4,
+        &["no step named \"nope\""],
+        "cancel of an unknown step",
+    );
+    let o = cli(Some(&t.url), &["events", "not-a-uuid"]);
+    expect_exit(
+        &o,
+        4,
+        &["\"not-a-uuid\" is not a run id", "supervisor runs"],
+        "bad run id",
+    );
+
+    // 2: malformed spec, naming the problem
+    let spec = tempfile::NamedTempFile::new().expect("tmp");
+    std::fs::write(spec.path(), "{\"name\": ").expect("write");
+    let path = spec.path().to_str().expect("path");
+    let o = cli(Some(&t.url), &["submit", path]);
+    expect_exit(&o, 2, &["not JSON"], "spec not JSON");
+    std::fs::write(spec.path(), json!({"name": "x", "steps": []}).to_string()).expect("write");
+    let o = cli(Some(&t.url), &["submit", path]);
+    expect_exit(
+        &o,
+        2,
+        &["steps: must contain at least one step"],
+        "empty steps",
+    );
+    let o = cli(Some(&t.url), &["submit", "/nonexistent/spec.json"]);
+    expect_exit(
+        &o,
+        2,
+        &["cannot read /nonexistent/spec.json"],
+        "missing file",
+    );
+
+    // 2: usage
+    let o = cli(Some(&t.url), &["runs", "--bogus"]);
+    expect_exit(&o, 2, &["--bogus"], "unknown flag");
+    let o = cli(Some(&t.url), &["events"]);
+    expect_exit(&o, 2, &["RUN_ID"], "missing argument");
+
+    // 2: no database configured, or a URL that is not one
+    let o = cli(None, &["runs"]);
+    expect_exit(&o, 2, &["no database", "DATABASE_URL"], "no DATABASE_URL");
+    let o = cli(Some("not a url"), &["runs"]);
+    expect_exit(
+        &o,
+        2,
+        &["not a valid PostgreSQL URL", "DATABASE_URL", "postgres://"],
+        "malformed URL",
+    );
+
+    // 1: the database cannot be reached: said at once, naming DATABASE_URL
+    let url = format!("postgres://nobody:secret-pw@127.0.0.1:{}/db", closed_port());
+    for args in [
+        vec!["runs"],
+        vec!["status", unknown.as_str()],
+        vec!["events", unknown.as_str()],
+        vec!["cancel", unknown.as_str()],
+        vec!["migrate"],
+    ] {
+        let started = Instant::now();
+        let o = cli(Some(&url), &args);
+        expect_exit(
+            &o,
+            1,
+            &["cannot reach the database", "Check DATABASE_URL"],
+            &format!("unreachable: {args:?}"),
+        );
+        assert!(
+            !stderr(&o).contains("secret-pw"),
+            "the password is printed: {}",
+            stderr(&o)
+        );
+        if args != ["migrate"] {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{args:?} took {:?} to report an unreachable database",
+                started.elapsed()
+            );
+        }
+    }
+    let spec_ok = tempfile::NamedTempFile::new().expect("tmp");
+    std::fs::write(
+        spec_ok.path(),
+        tests::one_step("x", "go", "k", json!({})).to_string(),
+    )
+    .expect("write");
+    let o = cli(
+        Some(&url),
+        &["submit", spec_ok.path().to_str().expect("path")],
+    );
+    expect_exit(
+        &o,
+        1,
+        &["cannot reach the database", "DATABASE_URL"],
+        "submit, unreachable",
+    );
+
+    // 1: a database that does not exist, and one that was never migrated
+    let missing = tests::db_url(&t.url, &format!("t_missing_{}", Uuid::new_v4().simple()));
+    let o = cli(Some(&missing), &["runs"]);
+    expect_exit(
+        &o,
+        1,
+        &["no such database", "DATABASE_URL"],
+        "no such database",
+    );
+    let bare = format!("t_{}", Uuid::new_v4().simple());
+    sqlx::query(&format!("CREATE DATABASE {bare}"))
+        .execute(t.db.pool())
+        .await
+        .expect("create database");
+    let bare_url = tests::db_url(&t.url, &bare);
+    for args in [vec!["runs"], vec!["status", unknown.as_str()]] {
+        let o = cli(Some(&bare_url), &args);
+        expect_exit(
+            &o,
+            1,
+            &["no durable schema", "supervisor migrate"],
+            &format!("unmigrated: {args:?}"),
+        );
+    }
+}

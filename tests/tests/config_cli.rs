@@ -1,0 +1,413 @@
+//! The worker config through the real `supervisor` binary:
+//! `worker --print-default-config` (every field, with its default, parses
+//! back), `DURABLE_*` environment overrides, and validation at start that
+//! names the key.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+use supervisor::config::{ExecutorConfig, WorkerConfig};
+use tests::TestDb;
+
+/// Runs the binary with a clean environment as far as the config goes: no
+/// database URL and no `DURABLE_*` variable unless given.
+fn cli(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(tests::supervisor_bin());
+    c.args(args)
+        .env_remove("DATABASE_URL")
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("DURABLE_") {
+            c.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run supervisor")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Every field serde knows for a config struct, from its own "unknown field"
+/// message ("expected one of `a`, `b`, ..."): what the printed config must cover.
+fn serde_fields(unknown: &str) -> BTreeSet<String> {
+    let err = toml::from_str::<WorkerConfig>(unknown).expect_err("unknown field");
+    let msg = err.to_string();
+    let list = msg
+        .split("expected one of")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no field list in {msg}"));
+    list.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The printed config with every `#key = value` / `#[[executors]]` line
+/// uncommented (documentation comments are `# text`).
+fn uncommented(text: &str) -> String {
+    text.lines()
+        .map(|l| match l.strip_prefix('#') {
+            Some(rest)
+                if rest.starts_with("[[") || rest.starts_with(|c: char| c.is_ascii_lowercase()) =>
+            {
+                rest
+            }
+            _ => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn print_default_config_prints_every_field_with_its_default_and_parses_back() {
+    let o = cli(&["worker", "--print-default-config"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout).expect("UTF-8");
+
+    // as printed: exactly the defaults (the example executor is commented out)
+    let cfg: WorkerConfig = toml::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(cfg, WorkerConfig::default());
+
+    // every field of WorkerConfig and ExecutorConfig, each with a comment above
+    let worker_fields = serde_fields("zzz_not_a_key = 1");
+    let executor_fields = serde_fields("[[executors]]\nzzz_not_a_key = 1");
+    assert!(worker_fields.contains("lease_ttl_ms") && worker_fields.contains("executors"));
+    assert!(executor_fields.contains("command") && executor_fields.contains("concurrency"));
+    let lines: Vec<&str> = text.lines().collect();
+    let documented = |key: &str| {
+        lines.iter().enumerate().any(|(i, l)| {
+            let l = l.strip_prefix('#').unwrap_or(l);
+            l.starts_with(&format!("{key} = "))
+                && i > 0
+                && lines[..i]
+                    .iter()
+                    .rev()
+                    .take_while(|p| p.starts_with("# "))
+                    .count()
+                    > 0
+        })
+    };
+    for f in worker_fields.iter().filter(|f| *f != "executors") {
+        assert!(
+            documented(f),
+            "worker field {f} is not printed with a comment:\n{text}"
+        );
+    }
+    assert!(text.contains("#[[executors]]"), "{text}");
+    for f in &executor_fields {
+        assert!(
+            documented(f),
+            "executor field {f} is not printed with a comment:\n{text}"
+        );
+    }
+    // the defaults are stated in words too
+    assert!(text.contains("lease_ttl_ms = 10000"), "{text}");
+    assert!(text.contains("# Default: 10000 (10 s)."), "{text}");
+    assert!(text.contains("# Default: 8388608 (8 MiB)."), "{text}");
+
+    // uncommented, it is a complete example: every optional setting set
+    let full: WorkerConfig = toml::from_str(&uncommented(&text))
+        .unwrap_or_else(|e| panic!("uncommented: {e}\n{}", uncommented(&text)));
+    assert!(full.database_url.is_some() && full.name.is_some());
+    assert!(full.work_dir.is_some() && full.secrets_dir.is_some());
+    assert_eq!(full.executors.len(), 1);
+    let e = &full.executors[0];
+    let d = ExecutorConfig::default();
+    assert!(!e.name.is_empty() && !e.command.is_empty());
+    assert!(!e.args.is_empty() && !e.env.is_empty() && !e.secrets.is_empty());
+    assert!(!e.labels.is_empty() && e.kinds.is_some() && e.max_jobs_per_process.is_some());
+    assert_eq!(e.env_allowlist, d.env_allowlist);
+    assert_eq!(e.concurrency, d.concurrency);
+    assert_eq!(e.persistent, d.persistent);
+    // and valid, but for the secrets directory that does not exist here
+    let mut full = full;
+    full.secrets_dir = None;
+    full.validate().expect("the uncommented example is valid");
+
+    // it needs no config file, and refuses one next to it
+    let o = cli(
+        &["worker", "--print-default-config", "--config", "x.toml"],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let o = cli(&["worker"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--config"), "{}", stderr(&o));
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write config");
+    p.to_string_lossy().into_owned()
+}
+
+const EXEC: &str = "[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n";
+
+/// `worker --config FILE` with no database: a valid config gets as far as
+/// the database ("no database", exit 2); an invalid one stops at the config.
+fn start(file: &str, env: &[(&str, &str)]) -> Output {
+    cli(&["worker", "--config", file], env)
+}
+
+fn assert_valid(o: &Output, what: &str) {
+    assert_eq!(o.status.code(), Some(2), "{what}: {}", stderr(o));
+    assert!(
+        stderr(o).contains("no database"),
+        "{what}: the config was refused: {}",
+        stderr(o)
+    );
+}
+
+fn assert_invalid(o: &Output, fragments: &[&str], what: &str) {
+    assert_eq!(o.status.code(), Some(2), "{what}: {}", stderr(o));
+    assert!(
+        !stderr(o).contains("no database"),
+        "{what}: accepted: {}",
+        stderr(o)
+    );
+    for f in fragments {
+        assert!(
+            stderr(o).contains(f),
+            "{what}: {:?} does not contain {f:?}",
+            stderr(o)
+        );
+    }
+}
+
+#[test]
+fn validation_at_start_names_the_key_and_checks_ranges() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ok = write(dir.path(), "ok.toml", EXEC);
+    assert_valid(&start(&ok, &[]), "the minimal config");
+
+    for (what, text, fragments) in [
+        (
+            "unknown top-level key",
+            format!("lease_ttl = 5000\n{EXEC}"),
+            vec!["unknown field `lease_ttl`", "bad.toml"],
+        ),
+        (
+            "unknown executor key",
+            format!("{EXEC}concurency = 2\n"),
+            vec!["unknown field `concurency`"],
+        ),
+        (
+            "wrong type",
+            format!("lease_ttl_ms = \"10s\"\n{EXEC}"),
+            vec!["lease_ttl_ms"],
+        ),
+        (
+            "lease too short",
+            format!("lease_ttl_ms = 100\n{EXEC}"),
+            vec!["lease_ttl_ms = 100", "below 200"],
+        ),
+        (
+            "lease longer than a day",
+            format!("lease_ttl_ms = 100000000000\n{EXEC}"),
+            vec!["lease_ttl_ms = 100000000000", "one day"],
+        ),
+        (
+            "heartbeat over half the lease",
+            format!("heartbeat_interval_ms = 6000\n{EXEC}"),
+            vec!["heartbeat_interval_ms = 6000", "half of lease_ttl_ms"],
+        ),
+        (
+            "zero poll interval",
+            format!("poll_interval_ms = 0\n{EXEC}"),
+            vec!["poll_interval_ms = 0 must be positive"],
+        ),
+        (
+            "zero handshake",
+            format!("handshake_timeout_ms = 0\n{EXEC}"),
+            vec!["handshake_timeout_ms = 0"],
+        ),
+        (
+            "graces do not fit in the lease",
+            format!("cancel_grace_ms = 4000\nterm_grace_ms = 4000\n{EXEC}"),
+            vec!["cancel_grace_ms", "term_grace_ms", "lease_ttl_ms"],
+        ),
+        (
+            "tiny frame cap",
+            format!("max_frame_bytes = 10\n{EXEC}"),
+            vec!["max_frame_bytes = 10"],
+        ),
+        (
+            "huge stderr tail",
+            format!("stderr_tail_bytes = 1000000000\n{EXEC}"),
+            vec!["stderr_tail_bytes = 1000000000"],
+        ),
+        (
+            "pool smaller than the concurrency",
+            format!("db_max_connections = 3\n{EXEC}"),
+            vec!["db_max_connections = 3"],
+        ),
+        (
+            "zero refusals",
+            format!("max_refusals = 0\n{EXEC}"),
+            vec!["max_refusals = 0"],
+        ),
+        (
+            "artifact above the result cap",
+            format!("max_artifact_bytes = 2000\nmax_result_bytes = 1000\n{EXEC}"),
+            vec!["max_artifact_bytes (2000)", "max_result_bytes (1000)"],
+        ),
+        (
+            "zero concurrency",
+            format!("{EXEC}concurrency = 0\n"),
+            vec!["executor \"x\"", "concurrency = 0"],
+        ),
+        (
+            "zero jobs per process",
+            format!("{EXEC}max_jobs_per_process = 0\n"),
+            vec!["executor \"x\"", "max_jobs_per_process = 0"],
+        ),
+        ("no executors", String::new(), vec!["no [[executors]]"]),
+    ] {
+        let bad = write(dir.path(), "bad.toml", &text);
+        assert_invalid(&start(&bad, &[]), &fragments, what);
+    }
+    // the messages of range checks say where the value came from
+    let bad = write(
+        dir.path(),
+        "bad.toml",
+        &format!("lease_ttl_ms = 100\n{EXEC}"),
+    );
+    assert_invalid(&start(&bad, &[]), &["bad.toml"], "file named");
+}
+
+#[test]
+fn durable_variables_override_top_level_keys() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // invalid as written (the heartbeat is over half the lease) ...
+    let file = write(
+        dir.path(),
+        "w.toml",
+        &format!("lease_ttl_ms = 10000\nheartbeat_interval_ms = 6000\n{EXEC}"),
+    );
+    assert_invalid(
+        &start(&file, &[]),
+        &["heartbeat_interval_ms = 6000"],
+        "as written",
+    );
+    // ... valid once the environment raises the lease
+    assert_valid(
+        &start(&file, &[("DURABLE_LEASE_TTL_MS", "20000")]),
+        "DURABLE_LEASE_TTL_MS=20000",
+    );
+    // ... or lowers the heartbeat; an empty variable changes nothing
+    assert_valid(
+        &start(&file, &[("DURABLE_HEARTBEAT_INTERVAL_MS", "1000")]),
+        "DURABLE_HEARTBEAT_INTERVAL_MS",
+    );
+    assert_invalid(
+        &start(&file, &[("DURABLE_HEARTBEAT_INTERVAL_MS", "")]),
+        &["heartbeat_interval_ms = 6000"],
+        "empty variable",
+    );
+
+    // an override that makes a valid file invalid is named in the message
+    let ok = write(dir.path(), "ok.toml", EXEC);
+    assert_invalid(
+        &start(&ok, &[("DURABLE_LEASE_TTL_MS", "5000")]),
+        &["lease_ttl_ms (5000)", "DURABLE_LEASE_TTL_MS"],
+        "override breaks the graces",
+    );
+    // values that do not parse name the variable and the value
+    for (var, value, fragment) in [
+        (
+            "DURABLE_LEASE_TTL_MS",
+            "abc",
+            "\"abc\" is not a whole number",
+        ),
+        ("DURABLE_LEASE_TTL_MS", "-5", "\"-5\" is not a whole number"),
+        ("DURABLE_LEASE_TTL_MS", "10s", "milliseconds"),
+        ("DURABLE_MAX_FRAME_BYTES", "8MiB", "bytes"),
+        ("DURABLE_EXECUTORS", "x", "[[executors]]"),
+    ] {
+        let o = start(&ok, &[(var, value)]);
+        assert_invalid(&o, &[var, fragment], &format!("{var}={value}"));
+    }
+    // DURABLE_ variables that are no config key are left alone
+    assert_valid(
+        &start(
+            &ok,
+            &[("DURABLE_CHAOS_SEED", "7"), ("DURABLE_NOT_A_KEY", "x")],
+        ),
+        "other DURABLE_ variables",
+    );
+}
+
+/// End to end: a worker started with `DURABLE_NAME` and `DURABLE_LEASE_TTL_MS`
+/// registers under that name and leases for that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_runs_with_the_overridden_settings() {
+    let _x = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    cfg.lease_ttl_ms = 30_000;
+    cfg.drain_timeout_ms = 500;
+    let file = write(dir.path(), "w.toml", &tests::worker_toml(&cfg));
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["worker", "--config", &file])
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "warn")
+        .env("DURABLE_NAME", "named-from-env")
+        .env("DURABLE_LEASE_TTL_MS", "4000")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("worker.err")).expect("log"))
+        .spawn()
+        .expect("spawn worker");
+    let run = t
+        .submit(tests::one_step(
+            "long",
+            "go",
+            "demo.sleep",
+            json!({"ms": 20000, "steps": 2}),
+        ))
+        .await;
+    let st = t
+        .wait_run(run, Duration::from_secs(30), |s| {
+            s.steps.first().is_some_and(|s| s.state == "running")
+        })
+        .await;
+    let id = st.steps[0].step_run_id;
+    // the lease lasts 4 s from its last renewal, not the file's 30 s
+    let left_ms: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM lease_expires_at - now())::float8 * 1000 FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("lease expiry");
+    assert!(
+        left_ms > 0.0 && left_ms <= 4_500.0,
+        "the lease has {left_ms} ms left"
+    );
+    let names: Vec<String> = sqlx::query_scalar("SELECT name FROM durable.workers")
+        .fetch_all(t.db.pool())
+        .await
+        .expect("workers");
+    assert_eq!(names, ["named-from-env"]);
+    t.db.cancel(run, None).await.expect("cancel");
+    t.wait_terminal(run, Duration::from_secs(30)).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .expect("join")
+        .expect("wait");
+    assert_eq!(status.code(), Some(0));
+}
