@@ -6,39 +6,58 @@ import (
 	"time"
 )
 
-// Error codes the SDK produces. Handlers choose their own UPPER_SNAKE_CASE
-// codes; these are reserved (see proto/PROTOCOL.md, "Stable error codes").
+// Error codes the SDK produces: every code of proto/PROTOCOL.md's "Stable
+// error codes" table whose producer includes the SDK. Handlers choose their
+// own UPPER_SNAKE_CASE codes; these are reserved.
 const (
-	// CodeCancelled: the job stopped because of a Cancel frame (or stdin closed
-	// while it ran). Not retryable.
+	// CodeCancelled: the job stopped because of a Cancel frame (or stdin closed,
+	// or the frame stream broke, while it ran). Not retryable.
 	CodeCancelled = "CANCELLED"
 	// CodeUnsupportedKind: refusal, no handler is registered for the job's kind.
 	CodeUnsupportedKind = "UNSUPPORTED_KIND"
-	// CodeHandlerPanic: the handler panicked. Retryable.
+	// CodeExecutorBusy: refusal, a Job arrived while another job was running
+	// (the supervisor sends one job at a time; this guards against a bug).
+	CodeExecutorBusy = "EXECUTOR_BUSY"
+	// CodeHandlerPanic: the handler panicked (or called runtime.Goexit).
+	// Retryable.
 	CodeHandlerPanic = "HANDLER_PANIC"
 	// CodeHandlerError: the handler returned an error that is not an *Error.
 	// Retryable.
 	CodeHandlerError = "HANDLER_ERROR"
-	// CodeBadInput: the job's input could not be decoded (Job.DecodeInput). Not
-	// retryable.
+	// CodeHandlerTimeout: the handler returned context.DeadlineExceeded (or an
+	// error wrapping it), or any plain error once its context's deadline had
+	// passed: it ran out of time. Retryable. The context's deadline is the
+	// job's (see Options.DeadlineSlack), so this code normally arrives just
+	// before the supervisor would end the attempt with its own
+	// ATTEMPT_TIMEOUT or DEADLINE_EXCEEDED.
+	CodeHandlerTimeout = "HANDLER_TIMEOUT"
+	// CodeBadInput: the job's input could not be decoded (Job.DecodeInput,
+	// HandleJSON). Not retryable.
 	CodeBadInput = "BAD_INPUT"
-	// CodeOutputInvalid: the handler's Result.Output is not valid JSON. Not
-	// retryable (the supervisor would reject it with the same code).
+	// CodeOutputInvalid: the handler's output is not valid JSON, or its value
+	// cannot be encoded as JSON (NewResult, HandleJSON). Not retryable (the
+	// supervisor would reject it with the same code).
 	CodeOutputInvalid = "OUTPUT_INVALID"
-	// CodeResultTooLarge: the JobResult frame would exceed the frame cap. Not
+	// CodeArtifactInvalid: an artifact the handler listed is not a regular
+	// file below Job.OutputDir (Job.FileArtifact, or a manifest path that
+	// escapes the directory). Not retryable.
+	CodeArtifactInvalid = "ARTIFACT_INVALID"
+	// CodeResultTooLarge: the terminal frame would exceed the frame cap. Not
 	// retryable.
 	CodeResultTooLarge = "RESULT_TOO_LARGE"
-	// CodeExecutorBusy: refusal, a Job arrived while another job was running
-	// (the supervisor sends one job at a time; this guards against a bug).
-	CodeExecutorBusy = "EXECUTOR_BUSY"
 )
 
 // Error is a handler failure with a stable code. Return it (or an error wrapping
 // it) from a handler to control the JobError the supervisor receives:
 //
-//	return nil, &executor.Error{Code: "UPSTREAM_DOWN", Message: "api.example.com: 503", Retryable: true}
+//	return nil, &executor.Error{Code: "UPSTREAM_DOWN", Message: "api.example.com: 503"}
+//	return nil, &executor.Error{Code: "NO_SUCH_USER", Message: "user 42", NonRetryable: true}
 //
-// Any other error becomes JobError{code: "HANDLER_ERROR", retryable: true}.
+// A failure is retryable unless it says otherwise, as in the Python SDK: an
+// *Error is retryable unless NonRetryable is set, and any other error becomes
+// JobError{code: "HANDLER_ERROR", retryable: true}. ("Retryable" is the
+// default the step's retry policy starts from; its non_retryable_codes can
+// still make any code terminal.)
 type Error struct {
 	// Code is stable, machine-readable, UPPER_SNAKE_CASE. Empty means
 	// "HANDLER_ERROR".
@@ -46,8 +65,9 @@ type Error struct {
 	// Message is for humans. Never put secret values in it (the SDK replaces
 	// the job's secret values it finds with "[REDACTED]", but do not rely on it).
 	Message string
-	// Retryable is the default the step's retry policy starts from.
-	Retryable bool
+	// NonRetryable marks a failure that another attempt cannot fix (bad
+	// input, a permanent refusal upstream). The zero value is retryable.
+	NonRetryable bool
 	// Details is sent as a JSON object; nil means none.
 	Details map[string]any
 	// NextRetryDelay, when positive, overrides the retry policy's backoff for
@@ -59,11 +79,11 @@ type Error struct {
 	Err error
 }
 
-// Errorf returns an *Error with a formatted message. A %w verb in format sets
-// Err as fmt.Errorf would.
+// Errorf returns an *Error with a formatted message, retryable or not. A %w
+// verb in format sets Err as fmt.Errorf would.
 func Errorf(code string, retryable bool, format string, args ...any) *Error {
 	wrapped := fmt.Errorf(format, args...)
-	return &Error{Code: code, Message: wrapped.Error(), Retryable: retryable, Err: errors.Unwrap(wrapped)}
+	return &Error{Code: code, Message: wrapped.Error(), NonRetryable: !retryable, Err: errors.Unwrap(wrapped)}
 }
 
 func (e *Error) Error() string {

@@ -1,12 +1,13 @@
 package executor
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"log"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"runtime/debug"
@@ -17,24 +18,42 @@ import (
 	"unicode/utf8"
 
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
+	"github.com/durable-runtime/durable/executors-go/internal/rawframe"
 )
 
-// SDKName is sent as Hello.sdk_name unless Options.SDKName overrides it.
-const SDKName = "durable-executor-go"
+func init() {
+	rawframe.Of = func(job any) rawframe.Writer {
+		if j, ok := job.(*Job); ok && j.run != nil {
+			return j.run
+		}
+		return notRunning{}
+	}
+}
 
-// Version is this SDK's version, sent as Hello.sdk_version unless
-// Options.SDKVersion overrides it.
-const Version = "0.1.0"
+type notRunning struct{}
+
+func (notRunning) WriteRaw([]byte) error { return errors.New("executor: the job is not running") }
+func (notRunning) SendFrame(f *pb.ExecutorFrame) error {
+	return errors.New("executor: the job is not running")
+}
 
 // DefaultStopGrace is how long Serve waits, once stdin has ended (or carried a
 // broken frame) in the middle of a job, for the cancelled handler to return.
 const DefaultStopGrace = 10 * time.Second
 
+// DefaultDeadlineSlack is how much earlier than the job's deadline the
+// handler's context expires (see Options.DeadlineSlack).
+const DefaultDeadlineSlack = time.Second
+
 // HandlerFunc runs one job. ctx is cancelled when the supervisor cancels the job
-// (context.Cause(ctx) is then a *Cancellation) or stdin ends mid-job.
+// (context.Cause(ctx) is then a *Cancellation) or stdin ends mid-job, and
+// carries the job's deadline (see Options.DeadlineSlack).
 //
 // Return a *Result on success, or an error: an *Error (possibly wrapped) picks
-// the JobError's code; any other error becomes HANDLER_ERROR (retryable).
+// the JobError's code (retryable unless NonRetryable); context.DeadlineExceeded
+// (possibly wrapped), or any other error once ctx's deadline has passed,
+// becomes HANDLER_TIMEOUT (retryable); any other error becomes HANDLER_ERROR
+// (retryable).
 //
 // The terminal reflects what the handler did, also after a cancel: a handler
 // that returns a result (nil error) once ctx is cancelled has finished its work,
@@ -52,24 +71,40 @@ type Options struct {
 	// Labels are the capabilities offered; a step's every label must be
 	// offered with an equal value.
 	Labels map[string]string
-	// SDKName and SDKVersion default to SDKName and Version.
+	// SDKName and SDKVersion default to SDKName and Version().
 	SDKName    string
 	SDKVersion string
-	// MaxJobsPerProcess: N > 0 serves N jobs, then Serve returns; 0 or negative
-	// serves jobs until stdin ends or a Shutdown arrives (Hello says -1).
+	// MaxJobsPerProcess: N > 0 serves N jobs, then Serve returns (Hello says
+	// N); 0 (the default) or negative serves jobs until stdin ends or a
+	// Shutdown arrives (Hello says -1, unlimited). The Python SDK's
+	// max_jobs_per_process means the same. (On the wire a Hello saying 0 means
+	// one job; the SDKs never send 0.)
 	MaxJobsPerProcess int
-	// MaxFrameBytes caps frames in both directions; default DefaultMaxFrameBytes.
+	// MaxFrameBytes caps frames in both directions; <= 0 means
+	// DefaultMaxFrameBytes.
 	MaxFrameBytes int
-	// StopGrace: see DefaultStopGrace (the default when zero).
+	// StopGrace: see DefaultStopGrace (the default when <= 0).
 	StopGrace time.Duration
-	// Logger receives the SDK's diagnostics; default: stderr.
-	Logger *log.Logger
+	// DeadlineSlack: the handler's context expires this much before the job's
+	// deadline (the earlier of Job.AttemptDeadline and Job.Deadline), so that a
+	// handler that runs into it returns, and its HANDLER_TIMEOUT (retryable)
+	// reaches the supervisor, before the supervisor ends the attempt itself.
+	// At most a tenth of the time the job has left when it starts is taken.
+	// <= 0 means DefaultDeadlineSlack.
+	DeadlineSlack time.Duration
+	// NoDeadline: the handler's context carries no deadline; the supervisor
+	// alone enforces the job's deadlines, by sending Cancel (the attempt then
+	// ends with its own ATTEMPT_TIMEOUT or DEADLINE_EXCEEDED).
+	NoDeadline bool
+	// Logger receives the SDK's diagnostics and is the base of Job.Logger;
+	// default: text on stderr (slog.NewTextHandler(os.Stderr, nil)).
+	Logger *slog.Logger
 }
 
 // Executor dispatches jobs to handlers by kind.
 type Executor struct {
 	opts Options
-	log  *log.Logger
+	log  *slog.Logger
 
 	mu       sync.Mutex
 	handlers map[string]HandlerFunc
@@ -85,7 +120,7 @@ func New(opts Options) *Executor {
 		opts.SDKName = SDKName
 	}
 	if opts.SDKVersion == "" {
-		opts.SDKVersion = Version
+		opts.SDKVersion = Version()
 	}
 	if opts.MaxFrameBytes <= 0 {
 		opts.MaxFrameBytes = DefaultMaxFrameBytes
@@ -93,9 +128,12 @@ func New(opts Options) *Executor {
 	if opts.StopGrace <= 0 {
 		opts.StopGrace = DefaultStopGrace
 	}
+	if opts.DeadlineSlack <= 0 {
+		opts.DeadlineSlack = DefaultDeadlineSlack
+	}
 	lg := opts.Logger
 	if lg == nil {
-		lg = log.New(os.Stderr, SDKName+": ", log.LstdFlags|log.Lmicroseconds|log.LUTC)
+		lg = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
 	labels := make(map[string]string, len(opts.Labels))
 	for k, v := range opts.Labels {
@@ -148,11 +186,11 @@ func (e *Executor) Kinds() []string {
 func (e *Executor) Run() int {
 	in, out, err := takeStdio()
 	if err != nil {
-		e.log.Printf("cannot set up the frame streams: %v", err)
+		e.log.Error("cannot set up the frame streams", "err", err)
 		return 2
 	}
 	if err := e.Serve(in, out); err != nil {
-		e.log.Printf("%v", err)
+		e.log.Error("the frame stream broke", "err", err)
 		return 1
 	}
 	return 0
@@ -277,7 +315,7 @@ func (s *session) serve(in io.Reader) error {
 					}
 				}
 				if cur != nil {
-					s.e.log.Printf("protocol: job %q arrived while job %q is running; refusing it", f.Job.GetJobId(), cur.job.ID)
+					s.e.log.Warn("protocol: a job arrived while another is running; refusing it", "job_id", f.Job.GetJobId(), "running_job_id", cur.job.ID)
 					if err := s.refuse(f.Job, CodeExecutorBusy, fmt.Sprintf("job %q is still running; this executor runs one job at a time", cur.job.ID)); err != nil {
 						return err
 					}
@@ -296,7 +334,7 @@ func (s *session) serve(in io.Reader) error {
 				c := f.Cancel
 				if cur == nil || c.GetJobId() != cur.job.ID {
 					// Normal when a cancel crosses the job's terminal on the wire.
-					s.e.log.Printf("ignoring cancel for job %q: it is not running", c.GetJobId())
+					s.e.log.Info("ignoring a cancel for a job that is not running", "job_id", c.GetJobId())
 					continue
 				}
 				cur.cancel(&Cancellation{
@@ -314,7 +352,7 @@ func (s *session) serve(in io.Reader) error {
 
 			default:
 				// A frame type newer than this SDK: skip it.
-				s.e.log.Printf("ignoring a supervisor frame of an unknown type")
+				s.e.log.Warn("ignoring a supervisor frame of an unknown type")
 			}
 		}
 	}
@@ -370,18 +408,40 @@ func (s *session) refuse(j *pb.Job, code, message string) error {
 		return fmt.Errorf("executor: refusing job %q: %w", j.GetJobId(), err)
 	}
 	if err != nil {
-		s.e.log.Printf("refusing job %q: %v", j.GetJobId(), err)
+		s.e.log.Warn("refusing a job", "job_id", j.GetJobId(), "err", err)
 	}
 	return nil
 }
 
 func (s *session) start(p *pb.Job, h HandlerFunc) *jobRun {
 	job := newJob(p)
-	ctx, cancel := context.WithCancelCause(context.Background())
-	run := &jobRun{job: job, w: s.w, done: make(chan struct{}), cancel: cancel}
+	job.logger = jobLogger(s.e.log, job)
+	cancelled, cancel := context.WithCancelCause(context.Background())
+	run := &jobRun{job: job, w: s.w, done: make(chan struct{}), cancel: cancel, cancelled: cancelled}
 	job.run = run
-	go s.execute(ctx, run, h)
+	ctx, stop := cancelled, context.CancelFunc(func() {})
+	if d := s.contextDeadline(job, time.Now()); !d.IsZero() {
+		ctx, stop = context.WithDeadline(cancelled, d)
+	}
+	go func() {
+		defer stop()
+		s.execute(ctx, run, h)
+	}()
 	return run
+}
+
+// contextDeadline is the deadline of the handler's context: the job's minus
+// the slack (at most a tenth of what is left at now); zero for none.
+func (s *session) contextDeadline(job *Job, now time.Time) time.Time {
+	d := job.deadline()
+	if d.IsZero() || s.e.opts.NoDeadline {
+		return time.Time{}
+	}
+	slack := s.e.opts.DeadlineSlack
+	if left := d.Sub(now); left < 10*slack {
+		slack = max(left/10, 0)
+	}
+	return d.Add(-slack)
 }
 
 // handlerOutcome is what the handler did.
@@ -414,7 +474,7 @@ func (s *session) execute(ctx context.Context, run *jobRun, h HandlerFunc) {
 	for _, kind := range []pb.EventKind{pb.EventKind_EVENT_KIND_ACCEPTED, pb.EventKind_EVENT_KIND_RUNNING} {
 		if err := run.sendEvent(&pb.ProgressEvent{JobId: job.ID, Kind: kind}); err != nil {
 			// Without ACCEPTED the job must not run; the stream is broken anyway.
-			s.e.log.Printf("job %q: %v; not running it", job.ID, err)
+			job.logger.Error("cannot start the job; not running it", "err", err)
 			return
 		}
 	}
@@ -424,18 +484,19 @@ func (s *session) execute(ctx context.Context, run *jobRun, h HandlerFunc) {
 	o := handlerOutcome{exited: true}
 	defer func() {
 		err := run.sendTerminal(s.terminal(ctx, job, o), s.shrink(job))
-		if err != nil && !errors.Is(err, ErrJobFinished) { // finished: UnsafeSendFrame sent one
-			s.e.log.Printf("job %q: sending the terminal: %v", job.ID, err)
+		if err != nil && !errors.Is(err, ErrJobFinished) { // finished: a raw terminal went out (internal/rawframe)
+			job.logger.Error("sending the terminal", "err", err)
 		}
 	}()
 	o = callHandler(ctx, h, job)
 	if o.panicked {
-		s.e.log.Printf("job %q (kind %q): handler panicked: %v\n%s", job.ID, job.Kind, o.panicVal, o.stack)
+		job.logger.Error("the handler panicked", "panic", fmt.Sprint(o.panicVal), "stack", string(o.stack))
 	}
 }
 
 // terminal builds the job's terminal frame from the handler's outcome.
 func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func(seq uint64) *pb.ExecutorFrame {
+	cancelled := job.run.cancelled
 	jobErr := func(code, message string, retryable bool, details []byte, retryDelay *uint64) func(uint64) *pb.ExecutorFrame {
 		return func(seq uint64) *pb.ExecutorFrame {
 			return &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
@@ -450,20 +511,20 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 		}
 	}
 
-	if ctx.Err() != nil && (o.err != nil || o.panicked || o.exited) {
+	if cancelled.Err() != nil && (o.err != nil || o.panicked || o.exited) {
 		// Cancelled and the handler did not finish: the job is CANCELLED, even
 		// when its error does not wrap context.Canceled (a killed subprocess,
 		// a closed connection): after a cancel a failure is most likely caused
 		// by it. A result returned after the cancel is sent below as it is.
-		c, ok := context.Cause(ctx).(*Cancellation)
+		c, ok := context.Cause(cancelled).(*Cancellation)
 		if !ok {
-			c = &Cancellation{Reason: "UNSPECIFIED", Message: fmt.Sprint(context.Cause(ctx))}
+			c = &Cancellation{Reason: "UNSPECIFIED", Message: fmt.Sprint(context.Cause(cancelled))}
 		}
 		message := c.Error()
 		switch {
 		case o.panicked:
 			message += fmt.Sprintf("; the handler then panicked: %v", o.panicVal)
-		case o.err != nil && !errors.Is(o.err, context.Canceled) && !errors.Is(o.err, context.Cause(ctx)):
+		case o.err != nil && !errors.Is(o.err, context.Canceled) && !errors.Is(o.err, context.Cause(cancelled)):
 			message += "; the handler returned: " + o.err.Error()
 		}
 		return jobErr(CodeCancelled, message, false, s.details(job, map[string]any{"reason": c.Reason}), nil)
@@ -477,7 +538,23 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 	case o.err != nil:
 		var xe *Error
 		if !errors.As(o.err, &xe) {
-			return jobErr(CodeHandlerError, o.err.Error(), true, nil, nil)
+			deadline, hasDeadline := ctx.Deadline()
+			ranOut := errors.Is(ctx.Err(), context.DeadlineExceeded)
+			if !errors.Is(o.err, context.DeadlineExceeded) && !ranOut {
+				return jobErr(CodeHandlerError, o.err.Error(), true, nil, nil)
+			}
+			// Out of time: the job's deadline (minus the slack), or a
+			// deadline of the handler's own.
+			message := o.err.Error()
+			var details map[string]any
+			if hasDeadline {
+				details = map[string]any{"context_deadline_unix_ms": deadline.UnixMilli()}
+			}
+			if ranOut {
+				message = fmt.Sprintf("the handler ran out of time: its context's deadline %s (the job's deadline minus %s) passed; it returned: %v",
+					deadline.UTC().Format(time.RFC3339Nano), job.deadline().Sub(deadline), o.err)
+			}
+			return jobErr(CodeHandlerTimeout, message, true, s.details(job, details), nil)
 		}
 		code := xe.Code
 		if code == "" {
@@ -492,7 +569,7 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 			ms := uint64((xe.NextRetryDelay + time.Millisecond - 1) / time.Millisecond)
 			delay = &ms
 		}
-		return jobErr(code, message, xe.Retryable, s.details(job, xe.Details), delay)
+		return jobErr(code, message, !xe.NonRetryable, s.details(job, xe.Details), delay)
 	}
 
 	output := []byte("null")
@@ -509,7 +586,7 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 	entries := make([]*pb.ArtifactManifestEntry, 0, len(artifacts))
 	for _, a := range artifacts {
 		if !filepath.IsLocal(filepath.FromSlash(a.Path)) {
-			return jobErr("ARTIFACT_INVALID", fmt.Sprintf("artifact %q: path %q is not a relative path inside the output directory", a.Name, a.Path), false, nil, nil)
+			return jobErr(CodeArtifactInvalid, fmt.Sprintf("artifact %q: path %q is not a relative path inside the output directory", a.Name, a.Path), false, nil, nil)
 		}
 		entries = append(entries, &pb.ArtifactManifestEntry{
 			Name:        a.Name,
@@ -533,7 +610,7 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 // shrink builds the replacement terminal when the real one is over the frame cap.
 func (s *session) shrink(job *Job) func(seq uint64, tooLarge error) *pb.ExecutorFrame {
 	return func(seq uint64, tooLarge error) *pb.ExecutorFrame {
-		s.e.log.Printf("job %q: terminal frame rejected: %v", job.ID, tooLarge)
+		job.logger.Warn("the terminal frame is over the frame cap; sending RESULT_TOO_LARGE", "err", tooLarge)
 		return &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
 			JobId:     job.ID,
 			Sequence:  seq,
@@ -544,19 +621,30 @@ func (s *session) shrink(job *Job) func(seq uint64, tooLarge error) *pb.Executor
 	}
 }
 
-// details encodes a JobError's details object, with the job's secrets redacted.
+// details encodes a JobError's details object, with the job's secrets
+// redacted from every string in it (keys included).
 func (s *session) details(job *Job, d map[string]any) []byte {
 	if d == nil {
 		return nil
 	}
 	b, err := json.Marshal(d)
 	if err != nil {
-		s.e.log.Printf("job %q: dropping error details that do not encode as JSON: %v", job.ID, err)
+		job.logger.Warn("dropping error details that do not encode as JSON", "err", err)
 		return nil
 	}
-	red := []byte(job.redact(string(b)))
-	if !json.Valid(red) {
-		s.e.log.Printf("job %q: dropping error details: redacting secrets made them invalid JSON", job.ID)
+	if job.red == nil {
+		return b
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		job.logger.Warn("dropping error details", "err", err)
+		return nil
+	}
+	red, err := json.Marshal(job.red.value(v))
+	if err != nil {
+		job.logger.Warn("dropping error details", "err", err)
 		return nil
 	}
 	return red

@@ -1,11 +1,11 @@
-package executor
+package executor_test
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"os"
-	"reflect"
 	"runtime"
 	"slices"
 	"strings"
@@ -13,16 +13,19 @@ import (
 	"testing"
 	"time"
 
+	"github.com/durable-runtime/durable/executors-go/executor"
+	"github.com/durable-runtime/durable/executors-go/executortest"
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
+	"github.com/durable-runtime/durable/executors-go/internal/rawframe"
 )
 
-func echoHandler(_ context.Context, j *Job) (*Result, error) {
-	return &Result{Output: j.Input}, nil
+func echoHandler(_ context.Context, j *executor.Job) (*executor.Result, error) {
+	return &executor.Result{Output: j.Input}, nil
 }
 
 // blockHandler waits for cancellation and reports the cause it saw.
-func blockHandler(started chan<- struct{}, cause chan<- error) HandlerFunc {
-	return func(ctx context.Context, _ *Job) (*Result, error) {
+func blockHandler(started chan<- struct{}, cause chan<- error) executor.HandlerFunc {
+	return func(ctx context.Context, _ *executor.Job) (*executor.Result, error) {
 		close(started)
 		<-ctx.Done()
 		cause <- context.Cause(ctx)
@@ -30,78 +33,69 @@ func blockHandler(started chan<- struct{}, cause chan<- error) HandlerFunc {
 	}
 }
 
-func waitClosed(t *testing.T, c <-chan struct{}, what string) {
-	t.Helper()
-	select {
-	case <-c:
-	case <-time.After(waitTimeout):
-		t.Fatalf("%s did not happen within %s", what, waitTimeout)
-	}
-}
-
 func TestHelloContents(t *testing.T) {
-	ex := newExecutor(Options{ExecutorKind: "go", Labels: map[string]string{"gpu": "a100", "region": "eu"}})
+	ex := newExecutor(executor.Options{ExecutorKind: "go", Labels: map[string]string{"gpu": "a100", "region": "eu"}})
 	ex.Handle("z.last", echoHandler)
 	ex.Handle("a.first", echoHandler)
 	ex.Handle("m.middle", echoHandler)
-	h := serve(t, ex)
+	h := executortest.Start(t, ex)
 
-	protoEqual(t, "hello", h.hello(), &pb.Hello{
+	protoEqual(t, "hello", h.Hello(), &pb.Hello{
 		ProtocolVersion:   pb.ProtocolVersion_PROTOCOL_VERSION_1,
 		ExecutorKind:      "go",
 		Kinds:             []string{"a.first", "m.middle", "z.last"},
 		Labels:            map[string]string{"gpu": "a100", "region": "eu"},
 		SdkName:           "durable-executor-go",
-		SdkVersion:        Version,
+		SdkVersion:        executor.Version(),
 		MaxJobsPerProcess: -1,
 		Pid:               uint32(os.Getpid()),
 	})
 }
 
 func TestHelloOverrides(t *testing.T) {
-	ex := newExecutor(Options{ExecutorKind: "py-ish", SDKName: "custom", SDKVersion: "9.9", MaxJobsPerProcess: 3})
-	h := serve(t, ex)
-	got := h.hello()
+	ex := newExecutor(executor.Options{ExecutorKind: "py-ish", SDKName: "custom", SDKVersion: "9.9", MaxJobsPerProcess: 3})
+	h := executortest.Start(t, ex)
+	got := h.Hello()
 	if got.GetSdkName() != "custom" || got.GetSdkVersion() != "9.9" || got.GetMaxJobsPerProcess() != 3 || len(got.GetKinds()) != 0 {
 		t.Fatalf("hello = %v", got)
 	}
 }
 
 func TestEchoRoundTrip(t *testing.T) {
-	ex := newExecutor(Options{})
+	ex := newExecutor(executor.Options{})
 	ex.Handle("demo.echo", echoHandler)
-	h := serve(t, ex)
-	h.hello()
+	h := executortest.Start(t, ex)
+	h.Hello()
 
 	input := `{"a":1,"b":[true,null,"x"]}`
-	h.sendJob(job("j1", "demo.echo", input))
-	h.started("j1")
-	r := h.result("j1", 3)
+	h.SendJob(job("j1", "demo.echo", input))
+	h.Started("j1")
+	r := h.Result("j1", 3)
 	if string(r.GetOutput()) != input || len(r.GetArtifacts()) != 0 {
 		t.Fatalf("result = %v, want output %s", r, input)
 	}
 
 	// Persistent: the same stream serves another job, sequences restart at 1.
-	h.sendJob(job("j2", "demo.echo", `"again"`))
-	h.started("j2")
-	if r := h.result("j2", 3); string(r.GetOutput()) != `"again"` {
+	h.SendJob(job("j2", "demo.echo", `"again"`))
+	h.Started("j2")
+	if r := h.Result("j2", 3); string(r.GetOutput()) != `"again"` {
 		t.Fatalf("second result = %v", r)
 	}
-	h.closeStdin()
-	if err := h.wait(); err != nil {
+	h.CloseStdin()
+	if err := h.Wait(); err != nil {
 		t.Fatalf("Serve after clean EOF: %v", err)
 	}
 }
 
 func TestJobFieldsReachHandler(t *testing.T) {
-	got := make(chan *Job, 1)
-	ex := newExecutor(Options{})
-	ex.Handle("k", func(_ context.Context, j *Job) (*Result, error) {
+	got := make(chan *executor.Job, 1)
+	ex := newExecutor(executor.Options{})
+	ex.Handle("k", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
 		got <- j
 		return nil, nil
 	})
-	h := serve(t, ex)
-	h.hello()
+	h := executortest.Start(t, ex)
+	h.Hello()
 	pj := &pb.Job{
 		JobId: "j", WorkflowRunId: "wr", StepRunId: "sr", IdempotencyKey: "idem", ExecutorKind: "go", Kind: "k",
 		Attempt: 4, DeadlineUnixMs: 1_700_000_000_123, AttemptDeadlineUnixMs: 1_700_000_000_456, HeartbeatTimeoutMs: 2500,
@@ -113,23 +107,22 @@ func TestJobFieldsReachHandler(t *testing.T) {
 		Checkpoint: []byte("cp"), OutputDir: "/out",
 		Secrets: map[string]string{"TOKEN": "t0ken"}, Labels: map[string]string{"gpu": "yes"},
 	}
-	h.sendJob(pj)
-	h.started("j")
-	h.result("j", 3)
+	h.SendJob(pj)
+	h.Started("j")
+	h.Result("j", 3)
 	j := <-got
-	want := &Job{
+	want := &executor.Job{
 		ID: "j", WorkflowRunID: "wr", StepRunID: "sr", IdempotencyKey: "idem", ExecutorKind: "go", Kind: "k",
 		Attempt: 4, Deadline: time.UnixMilli(1_700_000_000_123), AttemptDeadline: time.UnixMilli(1_700_000_000_456),
 		HeartbeatTimeout: 2500 * time.Millisecond, Input: []byte(`{"x":1}`),
-		InputArtifacts: []ArtifactRef{
+		InputArtifacts: []executor.ArtifactRef{
 			{ID: "a1", Name: "n1", SHA256: "00", Size: 3, MediaType: "text/plain", Path: "/abs/1", StepName: "s1"},
 			{ID: "a2", Name: "n2", SHA256: "11", Size: 4, MediaType: "image/png", Path: "/abs/2", StepName: "s2"},
 		},
 		PreviousCheckpoint: []byte("cp"), HasPreviousCheckpoint: true, OutputDir: "/out",
 		Secrets: map[string]string{"TOKEN": "t0ken"}, Labels: map[string]string{"gpu": "yes"},
 	}
-	j.run = nil
-	if !reflect.DeepEqual(j, want) {
+	if !exportedEqual(*j, *want) {
 		t.Fatalf("job:\n got %+v\nwant %+v", *j, *want)
 	}
 	var in struct{ X int }
@@ -139,45 +132,45 @@ func TestJobFieldsReachHandler(t *testing.T) {
 }
 
 func TestUnknownKindIsRefusedBeforeAccepted(t *testing.T) {
-	ex := newExecutor(Options{})
+	ex := newExecutor(executor.Options{})
 	ex.Handle("demo.echo", echoHandler)
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j1", "demo.nope", `{}`))
-	e := h.jobError("j1", 1, CodeUnsupportedKind)
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j1", "demo.nope", `{}`))
+	e := h.JobError("j1", 1, executor.CodeUnsupportedKind)
 	if e.GetRetryable() || !strings.Contains(e.GetMessage(), `"demo.nope"`) || !strings.Contains(e.GetMessage(), "demo.echo") {
 		t.Fatalf("refusal = %v", e)
 	}
 	// Still serving.
-	h.sendJob(job("j2", "demo.echo", `1`))
-	h.started("j2")
-	h.result("j2", 3)
+	h.SendJob(job("j2", "demo.echo", `1`))
+	h.Started("j2")
+	h.Result("j2", 3)
 }
 
 func TestCancelMidHandlerYieldsCancelledQuickly(t *testing.T) {
 	started, cause := make(chan struct{}), make(chan error, 1)
-	ex := newExecutor(Options{})
+	ex := newExecutor(executor.Options{})
 	ex.Handle("block", blockHandler(started, cause))
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j1", "block", ""))
-	h.started("j1")
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j1", "block", ""))
+	h.Started("j1")
 	waitClosed(t, started, "handler start")
 
 	// A cancel for another job is ignored.
-	h.sendCancel(&pb.Cancel{JobId: "other", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
-	h.noFrame(50 * time.Millisecond)
+	h.SendCancel(&pb.Cancel{JobId: "other", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
+	h.NoFrame(50 * time.Millisecond)
 
 	sent := time.Now()
-	h.sendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_LEASE_LOST, GraceMs: 1500, Message: "lease gone"})
-	e := h.jobError("j1", 3, CodeCancelled)
+	h.SendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_LEASE_LOST, GraceMs: 1500, Message: "lease gone"})
+	e := h.JobError("j1", 3, executor.CodeCancelled)
 	if d := time.Since(sent); d > 100*time.Millisecond {
 		t.Fatalf("CANCELLED took %s, want < 100ms", d)
 	}
 	if e.GetRetryable() || string(e.GetDetails()) != `{"reason":"LEASE_LOST"}` || !strings.Contains(e.GetMessage(), "lease gone") {
 		t.Fatalf("cancelled error = %v", e)
 	}
-	var c *Cancellation
+	var c *executor.Cancellation
 	if err := <-cause; !errors.As(err, &c) || c.Reason != "LEASE_LOST" || c.Message != "lease gone" || c.Grace != 1500*time.Millisecond {
 		t.Fatalf("context cause = %#v", err)
 	}
@@ -187,48 +180,48 @@ func TestCancelMidHandlerYieldsCancelledQuickly(t *testing.T) {
 // and finishes sends its result (the supervisor keeps it within the grace).
 func TestResultReturnedAfterCancelIsSent(t *testing.T) {
 	cause := make(chan error, 1)
-	ex := newExecutor(Options{})
-	ex.Handle("stubborn", func(ctx context.Context, _ *Job) (*Result, error) {
+	ex := newExecutor(executor.Options{})
+	ex.Handle("stubborn", func(ctx context.Context, _ *executor.Job) (*executor.Result, error) {
 		<-ctx.Done()
 		cause <- context.Cause(ctx)
-		return NewResult(map[string]bool{"finished_after_cancel": true})
+		return executor.NewResult(map[string]bool{"finished_after_cancel": true})
 	})
-	ex.Handle("nil-result", func(ctx context.Context, _ *Job) (*Result, error) {
+	ex.Handle("nil-result", func(ctx context.Context, _ *executor.Job) (*executor.Result, error) {
 		<-ctx.Done()
 		return nil, nil
 	})
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j1", "stubborn", ""))
-	h.started("j1")
-	h.sendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, GraceMs: 500})
-	if r := h.result("j1", 3); string(r.GetOutput()) != `{"finished_after_cancel":true}` {
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j1", "stubborn", ""))
+	h.Started("j1")
+	h.SendCancel(&pb.Cancel{JobId: "j1", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, GraceMs: 500})
+	if r := h.Result("j1", 3); string(r.GetOutput()) != `{"finished_after_cancel":true}` {
 		t.Fatalf("result = %v", r)
 	}
-	var c *Cancellation
+	var c *executor.Cancellation
 	if err := <-cause; !errors.As(err, &c) || c.Reason != "REQUESTED" {
 		t.Fatalf("context cause = %#v", err)
 	}
 
 	// (nil, nil) is a result too: output null.
-	h.sendJob(job("j2", "nil-result", ""))
-	h.started("j2")
-	h.sendCancel(&pb.Cancel{JobId: "j2", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
-	if r := h.result("j2", 3); string(r.GetOutput()) != "null" {
+	h.SendJob(job("j2", "nil-result", ""))
+	h.Started("j2")
+	h.SendCancel(&pb.Cancel{JobId: "j2", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED})
+	if r := h.Result("j2", 3); string(r.GetOutput()) != "null" {
 		t.Fatalf("result = %v", r)
 	}
 
 	// stdin closing mid-job cancels the same way; a result still goes out.
-	h.sendJob(job("j3", "stubborn", ""))
-	h.started("j3")
-	h.closeStdin()
-	if r := h.result("j3", 3); string(r.GetOutput()) != `{"finished_after_cancel":true}` {
+	h.SendJob(job("j3", "stubborn", ""))
+	h.Started("j3")
+	h.CloseStdin()
+	if r := h.Result("j3", 3); string(r.GetOutput()) != `{"finished_after_cancel":true}` {
 		t.Fatalf("result = %v", r)
 	}
-	if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonStdinClosed {
+	if err := <-cause; !errors.As(err, &c) || c.Reason != executor.ReasonStdinClosed {
 		t.Fatalf("context cause = %#v", err)
 	}
-	if err := h.wait(); err != nil {
+	if err := h.Wait(); err != nil {
 		t.Fatalf("Serve = %v", err)
 	}
 }
@@ -240,40 +233,40 @@ func TestResultReturnedAfterCancelIsSent(t *testing.T) {
 func TestErrorAfterCancelIsCancelled(t *testing.T) {
 	cases := []struct {
 		name    string
-		stop    func(ctx context.Context) (*Result, error)
+		stop    func(ctx context.Context) (*executor.Result, error)
 		message string // in the CANCELLED message, besides the cancellation
 	}{
-		{"ctx.Err", func(ctx context.Context) (*Result, error) { return nil, ctx.Err() }, ""},
-		{"wrapped", func(ctx context.Context) (*Result, error) {
+		{"ctx.Err", func(ctx context.Context) (*executor.Result, error) { return nil, ctx.Err() }, ""},
+		{"wrapped", func(ctx context.Context) (*executor.Result, error) {
 			return nil, fmt.Errorf("fetching page 3: %w", ctx.Err())
 		}, ""},
-		{"cause", func(ctx context.Context) (*Result, error) { return nil, context.Cause(ctx) }, ""},
-		{"result and ctx.Err", func(ctx context.Context) (*Result, error) {
-			r, _ := NewResult("half done")
+		{"cause", func(ctx context.Context) (*executor.Result, error) { return nil, context.Cause(ctx) }, ""},
+		{"result and ctx.Err", func(ctx context.Context) (*executor.Result, error) {
+			r, _ := executor.NewResult("half done")
 			return r, ctx.Err()
 		}, ""},
-		{"other error", func(context.Context) (*Result, error) {
-			return nil, &Error{Code: "OTHER", Message: "cleanup failed", Retryable: true}
+		{"other error", func(context.Context) (*executor.Result, error) {
+			return nil, &executor.Error{Code: "OTHER", Message: "cleanup failed"}
 		}, "the handler returned: OTHER: cleanup failed"},
-		{"plain error", func(context.Context) (*Result, error) {
+		{"plain error", func(context.Context) (*executor.Result, error) {
 			return nil, errors.New("signal: killed")
 		}, "the handler returned: signal: killed"},
-		{"panic", func(context.Context) (*Result, error) { panic("after cancel") }, "the handler then panicked: after cancel"},
-		{"goexit", func(context.Context) (*Result, error) { runtime.Goexit(); return nil, nil }, ""},
+		{"panic", func(context.Context) (*executor.Result, error) { panic("after cancel") }, "the handler then panicked: after cancel"},
+		{"goexit", func(context.Context) (*executor.Result, error) { runtime.Goexit(); return nil, nil }, ""},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			ex := newExecutor(Options{})
-			ex.Handle("k", func(ctx context.Context, _ *Job) (*Result, error) {
+			ex := newExecutor(executor.Options{})
+			ex.Handle("k", func(ctx context.Context, _ *executor.Job) (*executor.Result, error) {
 				<-ctx.Done()
 				return tc.stop(ctx)
 			})
-			h := serve(t, ex)
-			h.hello()
-			h.sendJob(job("j", "k", ""))
-			h.started("j")
-			h.sendCancel(&pb.Cancel{JobId: "j", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, Message: "operator asked"})
-			e := h.jobError("j", 3, CodeCancelled)
+			h := executortest.Start(t, ex)
+			h.Hello()
+			h.SendJob(job("j", "k", ""))
+			h.Started("j")
+			h.SendCancel(&pb.Cancel{JobId: "j", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, Message: "operator asked"})
+			e := h.JobError("j", 3, executor.CodeCancelled)
 			if e.GetRetryable() || string(e.GetDetails()) != `{"reason":"REQUESTED"}` ||
 				!strings.Contains(e.GetMessage(), "operator asked") || !strings.Contains(e.GetMessage(), tc.message) {
 				t.Fatalf("cancelled error = %v", e)
@@ -286,30 +279,30 @@ func TestErrorAfterCancelIsCancelled(t *testing.T) {
 }
 
 func TestPanicBecomesHandlerPanicAndServingContinues(t *testing.T) {
-	ex := newExecutor(Options{})
-	ex.Handle("boom", func(context.Context, *Job) (*Result, error) { panic("kaboom") })
-	ex.Handle("exit", func(context.Context, *Job) (*Result, error) { runtime.Goexit(); return nil, nil })
+	ex := newExecutor(executor.Options{})
+	ex.Handle("boom", func(context.Context, *executor.Job) (*executor.Result, error) { panic("kaboom") })
+	ex.Handle("exit", func(context.Context, *executor.Job) (*executor.Result, error) { runtime.Goexit(); return nil, nil })
 	ex.Handle("demo.echo", echoHandler)
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j1", "boom", ""))
-	h.started("j1")
-	e := h.jobError("j1", 3, CodeHandlerPanic)
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j1", "boom", ""))
+	h.Started("j1")
+	e := h.JobError("j1", 3, executor.CodeHandlerPanic)
 	if !e.GetRetryable() || !strings.Contains(e.GetMessage(), "kaboom") {
 		t.Fatalf("panic error = %v", e)
 	}
-	h.sendJob(job("j2", "exit", ""))
-	h.started("j2")
-	if e := h.jobError("j2", 3, CodeHandlerPanic); !strings.Contains(e.GetMessage(), "Goexit") {
+	h.SendJob(job("j2", "exit", ""))
+	h.Started("j2")
+	if e := h.JobError("j2", 3, executor.CodeHandlerPanic); !strings.Contains(e.GetMessage(), "Goexit") {
 		t.Fatalf("Goexit error = %v", e)
 	}
-	h.sendJob(job("j3", "demo.echo", `3`))
-	h.started("j3")
-	h.result("j3", 3)
+	h.SendJob(job("j3", "demo.echo", `3`))
+	h.Started("j3")
+	h.Result("j3", 3)
 }
 
 func TestErrorMapping(t *testing.T) {
-	typed := &Error{Code: "UPSTREAM_DOWN", Message: "503 from api", Retryable: true,
+	typed := &executor.Error{Code: "UPSTREAM_DOWN", Message: "503 from api",
 		Details: map[string]any{"status": 503, "host": "api"}, NextRetryDelay: 1500*time.Millisecond + 1}
 	ms := func(v uint64) *uint64 { return &v }
 	cases := []struct {
@@ -317,43 +310,46 @@ func TestErrorMapping(t *testing.T) {
 		err  error
 		want *pb.JobError
 	}{
-		{"plain", errors.New("disk full"), &pb.JobError{Code: CodeHandlerError, Message: "disk full", Retryable: true}},
+		{"plain", errors.New("disk full"), &pb.JobError{Code: executor.CodeHandlerError, Message: "disk full", Retryable: true}},
 		{"typed", typed, &pb.JobError{Code: "UPSTREAM_DOWN", Message: "503 from api", Retryable: true,
 			Details: []byte(`{"host":"api","status":503}`), NextRetryDelayMs: ms(1501)}},
-		{"wrapped", fmt.Errorf("calling api: %w", &Error{Code: "UPSTREAM_DOWN", Message: "503"}),
-			&pb.JobError{Code: "UPSTREAM_DOWN", Message: "calling api: UPSTREAM_DOWN: 503"}},
-		{"empty code", &Error{Message: "oops", Retryable: true}, &pb.JobError{Code: CodeHandlerError, Message: "oops", Retryable: true}},
-		{"errorf", Errorf("QUOTA", false, "quota %d exceeded", 7), &pb.JobError{Code: "QUOTA", Message: "quota 7 exceeded"}},
+		{"wrapped", fmt.Errorf("calling api: %w", &executor.Error{Code: "UPSTREAM_DOWN", Message: "503"}),
+			&pb.JobError{Code: "UPSTREAM_DOWN", Message: "calling api: UPSTREAM_DOWN: 503", Retryable: true}},
+		{"non-retryable", &executor.Error{Code: "NO_SUCH_USER", Message: "user 42", NonRetryable: true},
+			&pb.JobError{Code: "NO_SUCH_USER", Message: "user 42"}},
+		{"empty code", &executor.Error{Message: "oops"}, &pb.JobError{Code: executor.CodeHandlerError, Message: "oops", Retryable: true}},
+		{"errorf retryable", executor.Errorf("QUOTA", true, "quota %d exceeded", 7), &pb.JobError{Code: "QUOTA", Message: "quota 7 exceeded", Retryable: true}},
+		{"errorf", executor.Errorf("QUOTA", false, "quota %d exceeded", 7), &pb.JobError{Code: "QUOTA", Message: "quota 7 exceeded"}},
 	}
-	ex := newExecutor(Options{})
+	ex := newExecutor(executor.Options{})
 	for _, c := range cases {
-		ex.Handle(c.name, func(context.Context, *Job) (*Result, error) { return nil, c.err })
+		ex.Handle(c.name, func(context.Context, *executor.Job) (*executor.Result, error) { return nil, c.err })
 	}
-	ex.Handle("decode", func(_ context.Context, j *Job) (*Result, error) {
+	ex.Handle("decode", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
 		var v struct{ N int }
 		return nil, j.DecodeInput(&v)
 	})
-	h := serve(t, ex)
-	h.hello()
+	h := executortest.Start(t, ex)
+	h.Hello()
 	for i, c := range cases {
 		id := fmt.Sprint("j", i)
-		h.sendJob(job(id, c.name, ""))
-		h.started(id)
-		got := h.jobError(id, 3, c.want.GetCode())
+		h.SendJob(job(id, c.name, ""))
+		h.Started(id)
+		got := h.JobError(id, 3, c.want.GetCode())
 		c.want.JobId, c.want.Sequence = id, 3
 		protoEqual(t, c.name, got, c.want)
 	}
-	h.sendJob(job("bad", "decode", `{"N":"not a number"}`))
-	h.started("bad")
-	if e := h.jobError("bad", 3, CodeBadInput); e.GetRetryable() {
+	h.SendJob(job("bad", "decode", `{"N":"not a number"}`))
+	h.Started("bad")
+	if e := h.JobError("bad", 3, executor.CodeBadInput); e.GetRetryable() {
 		t.Fatalf("BAD_INPUT must not be retryable: %v", e)
 	}
 }
 
 func TestSequencesStrictlyIncrease(t *testing.T) {
 	const workers, each = 8, 25
-	ex := newExecutor(Options{})
-	ex.Handle("chatty", func(_ context.Context, j *Job) (*Result, error) {
+	ex := newExecutor(executor.Options{})
+	ex.Handle("chatty", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
 		var wg sync.WaitGroup
 		errs := make(chan error, workers*each)
 		for w := 0; w < workers; w++ {
@@ -378,12 +374,12 @@ func TestSequencesStrictlyIncrease(t *testing.T) {
 		}
 		return nil, nil
 	})
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j", "chatty", ""))
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j", "chatty", ""))
 	var last uint64
 	for n := 0; ; n++ {
-		f := h.next()
+		f := h.Next()
 		var seq uint64
 		switch {
 		case f.GetEvent() != nil:
@@ -410,8 +406,8 @@ func TestCheckpoints(t *testing.T) {
 		has bool
 	}
 	got := make(chan seen, 3)
-	ex := newExecutor(Options{})
-	ex.Handle("cp", func(_ context.Context, j *Job) (*Result, error) {
+	ex := newExecutor(executor.Options{})
+	ex.Handle("cp", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
 		got <- seen{j.PreviousCheckpoint, j.HasPreviousCheckpoint}
 		if err := j.Checkpoint([]byte("hb-cp")); err != nil {
 			return nil, err
@@ -419,16 +415,18 @@ func TestCheckpoints(t *testing.T) {
 		if err := j.ProgressWithCheckpoint("half", 0.5, []byte("pr-cp")); err != nil {
 			return nil, err
 		}
-		if err := j.Progress("unknown fraction", NoFraction); err != nil {
+		if err := j.Progress("unknown fraction", executor.NoFraction); err != nil {
 			return nil, err
 		}
-		if err := j.Progress("bad", 1.5); err == nil {
-			return nil, errors.New("fraction 1.5 accepted")
+		for _, f := range []float64{1.5, -0.25, math.Inf(1), math.NaN()} { // clamped; NaN: none
+			if err := j.Progress("out of range", f); err != nil {
+				return nil, err
+			}
 		}
 		return nil, j.Heartbeat()
 	})
-	h := serve(t, ex)
-	h.hello()
+	h := executortest.Start(t, ex)
+	h.Hello()
 
 	for _, c := range []struct {
 		id string
@@ -436,23 +434,29 @@ func TestCheckpoints(t *testing.T) {
 	}{{"with", []byte("resume-here")}, {"empty", []byte{}}, {"absent", nil}} {
 		pj := job(c.id, "cp", "")
 		pj.Checkpoint = c.cp
-		h.sendJob(pj)
-		h.started(c.id)
-		ev := h.event(c.id, 3, pb.EventKind_EVENT_KIND_HEARTBEAT)
+		h.SendJob(pj)
+		h.Started(c.id)
+		ev := h.Event(c.id, 3, pb.EventKind_EVENT_KIND_HEARTBEAT)
 		if ev.Checkpoint == nil || string(ev.Checkpoint) != "hb-cp" || ev.Fraction != nil {
 			t.Fatalf("checkpoint heartbeat = %v", ev)
 		}
-		ev = h.event(c.id, 4, pb.EventKind_EVENT_KIND_PROGRESS)
+		ev = h.Event(c.id, 4, pb.EventKind_EVENT_KIND_PROGRESS)
 		if string(ev.Checkpoint) != "pr-cp" || ev.Fraction == nil || *ev.Fraction != 0.5 || ev.Message != "half" {
 			t.Fatalf("progress with checkpoint = %v", ev)
 		}
-		if ev = h.event(c.id, 5, pb.EventKind_EVENT_KIND_PROGRESS); ev.Fraction != nil || ev.Checkpoint != nil {
+		if ev = h.Event(c.id, 5, pb.EventKind_EVENT_KIND_PROGRESS); ev.Fraction != nil || ev.Checkpoint != nil {
 			t.Fatalf("progress without fraction = %v", ev)
 		}
-		if ev = h.event(c.id, 6, pb.EventKind_EVENT_KIND_HEARTBEAT); ev.Checkpoint != nil || ev.AtUnixMs == 0 {
+		for i, want := range []float64{1, 0, 1, -1} {
+			ev = h.Event(c.id, uint64(6+i), pb.EventKind_EVENT_KIND_PROGRESS)
+			if (want < 0) != (ev.Fraction == nil) || (want >= 0 && *ev.Fraction != want) {
+				t.Fatalf("out-of-range fraction %d: event %v, want fraction %v (-1: none)", i, ev, want)
+			}
+		}
+		if ev = h.Event(c.id, 10, pb.EventKind_EVENT_KIND_HEARTBEAT); ev.Checkpoint != nil || ev.AtUnixMs == 0 {
 			t.Fatalf("heartbeat = %v", ev)
 		}
-		h.result(c.id, 7)
+		h.Result(c.id, 11)
 		s := <-got
 		if s.has != (c.cp != nil) || string(s.cp) != string(c.cp) || (s.has && s.cp == nil) {
 			t.Fatalf("job %s: handler saw checkpoint %q (present %v), want %q (present %v)", c.id, s.cp, s.has, c.cp, c.cp != nil)
@@ -461,43 +465,43 @@ func TestCheckpoints(t *testing.T) {
 }
 
 func TestCleanEOFWhenIdleReturnsNil(t *testing.T) {
-	h := serve(t, newExecutor(Options{}))
-	h.hello()
-	h.stillServing(20 * time.Millisecond)
-	h.closeStdin()
-	if err := h.wait(); err != nil {
+	h := executortest.Start(t, newExecutor(executor.Options{}))
+	h.Hello()
+	h.StillServing(20 * time.Millisecond)
+	h.CloseStdin()
+	if err := h.Wait(); err != nil {
 		t.Fatalf("Serve = %v, want nil", err)
 	}
-	if err := h.nextErr(); err.Error() != "EOF" {
+	if err := h.EndOfStream(); err.Error() != "EOF" {
 		t.Fatalf("frame stream ended with %v, want a clean EOF", err)
 	}
 }
 
 func TestTruncatedFrameIsAnError(t *testing.T) {
-	h := serve(t, newExecutor(Options{}))
-	h.hello()
-	h.sendRaw([]byte{10, 1, 2, 3}) // announces 10 bytes, sends 3
-	h.closeStdin()
-	err := h.wait()
-	isErr(t, err, ErrTruncatedFrame)
+	h := executortest.Start(t, newExecutor(executor.Options{}))
+	h.Hello()
+	h.SendRaw([]byte{10, 1, 2, 3}) // announces 10 bytes, sends 3
+	h.CloseStdin()
+	err := h.Wait()
+	isErr(t, err, executor.ErrTruncatedFrame)
 	if !strings.Contains(err.Error(), "3 of 10") {
 		t.Fatalf("error %q does not say how much was read", err)
 	}
 }
 
 func TestMalformedFrameIsAnError(t *testing.T) {
-	h := serve(t, newExecutor(Options{}))
-	h.hello()
-	h.sendRaw([]byte{3, 0xff, 0xff, 0xff}) // a 3-byte body that is no SupervisorFrame
-	isErr(t, h.wait(), ErrMalformedFrame)
+	h := executortest.Start(t, newExecutor(executor.Options{}))
+	h.Hello()
+	h.SendRaw([]byte{3, 0xff, 0xff, 0xff}) // a 3-byte body that is no SupervisorFrame
+	isErr(t, h.Wait(), executor.ErrMalformedFrame)
 }
 
 func TestOversizeFrameRejectedByServe(t *testing.T) {
-	h := serve(t, newExecutor(Options{MaxFrameBytes: 1024}))
-	h.hello()
-	h.sendRaw([]byte{0x81, 0x08}) // 1025
-	err := h.wait()
-	var tl *FrameTooLargeError
+	h := executortest.Start(t, newExecutor(executor.Options{MaxFrameBytes: 1024}))
+	h.Hello()
+	h.SendRaw([]byte{0x81, 0x08}) // 1025
+	err := h.Wait()
+	var tl *executor.FrameTooLargeError
 	if !errors.As(err, &tl) || tl.Size != 1025 || tl.MaxSize != 1024 {
 		t.Fatalf("Serve = %v, want a FrameTooLargeError for 1025 > 1024", err)
 	}
@@ -505,56 +509,56 @@ func TestOversizeFrameRejectedByServe(t *testing.T) {
 
 func TestBrokenFrameMidJobCancelsTheJob(t *testing.T) {
 	started, cause := make(chan struct{}), make(chan error, 1)
-	ex := newExecutor(Options{})
+	ex := newExecutor(executor.Options{})
 	ex.Handle("block", blockHandler(started, cause))
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j", "block", ""))
-	h.started("j")
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j", "block", ""))
+	h.Started("j")
 	waitClosed(t, started, "handler start")
-	h.sendRaw([]byte{0x05, 1})
-	h.closeStdin()
-	h.jobError("j", 3, CodeCancelled)
-	isErr(t, h.wait(), ErrTruncatedFrame)
-	var c *Cancellation
-	if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonProtocolError {
+	h.SendRaw([]byte{0x05, 1})
+	h.CloseStdin()
+	h.JobError("j", 3, executor.CodeCancelled)
+	isErr(t, h.Wait(), executor.ErrTruncatedFrame)
+	var c *executor.Cancellation
+	if err := <-cause; !errors.As(err, &c) || c.Reason != executor.ReasonProtocolError {
 		t.Fatalf("cause = %v", err)
 	}
 }
 
 func TestEOFMidJobCancelsAndStillSendsTerminal(t *testing.T) {
 	started, cause := make(chan struct{}), make(chan error, 1)
-	ex := newExecutor(Options{})
+	ex := newExecutor(executor.Options{})
 	ex.Handle("block", blockHandler(started, cause))
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j", "block", ""))
-	h.started("j")
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j", "block", ""))
+	h.Started("j")
 	waitClosed(t, started, "handler start")
-	h.closeStdin()
-	if e := h.jobError("j", 3, CodeCancelled); string(e.GetDetails()) != `{"reason":"STDIN_CLOSED"}` {
+	h.CloseStdin()
+	if e := h.JobError("j", 3, executor.CodeCancelled); string(e.GetDetails()) != `{"reason":"STDIN_CLOSED"}` {
 		t.Fatalf("terminal = %v", e)
 	}
-	if err := h.wait(); err != nil {
+	if err := h.Wait(); err != nil {
 		t.Fatalf("Serve = %v", err)
 	}
-	var c *Cancellation
-	if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonStdinClosed {
+	var c *executor.Cancellation
+	if err := <-cause; !errors.As(err, &c) || c.Reason != executor.ReasonStdinClosed {
 		t.Fatalf("cause = %v", err)
 	}
 }
 
 func TestEOFMidJobGivesUpAfterStopGrace(t *testing.T) {
-	ex := newExecutor(Options{StopGrace: 50 * time.Millisecond})
+	ex := newExecutor(executor.Options{StopGrace: 50 * time.Millisecond})
 	release := make(chan struct{})
 	defer close(release)
-	ex.Handle("deaf", func(context.Context, *Job) (*Result, error) { <-release; return nil, nil })
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j", "deaf", ""))
-	h.started("j")
-	h.closeStdin()
-	err := h.wait()
+	ex.Handle("deaf", func(context.Context, *executor.Job) (*executor.Result, error) { <-release; return nil, nil })
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j", "deaf", ""))
+	h.Started("j")
+	h.CloseStdin()
+	err := h.Wait()
 	if err == nil || !strings.Contains(err.Error(), "did not return within 50ms") {
 		t.Fatalf("Serve = %v, want a stop-grace error", err)
 	}
@@ -562,144 +566,167 @@ func TestEOFMidJobGivesUpAfterStopGrace(t *testing.T) {
 
 func TestShutdown(t *testing.T) {
 	t.Run("idle", func(t *testing.T) {
-		h := serve(t, newExecutor(Options{}))
-		h.hello()
-		h.send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{Reason: "done"}}})
-		if err := h.wait(); err != nil {
+		h := executortest.Start(t, newExecutor(executor.Options{}))
+		h.Hello()
+		h.Send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{Reason: "done"}}})
+		if err := h.Wait(); err != nil {
 			t.Fatalf("Serve = %v", err)
 		}
 	})
 	t.Run("mid job lets it finish", func(t *testing.T) {
 		release := make(chan struct{})
-		ex := newExecutor(Options{})
-		ex.Handle("slow", func(ctx context.Context, _ *Job) (*Result, error) {
+		ex := newExecutor(executor.Options{})
+		ex.Handle("slow", func(ctx context.Context, _ *executor.Job) (*executor.Result, error) {
 			select {
 			case <-release:
-				return NewResult("finished")
+				return executor.NewResult("finished")
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			}
 		})
-		h := serve(t, ex)
-		h.hello()
-		h.sendJob(job("j", "slow", ""))
-		h.started("j")
-		h.send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{}}})
-		h.closeStdin() // EOF after Shutdown does not cancel the job
-		h.stillServing(30 * time.Millisecond)
+		h := executortest.Start(t, ex)
+		h.Hello()
+		h.SendJob(job("j", "slow", ""))
+		h.Started("j")
+		h.Send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{}}})
+		h.CloseStdin() // EOF after Shutdown does not cancel the job
+		h.StillServing(30 * time.Millisecond)
 		close(release)
-		if r := h.result("j", 3); string(r.GetOutput()) != `"finished"` {
+		if r := h.Result("j", 3); string(r.GetOutput()) != `"finished"` {
 			t.Fatalf("result = %v", r)
 		}
-		if err := h.wait(); err != nil {
+		if err := h.Wait(); err != nil {
 			t.Fatalf("Serve = %v", err)
 		}
 	})
 }
 
+// One meaning in both SDKs: 0 (the default) or negative is unlimited, which
+// the hello says as -1 (a 0 on the wire would mean one job).
+func TestMaxJobsPerProcessInHello(t *testing.T) {
+	for n, want := range map[int]int32{0: -1, -1: -1, -7: -1, 1: 1, 5: 5, math.MaxInt: math.MaxInt32} {
+		if got := executortest.Start(t, newExecutor(executor.Options{MaxJobsPerProcess: n})).Hello().GetMaxJobsPerProcess(); got != want {
+			t.Errorf("MaxJobsPerProcess %d: hello says %d, want %d", n, got, want)
+		}
+	}
+}
+
 func TestMaxJobsPerProcess(t *testing.T) {
-	ex := newExecutor(Options{MaxJobsPerProcess: 1})
+	ex := newExecutor(executor.Options{MaxJobsPerProcess: 1})
 	ex.Handle("demo.echo", echoHandler)
-	h := serve(t, ex)
-	if got := h.hello().GetMaxJobsPerProcess(); got != 1 {
+	h := executortest.Start(t, ex)
+	if got := h.Hello().GetMaxJobsPerProcess(); got != 1 {
 		t.Fatalf("hello max_jobs_per_process = %d", got)
 	}
-	h.sendJob(job("j", "demo.echo", `1`))
-	h.started("j")
-	h.result("j", 3)
-	if err := h.wait(); err != nil { // without stdin closing
+	h.SendJob(job("j", "demo.echo", `1`))
+	h.Started("j")
+	h.Result("j", 3)
+	if err := h.Wait(); err != nil { // without stdin closing
 		t.Fatalf("Serve = %v", err)
 	}
 }
 
 func TestNoFrameAfterTerminal(t *testing.T) {
-	leaked := make(chan *Job, 1)
-	ex := newExecutor(Options{})
-	ex.Handle("leak", func(_ context.Context, j *Job) (*Result, error) {
+	leaked := make(chan *executor.Job, 1)
+	ex := newExecutor(executor.Options{})
+	ex.Handle("leak", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
 		leaked <- j
 		return nil, nil
 	})
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j", "leak", ""))
-	h.started("j")
-	h.result("j", 3)
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j", "leak", ""))
+	h.Started("j")
+	h.Result("j", 3)
 	j := <-leaked
-	if err := j.Progress("late", 1); !errors.Is(err, ErrJobFinished) {
+	if err := j.Progress("late", 1); !errors.Is(err, executor.ErrJobFinished) {
 		t.Fatalf("Progress after the terminal = %v, want ErrJobFinished", err)
 	}
-	if err := j.Heartbeat(); !errors.Is(err, ErrJobFinished) {
+	if err := j.Heartbeat(); !errors.Is(err, executor.ErrJobFinished) {
 		t.Fatalf("Heartbeat after the terminal = %v, want ErrJobFinished", err)
 	}
-	h.noFrame(30 * time.Millisecond)
+	h.NoFrame(30 * time.Millisecond)
 }
 
 func TestResultValidation(t *testing.T) {
-	ex := newExecutor(Options{MaxFrameBytes: 4096})
-	ex.Handle("not-json", func(context.Context, *Job) (*Result, error) { return &Result{Output: []byte("{nope")}, nil })
-	ex.Handle("nil", func(context.Context, *Job) (*Result, error) { return nil, nil })
-	ex.Handle("huge", func(context.Context, *Job) (*Result, error) { return NewResult(strings.Repeat("x", 10_000)) })
-	ex.Handle("escape", func(context.Context, *Job) (*Result, error) {
-		return &Result{Output: []byte(`1`), Artifacts: []Artifact{{Name: "a", Path: "../etc/passwd"}}}, nil
+	ex := newExecutor(executor.Options{MaxFrameBytes: 4096})
+	ex.Handle("not-json", func(context.Context, *executor.Job) (*executor.Result, error) {
+		return &executor.Result{Output: []byte("{nope")}, nil
 	})
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j1", "not-json", ""))
-	h.started("j1")
-	if e := h.jobError("j1", 3, CodeOutputInvalid); e.GetRetryable() {
+	ex.Handle("nil", func(context.Context, *executor.Job) (*executor.Result, error) { return nil, nil })
+	ex.Handle("huge", func(context.Context, *executor.Job) (*executor.Result, error) {
+		return executor.NewResult(strings.Repeat("x", 10_000))
+	})
+	ex.Handle("escape", func(context.Context, *executor.Job) (*executor.Result, error) {
+		return &executor.Result{Output: []byte(`1`), Artifacts: []executor.Artifact{{Name: "a", Path: "../etc/passwd"}}}, nil
+	})
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j1", "not-json", ""))
+	h.Started("j1")
+	if e := h.JobError("j1", 3, executor.CodeOutputInvalid); e.GetRetryable() {
 		t.Fatalf("OUTPUT_INVALID retryable: %v", e)
 	}
-	h.sendJob(job("j2", "nil", ""))
-	h.started("j2")
-	if r := h.result("j2", 3); string(r.GetOutput()) != "null" {
+	h.SendJob(job("j2", "nil", ""))
+	h.Started("j2")
+	if r := h.Result("j2", 3); string(r.GetOutput()) != "null" {
 		t.Fatalf("nil result output = %q, want null", r.GetOutput())
 	}
-	h.sendJob(job("j3", "huge", ""))
-	h.started("j3")
-	if e := h.jobError("j3", 3, CodeResultTooLarge); e.GetRetryable() || !strings.Contains(e.GetMessage(), "4096") {
+	h.SendJob(job("j3", "huge", ""))
+	h.Started("j3")
+	if e := h.JobError("j3", 3, executor.CodeResultTooLarge); e.GetRetryable() || !strings.Contains(e.GetMessage(), "4096") {
 		t.Fatalf("RESULT_TOO_LARGE = %v", e)
 	}
-	h.sendJob(job("j4", "escape", ""))
-	h.started("j4")
-	h.jobError("j4", 3, "ARTIFACT_INVALID")
+	h.SendJob(job("j4", "escape", ""))
+	h.Started("j4")
+	h.JobError("j4", 3, "ARTIFACT_INVALID")
 }
 
+// The SDK redacts as the supervisor does: a value of 4+ bytes wherever it
+// occurs (also JSON-escaped or percent-encoded), a shorter one only where it
+// is a whole string (message, details value or key).
 func TestSecretsAreRedactedFromMessages(t *testing.T) {
-	ex := newExecutor(Options{})
-	ex.Handle("leaky", func(_ context.Context, j *Job) (*Result, error) {
-		if err := j.Progress("using "+j.Secrets["TOKEN"], NoFraction); err != nil {
-			return nil, err
+	ex := newExecutor(executor.Options{})
+	ex.Handle("leaky", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
+		tok, pin := j.Secrets["TOKEN"], j.Secrets["PIN"]
+		for _, m := range []string{"using " + tok, pin, "pin " + pin + " of 42", `{"q":"` + strings.ReplaceAll(j.Secrets["QUOTED"], `"`, `\"`) + `"}`, "?k=a%2Fb%3Dc"} {
+			if err := j.Progress(m, executor.NoFraction); err != nil {
+				return nil, err
+			}
 		}
-		return nil, &Error{Code: "AUTH", Message: "token " + j.Secrets["TOKEN"] + " rejected",
-			Details: map[string]any{"token": j.Secrets["TOKEN"], "pin": j.Secrets["PIN"]}}
+		return nil, &executor.Error{Code: "AUTH", Message: "token " + tok + " rejected",
+			Details: map[string]any{"token": tok, "pin": pin, "near": pin + "1", pin: "as a key", "nested": []any{map[string]any{"t": "x" + tok}}}}
 	})
-	h := serve(t, ex)
-	h.hello()
+	h := executortest.Start(t, ex)
+	h.Hello()
 	pj := job("j", "leaky", "")
-	pj.Secrets = map[string]string{"TOKEN": "s3cr3t-value", "PIN": "42"}
-	h.sendJob(pj)
-	h.started("j")
-	if ev := h.event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS); ev.GetMessage() != "using [REDACTED]" {
-		t.Fatalf("progress message = %q", ev.GetMessage())
+	pj.Secrets = map[string]string{"TOKEN": "s3cr3t-value", "PIN": "42", "QUOTED": `say "hi"`, "SLASHED": "a/b=c", "EMPTY": ""}
+	h.SendJob(pj)
+	h.Started("j")
+	for i, want := range []string{"using [REDACTED]", "[REDACTED]", "pin 42 of 42", `{"q":"[REDACTED]"}`, "?k=[REDACTED]"} {
+		if ev := h.Event("j", uint64(3+i), pb.EventKind_EVENT_KIND_PROGRESS); ev.GetMessage() != want {
+			t.Errorf("progress message %d = %q, want %q", i, ev.GetMessage(), want)
+		}
 	}
-	e := h.jobError("j", 4, "AUTH")
-	if e.GetMessage() != "token [REDACTED] rejected" || string(e.GetDetails()) != `{"pin":"42","token":"[REDACTED]"}` {
+	e := h.JobError("j", 8, "AUTH")
+	if e.GetMessage() != "token [REDACTED] rejected" ||
+		string(e.GetDetails()) != `{"[REDACTED]":"as a key","near":"421","nested":[{"t":"x[REDACTED]"}],"pin":"[REDACTED]","token":"[REDACTED]"}` {
 		t.Fatalf("error = %v", e)
 	}
 }
 
 func TestSecondJobWhileBusyIsRefused(t *testing.T) {
 	release := make(chan struct{})
-	ex := newExecutor(Options{})
-	ex.Handle("slow", func(context.Context, *Job) (*Result, error) { <-release; return nil, nil })
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j1", "slow", ""))
-	h.started("j1")
-	h.sendJob(job("j2", "slow", ""))
-	h.jobError("j2", 1, CodeExecutorBusy)
+	ex := newExecutor(executor.Options{})
+	ex.Handle("slow", func(context.Context, *executor.Job) (*executor.Result, error) { <-release; return nil, nil })
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j1", "slow", ""))
+	h.Started("j1")
+	h.SendJob(job("j2", "slow", ""))
+	h.JobError("j2", 1, executor.CodeExecutorBusy)
 	close(release)
-	h.result("j1", 3)
+	h.Result("j1", 3)
 }
 
 // failingWriter accepts n writes, then fails.
@@ -720,16 +747,16 @@ func (w *failingWriter) Write(b []byte) (int, error) {
 
 func TestBrokenOutput(t *testing.T) {
 	t.Run("hello", func(t *testing.T) {
-		err := newExecutor(Options{}).Serve(strings.NewReader(""), &failingWriter{n: 0})
+		err := newExecutor(executor.Options{}).Serve(strings.NewReader(""), &failingWriter{n: 0})
 		if err == nil || !strings.Contains(err.Error(), "sending hello") {
 			t.Fatalf("Serve = %v", err)
 		}
 	})
 	t.Run("mid job", func(t *testing.T) {
 		cause := make(chan error, 1)
-		ex := newExecutor(Options{})
-		ex.Handle("talk", func(ctx context.Context, j *Job) (*Result, error) {
-			err := j.Progress("x", NoFraction)
+		ex := newExecutor(executor.Options{})
+		ex.Handle("talk", func(ctx context.Context, j *executor.Job) (*executor.Result, error) {
+			err := j.Progress("x", executor.NoFraction)
 			if err == nil {
 				return nil, errors.New("progress on a broken stream succeeded")
 			}
@@ -743,8 +770,8 @@ func TestBrokenOutput(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "broken pipe") {
 			t.Fatalf("Serve = %v", err)
 		}
-		var c *Cancellation
-		if err := <-cause; !errors.As(err, &c) || c.Reason != ReasonOutputBroken {
+		var c *executor.Cancellation
+		if err := <-cause; !errors.As(err, &c) || c.Reason != executor.ReasonOutputBroken {
 			t.Fatalf("cause = %v", err)
 		}
 	})
@@ -758,7 +785,7 @@ func pipeWithJob(t *testing.T, j *pb.Job) (*os.File, *os.File) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: j}})
+	b, err := executor.MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: j}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -779,7 +806,7 @@ func TestHandleMisuse(t *testing.T) {
 		}()
 		f()
 	}
-	ex := newExecutor(Options{})
+	ex := newExecutor(executor.Options{})
 	ex.Handle("k", echoHandler)
 	mustPanic("duplicate kind", func() { ex.Handle("k", echoHandler) })
 	mustPanic("empty kind", func() { ex.Handle("", echoHandler) })
@@ -792,47 +819,47 @@ func TestHandleMisuse(t *testing.T) {
 }
 
 func TestErrorString(t *testing.T) {
-	e := &Error{Code: "X", Message: "m", Err: os.ErrNotExist}
+	e := &executor.Error{Code: "X", Message: "m", Err: os.ErrNotExist}
 	if e.Error() != "X: m" || !errors.Is(e, os.ErrNotExist) {
 		t.Fatalf("Error() = %q, Is(ErrNotExist) = %v", e.Error(), errors.Is(e, os.ErrNotExist))
 	}
-	if (&Error{}).Error() != CodeHandlerError {
-		t.Fatalf("empty Error() = %q", (&Error{}).Error())
+	if (&executor.Error{}).Error() != executor.CodeHandlerError {
+		t.Fatalf("empty Error() = %q", (&executor.Error{}).Error())
 	}
-	w := Errorf("Y", true, "wrapping: %w", os.ErrClosed)
+	w := executor.Errorf("Y", true, "wrapping: %w", os.ErrClosed)
 	if !errors.Is(w, os.ErrClosed) || w.Message != "wrapping: "+os.ErrClosed.Error() {
 		t.Fatalf("Errorf = %#v", w)
 	}
-	if (&Cancellation{Reason: "R", Message: "why"}).Error() != "job cancelled (R): why" {
+	if (&executor.Cancellation{Reason: "R", Message: "why"}).Error() != "job cancelled (R): why" {
 		t.Fatal("Cancellation.Error format changed")
 	}
 }
 
-func TestUnsafeSendFrameTerminalSuppressesTheSDKTerminal(t *testing.T) {
-	ex := newExecutor(Options{})
-	ex.Handle("raw", func(_ context.Context, j *Job) (*Result, error) {
-		if err := j.UnsafeSendFrame(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: &pb.ProgressEvent{
+func TestRawTerminalSuppressesTheSDKTerminal(t *testing.T) {
+	ex := newExecutor(executor.Options{})
+	ex.Handle("raw", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
+		if err := rawframe.Of(j).SendFrame(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: &pb.ProgressEvent{
 			JobId: j.ID, Sequence: 9, Kind: pb.EventKind_EVENT_KIND_PROGRESS}}}); err != nil {
 			return nil, err
 		}
-		if err := j.UnsafeSendFrame(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Result{Result: &pb.JobResult{
+		if err := rawframe.Of(j).SendFrame(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Result{Result: &pb.JobResult{
 			JobId: j.ID, Sequence: 10, Output: []byte(`"raw"`)}}}); err != nil {
 			return nil, err
 		}
-		if err := j.Progress("late", NoFraction); !errors.Is(err, ErrJobFinished) {
+		if err := j.Progress("late", executor.NoFraction); !errors.Is(err, executor.ErrJobFinished) {
 			return nil, fmt.Errorf("Progress after a raw terminal = %v", err)
 		}
 		return nil, errors.New("ignored: the terminal already went out")
 	})
 	ex.Handle("demo.echo", echoHandler)
-	h := serve(t, ex)
-	h.hello()
-	h.sendJob(job("j", "raw", ""))
-	h.started("j")
-	h.event("j", 9, pb.EventKind_EVENT_KIND_PROGRESS)
-	h.result("j", 10)
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j", "raw", ""))
+	h.Started("j")
+	h.Event("j", 9, pb.EventKind_EVENT_KIND_PROGRESS)
+	h.Result("j", 10)
 	// The next job's frames follow directly: no SDK terminal for "j".
-	h.sendJob(job("k", "demo.echo", `1`))
-	h.started("k")
-	h.result("k", 3)
+	h.SendJob(job("k", "demo.echo", `1`))
+	h.Started("k")
+	h.Result("k", 3)
 }

@@ -119,10 +119,6 @@ func (fr *FrameReader) Read(m proto.Message) error {
 	return nil
 }
 
-// Buffered exposes the reader's buffer, for callers that want the raw bytes that
-// follow the frames read so far (conformance tests).
-func (fr *FrameReader) Buffered() *bufio.Reader { return fr.r }
-
 // deterministic is the one marshaller every frame goes through: map entries are
 // sorted so that the same message always has the same bytes (golden files).
 var deterministic = proto.MarshalOptions{Deterministic: true}

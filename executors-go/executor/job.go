@@ -2,13 +2,13 @@ package executor
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"path/filepath"
-	"sort"
-	"strings"
 	"sync"
 	"time"
 
@@ -32,8 +32,10 @@ type Job struct {
 	// Deadline is the step deadline (all attempts); zero when none.
 	Deadline time.Time
 	// AttemptDeadline is the end of this attempt; zero when none. The
-	// supervisor enforces both deadlines by sending Cancel; the handler's
-	// context carries no deadline of its own.
+	// supervisor enforces both deadlines (by sending Cancel, then signals);
+	// the handler's context carries the earlier of the two, minus
+	// Options.DeadlineSlack, so that a handler that runs into it returns
+	// first (HANDLER_TIMEOUT, retryable).
 	AttemptDeadline time.Time
 	// HeartbeatTimeout: silence (no frame) longer than this ends the attempt;
 	// zero when none. Long handlers call Progress or Heartbeat well within it.
@@ -58,7 +60,9 @@ type Job struct {
 	// Labels are the step's labels.
 	Labels map[string]string
 
-	run *jobRun
+	run    *jobRun
+	red    *redactor
+	logger *slog.Logger
 }
 
 // ArtifactRef is an input artifact, materialised read-only on local disk.
@@ -102,6 +106,7 @@ func newJob(p *pb.Job) *Job {
 	if j.Labels == nil {
 		j.Labels = map[string]string{}
 	}
+	j.red = newRedactor(j.Secrets)
 	for _, a := range p.GetInputArtifacts() {
 		j.InputArtifacts = append(j.InputArtifacts, ArtifactRef{
 			ID:        a.GetId(),
@@ -123,6 +128,35 @@ func unixMs(ms int64) time.Time {
 	return time.UnixMilli(ms)
 }
 
+// deadline is the earlier of AttemptDeadline and Deadline; zero when neither
+// is set.
+func (j *Job) deadline() time.Time {
+	d := j.AttemptDeadline
+	if d.IsZero() || (!j.Deadline.IsZero() && j.Deadline.Before(d)) {
+		d = j.Deadline
+	}
+	return d
+}
+
+// Logger returns the job's logger: the executor's (Options.Logger; by
+// default text on stderr, which the supervisor keeps the tail of as the
+// attempt's log) with the attributes job_id, kind and attempt. The job's
+// secret values are redacted from messages and attributes, as from frames.
+func (j *Job) Logger() *slog.Logger {
+	if j.logger == nil {
+		j.logger = jobLogger(slog.Default(), j)
+	}
+	return j.logger
+}
+
+func jobLogger(base *slog.Logger, j *Job) *slog.Logger {
+	h := base.Handler()
+	if j.red != nil {
+		h = &redactingHandler{h: h, r: j.red}
+	}
+	return slog.New(h).With(slog.String("job_id", j.ID), slog.String("kind", j.Kind), slog.Uint64("attempt", uint64(j.Attempt)))
+}
+
 // DecodeInput unmarshals the input JSON into v. An empty input or JSON null
 // leaves v unchanged. On failure it returns an *Error with code BAD_INPUT (not
 // retryable), so a handler can return it as is.
@@ -132,7 +166,7 @@ func (j *Job) DecodeInput(v any) error {
 		return nil
 	}
 	if err := json.Unmarshal(in, v); err != nil {
-		return &Error{Code: CodeBadInput, Message: fmt.Sprintf("input for kind %q: %v", j.Kind, err), Err: err}
+		return &Error{Code: CodeBadInput, Message: fmt.Sprintf("input for kind %q: %v", j.Kind, err), NonRetryable: true, Err: err}
 	}
 	return nil
 }
@@ -149,18 +183,22 @@ func (j *Job) OutputPath(rel string) (string, error) {
 	return filepath.Join(j.OutputDir, rel), nil
 }
 
-// NoFraction as Progress's fraction sends the event without a fraction.
-const NoFraction = -1.0
+// NoFraction as Progress's fraction sends the event without a fraction (for
+// progress whose extent is unknown). It is NaN: test a value with math.IsNaN,
+// not ==. A fraction computed as 0/0 is NaN too, and so sends none.
+var NoFraction = math.NaN()
 
-// Progress sends a PROGRESS event. fraction is in 0..1, or negative (NoFraction)
-// when unknown.
+// Progress sends a PROGRESS event: a message and the fraction done. A
+// fraction outside 0..1 is clamped into it (a computation that overshoots is
+// not worth failing a job for); NaN (NoFraction) sends no fraction.
 func (j *Job) Progress(message string, fraction float64) error {
 	return j.send(pb.EventKind_EVENT_KIND_PROGRESS, message, fraction, nil)
 }
 
 // ProgressWithCheckpoint sends a PROGRESS event carrying a checkpoint: opaque
 // resume state the supervisor stores and hands to the next attempt as
-// PreviousCheckpoint. A nil checkpoint is sent as an empty one.
+// PreviousCheckpoint. A nil checkpoint is sent as an empty one. fraction is as
+// for Progress.
 func (j *Job) ProgressWithCheckpoint(message string, fraction float64, checkpoint []byte) error {
 	if checkpoint == nil {
 		checkpoint = []byte{}
@@ -184,8 +222,8 @@ func (j *Job) Heartbeat() error {
 }
 
 func (j *Job) send(kind pb.EventKind, message string, fraction float64, checkpoint []byte) error {
-	if math.IsNaN(fraction) || fraction > 1 {
-		return fmt.Errorf("executor: progress fraction %v is outside 0..1", fraction)
+	if j.run == nil {
+		return errors.New("executor: the job is not running (a Job built by hand cannot send events)")
 	}
 	ev := &pb.ProgressEvent{
 		JobId:      j.ID,
@@ -193,67 +231,17 @@ func (j *Job) send(kind pb.EventKind, message string, fraction float64, checkpoi
 		Message:    j.redact(message),
 		Checkpoint: checkpoint,
 	}
-	if fraction >= 0 {
-		ev.Fraction = &fraction
+	if !math.IsNaN(fraction) {
+		f := min(max(fraction, 0), 1)
+		ev.Fraction = &f
 	}
 	return j.run.sendEvent(ev)
 }
 
-// UnsafeWriteRaw writes b verbatim on the frame stream, bypassing framing,
-// sequencing and the one-terminal rule. It exists only so that protocol
-// conformance tests (demo.misbehave) can produce broken streams; a real
-// executor must never call it.
-func (j *Job) UnsafeWriteRaw(b []byte) error {
-	return j.run.w.writeRaw(b)
-}
-
-// UnsafeSendFrame writes f as is (its sequence and job_id untouched), bypassing
-// the SDK's sequencing. A JobResult or JobError sent this way counts as the
-// job's terminal: the SDK sends none of its own afterwards (the job still runs
-// until its handler returns). For protocol conformance tests only, like
-// UnsafeWriteRaw.
-func (j *Job) UnsafeSendFrame(f *pb.ExecutorFrame) error {
-	b, err := MarshalFrame(f)
-	if err != nil {
-		return err
-	}
-	r := j.run
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if f.GetResult() != nil || f.GetError() != nil {
-		r.finished = true
-	}
-	return r.w.writeRaw(b)
-}
-
-// redact replaces the job's secret values found in s with "[REDACTED]". Values
-// shorter than 4 bytes are left alone: replacing them would garble the text
-// and they are not secrets worth the name.
+// redact replaces the job's secret values found in s with "[REDACTED]" (the
+// rules are the supervisor's: see redactor).
 func (j *Job) redact(s string) string {
-	return redactSecrets(s, j.Secrets)
-}
-
-func redactSecrets(s string, secrets map[string]string) string {
-	if len(secrets) == 0 {
-		return s
-	}
-	values := make([]string, 0, len(secrets))
-	for _, v := range secrets {
-		if len(v) >= 4 {
-			values = append(values, v)
-		}
-	}
-	// Longest first, so a secret containing another is replaced whole.
-	sort.Slice(values, func(a, b int) bool {
-		if len(values[a]) != len(values[b]) {
-			return len(values[a]) > len(values[b])
-		}
-		return values[a] < values[b]
-	})
-	for _, v := range values {
-		s = strings.ReplaceAll(s, v, "[REDACTED]")
-	}
-	return s
+	return j.red.str(s)
 }
 
 // jobRun is the SDK side of one running job: its context, sequence counter and
@@ -263,7 +251,8 @@ type jobRun struct {
 	w    *frameWriter
 	done chan struct{} // closed once the terminal was sent (or could not be)
 
-	cancel func(error)
+	cancel    func(error)
+	cancelled context.Context // cancelled by cancel: a Cancel frame, stdin ending, the output breaking
 
 	mu       sync.Mutex
 	seq      uint64
@@ -313,4 +302,23 @@ func (r *jobRun) sendTerminal(build func(seq uint64) *pb.ExecutorFrame, shrink f
 		err = r.w.write(shrink(r.seq, err))
 	}
 	return err
+}
+
+// WriteRaw implements rawframe.Writer (demo.misbehave only).
+func (r *jobRun) WriteRaw(b []byte) error {
+	return r.w.writeRaw(b)
+}
+
+// SendFrame implements rawframe.Writer (demo.misbehave only).
+func (r *jobRun) SendFrame(f *pb.ExecutorFrame) error {
+	b, err := MarshalFrame(f)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if f.GetResult() != nil || f.GetError() != nil {
+		r.finished = true
+	}
+	return r.w.writeRaw(b)
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	pathpkg "path"
 	"path/filepath"
 )
 
@@ -33,49 +34,102 @@ type Artifact struct {
 }
 
 // NewResult marshals output to JSON and returns a Result with the given
-// artifacts.
+// artifacts. A value JSON cannot encode is an *Error with code OUTPUT_INVALID
+// (not retryable), so a handler can return it as is.
 func NewResult(output any, artifacts ...Artifact) (*Result, error) {
 	b, err := json.Marshal(output)
 	if err != nil {
-		return nil, fmt.Errorf("executor: encoding the output as JSON: %w", err)
+		return nil, &Error{Code: CodeOutputInvalid, Message: fmt.Sprintf("encoding the output as JSON: %v", err), NonRetryable: true, Err: err}
 	}
 	return &Result{Output: b, Artifacts: artifacts}, nil
 }
 
-// FileArtifact builds the manifest entry of a file the handler wrote at rel
-// below Job.OutputDir: it hashes and sizes the file. name defaults to the
-// file's base name.
-func (j *Job) FileArtifact(name, rel, mediaType string, derivedFrom ...string) (Artifact, error) {
-	full, err := j.OutputPath(rel)
-	if err != nil {
-		return Artifact{}, err
+// DefaultMediaType is an artifact's media type when ArtifactOptions leaves it
+// empty.
+const DefaultMediaType = "application/octet-stream"
+
+// ArtifactOptions are FileArtifact's optional settings; nil means all
+// defaults.
+type ArtifactOptions struct {
+	// Name is the artifact's name; default: the file's base name.
+	Name string
+	// MediaType defaults to DefaultMediaType.
+	MediaType string
+	// DerivedFrom holds the ids (ArtifactRef.ID) of the input artifacts the
+	// file was derived from.
+	DerivedFrom []string
+}
+
+// FileArtifact builds the manifest entry of a file the handler wrote below
+// Job.OutputDir: it hashes and sizes the file. path is relative to OutputDir
+// or absolute; the file it names, symbolic links resolved, must be a regular
+// file below OutputDir, and the entry's Path is its location relative to
+// OutputDir. (The Python SDK's Job.artifact(path, name=, media_type=,
+// derived_from=) has the same rules.)
+//
+// A path outside OutputDir, a missing file or one that is not a regular file
+// is an *Error with code ARTIFACT_INVALID (not retryable); a failure to read
+// the file is a plain error.
+func (j *Job) FileArtifact(path string, opts *ArtifactOptions) (Artifact, error) {
+	if opts == nil {
+		opts = &ArtifactOptions{}
 	}
-	f, err := os.Open(full)
+	invalid := func(format string, args ...any) (Artifact, error) {
+		return Artifact{}, Errorf(CodeArtifactInvalid, false, "artifact %q: "+format, append([]any{path}, args...)...)
+	}
+	if j.OutputDir == "" {
+		return invalid("the job has no output directory")
+	}
+	if path == "" {
+		return invalid("no path")
+	}
+	base, err := filepath.EvalSymlinks(j.OutputDir)
 	if err != nil {
-		return Artifact{}, fmt.Errorf("executor: artifact %q: %w", rel, err)
+		return invalid("the output directory: %w", err)
+	}
+	full := path
+	if !filepath.IsAbs(full) {
+		full = filepath.Join(j.OutputDir, full)
+	}
+	real, err := filepath.EvalSymlinks(full)
+	if err != nil {
+		return invalid("%w", err)
+	}
+	rel, err := filepath.Rel(base, real)
+	if err != nil || !filepath.IsLocal(rel) {
+		return invalid("not below the output directory %s", j.OutputDir)
+	}
+	f, err := os.Open(real)
+	if err != nil {
+		return Artifact{}, fmt.Errorf("executor: artifact %q: %w", path, err)
 	}
 	defer f.Close()
 	info, err := f.Stat()
 	if err != nil {
-		return Artifact{}, fmt.Errorf("executor: artifact %q: %w", rel, err)
+		return Artifact{}, fmt.Errorf("executor: artifact %q: %w", path, err)
 	}
 	if !info.Mode().IsRegular() {
-		return Artifact{}, fmt.Errorf("executor: artifact %q is not a regular file (mode %s)", rel, info.Mode())
+		return invalid("not a regular file (mode %s)", info.Mode())
 	}
 	h := sha256.New()
 	n, err := io.Copy(h, f)
 	if err != nil {
-		return Artifact{}, fmt.Errorf("executor: artifact %q: hashing: %w", rel, err)
+		return Artifact{}, fmt.Errorf("executor: artifact %q: hashing: %w", path, err)
 	}
-	if name == "" {
-		name = filepath.Base(rel)
-	}
-	return Artifact{
-		Name:        name,
-		Path:        filepath.ToSlash(filepath.Clean(rel)),
+	rel = filepath.ToSlash(rel)
+	a := Artifact{
+		Name:        opts.Name,
+		Path:        rel,
 		SHA256:      hex.EncodeToString(h.Sum(nil)),
 		Size:        uint64(n),
-		MediaType:   mediaType,
-		DerivedFrom: append([]string(nil), derivedFrom...),
-	}, nil
+		MediaType:   opts.MediaType,
+		DerivedFrom: append([]string(nil), opts.DerivedFrom...),
+	}
+	if a.Name == "" {
+		a.Name = pathpkg.Base(rel)
+	}
+	if a.MediaType == "" {
+		a.MediaType = DefaultMediaType
+	}
+	return a, nil
 }

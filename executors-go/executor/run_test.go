@@ -1,6 +1,6 @@
 //go:build unix
 
-package executor
+package executor_test
 
 import (
 	"bytes"
@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/durable-runtime/durable/executors-go/executor"
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
 )
 
@@ -29,8 +30,8 @@ func TestMain(m *testing.M) {
 // helperMain is an executor whose handler writes to stdout in every way a
 // careless handler could.
 func helperMain() int {
-	ex := New(Options{ExecutorKind: "go"})
-	ex.Handle("noisy", func(context.Context, *Job) (*Result, error) {
+	ex := executor.New(executor.Options{ExecutorKind: "go"})
+	ex.Handle("noisy", func(context.Context, *executor.Job) (*executor.Result, error) {
 		fmt.Println("stray fmt.Println")
 		os.Stdout.WriteString("stray os.Stdout write\n")
 		cmd := exec.Command("sh", "-c", "echo stray child echo; cat >/dev/null")
@@ -39,7 +40,7 @@ func helperMain() int {
 		if err := cmd.Run(); err != nil {
 			return nil, err
 		}
-		return NewResult("quiet frames")
+		return executor.NewResult("quiet frames")
 	})
 	return ex.Run()
 }
@@ -62,14 +63,14 @@ func TestRunKeepsStrayStdoutOffTheFrameStream(t *testing.T) {
 	}
 	defer cmd.Process.Kill()
 
-	b, _ := MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: job("j", "noisy", "")}})
+	b, _ := executor.MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: job("j", "noisy", "")}})
 	if _, err := stdin.Write(b); err != nil {
 		t.Fatal(err)
 	}
 	// Closing stdin right away: the job still runs, the handler's child reads
 	// /dev/null rather than the frame stream, and the SDK cancels the job only
 	// if EOF arrives before the handler finishes. Read until the terminal first.
-	fr := NewFrameReader(stdout, 0)
+	fr := executor.NewFrameReader(stdout, 0)
 	var frames []*pb.ExecutorFrame
 	deadline := time.AfterFunc(waitTimeout, func() { cmd.Process.Kill() })
 	defer deadline.Stop()

@@ -40,14 +40,14 @@ func jsonEqual(t *testing.T, what string, got []byte, want string) {
 
 func TestHello(t *testing.T) {
 	d := startDemo(t, "DEMO_LABELS=gpu=a100, region = eu ,,")
-	h := d.hello()
+	h := d.Hello()
 	want := &pb.Hello{
 		ProtocolVersion:   pb.ProtocolVersion_PROTOCOL_VERSION_1,
 		ExecutorKind:      "go",
 		Kinds:             allDemoKinds,
 		Labels:            map[string]string{"gpu": "a100", "region": "eu"},
 		SdkName:           "durable-executor-go",
-		SdkVersion:        executor.Version,
+		SdkVersion:        executor.Version(),
 		MaxJobsPerProcess: -1,
 		Pid:               uint32(d.cmd.Process.Pid),
 	}
@@ -59,8 +59,8 @@ func TestHello(t *testing.T) {
 
 func TestShutdownWhenIdleExitsZero(t *testing.T) {
 	d := startDemo(t)
-	d.hello()
-	d.send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{Reason: "test"}}})
+	d.Hello()
+	d.Send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Shutdown{Shutdown: &pb.Shutdown{Reason: "test"}}})
 	if code := d.wait(); code != 0 {
 		t.Fatalf("exit status %d after Shutdown", code)
 	}
@@ -68,14 +68,14 @@ func TestShutdownWhenIdleExitsZero(t *testing.T) {
 
 func TestDemoKindsRestrictsHelloAndRefusesOthers(t *testing.T) {
 	d := startDemo(t, "DEMO_KINDS=demo.fail, demo.echo")
-	if got := d.hello().GetKinds(); !slices.Equal(got, []string{"demo.echo", "demo.fail"}) {
+	if got := d.Hello().GetKinds(); !slices.Equal(got, []string{"demo.echo", "demo.fail"}) {
 		t.Fatalf("kinds = %v", got)
 	}
-	d.sendJob(newJob("j1", "demo.sleep", `{}`))
-	d.jobError("j1", 1, executor.CodeUnsupportedKind)
-	d.sendJob(newJob("j2", "demo.echo", `7`))
-	d.started("j2")
-	d.result("j2", 3)
+	d.SendJob(newJob("j1", "demo.sleep", `{}`))
+	d.JobError("j1", 1, executor.CodeUnsupportedKind)
+	d.SendJob(newJob("j2", "demo.echo", `7`))
+	d.Started("j2")
+	d.Result("j2", 3)
 	d.closeAndExpectExit()
 }
 
@@ -125,15 +125,29 @@ func TestSleepReportsProgressPerSlice(t *testing.T) {
 	jsonEqual(t, "output", r.GetOutput(), `{"slept_ms":200}`)
 }
 
+// The demos leave deadlines to the supervisor (Options.NoDeadline): a
+// demo.sleep past its attempt deadline keeps sleeping until the supervisor
+// cancels it, so that the attempt ends with the supervisor's ATTEMPT_TIMEOUT,
+// not with the SDK's HANDLER_TIMEOUT.
+func TestDemoLeavesDeadlinesToTheSupervisor(t *testing.T) {
+	j := newJob("j", "demo.sleep", `{"ms":300,"steps":1}`)
+	j.AttemptDeadlineUnixMs = time.Now().Add(50 * time.Millisecond).UnixMilli()
+	j.DeadlineUnixMs = j.AttemptDeadlineUnixMs
+	frames := runOne(t, j)
+	if len(frames) != 2 || frames[1].GetResult() == nil {
+		t.Fatalf("frames = %v, want one PROGRESS event and a result", frames)
+	}
+}
+
 func TestSleepHonoursCancelWithin100ms(t *testing.T) {
 	d := startDemo(t)
-	d.hello()
-	d.sendJob(newJob("j", "demo.sleep", `{"ms":60000,"steps":10}`))
-	d.started("j")
+	d.Hello()
+	d.SendJob(newJob("j", "demo.sleep", `{"ms":60000,"steps":10}`))
+	d.Started("j")
 	time.Sleep(20 * time.Millisecond) // well inside the first 6 s slice
 	sent := time.Now()
-	d.sendCancel("j")
-	e := d.jobError("j", 3, executor.CodeCancelled)
+	d.Cancel("j")
+	e := d.JobError("j", 3, executor.CodeCancelled)
 	if took := time.Since(sent); took > 100*time.Millisecond {
 		t.Fatalf("demo.sleep took %s to answer a cancel, want < 100ms", took)
 	}
@@ -147,15 +161,15 @@ func TestSleepHonoursCancelWithin100ms(t *testing.T) {
 // the grace): the terminal reflects what the handler did.
 func TestFinishOnCancelReturnsAResultAfterTheCancel(t *testing.T) {
 	d := startDemo(t)
-	d.hello()
-	d.sendJob(newJob("j", "demo.finish_on_cancel", `{}`))
-	d.started("j")
-	if ev := d.event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS); !strings.Contains(ev.GetMessage(), "waiting for a cancel") {
+	d.Hello()
+	d.SendJob(newJob("j", "demo.finish_on_cancel", `{}`))
+	d.Started("j")
+	if ev := d.Event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS); !strings.Contains(ev.GetMessage(), "waiting for a cancel") {
 		t.Fatalf("event = %v", ev)
 	}
 	sent := time.Now()
-	d.sendCancel("j")
-	r := d.result("j", 4)
+	d.Cancel("j")
+	r := d.Result("j", 4)
 	if took := time.Since(sent); took > 100*time.Millisecond {
 		t.Fatalf("demo.finish_on_cancel took %s to answer a cancel, want < 100ms", took)
 	}
@@ -327,14 +341,14 @@ func TestEffectIsNotRepeatedWithItsCheckpoint(t *testing.T) {
 func TestEffectCrashAfterEffect(t *testing.T) {
 	sink := filepath.Join(t.TempDir(), "sink.txt")
 	d := startDemo(t)
-	d.hello()
+	d.Hello()
 	j := newJob("j", "demo.effect", `{"sink":`+string(mustJSON(sink))+`,"crash_after_effect":true}`)
-	d.sendJob(j)
-	d.started("j")
-	if ev := d.event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS); string(ev.GetCheckpoint()) != "effect-done:idem-j" {
+	d.SendJob(j)
+	d.Started("j")
+	if ev := d.Event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS); string(ev.GetCheckpoint()) != "effect-done:idem-j" {
 		t.Fatalf("event = %v", ev)
 	}
-	if err := d.endOfStream(); err.Error() != "EOF" {
+	if err := d.EndOfStream(); err.Error() != "EOF" {
 		t.Fatalf("stdout after the crash: %v, want a clean EOF with no terminal", err)
 	}
 	if code := d.wait(); code != 3 {
@@ -362,16 +376,16 @@ func misbehaveJob(mode string) *pb.Job {
 func startMisbehaving(t *testing.T, mode string) *demo {
 	t.Helper()
 	d := startDemo(t)
-	d.hello()
-	d.sendJob(misbehaveJob(mode))
-	d.started("j")
+	d.Hello()
+	d.SendJob(misbehaveJob(mode))
+	d.Started("j")
 	return d
 }
 
 func TestMisbehave(t *testing.T) {
 	t.Run("crash", func(t *testing.T) {
 		d := startMisbehaving(t, "crash")
-		if err := d.endOfStream(); err.Error() != "EOF" {
+		if err := d.EndOfStream(); err.Error() != "EOF" {
 			t.Fatalf("stdout: %v, want EOF without a terminal", err)
 		}
 		if code := d.wait(); code != 3 {
@@ -381,14 +395,14 @@ func TestMisbehave(t *testing.T) {
 
 	t.Run("garbage", func(t *testing.T) {
 		d := startMisbehaving(t, "garbage")
-		err := d.endOfStream()
+		err := d.EndOfStream()
 		if !errors.Is(err, executor.ErrTruncatedFrame) && !errors.Is(err, executor.ErrMalformedFrame) {
 			t.Fatalf("stdout after RUNNING decoded as %v, want an undecodable frame", err)
 		}
 		if code := d.wait(); code != 3 {
 			t.Fatalf("exit status %d, want 3", code)
 		}
-		raw := []byte(d.raw.String())
+		raw := []byte(string(d.Raw()))
 		if len(raw) < 64 {
 			t.Fatalf("stdout is %d bytes", len(raw))
 		}
@@ -404,7 +418,7 @@ func TestMisbehave(t *testing.T) {
 
 	t.Run("oversize", func(t *testing.T) {
 		d := startMisbehaving(t, "oversize")
-		err := d.endOfStream()
+		err := d.EndOfStream()
 		var tl *executor.FrameTooLargeError
 		if !errors.As(err, &tl) || tl.Size != 64<<20 {
 			t.Fatalf("stdout after RUNNING: %v, want a header announcing 64 MiB", err)
@@ -412,7 +426,7 @@ func TestMisbehave(t *testing.T) {
 		if code := d.wait(); code != 3 {
 			t.Fatalf("exit status %d, want 3", code)
 		}
-		raw := []byte(d.raw.String())
+		raw := []byte(string(d.Raw()))
 		hdr := protowire.AppendVarint(nil, 64<<20)
 		prefix := raw[:len(raw)-1024-len(hdr)]
 		if !bytes.Equal(raw[len(prefix):len(prefix)+len(hdr)], hdr) || len(decodeAll(t, prefix)) != 3 {
@@ -422,32 +436,32 @@ func TestMisbehave(t *testing.T) {
 
 	t.Run("backwards", func(t *testing.T) {
 		d := startMisbehaving(t, "backwards")
-		d.event("j", 5, pb.EventKind_EVENT_KIND_PROGRESS)
-		d.event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS)
-		d.noFrame(50 * time.Millisecond)
-		d.sendCancel("j")
-		d.jobError("j", 3, executor.CodeCancelled)
+		d.Event("j", 5, pb.EventKind_EVENT_KIND_PROGRESS)
+		d.Event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS)
+		d.NoFrame(50 * time.Millisecond)
+		d.Cancel("j")
+		d.JobError("j", 3, executor.CodeCancelled)
 		d.closeAndExpectExit()
 	})
 
 	t.Run("after_terminal", func(t *testing.T) {
 		d := startMisbehaving(t, "after_terminal")
-		r := d.result("j", 3)
+		r := d.Result("j", 3)
 		jsonEqual(t, "output", r.GetOutput(), `{"mode":"after_terminal"}`)
-		d.event("j", 4, pb.EventKind_EVENT_KIND_PROGRESS)
-		d.noFrame(50 * time.Millisecond)
-		d.sendCancel("j")
+		d.Event("j", 4, pb.EventKind_EVENT_KIND_PROGRESS)
+		d.NoFrame(50 * time.Millisecond)
+		d.Cancel("j")
 		// The JobResult was the terminal: the SDK adds no CANCELLED of its own.
-		d.noFrame(100 * time.Millisecond)
+		d.NoFrame(100 * time.Millisecond)
 		d.closeAndExpectExit()
 	})
 
 	t.Run("hang", func(t *testing.T) {
 		d := startMisbehaving(t, "hang")
-		d.noFrame(300 * time.Millisecond)
+		d.NoFrame(300 * time.Millisecond)
 		sent := time.Now()
-		d.sendCancel("j")
-		d.jobError("j", 3, executor.CodeCancelled)
+		d.Cancel("j")
+		d.JobError("j", 3, executor.CodeCancelled)
 		if took := time.Since(sent); took > 100*time.Millisecond {
 			t.Fatalf("hang took %s to answer a cancel", took)
 		}
@@ -456,13 +470,13 @@ func TestMisbehave(t *testing.T) {
 
 	t.Run("ignore_cancel", func(t *testing.T) {
 		d := startMisbehaving(t, "ignore_cancel")
-		d.event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS) // the SIGTERM handler is installed
-		d.sendCancel("j")
-		d.noFrame(200 * time.Millisecond)
+		d.Event("j", 3, pb.EventKind_EVENT_KIND_PROGRESS) // the SIGTERM handler is installed
+		d.Cancel("j")
+		d.NoFrame(200 * time.Millisecond)
 		if err := syscall.Kill(d.cmd.Process.Pid, syscall.SIGTERM); err != nil {
 			t.Fatal(err)
 		}
-		d.noFrame(200 * time.Millisecond)
+		d.NoFrame(200 * time.Millisecond)
 		select {
 		case <-d.exited:
 			t.Fatal("the process exited on SIGTERM")
@@ -479,7 +493,7 @@ func TestMisbehave(t *testing.T) {
 
 	t.Run("grandchild", func(t *testing.T) {
 		d := startMisbehaving(t, "grandchild")
-		r := d.result("j", 3)
+		r := d.Result("j", 3)
 		var out struct {
 			Pid int `json:"grandchild_pid"`
 		}
@@ -506,7 +520,7 @@ func TestMisbehave(t *testing.T) {
 
 	t.Run("stdout_print", func(t *testing.T) {
 		d := startMisbehaving(t, "stdout_print")
-		r := d.result("j", 3)
+		r := d.Result("j", 3)
 		jsonEqual(t, "output", r.GetOutput(), `{"lines_printed":1000}`)
 		d.closeAndExpectExit() // stdout decoded as clean frames up to EOF
 		lines := 0
@@ -522,7 +536,7 @@ func TestMisbehave(t *testing.T) {
 
 	t.Run("stderr_flood", func(t *testing.T) {
 		d := startMisbehaving(t, "stderr_flood")
-		r := d.result("j", 3)
+		r := d.Result("j", 3)
 		jsonEqual(t, "output", r.GetOutput(), `{"stderr_bytes":50000000}`)
 		d.closeAndExpectExit()
 		if got := d.stderr.Total(); got < 50_000_000 {

@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/durable-runtime/durable/executors-go/executor"
+	"github.com/durable-runtime/durable/executors-go/executortest"
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
 )
 
@@ -32,7 +32,9 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	demoBin = filepath.Join(dir, "demo-executor")
-	build := exec.Command(goTool(), "build", "-o", demoBin, ".")
+	// -buildvcs=false: the binary's SDK version is then "devel", as the test
+	// binary's is (TestHello compares them).
+	build := exec.Command(goTool(), "build", "-buildvcs=false", "-o", demoBin, ".")
 	if out, err := build.CombinedOutput(); err != nil {
 		fmt.Fprintf(os.Stderr, "building the demo executor: %v\n%s", err, out)
 		os.RemoveAll(dir)
@@ -81,21 +83,14 @@ func (c *capture) Total() int64 {
 	return c.total
 }
 
-type frameOrErr struct {
-	frame *pb.ExecutorFrame
-	err   error
-}
-
 // demo is one demo-executor process, started as the leader of its own process
-// group, with the test playing the supervisor.
+// group; its embedded Conn plays the supervisor on its stdin and stdout.
 type demo struct {
+	*executortest.Conn
 	t      *testing.T
 	cmd    *exec.Cmd
 	pgid   int
 	stdin  *os.File
-	frames chan frameOrErr
-	raw    *capture // every byte the executor wrote on stdout
-	rest   chan []byte
 	stderr *capture
 
 	waitOnce sync.Once
@@ -121,14 +116,7 @@ func startDemo(t *testing.T, env ...string) *demo {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &demo{
-		t: t, cmd: cmd, stdin: stdinW,
-		frames: make(chan frameOrErr, 4096),
-		raw:    &capture{max: 1 << 20},
-		rest:   make(chan []byte, 1),
-		stderr: &capture{max: 4 << 20},
-		exited: make(chan struct{}),
-	}
+	d := &demo{t: t, cmd: cmd, stdin: stdinW, stderr: &capture{max: 4 << 20}, exited: make(chan struct{})}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdinR, stdoutW, d.stderr
 	cmd.WaitDelay = 2 * time.Second
 	if err := cmd.Start(); err != nil {
@@ -149,19 +137,9 @@ func startDemo(t *testing.T, env ...string) *demo {
 		}
 		stdoutR.Close()
 	})
-	go func() {
-		fr := executor.NewFrameReader(io.TeeReader(stdoutR, d.raw), 0)
-		for {
-			f := &pb.ExecutorFrame{}
-			err := fr.Read(f)
-			d.frames <- frameOrErr{f, err}
-			if err != nil {
-				rest, _ := io.ReadAll(fr.Buffered())
-				d.rest <- rest
-				return
-			}
-		}
-	}()
+	d.Conn = executortest.New(t, stdinW, stdoutR)
+	d.Conn.Timeout = waitTimeout
+	d.Conn.Describe = func() string { return "stderr: " + tail(d.stderr.String()) }
 	return d
 }
 
@@ -196,11 +174,11 @@ func (d *demo) wait() int {
 // closeAndExpectExit closes stdin and expects a clean exit 0.
 func (d *demo) closeAndExpectExit() {
 	d.t.Helper()
-	d.stdin.Close()
+	d.CloseStdin()
 	if code := d.wait(); code != 0 {
 		d.t.Fatalf("exit status %d after stdin closed, want 0 (stderr: %s)", code, tail(d.stderr.String()))
 	}
-	if err := d.endOfStream(); err != io.EOF {
+	if err := d.EndOfStream(); err != io.EOF {
 		d.t.Fatalf("stdout ended with %v, want a clean EOF", err)
 	}
 }
@@ -212,135 +190,15 @@ func tail(s string) string {
 	return s
 }
 
-func (d *demo) send(f *pb.SupervisorFrame) {
-	d.t.Helper()
-	b, err := executor.MarshalFrame(f)
-	if err != nil {
-		d.t.Fatal(err)
-	}
-	if _, err := d.stdin.Write(b); err != nil {
-		d.t.Fatalf("writing to the demo executor: %v", err)
-	}
-}
-
-func (d *demo) sendJob(j *pb.Job) {
-	d.t.Helper()
-	d.send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: j}})
-}
-
-func (d *demo) sendCancel(jobID string) {
-	d.t.Helper()
-	d.send(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Cancel{Cancel: &pb.Cancel{
-		JobId: jobID, Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, GraceMs: 1000, Message: "test cancel",
-	}}})
-}
-
-func (d *demo) next() *pb.ExecutorFrame {
-	d.t.Helper()
-	select {
-	case r := <-d.frames:
-		if r.err != nil {
-			d.t.Fatalf("reading the next frame: %v (stderr: %s)", r.err, tail(d.stderr.String()))
-		}
-		return r.frame
-	case <-time.After(waitTimeout):
-		d.t.Fatalf("no frame within %s (stderr: %s)", waitTimeout, tail(d.stderr.String()))
-	}
-	return nil
-}
-
-// endOfStream returns the error that ends stdout (io.EOF when clean).
-func (d *demo) endOfStream() error {
-	d.t.Helper()
-	select {
-	case r := <-d.frames:
-		if r.err == nil {
-			d.t.Fatalf("expected the end of stdout, got frame %v", r.frame)
-		}
-		return r.err
-	case <-time.After(waitTimeout):
-		d.t.Fatalf("stdout did not end within %s", waitTimeout)
-	}
-	return nil
-}
-
-func (d *demo) noFrame(dur time.Duration) {
-	d.t.Helper()
-	select {
-	case r := <-d.frames:
-		d.t.Fatalf("expected nothing on stdout for %s, got %v (err %v)", dur, r.frame, r.err)
-	case <-time.After(dur):
-	}
-}
-
-func (d *demo) hello() *pb.Hello {
-	d.t.Helper()
-	f := d.next()
-	if f.GetHello() == nil {
-		d.t.Fatalf("first frame is not a hello: %v", f)
-	}
-	return f.GetHello()
-}
-
-func (d *demo) event(jobID string, seq uint64, kind pb.EventKind) *pb.ProgressEvent {
-	d.t.Helper()
-	f := d.next()
-	ev := f.GetEvent()
-	if ev == nil || ev.GetJobId() != jobID || ev.GetSequence() != seq || ev.GetKind() != kind {
-		d.t.Fatalf("want %s event for job %q seq %d, got %v", kind, jobID, seq, f)
-	}
-	return ev
-}
-
-func (d *demo) started(jobID string) {
-	d.t.Helper()
-	d.event(jobID, 1, pb.EventKind_EVENT_KIND_ACCEPTED)
-	d.event(jobID, 2, pb.EventKind_EVENT_KIND_RUNNING)
-}
-
-func (d *demo) result(jobID string, seq uint64) *pb.JobResult {
-	d.t.Helper()
-	f := d.next()
-	r := f.GetResult()
-	if r == nil || r.GetJobId() != jobID || r.GetSequence() != seq {
-		d.t.Fatalf("want result for job %q seq %d, got %v (stderr: %s)", jobID, seq, f, tail(d.stderr.String()))
-	}
-	return r
-}
-
-func (d *demo) jobError(jobID string, seq uint64, code string) *pb.JobError {
-	d.t.Helper()
-	f := d.next()
-	e := f.GetError()
-	if e == nil || e.GetJobId() != jobID || e.GetSequence() != seq || e.GetCode() != code {
-		d.t.Fatalf("want error %s for job %q seq %d, got %v", code, jobID, seq, f)
-	}
-	return e
-}
-
 // runOne starts a demo executor, runs one job to its terminal and exits cleanly;
 // it returns the frames after RUNNING (events, then the terminal).
 func runOne(t *testing.T, j *pb.Job, env ...string) []*pb.ExecutorFrame {
 	t.Helper()
 	d := startDemo(t, env...)
-	d.hello()
-	d.sendJob(j)
-	d.started(j.GetJobId())
-	var frames []*pb.ExecutorFrame
-	for {
-		f := d.next()
-		frames = append(frames, f)
-		if f.GetResult() != nil || f.GetError() != nil {
-			break
-		}
-	}
+	d.Hello()
+	frames := d.Run(j)
 	d.closeAndExpectExit()
 	return frames
 }
 
-func newJob(id, kind, input string) *pb.Job {
-	return &pb.Job{
-		JobId: id, WorkflowRunId: "wr-1", StepRunId: "sr-" + id, IdempotencyKey: "idem-" + id,
-		ExecutorKind: "go", Kind: kind, Attempt: 1, Input: []byte(input),
-	}
-}
+func newJob(id, kind, input string) *pb.Job { return executortest.NewJob(id, kind, input) }

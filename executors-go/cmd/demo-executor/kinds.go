@@ -124,15 +124,14 @@ func fail(_ context.Context, job *executor.Job) (*executor.Result, error) {
 	}
 	if in.FailAttempts == nil || int64(job.Attempt) <= *in.FailAttempts {
 		e := &executor.Error{
-			Code:      "DEMO_FAILURE",
-			Message:   fmt.Sprintf("demo.fail: failing attempt %d", job.Attempt),
-			Retryable: true,
+			Code:    "DEMO_FAILURE",
+			Message: fmt.Sprintf("demo.fail: failing attempt %d", job.Attempt),
 		}
 		if in.Code != nil && *in.Code != "" {
 			e.Code = *in.Code
 		}
 		if in.Retryable != nil {
-			e.Retryable = *in.Retryable
+			e.NonRetryable = !*in.Retryable
 		}
 		if in.Message != nil {
 			e.Message = *in.Message
@@ -180,7 +179,7 @@ func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) 
 	for _, a := range job.InputArtifacts {
 		derived = append(derived, a.ID)
 	}
-	art, err := job.FileArtifact(name, name, "text/plain", derived...)
+	art, err := job.FileArtifact(name, &executor.ArtifactOptions{Name: name, MediaType: "text/plain", DerivedFrom: derived})
 	if err != nil {
 		return nil, err
 	}
@@ -253,7 +252,7 @@ func effect(ctx context.Context, job *executor.Job) (*executor.Result, error) {
 		}
 	}
 	if job.Attempt == 1 && in.FailAfterEffect {
-		return nil, &executor.Error{Code: "EFFECT_FAILED", Message: "demo.effect: failing after the effect", Retryable: true}
+		return nil, &executor.Error{Code: "EFFECT_FAILED", Message: "demo.effect: failing after the effect"}
 	}
 	if job.Attempt == 1 && in.CrashAfterEffect {
 		fmt.Fprintln(os.Stderr, "demo.effect: crashing after the effect (exit 3)")

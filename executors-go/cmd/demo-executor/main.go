@@ -46,7 +46,11 @@ func run() int {
 		fmt.Fprintf(os.Stderr, "demo-executor: DEMO_KINDS: %v\n", err)
 		return 2
 	}
-	ex := executor.New(executor.Options{ExecutorKind: "go", Labels: labels})
+	// NoDeadline: the demos leave the job's deadlines to the supervisor, so
+	// that a demo.sleep past its timeout ends with the supervisor's
+	// ATTEMPT_TIMEOUT or DEADLINE_EXCEEDED, as the Python demo's does
+	// (PROTOCOL.md's demo table), not with the SDK's HANDLER_TIMEOUT.
+	ex := executor.New(executor.Options{ExecutorKind: "go", Labels: labels, NoDeadline: true})
 	for _, k := range kinds {
 		ex.Handle(k, handlers[k])
 	}

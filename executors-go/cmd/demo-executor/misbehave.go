@@ -16,6 +16,7 @@ import (
 
 	"github.com/durable-runtime/durable/executors-go/executor"
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
+	"github.com/durable-runtime/durable/executors-go/internal/rawframe"
 )
 
 // Sizes the misbehave modes are specified with (PROTOCOL.md).
@@ -48,7 +49,7 @@ var misbehaviours = map[string]func(ctx context.Context, job *executor.Job) (*ex
 	// after them, so the process then exits 3: the supervisor sees a truncated
 	// frame at end of stream rather than waiting for bytes that never come.
 	"garbage": func(_ context.Context, job *executor.Job) (*executor.Result, error) {
-		if err := job.UnsafeWriteRaw(garbageBytes); err != nil {
+		if err := rawframe.Of(job).WriteRaw(garbageBytes); err != nil {
 			return nil, err
 		}
 		os.Exit(3)
@@ -58,7 +59,7 @@ var misbehaviours = map[string]func(ctx context.Context, job *executor.Job) (*ex
 	"oversize": func(_ context.Context, job *executor.Job) (*executor.Result, error) {
 		b := protowire.AppendVarint(nil, oversizeAnnounce)
 		b = append(b, bytes.Repeat([]byte{0x2a}, 1024)...)
-		if err := job.UnsafeWriteRaw(b); err != nil {
+		if err := rawframe.Of(job).WriteRaw(b); err != nil {
 			return nil, err
 		}
 		os.Exit(3)
@@ -67,7 +68,7 @@ var misbehaviours = map[string]func(ctx context.Context, job *executor.Job) (*ex
 	// backwards: PROGRESS sequence 5, then PROGRESS sequence 3; then wait to be cancelled.
 	"backwards": func(ctx context.Context, job *executor.Job) (*executor.Result, error) {
 		for _, seq := range []uint64{5, 3} {
-			if err := job.UnsafeSendFrame(progressFrame(job, seq, fmt.Sprintf("demo.misbehave backwards: sequence %d", seq))); err != nil {
+			if err := rawframe.Of(job).SendFrame(progressFrame(job, seq, fmt.Sprintf("demo.misbehave backwards: sequence %d", seq))); err != nil {
 				return nil, err
 			}
 		}
@@ -80,10 +81,10 @@ var misbehaviours = map[string]func(ctx context.Context, job *executor.Job) (*ex
 		result := &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Result{Result: &pb.JobResult{
 			JobId: job.ID, Sequence: 3, Output: []byte(`{"mode":"after_terminal"}`),
 		}}}
-		if err := job.UnsafeSendFrame(result); err != nil {
+		if err := rawframe.Of(job).SendFrame(result); err != nil {
 			return nil, err
 		}
-		if err := job.UnsafeSendFrame(progressFrame(job, 4, "demo.misbehave after_terminal: an event after the terminal")); err != nil {
+		if err := rawframe.Of(job).SendFrame(progressFrame(job, 4, "demo.misbehave after_terminal: an event after the terminal")); err != nil {
 			return nil, err
 		}
 		<-ctx.Done()

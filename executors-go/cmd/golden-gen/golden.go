@@ -66,7 +66,7 @@ func hello() *pb.Hello {
 		Kinds:             []string{"demo.echo", "demo.sleep"},
 		Labels:            map[string]string{"region": "eu-west", "gpu": "a100", "arch": "amd64"},
 		SdkName:           executor.SDKName,
-		SdkVersion:        "0.1.0",
+		SdkVersion:        "0.1.0", // a fixed example value: the golden files must not change with each release of the SDK
 		MaxJobsPerProcess: -1,
 		Pid:               4242,
 	}
