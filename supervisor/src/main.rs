@@ -15,7 +15,10 @@ async fn main() -> ExitCode {
 /// The commands that run a worker (and so executor children, and their orphans).
 fn runs_executors(command: &Command) -> bool {
     match command {
-        Command::Worker { .. } => true,
+        Command::Worker {
+            print_default_config,
+            ..
+        } => !print_default_config,
         Command::Dev { print_config, .. } => !print_config,
         _ => false,
     }

@@ -10,10 +10,17 @@ use tests::{demo, executor_pid, fast_config, step, RunningWorker, TestDb};
 
 const LONG: Duration = Duration::from_secs(60);
 
-async fn run_one(t: &TestDb, lang: &str, kind: &str, input: serde_json::Value) -> (String, Option<i32>) {
+async fn run_one(
+    t: &TestDb,
+    lang: &str,
+    kind: &str,
+    input: serde_json::Value,
+) -> (String, Option<i32>) {
     let run = t
-        .submit(json!({"name": kind, "steps": [{"name": "s", "executor_kind": lang, "kind": kind,
-                       "input": input, "retry": {"max_attempts": 1}}]}))
+        .submit(
+            json!({"name": kind, "steps": [{"name": "s", "executor_kind": lang, "kind": kind,
+                       "input": input, "retry": {"max_attempts": 1}}]}),
+        )
         .await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
@@ -43,37 +50,60 @@ async fn warm_process_serves_many_jobs(lang: &str) {
         pids.push(pid.expect("pid"));
     }
     assert!(pids[..4].iter().all(|p| *p == pids[0]), "{pids:?}");
-    assert_ne!(pids[4], pids[0], "max_jobs_per_process = 4 was not honoured: {pids:?}");
+    assert_ne!(
+        pids[4], pids[0],
+        "max_jobs_per_process = 4 was not honoured: {pids:?}"
+    );
     assert_eq!(pids[5], pids[4]);
     assert!(!alive(pids[0]), "the recycled process is still alive");
 
     // a cancel answered within the grace keeps the process
     let run = t
-        .submit(json!({"name": "c", "steps": [{"name": "s", "executor_kind": lang, "kind": "demo.sleep",
-                       "input": {"ms": 20000, "steps": 200}}]}))
+        .submit(
+            json!({"name": "c", "steps": [{"name": "s", "executor_kind": lang, "kind": "demo.sleep",
+                       "input": {"ms": 20000, "steps": 200}}]}),
+        )
         .await;
-    t.wait_run(run, LONG, |s| s.steps.first().is_some_and(|s| s.state == "running")).await;
+    t.wait_run(run, LONG, |s| {
+        s.steps.first().is_some_and(|s| s.state == "running")
+    })
+    .await;
     t.db.cancel(run, None).await.expect("cancel");
     let st = t.wait_terminal(run, LONG).await;
     assert_eq!(step(&st, "s").state, "cancelled");
-    let cancelled_pid = executor_pid(&t.db, step(&st, "s").step_run_id).await.expect("pid");
+    let cancelled_pid = executor_pid(&t.db, step(&st, "s").step_run_id)
+        .await
+        .expect("pid");
     let (state, pid) = run_one(&t, lang, "demo.echo", json!(1)).await;
     assert_eq!(state, "succeeded");
-    assert_eq!(pid, Some(cancelled_pid), "a process that answered its cancel was replaced");
+    assert_eq!(
+        pid,
+        Some(cancelled_pid),
+        "a process that answered its cancel was replaced"
+    );
 
     // one that ignores the cancel is killed and replaced
     let run = t
         .submit(json!({"name": "i", "steps": [{"name": "s", "executor_kind": lang, "kind": "demo.misbehave",
                        "input": {"mode": "ignore_cancel"}}]}))
         .await;
-    t.wait_run(run, LONG, |s| s.steps.first().is_some_and(|s| s.state == "running")).await;
+    t.wait_run(run, LONG, |s| {
+        s.steps.first().is_some_and(|s| s.state == "running")
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     t.db.cancel(run, None).await.expect("cancel");
     let st = t.wait_terminal(run, LONG).await;
-    let stubborn = executor_pid(&t.db, step(&st, "s").step_run_id).await.expect("pid");
+    let stubborn = executor_pid(&t.db, step(&st, "s").step_run_id)
+        .await
+        .expect("pid");
     let (state, pid) = run_one(&t, lang, "demo.echo", json!(2)).await;
     assert_eq!(state, "succeeded");
-    assert_ne!(pid, Some(stubborn), "a process that ignored its cancel was reused");
+    assert_ne!(
+        pid,
+        Some(stubborn),
+        "a process that ignored its cancel was reused"
+    );
     assert!(!alive(stubborn));
 
     // a protocol violation retires the process too

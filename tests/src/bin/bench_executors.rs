@@ -44,7 +44,11 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     concurrency: Vec<u32>,
     /// Which demo executors: go, python.
-    #[arg(long, value_delimiter = ',', default_value = "go,python,go-persistent,python-persistent")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "go,python,go-persistent,python-persistent"
+    )]
     executors: Vec<String>,
     /// Give up on one worker measurement after this long.
     #[arg(long, default_value_t = 600)]
@@ -69,9 +73,7 @@ fn executor_config(which: &str) -> Result<ExecutorConfig> {
             c.persistent = true;
             Ok(c)
         }
-        other => bail!(
-            "unknown executor {other:?} (go, python, go-persistent, python-persistent)"
-        ),
+        other => bail!("unknown executor {other:?} (go, python, go-persistent, python-persistent)"),
     }
 }
 
