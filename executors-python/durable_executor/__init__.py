@@ -8,14 +8,17 @@ An executor is a set of handlers by job kind::
     ex = Executor(executor_kind="python", labels={"region": "eu"})
 
     @ex.handler("demo.echo")
-    def echo(job: Job):
+    def echo(job: Job) -> object:
         return job.input
 
     sys.exit(ex.run())
 
-See ``proto/PROTOCOL.md`` for the wire rules this package implements.
+See ``proto/PROTOCOL.md`` for the wire rules this package implements. The
+protocol's messages are encoded by :mod:`durable_executor.wire` (pure Python): the
+package needs no protobuf runtime.
 """
 
+from . import wire
 from ._version import SDK_NAME, __version__
 from .executor import (
     ARTIFACT_INVALID,
@@ -24,6 +27,9 @@ from .executor import (
     DEFAULT_STOP_GRACE,
     EXECUTOR_BUSY,
     HANDLER_ERROR,
+    HANDLER_PANIC,
+    HANDLER_TIMEOUT,
+    MIN_REDACT_BYTES,
     OUTPUT_BROKEN,
     OUTPUT_INVALID,
     PROTOCOL_ERROR,
@@ -60,6 +66,9 @@ __all__ = [
     "DEFAULT_STOP_GRACE",
     "EXECUTOR_BUSY",
     "HANDLER_ERROR",
+    "HANDLER_PANIC",
+    "HANDLER_TIMEOUT",
+    "MIN_REDACT_BYTES",
     "OUTPUT_BROKEN",
     "OUTPUT_INVALID",
     "PROTOCOL_ERROR",
@@ -84,5 +93,6 @@ __all__ = [
     "iter_frames",
     "read_frame",
     "split_frames",
+    "wire",
     "write_frame",
 ]

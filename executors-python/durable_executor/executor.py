@@ -3,30 +3,55 @@
 One process serves jobs one after another. The main thread runs the handlers (so
 they may install signal handlers); a daemon reader thread keeps reading stdin
 while a handler runs, so a ``Cancel`` (or the end of stdin) sets the job's
-cancel event at once. Every frame is written under one lock, and a job's
-sequence numbers are assigned under that same lock, so frames leave in sequence
-order whatever thread emits them.
+cancel event at once. ``async def`` handlers run on an event loop in the same
+thread, and a cancel cancels their task. Every frame is written under one lock,
+and a job's sequence numbers are assigned under that same lock, so frames leave
+in sequence order whatever thread emits them.
 
 Imports are kept minimal on purpose: executors are spawned per attempt and the
-start-up cost is on every step's critical path.
+start-up cost is on every step's critical path. Before the Hello is written only
+builtin modules are needed (``_thread``, not ``threading``); ``threading`` is
+imported right after it, ``json``, ``asyncio``, ``signal``, ``hashlib`` and
+``traceback`` when first needed. Nothing here imports ``typing`` or
+``google.protobuf`` at run time.
 """
 
 from __future__ import annotations
 
-import json
+import _thread
+import io
 import os
 import sys
-import threading
 import time
-from queue import SimpleQueue
 
-from google.protobuf.message import DecodeError
-
-from ._gen.durable.executor.v1 import executor_pb2 as pb
+from . import wire
 from ._version import SDK_NAME, __version__
 from .framing import DEFAULT_MAX_FRAME_BYTES, FrameError, encode_frame, read_frame, write_all
 
-# Codes the SDK produces itself (see PROTOCOL.md, "Stable error codes").
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import asyncio
+    import threading
+    from collections.abc import Callable, Coroutine, Iterable, Mapping
+    from types import FrameType
+    from typing import Any, Protocol, TypeAlias, TypeVar
+
+    from .framing import BinaryReader, BinaryWriter
+
+    #: A handler: ``fn(job)`` returning a JSON-able value or a :class:`Result`, or an
+    #: ``async def`` doing the same (sync or async, both are ``Callable[[Job], object]``).
+    Handler: TypeAlias = Callable[["Job"], object]
+    _H = TypeVar("_H", bound=Handler)
+
+    class _ProtobufFrame(Protocol):
+        """A generated ``executor_pb2.ExecutorFrame`` (accepted by ``unsafe_send_frame``)."""
+
+        def SerializeToString(self, *, deterministic: bool = ...) -> bytes: ...
+        def WhichOneof(self, oneof_group: str, /) -> str | None: ...
+
+
+# Codes the SDKs produce (PROTOCOL.md, "Stable error codes": every code whose
+# "produced by" column names the SDK).
 #: The job stopped because of a cancel (a Cancel frame, or stdin ended mid-job).
 CANCELLED = "CANCELLED"
 #: Refusal: no handler for the job's kind.
@@ -35,6 +60,13 @@ UNSUPPORTED_KIND = "UNSUPPORTED_KIND"
 EXECUTOR_BUSY = "EXECUTOR_BUSY"
 #: The handler raised an exception that is not an ExecutorError (retryable).
 HANDLER_ERROR = "HANDLER_ERROR"
+#: The handler panicked. Produced by the Go SDK only (Python has no panics: an
+#: unexpected exception is HANDLER_ERROR); exported so code can name every SDK code.
+HANDLER_PANIC = "HANDLER_PANIC"
+#: The handler ran out of time (its context's deadline passed). Produced by the Go SDK
+#: only (a Python handler reads :meth:`Job.time_remaining` and chooses its own code);
+#: exported so code can name every SDK code.
+HANDLER_TIMEOUT = "HANDLER_TIMEOUT"
 #: The job's input is not valid JSON (or not what the kind expects); not retryable.
 BAD_INPUT = "BAD_INPUT"
 #: The handler's output is not JSON; not retryable.
@@ -57,9 +89,15 @@ OUTPUT_BROKEN = "OUTPUT_BROKEN"
 #: before a process started with :meth:`Executor.run` exits anyway.
 DEFAULT_STOP_GRACE = 10.0
 
+#: Secret values shorter than this (in UTF-8 bytes) are redacted only where a whole
+#: string equals them, never inside other text (the supervisor's rule: a 1-byte
+#: secret would otherwise turn every such character of every message into a marker).
+MIN_REDACT_BYTES = 4
+
 _CODE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _REDACTED = "[REDACTED]"
-_UNSET = object()
+_UNSET: Any = object()
+_INT32_MAX = (1 << 31) - 1
 
 
 def _log(message: str) -> None:
@@ -78,7 +116,9 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _encode_json(value, what: str) -> bytes:
+def _encode_json(value: object, what: str) -> bytes:
+    import json
+
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as e:
@@ -91,12 +131,37 @@ def _exception_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _clean_text(text: str) -> str:
+    """Text the wire accepts: NUL (refused by the supervisor) becomes U+FFFD, lone
+    surrogates (not UTF-8) become backslash escapes."""
+    if "\0" in text:
+        text = text.replace("\0", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _is_cancellation(e: BaseException) -> bool:
+    """``Cancelled``, or ``asyncio.CancelledError`` (without importing asyncio)."""
+    if isinstance(e, Cancelled):
+        return True
+    aio = sys.modules.get("asyncio")
+    return aio is not None and isinstance(e, aio.CancelledError)
+
+
 # ---------------------------------------------------------------------------
 # Errors
 
 
-class Cancelled(Exception):
-    """The job was cancelled. Raised by :meth:`Job.sleep` / :meth:`Job.raise_if_cancelled`.
+class Cancelled(BaseException):
+    """The job was cancelled. Raised by :meth:`Job.sleep` / :meth:`Job.raise_if_cancelled`
+    (and in a blocked handler by ``Executor(interrupt_on_cancel=True)``).
+
+    It derives from ``BaseException``, like ``asyncio.CancelledError`` and
+    ``KeyboardInterrupt``, so that ``except Exception:`` in handler code does not
+    swallow it: catch it by name (``except Cancelled:``) to clean up, and re-raise.
 
     A handler stops because of a cancel by raising it (or letting it propagate); the
     SDK then reports ``JobError{code: "CANCELLED", retryable: false}``. Once the job
@@ -107,6 +172,7 @@ class Cancelled(Exception):
 
     def __init__(self, message: str = "job cancelled", reason: str | None = None) -> None:
         super().__init__(message)
+        #: The cancel reason (see :attr:`Job.cancel_reason`), ``None`` if unknown.
         self.reason = reason
 
 
@@ -124,7 +190,7 @@ class ExecutorError(Exception):
         code: str,
         message: str = "",
         retryable: bool = True,
-        details: dict | None = None,
+        details: Mapping[str, object] | None = None,
         next_retry_delay_ms: int | None = None,
     ) -> None:
         if not isinstance(code, str) or not code or not set(code) <= _CODE_CHARS:
@@ -143,7 +209,7 @@ class ExecutorError(Exception):
         self.code = code
         self.message = message
         self.retryable = bool(retryable)
-        self.details = details
+        self.details: Mapping[str, object] | None = details
         self.next_retry_delay_ms = next_retry_delay_ms
 
 
@@ -176,17 +242,18 @@ class Artifact:
         sha256: str,
         size: int,
         media_type: str = "application/octet-stream",
-        derived_from=(),
+        derived_from: Iterable[str] = (),
     ) -> None:
         self.name = name
         self.path = path
         self.sha256 = sha256
         self.size = size
         self.media_type = media_type
-        self.derived_from = list(derived_from)
+        self.derived_from: list[str] = list(derived_from)
 
-    def to_proto(self) -> pb.ArtifactManifestEntry:
-        return pb.ArtifactManifestEntry(
+    def to_proto(self) -> wire.ArtifactManifestEntry:
+        """The protocol message (:class:`durable_executor.wire.ArtifactManifestEntry`)."""
+        return wire.ArtifactManifestEntry(
             name=self.name,
             path=self.path,
             sha256=self.sha256,
@@ -195,12 +262,12 @@ class Artifact:
             derived_from=self.derived_from,
         )
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, Artifact):
             return NotImplemented
         return all(getattr(self, s) == getattr(other, s) for s in self.__slots__)
 
-    __hash__ = None  # mutable
+    __hash__ = None  # type: ignore[assignment]  # mutable
 
     def __repr__(self) -> str:
         return (
@@ -215,14 +282,14 @@ class InputArtifact:
 
     __slots__ = ("id", "media_type", "name", "path", "sha256", "size", "step_name")
 
-    def __init__(self, ref: pb.ArtifactRef) -> None:
-        self.id = ref.id
-        self.name = ref.name
-        self.sha256 = ref.sha256
-        self.size = ref.size
-        self.media_type = ref.media_type
-        self.path = ref.path
-        self.step_name = ref.step_name
+    def __init__(self, ref: wire.ArtifactRef) -> None:
+        self.id: str = ref.id
+        self.name: str = ref.name
+        self.sha256: str = ref.sha256
+        self.size: int = ref.size
+        self.media_type: str = ref.media_type
+        self.path: str = ref.path
+        self.step_name: str = ref.step_name
 
     def read_bytes(self) -> bytes:
         with open(self.path, "rb") as f:
@@ -241,11 +308,20 @@ class Result:
     A handler may also return a bare JSON-able value, which means
     ``Result(value)``. ``output_json`` passes already-encoded JSON bytes through
     unchanged instead of encoding ``output`` (they must still be valid JSON).
+    An artifact is an :class:`Artifact` (from :meth:`Job.artifact`), a
+    :class:`durable_executor.wire.ArtifactManifestEntry`, or a dict of
+    :class:`Artifact`'s arguments.
     """
 
     __slots__ = ("artifacts", "output", "output_json")
 
-    def __init__(self, output=None, artifacts=(), *, output_json: bytes | None = None) -> None:
+    def __init__(
+        self,
+        output: object = None,
+        artifacts: Iterable[Artifact | wire.ArtifactManifestEntry | Mapping[str, Any]] = (),
+        *,
+        output_json: bytes | None = None,
+    ) -> None:
         if output_json is not None and output is not None:
             raise ValueError("give either output or output_json, not both")
         self.output = output
@@ -256,12 +332,14 @@ class Result:
         return f"Result(output={self.output!r}, artifacts={self.artifacts!r})"
 
 
-def _artifact_to_proto(item) -> pb.ArtifactManifestEntry:
+def _artifact_to_proto(item: object) -> wire.ArtifactManifestEntry:
+    from collections.abc import Mapping
+
     if isinstance(item, Artifact):
         entry = item.to_proto()
-    elif isinstance(item, pb.ArtifactManifestEntry):
+    elif isinstance(item, wire.ArtifactManifestEntry):
         entry = item
-    elif isinstance(item, dict):
+    elif isinstance(item, Mapping):
         try:
             entry = Artifact(**item).to_proto()
         except (TypeError, ValueError) as e:
@@ -279,6 +357,16 @@ def _artifact_to_proto(item) -> pb.ArtifactManifestEntry:
     return entry
 
 
+def _check_relative(path: str) -> None:
+    """Refuse a path that is absolute or has a ``..`` part (the Go SDK's rule)."""
+    parts = path.replace(os.sep, "/").split("/")
+    if os.path.isabs(path) or ".." in parts or "\0" in path:
+        raise ValueError(
+            f"path {path!r} is not a relative path inside the output directory "
+            "(absolute, or with a '..' part)"
+        )
+
+
 # ---------------------------------------------------------------------------
 # The job context
 
@@ -293,7 +381,7 @@ class Job:
     one was reported empty).
     """
 
-    def __init__(self, msg: pb.Job, session: _Session) -> None:
+    def __init__(self, msg: wire.Job, session: _Session) -> None:
         self.job_id: str = msg.job_id
         self.workflow_run_id: str = msg.workflow_run_id
         self.step_run_id: str = msg.step_run_id
@@ -306,19 +394,30 @@ class Job:
         self.heartbeat_timeout_ms: int = msg.heartbeat_timeout_ms
         self.input_bytes: bytes = msg.input
         self.input_artifacts: list[InputArtifact] = [InputArtifact(r) for r in msg.input_artifacts]
-        self.checkpoint: bytes | None = msg.checkpoint if msg.HasField("checkpoint") else None
+        self.checkpoint: bytes | None = msg.checkpoint
         self.output_dir: str = msg.output_dir
         self.secrets: dict[str, str] = dict(msg.secrets)
         self.labels: dict[str, str] = dict(msg.labels)
 
         self._session = session
-        self._input = _UNSET
+        self._input: Any = _UNSET
+        import threading  # imported after the Hello (see the module's docstring)
+
+        self._lock = _thread.allocate_lock()  # cancel state vs the async task binding
         self._cancel = threading.Event()
         self._cancel_reason: str | None = None
         self._cancel_message = ""
         self._cancel_grace_ms = 0
         self._seq = 0
         self._terminal_sent = False
+        # async handlers: the task running the handler, and its loop
+        self._task: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # interrupt_on_cancel (main thread only)
+        self._interrupt_armed = False
+        self._interrupt_fired = False
+        self._interrupt_pending = False
+        self._redactor: tuple[list[str], frozenset[str]] | None = None
 
     def __repr__(self) -> str:
         # Never show secrets.
@@ -330,12 +429,14 @@ class Job:
     # -- input -------------------------------------------------------------
 
     @property
-    def input(self):
+    def input(self) -> Any:
         """The step input, parsed from JSON (``None`` when empty)."""
         if self._input is _UNSET:
             if not self.input_bytes.strip():
                 self._input = None
             else:
+                import json
+
                 try:
                     self._input = json.loads(self.input_bytes)
                 except ValueError as e:
@@ -380,7 +481,10 @@ class Job:
             raise Cancelled(self._cancelled_text(), self._cancel_reason)
 
     def sleep(self, seconds: float) -> None:
-        """Sleep ``seconds``, returning early by raising :class:`Cancelled` on cancel."""
+        """Sleep ``seconds``, returning early by raising :class:`Cancelled` on cancel.
+
+        Blocks the thread: in an ``async def`` handler use ``await asyncio.sleep()``
+        (the task is cancelled on cancel)."""
         if seconds > 0:
             self._cancel.wait(seconds)
         self.raise_if_cancelled()
@@ -393,11 +497,42 @@ class Job:
         return (min(ends) - _now_ms()) / 1000.0
 
     def _request_cancel(self, reason: str, message: str = "", grace_ms: int = 0) -> None:
-        if not self._cancel.is_set():
+        """Any thread: set the cancel, cancel the async task, interrupt a blocked handler."""
+        with self._lock:
+            if self._cancel.is_set():
+                return
             self._cancel_reason = reason
             self._cancel_message = message
             self._cancel_grace_ms = grace_ms
             self._cancel.set()
+            loop = self._loop
+        if loop is not None:
+            try:  # noqa: SIM105 - contextlib is an import on the start-up path
+                loop.call_soon_threadsafe(self._cancel_task)
+            except RuntimeError:  # the loop is closed: the handler is done
+                pass
+        self._session.interrupt(self)
+
+    def _cancel_task(self) -> None:
+        """In the handler's event loop: cancel its task (if it is still running)."""
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel(self._cancelled_text())
+
+    def _bind_task(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._loop = loop
+            self._task = task
+            cancelled = self._cancel.is_set()
+        if cancelled:
+            # Cancelled before the task started: cancel it at its first suspension
+            # (scheduled, not now, so a handler that never awaits keeps its result).
+            loop.call_soon(self._cancel_task)
+
+    def _unbind_task(self) -> None:
+        with self._lock:
+            self._loop = None
+            self._task = None
 
     def _cancelled_text(self) -> str:
         text = f"job cancelled ({self._cancel_reason or 'by the handler'})"
@@ -410,16 +545,18 @@ class Job:
     def progress(
         self, message: str = "", fraction: float | None = None, checkpoint: bytes | None = None
     ) -> None:
-        """Send a PROGRESS event (a message, a 0..1 fraction, an optional checkpoint).
+        """Send a PROGRESS event (a message, a fraction, an optional checkpoint).
 
-        Any event resets the supervisor's heartbeat timeout. Thread-safe. Raises
-        RuntimeError once the job's terminal was sent.
+        ``fraction`` is ``None`` (no fraction) or a number within 0.0..1.0: NaN and
+        values outside are refused with ValueError (not clamped), and nothing is
+        sent. Any event resets the supervisor's heartbeat timeout. Thread-safe.
+        Raises RuntimeError once the job's terminal was sent.
         """
-        self._emit(pb.EVENT_KIND_PROGRESS, message, fraction, checkpoint)
+        self._emit(wire.EVENT_KIND_PROGRESS, message, fraction, checkpoint)
 
     def heartbeat(self, checkpoint: bytes | None = None) -> None:
         """Send a HEARTBEAT event (liveness only, optionally with a checkpoint)."""
-        self._emit(pb.EVENT_KIND_HEARTBEAT, "", None, checkpoint)
+        self._emit(wire.EVENT_KIND_HEARTBEAT, "", None, checkpoint)
 
     def save_checkpoint(self, data: bytes) -> None:
         """Report opaque resume state; the next attempt receives it as ``checkpoint``.
@@ -429,15 +566,21 @@ class Job:
         """
         if data is None:
             raise TypeError("checkpoint data must be bytes, not None")
-        self._emit(pb.EVENT_KIND_HEARTBEAT, "", None, data)
+        self._emit(wire.EVENT_KIND_HEARTBEAT, "", None, data)
 
-    def _emit(self, kind: int, message: str, fraction, checkpoint) -> None:
-        event = pb.ProgressEvent(job_id=self.job_id, kind=kind)
+    def _emit(
+        self,
+        kind: int,
+        message: str,
+        fraction: float | None,
+        checkpoint: bytes | str | None,
+    ) -> None:
+        event = wire.ProgressEvent(job_id=self.job_id, kind=kind)
         if message:
-            event.message = self._scrub(str(message))
+            event.message = _clean_text(self._scrub(str(message)))
         if fraction is not None:
             fraction = float(fraction)
-            if not 0.0 <= fraction <= 1.0:
+            if not 0.0 <= fraction <= 1.0:  # NaN fails too
                 raise ValueError(f"fraction must be within 0.0..1.0, got {fraction!r}")
             event.fraction = fraction
         if checkpoint is not None:
@@ -446,22 +589,27 @@ class Job:
             event.checkpoint = bytes(checkpoint)
         session = self._session
         with session.write_lock:
-            if self._terminal_sent:
-                raise RuntimeError(f"job {self.job_id}: an event cannot follow the terminal")
-            event.sequence = self._seq + 1
-            event.at_unix_ms = _now_ms()
-            data = pb.ExecutorFrame(event=event).SerializeToString(deterministic=True)
-            if len(data) > session.max_frame_bytes:
-                raise ValueError(
-                    f"event frame of {len(data)} bytes exceeds the frame cap of "
-                    f"{session.max_frame_bytes} bytes (checkpoint too large?)"
-                )
-            self._seq += 1
-            session.write_locked(encode_frame(data))
+            session.writer = _thread.get_ident()
+            try:
+                if self._terminal_sent:
+                    raise RuntimeError(f"job {self.job_id}: an event cannot follow the terminal")
+                event.sequence = self._seq + 1
+                event.at_unix_ms = _now_ms()
+                data = wire.encode_executor_frame(event)
+                if len(data) > session.max_frame_bytes:
+                    raise ValueError(
+                        f"event frame of {len(data)} bytes exceeds the frame cap of "
+                        f"{session.max_frame_bytes} bytes (checkpoint too large?)"
+                    )
+                self._seq += 1
+                session.write_locked(encode_frame(data))
+            finally:
+                session.writer = 0
+        self._raise_deferred_interrupt()
 
     # -- terminal ----------------------------------------------------------
 
-    def _send_terminal(self, msg) -> None:
+    def _send_terminal(self, msg: wire.JobResult | wire.JobError) -> None:
         """Send ``msg`` (a JobResult or JobError) as the job's one terminal."""
         session = self._session
         with session.write_lock:
@@ -469,19 +617,15 @@ class Job:
                 return
             self._seq += 1
             msg.sequence = self._seq
-            if isinstance(msg, pb.JobResult):
-                frame = pb.ExecutorFrame(result=msg)
-            else:
-                frame = pb.ExecutorFrame(error=msg)
-            data = frame.SerializeToString(deterministic=True)
+            data = wire.encode_executor_frame(msg)
             if len(data) > session.max_frame_bytes:
                 text = (
                     f"the terminal frame of {len(data)} bytes exceeds the frame cap of "
                     f"{session.max_frame_bytes} bytes; write large outputs as artifacts"
                 )
                 _log(f"job {self.job_id}: {text}")
-                frame = pb.ExecutorFrame(
-                    error=pb.JobError(
+                data = wire.encode_executor_frame(
+                    wire.JobError(
                         job_id=self.job_id,
                         sequence=self._seq,
                         code=RESULT_TOO_LARGE,
@@ -489,7 +633,6 @@ class Job:
                         retryable=False,
                     )
                 )
-                data = frame.SerializeToString(deterministic=True)
             self._terminal_sent = True
             # No longer running: from here a new Job is welcome, a Cancel is moot.
             session.deactivate(self)
@@ -500,11 +643,14 @@ class Job:
         code: str,
         message: str,
         retryable: bool,
-        details: dict | None = None,
+        details: Mapping[str, object] | None = None,
         next_retry_delay_ms: int | None = None,
     ) -> None:
-        err = pb.JobError(
-            job_id=self.job_id, code=code, message=self._scrub(message), retryable=retryable
+        err = wire.JobError(
+            job_id=self.job_id,
+            code=_clean_text(code),
+            message=_clean_text(self._scrub(message)),
+            retryable=retryable,
         )
         if details:
             try:
@@ -517,15 +663,17 @@ class Job:
 
     def _finish_cancelled(self, after: BaseException | None = None) -> None:
         message = self._cancelled_text()
-        if after is not None and not isinstance(after, Cancelled):
+        if after is not None and not _is_cancellation(after):
             message += f"; the handler then raised {_exception_text(after)}"
         details = {"reason": self._cancel_reason} if self._cancel_reason else None
         self._finish_error(CANCELLED, message, False, details)
 
-    def _finish_result(self, value) -> None:
+    def _finish_result(self, value: object) -> None:
         result = value if isinstance(value, Result) else Result(value)
         try:
             if result.output_json is not None:
+                import json
+
                 output = bytes(result.output_json)
                 try:
                     json.loads(output)
@@ -543,17 +691,35 @@ class Job:
         except _TerminalError as e:
             self._finish_error(e.code, e.message, False)
             return
-        self._send_terminal(pb.JobResult(job_id=self.job_id, output=output, artifacts=artifacts))
+        self._send_terminal(wire.JobResult(job_id=self.job_id, output=output, artifacts=artifacts))
+
+    # -- redaction ---------------------------------------------------------
+
+    def _secret_values(self) -> tuple[list[str], frozenset[str]]:
+        """(values of at least MIN_REDACT_BYTES, longest first; shorter non-empty ones)."""
+        if self._redactor is None:
+            values = {v for v in self.secrets.values() if v}
+            long = sorted(
+                (v for v in values if len(v.encode("utf-8", "surrogatepass")) >= MIN_REDACT_BYTES),
+                key=lambda v: (-len(v), v),
+            )
+            self._redactor = (long, frozenset(values.difference(long)))
+        return self._redactor
 
     def _scrub(self, text: str) -> str:
-        """Replace every secret value of the job in ``text`` (longest first)."""
-        if self.secrets and text:
-            for value in sorted(self.secrets.values(), key=len, reverse=True):
-                if value:
-                    text = text.replace(value, _REDACTED)
+        """Redact the job's secret values from ``text``: a value of at least
+        :data:`MIN_REDACT_BYTES` bytes wherever it occurs (longest first), a shorter
+        one only when it is the whole text."""
+        if not self.secrets or not text:
+            return text
+        long, short = self._secret_values()
+        if text in short:
+            return _REDACTED
+        for value in long:
+            text = text.replace(value, _REDACTED)
         return text
 
-    def _scrub_value(self, value):
+    def _scrub_value(self, value: object) -> object:
         """:meth:`_scrub` every string (keys too) inside a JSON-like value."""
         if not self.secrets:
             return value
@@ -568,7 +734,13 @@ class Job:
     # -- artifacts ---------------------------------------------------------
 
     def output_path(self, *parts: str) -> str:
-        """Join ``parts`` below ``output_dir`` (no check; see :meth:`artifact`)."""
+        """Join ``parts`` below ``output_dir``. Raises ValueError for a part that is
+        absolute or contains ``..`` (it would escape the output directory), or when
+        the job has no output directory."""
+        if not self.output_dir:
+            raise ValueError("the job has no output_dir")
+        for part in parts:
+            _check_relative(part)
         return os.path.join(self.output_dir, *parts)
 
     def artifact(
@@ -577,15 +749,20 @@ class Job:
         *,
         name: str | None = None,
         media_type: str = "application/octet-stream",
-        derived_from=(),
+        derived_from: Iterable[str] = (),
     ) -> Artifact:
-        """Build a manifest entry for a file the job wrote below ``output_dir``.
+        """Build the manifest entry of a regular file the job wrote below ``output_dir``.
 
-        ``path`` is relative to ``output_dir`` or absolute; the file (symlinks
-        resolved) must lie below ``output_dir``. Hashes the file (sha256) and takes
-        its size. ``name`` defaults to the file's base name.
+        ``path`` is relative to ``output_dir`` (or absolute, as returned by
+        :meth:`output_path`); the file, symlinks resolved, must lie below
+        ``output_dir``. Hashes the file (sha256) and takes its size. ``name``
+        defaults to the file's base name; ``derived_from`` lists ids of input
+        artifacts (:attr:`InputArtifact.id`). Raises ValueError for a path outside
+        the output directory or a file that is not a regular file, OSError when it
+        cannot be read.
         """
         import hashlib  # only handlers that produce artifacts pay for it
+        import stat
 
         if not self.output_dir:
             raise ValueError("the job has no output_dir")
@@ -596,6 +773,8 @@ class Job:
         rel = os.path.relpath(full, base).replace(os.sep, "/")
         digest = hashlib.sha256()
         size = 0
+        if not stat.S_ISREG(os.stat(full).st_mode):  # before open: a FIFO would block
+            raise ValueError(f"artifact path {path!r} is not a regular file")
         with open(full, "rb") as f:
             while True:
                 chunk = f.read(1 << 20)
@@ -612,24 +791,52 @@ class Job:
             derived_from=derived_from,
         )
 
+    # -- interrupt_on_cancel -------------------------------------------------
+
+    def _raise_deferred_interrupt(self) -> None:
+        """After an SDK write in the main thread: raise the interrupt deferred while
+        the frame was being written (never raised in the middle of a frame)."""
+        if self._interrupt_pending and self._interrupt_armed:
+            self._interrupt_pending = False
+            if _thread.get_ident() == self._session.main_ident:
+                self._interrupt_fired = True
+                raise Cancelled(self._cancelled_text(), self._cancel_reason)
+
     # -- escape hatches for protocol conformance tests ---------------------
 
-    def unsafe_send_frame(self, frame: pb.ExecutorFrame) -> None:
-        """Write ``frame`` as is, bypassing sequencing. A JobResult/JobError sent this
-        way counts as the job's terminal: the SDK sends none of its own afterwards
-        (the job still counts as running until its handler returns). Exists to build
-        misbehaving executors for protocol tests."""
+    def unsafe_send_frame(self, frame: wire.ExecutorMessage | _ProtobufFrame) -> None:
+        """Write ``frame`` (a :mod:`durable_executor.wire` executor message, or a
+        generated protobuf ``ExecutorFrame``) as is, bypassing sequencing. A
+        JobResult/JobError sent this way counts as the job's terminal: the SDK sends
+        none of its own afterwards (the job still counts as running until its handler
+        returns). Exists to build misbehaving executors for protocol tests."""
+        if isinstance(frame, wire.Message):
+            data = wire.encode_executor_frame(frame)
+            terminal = isinstance(frame, (wire.JobResult, wire.JobError))
+        else:
+            data = frame.SerializeToString(deterministic=True)
+            terminal = frame.WhichOneof("frame") in ("result", "error")
         session = self._session
         with session.write_lock:
-            if frame.WhichOneof("frame") in ("result", "error"):
-                self._terminal_sent = True
-            session.write_locked(encode_frame(frame.SerializeToString(deterministic=True)))
+            session.writer = _thread.get_ident()
+            try:
+                if terminal:
+                    self._terminal_sent = True
+                session.write_locked(encode_frame(data))
+            finally:
+                session.writer = 0
+        self._raise_deferred_interrupt()
 
     def unsafe_write_raw(self, data: bytes) -> None:
         """Write raw bytes on the frame stream (no framing). For protocol tests."""
         session = self._session
         with session.write_lock:
-            session.write_locked(bytes(data))
+            session.writer = _thread.get_ident()
+            try:
+                session.write_locked(bytes(data))
+            finally:
+                session.writer = 0
+        self._raise_deferred_interrupt()
 
 
 # ---------------------------------------------------------------------------
@@ -649,45 +856,60 @@ class Executor:
     ...     return job.input
     >>> # sys.exit(ex.run())
 
-    ``max_jobs_per_process`` (sent in Hello): negative = serve jobs until stdin
-    ends or a Shutdown arrives (persistent mode), 0 or 1 = one job, N = N jobs.
+    ``max_jobs_per_process`` (sent in Hello): N > 0 serves N jobs, then the process
+    ends; 0 or negative (the default, -1) serves jobs until stdin ends or a Shutdown
+    arrives (persistent mode; Hello then says -1), as in the Go SDK.
     ``max_frame_bytes`` caps frames both ways. ``stop_grace``: once stdin ends
     mid-job, the cancelled handler has this many seconds to return before a
     process started with :meth:`run` exits anyway (status 1), so an executor never
     outlives its supervisor. ``advertise_kinds``: extra kinds listed in Hello
     without a handler (their jobs are refused with UNSUPPORTED_KIND), for tests.
+
+    ``interrupt_on_cancel``: when a cancel arrives while a (sync) handler runs, the
+    SDK sends ``interrupt_signal`` (default SIGUSR1) to the main thread, whose signal
+    handler raises :class:`Cancelled` in the handler: a handler blocked in
+    ``time.sleep``, ``select``, a socket or pipe read, ``subprocess`` waits... is
+    woken up, like Ctrl-C wakes a program with KeyboardInterrupt. It needs
+    :meth:`serve` / :meth:`run` on the main thread, and the signal must not be used
+    otherwise by the program. Limits in the README ("Interrupting blocked handlers").
     """
 
     def __init__(
         self,
         executor_kind: str,
-        labels: dict[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
         *,
         max_jobs_per_process: int = -1,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         stop_grace: float = DEFAULT_STOP_GRACE,
-        advertise_kinds=(),
+        advertise_kinds: Iterable[str] = (),
+        interrupt_on_cancel: bool = False,
+        interrupt_signal: int | None = None,
     ) -> None:
         if not executor_kind:
             raise ValueError("executor_kind must be non-empty")
         self.executor_kind = executor_kind
-        self.labels = dict(labels or {})
+        self.labels: dict[str, str] = dict(labels or {})
         self.max_jobs_per_process = int(max_jobs_per_process)
         self.max_frame_bytes = int(max_frame_bytes)
         self.stop_grace = float(stop_grace)
-        self.advertise_kinds = list(advertise_kinds)
-        self._handlers: dict = {}
+        self.advertise_kinds: list[str] = list(advertise_kinds)
+        self.interrupt_on_cancel = bool(interrupt_on_cancel)
+        self.interrupt_signal = interrupt_signal
+        self._handlers: dict[str, Handler] = {}
 
-    def handler(self, kind: str):
-        """Decorator: register ``fn(job) -> output | Result`` for jobs of ``kind``."""
+    def handler(self, kind: str) -> Callable[[_H], _H]:
+        """Decorator: register ``fn(job) -> output | Result`` (or an ``async def``)
+        for jobs of ``kind``; returns ``fn`` unchanged (its type too)."""
 
-        def register(fn):
+        def register(fn: _H) -> _H:
             self.add_handler(kind, fn)
             return fn
 
         return register
 
-    def add_handler(self, kind: str, fn) -> None:
+    def add_handler(self, kind: str, fn: Handler) -> None:
+        """Register ``fn`` for jobs of ``kind`` (ValueError if already registered)."""
         if not kind:
             raise ValueError("kind must be non-empty")
         if kind in self._handlers:
@@ -701,19 +923,22 @@ class Executor:
         """The kinds listed in Hello: the handled ones plus ``advertise_kinds``, sorted."""
         return sorted(set(self._handlers) | set(self.advertise_kinds))
 
-    def hello(self) -> pb.Hello:
-        return pb.Hello(
-            protocol_version=pb.PROTOCOL_VERSION_1,
+    def hello(self) -> wire.Hello:
+        """The Hello this executor sends (``max_jobs_per_process``: N > 0 as is,
+        -1 for unlimited)."""
+        n = self.max_jobs_per_process
+        return wire.Hello(
+            protocol_version=wire.PROTOCOL_VERSION_1,
             executor_kind=self.executor_kind,
             kinds=self.kinds,
             labels=self.labels,
             sdk_name=SDK_NAME,
             sdk_version=__version__,
-            max_jobs_per_process=self.max_jobs_per_process,
+            max_jobs_per_process=min(n, _INT32_MAX) if n > 0 else -1,
             pid=os.getpid(),
         )
 
-    def serve(self, in_stream, out_stream) -> int:
+    def serve(self, in_stream: BinaryReader, out_stream: BinaryWriter) -> int:
         """Speak the protocol on the given binary streams until stdin ends, a Shutdown
         arrives while idle, or the job quota is served.
 
@@ -739,11 +964,11 @@ class Executor:
         return _Session(self, in_stream, out_stream, exit_when_stuck=True).run()
 
 
-_claimed = None
-_claim_lock = threading.Lock()
+_claimed: tuple[io.RawIOBase | io.BytesIO, io.FileIO] | None = None
+_claim_lock = _thread.allocate_lock()
 
 
-def claim_stdio():
+def claim_stdio() -> tuple[io.RawIOBase | io.BytesIO, io.FileIO]:
     """Take fds 0 and 1 for frames; return ``(frame_in, frame_out)`` raw binary streams.
 
     The private descriptors are close-on-exec, so child processes inherit neither.
@@ -759,10 +984,7 @@ def claim_stdio():
         return _claimed
 
 
-def _claim_stdio():
-    import contextlib
-    import io
-
+def _claim_stdio() -> tuple[io.RawIOBase | io.BytesIO, io.FileIO]:
     out_fd = os.dup(1)  # fails (EBADF) if stdout is closed: nothing to speak on
     try:
         os.dup2(2, 1)
@@ -772,8 +994,10 @@ def _claim_stdio():
         os.close(null)
     old = sys.stdout
     if old is not None:
-        with contextlib.suppress(OSError, ValueError):
+        try:  # noqa: SIM105 - contextlib is an import on the start-up path
             old.flush()  # anything still buffered goes to fd 1, i.e. stderr now
+        except (OSError, ValueError):
+            pass
     sys.stdout = open(  # noqa: SIM115 - lives as long as the process
         1,
         "w",
@@ -783,6 +1007,7 @@ def _claim_stdio():
         closefd=False,
     )
 
+    frame_in: io.RawIOBase | io.BytesIO
     try:
         in_fd = os.dup(0)
     except OSError:  # stdin closed: an immediate clean EOF
@@ -797,26 +1022,68 @@ def _claim_stdio():
     return frame_in, frame_out
 
 
+def _on_main_thread() -> bool:
+    threading = sys.modules.get("threading")
+    if threading is None:  # nothing started a thread through threading: the main one
+        return True
+    return bool(threading.current_thread() is threading.main_thread())
+
+
+class _Inbox:
+    """A minimal blocking FIFO (``queue`` costs an import on the start-up path)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._items: list[object] = []  # a few items at most
+        self._ready = threading.Condition(_thread.allocate_lock())
+
+    def put(self, item: object) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
+    def get(self) -> object:
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.pop(0)
+
+
 class _Session:
     """One conversation over one pair of streams.
 
-    Lock order: ``write_lock`` before ``jobs_lock``.
+    Lock order: ``write_lock`` before ``jobs_lock``; a job's ``_lock`` is taken alone.
     """
 
-    def __init__(self, executor: Executor, in_stream, out_stream, exit_when_stuck: bool) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        in_stream: BinaryReader,
+        out_stream: BinaryWriter,
+        exit_when_stuck: bool,
+    ) -> None:
         self.ex = executor
         self.in_stream = in_stream
         self.out_stream = out_stream
         self.exit_when_stuck = exit_when_stuck
         self.max_frame_bytes = executor.max_frame_bytes
-        self.write_lock = threading.Lock()
+        self.write_lock = _thread.allocate_lock()
+        #: The thread writing a frame under write_lock (0: none); read by the
+        #: interrupt signal handler, which never raises in the middle of a frame.
+        self.writer = 0
         self.output_broken = False
         self.input_broken = False
         self.shutting_down = False
-        self.queue: SimpleQueue = SimpleQueue()
+        self.queue: _Inbox  # created after the Hello (it needs threading)
         # Jobs received and not finished (terminal not sent or handler still running).
         self.jobs: dict[str, Job] = {}
-        self.jobs_lock = threading.Lock()
+        self.jobs_lock = _thread.allocate_lock()
+        self.runner: asyncio.Runner | None = None
+        # interrupt_on_cancel
+        self.main_ident = 0
+        self.interrupt_signal = 0
+        self.interrupt_job: Job | None = None
 
     # -- output ------------------------------------------------------------
 
@@ -835,17 +1102,15 @@ class _Session:
             _log(f"the frame output failed ({e}); cancelling the running job")
             self.cancel_all(OUTPUT_BROKEN, "the frame output to the supervisor failed")
 
-    def refuse(self, msg: pb.Job, code: str, message: str, details: dict | None = None) -> None:
+    def refuse(
+        self, job_id: str, code: str, message: str, details: Mapping[str, object] | None = None
+    ) -> None:
         """Answer a job with a JobError before ACCEPTED: it was not run."""
-        err = pb.JobError(
-            job_id=msg.job_id, sequence=1, code=code, message=message, retryable=False
-        )
+        err = wire.JobError(job_id=job_id, sequence=1, code=code, message=message, retryable=False)
         if details:
             err.details = _encode_json(details, "refusal details")
         with self.write_lock:
-            self.write_locked(
-                encode_frame(pb.ExecutorFrame(error=err).SerializeToString(deterministic=True))
-            )
+            self.write_locked(encode_frame(wire.encode_executor_frame(err)))
 
     # -- job bookkeeping -----------------------------------------------------
 
@@ -883,9 +1148,45 @@ class _Session:
                 self.write_lock.acquire(timeout=1.0)
                 os._exit(1)
 
+        import threading
+
         timer = threading.Timer(grace, check)
         timer.daemon = True
         timer.start()
+
+    # -- interrupt_on_cancel -------------------------------------------------
+
+    def install_interrupt(self) -> Any:
+        """Install the interrupt signal's handler; return the previous one."""
+        import signal
+
+        sig = self.ex.interrupt_signal
+        self.interrupt_signal = int(sig if sig is not None else signal.SIGUSR1)
+        self.main_ident = _thread.get_ident()
+        previous = signal.signal(self.interrupt_signal, self.on_interrupt_signal)
+        signal.siginterrupt(self.interrupt_signal, True)  # blocking calls fail with EINTR
+        return previous
+
+    def on_interrupt_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The signal handler (main thread): raise Cancelled in the running handler."""
+        job = self.interrupt_job
+        if job is None or not job._interrupt_armed or job._interrupt_fired or not job.cancelled:
+            return  # late or stray: nothing to interrupt
+        if self.writer == _thread.get_ident():
+            job._interrupt_pending = True  # raised once the frame is written
+            return
+        job._interrupt_fired = True
+        raise Cancelled(job._cancelled_text(), job._cancel_reason)
+
+    def interrupt(self, job: Job) -> None:
+        """Any thread, after ``job`` was cancelled: wake its blocked handler."""
+        if self.main_ident and self.interrupt_job is job and job._interrupt_armed:
+            import signal
+
+            try:
+                signal.pthread_kill(self.main_ident, self.interrupt_signal)
+            except (OSError, ValueError) as e:  # the main thread is gone
+                _log(f"cannot interrupt the handler of job {job.job_id!r}: {e}")
 
     # -- input -------------------------------------------------------------
 
@@ -896,10 +1197,8 @@ class _Session:
                 body = read_frame(self.in_stream, self.max_frame_bytes)
                 if body is None:
                     return
-                frame = pb.SupervisorFrame()
-                frame.ParseFromString(body)
-                self.dispatch(frame)
-        except (FrameError, DecodeError) as e:
+                self.dispatch(wire.decode_supervisor_frame(body))
+        except (FrameError, wire.DecodeError) as e:
             self.input_broken = True
             reason = PROTOCOL_ERROR
             message = f"invalid frame from the supervisor: {_exception_text(e)}"
@@ -920,10 +1219,8 @@ class _Session:
                 self.cancel_all(reason, message)
             self.queue.put(_EOF)
 
-    def dispatch(self, frame: pb.SupervisorFrame) -> None:
-        which = frame.WhichOneof("frame")
-        if which == "job":
-            msg = frame.job
+    def dispatch(self, msg: wire.SupervisorMessage | None) -> None:
+        if isinstance(msg, wire.Job):
             with self.jobs_lock:
                 running = next(iter(self.jobs), None)
                 if running is None and not self.shutting_down:
@@ -932,31 +1229,25 @@ class _Session:
             if running is not None:
                 _log(f"job {msg.job_id!r} arrived while job {running!r} is running; refusing it")
                 self.refuse(
-                    msg,
+                    msg.job_id,
                     EXECUTOR_BUSY,
                     f"job {running!r} is still running; this executor runs one job at a time",
                 )
             elif self.shutting_down:
                 _log(f"job {msg.job_id!r} arrived after Shutdown; refusing it")
-                self.refuse(msg, EXECUTOR_BUSY, "this executor received Shutdown")
+                self.refuse(msg.job_id, EXECUTOR_BUSY, "this executor received Shutdown")
             else:
                 self.queue.put(job)
-        elif which == "cancel":
-            cancel = frame.cancel
+        elif isinstance(msg, wire.Cancel):
             with self.jobs_lock:
-                job = self.jobs.get(cancel.job_id)
-            if job is None:
+                target = self.jobs.get(msg.job_id)
+            if target is None:
                 # Normal when a cancel crosses the job's terminal on the wire.
-                _log(f"ignoring cancel for job {cancel.job_id!r}: it is not running")
+                _log(f"ignoring cancel for job {msg.job_id!r}: it is not running")
                 return
-            try:
-                reason = pb.CancelReason.Name(cancel.reason)
-            except ValueError:
-                reason = f"CANCEL_REASON_{cancel.reason}"
-            job._request_cancel(
-                reason.removeprefix("CANCEL_REASON_"), cancel.message, cancel.grace_ms
-            )
-        elif which == "shutdown":
+            reason = wire.cancel_reason_name(msg.reason).removeprefix("CANCEL_REASON_")
+            target._request_cancel(reason, msg.message, msg.grace_ms)
+        elif isinstance(msg, wire.Shutdown):
             self.shutting_down = True
             self.queue.put(_SHUTDOWN)
         else:
@@ -965,56 +1256,81 @@ class _Session:
     # -- main loop ---------------------------------------------------------
 
     def run(self) -> int:
-        with self.write_lock:
-            hello = pb.ExecutorFrame(hello=self.ex.hello())
-            self.write_locked(encode_frame(hello.SerializeToString(deterministic=True)))
-        if self.output_broken:
-            return 1
-        reader = threading.Thread(target=self.read_loop, name="durable-frame-reader", daemon=True)
-        reader.start()
+        if self.ex.interrupt_on_cancel and not _on_main_thread():
+            raise RuntimeError(
+                "interrupt_on_cancel needs serve()/run() on the main thread: handlers run "
+                "there, and Python runs signal handlers only in the main thread"
+            )
+        previous_handler: Any = None
+        try:
+            with self.write_lock:
+                self.write_locked(encode_frame(wire.encode_executor_frame(self.ex.hello())))
+            if self.output_broken:
+                return 1
+            import threading  # after the Hello: it costs milliseconds of imports
 
-        limit = self.ex.max_jobs_per_process
-        if limit == 0:
-            limit = 1
-        served = 0
-        while not self.output_broken:
-            item = self.queue.get()
-            if item is _EOF or item is _SHUTDOWN:
-                break
-            try:
-                self.run_job(item)
-            finally:
-                self.deactivate(item)
-            served += 1
-            if 0 < limit <= served:
-                break
-        return 1 if self.output_broken or self.input_broken else 0
+            self.queue = _Inbox()
+            if self.ex.interrupt_on_cancel:  # after the Hello: `signal` costs an import
+                previous_handler = self.install_interrupt()
+            reader = threading.Thread(
+                target=self.read_loop, name="durable-frame-reader", daemon=True
+            )
+            reader.start()
+
+            limit = self.ex.max_jobs_per_process
+            served = 0
+            while not self.output_broken:
+                item = self.queue.get()
+                if item is _EOF or item is _SHUTDOWN:
+                    break
+                assert isinstance(item, Job)
+                try:
+                    self.run_job(item)
+                finally:
+                    self.deactivate(item)
+                served += 1
+                if 0 < limit <= served:
+                    break
+            return 1 if self.output_broken or self.input_broken else 0
+        finally:
+            self.interrupt_job = None
+            if self.runner is not None:
+                self.runner.close()
+                self.runner = None
+            if self.main_ident:
+                import signal
+
+                restore = signal.SIG_DFL if previous_handler is None else previous_handler
+                signal.signal(self.interrupt_signal, restore)
+                self.main_ident = 0
 
     def run_job(self, job: Job) -> None:
         handler = self.ex._handlers.get(job.kind)
         if handler is None:
             self.deactivate(job)
             self.refuse(
-                pb.Job(job_id=job.job_id),
+                job.job_id,
                 UNSUPPORTED_KIND,
                 f"no handler for kind {job.kind!r} (this executor handles: "
                 f"{', '.join(sorted(self.ex._handlers))})",
                 {"kind": job.kind, "handled_kinds": sorted(self.ex._handlers)},
             )
             return
-        job._emit(pb.EVENT_KIND_ACCEPTED, "", None, None)
+        job._emit(wire.EVENT_KIND_ACCEPTED, "", None, None)
         if job.cancelled:  # cancelled before it started: an outcome, not a refusal
             job._finish_cancelled()
             return
-        job._emit(pb.EVENT_KIND_RUNNING, "", None, None)
+        job._emit(wire.EVENT_KIND_RUNNING, "", None, None)
         try:
-            value = handler(job)
-        except Exception as e:
+            value = self.call_handler(job, handler)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
             if job._terminal_sent:
                 return
             if job.cancelled:
                 job._finish_cancelled(after=e)
-            elif isinstance(e, Cancelled):
+            elif _is_cancellation(e):
                 job._finish_error(CANCELLED, f"job cancelled by the handler: {e}", False)
             elif isinstance(e, ExecutorError):
                 job._finish_error(e.code, e.message, e.retryable, e.details, e.next_retry_delay_ms)
@@ -1032,3 +1348,48 @@ class _Session:
         # it within the cancel grace). Stopping because of a cancel is raising
         # Cancelled (job.sleep / job.raise_if_cancelled do) or any exception.
         job._finish_result(value)
+
+    def call_handler(self, job: Job, handler: Handler) -> object:
+        """Run the handler: a sync one here (interruptible when the executor asks for
+        it), an ``async def`` one on the session's event loop, as a task a cancel
+        cancels."""
+        if self.main_ident:
+            self.interrupt_job = job
+            job._interrupt_armed = True
+            try:
+                if job.cancelled:  # cancelled before it was armed: no signal was sent
+                    job._interrupt_fired = True
+                    raise Cancelled(job._cancelled_text(), job._cancel_reason)
+                value = handler(job)
+            finally:
+                job._interrupt_armed = False
+                self.interrupt_job = None
+        else:
+            value = handler(job)
+        from collections.abc import Coroutine
+
+        if isinstance(value, Coroutine):
+            return self.run_coroutine(job, value)
+        return value
+
+    def run_coroutine(self, job: Job, coro: Coroutine[Any, Any, object]) -> object:
+        import asyncio
+
+        if self.runner is None:
+            # One loop for the session: a persistent executor's jobs share it (and
+            # whatever loop-bound clients the handlers keep).
+            self.runner = asyncio.Runner()
+
+        async def main() -> object:
+            task = asyncio.current_task()
+            assert task is not None
+            job._bind_task(asyncio.get_running_loop(), task)
+            try:
+                return await coro
+            finally:
+                job._unbind_task()
+
+        try:
+            return self.runner.run(main())
+        finally:
+            coro.close()  # a no-op once it ran; closes it if main() never started it

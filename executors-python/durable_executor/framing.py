@@ -12,6 +12,24 @@ needs ``write(b)`` and optionally ``flush()``.
 
 from __future__ import annotations
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Protocol
+
+    class BinaryReader(Protocol):
+        """What a frame reader reads from: ``read(n)`` returning up to ``n`` bytes
+        (``b""`` at end of stream; ``None`` only from a non-blocking stream)."""
+
+        def read(self, n: int, /) -> bytes | None: ...
+
+    class BinaryWriter(Protocol):
+        """What frames are written to: ``write(b)`` returning the bytes written
+        (``flush()`` is called when the stream has one)."""
+
+        def write(self, data: memoryview, /) -> int | None: ...
+
+
 #: Default cap on one frame's body, in bytes (PROTOCOL.md: 8 MiB).
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
 
@@ -74,7 +92,7 @@ def encode_frame(message: bytes) -> bytes:
     return encode_varint(len(message)) + message
 
 
-def _read_exact(stream, n: int) -> bytes:
+def _read_exact(stream: BinaryReader, n: int) -> bytes:
     """Read exactly ``n`` bytes, looping over short reads; fewer only at end of stream."""
     data = stream.read(n)
     if data is None:
@@ -92,7 +110,9 @@ def _read_exact(stream, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(stream, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes | None:
+def read_frame(
+    stream: BinaryReader, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> bytes | None:
     """Read one frame's body from ``stream``.
 
     Returns ``None`` on a clean end of stream (no byte of a next frame was read).
@@ -133,7 +153,7 @@ def read_frame(stream, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes 
     return body
 
 
-def write_all(stream, data: bytes) -> None:
+def write_all(stream: BinaryWriter, data: bytes) -> None:
     """Write all of ``data`` (looping over short writes) and flush."""
     view = memoryview(data)
     while view:
@@ -148,12 +168,14 @@ def write_all(stream, data: bytes) -> None:
         flush()
 
 
-def write_frame(stream, message: bytes) -> None:
+def write_frame(stream: BinaryWriter, message: bytes) -> None:
     """Write ``message`` as one frame (length prefix and body in one write) and flush."""
     write_all(stream, encode_frame(message))
 
 
-def iter_frames(stream, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+def iter_frames(
+    stream: BinaryReader, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> Iterator[bytes]:
     """Yield frame bodies from ``stream`` until a clean end of stream."""
     while True:
         body = read_frame(stream, max_frame_bytes)
@@ -168,7 +190,7 @@ def split_frames(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) ->
     Raises :class:`FrameError` if the buffer does not end exactly at a frame boundary.
     """
     view = memoryview(data)
-    frames = []
+    frames: list[bytes] = []
     pos = 0
     while pos < len(view):
         length, pos = decode_varint(view, pos)

@@ -15,13 +15,11 @@ absent (no ``HasField``), a frame's ``oneof`` is the message itself (see
 :func:`decode_supervisor_frame` / :func:`encode_executor_frame`), enums are plain
 ints.
 
-Importing this module costs next to nothing (``struct`` only), which is the point:
-executors start for every attempt.
+Importing this module costs next to nothing (no import at all: ``struct`` is imported
+by the first double), which is the point: executors start for every attempt.
 """
 
 from __future__ import annotations
-
-import struct
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -156,7 +154,19 @@ _RANGES = {
     _INT32: (-(1 << 31), (1 << 31) - 1),
     _INT64: (-(1 << 63), (1 << 63) - 1),
 }
-_DOUBLE = struct.Struct("<d")
+
+
+def _pack_double(value: float) -> bytes:
+    import struct
+
+    return struct.pack("<d", value)
+
+
+def _unpack_double(data: bytes, pos: int) -> float:
+    import struct
+
+    value: float = struct.unpack_from("<d", data, pos)[0]
+    return value
 
 
 def _tag(number: int, wire_type: int) -> bytes:
@@ -260,7 +270,7 @@ class Message:
             elif kind == _OPT_DOUBLE:
                 if value is not None:
                     out += tag
-                    out += _DOUBLE.pack(value)
+                    out += _pack_double(value)
             elif kind == _REP_STRING:
                 for item in value:
                     _put_len(out, tag, _utf8(item, self, attr))
@@ -384,7 +394,7 @@ def _decode(cls: type[_M], data: bytes, pos: int, end: int) -> _M:
         if wire_type == 1:  # the one double
             if pos + 8 > end:
                 raise DecodeError("truncated message: it ends inside a double")
-            setattr(msg, attr, _DOUBLE.unpack_from(data, pos)[0])
+            setattr(msg, attr, _unpack_double(data, pos))
             pos += 8
             continue
         length, pos = _varint(data, pos, end)
@@ -401,7 +411,7 @@ def _decode(cls: type[_M], data: bytes, pos: int, end: int) -> _M:
             assert sub is not None
             getattr(msg, attr).append(_decode(sub, data, pos, stop))
         else:  # map<string, string>
-            key = value = ""
+            key = val = ""
             p = pos
             while p < stop:
                 etag, p = _read_tag(data, p, stop)
@@ -412,13 +422,13 @@ def _decode(cls: type[_M], data: bytes, pos: int, end: int) -> _M:
                     if etag == 0x0A:
                         key = _text(data, p, p + n)
                     else:
-                        value = _text(data, p, p + n)
+                        val = _text(data, p, p + n)
                     p += n
-                else:  # skipped; the entry is kept (as Go and C++ do; upb drops it)
+                else:  # skipped; the entry is kept (as Go and prost do; upb drops it)
                     if etag & 7 == 4:
                         raise DecodeError("malformed message: unexpected end of group")
                     p = _skip(data, p, stop, etag & 7, etag >> 3)
-            getattr(msg, attr)[key] = value
+            getattr(msg, attr)[key] = val
         pos = stop
     if pos != end:
         raise DecodeError("truncated message: a field runs past its end")

@@ -35,6 +35,7 @@ from durable_executor import (
     ExecutorError,
     Job,
     Result,
+    wire,
 )
 from durable_executor._gen.durable.executor.v1 import executor_pb2 as pb
 
@@ -759,7 +760,10 @@ def test_artifact_value_object():
     a = Artifact("n", "p", "ab", 3, "text/plain", ["x"])
     assert a == Artifact("n", "p", "ab", 3, "text/plain", ["x"])
     assert a != Artifact("n", "p", "ab", 4, "text/plain", ["x"])
-    assert a.to_proto() == pb.ArtifactManifestEntry(
+    assert a.to_proto() == wire.ArtifactManifestEntry(
+        name="n", path="p", sha256="ab", size=3, media_type="text/plain", derived_from=["x"]
+    )
+    assert pb.ArtifactManifestEntry.FromString(a.to_proto().encode()) == pb.ArtifactManifestEntry(
         name="n", path="p", sha256="ab", size=3, media_type="text/plain", derived_from=["x"]
     )
 

@@ -1,0 +1,199 @@
+"""One meaning per option: max_jobs_per_process, short secrets, fractions, artifact
+helpers, the exported codes; and what importing the SDK costs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _harness import PipeSession, job_frame, which
+
+import durable_executor
+from durable_executor import Executor, ExecutorError, Job
+
+PROTOCOL_MD = Path(__file__).resolve().parents[2] / "proto" / "PROTOCOL.md"
+
+
+@pytest.fixture
+def session_factory():
+    sessions = []
+
+    def make(executor: Executor) -> PipeSession:
+        s = PipeSession(executor)
+        sessions.append(s)
+        return s
+
+    yield make
+    for s in sessions:
+        s.close()
+
+
+@pytest.mark.parametrize("value", [0, -1, -7])
+def test_max_jobs_per_process_zero_or_negative_is_unlimited_as_in_go(session_factory, value):
+    ex = Executor("python", max_jobs_per_process=value)
+    ex.handler("n")(lambda job: job.input)
+    s = session_factory(ex)
+    assert s.hello().max_jobs_per_process == -1
+    for i in range(3):
+        s.send(job_frame("n", i, job_id=f"j{i}"))
+        assert s.frames.until_terminal()[-1].result.output == str(i).encode()
+    s.close_input()
+    assert s.wait() == 0
+
+
+def test_max_jobs_per_process_n_serves_n_jobs(session_factory):
+    ex = Executor("python", max_jobs_per_process=2)
+    ex.handler("n")(lambda job: 1)
+    s = session_factory(ex)
+    assert s.hello().max_jobs_per_process == 2
+    for i in range(2):
+        s.send(job_frame("n", job_id=f"j{i}"))
+        s.frames.until_terminal()
+    assert s.wait() == 0  # without EOF or Shutdown
+    assert Executor("python", max_jobs_per_process=2**40).hello().max_jobs_per_process == 2**31 - 1
+
+
+def test_short_secrets_are_redacted_only_as_whole_strings(session_factory):
+    """The supervisor's rule: values under 4 bytes only where a whole string equals
+    them; longer ones wherever they occur (longest first)."""
+    ex = Executor("python")
+
+    @ex.handler("leaky")
+    def leaky(job: Job) -> None:
+        job.progress("abc")  # a whole message: redacted
+        job.progress("abcdef and 1 and é")  # inside text: kept
+        job.progress("token=longsecret-1, token=longsecret")
+        raise ExecutorError(
+            "LEAK",
+            "abc",
+            details={"abc": "abc", "k": "xabcx", "list": ["1", 1, "é"], "long": "a longsecret"},
+        )
+
+    s = session_factory(ex)
+    s.hello()
+    secrets = {
+        "SHORT": "abc",
+        "ONE": "1",
+        "ACCENT": "é",
+        "LONG": "longsecret",
+        "LONGER": "longsecret-1",
+    }
+    s.send(job_frame("leaky", secrets=secrets))
+    frames = s.frames.until_terminal()
+    messages = [f.event.message for f in frames if which(f) == "event"][2:]
+    assert messages == [
+        "[REDACTED]",
+        "abcdef and 1 and é",
+        "token=[REDACTED], token=[REDACTED]",
+    ]
+    err = frames[-1].error
+    assert err.message == "[REDACTED]"
+    assert json.loads(err.details) == {
+        "[REDACTED]": "[REDACTED]",
+        "k": "xabcx",
+        "list": ["[REDACTED]", 1, "[REDACTED]"],  # "é" is 2 bytes: whole strings only
+        "long": "a [REDACTED]",
+    }
+    assert durable_executor.MIN_REDACT_BYTES == 4
+
+
+def test_progress_fractions_outside_zero_to_one_are_refused_not_clamped(session_factory):
+    ex = Executor("python")
+    refused = []
+
+    @ex.handler("frac")
+    def frac(job: Job) -> str:
+        for bad in (-0.1, 1.0000001, math.nan, math.inf, -math.inf):
+            with pytest.raises(ValueError, match="fraction"):
+                job.progress("bad", fraction=bad)
+            refused.append(bad)
+        job.progress("zero", fraction=0)
+        job.progress("one", fraction=1)
+        job.progress("none")
+        return "ok"
+
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("frac"))
+    frames = s.frames.until_terminal()
+    events = [f.event for f in frames if which(f) == "event" and f.event.kind == 3]
+    assert [(e.message, e.HasField("fraction"), e.fraction) for e in events] == [
+        ("zero", True, 0.0),
+        ("one", True, 1.0),
+        ("none", False, 0.0),
+    ]
+    assert len(refused) == 5
+    assert [f.event.sequence for f in frames[:-1]] == [1, 2, 3, 4, 5]  # nothing else sent
+
+
+def test_artifact_helpers_refuse_escapes_and_non_regular_files(session_factory, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    ex = Executor("python")
+    checks = []
+
+    @ex.handler("art")
+    def art(job: Job) -> str:
+        assert job.output_path("a", "b.txt") == os.path.join(str(out), "a", "b.txt")
+        for bad in ("../x", "/etc/passwd", "a/../../x"):
+            with pytest.raises(ValueError, match="not a relative path"):
+                job.output_path(bad)
+            checks.append(bad)
+        os.mkdir(job.output_path("dir"))
+        os.mkfifo(job.output_path("fifo"))
+        for bad in ("dir", "fifo"):
+            with pytest.raises(ValueError, match="not a regular file"):
+                job.artifact(bad)
+            checks.append(bad)
+        with pytest.raises(FileNotFoundError):
+            job.artifact("missing")
+        return "ok"
+
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("art", output_dir=str(out)))
+    assert s.frames.until_terminal()[-1].result.output == b'"ok"'
+    assert len(checks) == 5
+
+
+def test_every_code_an_sdk_produces_is_exported():
+    """Every code PROTOCOL.md's table says an SDK produces is a constant here."""
+    rows = re.findall(r"^\| `([A-Z_]+)` \| ([^|]+) \|", PROTOCOL_MD.read_text(), re.M)
+    sdk_codes = {code for code, produced_by in rows if "SDK" in produced_by}
+    assert {"CANCELLED", "HANDLER_ERROR", "UNSUPPORTED_KIND"} <= sdk_codes
+    for code in sdk_codes:
+        assert getattr(durable_executor, code) == code, code
+        assert code in durable_executor.__all__
+
+
+def test_text_the_wire_refuses_is_cleaned(session_factory):
+    ex = Executor("python")
+
+    @ex.handler("odd")
+    def odd(job: Job) -> None:
+        job.progress("nul\0here")
+        raise RuntimeError("bad name \udcff")  # a lone surrogate (os.fsdecode of bytes)
+
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("odd"))
+    frames = s.frames.until_terminal()
+    assert frames[2].event.message == "nul\ufffdhere"
+    assert frames[-1].error.message == "RuntimeError: bad name \\udcff"
+
+
+def test_importing_the_sdk_imports_no_protobuf_json_typing_or_asyncio():
+    code = (
+        "import sys, durable_executor; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('google', 'json', 'typing', 'asyncio', 'signal', 'queue', 're', 'enum', 'inspect')]; "
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
