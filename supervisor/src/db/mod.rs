@@ -9,7 +9,10 @@
 //! child runs. Times for leases come from the database clock (`now()`).
 
 mod inspect;
-pub use inspect::{ConnectError, EventRow, Progress, RunFilter, RunSummary};
+pub use inspect::{
+    ArtifactInfo, ArtifactReader, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary,
+    WatchRun, WatchStep,
+};
 
 use std::collections::BTreeMap;
 use std::time::Duration as StdDuration;
@@ -639,18 +642,25 @@ impl Db {
             "WITH routes AS (
                  SELECT * FROM unnest($3::text[], $4::text[], $5::jsonb[]) AS r(executor_kind, kind, labels)
              ), candidates AS (
-                 SELECT s.id FROM durable.step_runs s
-                  WHERE s.state IN ('pending', 'retryable_failed')
-                    AND s.next_attempt_at <= now()
-                    AND NOT s.cancel_requested
-                    AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs wr
-                                     WHERE wr.id = s.run_id AND wr.cancel_requested)
-                    AND EXISTS (SELECT 1 FROM routes r
-                                 WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
-                                   AND r.labels @> s.labels)
-                  ORDER BY s.next_attempt_at
-                  LIMIT $6
-                  FOR NO KEY UPDATE SKIP LOCKED
+                 -- one ordered scan of the routing index per route, stopping
+                 -- after `limit` rows: the cost does not grow with the backlog
+                 -- nor with ready steps of kinds this worker cannot run
+                 SELECT c.id FROM routes r
+                 CROSS JOIN LATERAL (
+                     SELECT s.id, s.next_attempt_at FROM durable.step_runs s
+                      WHERE s.executor_kind = r.executor_kind AND s.kind = r.kind
+                        AND s.state IN ('pending', 'retryable_failed')
+                        AND s.next_attempt_at <= now()
+                        AND r.labels @> s.labels
+                        AND NOT s.cancel_requested
+                        AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs wr
+                                         WHERE wr.id = s.run_id AND wr.cancel_requested)
+                      ORDER BY s.next_attempt_at
+                      LIMIT $6
+                      FOR NO KEY UPDATE OF s SKIP LOCKED
+                 ) c
+                 ORDER BY c.next_attempt_at
+                 LIMIT $6
              )
              UPDATE durable.step_runs s
                 SET state = 'leased', owner_worker_id = $1, lease_token = gen_random_uuid(),
