@@ -300,3 +300,310 @@ fn classify(url: String, e: sqlx::Error) -> ConnectError {
         _ => ConnectError::Unreachable { url, cause },
     }
 }
+
+// ---------------------------------------------------------------------------
+// `supervisor watch`: a light snapshot of a run, polled a few times a second
+
+/// What `supervisor watch` draws of a run, read in one snapshot.
+#[derive(Debug, Clone, Serialize)]
+pub struct WatchRun {
+    pub run_id: Uuid,
+    pub name: String,
+    pub state: String,
+    pub cancel_requested: bool,
+    /// Since the run was created, by the database clock.
+    pub elapsed_ms: i64,
+    /// The created steps in spec order, then the ones still waiting.
+    pub steps: Vec<WatchStep>,
+}
+
+/// One step of [`WatchRun`].
+#[derive(Debug, Clone, Serialize)]
+pub struct WatchStep {
+    pub name: String,
+    /// A step state, or `waiting` for a step not created yet.
+    pub state: String,
+    pub attempt: i32,
+    /// How long the current attempt has run (or the last one ran), when it started.
+    pub elapsed_ms: Option<i64>,
+    /// The latest progress of the current attempt.
+    pub fraction: Option<f64>,
+    pub message: Option<String>,
+    pub error_code: Option<String>,
+    pub error_message: Option<String>,
+    /// The steps a waiting step waits on.
+    pub depends_on: Vec<String>,
+}
+
+impl Db {
+    /// A snapshot of a run for `watch`, in one read-only transaction (so the
+    /// run's state and its steps agree). `NotFound` for an unknown run.
+    pub async fn watch_snapshot(&self, run_id: Uuid) -> Result<WatchRun, DbError> {
+        let mut tx = self.pool().begin().await.ctx("starting a read")?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await
+            .ctx("starting a read")?;
+        let run = sqlx::query(
+            "SELECT id, name, state, cancel_requested,
+                    (extract(epoch FROM coalesce(finished_at, now()) - created_at) * 1000)::bigint AS elapsed_ms
+               FROM durable.workflow_runs WHERE id = $1",
+        )
+        .bind(run_id)
+        .fetch_optional(&mut *tx)
+        .await
+        .ctx("reading a run")?
+        .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
+        // the latest progress event of the step's current attempt only: a
+        // retry starts from an empty bar, not from the last attempt's 90%
+        let rows = sqlx::query(
+            "SELECT s.name, s.state, s.attempt, s.error_code, s.error_message,
+                    CASE WHEN s.started_at IS NULL OR s.state IN ('pending', 'leased', 'retryable_failed') THEN NULL
+                         ELSE (extract(epoch FROM coalesce(s.finished_at, now()) - s.started_at) * 1000)::bigint
+                    END AS elapsed_ms,
+                    p.fraction, p.message
+               FROM durable.step_runs s
+               LEFT JOIN LATERAL (
+                    SELECT e.fraction, e.message FROM durable.step_events e
+                     WHERE e.step_run_id = s.id AND e.attempt = s.attempt AND e.kind = 'progress'
+                     ORDER BY e.sequence DESC LIMIT 1) p ON true
+              WHERE s.run_id = $1
+              ORDER BY s.position",
+        )
+        .bind(run_id)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("reading a run's steps")?;
+        let waiting = sqlx::query(
+            "SELECT d.name, d.depends_on FROM durable.step_defs d
+              WHERE d.run_id = $1
+                AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = d.run_id AND s.name = d.name)
+              ORDER BY d.position",
+        )
+        .bind(run_id)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("reading a run's waiting steps")?;
+        tx.commit().await.ctx("ending a read")?;
+        let mut steps: Vec<WatchStep> = rows
+            .into_iter()
+            .map(|r| WatchStep {
+                name: r.get("name"),
+                state: r.get("state"),
+                attempt: r.get("attempt"),
+                elapsed_ms: r.get("elapsed_ms"),
+                fraction: r.get("fraction"),
+                message: r.get("message"),
+                error_code: r.get("error_code"),
+                error_message: r.get("error_message"),
+                depends_on: Vec::new(),
+            })
+            .collect();
+        steps.extend(waiting.into_iter().map(|r| WatchStep {
+            name: r.get("name"),
+            state: "waiting".into(),
+            attempt: 0,
+            elapsed_ms: None,
+            fraction: None,
+            message: None,
+            error_code: None,
+            error_message: None,
+            depends_on: r.get("depends_on"),
+        }));
+        Ok(WatchRun {
+            run_id: run.get("id"),
+            name: run.get("name"),
+            state: run.get("state"),
+            cancel_requested: run.get("cancel_requested"),
+            elapsed_ms: run.get("elapsed_ms"),
+            steps,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// `supervisor artifact`: an artifact's bytes, in chunks, and its lineage
+
+/// One artifact as `artifact lineage` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ArtifactInfo {
+    pub id: Uuid,
+    pub name: String,
+    pub sha256: String,
+    pub size: i64,
+    pub media_type: String,
+    pub step: String,
+    pub step_run_id: Uuid,
+    pub attempt: i32,
+    pub run_id: Uuid,
+    pub created_at: DateTime<Utc>,
+}
+
+/// An artifact and everything it was derived from, transitively:
+/// `nodes` by id (the artifact itself included), `derived_from` its direct
+/// inputs by id, in a stable order (creation, then name).
+#[derive(Debug, Clone)]
+pub struct Lineage {
+    pub root: Uuid,
+    pub nodes: BTreeMap<Uuid, ArtifactInfo>,
+    pub derived_from: BTreeMap<Uuid, Vec<Uuid>>,
+}
+
+/// A reader of one artifact's bytes, chunk by chunk, inside one read-only
+/// transaction (the blob cannot go away half-read).
+pub struct ArtifactReader {
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    pub info: ArtifactInfo,
+    /// The size of the stored blob (checked against the artifact's).
+    pub stored_size: i64,
+    offset: i64,
+    chunk: i64,
+}
+
+fn artifact_info(r: &sqlx::postgres::PgRow) -> ArtifactInfo {
+    ArtifactInfo {
+        id: r.get("id"),
+        name: r.get("name"),
+        sha256: r.get("sha256"),
+        size: r.get("size"),
+        media_type: r.get("media_type"),
+        step: r.get("step"),
+        step_run_id: r.get("step_run_id"),
+        attempt: r.get("attempt"),
+        run_id: r.get("run_id"),
+        created_at: r.get("created_at"),
+    }
+}
+
+const ARTIFACT_COLUMNS: &str = "a.id, a.name, a.sha256, a.size, a.media_type, s.name AS step,
+    a.step_run_id, a.attempt, a.run_id, a.created_at";
+
+impl Db {
+    /// Opens an artifact for reading in chunks of `chunk_bytes`; `NotFound`
+    /// for an unknown id. The bytes are read with `substring`, one chunk per
+    /// round trip, so no more than one chunk is ever in memory.
+    pub async fn open_artifact(
+        &self,
+        id: Uuid,
+        chunk_bytes: usize,
+    ) -> Result<ArtifactReader, DbError> {
+        let mut tx = self.pool().begin().await.ctx("starting a read")?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await
+            .ctx("starting a read")?;
+        let row = sqlx::query(&format!(
+            "SELECT {ARTIFACT_COLUMNS}, octet_length(b.content)::bigint AS stored_size
+               FROM durable.artifacts a
+               JOIN durable.step_runs s ON s.id = a.step_run_id
+               JOIN durable.artifact_blobs b ON b.sha256 = a.sha256
+              WHERE a.id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+        .ctx("reading an artifact")?
+        .ok_or_else(|| DbError::NotFound(format!("unknown artifact {id}")))?;
+        Ok(ArtifactReader {
+            info: artifact_info(&row),
+            stored_size: row.get("stored_size"),
+            tx,
+            offset: 0,
+            chunk: i64::try_from(chunk_bytes.max(1)).unwrap_or(1 << 20),
+        })
+    }
+
+    /// The artifact `id` and its lineage back to the first inputs, through
+    /// every step and attempt (`durable.artifact_lineage`, recursively).
+    /// `NotFound` for an unknown id.
+    pub async fn artifact_lineage(&self, id: Uuid) -> Result<Lineage, DbError> {
+        let mut tx = self.pool().begin().await.ctx("starting a read")?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await
+            .ctx("starting a read")?;
+        // UNION (not ALL) stops at artifacts already reached: a diamond is
+        // visited once, and even a cycle (which the writes cannot make) ends
+        let nodes = sqlx::query(&format!(
+            "WITH RECURSIVE reach(id) AS (
+                 SELECT $1::uuid
+                 UNION
+                 SELECT l.derived_from_id FROM durable.artifact_lineage l JOIN reach r ON l.artifact_id = r.id)
+             SELECT {ARTIFACT_COLUMNS}
+               FROM reach JOIN durable.artifacts a ON a.id = reach.id
+               JOIN durable.step_runs s ON s.id = a.step_run_id"
+        ))
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("reading an artifact's lineage")?;
+        let nodes: BTreeMap<Uuid, ArtifactInfo> = nodes
+            .iter()
+            .map(|r| {
+                let a = artifact_info(r);
+                (a.id, a)
+            })
+            .collect();
+        if !nodes.contains_key(&id) {
+            return Err(DbError::NotFound(format!("unknown artifact {id}")));
+        }
+        let ids: Vec<Uuid> = nodes.keys().copied().collect();
+        let edges = sqlx::query(
+            "SELECT l.artifact_id, l.derived_from_id FROM durable.artifact_lineage l
+               JOIN durable.artifacts a ON a.id = l.derived_from_id
+              WHERE l.artifact_id = ANY ($1)
+              ORDER BY l.artifact_id, a.created_at, a.name, a.id",
+        )
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("reading an artifact's lineage")?;
+        tx.commit().await.ctx("ending a read")?;
+        let mut derived_from: BTreeMap<Uuid, Vec<Uuid>> = BTreeMap::new();
+        for e in edges {
+            derived_from
+                .entry(e.get("artifact_id"))
+                .or_default()
+                .push(e.get("derived_from_id"));
+        }
+        Ok(Lineage {
+            root: id,
+            nodes,
+            derived_from,
+        })
+    }
+}
+
+impl ArtifactReader {
+    /// The next chunk of the artifact's bytes, or `None` at the end.
+    pub async fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, DbError> {
+        if self.offset >= self.stored_size {
+            return Ok(None);
+        }
+        let bytes: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT substring(content FROM $2 FOR $3) FROM durable.artifact_blobs WHERE sha256 = $1",
+        )
+        .bind(&self.info.sha256)
+        .bind(self.offset + 1) // substring counts from 1
+        .bind(self.chunk)
+        .fetch_optional(&mut *self.tx)
+        .await
+        .ctx("reading an artifact's bytes")?;
+        let bytes = bytes.ok_or_else(|| {
+            DbError::Corrupt(format!("artifact {}: its blob is gone", self.info.id))
+        })?;
+        if bytes.is_empty() {
+            return Err(DbError::Corrupt(format!(
+                "artifact {}: its blob ended at byte {} of {}",
+                self.info.id, self.offset, self.stored_size
+            )));
+        }
+        self.offset += bytes.len() as i64;
+        Ok(Some(bytes))
+    }
+
+    /// Ends the read.
+    pub async fn finish(self) -> Result<(), DbError> {
+        self.tx.commit().await.ctx("ending a read")
+    }
+}
