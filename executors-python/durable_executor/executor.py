@@ -89,6 +89,9 @@ OUTPUT_BROKEN = "OUTPUT_BROKEN"
 #: before a process started with :meth:`Executor.run` exits anyway.
 DEFAULT_STOP_GRACE = 10.0
 
+#: An artifact's media type when none is given (the supervisor's default too).
+DEFAULT_MEDIA_TYPE = "application/octet-stream"
+
 #: Secret values shorter than this (in UTF-8 bytes) are redacted only where a whole
 #: string equals them, never inside other text (the supervisor's rule: a 1-byte
 #: secret would otherwise turn every such character of every message into a marker).
@@ -241,7 +244,7 @@ class Artifact:
         path: str,
         sha256: str,
         size: int,
-        media_type: str = "application/octet-stream",
+        media_type: str = DEFAULT_MEDIA_TYPE,
         derived_from: Iterable[str] = (),
     ) -> None:
         self.name = name
@@ -358,13 +361,113 @@ def _artifact_to_proto(item: object) -> wire.ArtifactManifestEntry:
 
 
 def _check_relative(path: str) -> None:
-    """Refuse a path that is absolute or has a ``..`` part (the Go SDK's rule)."""
+    """Refuse a path that is empty, absolute or has a ``..`` part (the Go SDK's rule)."""
     parts = path.replace(os.sep, "/").split("/")
-    if os.path.isabs(path) or ".." in parts or "\0" in path:
+    if not path or os.path.isabs(path) or ".." in parts or "\0" in path:
         raise ValueError(
             f"path {path!r} is not a relative path inside the output directory "
-            "(absolute, or with a '..' part)"
+            "(empty, absolute, or with a '..' part)"
         )
+
+
+# ---------------------------------------------------------------------------
+# Redaction
+
+
+class _Redactor:
+    """Replaces the secret values handed to one job with ``[REDACTED]``.
+
+    The supervisor's rules (``supervisor/src/secrets.rs``, ``Redactor``; the Go SDK
+    has the same), so that what the SDK sends is what the supervisor would store:
+
+    1. every value of at least :data:`MIN_REDACT_BYTES` UTF-8 bytes, and its
+       JSON-escaped and percent-encoded forms, is replaced wherever it occurs,
+       scanning left to right and taking the longest value at each position;
+    2. a shorter non-empty value is replaced only where it is the whole string
+       (replacing ``"1"`` inside every number would garble the text and tell
+       where the secret is); an empty value never;
+    3. if the result still contains a value (values overlapping each other), the
+       whole string is replaced.
+
+    Built only for a job that has secrets (``re`` and ``json`` cost imports).
+    """
+
+    def __init__(self, secrets: Mapping[str, str]) -> None:
+        import re
+
+        needles: set[str] = set()
+        short: set[str] = set()
+        for value in secrets.values():
+            if not value:
+                continue
+            if len(value.encode("utf-8", "surrogatepass")) < MIN_REDACT_BYTES:
+                short.add(value)
+            else:
+                needles.update(_redaction_forms(value))
+        self.short = frozenset(short)
+        # Longest first: an alternation takes the first that matches at a position.
+        self.needles = sorted(needles, key=lambda n: (-len(n.encode("utf-8", "surrogatepass")), n))
+        self.pattern = re.compile("|".join(map(re.escape, self.needles))) if needles else None
+
+    def _leaks(self, text: str) -> bool:
+        return any(n in text for n in self.needles)
+
+    def text(self, text: str) -> str:
+        if not text:
+            return text
+        if text in self.short:
+            return _REDACTED
+        if self.pattern is None:
+            return text
+        out = self.pattern.sub(_REDACTED, text)
+        if self._leaks(out):
+            for fallback in (_REDACTED, "***"):
+                if not self._leaks(fallback):
+                    return fallback
+            return ""
+        return out
+
+    def value(self, value: object) -> object:
+        """Every string inside a JSON-like value, object keys included. A number whose
+        text contains a value becomes a redacted string; two keys that become equal
+        are kept apart with a ``#2``, ``#3``, ... suffix."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, bool) or value is None:
+            return value
+        if isinstance(value, (int, float)):
+            text = repr(value) if isinstance(value, float) else str(value)
+            red = self.text(text)
+            return value if red == text else red
+        if isinstance(value, dict):
+            out: dict[str, object] = {}
+            for k in sorted(value, key=str):
+                key = self.text(str(k))
+                i = 2
+                while key in out:
+                    key = self.text(f"{self.text(str(k))}#{i}")
+                    i += 1
+                out[key] = self.value(value[k])
+            return out
+        if isinstance(value, (list, tuple)):
+            return [self.value(v) for v in value]
+        return value
+
+
+def _redaction_forms(value: str) -> list[str]:
+    """The forms a value is looked for in: as it is, JSON-escaped (inside JSON text),
+    percent-encoded (in a URL); those of at least MIN_REDACT_BYTES bytes."""
+    import json
+
+    forms = [value, json.dumps(value, ensure_ascii=False)[1:-1]]
+    raw = value.encode("utf-8", "surrogatepass")
+    keep = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~"
+    forms.append("".join(chr(c) if c in keep else f"%{c:02X}" for c in raw))
+    out: list[str] = []
+    for form in forms:
+        if len(form.encode("utf-8", "surrogatepass")) >= MIN_REDACT_BYTES and form not in out:
+            out.append(form)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -417,7 +520,7 @@ class Job:
         self._interrupt_armed = False
         self._interrupt_fired = False
         self._interrupt_pending = False
-        self._redactor: tuple[list[str], frozenset[str]] | None = None
+        self._redactor: _Redactor | None = None
 
     def __repr__(self) -> str:
         # Never show secrets.
@@ -547,10 +650,11 @@ class Job:
     ) -> None:
         """Send a PROGRESS event (a message, a fraction, an optional checkpoint).
 
-        ``fraction`` is ``None`` (no fraction) or a number within 0.0..1.0: NaN and
-        values outside are refused with ValueError (not clamped), and nothing is
-        sent. Any event resets the supervisor's heartbeat timeout. Thread-safe.
-        Raises RuntimeError once the job's terminal was sent.
+        ``fraction`` is the part done, 0.0..1.0: a value outside is clamped into it
+        (a computation that overshoots is not worth failing a job for); ``None`` or
+        NaN sends no fraction (as the Go SDK's NoFraction). Any event resets the
+        supervisor's heartbeat timeout. Thread-safe. Raises RuntimeError once the
+        job's terminal was sent.
         """
         self._emit(wire.EVENT_KIND_PROGRESS, message, fraction, checkpoint)
 
@@ -580,9 +684,8 @@ class Job:
             event.message = _clean_text(self._scrub(str(message)))
         if fraction is not None:
             fraction = float(fraction)
-            if not 0.0 <= fraction <= 1.0:  # NaN fails too
-                raise ValueError(f"fraction must be within 0.0..1.0, got {fraction!r}")
-            event.fraction = fraction
+            if fraction == fraction:  # NaN (0/0) sends no fraction, as None
+                event.fraction = min(max(fraction, 0.0), 1.0)
         if checkpoint is not None:
             if isinstance(checkpoint, str):
                 checkpoint = checkpoint.encode("utf-8")
@@ -695,48 +798,28 @@ class Job:
 
     # -- redaction ---------------------------------------------------------
 
-    def _secret_values(self) -> tuple[list[str], frozenset[str]]:
-        """(values of at least MIN_REDACT_BYTES, longest first; shorter non-empty ones)."""
-        if self._redactor is None:
-            values = {v for v in self.secrets.values() if v}
-            long = sorted(
-                (v for v in values if len(v.encode("utf-8", "surrogatepass")) >= MIN_REDACT_BYTES),
-                key=lambda v: (-len(v), v),
-            )
-            self._redactor = (long, frozenset(values.difference(long)))
-        return self._redactor
-
     def _scrub(self, text: str) -> str:
-        """Redact the job's secret values from ``text``: a value of at least
-        :data:`MIN_REDACT_BYTES` bytes wherever it occurs (longest first), a shorter
-        one only when it is the whole text."""
+        """Redact the job's secret values from ``text`` (rules: :class:`_Redactor`)."""
         if not self.secrets or not text:
             return text
-        long, short = self._secret_values()
-        if text in short:
-            return _REDACTED
-        for value in long:
-            text = text.replace(value, _REDACTED)
-        return text
+        if self._redactor is None:
+            self._redactor = _Redactor(self.secrets)
+        return self._redactor.text(text)
 
     def _scrub_value(self, value: object) -> object:
-        """:meth:`_scrub` every string (keys too) inside a JSON-like value."""
+        """Redact every string (keys too) inside a JSON-like value."""
         if not self.secrets:
             return value
-        if isinstance(value, str):
-            return self._scrub(value)
-        if isinstance(value, dict):
-            return {self._scrub(str(k)): self._scrub_value(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self._scrub_value(v) for v in value]
-        return value
+        if self._redactor is None:
+            self._redactor = _Redactor(self.secrets)
+        return self._redactor.value(value)
 
     # -- artifacts ---------------------------------------------------------
 
     def output_path(self, *parts: str) -> str:
         """Join ``parts`` below ``output_dir``. Raises ValueError for a part that is
-        absolute or contains ``..`` (it would escape the output directory), or when
-        the job has no output directory."""
+        empty, absolute or contains ``..`` (it would escape the output directory),
+        or when the job has no output directory (the Go SDK's ``OutputPath``)."""
         if not self.output_dir:
             raise ValueError("the job has no output_dir")
         for part in parts:
@@ -748,33 +831,47 @@ class Job:
         path: str,
         *,
         name: str | None = None,
-        media_type: str = "application/octet-stream",
+        media_type: str = DEFAULT_MEDIA_TYPE,
         derived_from: Iterable[str] = (),
     ) -> Artifact:
         """Build the manifest entry of a regular file the job wrote below ``output_dir``.
 
         ``path`` is relative to ``output_dir`` (or absolute, as returned by
-        :meth:`output_path`); the file, symlinks resolved, must lie below
-        ``output_dir``. Hashes the file (sha256) and takes its size. ``name``
-        defaults to the file's base name; ``derived_from`` lists ids of input
-        artifacts (:attr:`InputArtifact.id`). Raises ValueError for a path outside
-        the output directory or a file that is not a regular file, OSError when it
-        cannot be read.
+        :meth:`output_path`); the file, symlinks resolved, must be a regular file
+        below ``output_dir``, and the entry's ``path`` is its location relative to
+        it. Hashes the file (sha256) and takes its size. ``name`` defaults (when
+        ``None`` or empty) to the file's base name, ``media_type`` (when empty) to
+        :data:`DEFAULT_MEDIA_TYPE`; ``derived_from`` lists ids of input artifacts
+        (:attr:`InputArtifact.id`). The Go SDK's ``FileArtifact`` has the same rules.
+
+        A path outside the output directory, a missing file or one that is not a
+        regular file raises ``ExecutorError(ARTIFACT_INVALID, retryable=False)``
+        (the job fails with it if the handler lets it propagate); a failure to read
+        the file raises OSError.
         """
         import hashlib  # only handlers that produce artifacts pay for it
         import stat
 
+        def invalid(why: str) -> ExecutorError:
+            return ExecutorError(ARTIFACT_INVALID, f"artifact {path!r}: {why}", retryable=False)
+
         if not self.output_dir:
-            raise ValueError("the job has no output_dir")
+            raise invalid("the job has no output directory")
+        if not path:
+            raise invalid("no path")
         base = os.path.realpath(self.output_dir)
         full = os.path.realpath(os.path.join(base, path))
         if not full.startswith(base + os.sep):
-            raise ValueError(f"artifact path {path!r} is not below the output directory")
+            raise invalid(f"not below the output directory {self.output_dir}")
+        try:
+            mode = os.stat(full).st_mode
+        except OSError as e:
+            raise invalid(e.strerror or str(e)) from None
+        if not stat.S_ISREG(mode):  # checked before open: opening a FIFO would block
+            raise invalid("not a regular file")
         rel = os.path.relpath(full, base).replace(os.sep, "/")
         digest = hashlib.sha256()
         size = 0
-        if not stat.S_ISREG(os.stat(full).st_mode):  # before open: a FIFO would block
-            raise ValueError(f"artifact path {path!r} is not a regular file")
         with open(full, "rb") as f:
             while True:
                 chunk = f.read(1 << 20)
@@ -783,11 +880,11 @@ class Job:
                 digest.update(chunk)
                 size += len(chunk)
         return Artifact(
-            name=name if name is not None else rel.rsplit("/", 1)[-1],
+            name=name or rel.rsplit("/", 1)[-1],
             path=rel,
             sha256=digest.hexdigest(),
             size=size,
-            media_type=media_type,
+            media_type=media_type or DEFAULT_MEDIA_TYPE,
             derived_from=derived_from,
         )
 

@@ -1,5 +1,5 @@
-"""One meaning per option: max_jobs_per_process, short secrets, fractions, artifact
-helpers, the exported codes; and what importing the SDK costs."""
+"""One meaning per option, the Go SDK's too: max_jobs_per_process, short secrets,
+fractions, artifact helpers, the exported codes; and what importing the SDK costs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from _harness import PipeSession, job_frame, which
 
 import durable_executor
-from durable_executor import Executor, ExecutorError, Job
+from durable_executor import DEFAULT_MEDIA_TYPE, Executor, ExecutorError, Job
 
 PROTOCOL_MD = Path(__file__).resolve().parents[2] / "proto" / "PROTOCOL.md"
 
@@ -97,25 +97,55 @@ def test_short_secrets_are_redacted_only_as_whole_strings(session_factory):
     assert json.loads(err.details) == {
         "[REDACTED]": "[REDACTED]",
         "k": "xabcx",
-        "list": ["[REDACTED]", 1, "[REDACTED]"],  # "é" is 2 bytes: whole strings only
+        # a number whose text is a value is redacted too; "é" is 2 bytes: whole strings only
+        "list": ["[REDACTED]", "[REDACTED]", "[REDACTED]"],
         "long": "a [REDACTED]",
     }
     assert durable_executor.MIN_REDACT_BYTES == 4
 
 
-def test_progress_fractions_outside_zero_to_one_are_refused_not_clamped(session_factory):
+def test_redaction_follows_the_supervisors_rules(session_factory):
+    """JSON-escaped and percent-encoded forms too, colliding keys kept apart, and a
+    text that would still hold a value after the replacement replaced whole."""
     ex = Executor("python")
-    refused = []
+
+    @ex.handler("leaky")
+    def leaky(job: Job) -> None:
+        job.progress('{"token": "pa\\"ss/wörd"}')  # the value inside JSON text
+        job.progress("https://x.example/?t=pa%22ss%2Fw%C3%B6rd")  # inside a URL
+        job.progress("abcdXYZ")  # overlapping values: the leftmost is taken
+        raise ExecutorError("LEAK", "x", details={'pa"ss/wörd': 1, "[REDACTED]": 2, "n": 12345})
+
+    @ex.handler("marker")
+    def marker(job: Job) -> None:
+        job.progress("the ACTE value")  # "[REDACTED]" holds the value too: "***"
+
+    s = session_factory(ex)
+    s.hello()
+    secrets = {"A": 'pa"ss/wörd', "B": "abcd", "C": "dXYZ", "D": "2345"}
+    s.send(job_frame("leaky", secrets=secrets))
+    frames = s.frames.until_terminal()
+    messages = [f.event.message for f in frames if which(f) == "event"][2:]
+    assert messages == [
+        '{"token": "[REDACTED]"}',
+        "https://x.example/?t=[REDACTED]",
+        "[REDACTED]XYZ",
+    ]
+    details = json.loads(frames[-1].error.details)
+    assert details == {"[REDACTED]": 2, "[REDACTED]#2": 1, "n": "1[REDACTED]"}
+
+    s.send(job_frame("marker", job_id="j2", secrets={"E": "ACTE"}))
+    frames = s.frames.until_terminal()
+    assert [f.event.message for f in frames if which(f) == "event"][2:] == ["***"]
+
+
+def test_progress_fractions_are_clamped_and_nan_sends_none_as_in_go(session_factory):
+    ex = Executor("python")
 
     @ex.handler("frac")
     def frac(job: Job) -> str:
-        for bad in (-0.1, 1.0000001, math.nan, math.inf, -math.inf):
-            with pytest.raises(ValueError, match="fraction"):
-                job.progress("bad", fraction=bad)
-            refused.append(bad)
-        job.progress("zero", fraction=0)
-        job.progress("one", fraction=1)
-        job.progress("none")
+        for value in (-0.1, 0, 0.25, 1, 1.0000001, math.inf, -math.inf, math.nan, None):
+            job.progress(repr(value), fraction=value)
         return "ok"
 
     s = session_factory(ex)
@@ -123,43 +153,64 @@ def test_progress_fractions_outside_zero_to_one_are_refused_not_clamped(session_
     s.send(job_frame("frac"))
     frames = s.frames.until_terminal()
     events = [f.event for f in frames if which(f) == "event" and f.event.kind == 3]
-    assert [(e.message, e.HasField("fraction"), e.fraction) for e in events] == [
-        ("zero", True, 0.0),
-        ("one", True, 1.0),
-        ("none", False, 0.0),
+    got = [(e.message, e.fraction if e.HasField("fraction") else None) for e in events]
+    assert got == [
+        ("-0.1", 0.0),
+        ("0", 0.0),
+        ("0.25", 0.25),
+        ("1", 1.0),
+        ("1.0000001", 1.0),
+        ("inf", 1.0),
+        ("-inf", 0.0),
+        ("nan", None),
+        ("None", None),
     ]
-    assert len(refused) == 5
-    assert [f.event.sequence for f in frames[:-1]] == [1, 2, 3, 4, 5]  # nothing else sent
 
 
 def test_artifact_helpers_refuse_escapes_and_non_regular_files(session_factory, tmp_path):
+    """The Go SDK's rules: output_path refuses escapes (ValueError); artifact() refuses
+    a file outside, missing or not regular with ARTIFACT_INVALID (not retryable)."""
     out = tmp_path / "out"
     out.mkdir()
+    (tmp_path / "outside.txt").write_text("x")
+    os.symlink(tmp_path / "outside.txt", out / "link-out")
     ex = Executor("python")
     checks = []
 
     @ex.handler("art")
     def art(job: Job) -> str:
         assert job.output_path("a", "b.txt") == os.path.join(str(out), "a", "b.txt")
-        for bad in ("../x", "/etc/passwd", "a/../../x"):
+        for bad in ("../x", "/etc/passwd", "a/../../x", ""):
             with pytest.raises(ValueError, match="not a relative path"):
                 job.output_path(bad)
             checks.append(bad)
         os.mkdir(job.output_path("dir"))
         os.mkfifo(job.output_path("fifo"))
-        for bad in ("dir", "fifo"):
-            with pytest.raises(ValueError, match="not a regular file"):
+        for bad, why in (
+            ("dir", "not a regular file"),
+            ("fifo", "not a regular file"),
+            ("missing", "No such file"),
+            ("link-out", "not below the output directory"),
+            ("../outside.txt", "not below the output directory"),
+            ("", "no path"),
+        ):
+            with pytest.raises(ExecutorError, match=why) as caught:
                 job.artifact(bad)
+            assert (caught.value.code, caught.value.retryable) == ("ARTIFACT_INVALID", False)
             checks.append(bad)
-        with pytest.raises(FileNotFoundError):
-            job.artifact("missing")
-        return "ok"
+        with open(job.output_path("f.txt"), "w") as f:
+            f.write("data")
+        entry = job.artifact(job.output_path("f.txt"), name="", media_type="")
+        assert (entry.name, entry.path, entry.media_type) == ("f.txt", "f.txt", DEFAULT_MEDIA_TYPE)
+        job.artifact("dir")  # propagates: the job fails with it
+        return "not reached"
 
     s = session_factory(ex)
     s.hello()
     s.send(job_frame("art", output_dir=str(out)))
-    assert s.frames.until_terminal()[-1].result.output == b'"ok"'
-    assert len(checks) == 5
+    err = s.frames.until_terminal()[-1].error
+    assert (err.code, err.retryable) == ("ARTIFACT_INVALID", False)
+    assert len(checks) == 10
 
 
 def test_every_code_an_sdk_produces_is_exported():
