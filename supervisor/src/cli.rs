@@ -84,6 +84,22 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Follow a run until it is terminal: live progress bars on a terminal,
+    /// plain lines otherwise. Exit 0 succeeded, 1 failed, 3 cancelled.
+    Watch {
+        run_id: String,
+        /// Plain lines even on a terminal.
+        #[arg(long)]
+        plain: bool,
+        /// How often the database is read, in milliseconds.
+        #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u64).range(50..=60_000))]
+        interval_ms: u64,
+    },
+    /// An artifact's bytes, or its lineage back to the first inputs.
+    Artifact {
+        #[command(subcommand)]
+        command: ArtifactCommand,
+    },
     /// Request cancellation of a run, or of one step (durable).
     Cancel {
         run_id: String,
@@ -109,6 +125,49 @@ pub enum Command {
     Executors {
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Run the protocol's behaviour scenarios against each configured executor; print a pass/fail table.
+    Conformance {
+        /// The worker config (TOML) whose [[executors]] to check.
+        #[arg(long)]
+        config: PathBuf,
+        /// Only the executor of this name.
+        #[arg(long)]
+        executor: Option<String>,
+        /// The kind behaving as demo.echo (default demo.echo).
+        #[arg(long, value_name = "KIND")]
+        kind_echo: Option<String>,
+        /// The kind behaving as demo.sleep: cancel, deadline, progress (default demo.sleep).
+        #[arg(long, value_name = "KIND")]
+        kind_sleep: Option<String>,
+        /// The kind behaving as demo.artifact (default demo.artifact).
+        #[arg(long, value_name = "KIND")]
+        kind_artifact: Option<String>,
+        /// The kind behaving as demo.effect (default demo.effect).
+        #[arg(long, value_name = "KIND")]
+        kind_effect: Option<String>,
+    },
+}
+
+/// `supervisor artifact …`.
+#[derive(Debug, Subcommand)]
+pub enum ArtifactCommand {
+    /// Write an artifact's bytes to a file (checked against its sha256).
+    Get {
+        id: String,
+        /// Where to write (- for stdout); an existing file only with --force.
+        #[arg(long)]
+        out: PathBuf,
+        /// Overwrite --out if it exists.
+        #[arg(long)]
+        force: bool,
+    },
+    /// The artifacts it was derived from, through every step and attempt.
+    Lineage {
+        id: String,
+        /// A JSON tree instead of text.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -163,6 +222,9 @@ impl CliError {
                 Some("`supervisor runs` lists the newest runs and their ids")
             }
             CliError::BadRunId(_) => Some("`supervisor runs` lists the newest runs and their ids"),
+            CliError::Db(DbError::NotFound(m)) if m.starts_with("unknown artifact") => {
+                Some("`supervisor status RUN_ID --json` lists each step's artifacts and their ids")
+            }
             CliError::NotJson(_) => {
                 Some("a spec is one JSON object: {\"name\": ..., \"steps\": [...]} (CONTRACT §3)")
             }
@@ -299,6 +361,57 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             }
             Ok(0)
         }
+        Command::Watch {
+            run_id,
+            plain,
+            interval_ms,
+        } => {
+            let id = parse_run_id(&run_id)?;
+            let db = connect(&cli.database_url, 2, true).await?;
+            let mut opts = crate::watch::WatchOptions::for_stdout(plain);
+            opts.interval = std::time::Duration::from_millis(interval_ms);
+            let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts)
+                .await
+                .map_err(explain)?;
+            Ok(end.exit_code())
+        }
+        Command::Artifact { command } => {
+            let db = connect(&cli.database_url, 2, true).await?;
+            match command {
+                ArtifactCommand::Get { id, out, force } => {
+                    let id = crate::artifact_cmd::parse_artifact_id(&id)?;
+                    let a = crate::artifact_cmd::get(&db, id, &out, force)
+                        .await
+                        .map_err(|e| match e {
+                            CliError::Db(e) => explain(e),
+                            e => e,
+                        })?;
+                    if out.as_os_str() != "-" {
+                        eprintln!(
+                            "wrote {} ({} bytes, sha256 {}) to {}",
+                            a.name,
+                            a.size,
+                            a.sha256,
+                            out.display()
+                        );
+                    }
+                }
+                ArtifactCommand::Lineage { id, json } => {
+                    let id = crate::artifact_cmd::parse_artifact_id(&id)?;
+                    let l = db.artifact_lineage(id).await.map_err(explain)?;
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::to_string_pretty(&crate::artifact_cmd::lineage_json(&l))
+                                .unwrap_or_default()
+                        );
+                    } else {
+                        print!("{}", crate::artifact_cmd::lineage_text(&l));
+                    }
+                }
+            }
+            Ok(0)
+        }
         Command::Cancel { run_id, step } => {
             let id = parse_run_id(&run_id)?;
             let db = connect(&cli.database_url, 2, true).await?;
@@ -369,6 +482,35 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                 c.stop();
             }
             result
+        }
+        Command::Conformance {
+            config,
+            executor,
+            kind_echo,
+            kind_sleep,
+            kind_artifact,
+            kind_effect,
+        } => {
+            use crate::conformance::{self, ConformanceError};
+            let cfg = WorkerConfig::load(&config)?;
+            let kinds = conformance::Kinds {
+                echo: kind_echo,
+                sleep: kind_sleep,
+                artifact: kind_artifact,
+                effect: kind_effect,
+            };
+            let reports = conformance::run(&cfg, executor.as_deref(), &kinds)
+                .await
+                .map_err(|e| match e {
+                    ConformanceError::Spawner(_) => CliError::Other(e.to_string()),
+                    _ => CliError::Usage(e.to_string()),
+                })?;
+            print!("{}", conformance::render(&reports));
+            Ok(if reports.iter().all(|r| r.passed()) {
+                0
+            } else {
+                1
+            })
         }
         Command::Executors { config } => {
             let cfg = WorkerConfig::load(&config)?;
