@@ -1,0 +1,288 @@
+//! `supervisor artifact get ID --out FILE` and `supervisor artifact lineage ID`.
+//!
+//! `get` streams the bytes from the database in chunks (one `substring` of
+//! the blob per round trip, [`crate::db::ArtifactReader`]), hashing as it
+//! writes to a temporary file beside the target; only when size and sha256
+//! match what the artifact row says is the file moved into place, so a
+//! failed or interrupted `get` leaves no half-written FILE, and an existing
+//! FILE is never overwritten without `--force`.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::cli::CliError;
+use crate::db::{ArtifactInfo, Db, DbError, Lineage};
+
+/// Bytes per round trip of `artifact get`.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// An artifact id, or exit 4 (like an unknown one).
+pub fn parse_artifact_id(s: &str) -> Result<Uuid, CliError> {
+    Uuid::parse_str(s.trim()).map_err(|_| {
+        CliError::Db(DbError::NotFound(format!(
+            "unknown artifact {s:?}: not an artifact id (a UUID)"
+        )))
+    })
+}
+
+/// Writes artifact `id`'s bytes to `out` (`-`: stdout), checked against its
+/// size and sha256. Refuses an existing `out` unless `force`.
+pub async fn get(db: &Db, id: Uuid, out: &Path, force: bool) -> Result<ArtifactInfo, CliError> {
+    let to_stdout = out.as_os_str() == "-";
+    if !to_stdout && !force && out.symlink_metadata().is_ok() {
+        return Err(CliError::Usage(format!(
+            "{} exists: pass --force to overwrite it, or choose another --out",
+            out.display()
+        )));
+    }
+    let mut reader = db.open_artifact(id, CHUNK_BYTES).await?;
+    let info = reader.info.clone();
+    if reader.stored_size != info.size {
+        return Err(CliError::Other(format!(
+            "artifact {id}: the stored blob has {} bytes, the artifact says {}; nothing written",
+            reader.stored_size, info.size
+        )));
+    }
+    let io = |what: &str, e: std::io::Error| {
+        CliError::Other(format!("cannot {what} {}: {e}", out.display()))
+    };
+    let mut hasher = Sha256::new();
+    let mut written: i64 = 0;
+    if to_stdout {
+        let stdout = std::io::stdout();
+        let mut w = stdout.lock();
+        while let Some(chunk) = reader.next_chunk().await? {
+            hasher.update(&chunk);
+            written += chunk.len() as i64;
+            w.write_all(&chunk).map_err(|e| io("write", e))?;
+        }
+        w.flush().map_err(|e| io("write", e))?;
+        reader.finish().await?;
+        check(&info, written, &hex::encode(hasher.finalize()))?;
+        return Ok(info);
+    }
+    let dir = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".artifact-")
+        .suffix(".part")
+        .tempfile_in(&dir)
+        .map_err(|e| io("create a file beside", e))?;
+    while let Some(chunk) = reader.next_chunk().await? {
+        hasher.update(&chunk);
+        written += chunk.len() as i64;
+        tmp.write_all(&chunk).map_err(|e| io("write", e))?;
+    }
+    reader.finish().await?;
+    // a mismatch drops `tmp`, which removes it: no wrong bytes under FILE
+    check(&info, written, &hex::encode(hasher.finalize()))?;
+    tmp.as_file().sync_all().map_err(|e| io("write", e))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(0o644))
+            .map_err(|e| io("write", e))?;
+    }
+    let placed = if force {
+        tmp.persist(out).map(|_| ())
+    } else {
+        // the check above raced with another writer: still never clobber
+        tmp.persist_noclobber(out).map(|_| ())
+    };
+    placed.map_err(|e| {
+        if e.error.kind() == std::io::ErrorKind::AlreadyExists {
+            CliError::Usage(format!(
+                "{} exists: pass --force to overwrite it, or choose another --out",
+                out.display()
+            ))
+        } else {
+            io("write", e.error)
+        }
+    })?;
+    Ok(info)
+}
+
+fn check(info: &ArtifactInfo, size: i64, sha256: &str) -> Result<(), CliError> {
+    if size != info.size || sha256 != info.sha256 {
+        return Err(CliError::Other(format!(
+            "artifact {}: read {size} bytes with sha256 {sha256}, but it is {} bytes with sha256 {}; the stored bytes are damaged (nothing was written to the file)",
+            info.id, info.size, info.sha256
+        )));
+    }
+    Ok(())
+}
+
+/// `artifact lineage --json`: the artifact as a node, each node with its
+/// inputs under `derived_from`, down to the first inputs (an empty list).
+pub fn lineage_json(l: &Lineage) -> serde_json::Value {
+    let mut path = BTreeSet::new();
+    node_json(l, l.root, &mut path)
+}
+
+fn node_json(l: &Lineage, id: Uuid, path: &mut BTreeSet<Uuid>) -> serde_json::Value {
+    let mut v = match l.nodes.get(&id) {
+        Some(n) => serde_json::to_value(n).unwrap_or_default(),
+        None => serde_json::json!({ "id": id }),
+    };
+    let mut from = Vec::new();
+    if path.insert(id) {
+        for d in l.derived_from.get(&id).into_iter().flatten() {
+            if !path.contains(d) {
+                from.push(node_json(l, *d, path));
+            }
+        }
+        path.remove(&id);
+    }
+    if let Some(o) = v.as_object_mut() {
+        o.insert("derived_from".into(), serde_json::Value::Array(from));
+    }
+    v
+}
+
+/// `artifact lineage` without `--json`: a tree, the artifact first, each
+/// input indented under what was derived from it. A node reached twice (two
+/// inputs of one ancestor) is drawn once and named the second time.
+pub fn lineage_text(l: &Lineage) -> String {
+    let mut out = String::new();
+    let mut shown = BTreeSet::new();
+    tree_line(l, l.root, "", "", &mut shown, &mut out);
+    let firsts = l.nodes.keys().filter(|id| !l.derived_from.contains_key(id));
+    let steps: BTreeSet<&str> = l.nodes.values().map(|n| n.step.as_str()).collect();
+    out.push_str(&format!(
+        "\n{} artifacts from {} steps; first inputs: {}\n",
+        l.nodes.len(),
+        steps.len(),
+        firsts
+            .filter_map(|id| l.nodes.get(id))
+            .map(|n| clean(&n.name))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    out
+}
+
+fn tree_line(
+    l: &Lineage,
+    id: Uuid,
+    lead: &str,
+    child_lead: &str,
+    shown: &mut BTreeSet<Uuid>,
+    out: &mut String,
+) {
+    let Some(n) = l.nodes.get(&id) else {
+        out.push_str(&format!("{lead}{id} (gone)\n"));
+        return;
+    };
+    let again = !shown.insert(id);
+    out.push_str(&format!(
+        "{lead}{}  {}  {} B  sha256 {}  step {} attempt {}  run {}{}\n",
+        clean(&n.name),
+        n.id,
+        n.size,
+        n.sha256.get(..16).unwrap_or(&n.sha256),
+        clean(&n.step),
+        n.attempt,
+        n.run_id,
+        if again { "  (shown above)" } else { "" }
+    ));
+    if again {
+        return;
+    }
+    let inputs = l.derived_from.get(&id).cloned().unwrap_or_default();
+    for (i, d) in inputs.iter().enumerate() {
+        let last = i + 1 == inputs.len();
+        let (branch, cont) = if last {
+            ("└── ", "    ")
+        } else {
+            ("├── ", "│   ")
+        };
+        tree_line(
+            l,
+            *d,
+            &format!("{child_lead}{branch}"),
+            &format!("{child_lead}{cont}"),
+            shown,
+            out,
+        );
+    }
+}
+
+fn clean(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn node(n: u128, name: &str, step: &str) -> ArtifactInfo {
+        ArtifactInfo {
+            id: Uuid::from_u128(n),
+            name: name.into(),
+            sha256: "ab".repeat(32),
+            size: 3,
+            media_type: "text/plain".into(),
+            step: step.into(),
+            step_run_id: Uuid::from_u128(100 + n),
+            attempt: 1,
+            run_id: Uuid::nil(),
+            created_at: chrono::DateTime::<chrono::Utc>::MIN_UTC,
+        }
+    }
+
+    #[test]
+    fn a_diamond_is_a_tree_with_the_shared_input_named_twice() {
+        // d <- b, c; b <- a; c <- a
+        let nodes: BTreeMap<Uuid, ArtifactInfo> = [
+            node(1, "a", "s1"),
+            node(2, "b", "s2"),
+            node(3, "c", "s3"),
+            node(4, "d", "s4"),
+        ]
+        .into_iter()
+        .map(|n| (n.id, n))
+        .collect();
+        let id = Uuid::from_u128;
+        let derived_from = BTreeMap::from([
+            (id(4), vec![id(2), id(3)]),
+            (id(2), vec![id(1)]),
+            (id(3), vec![id(1)]),
+        ]);
+        let l = Lineage {
+            root: id(4),
+            nodes,
+            derived_from,
+        };
+        let t = lineage_text(&l);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("d  "), "{t}");
+        assert!(lines[1].starts_with("├── b  "), "{t}");
+        assert!(lines[2].starts_with("│   └── a  "), "{t}");
+        assert!(lines[3].starts_with("└── c  "), "{t}");
+        assert!(
+            lines[4].starts_with("    └── a  ") && lines[4].ends_with("(shown above)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("4 artifacts from 4 steps; first inputs: a"),
+            "{t}"
+        );
+        let j = lineage_json(&l);
+        assert_eq!(j["name"], "d");
+        assert_eq!(j["derived_from"][0]["derived_from"][0]["name"], "a");
+        assert_eq!(j["derived_from"][1]["derived_from"][0]["name"], "a");
+        assert_eq!(
+            j["derived_from"][1]["derived_from"][0]["derived_from"],
+            serde_json::json!([])
+        );
+    }
+}

@@ -1,0 +1,603 @@
+//! `supervisor watch RUN_ID`: a run's steps until the run is terminal.
+//!
+//! On a terminal: one live line per step (a progress bar fed by the step's
+//! latest progress event, its state, attempt, elapsed time and message),
+//! redrawn in place every poll. Anywhere else (a pipe, a file, CI logs): one
+//! plain line per change of a step, and the final state. Either way the
+//! database is only read ([`Db::watch_snapshot`], a few times a second).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+
+use crate::db::{Db, DbError, WatchRun, WatchStep};
+
+/// How `watch` draws.
+#[derive(Debug, Clone)]
+pub struct WatchOptions {
+    /// Redraw in place with bars (a terminal), or print plain lines.
+    pub live: bool,
+    /// ANSI colours for the states (live only).
+    pub color: bool,
+    /// Full block characters for the bar (a UTF-8 terminal), else `#` and `-`.
+    pub unicode: bool,
+    /// How often the database is read.
+    pub interval: Duration,
+    /// How long the database may stay unreachable before `watch` gives up.
+    pub patience: Duration,
+}
+
+impl WatchOptions {
+    /// The options for stdout as it is: live when it is a terminal; colour
+    /// unless `NO_COLOR` is set; Unicode when the locale says UTF-8.
+    pub fn for_stdout(force_plain: bool) -> WatchOptions {
+        use std::io::IsTerminal;
+        let live = !force_plain && std::io::stdout().is_terminal();
+        let color = live && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+        WatchOptions {
+            live,
+            color,
+            unicode: utf8_locale(),
+            interval: Duration::from_millis(250),
+            patience: Duration::from_secs(30),
+        }
+    }
+}
+
+fn utf8_locale() -> bool {
+    ["LC_ALL", "LC_CTYPE", "LANG"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok())
+        .find(|v| !v.is_empty())
+        .map(|v| {
+            let v = v.to_ascii_lowercase();
+            v.contains("utf-8") || v.contains("utf8")
+        })
+        .unwrap_or(false)
+}
+
+/// How a watch ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchEnd {
+    /// The run reached this terminal state.
+    Terminal(String),
+    /// SIGINT (Ctrl-C): the run goes on; only the watch stopped.
+    Interrupted,
+}
+
+impl WatchEnd {
+    /// CONTRACT §2: 0 succeeded, 1 failed, 3 cancelled; 130 for Ctrl-C.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            WatchEnd::Terminal(s) if s == "succeeded" => 0,
+            WatchEnd::Terminal(s) if s == "cancelled" => 3,
+            WatchEnd::Terminal(_) => 1,
+            WatchEnd::Interrupted => 130,
+        }
+    }
+}
+
+fn run_is_terminal(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled")
+}
+
+/// Watches `run_id` until it is terminal (or Ctrl-C), writing to `out`.
+/// `NotFound` for an unknown run (before anything is drawn).
+pub async fn watch<W: Write>(
+    db: &Db,
+    run_id: Uuid,
+    out: &mut W,
+    opts: &WatchOptions,
+) -> Result<WatchEnd, DbError> {
+    let mut view = View::new(opts.clone());
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
+    let mut failing_since: Option<Instant> = None;
+    let mut first = true;
+    let end = loop {
+        match db.watch_snapshot(run_id).await {
+            Ok(snap) => {
+                failing_since = None;
+                first = false;
+                let done = run_is_terminal(&snap.state);
+                let width = if opts.live { terminal_width() } else { 0 };
+                let text = view.frame(&snap, width, done);
+                write_all(out, &text);
+                if done {
+                    break WatchEnd::Terminal(snap.state.clone());
+                }
+            }
+            // an unknown run, or a schema that is not there, is the answer
+            Err(e) if first || !e.is_transient() => {
+                write_all(out, &view.abandon());
+                return Err(e);
+            }
+            // a database restart is not the end of the run: keep trying
+            Err(e) => {
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > opts.patience {
+                    write_all(out, &view.abandon());
+                    return Err(e);
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(opts.interval) => {}
+            _ = &mut interrupted => {
+                write_all(out, &view.abandon());
+                break WatchEnd::Interrupted;
+            }
+        }
+    };
+    Ok(end)
+}
+
+/// Writes and flushes; a closed pipe (`watch … | head`) is not an error worth
+/// stopping for: the exit code still tells the run's end.
+fn write_all<W: Write>(out: &mut W, text: &str) {
+    if text.is_empty() {
+        return;
+    }
+    let _ = out.write_all(text.as_bytes());
+    let _ = out.flush();
+}
+
+/// The width of the terminal on stdout, 80 when it cannot be asked.
+fn terminal_width() -> usize {
+    // SAFETY: TIOCGWINSZ writes a winsize into the struct we own; fd 1 is
+    // only queried, never closed
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut ws) };
+    if rc == 0 && ws.ws_col > 0 {
+        usize::from(ws.ws_col)
+    } else {
+        80
+    }
+}
+
+/// What one step looked like when last shown (plain mode prints on change).
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    state: String,
+    attempt: i32,
+    percent: Option<u32>,
+    message: Option<String>,
+}
+
+/// The drawing state between frames.
+struct View {
+    opts: WatchOptions,
+    /// Live: how many lines the last frame drew (to move back over them).
+    drawn: usize,
+    /// Plain: what was last printed per step.
+    seen: BTreeMap<String, Seen>,
+    /// Live: the cursor is hidden and must be shown again.
+    cursor_hidden: bool,
+}
+
+const HIDE_CURSOR: &str = "\x1b[?25l";
+const SHOW_CURSOR: &str = "\x1b[?25h";
+
+impl View {
+    fn new(opts: WatchOptions) -> View {
+        View {
+            opts,
+            drawn: 0,
+            seen: BTreeMap::new(),
+            cursor_hidden: false,
+        }
+    }
+
+    /// The text of one frame: live, the whole screen of bars drawn over the
+    /// last; plain, a line per step that changed. `done`: the last frame.
+    fn frame(&mut self, run: &WatchRun, width: usize, done: bool) -> String {
+        if self.opts.live {
+            self.live_frame(run, width, done)
+        } else {
+            self.plain_frame(run, done)
+        }
+    }
+
+    /// What to write when the watch stops early: the cursor back.
+    fn abandon(&mut self) -> String {
+        if self.cursor_hidden {
+            self.cursor_hidden = false;
+            SHOW_CURSOR.into()
+        } else {
+            String::new()
+        }
+    }
+
+    fn plain_frame(&mut self, run: &WatchRun, done: bool) -> String {
+        let mut out = String::new();
+        for s in &run.steps {
+            let now = Seen {
+                state: s.state.clone(),
+                attempt: s.attempt,
+                percent: shown_fraction(s).map(|f| (f * 100.0).round() as u32),
+                message: s.message.as_deref().map(|m| clean(m, 200)),
+            };
+            if self.seen.get(&s.name) != Some(&now) {
+                out.push_str(&plain_line(s));
+                out.push('\n');
+                self.seen.insert(s.name.clone(), now);
+            }
+        }
+        if done {
+            out.push_str(&summary(run));
+        }
+        out
+    }
+
+    fn live_frame(&mut self, run: &WatchRun, width: usize, done: bool) -> String {
+        let width = width.max(20);
+        let mut lines = Vec::with_capacity(run.steps.len() + 1);
+        lines.push(self.header(run));
+        let name_w = run
+            .steps
+            .iter()
+            .map(|s| s.name.chars().count().min(24))
+            .max()
+            .unwrap_or(4);
+        for s in &run.steps {
+            lines.push(self.step_line(s, name_w, width));
+        }
+        let mut out = String::new();
+        if !self.cursor_hidden && !done {
+            out.push_str(HIDE_CURSOR);
+            self.cursor_hidden = true;
+        }
+        if self.drawn > 0 {
+            // back to the first line of the last frame
+            out.push_str(&format!("\r\x1b[{}A", self.drawn));
+        }
+        for l in &lines {
+            out.push_str("\x1b[2K");
+            out.push_str(&fit(l, width.saturating_sub(1)));
+            out.push('\n');
+        }
+        // a frame shorter than the last leaves no stale lines below it
+        out.push_str("\x1b[J");
+        self.drawn = lines.len();
+        if done {
+            out.push_str(&summary(run));
+            out.push_str(&self.abandon());
+        }
+        out
+    }
+
+    fn header(&self, run: &WatchRun) -> String {
+        let cancel = if run.cancel_requested && !run_is_terminal(&run.state) {
+            "  (cancel requested)"
+        } else {
+            ""
+        };
+        format!(
+            "run {}  {}  {}  {}{}",
+            run.run_id,
+            clean(&run.name, 60),
+            self.paint_state(&run.state),
+            elapsed(run.elapsed_ms),
+            cancel
+        )
+    }
+
+    fn step_line(&self, s: &WatchStep, name_w: usize, width: usize) -> String {
+        let name = pad(&clean(&s.name, name_w), name_w);
+        if s.state == "waiting" {
+            let on = if s.depends_on.is_empty() {
+                String::new()
+            } else {
+                format!(" on {}", clean(&s.depends_on.join(", "), 120))
+            };
+            return format!(
+                "  {name}  {}  {}{on}",
+                self.bar(None, bar_width(width)),
+                self.paint_state("waiting")
+            );
+        }
+        let fraction = shown_fraction(s);
+        let pct = fraction
+            .map(|f| format!("{:>3.0}%", f * 100.0))
+            .unwrap_or_else(|| "    ".into());
+        let mut line = format!(
+            "  {name}  {}  {pct}  {}",
+            self.bar(fraction, bar_width(width)),
+            pad_painted(&self.paint_state(&s.state), &s.state, 15),
+        );
+        if s.attempt > 0 {
+            line.push_str(&format!("  attempt {}", s.attempt));
+        }
+        if let Some(ms) = s.elapsed_ms {
+            line.push_str(&format!("  {}", elapsed(ms)));
+        }
+        if let Some(code) = &s.error_code {
+            line.push_str(&format!("  {}", clean(code, 40)));
+        } else if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
+            line.push_str(&format!("  {}", clean(m, 200)));
+        }
+        line
+    }
+
+    fn bar(&self, fraction: Option<f64>, cells: usize) -> String {
+        let (full, empty) = if self.opts.unicode {
+            ('█', '░')
+        } else {
+            ('#', '-')
+        };
+        let filled = fraction
+            .map(|f| ((f * cells as f64).round() as usize).min(cells))
+            .unwrap_or(0);
+        let mut b = String::with_capacity(cells * 3 + 2);
+        b.push('[');
+        b.extend(std::iter::repeat_n(full, filled));
+        b.extend(std::iter::repeat_n(empty, cells - filled));
+        b.push(']');
+        b
+    }
+
+    fn paint_state(&self, state: &str) -> String {
+        if !self.opts.color {
+            return state.to_owned();
+        }
+        let code = match state {
+            "succeeded" => "32",                     // green
+            "failed" | "terminal_failed" => "31",    // red
+            "cancelled" => "33",                     // yellow
+            "running" => "36",                       // cyan
+            "retryable_failed" => "35",              // magenta
+            "waiting" | "pending" | "leased" => "2", // dim
+            _ => "0",
+        };
+        format!("\x1b[{code}m{state}\x1b[0m")
+    }
+}
+
+/// The fraction to show: a succeeded step is full whatever it last reported.
+fn shown_fraction(s: &WatchStep) -> Option<f64> {
+    if s.state == "succeeded" {
+        return Some(1.0);
+    }
+    s.fraction
+        .filter(|f| f.is_finite())
+        .map(|f| f.clamp(0.0, 1.0))
+}
+
+/// Bars get what the terminal can spare, between 10 and 30 cells.
+fn bar_width(width: usize) -> usize {
+    (width / 4).clamp(10, 30)
+}
+
+/// A plain line: `step: state, attempt N, 40%, message`.
+fn plain_line(s: &WatchStep) -> String {
+    let mut line = format!("{}: {}", clean(&s.name, 80), s.state);
+    if s.state == "waiting" {
+        if !s.depends_on.is_empty() {
+            line.push_str(&format!(" on {}", clean(&s.depends_on.join(", "), 200)));
+        }
+        return line;
+    }
+    if s.attempt > 0 {
+        line.push_str(&format!(", attempt {}", s.attempt));
+    }
+    if let Some(f) = shown_fraction(s) {
+        line.push_str(&format!(", {:.0}%", f * 100.0));
+    }
+    if let Some(ms) = s.elapsed_ms {
+        line.push_str(&format!(", {}", elapsed(ms)));
+    }
+    if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
+        line.push_str(&format!(", {}", clean(m, 200)));
+    }
+    if let Some(code) = &s.error_code {
+        line.push_str(&format!(", {}", clean(code, 40)));
+    }
+    line
+}
+
+/// The end: each failed step's error, then the run's final state.
+fn summary(run: &WatchRun) -> String {
+    let mut out = String::new();
+    for s in &run.steps {
+        if let (Some(code), "terminal_failed") = (&s.error_code, s.state.as_str()) {
+            out.push_str(&format!(
+                "{}: {}: {}\n",
+                clean(&s.name, 80),
+                clean(code, 40),
+                clean(s.error_message.as_deref().unwrap_or(""), 400)
+            ));
+        }
+    }
+    out.push_str(&format!(
+        "run {} {}: {} in {}\n",
+        run.run_id,
+        clean(&run.name, 80),
+        run.state,
+        elapsed(run.elapsed_ms)
+    ));
+    out
+}
+
+/// A duration for people: `4.2s`, `3m05s`, `2h04m`.
+fn elapsed(ms: i64) -> String {
+    let ms = ms.max(0);
+    let s = ms / 1000;
+    if s < 60 {
+        format!("{}.{}s", s, (ms % 1000) / 100)
+    } else if s < 3600 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    }
+}
+
+/// A value from the database or an executor on one line: control characters
+/// (escape sequences included) become spaces, cut at `max` characters.
+fn clean(s: &str, max: usize) -> String {
+    let c: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let c = c.trim();
+    if c.chars().count() > max {
+        let mut cut: String = c.chars().take(max.saturating_sub(1)).collect();
+        cut.push('…');
+        cut
+    } else {
+        c.to_owned()
+    }
+}
+
+fn pad(s: &str, w: usize) -> String {
+    let n = s.chars().count();
+    format!("{s}{}", " ".repeat(w.saturating_sub(n)))
+}
+
+/// Pads a painted value by the width of its plain text.
+fn pad_painted(painted: &str, plain: &str, w: usize) -> String {
+    format!(
+        "{painted}{}",
+        " ".repeat(w.saturating_sub(plain.chars().count()))
+    )
+}
+
+/// Cuts a line to `width` visible characters (escape sequences take no
+/// room), so a line never wraps and the redraw stays in place.
+fn fit(line: &str, width: usize) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut visible = 0;
+    let mut chars = line.chars().peekable();
+    let mut cut = false;
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            // CSI: ESC [ params final-byte
+            out.push(c);
+            if chars.peek() == Some(&'[') {
+                for c in chars.by_ref() {
+                    out.push(c);
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        if visible >= width {
+            cut = true;
+            break;
+        }
+        out.push(c);
+        visible += 1;
+    }
+    if cut && out.contains('\x1b') {
+        out.push_str("\x1b[0m");
+    }
+    out.trim_end().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(name: &str, state: &str, attempt: i32, f: Option<f64>, m: Option<&str>) -> WatchStep {
+        WatchStep {
+            name: name.into(),
+            state: state.into(),
+            attempt,
+            elapsed_ms: Some(1_500),
+            fraction: f,
+            message: m.map(str::to_owned),
+            error_code: None,
+            error_message: None,
+            depends_on: vec![],
+        }
+    }
+
+    fn run(state: &str, steps: Vec<WatchStep>) -> WatchRun {
+        WatchRun {
+            run_id: Uuid::nil(),
+            name: "r".into(),
+            state: state.into(),
+            cancel_requested: false,
+            elapsed_ms: 2_000,
+            steps,
+        }
+    }
+
+    fn opts(live: bool) -> WatchOptions {
+        WatchOptions {
+            live,
+            color: false,
+            unicode: false,
+            interval: Duration::from_millis(1),
+            patience: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn plain_prints_a_line_per_change_and_the_end() {
+        let mut v = View::new(opts(false));
+        let a = run(
+            "running",
+            vec![step("a", "running", 1, Some(0.4), Some("slice 4/10"))],
+        );
+        assert_eq!(
+            v.frame(&a, 0, false),
+            "a: running, attempt 1, 40%, 1.5s, slice 4/10\n"
+        );
+        assert_eq!(v.frame(&a, 0, false), "", "no change, no line");
+        let mut b = run(
+            "succeeded",
+            vec![step("a", "succeeded", 1, Some(0.9), None)],
+        );
+        b.steps[0].elapsed_ms = Some(61_000);
+        let text = v.frame(&b, 0, true);
+        assert_eq!(
+            text,
+            "a: succeeded, attempt 1, 100%, 1m01s\nrun 00000000-0000-0000-0000-000000000000 r: succeeded in 2.0s\n"
+        );
+    }
+
+    #[test]
+    fn live_draws_bars_over_the_last_frame() {
+        let mut v = View::new(opts(true));
+        let mut w = step("b", "waiting", 0, None, None);
+        w.depends_on = vec!["a".into()];
+        let r = run(
+            "running",
+            vec![step("a", "running", 2, Some(0.5), Some("half")), w],
+        );
+        let first = v.frame(&r, 80, false);
+        assert!(first.starts_with(HIDE_CURSOR), "{first:?}");
+        assert!(
+            first.contains(
+                "a  [##########----------]   50%  running          attempt 2  1.5s  half"
+            ),
+            "{first:?}"
+        );
+        assert!(
+            first.contains("b  [--------------------]  waiting on a"),
+            "{first:?}"
+        );
+        let second = v.frame(&r, 80, true);
+        assert!(
+            second.starts_with("\r\x1b[3A"),
+            "moves back over 3 lines: {second:?}"
+        );
+        assert!(second.ends_with(SHOW_CURSOR), "{second:?}");
+    }
+
+    #[test]
+    fn lines_fit_the_terminal_and_hostile_text_is_cleaned() {
+        assert_eq!(fit("abcdef", 4), "abcd");
+        assert_eq!(fit("\x1b[32mabcdef\x1b[0m", 3), "\x1b[32mabc\x1b[0m");
+        assert_eq!(clean("a\x1b[2Jb\nc", 10), "a [2Jb c");
+        assert_eq!(elapsed(59_999), "59.9s");
+        assert_eq!(elapsed(7_260_000), "2h01m");
+        assert_eq!(WatchEnd::Terminal("failed".into()).exit_code(), 1);
+        assert_eq!(WatchEnd::Terminal("cancelled".into()).exit_code(), 3);
+        assert_eq!(WatchEnd::Terminal("succeeded".into()).exit_code(), 0);
+    }
+}
