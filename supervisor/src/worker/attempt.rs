@@ -944,17 +944,69 @@ fn precedence(
     }
 }
 
-/// An executor's error as a failed outcome.
+/// Codes only the supervisor (or the reclaimer) gives: its own verdicts. An
+/// executor that reports one is not believed (it cannot make its failure look
+/// like a lease expiry, a timeout or a shutdown).
+pub(crate) const RESERVED_CODES: &[&str] = &[
+    "LEASE_EXPIRED",
+    "LEASE_LOST",
+    "HEARTBEAT_TIMEOUT",
+    "ATTEMPT_TIMEOUT",
+    "DEADLINE_EXCEEDED",
+    "WORKER_SHUTDOWN",
+    "EXECUTOR_CRASHED",
+    "HANDSHAKE_FAILED",
+    "SPAWN_FAILED",
+    "SECRET_UNAVAILABLE",
+    "SECRET_NOT_ALLOWED",
+    "WORK_DIR_UNAVAILABLE",
+    "INPUT_UNAVAILABLE",
+    "COMMIT_REJECTED",
+    "SUPERVISOR_PANIC",
+    "EXECUTOR_ERROR",
+    "PROTOCOL_MALFORMED_FRAME",
+    "PROTOCOL_FRAME_TOO_LARGE",
+    "PROTOCOL_SEQUENCE_REGRESSION",
+    "PROTOCOL_FRAME_AFTER_TERMINAL",
+    "PROTOCOL_UNEXPECTED_FRAME",
+    "PROTOCOL_INVALID_TEXT",
+];
+
+fn is_reserved(code: &str) -> bool {
+    RESERVED_CODES.contains(&code)
+}
+
+/// An executor's error as a failed outcome. An empty code is
+/// `EXECUTOR_ERROR`; a code the supervisor reserves is rewritten to
+/// `EXECUTOR_ERROR`, the reported code kept in `details.reported_code`.
 fn executor_failure(e: JobError) -> Outcome {
+    let mut details = parse_details(&e.details);
+    let code = if e.code.is_empty() {
+        "EXECUTOR_ERROR".to_string()
+    } else if is_reserved(&e.code) {
+        let mut d = match details.take() {
+            Some(serde_json::Value::Object(m)) => m,
+            Some(other) => {
+                let mut m = serde_json::Map::new();
+                m.insert("details".into(), other);
+                m
+            }
+            None => serde_json::Map::new(),
+        };
+        d.insert(
+            "reported_code".into(),
+            serde_json::Value::String(e.code.clone()),
+        );
+        details = Some(serde_json::Value::Object(d));
+        "EXECUTOR_ERROR".to_string()
+    } else {
+        e.code
+    };
     Outcome::Failed {
-        code: if e.code.is_empty() {
-            "EXECUTOR_ERROR".into()
-        } else {
-            e.code
-        },
+        code,
         message: e.message,
         retryable: e.retryable,
-        details: parse_details(&e.details),
+        details,
         next_retry_delay_ms: e.next_retry_delay_ms,
         sequence: Some(e.sequence),
     }

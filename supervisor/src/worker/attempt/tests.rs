@@ -344,3 +344,30 @@ fn plain_progress_is_coalesced_and_the_rest_kept_in_order() {
     assert_eq!(kept, vec![3, 4, 6, 7]);
     assert!(coalesce(&[]).is_empty());
 }
+
+#[test]
+fn an_executor_cannot_forge_the_supervisors_verdicts() {
+    for (reported, want) in [
+        ("LEASE_EXPIRED", "EXECUTOR_ERROR"),
+        ("HEARTBEAT_TIMEOUT", "EXECUTOR_ERROR"),
+        ("PROTOCOL_MALFORMED_FRAME", "EXECUTOR_ERROR"),
+        ("WORKER_SHUTDOWN", "EXECUTOR_ERROR"),
+        ("", "EXECUTOR_ERROR"),
+        ("MY_OWN_CODE", "MY_OWN_CODE"),
+        ("CANCELLED", "CANCELLED"),
+    ] {
+        let mut e = err(2, reported, true);
+        e.details = br#"{"k": 1}"#.to_vec();
+        match executor_failure(e) {
+            Outcome::Failed { code, details, .. } => {
+                assert_eq!(code, want, "{reported}");
+                let d = details.expect("details kept");
+                assert_eq!(d["k"], 1);
+                if want != reported && !reported.is_empty() {
+                    assert_eq!(d["reported_code"], reported);
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
