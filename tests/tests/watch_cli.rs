@@ -1,0 +1,371 @@
+//! `supervisor watch RUN_ID` through the real binary: plain lines and the
+//! exit codes of a succeeded, a failed and a cancelled run through pipes, an
+//! unknown run, and the live bars in a real pseudo-terminal (the screen
+//! replayed by a small terminal model and checked).
+
+use std::io::Read;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::json;
+use tests::{fast_config, go_demo, RunningWorker, TestDb};
+use uuid::Uuid;
+
+async fn worker(t: &TestDb) -> RunningWorker {
+    RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await
+}
+
+/// `supervisor watch RUN` through pipes; (exit code, stdout, stderr).
+async fn watch_piped(url: &str, run: &str) -> (Option<i32>, String, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new(tests::supervisor_bin())
+            .args(["watch", run, "--interval-ms", "100"])
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("watch ended within 90 s")
+    .expect("run supervisor watch");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_lines_and_the_exit_code_of_a_succeeded_run() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = worker(&t).await;
+    let run = t
+        .submit(json!({"name": "watched", "steps": [
+            {"name": "nap", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 1500, "steps": 5}},
+            {"name": "after", "executor_kind": "go", "kind": "demo.echo",
+             "input": {"x": 1}, "depends_on": ["nap"]}]}))
+        .await;
+    let (code, out, err) = watch_piped(&t.url, &run.to_string()).await;
+    assert_eq!(code, Some(0), "stdout: {out}\nstderr: {err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        !out.contains('\x1b'),
+        "no escape sequences through a pipe: {out:?}"
+    );
+    assert!(
+        lines.iter().any(|l| *l == "after: waiting on nap"),
+        "the waiting step is named with what it waits on: {out}"
+    );
+    // progress arrives as lines with the fraction and the executor's message
+    let progress: Vec<&&str> = lines
+        .iter()
+        .filter(|l| {
+            l.starts_with("nap: running, attempt 1, ") && l.contains("%, ") && l.contains("slept ")
+        })
+        .collect();
+    assert!(!progress.is_empty(), "progress lines: {out}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("nap: succeeded, attempt 1, 100%")),
+        "{out}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("after: succeeded, attempt 1")),
+        "{out}"
+    );
+    let last = lines.last().copied().unwrap_or_default();
+    assert!(
+        last.starts_with(&format!("run {run} watched: succeeded in ")),
+        "the final state is the last line: {out}"
+    );
+    // one line per change: no line is printed twice in a row
+    for pair in lines.windows(2) {
+        assert_ne!(pair[0], pair[1], "a repeated line: {out}");
+    }
+    w.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_run_exits_1_and_names_the_error() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = worker(&t).await;
+    let run = t
+        .submit(json!({"name": "doomed", "steps": [
+            {"name": "boom", "executor_kind": "go", "kind": "demo.fail",
+             "input": {"code": "NOPE", "retryable": false, "message": "no way"}}]}))
+        .await;
+    let (code, out, err) = watch_piped(&t.url, &run.to_string()).await;
+    assert_eq!(code, Some(1), "stdout: {out}\nstderr: {err}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("boom: terminal_failed, attempt 1") && l.ends_with("NOPE")),
+        "{out}"
+    );
+    assert!(out.contains("boom: NOPE: no way\n"), "{out}");
+    assert!(out.contains(": failed in "), "{out}");
+    w.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_run_exits_3() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = worker(&t).await;
+    let run = t
+        .submit(json!({"name": "stopped", "steps": [
+            {"name": "long", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 60000, "steps": 60}}]}))
+        .await;
+    let watcher = tokio::spawn({
+        let url = t.url.clone();
+        async move { watch_piped(&url, &run.to_string()).await }
+    });
+    t.wait_run(run, Duration::from_secs(30), |s| {
+        s.steps.first().is_some_and(|s| s.state == "running")
+    })
+    .await;
+    // long enough for the watcher (a process starting up, polling every
+    // 100 ms) to have seen the step running
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    t.db.cancel(run, None).await.expect("cancel");
+    let (code, out, err) = watcher.await.expect("watcher");
+    assert_eq!(code, Some(3), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("long: running, attempt 1"), "{out}");
+    assert!(out.contains("long: cancelled, attempt 1"), "{out}");
+    assert!(out.contains(": cancelled in "), "{out}");
+    w.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_run_exits_4() {
+    let t = TestDb::new().await;
+    let (code, out, err) = watch_piped(&t.url, &Uuid::new_v4().to_string()).await;
+    assert_eq!(code, Some(4), "stdout: {out}\nstderr: {err}");
+    assert!(err.contains("unknown run"), "{err}");
+    assert!(out.is_empty(), "{out}");
+    let (code, _, err) = watch_piped(&t.url, "not-a-uuid").await;
+    assert_eq!(code, Some(4), "{err}");
+}
+
+// ---------------------------------------------------------------------------
+// a real pseudo-terminal
+
+/// A pseudo-terminal pair of `cols` × `rows`: (master, slave).
+fn openpty(cols: u16, rows: u16) -> (OwnedFd, OwnedFd) {
+    let (mut master, mut slave) = (-1, -1);
+    let mut ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: openpty writes two fds into our ints and reads our winsize
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut ws,
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both fds are fresh and ours alone
+    unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) }
+}
+
+/// A terminal just good enough for what `watch` writes: printable text, CR,
+/// LF, cursor up (CSI n A), erase line (CSI 2K), erase below (CSI J); other
+/// CSI sequences (colours, cursor visibility) take no room.
+struct Screen {
+    lines: Vec<Vec<char>>,
+    row: usize,
+    col: usize,
+    cols: usize,
+    /// How many times the cursor moved up: the frames drawn over the last.
+    redraws: usize,
+}
+
+impl Screen {
+    fn new(cols: usize) -> Screen {
+        Screen {
+            lines: vec![Vec::new()],
+            row: 0,
+            col: 0,
+            cols,
+            redraws: 0,
+        }
+    }
+
+    fn feed(&mut self, text: &str) {
+        let mut it = text.chars().peekable();
+        while let Some(c) = it.next() {
+            match c {
+                '\r' => self.col = 0,
+                '\n' => {
+                    // the pty turns LF into CR LF (onlcr)
+                    self.row += 1;
+                    self.col = 0;
+                    if self.row == self.lines.len() {
+                        self.lines.push(Vec::new());
+                    }
+                }
+                '\x1b' if it.peek() == Some(&'[') => {
+                    it.next();
+                    let mut params = String::new();
+                    let mut fin = ' ';
+                    for c in it.by_ref() {
+                        if c.is_ascii_alphabetic() {
+                            fin = c;
+                            break;
+                        }
+                        params.push(c);
+                    }
+                    match fin {
+                        'A' => {
+                            let n: usize = params.parse().unwrap_or(1);
+                            self.row = self.row.saturating_sub(n);
+                            self.redraws += 1;
+                        }
+                        'K' => self.lines[self.row].clear(),
+                        'J' => self.lines.truncate(self.row + 1),
+                        _ => {}
+                    }
+                }
+                c => {
+                    assert!(self.col < self.cols, "a line wrapped: {:?}", self.text());
+                    let line = &mut self.lines[self.row];
+                    if line.len() <= self.col {
+                        line.resize(self.col, ' ');
+                        line.push(c);
+                    } else {
+                        line[self.col] = c;
+                    }
+                    self.col += 1;
+                }
+            }
+        }
+    }
+
+    fn text(&self) -> String {
+        self.lines
+            .iter()
+            .map(|l| l.iter().collect::<String>().trim_end().to_owned())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_bars_in_a_pseudo_terminal() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = worker(&t).await;
+    let run = t
+        .submit(json!({"name": "on-screen", "steps": [
+            {"name": "nap", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 2000, "steps": 8}},
+            {"name": "after", "executor_kind": "go", "kind": "demo.echo",
+             "input": {"x": 1}, "depends_on": ["nap"]}]}))
+        .await;
+
+    let cols = 100;
+    let (master, slave) = openpty(cols, 30);
+    let mut child = std::process::Command::new(tests::supervisor_bin())
+        .args(["watch", &run.to_string(), "--interval-ms", "100"])
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "error")
+        .env("TERM", "xterm-256color")
+        .env("LANG", "C.UTF-8")
+        .env_remove("LC_ALL")
+        .env_remove("NO_COLOR")
+        .stdin(Stdio::from(slave.try_clone().expect("dup slave")))
+        .stdout(Stdio::from(slave.try_clone().expect("dup slave")))
+        .stderr(Stdio::from(slave))
+        .spawn()
+        .expect("spawn supervisor watch on a pty");
+    // read the master until the child (the last holder of the slave) exits
+    let reader = std::thread::spawn(move || {
+        let mut f = std::fs::File::from(master);
+        let mut all = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match f.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => all.extend_from_slice(&buf[..n]),
+                // EIO: the slave side is closed
+                Err(_) => break,
+            }
+        }
+        all
+    });
+    let until = std::time::Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "watch did not end within 90 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let raw = String::from_utf8_lossy(&reader.join().expect("reader")).into_owned();
+    assert_eq!(status.code(), Some(0), "screen output: {raw:?}");
+
+    // live mode: the cursor hidden while drawing and shown again at the end,
+    // colours, and frames drawn over the last
+    assert!(raw.contains("\x1b[?25l"), "{raw:?}");
+    assert!(raw.trim_end().ends_with("\x1b[?25h"), "{raw:?}");
+    assert!(
+        raw.contains("\x1b[36mrunning"),
+        "running in colour: {raw:?}"
+    );
+    let mut screen = Screen::new(usize::from(cols));
+    screen.feed(&raw);
+    assert!(screen.redraws >= 3, "redrawn in place: {raw:?}");
+    // a partly filled bar with a percentage was on screen at some point
+    assert!(
+        raw.contains("█░") && raw.contains("slept "),
+        "a partial bar: {raw:?}"
+    );
+
+    // the final screen: the header, one line per step, the summary; the
+    // frames were drawn in place, so each step appears exactly once
+    let text = screen.text();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 4, "header, 2 steps, summary:\n{text}");
+    assert!(
+        lines[0].starts_with(&format!("run {run}  on-screen  succeeded")),
+        "{text}"
+    );
+    let full = "█".repeat(25);
+    assert!(
+        lines[1].starts_with("  nap    [")
+            && lines[1].contains(&full)
+            && lines[1].contains("100%  succeeded")
+            && lines[1].contains("attempt 1"),
+        "{text}"
+    );
+    assert!(
+        lines[2].starts_with("  after  [") && lines[2].contains("succeeded"),
+        "{text}"
+    );
+    assert!(
+        lines[3].starts_with(&format!("run {run} on-screen: succeeded in ")),
+        "{text}"
+    );
+    w.shutdown().await;
+}
