@@ -581,7 +581,9 @@ impl ArtifactReader {
             return Ok(None);
         }
         let bytes: Option<Vec<u8>> = sqlx::query_scalar(
-            "SELECT substring(content FROM $2 FOR $3) FROM durable.artifact_blobs WHERE sha256 = $1",
+            // bytea values stop below 1 GiB: the offsets fit an integer
+            "SELECT substring(content FROM ($2::bigint)::int FOR ($3::bigint)::int)
+               FROM durable.artifact_blobs WHERE sha256 = $1",
         )
         .bind(&self.info.sha256)
         .bind(self.offset + 1) // substring counts from 1
