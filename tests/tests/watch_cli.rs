@@ -61,7 +61,7 @@ async fn plain_lines_and_the_exit_code_of_a_succeeded_run() {
         "no escape sequences through a pipe: {out:?}"
     );
     assert!(
-        lines.iter().any(|l| *l == "after: waiting on nap"),
+        lines.contains(&"after: waiting on nap"),
         "the waiting step is named with what it waits on: {out}"
     );
     // progress arrives as lines with the fraction and the executor's message
@@ -165,7 +165,7 @@ async fn an_unknown_run_exits_4() {
 /// A pseudo-terminal pair of `cols` × `rows`: (master, slave).
 fn openpty(cols: u16, rows: u16) -> (OwnedFd, OwnedFd) {
     let (mut master, mut slave) = (-1, -1);
-    let mut ws = libc::winsize {
+    let ws = libc::winsize {
         ws_row: rows,
         ws_col: cols,
         ws_xpixel: 0,
@@ -178,7 +178,7 @@ fn openpty(cols: u16, rows: u16) -> (OwnedFd, OwnedFd) {
             &mut slave,
             std::ptr::null_mut(),
             std::ptr::null_mut(),
-            &mut ws,
+            &ws,
         )
     };
     assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
