@@ -1,0 +1,191 @@
+//! `supervisor artifact get` and `supervisor artifact lineage` through the
+//! real binary, on a three-step chain of `demo.artifact` (each step's artifact
+//! derived from its input): the whole lineage back to the first input, the
+//! exact bytes (sha256 checked, across several read chunks), no overwrite
+//! without --force, exit 4 for an unknown artifact.
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tests::{fast_config, go_demo, RunningWorker, TestDb};
+use uuid::Uuid;
+
+fn cli(url: &str, args: &[&str]) -> Output {
+    Command::new(tests::supervisor_bin())
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run supervisor")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_step_chain_shows_its_whole_lineage_and_get_writes_the_exact_bytes() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    // the last artifact is a bit over 2.5 MiB: `get` reads it in three chunks
+    let run = t
+        .submit(json!({"name": "chain", "steps": [
+            {"name": "first", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "a.txt", "content": "0123456789abcdef", "repeat": 65536}},
+            {"name": "second", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "b.txt", "content": "B", "repeat": 3}, "depends_on": ["first"]},
+            {"name": "third", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "c.txt", "content": "xyz", "repeat": 500000}, "depends_on": ["second"]}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(90)).await;
+    assert_eq!(
+        st.state,
+        "succeeded",
+        "{}",
+        serde_json::to_string_pretty(&st).unwrap_or_default()
+    );
+    let art = |step: &str| tests::step(&st, step).artifacts[0].clone();
+    let (a, b, c) = (art("first"), art("second"), art("third"));
+    let mut expect_c = "0123456789abcdef".repeat(65536).into_bytes();
+    expect_c.extend_from_slice(b"BBB");
+    expect_c.extend_from_slice("xyz".repeat(500_000).as_bytes());
+    assert_eq!(c.size, expect_c.len() as i64);
+
+    // lineage --json: c <- b <- a, every node with its step, attempt and run
+    let out = cli(
+        &t.url,
+        &["artifact", "lineage", &c.id.to_string(), "--json"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let j: Value = serde_json::from_slice(&out.stdout).expect("lineage JSON");
+    let mut node = &j;
+    for (want, step) in [(&c, "third"), (&b, "second"), (&a, "first")] {
+        assert_eq!(node["id"], want.id.to_string(), "{j:#}");
+        assert_eq!(node["name"], want.name);
+        assert_eq!(node["sha256"], want.sha256);
+        assert_eq!(node["size"], want.size);
+        assert_eq!(node["step"], step);
+        assert_eq!(node["attempt"], 1);
+        assert_eq!(node["run_id"], run.to_string());
+        let from = node["derived_from"].as_array().expect("derived_from");
+        if step == "first" {
+            assert!(from.is_empty(), "the first input: {j:#}");
+        } else {
+            assert_eq!(from.len(), 1, "{j:#}");
+            node = &from[0];
+        }
+    }
+
+    // lineage as text: a tree of all three, the first input last
+    let out = cli(&t.url, &["artifact", "lineage", &c.id.to_string()]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let tree = text(&out.stdout);
+    let lines: Vec<&str> = tree.lines().collect();
+    assert!(lines[0].starts_with(&format!("c.txt  {}", c.id)), "{tree}");
+    assert!(lines[0].contains("step third attempt 1"), "{tree}");
+    assert!(
+        lines[1].starts_with(&format!("└── b.txt  {}", b.id)),
+        "{tree}"
+    );
+    assert!(
+        lines[2].starts_with(&format!("    └── a.txt  {}", a.id))
+            && lines[2].contains("step first"),
+        "{tree}"
+    );
+    assert!(
+        tree.contains("3 artifacts from 3 steps; first inputs: a.txt"),
+        "{tree}"
+    );
+
+    // get: the exact bytes
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("c.txt");
+    let file_s = file.to_string_lossy().into_owned();
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &c.id.to_string(), "--out", &file_s],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let got = std::fs::read(&file).expect("written file");
+    assert_eq!(got.len(), expect_c.len());
+    assert_eq!(sha256_hex(&got), c.sha256);
+    assert!(got == expect_c, "the bytes are the artifact's");
+    assert!(
+        text(&out.stderr).contains(&c.sha256),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // an existing file is kept unless --force
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &a.id.to_string(), "--out", &file_s],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--force"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(sha256_hex(&std::fs::read(&file).expect("file")), c.sha256);
+    let out = cli(
+        &t.url,
+        &[
+            "artifact",
+            "get",
+            &a.id.to_string(),
+            "--out",
+            &file_s,
+            "--force",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(sha256_hex(&std::fs::read(&file).expect("file")), a.sha256);
+    // no temporary file is left beside it
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec!["c.txt".to_string()]);
+
+    // --out - writes to stdout
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &b.id.to_string(), "--out", "-"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(sha256_hex(&out.stdout), b.sha256);
+
+    // unknown and malformed ids: exit 4, nothing written
+    let missing = dir.path().join("missing");
+    let missing_s = missing.to_string_lossy().into_owned();
+    for id in [Uuid::new_v4().to_string(), "nope".to_string()] {
+        let out = cli(&t.url, &["artifact", "get", &id, "--out", &missing_s]);
+        assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("unknown artifact"),
+            "{}",
+            text(&out.stderr)
+        );
+        let out = cli(&t.url, &["artifact", "lineage", &id]);
+        assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    }
+    assert!(!missing.exists());
+    w.shutdown().await;
+}
