@@ -120,6 +120,10 @@ pub enum Command {
         /// Port of the local cluster started under ./.dev/ when DATABASE_URL is unset.
         #[arg(long, default_value_t = 54330)]
         dev_port: u16,
+        /// Logs on stderr even while the watch view of --submit's run is shown
+        /// (else they go to ./.dev/dev.log).
+        #[arg(short, long)]
+        verbose: bool,
     },
     /// Start each configured executor, handshake, print its capabilities, stop it.
     Executors {
@@ -233,6 +237,51 @@ impl CliError {
     }
 }
 
+/// Whether `dev --submit` shows the watch view: stdout is a terminal and
+/// `-v` was not given.
+fn dev_watches(cli: &Cli) -> bool {
+    use std::io::IsTerminal;
+    matches!(
+        &cli.command,
+        Command::Dev {
+            submit: Some(_),
+            verbose: false,
+            print_config: false,
+            ..
+        }
+    ) && std::io::stdout().is_terminal()
+}
+
+/// `dev` with the watch view logs to ./.dev/dev.log, so log lines do not
+/// tear the bars; `None` (stderr) when that file cannot be opened.
+fn dev_log_file(cli: &Cli) -> Option<std::fs::File> {
+    if !dev_watches(cli) {
+        return None;
+    }
+    let dir = std::env::current_dir().ok()?.join(".dev");
+    std::fs::create_dir_all(&dir).ok()?;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("dev.log"))
+        .ok()
+}
+
+fn init_tracing_to(format: &str, file: std::fs::File) {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(file));
+    let _ = if format == "json" {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
 fn init_tracing(format: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
@@ -248,7 +297,10 @@ fn init_tracing(format: &str) {
 }
 
 pub async fn main_with(cli: Cli) -> ExitCode {
-    init_tracing(&cli.log_format);
+    match dev_log_file(&cli) {
+        Some(file) => init_tracing_to(&cli.log_format, file),
+        None => init_tracing(&cli.log_format),
+    }
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -287,6 +339,7 @@ fn parse_run_id(s: &str) -> Result<Uuid, CliError> {
 }
 
 async fn run(cli: Cli) -> Result<u8, CliError> {
+    let watch_dev = dev_watches(&cli);
     match cli.command {
         Command::Migrate => {
             let db = connect(&cli.database_url, 2, false).await?;
@@ -448,6 +501,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             submit,
             exit_when_idle,
             dev_port,
+            verbose: _,
         } => {
             let cfg = dev_config(&repo_root());
             if print_config {
@@ -477,7 +531,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                 .database_url
                 .clone()
                 .or_else(|| cluster.as_ref().map(|c| c.url.clone()));
-            let result = dev_session(url, cfg, spec, exit_when_idle).await;
+            let result = dev_session(url, cfg, spec, exit_when_idle, watch_dev).await;
             if let Some(c) = cluster {
                 c.stop();
             }
@@ -551,6 +605,7 @@ async fn dev_session(
     cfg: WorkerConfig,
     spec: Option<serde_json::Value>,
     exit_when_idle: bool,
+    watch: bool,
 ) -> Result<u8, CliError> {
     let db = connect(&url, cfg.db_max_connections, false).await?;
     // dev owns its database: it migrates (a plain worker does not)
@@ -564,6 +619,20 @@ async fn dev_session(
         println!("{}", serde_json::json!({ "run_id": id }));
         run_id = Some(id);
     }
+    // on a terminal, the run is shown as `watch` shows it (logs: ./.dev/dev.log)
+    let watcher = match run_id.filter(|_| watch) {
+        Some(id) => {
+            let db = db.clone();
+            Some(tokio::spawn(async move {
+                let opts = crate::watch::WatchOptions::for_stdout(false);
+                let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts).await;
+                if !exit_when_idle && matches!(end, Ok(crate::watch::WatchEnd::Terminal(_))) {
+                    eprintln!("the worker keeps running (Ctrl-C stops it); logs: .dev/dev.log");
+                }
+            }))
+        }
+        None => None,
+    };
     if exit_when_idle {
         let (db2, stop) = (db.clone(), shutdown.clone());
         tokio::spawn(async move {
@@ -583,6 +652,17 @@ async fn dev_session(
     }
     let res = worker.run(shutdown).await;
     crate::process::kill_all_groups();
+    if let Some(w) = watcher {
+        // the run is terminal when the worker stopped idle: let the last frame out
+        if tokio::time::timeout(std::time::Duration::from_secs(2), w)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the watch view did not finish");
+        }
+        res?;
+        return Ok(0);
+    }
     res?;
     if let Some(id) = run_id {
         let st = db.status(id).await?;

@@ -186,6 +186,54 @@ fn openpty(cols: u16, rows: u16) -> (OwnedFd, OwnedFd) {
     unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) }
 }
 
+/// Runs `cmd` with stdin, stdout and stderr on a new pseudo-terminal of
+/// `cols` columns (and a UTF-8 locale, colours allowed) until it exits;
+/// (exit code, everything it wrote).
+async fn in_pty(mut cmd: std::process::Command, cols: u16) -> (Option<i32>, String) {
+    let (master, slave) = openpty(cols, 30);
+    let mut child = cmd
+        .env("RUST_LOG", "info")
+        .env("TERM", "xterm-256color")
+        .env("LANG", "C.UTF-8")
+        .env_remove("LC_ALL")
+        .env_remove("NO_COLOR")
+        .stdin(Stdio::from(slave.try_clone().expect("dup slave")))
+        .stdout(Stdio::from(slave.try_clone().expect("dup slave")))
+        .stderr(Stdio::from(slave))
+        .spawn()
+        .expect("spawn supervisor on a pty");
+    // the parent's copies of the slave go with `cmd`: the child holds the last
+    drop(cmd);
+    // read the master until the child (the last holder of the slave) exits
+    let reader = std::thread::spawn(move || {
+        let mut f = std::fs::File::from(master);
+        let mut all = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match f.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => all.extend_from_slice(&buf[..n]),
+                // EIO: the slave side is closed
+                Err(_) => break,
+            }
+        }
+        all
+    });
+    let until = std::time::Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            panic!("the command on the pty did not end within 90 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let raw = String::from_utf8_lossy(&reader.join().expect("reader")).into_owned();
+    (status.code(), raw)
+}
+
 /// A terminal just good enough for what `watch` writes: printable text, CR,
 /// LF, cursor up (CSI n A), erase line (CSI 2K), erase below (CSI J); other
 /// CSI sequences (colours, cursor visibility) take no room.
@@ -282,48 +330,11 @@ async fn live_bars_in_a_pseudo_terminal() {
         .await;
 
     let cols = 100;
-    let (master, slave) = openpty(cols, 30);
-    let mut child = std::process::Command::new(tests::supervisor_bin())
-        .args(["watch", &run.to_string(), "--interval-ms", "100"])
-        .env("DATABASE_URL", &t.url)
-        .env("RUST_LOG", "error")
-        .env("TERM", "xterm-256color")
-        .env("LANG", "C.UTF-8")
-        .env_remove("LC_ALL")
-        .env_remove("NO_COLOR")
-        .stdin(Stdio::from(slave.try_clone().expect("dup slave")))
-        .stdout(Stdio::from(slave.try_clone().expect("dup slave")))
-        .stderr(Stdio::from(slave))
-        .spawn()
-        .expect("spawn supervisor watch on a pty");
-    // read the master until the child (the last holder of the slave) exits
-    let reader = std::thread::spawn(move || {
-        let mut f = std::fs::File::from(master);
-        let mut all = Vec::new();
-        let mut buf = [0u8; 4096];
-        loop {
-            match f.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => all.extend_from_slice(&buf[..n]),
-                // EIO: the slave side is closed
-                Err(_) => break,
-            }
-        }
-        all
-    });
-    let until = std::time::Instant::now() + Duration::from_secs(90);
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            break s;
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "watch did not end within 90 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let raw = String::from_utf8_lossy(&reader.join().expect("reader")).into_owned();
-    assert_eq!(status.code(), Some(0), "screen output: {raw:?}");
+    let mut cmd = std::process::Command::new(tests::supervisor_bin());
+    cmd.args(["watch", &run.to_string(), "--interval-ms", "100"])
+        .env("DATABASE_URL", &t.url);
+    let (code, raw) = in_pty(cmd, cols).await;
+    assert_eq!(code, Some(0), "screen output: {raw:?}");
 
     // live mode: the cursor hidden while drawing and shown again at the end,
     // colours, and frames drawn over the last
@@ -368,4 +379,49 @@ async fn live_bars_in_a_pseudo_terminal() {
         "{text}"
     );
     w.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_submit_on_a_terminal_shows_the_watch_view_and_logs_to_a_file() {
+    let _serial = tests::exclusive().await;
+    tests::go_executor(); // dev runs the bundled build of it
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"name": "dev-view", "steps": [
+            {"name": "nap", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 1200, "steps": 4}}]})
+        .to_string(),
+    )
+    .expect("write spec");
+    let mut cmd = std::process::Command::new(tests::supervisor_bin());
+    cmd.arg("dev")
+        .arg("--submit")
+        .arg(&spec)
+        .arg("--exit-when-idle")
+        .env("DATABASE_URL", &t.url)
+        .current_dir(dir.path());
+    let (code, raw) = in_pty(cmd, 100).await;
+    assert_eq!(code, Some(0), "screen output: {raw:?}");
+    let mut screen = Screen::new(100);
+    screen.feed(&raw);
+    let text = screen.text();
+    assert!(raw.contains("\x1b[?25l"), "the live view: {raw:?}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("  nap  [") && l.contains("100%  succeeded")),
+        "{text}"
+    );
+    assert!(text.contains("dev-view: succeeded in "), "{text}");
+    assert!(
+        !raw.contains("INFO"),
+        "no log lines between the bars: {raw:?}"
+    );
+    let log = std::fs::read_to_string(dir.path().join(".dev/dev.log")).expect("dev.log");
+    assert!(
+        log.contains(" INFO "),
+        "the worker's log went to the file: {log}"
+    );
 }
