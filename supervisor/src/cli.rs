@@ -511,7 +511,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                 );
                 return Ok(0);
             }
-            crate::dev::check_executors(&cfg)?;
+            crate::dev::ensure_executors(&cfg, &repo_root())?;
             let spec = submit
                 .as_deref()
                 .map(|f| {

@@ -16,6 +16,8 @@ pub enum DevError {
         "the bundled executor {0} is missing: run scripts/setup from the repository root first"
     )]
     MissingExecutor(PathBuf),
+    #[error("building the bundled executors with {script} failed ({status}): it needs Go and Python 3.11 with venv and pip (Debian: apt-get install golang python3-venv); see the output above, fix it and run scripts/setup")]
+    Setup { script: PathBuf, status: String },
 }
 
 /// A local cluster under `dir`, started on `port`.
@@ -139,6 +141,42 @@ impl DevCluster {
 }
 
 /// Checks that the bundled executors of `cfg` exist.
+/// Like [`check_executors`], but builds the bundled executors first when they
+/// are missing and the repository's `scripts/setup` is there (a fresh clone:
+/// `cargo run -p supervisor -- dev` is then the one command to run). Its
+/// output goes to stderr.
+pub fn ensure_executors(cfg: &crate::config::WorkerConfig, root: &Path) -> Result<(), DevError> {
+    if check_executors(cfg).is_ok() {
+        return Ok(());
+    }
+    let script = root.join("scripts/setup");
+    if !script.exists() {
+        return check_executors(cfg);
+    }
+    eprintln!(
+        "the bundled demo executors are not built yet: running {} (once)",
+        script.display()
+    );
+    // through bash (the script is a bash script): nothing execs a file that
+    // may have just been written
+    let status = Command::new("bash")
+        .arg(&script)
+        .current_dir(root)
+        .stdout(std::process::Stdio::from(std::io::stderr()))
+        .status()
+        .map_err(|e| DevError::Setup {
+            script: script.clone(),
+            status: e.to_string(),
+        })?;
+    if !status.success() {
+        return Err(DevError::Setup {
+            script,
+            status: status.to_string(),
+        });
+    }
+    check_executors(cfg)
+}
+
 pub fn check_executors(cfg: &crate::config::WorkerConfig) -> Result<(), DevError> {
     for e in &cfg.executors {
         let p = PathBuf::from(&e.command);
@@ -152,4 +190,43 @@ pub fn check_executors(cfg: &crate::config::WorkerConfig) -> Result<(), DevError
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod ensure_tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn root_with_setup(script: &str) -> (tempfile::TempDir, crate::config::WorkerConfig) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(dir.path().join("scripts")).expect("scripts");
+        let setup = dir.path().join("scripts/setup");
+        std::fs::write(&setup, script).expect("write setup");
+        std::fs::set_permissions(&setup, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let cfg = crate::config::WorkerConfig {
+            executors: vec![crate::config::ExecutorConfig {
+                name: "x".into(),
+                command: dir.path().join("bin/x").to_string_lossy().into_owned(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        (dir, cfg)
+    }
+
+    #[test]
+    fn missing_executors_are_built_by_the_setup_script() {
+        let (dir, cfg) = root_with_setup("#!/bin/sh\nmkdir -p bin && touch bin/x\n");
+        assert!(check_executors(&cfg).is_err());
+        ensure_executors(&cfg, dir.path()).expect("built");
+        assert!(check_executors(&cfg).is_ok());
+    }
+
+    #[test]
+    fn a_failing_setup_says_what_to_install() {
+        let (dir, cfg) = root_with_setup("#!/bin/sh\nexit 3\n");
+        let err = ensure_executors(&cfg, dir.path()).expect_err("setup failed");
+        let msg = err.to_string();
+        assert!(msg.contains("Go") && msg.contains("Python"), "{msg}");
+    }
 }
