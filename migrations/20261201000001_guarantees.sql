@@ -17,10 +17,24 @@
 -- * Refusals are counted (`refusals`) and capped by the worker; a step
 --   released by a draining worker does not count the attempt
 --   (`uncounted_attempts`, subtracted by the retry decision).
+-- * The lease walks only the ready steps of the routes it asks for, in queue
+--   order (`step_runs_route`), and a step that starts running recomputes its
+--   run only while the run is still `pending`.
 
 ALTER TABLE durable.step_runs
     ADD COLUMN refusals integer NOT NULL DEFAULT 0 CHECK (refusals >= 0),
     ADD COLUMN uncounted_attempts integer NOT NULL DEFAULT 0 CHECK (uncounted_attempts >= 0);
+
+-- The lease used to find every ready step (a bitmap scan of the whole queue
+-- index), check each one's run for a cancel request and sort them all before
+-- taking `limit`: O(backlog) per lease (measured: 2,000 ready steps, 10 ms and
+-- 6,000 buffer hits per lease). With this index the lease is one ordered
+-- index scan per route that stops after `limit` rows. The queue-order index
+-- it replaces goes: the planner preferred it and filtered by kind, walking
+-- over every older ready step of other kinds.
+CREATE INDEX step_runs_route ON durable.step_runs (executor_kind, kind, next_attempt_at)
+    WHERE state IN ('pending', 'retryable_failed');
+DROP INDEX durable.step_runs_queue;
 
 -- ---------------------------------------------------------------------------
 -- run recompute: FOR NO KEY UPDATE
@@ -104,7 +118,11 @@ BEGIN
           FROM sib WHERE s.id = sib.id;
     END IF;
 
-    IF NEW.state = 'running' OR durable.step_state_is_terminal(NEW.state) THEN
+    -- a step that starts running can only move a `pending` run (to running):
+    -- a run already running needs no recompute (no scan of its steps)
+    IF (NEW.state = 'running' AND EXISTS (SELECT 1 FROM durable.workflow_runs
+                                           WHERE id = NEW.run_id AND state = 'pending'))
+       OR durable.step_state_is_terminal(NEW.state) THEN
         PERFORM durable.recompute_run(NEW.run_id, 'step ' || NEW.name || ' ' || NEW.state);
     END IF;
     RETURN NULL;
