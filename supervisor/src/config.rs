@@ -321,6 +321,24 @@ impl WorkerConfig {
 
     /// Checks every range and cross-field rule; the message names the key,
     /// its value and what to change.
+    /// The rule that lets the lease clock stop a child before its lease can
+    /// expire: `cancel_grace_ms + term_grace_ms + 2 * heartbeat_interval_ms`
+    /// must fit in `lease_ttl_ms`. Checked by `validate` and again by
+    /// `Worker::start` (a config built in code is not validated).
+    pub fn check_stop_budget(&self) -> Result<(), String> {
+        let stop = self
+            .cancel_grace_ms
+            .saturating_add(self.term_grace_ms)
+            .saturating_add(self.heartbeat_interval_ms.saturating_mul(2));
+        if stop > self.lease_ttl_ms {
+            return Err(format!(
+                "cancel_grace_ms ({}) + term_grace_ms ({}) + 2 * heartbeat_interval_ms ({}) = {stop} must fit in lease_ttl_ms ({}): a child must be stopped before its lease can expire. Raise lease_ttl_ms or shorten the graces",
+                self.cancel_grace_ms, self.term_grace_ms, self.heartbeat_interval_ms, self.lease_ttl_ms
+            ));
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         for (key, value) in [
@@ -376,13 +394,7 @@ impl WorkerConfig {
         if self.executors.is_empty() {
             return bad("no [[executors]]: a worker needs at least one".into());
         }
-        let stop = self.cancel_grace_ms + self.term_grace_ms + 2 * self.heartbeat_interval_ms;
-        if stop > self.lease_ttl_ms {
-            return bad(format!(
-                "cancel_grace_ms ({}) + term_grace_ms ({}) + 2 * heartbeat_interval_ms ({}) = {stop} must fit in lease_ttl_ms ({}): a child must be stopped before its lease can expire. Raise lease_ttl_ms or shorten the graces",
-                self.cancel_grace_ms, self.term_grace_ms, self.heartbeat_interval_ms, self.lease_ttl_ms
-            ));
-        }
+        self.check_stop_budget().map_err(ConfigError::Invalid)?;
         let concurrency: u32 = self
             .executors
             .iter()

@@ -29,6 +29,20 @@ async fn lease_all(db: &Db, wid: Uuid, n: u32) -> Vec<LeasedStep> {
         .expect("lease")
 }
 
+/// An attempt's failure with code X.
+fn failure(retryable: bool) -> supervisor::db::FailureReport {
+    supervisor::db::FailureReport {
+        failure: supervisor::state::Failure {
+            code: "X".into(),
+            retryable,
+            next_retry_delay: None,
+        },
+        message: "x".into(),
+        details: None,
+        sequence: None,
+    }
+}
+
 fn two_step_chain() -> serde_json::Value {
     json!({"name": "chain", "steps": [
         {"name": "a", "executor_kind": "go", "kind": "k"},
@@ -282,17 +296,9 @@ async fn mixed_writers_do_not_deadlock() {
                 let n = held.len() / 2;
                 for s in held.drain(..n) {
                     let r = if round % 2 == 0 {
-                        let report = supervisor::db::FailureReport {
-                            failure: supervisor::state::Failure {
-                                code: "X".into(),
-                                retryable: false,
-                                next_retry_delay: None,
-                            },
-                            message: "x".into(),
-                            details: None,
-                            sequence: None,
-                        };
-                        db.fail(&s.lease, "w", &report, 0.5).await.map(|_| ())
+                        db.fail(&s.lease, "w", &failure(false), 0.5)
+                            .await
+                            .map(|_| ())
                     } else {
                         match db
                             .mark_running(&s.lease, "w", 1, &tests::accepted_event())
@@ -390,17 +396,10 @@ async fn a_released_attempt_is_not_counted() {
     // leasable at once, and a failure of the next attempt is judged as attempt 1
     let s2 = lease_all(&t.db, wid, 1).await.remove(0);
     assert_eq!(s2.lease.attempt(), 2, "attempt numbers stay unique");
-    let report = supervisor::db::FailureReport {
-        failure: supervisor::state::Failure {
-            code: "X".into(),
-            retryable: true,
-            next_retry_delay: None,
-        },
-        message: "x".into(),
-        details: None,
-        sequence: None,
-    };
-    let d = t.db.fail(&s2.lease, "w", &report, 0.5).await.expect("fail");
+    let d =
+        t.db.fail(&s2.lease, "w", &failure(true), 0.5)
+            .await
+            .expect("fail");
     assert!(
         d.reason.contains("attempts exhausted (1/1)"),
         "the released attempt was counted: {}",

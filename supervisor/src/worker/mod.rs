@@ -359,6 +359,12 @@ impl Worker {
         let poll = Duration::from_millis(cfg.poll_interval_ms);
         let ttl = Duration::from_millis(cfg.lease_ttl_ms);
         while !shutdown.is_cancelled() {
+            // a vital loop that ended is noticed on every pass, also while a
+            // backlog keeps the loop from ever waiting below
+            if let Some(res) = vital.try_join_next() {
+                died = Some(vital_loop_died(res, &shared));
+                break;
+            }
             let mut leased_any_full = false;
             for exec in &self.executors {
                 let running = exec.running.load(Ordering::SeqCst);
@@ -440,15 +446,8 @@ impl Worker {
                 _ = self.wake.notified() => {}
                 _ = slot_freed.notified() => {}
                 _ = tokio::time::sleep(poll) => {}
-                which = vital.join_next() => {
-                    let name = match which {
-                        Some(Ok(name)) => name,
-                        Some(Err(e)) => { error!(error = %e, "a worker loop panicked"); "heartbeat or reclaim" }
-                        None => "heartbeat",
-                    };
-                    error!(loop_name = name, "a vital worker loop stopped: stopping every attempt");
-                    died = Some(name);
-                    shared.abort.cancel();
+                Some(res) = vital.join_next() => {
+                    died = Some(vital_loop_died(res, &shared));
                     break;
                 }
             }
@@ -470,11 +469,8 @@ impl Worker {
                     warn!(running = attempts.len(), "drain timeout: stopping running attempts");
                     shared.abort.cancel();
                 }
-                which = vital.join_next(), if died.is_none() && !vital.is_empty() => {
-                    let name = match which { Some(Ok(n)) => n, _ => "heartbeat or reclaim" };
-                    error!(loop_name = name, "a vital worker loop stopped while draining: stopping every attempt");
-                    died = Some(name);
-                    shared.abort.cancel();
+                Some(res) = vital.join_next(), if died.is_none() => {
+                    died = Some(vital_loop_died(res, &shared));
                 }
             }
         }
@@ -507,17 +503,32 @@ impl Worker {
     }
 }
 
+/// A vital loop (heartbeat, reclaim) ended before it was told to: log it and
+/// stop every attempt (no child may run on without renewed leases).
+fn vital_loop_died(
+    res: Result<&'static str, tokio::task::JoinError>,
+    shared: &Shared,
+) -> &'static str {
+    let name = match res {
+        Ok(name) => name,
+        Err(e) => {
+            error!(error = %e, "a vital worker loop panicked");
+            "heartbeat or reclaim"
+        }
+    };
+    error!(
+        loop_name = name,
+        "a vital worker loop stopped: stopping every attempt"
+    );
+    shared.abort.cancel();
+    name
+}
+
 /// Checks at start what would otherwise surface as the steps' failures:
 /// the stop budget fits in the lease, the pool is not smaller than what the
 /// concurrency needs, the work directory is writable.
 fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
-    let budget = cfg.cancel_grace_ms + cfg.term_grace_ms + 2 * cfg.heartbeat_interval_ms;
-    if budget > cfg.lease_ttl_ms {
-        return Err(WorkerError::Setup(format!(
-            "cancel_grace_ms ({}) + term_grace_ms ({}) + 2 * heartbeat_interval_ms ({}) = {budget} ms exceeds lease_ttl_ms ({}): a child could not be stopped before its lease expires. Raise lease_ttl_ms or shorten the graces",
-            cfg.cancel_grace_ms, cfg.term_grace_ms, cfg.heartbeat_interval_ms, cfg.lease_ttl_ms
-        )));
-    }
+    cfg.check_stop_budget().map_err(WorkerError::Setup)?;
     let conns = db.pool().options().get_max_connections();
     let concurrency: u32 = cfg.executors.iter().map(|e| e.concurrency).sum();
     if conns < 2 {
