@@ -45,7 +45,7 @@ pub enum WorkerError {
 }
 
 /// How long any single database call of the worker may take (the heartbeat
-/// has its own, tighter bound: its interval).
+/// has its own bound: see `heartbeat_timeout`).
 pub(crate) const DB_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the heartbeat tells a running attempt.
@@ -292,7 +292,7 @@ impl Worker {
         )
         .await?;
         info!(schema_version = version, "schema checked");
-        let hb_db = db.dedicated(Duration::from_millis(cfg.heartbeat_interval_ms));
+        let hb_db = db.dedicated(heartbeat_timeout(&cfg));
         Ok(Worker {
             shared: Arc::new(Shared {
                 db,
@@ -503,6 +503,15 @@ impl Worker {
     }
 }
 
+/// How long one renewal may take. A renewal counts from its send time, so a
+/// slow one that succeeds is still worth having: cutting it at one interval
+/// (as first built) threw valid renewals away on a loaded host and let lease
+/// clocks run out. Half the TTL still leaves the lease clock to stop children
+/// in time when the database is really gone.
+fn heartbeat_timeout(cfg: &WorkerConfig) -> Duration {
+    Duration::from_millis(cfg.heartbeat_interval_ms.max(cfg.lease_ttl_ms / 2))
+}
+
 /// A vital loop (heartbeat, reclaim) ended before it was told to: log it and
 /// stop every attempt (no child may run on without renewed leases).
 fn vital_loop_died(
@@ -564,17 +573,21 @@ fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
 async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: CancellationToken) {
     let interval = Duration::from_millis(shared.cfg.heartbeat_interval_ms);
     let ttl = Duration::from_millis(shared.cfg.lease_ttl_ms);
+    // a fixed schedule from each send time: a slow renewal does not add its
+    // own duration to the gap between renewals (the lease clock's slack)
+    let mut next = Instant::now() + interval;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
+            _ = tokio::time::sleep_until(next) => {}
             _ = now.notified() => {}
         }
         crate::fault::maybe_kill_heartbeat(&shared.name);
         let leases: Vec<Lease> = shared.leases().values().map(|e| e.lease.clone()).collect();
         let sent = Instant::now();
+        next = sent + interval;
         match bounded(
-            interval,
+            heartbeat_timeout(&shared.cfg),
             "renewing leases",
             shared.hb_db.heartbeat(shared.id, &leases, ttl),
         )
