@@ -9,9 +9,13 @@
 //! child runs. Times for leases come from the database clock (`now()`).
 
 mod inspect;
+mod ledger;
 pub use inspect::{
     ArtifactInfo, ArtifactReader, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary,
     WatchRun, WatchStep,
+};
+pub use ledger::{
+    Batch, BatchOutcome, CompleteWrite, EventsWrite, OwnedEvent, RowOutcome, StartWrite,
 };
 
 use std::collections::BTreeMap;
@@ -56,6 +60,13 @@ pub enum DbError {
     NotFound(String),
     #[error("the lease on step {step_run_id} is lost (another owner, expired, or the step moved on); the outcome is discarded")]
     LeaseLost { step_run_id: Uuid },
+    /// The database refused one row of a batch (its own subtransaction).
+    #[error("the database refused this write ({sqlstate}): {message}")]
+    Refused { sqlstate: String, message: String },
+    /// A write that could not be done now and may be tried again (the
+    /// worker's ledger stopped, or a batch failed as a whole).
+    #[error("{context}; the write is retried while the lease allows")]
+    Retry { context: &'static str },
     #[error("corrupt row: {0}")]
     Corrupt(String),
     #[error("the database did not answer within {ms} ms while {context}")]
@@ -74,6 +85,7 @@ impl DbError {
                 source: sqlx::Error::Database(d),
                 ..
             } => d.code().map(|c| c.into_owned()),
+            DbError::Refused { sqlstate, .. } => Some(sqlstate.clone()),
             _ => None,
         }
     }
@@ -88,7 +100,8 @@ impl DbError {
             DbError::Connect { source, .. } | DbError::Query { source, .. } => {
                 sqlx_is_transient(source)
             }
-            DbError::Timeout { .. } => true,
+            DbError::Timeout { .. } | DbError::Retry { .. } => true,
+            DbError::Refused { sqlstate, .. } => sqlstate_is_transient(sqlstate),
             _ => false,
         }
     }

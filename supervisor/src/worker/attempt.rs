@@ -31,14 +31,18 @@ use tokio::time::Instant;
 use tracing::{debug, error, info, warn, Instrument};
 use uuid::Uuid;
 
+mod machine;
+
+use machine::*;
+
 use super::{Control, ExecutorRuntime, LeaseView, Shared, DB_CALL_TIMEOUT};
-use crate::db::{bounded, DbError, FailureReport, Lease, LeasedStep, NewArtifact, NewEvent};
+use crate::db::{
+    bounded, CompleteWrite, DbError, EventsWrite, FailureReport, Lease, LeasedStep, NewArtifact,
+    NewEvent, OwnedEvent, StartWrite,
+};
 use crate::process::Child;
 use crate::state::Failure;
-use crate::wire::{
-    self, CancelReason, EventKind, FromExecutor, HandshakeError, Hello, JobError, JobResult,
-    ToExecutor, WireError,
-};
+use crate::wire::{self, FromExecutor, HandshakeError, Hello, JobResult, ToExecutor, WireError};
 
 /// After the leader exited, how long stdout may stay idle before we stop
 /// reading (a grandchild may hold the pipe open, so EOF may never come) ...
@@ -49,8 +53,6 @@ const EXIT_DRAIN_MAX: Duration = Duration::from_secs(2);
 const EXIT_DRAIN_MAX_FRAMES: usize = 1024;
 /// Intents queued between the attempt's loop and its writer task.
 const WRITER_QUEUE: usize = 256;
-/// Codes that mean "this executor cannot run this job" (not "the job failed").
-const REFUSAL_CODES: [&str; 3] = ["UNSUPPORTED_KIND", "EXECUTOR_REFUSED", "EXECUTOR_BUSY"];
 
 /// How an attempt ended, before it is committed.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,13 +112,6 @@ impl Outcome {
             Outcome::Abandoned { .. } => "abandoned (lease lost)".into(),
         }
     }
-}
-
-/// The terminal frame a job ended with.
-#[derive(Debug, Clone, PartialEq)]
-enum Terminal {
-    Result(JobResult),
-    Error(JobError),
 }
 
 /// Runs one attempt to the end and commits its outcome. A panic inside the
@@ -600,36 +595,8 @@ fn instant_in(ms: i64) -> Option<Instant> {
     Instant::now().checked_add(Duration::from_millis(ms.max(0) as u64))
 }
 
-fn wire_failure(e: &WireError) -> (&'static str, String) {
-    match e {
-        WireError::TooLarge { len, cap } => (
-            "PROTOCOL_FRAME_TOO_LARGE",
-            format!("the executor announced a frame of {len} bytes; the cap is {cap}"),
-        ),
-        WireError::Truncated { buffered, .. } => (
-            "PROTOCOL_MALFORMED_FRAME",
-            format!("the executor's stdout ended inside a frame ({buffered} bytes buffered)"),
-        ),
-        WireError::Malformed { reason, .. } => (
-            "PROTOCOL_MALFORMED_FRAME",
-            format!("the executor wrote bytes that are not a valid frame: {reason}"),
-        ),
-        WireError::Io(e) => (
-            "EXECUTOR_CRASHED",
-            format!("reading the executor's stdout failed: {e}"),
-        ),
-    }
-}
-
 // ---------------------------------------------------------------------------
 // the writer: one task per attempt, the only one that writes its progress
-
-/// What the attempt's loop asks its writer to persist, in order.
-#[derive(Debug)]
-enum Intent {
-    Start { pid: i32, event: wire::Event },
-    Event(wire::Event),
-}
 
 /// The attempt's writer task and the bounded queue to it.
 struct Writer {
@@ -638,9 +605,14 @@ struct Writer {
 }
 
 impl Writer {
-    fn spawn(shared: Arc<Shared>, lease: Lease, control: watch::Receiver<LeaseView>) -> Writer {
+    fn spawn(
+        shared: Arc<Shared>,
+        run_id: Uuid,
+        lease: Lease,
+        control: watch::Receiver<LeaseView>,
+    ) -> Writer {
         let (tx, rx) = mpsc::channel(WRITER_QUEUE);
-        let task = tokio::spawn(write_loop(shared, lease, rx, control).in_current_span());
+        let task = tokio::spawn(write_loop(shared, run_id, lease, rx, control).in_current_span());
         Writer { tx, task }
     }
 
@@ -683,6 +655,7 @@ impl Writer {
 
 async fn write_loop(
     shared: Arc<Shared>,
+    run_id: Uuid,
     lease: Lease,
     mut rx: mpsc::Receiver<Intent>,
     control: watch::Receiver<LeaseView>,
@@ -694,9 +667,14 @@ async fn write_loop(
             let res = match &buf[i] {
                 Intent::Start { pid, event } => {
                     i += 1;
-                    let ev = new_event(event);
+                    let w = StartWrite {
+                        run_id,
+                        lease: lease.clone(),
+                        pid: *pid,
+                        event: owned_event(event),
+                    };
                     retrying(&control, "recording the start", || {
-                        shared.db.mark_running(&lease, &shared.name, *pid, &ev)
+                        shared.ledger.start(w.clone())
                     })
                     .await
                 }
@@ -713,13 +691,25 @@ async fn write_loop(
                             Intent::Start { .. } => None,
                         })
                         .collect();
-                    let evs: Vec<NewEvent<'_>> =
-                        coalesce(&run).into_iter().map(new_event).collect();
+                    let kept = coalesce(&run);
                     i = end;
-                    retrying(&control, "recording progress events", || {
-                        shared.db.record_events(&lease, &evs)
-                    })
-                    .await
+                    if kept.iter().any(|e| e.checkpoint.is_some()) {
+                        // a checkpoint rewrites the step row: a write of its own
+                        let evs: Vec<NewEvent<'_>> = kept.into_iter().map(new_event).collect();
+                        retrying(&control, "recording progress events", || {
+                            shared.db.record_events(&lease, &evs)
+                        })
+                        .await
+                    } else {
+                        let w = EventsWrite {
+                            lease: lease.clone(),
+                            events: kept.into_iter().map(owned_event).collect(),
+                        };
+                        retrying(&control, "recording progress events", || {
+                            shared.ledger.events(w.clone())
+                        })
+                        .await
+                    }
                 }
             };
             match res {
@@ -735,21 +725,6 @@ async fn write_loop(
         }
         buf.clear();
     }
-}
-
-/// What of a run of queued events is written: every event that carries a
-/// checkpoint or is not plain progress, and of the plain progress events
-/// (no checkpoint) only the latest — when the database is slower than the
-/// executor, progress is coalesced instead of queued without end. In order.
-fn coalesce<'a>(events: &[&'a wire::Event]) -> Vec<&'a wire::Event> {
-    let plain = |e: &wire::Event| e.kind == EventKind::Progress && e.checkpoint.is_none();
-    let last_plain = events.iter().rposition(|e| plain(e));
-    events
-        .iter()
-        .enumerate()
-        .filter(|(i, e)| !plain(e) || Some(*i) == last_plain)
-        .map(|(_, e)| *e)
-        .collect()
 }
 
 /// Runs a write, retrying transient errors while the lease clock says the
@@ -774,277 +749,6 @@ where
             }
             Err(e) => return Err(e),
         }
-    }
-}
-
-// ---------------------------------------------------------------------------
-// frames: pure checks
-
-/// What the attempt's loop knows of the job's frames so far.
-#[derive(Debug, Default)]
-struct FrameState {
-    accepted: bool,
-    last_seq: u64,
-}
-
-#[derive(Debug)]
-enum FrameVerdict {
-    Continue,
-    Write(Intent),
-    Terminal(Terminal),
-    Impose(Outcome),
-}
-
-/// A protocol violation (logged, redacted, with the attempt's outcome).
-fn violation(code: &str, msg: String) -> FrameVerdict {
-    FrameVerdict::Impose(Outcome::failed(code, false, msg))
-}
-
-/// Checks one frame of a running job. Pure: what to write is returned, not done.
-fn on_frame(st: &mut FrameState, job: &wire::Job, pid: i32, frame: FromExecutor) -> FrameVerdict {
-    let (job_id, seq) = match &frame {
-        FromExecutor::Event(e) => (e.job_id.as_str(), e.sequence),
-        FromExecutor::Result(r) => (r.job_id.as_str(), r.sequence),
-        FromExecutor::Error(e) => (e.job_id.as_str(), e.sequence),
-        other => {
-            return violation(
-                "PROTOCOL_UNEXPECTED_FRAME",
-                format!("unexpected {} during a job", other.name()),
-            )
-        }
-    };
-    if job_id != job.job_id {
-        return violation(
-            "PROTOCOL_UNEXPECTED_FRAME",
-            format!(
-                "frame for job {job_id:?} while running job {:?}",
-                job.job_id
-            ),
-        );
-    }
-    if seq <= st.last_seq {
-        return violation(
-            "PROTOCOL_SEQUENCE_REGRESSION",
-            format!("sequence {seq} after {}", st.last_seq),
-        );
-    }
-    // text the database cannot store (a NUL) is refused here, at the wire,
-    // with its own code, instead of failing the commit later
-    if let Some(field) = wire::text_problem(&frame) {
-        return violation(
-            "PROTOCOL_INVALID_TEXT",
-            format!("{field} contains a NUL character, which cannot be stored"),
-        );
-    }
-    st.last_seq = seq;
-    match frame {
-        FromExecutor::Event(e) => {
-            if !st.accepted {
-                if e.kind != EventKind::Accepted {
-                    return violation(
-                        "PROTOCOL_UNEXPECTED_FRAME",
-                        format!("{} event before accepted", e.kind.as_str()),
-                    );
-                }
-                st.accepted = true;
-                return FrameVerdict::Write(Intent::Start { pid, event: e });
-            }
-            if e.kind == EventKind::Accepted {
-                return violation(
-                    "PROTOCOL_UNEXPECTED_FRAME",
-                    "a second accepted event".into(),
-                );
-            }
-            if e.kind == EventKind::Heartbeat && e.checkpoint.is_none() {
-                // liveness only: the worker's batched heartbeat keeps the lease
-                return FrameVerdict::Continue;
-            }
-            FrameVerdict::Write(Intent::Event(e))
-        }
-        FromExecutor::Result(r) => {
-            if !st.accepted {
-                return violation(
-                    "PROTOCOL_UNEXPECTED_FRAME",
-                    "a result before accepted".into(),
-                );
-            }
-            FrameVerdict::Terminal(Terminal::Result(r))
-        }
-        FromExecutor::Error(e) => FrameVerdict::Terminal(Terminal::Error(e)),
-        _ => FrameVerdict::Continue,
-    }
-}
-
-/// What decides an attempt once its child is gone.
-#[derive(Debug, PartialEq)]
-enum Verdict {
-    Outcome(Outcome),
-    /// A result to verify (artifacts on disk) before it becomes the outcome.
-    Verify(JobResult),
-}
-
-/// The precedence of outcomes, in one pure function:
-/// 1. a frame after the terminal overrides everything;
-/// 2. an outcome the supervisor imposed (timeout, deadline, lost lease,
-///    shutdown, violation) wins over the executor's terminal — except a
-///    cancel answered by a result within the grace: the work was done, the
-///    result is kept;
-/// 3. a result is verified;
-/// 4. an error before `accepted` is a refusal when it says "this executor
-///    can't" (a refusal code, or retryable), else a failure (a non-retryable
-///    error is terminal: respawning will not fix it);
-/// 5. `CANCELLED` confirms our own cancel; without one it is a failure;
-/// 6. no terminal at all: the executor crashed.
-fn precedence(
-    imposed: Option<Outcome>,
-    terminal: Option<Terminal>,
-    accepted: bool,
-    own_cancel: bool,
-    after_terminal_violation: bool,
-    exit_text: &str,
-) -> Verdict {
-    if after_terminal_violation {
-        return Verdict::Outcome(Outcome::failed(
-            "PROTOCOL_FRAME_AFTER_TERMINAL",
-            false,
-            "the executor wrote a frame after its terminal",
-        ));
-    }
-    match (imposed, terminal) {
-        (Some(Outcome::Cancelled { .. }), Some(Terminal::Result(r))) => Verdict::Verify(r),
-        (Some(o), _) => Verdict::Outcome(o),
-        (None, Some(Terminal::Result(r))) => Verdict::Verify(r),
-        (None, Some(Terminal::Error(e))) => {
-            if !accepted {
-                if REFUSAL_CODES.contains(&e.code.as_str()) || e.code.is_empty() || e.retryable {
-                    Verdict::Outcome(Outcome::Refused {
-                        code: if e.code.is_empty() {
-                            "EXECUTOR_REFUSED".into()
-                        } else {
-                            e.code
-                        },
-                        message: e.message,
-                    })
-                } else {
-                    Verdict::Outcome(executor_failure(e))
-                }
-            } else if e.code == "CANCELLED" && own_cancel {
-                Verdict::Outcome(Outcome::Cancelled { message: e.message })
-            } else {
-                // includes CANCELLED without a cancel request: an executor may
-                // not cancel on its own, so that is a failure with its code
-                Verdict::Outcome(executor_failure(e))
-            }
-        }
-        (None, None) => Verdict::Outcome(Outcome::failed(
-            "EXECUTOR_CRASHED",
-            true,
-            format!("the executor ended without a terminal ({exit_text})"),
-        )),
-    }
-}
-
-/// Codes only the supervisor (or the reclaimer) gives: its own verdicts. An
-/// executor that reports one is not believed (it cannot make its failure look
-/// like a lease expiry, a timeout or a shutdown).
-pub(crate) const RESERVED_CODES: &[&str] = &[
-    "LEASE_EXPIRED",
-    "LEASE_LOST",
-    "HEARTBEAT_TIMEOUT",
-    "ATTEMPT_TIMEOUT",
-    "DEADLINE_EXCEEDED",
-    "WORKER_SHUTDOWN",
-    "EXECUTOR_CRASHED",
-    "HANDSHAKE_FAILED",
-    "SPAWN_FAILED",
-    "SECRET_UNAVAILABLE",
-    "SECRET_NOT_ALLOWED",
-    "WORK_DIR_UNAVAILABLE",
-    "INPUT_UNAVAILABLE",
-    "COMMIT_REJECTED",
-    "SUPERVISOR_PANIC",
-    "EXECUTOR_ERROR",
-    "PROTOCOL_MALFORMED_FRAME",
-    "PROTOCOL_FRAME_TOO_LARGE",
-    "PROTOCOL_SEQUENCE_REGRESSION",
-    "PROTOCOL_FRAME_AFTER_TERMINAL",
-    "PROTOCOL_UNEXPECTED_FRAME",
-    "PROTOCOL_INVALID_TEXT",
-];
-
-fn is_reserved(code: &str) -> bool {
-    RESERVED_CODES.contains(&code)
-}
-
-/// An executor's error as a failed outcome. An empty code is
-/// `EXECUTOR_ERROR`; a code the supervisor reserves is rewritten to
-/// `EXECUTOR_ERROR`, the reported code kept in `details.reported_code`.
-fn executor_failure(e: JobError) -> Outcome {
-    let mut details = parse_details(&e.details);
-    let code = if e.code.is_empty() {
-        "EXECUTOR_ERROR".to_string()
-    } else if is_reserved(&e.code) {
-        let mut d = match details.take() {
-            Some(serde_json::Value::Object(m)) => m,
-            Some(other) => {
-                let mut m = serde_json::Map::new();
-                m.insert("details".into(), other);
-                m
-            }
-            None => serde_json::Map::new(),
-        };
-        d.insert(
-            "reported_code".into(),
-            serde_json::Value::String(e.code.clone()),
-        );
-        details = Some(serde_json::Value::Object(d));
-        "EXECUTOR_ERROR".to_string()
-    } else {
-        e.code
-    };
-    Outcome::Failed {
-        code,
-        message: e.message,
-        retryable: e.retryable,
-        details,
-        next_retry_delay_ms: e.next_retry_delay_ms,
-        sequence: Some(e.sequence),
-    }
-}
-
-fn parse_details(bytes: &[u8]) -> Option<serde_json::Value> {
-    if bytes.is_empty() {
-        return None;
-    }
-    let v = serde_json::from_slice(bytes).unwrap_or_else(|_| {
-        serde_json::json!({"unparsed": String::from_utf8_lossy(&bytes[..bytes.len().min(4096)])})
-    });
-    // jsonb cannot hold a NUL: details are evidence, so they are kept, cleaned
-    Some(without_nul(v))
-}
-
-/// A JSON value with every NUL character replaced (U+FFFD).
-fn without_nul(v: serde_json::Value) -> serde_json::Value {
-    use serde_json::Value;
-    match v {
-        Value::String(s) => Value::String(s.replace('\0', "\u{fffd}")),
-        Value::Array(a) => Value::Array(a.into_iter().map(without_nul).collect()),
-        Value::Object(m) => Value::Object(
-            m.into_iter()
-                .map(|(k, x)| (k.replace('\0', "\u{fffd}"), without_nul(x)))
-                .collect(),
-        ),
-        other => other,
-    }
-}
-
-fn has_nul(v: &serde_json::Value) -> bool {
-    use serde_json::Value;
-    match v {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(a) => a.iter().any(has_nul),
-        Value::Object(m) => m.iter().any(|(k, x)| k.contains('\0') || has_nul(x)),
-        _ => false,
     }
 }
 
@@ -1137,217 +841,79 @@ async fn converse(
 
     // --- the job
     write_frame(&mut stdin, &ToExecutor::Job(Box::new(job.clone()))).await;
-
     let silence = step.heartbeat_timeout_ms.filter(|&ms| ms > 0);
-    let mut silence_at = silence.and_then(instant_in);
-    let attempt_end = step.timeout_ms.and_then(instant_in);
-    let deadline_at = step
-        .deadline
-        .and_then(|d| instant_in((d - Utc::now()).num_milliseconds()));
+    let clocks = Clocks {
+        attempt_end: step.timeout_ms.and_then(instant_in),
+        deadline_at: step
+            .deadline
+            .and_then(|d| instant_in((d - Utc::now()).num_milliseconds())),
+        silence,
+        silence_at: silence.and_then(instant_in),
+        grace: Duration::from_millis(cfg.cancel_grace_ms),
+        grace_until: None,
+        drain: None,
+    };
+    let machine = Machine::new(
+        &job.job_id,
+        child.pid,
+        persistent,
+        Limits {
+            timeout_ms: step.timeout_ms,
+            silence_ms: silence,
+        },
+    );
+    let writer = Writer::spawn(
+        shared.clone(),
+        step.run_id,
+        step.lease.clone(),
+        control.clone(),
+    );
+    let mut conv = Conversation {
+        shared,
+        child,
+        frames,
+        stdin,
+        control,
+        budget,
+        redactor,
+        writer,
+        clocks,
+        cancel_grace_ms: cfg.cancel_grace_ms,
+        job_id: &job.job_id,
+    };
+    let (machine, finish) = conv.drive(machine).await;
+    let Conversation {
+        stdin,
+        writer,
+        child,
+        ..
+    } = conv;
 
-    let writer = Writer::spawn(shared.clone(), step.lease.clone(), control.clone());
-    let mut fs = FrameState::default();
-    let mut terminal: Option<Terminal> = None;
-    // the outcome the supervisor imposes (timeout, cancel, lost lease, violation)
-    let mut imposed: Option<Outcome> = None;
-    let mut cancel_reason: Option<CancelReason> = None;
-    let mut after_terminal_violation = false;
-    let pid = child.pid;
-
-    // --- phase 1: until a terminal, a violation, or a reason to stop.
-    // Biased: control inputs first, frames last, so a chatty executor can
-    // never starve a cancel, a timeout, the deadline or the shutdown.
-    loop {
-        let room = writer.has_room();
-        tokio::select! {
-            biased;
-            _ = shared.abort.cancelled() => {
-                imposed = Some(Outcome::Released { message: "the worker shut down while the attempt ran".into() });
-                cancel_reason = Some(CancelReason::Shutdown);
-                break;
-            }
-            c = until_stopped(control, budget) => {
-                match c {
-                    Control::Run => continue,
-                    Control::Cancel => {
-                        imposed = Some(Outcome::Cancelled { message: "cancelled on request".into() });
-                        cancel_reason = Some(CancelReason::Requested);
-                    }
-                    Control::LeaseLost => {
-                        imposed = Some(Outcome::Abandoned { why: "the lease was lost (or could not be renewed in time) while the executor ran".into() });
-                        cancel_reason = Some(CancelReason::LeaseLost);
-                    }
-                }
-                break;
-            }
-            _ = sleep_opt(deadline_at) => {
-                imposed = Some(Outcome::failed("DEADLINE_EXCEEDED", false, "the step deadline passed during the attempt"));
-                cancel_reason = Some(CancelReason::Deadline);
-                break;
-            }
-            _ = sleep_opt(attempt_end) => {
-                imposed = Some(Outcome::failed("ATTEMPT_TIMEOUT", true,
-                    format!("the attempt ran past timeout_ms = {}", step.timeout_ms.unwrap_or(0))));
-                cancel_reason = Some(CancelReason::AttemptTimeout);
-                break;
-            }
-            _ = sleep_opt(silence_at) => {
-                imposed = Some(Outcome::failed("HEARTBEAT_TIMEOUT", true,
-                    format!("no frame from the executor for {} ms", silence.unwrap_or(0))));
-                cancel_reason = Some(CancelReason::AttemptTimeout);
-                break;
-            }
-            res = child.exited(), if !child.has_exited() => {
-                if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
-                // its last frames may still be in the pipe: those before a
-                // stream error count, then the error does
-                let (rest, stream_error) = match drain_after_exit(frames).await {
-                    Drained::Frames(v) => (v, None),
-                    Drained::Error(v, e) => (v, Some(e)),
-                };
-                let mut rest = rest.into_iter();
-                for f in rest.by_ref() {
-                    match on_frame(&mut fs, job, pid, f) {
-                        FrameVerdict::Continue => {}
-                        FrameVerdict::Write(i) => writer.push_wait(redact_intent(redactor, i)).await,
-                        FrameVerdict::Terminal(t) => { terminal = Some(t); break; }
-                        FrameVerdict::Impose(o) => { imposed = Some(o); break; }
-                    }
-                }
-                if terminal.is_some() && (rest.next().is_some() || stream_error.is_some()) {
-                    warn!("frame after the terminal");
-                    after_terminal_violation = true;
-                } else if let (Some(e), None) = (stream_error, &imposed) {
-                    let (code, msg) = wire_failure(&e);
-                    warn!(error = %redactor.text(&e.to_string()), code, "protocol violation at exit");
-                    imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", msg));
-                }
-                break;
-            }
-            _ = writer.room(), if !room => {}
-            frame = frames.next(), if room => {
-                match frame {
-                    None => break,
-                    Some(Err(e)) => {
-                        let (code, msg) = wire_failure(&e);
-                        warn!(error = %redactor.text(&e.to_string()), stderr_tail = %redactor.text(&child.stderr().tail_string()), code, "protocol violation");
-                        imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", msg));
-                        break;
-                    }
-                    Some(Ok(frame)) => {
-                        if let Some(s) = silence { silence_at = instant_in(s); }
-                        match on_frame(&mut fs, job, pid, FromExecutor::from(frame)) {
-                            FrameVerdict::Continue => {}
-                            FrameVerdict::Write(i) => writer.push(redact_intent(redactor, i)),
-                            FrameVerdict::Terminal(t) => { terminal = Some(t); break; }
-                            FrameVerdict::Impose(o) => { imposed = Some(o); break; }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    // --- phase 2: make sure the child is gone, then decide
-    let mut reusable = false;
-    if terminal.is_some() && imposed.is_none() && persistent && !child.has_exited() {
-        // a persistent process: it waits for the next job (a frame written
-        // between jobs is caught when the session is taken again)
-        reusable = !after_terminal_violation;
-    } else if terminal.is_some() && imposed.is_none() {
-        // the job is done: no more jobs, the executor exits on EOF
-        drop(stdin.take());
-        match watch_after_terminal(child, frames, Duration::from_millis(cfg.cancel_grace_ms)).await
-        {
-            AfterTerminal::Clean => {}
-            AfterTerminal::Violation(what) => {
-                warn!(what = %redactor.text(&what), "frame after the terminal");
-                after_terminal_violation = true;
-            }
-            AfterTerminal::StillRunning => {
-                debug!("executor did not exit after its terminal; stopping it");
-            }
-        }
-    } else if let Some(reason) = cancel_reason {
-        // ask nicely (exactly one terminal is owed), then escalate
-        let grace = Duration::from_millis(cfg.cancel_grace_ms);
-        write_frame(
-            &mut stdin,
-            &ToExecutor::Cancel {
-                job_id: job.job_id.clone(),
-                reason,
-                grace_ms: cfg.cancel_grace_ms.min(u32::MAX as u64) as u32,
-                message: imposed.as_ref().map(|o| o.label()).unwrap_or_default(),
-            },
-        )
-        .await;
-        let until = Instant::now() + grace;
-        let mut read = 0usize;
-        loop {
-            tokio::select! {
-                biased;
-                _ = tokio::time::sleep_until(until) => break,
-                _ = child.exited(), if !child.has_exited() => break,
-                frame = frames.next(), if read < EXIT_DRAIN_MAX_FRAMES * 16 => match frame {
-                    Some(Ok(f)) => {
-                        read += 1;
-                        match on_frame(&mut fs, job, pid, FromExecutor::from(f)) {
-                            FrameVerdict::Terminal(t) => { terminal = Some(t); break; }
-                            // progress during the grace is best effort: a full
-                            // queue drops it rather than delay the stop
-                            FrameVerdict::Write(i) if writer.has_room() => writer.push(redact_intent(redactor, i)),
-                            _ => {}
-                        }
-                    }
-                    _ => break,
-                },
-            }
-        }
-        // a persistent process that answered a cancel (or an imposed
-        // timeout) within its grace may serve again; one that did not is
-        // killed and replaced
-        let answered = terminal.is_some() && !child.has_exited();
-        if persistent
-            && answered
-            && matches!(
-                reason,
-                CancelReason::Requested | CancelReason::AttemptTimeout | CancelReason::Deadline
-            )
-        {
-            reusable = true;
-        } else {
-            drop(stdin.take());
-            if terminal.is_some() && !child.has_exited() {
-                let _ = wait_exit(child, grace).await;
-            }
-        }
-    }
-    if terminal.is_some() {
+    // --- keep the process, or make sure it is gone; then decide
+    if machine.answered() {
         session.jobs += 1;
     }
-    let report = if reusable {
+    let report = if finish.reusable {
         session.stdin = stdin;
         session.reusable = true;
         None
     } else {
         drop(stdin);
+        if finish.wait_exit_first {
+            let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
+        }
         // SIGTERM → grace → SIGKILL to the group if the leader still runs;
         // always SIGKILL the group at the end (grandchildren), then reap.
-        stop_child(&mut session.child, cfg).await
+        stop_child(child, cfg).await
     };
     if let Some(r) = &report {
         debug!(status = %r.status, escalated = r.escalated_to_kill, stderr_bytes = r.stderr_total_bytes, "executor reaped");
     }
-    let exit_text = report
-        .as_ref()
-        .map(|r| r.status.to_string())
-        .unwrap_or_else(|| {
-            if reusable {
-                "still serving".into()
-            } else {
-                "unknown status".into()
-            }
-        });
+    let exit_text = match (&report, finish.reusable) {
+        (Some(r), _) => r.status.to_string(),
+        (None, true) => "still serving".into(),
+        (None, false) => "unknown status".into(),
+    };
     // the writer persists what it has (the terminal comes after its events)
     let valid_until = control.borrow().valid_until;
     writer
@@ -1355,29 +921,190 @@ async fn converse(
         .await;
 
     let own_cancel = step.cancel_requested || control.borrow().control == Control::Cancel;
-    if terminal.is_none() && imposed.is_none() {
+    if machine.ended_without_terminal() {
         warn!(status = %exit_text, stderr_tail = %redactor.text(report.as_ref().map(|r| r.stderr_tail.as_str()).unwrap_or("")),
               "executor ended without a terminal");
     }
-    match precedence(
-        imposed,
-        terminal,
-        fs.accepted,
-        own_cancel,
-        after_terminal_violation,
-        &exit_text,
-    ) {
+    let accepted = machine.accepted();
+    match machine.verdict(own_cancel, &exit_text) {
         Verdict::Outcome(o) => o,
         Verdict::Verify(r) => {
             verify_result(
                 job,
                 r,
-                fs.accepted,
+                accepted,
                 cfg.max_artifact_bytes,
                 cfg.max_result_bytes,
             )
             .await
         }
+    }
+}
+
+/// The timers of a running job.
+struct Clocks {
+    attempt_end: Option<Instant>,
+    deadline_at: Option<Instant>,
+    silence: Option<i64>,
+    silence_at: Option<Instant>,
+    grace: Duration,
+    grace_until: Option<Instant>,
+    /// A drain of stdout in progress: until when, and frames read so far.
+    drain: Option<(Instant, usize)>,
+}
+
+/// The driver of one attempt's machine: it owns the I/O (the child, its
+/// pipes, the clocks, the writer) and only translates between it and the
+/// pure `Machine`, which decides everything.
+struct Conversation<'a> {
+    shared: &'a Arc<Shared>,
+    child: &'a mut Child,
+    frames: &'a mut Frames,
+    stdin: Option<ChildStdin>,
+    control: &'a mut watch::Receiver<LeaseView>,
+    budget: Duration,
+    redactor: &'a Redact,
+    writer: Writer,
+    clocks: Clocks,
+    cancel_grace_ms: u64,
+    job_id: &'a str,
+}
+
+impl Conversation<'_> {
+    /// Feeds the machine until it finishes; returns it with how to end.
+    async fn drive(&mut self, mut machine: Machine) -> (Machine, Finish) {
+        loop {
+            let input = self.next_input(&machine).await;
+            for action in machine.on(input) {
+                if let Some(finish) = self.act(action).await {
+                    return (machine, finish);
+                }
+            }
+        }
+    }
+
+    /// Waits for the next input the machine's phase listens to. Biased:
+    /// control inputs first, frames last, so a chatty executor can never
+    /// starve a cancel, a timeout, the deadline or the shutdown.
+    async fn next_input(&mut self, machine: &Machine) -> Input {
+        match machine.phase() {
+            Phase::Running => loop {
+                let room = self.writer.has_room();
+                let c = &mut self.clocks;
+                tokio::select! {
+                    biased;
+                    _ = self.shared.abort.cancelled() => return Input::Abort,
+                    ctl = until_stopped(self.control, self.budget) => match ctl {
+                        Control::Run => continue,
+                        Control::Cancel => return Input::Cancel,
+                        Control::LeaseLost => return Input::LeaseLost,
+                    },
+                    _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
+                    _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
+                    _ = sleep_opt(c.silence_at) => return Input::Silent,
+                    res = self.child.exited(), if !self.child.has_exited() => {
+                        if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
+                        return Input::Exited;
+                    }
+                    _ = self.writer.room(), if !room => continue,
+                    frame = self.frames.next(), if room => {
+                        if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
+                            c.silence_at = instant_in(s);
+                        }
+                        return self.frame_input(frame);
+                    }
+                }
+            },
+            Phase::DrainingAfterExit | Phase::DrainingAfterTerminal => {
+                let Some((until, read)) = self.clocks.drain else {
+                    return Input::DrainEnded;
+                };
+                if read >= EXIT_DRAIN_MAX_FRAMES || Instant::now() >= until {
+                    warn!(
+                        frames = read,
+                        "stdout still busy after the executor exited; not reading further"
+                    );
+                    return Input::DrainEnded;
+                }
+                let idle = EXIT_DRAIN_IDLE.min(until.saturating_duration_since(Instant::now()));
+                match tokio::time::timeout(idle, self.frames.next()).await {
+                    Ok(frame) => {
+                        self.clocks.drain = Some((until, read + 1));
+                        self.frame_input(frame)
+                    }
+                    Err(_) => Input::DrainEnded,
+                }
+            }
+            Phase::AfterTerminal { .. } | Phase::Cancelling { .. } => {
+                let reading = machine.wants_frames();
+                let grace_until = self.clocks.grace_until;
+                tokio::select! {
+                    biased;
+                    _ = sleep_opt(grace_until) => Input::GraceEnded,
+                    res = self.child.exited(), if !self.child.has_exited() => {
+                        if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
+                        Input::Exited
+                    }
+                    frame = self.frames.next(), if reading => self.frame_input(frame),
+                }
+            }
+            Phase::Finished => Input::DrainEnded,
+        }
+    }
+
+    fn frame_input<F>(&self, frame: Option<Result<F, WireError>>) -> Input
+    where
+        FromExecutor: From<F>,
+    {
+        match frame {
+            None => Input::StdoutClosed,
+            Some(Ok(f)) => Input::Frame(FromExecutor::from(f)),
+            Some(Err(e)) => {
+                let (code, message) = wire_failure(&e);
+                warn!(error = %self.redactor.text(&e.to_string()), stderr_tail = %self.redactor.text(&self.child.stderr().tail_string()), code, "protocol violation");
+                Input::StreamError { code, message }
+            }
+        }
+    }
+
+    /// Carries out one action; `Some` when the conversation is over.
+    async fn act(&mut self, action: Action) -> Option<Finish> {
+        match action {
+            Action::Persist(i) => {
+                let i = redact_intent(self.redactor, i);
+                if self.writer.has_room() {
+                    self.writer.push(i);
+                } else {
+                    self.writer.push_wait(i).await;
+                }
+            }
+            Action::PersistIfRoom(i) => {
+                if self.writer.has_room() {
+                    self.writer.push(redact_intent(self.redactor, i));
+                }
+            }
+            Action::SendCancel { reason, message } => {
+                write_frame(
+                    &mut self.stdin,
+                    &ToExecutor::Cancel {
+                        job_id: self.job_id.to_owned(),
+                        reason,
+                        grace_ms: self.cancel_grace_ms.min(u32::MAX as u64) as u32,
+                        message,
+                    },
+                )
+                .await;
+            }
+            Action::CloseStdin => drop(self.stdin.take()),
+            Action::ArmGrace => {
+                self.clocks.grace_until = Instant::now().checked_add(self.clocks.grace)
+            }
+            Action::StartDrain => {
+                self.clocks.drain = Some((Instant::now() + EXIT_DRAIN_MAX, 0));
+            }
+            Action::Finish(f) => return Some(f),
+        }
+        None
     }
 }
 
@@ -1478,6 +1205,21 @@ async fn write_outcome(
             output,
             artifacts,
             sequence,
+        } if artifacts.is_empty() => {
+            shared
+                .ledger
+                .complete(CompleteWrite {
+                    run_id: step.run_id,
+                    lease: lease.clone(),
+                    output: output.clone(),
+                    sequence: Some(*sequence),
+                })
+                .await
+        }
+        Outcome::Succeeded {
+            output,
+            artifacts,
+            sequence,
         } => shared
             .db
             .complete(lease, &shared.name, output, artifacts, Some(*sequence))
@@ -1539,6 +1281,17 @@ async fn write_outcome(
             warn!(%why, "outcome discarded: this worker no longer owns the step");
             Ok(())
         }
+    }
+}
+
+fn owned_event(e: &wire::Event) -> OwnedEvent {
+    OwnedEvent {
+        sequence: e.sequence,
+        kind: e.kind.as_str(),
+        message: e.message.clone(),
+        fraction: e.fraction,
+        executor_at: chrono::DateTime::from_timestamp_millis(e.at_unix_ms)
+            .filter(|_| e.at_unix_ms > 0),
     }
 }
 
@@ -1782,79 +1535,6 @@ fn finish_result(
         output,
         artifacts,
         sequence: r.sequence,
-    }
-}
-
-enum Drained {
-    Frames(Vec<FromExecutor>),
-    /// The frames before a stream error, and the error.
-    Error(Vec<FromExecutor>, WireError),
-}
-
-/// After the leader exited: read what is left on stdout until EOF or until it
-/// stays idle (a grandchild may hold the pipe open).
-async fn drain_after_exit(frames: &mut Frames) -> Drained {
-    let mut out = Vec::new();
-    let until = Instant::now() + EXIT_DRAIN_MAX;
-    loop {
-        if out.len() >= EXIT_DRAIN_MAX_FRAMES || Instant::now() >= until {
-            warn!(
-                frames = out.len(),
-                "stdout still busy after the executor exited; not reading further"
-            );
-            return Drained::Frames(out);
-        }
-        let idle = EXIT_DRAIN_IDLE.min(until.saturating_duration_since(Instant::now()));
-        match tokio::time::timeout(idle, frames.next()).await {
-            Ok(Some(Ok(f))) => out.push(FromExecutor::from(f)),
-            Ok(Some(Err(e))) => return Drained::Error(out, e),
-            Ok(None) | Err(_) => return Drained::Frames(out),
-        }
-    }
-}
-
-enum AfterTerminal {
-    Clean,
-    Violation(String),
-    StillRunning,
-}
-
-/// After the terminal and EOF on stdin: the executor should exit, writing nothing more.
-async fn watch_after_terminal(
-    child: &mut Child,
-    frames: &mut Frames,
-    grace: Duration,
-) -> AfterTerminal {
-    if child.has_exited() {
-        // the leader is gone; a grandchild may hold stdout open, so only drain
-        return match drain_after_exit(frames).await {
-            Drained::Frames(v) if v.is_empty() => AfterTerminal::Clean,
-            Drained::Frames(v) => AfterTerminal::Violation(format!("a {} frame", v[0].name())),
-            Drained::Error(_, e) => AfterTerminal::Violation(e.to_string()),
-        };
-    }
-    let until = Instant::now() + grace;
-    tokio::select! {
-        biased;
-        f = frames.next() => match f {
-            Some(Ok(f)) => AfterTerminal::Violation(format!("a {} frame", FromExecutor::from(f).name())),
-            Some(Err(e)) => AfterTerminal::Violation(e.to_string()),
-            None => {
-                // stdout closed; wait for the exit itself
-                match tokio::time::timeout_at(until, child.exited()).await {
-                    Ok(_) => AfterTerminal::Clean,
-                    Err(_) => AfterTerminal::StillRunning,
-                }
-            }
-        },
-        _ = child.exited(), if !child.has_exited() => {
-            match drain_after_exit(frames).await {
-                Drained::Frames(v) if v.is_empty() => AfterTerminal::Clean,
-                Drained::Frames(v) => AfterTerminal::Violation(format!("a {} frame", v[0].name())),
-                Drained::Error(_, e) => AfterTerminal::Violation(e.to_string()),
-            }
-        }
-        _ = tokio::time::sleep_until(until) => AfterTerminal::StillRunning,
     }
 }
 

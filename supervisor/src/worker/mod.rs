@@ -3,6 +3,7 @@
 //! drains on shutdown (detect → tell → wait).
 
 mod attempt;
+mod ledger;
 pub mod routing;
 mod session;
 
@@ -101,6 +102,9 @@ pub(crate) struct Shared {
     pub db: Db,
     /// The heartbeat's own connection: a busy pool never delays a renewal.
     pub hb_db: Db,
+    /// The one writer of the worker's hot writes (starts, plain events,
+    /// plain completions), batched.
+    pub ledger: ledger::Ledger,
     pub cfg: Arc<WorkerConfig>,
     pub id: Uuid,
     pub name: String,
@@ -228,6 +232,7 @@ pub struct Worker {
     executors: Vec<Arc<ExecutorRuntime>>,
     wake: Arc<Notify>,
     heartbeat_now: Arc<Notify>,
+    ledger_queue: ledger::LedgerQueue,
 }
 
 impl Worker {
@@ -293,10 +298,12 @@ impl Worker {
         .await?;
         info!(schema_version = version, "schema checked");
         let hb_db = db.dedicated(heartbeat_timeout(&cfg));
+        let (ledger, ledger_queue) = ledger::channel();
         Ok(Worker {
             shared: Arc::new(Shared {
                 db,
                 hb_db,
+                ledger,
                 cfg: Arc::new(cfg),
                 id,
                 name,
@@ -308,6 +315,7 @@ impl Worker {
             executors,
             wake: Arc::new(Notify::new()),
             heartbeat_now: Arc::new(Notify::new()),
+            ledger_queue,
         })
     }
 
@@ -343,6 +351,14 @@ impl Worker {
         vital.spawn(async move {
             reclaim_loop(s2, t2).await;
             "reclaim"
+        });
+        // the ledger writes until the attempts are done (it is stopped with
+        // the other loops, after the drain) and then empties its queue
+        let (db3, name3, t3) = (shared.db.clone(), shared.name.clone(), loops_stop.clone());
+        let queue = self.ledger_queue;
+        vital.spawn(async move {
+            ledger::run(db3, name3, queue, t3).await;
+            "ledger"
         });
         let mut background = JoinSet::new();
         background.spawn(listen_loop(
@@ -522,7 +538,7 @@ fn vital_loop_died(
         Ok(name) => name,
         Err(e) => {
             error!(error = %e, "a vital worker loop panicked");
-            "heartbeat or reclaim"
+            "heartbeat, reclaim or ledger"
         }
     };
     error!(

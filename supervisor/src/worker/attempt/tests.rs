@@ -1,7 +1,8 @@
-//! Table-driven tests of the attempt's pure parts: frame checks and the
-//! precedence of outcomes.
+//! Table-driven tests of the attempt's pure parts: frame checks, the attempt
+//! machine, and the precedence of outcomes.
 
 use super::*;
+use crate::wire::{EventKind, JobError};
 
 fn job() -> wire::Job {
     wire::Job {
@@ -124,7 +125,7 @@ fn frame_sequences() {
         let mut st = FrameState::default();
         let got: Vec<String> = frames
             .into_iter()
-            .map(|f| kind_of(&on_frame(&mut st, &job(), 7, f)))
+            .map(|f| kind_of(&on_frame(&mut st, &job().job_id, 7, f)))
             .collect();
         assert_eq!(got, want);
     }
@@ -370,4 +371,315 @@ fn an_executor_cannot_forge_the_supervisors_verdicts() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+/// What a sequence of inputs makes the machine do: its actions (short
+/// names), the phase it ends in and, once finished, the verdict.
+fn run_machine(persistent: bool, inputs: Vec<Input>) -> (Vec<String>, Phase, Option<String>) {
+    let mut m = Machine::new(
+        "j",
+        7,
+        persistent,
+        Limits {
+            timeout_ms: Some(1000),
+            silence_ms: Some(500),
+        },
+    );
+    let mut actions = Vec::new();
+    let mut finished = false;
+    for i in inputs {
+        for a in m.on(i) {
+            actions.push(match a {
+                Action::Persist(Intent::Start { .. }) => "persist start".to_string(),
+                Action::Persist(Intent::Event(_)) => "persist event".into(),
+                Action::PersistIfRoom(_) => "persist if room".into(),
+                Action::SendCancel { reason, .. } => format!("cancel {reason:?}"),
+                Action::CloseStdin => "close stdin".into(),
+                Action::ArmGrace => "grace".into(),
+                Action::StartDrain => "drain".into(),
+                Action::Finish(f) => {
+                    finished = true;
+                    format!(
+                        "finish{}{}",
+                        if f.reusable { " keep" } else { "" },
+                        if f.wait_exit_first { " wait" } else { "" }
+                    )
+                }
+            });
+        }
+    }
+    let phase = m.phase();
+    let verdict = finished.then(|| label(&m.verdict(false, "exit status: 0")));
+    (actions, phase, verdict)
+}
+
+fn accepted() -> Input {
+    Input::Frame(ev(1, EventKind::Accepted, ""))
+}
+fn progress(seq: u64) -> Input {
+    Input::Frame(ev(seq, EventKind::Progress, "p"))
+}
+fn result_frame(seq: u64) -> Input {
+    Input::Frame(FromExecutor::Result(res(seq)))
+}
+fn error_frame(seq: u64, code: &str) -> Input {
+    Input::Frame(FromExecutor::Error(err(seq, code, false)))
+}
+
+#[test]
+fn attempt_machine_table() {
+    use Input::*;
+    type Row = (
+        &'static str,
+        bool,
+        Vec<Input>,
+        Vec<&'static str>,
+        Phase,
+        Option<&'static str>,
+    );
+    let rows: Vec<Row> = vec![
+        (
+            "one-shot success: EOF on stdin, a clean exit after the terminal",
+            false,
+            vec![
+                accepted(),
+                progress(2),
+                result_frame(3),
+                StdoutClosed,
+                Exited,
+            ],
+            vec![
+                "persist start",
+                "persist event",
+                "close stdin",
+                "grace",
+                "finish",
+            ],
+            Phase::Finished,
+            Some("verify"),
+        ),
+        (
+            "persistent success: the process is kept for the next job",
+            true,
+            vec![accepted(), result_frame(2)],
+            vec!["persist start", "finish keep"],
+            Phase::Finished,
+            Some("verify"),
+        ),
+        (
+            "a frame after the terminal overrides the result",
+            false,
+            vec![accepted(), result_frame(2), progress(3)],
+            vec!["persist start", "close stdin", "grace", "finish"],
+            Phase::Finished,
+            Some("failed (PROTOCOL_FRAME_AFTER_TERMINAL)"),
+        ),
+        (
+            "no exit within the grace after the terminal: stopped, the result kept",
+            false,
+            vec![accepted(), result_frame(2), GraceEnded],
+            vec!["persist start", "close stdin", "grace", "finish"],
+            Phase::Finished,
+            Some("verify"),
+        ),
+        (
+            "exit after the terminal: a grandchild's late frame is a violation",
+            false,
+            vec![accepted(), result_frame(2), Exited, progress(3)],
+            vec!["persist start", "close stdin", "grace", "drain", "finish"],
+            Phase::Finished,
+            Some("failed (PROTOCOL_FRAME_AFTER_TERMINAL)"),
+        ),
+        (
+            "exit first, then the frames still in the pipe count",
+            false,
+            vec![Exited, accepted(), result_frame(2), DrainEnded, DrainEnded],
+            vec!["drain", "persist start", "drain", "finish"],
+            Phase::Finished,
+            Some("verify"),
+        ),
+        (
+            "exit with a frame after the terminal in the pipe",
+            false,
+            vec![Exited, accepted(), result_frame(2), progress(3)],
+            vec!["drain", "persist start", "finish"],
+            Phase::Finished,
+            Some("failed (PROTOCOL_FRAME_AFTER_TERMINAL)"),
+        ),
+        (
+            "exit without a terminal: crashed",
+            false,
+            vec![accepted(), Exited, DrainEnded],
+            vec!["persist start", "drain", "finish"],
+            Phase::Finished,
+            Some("failed (EXECUTOR_CRASHED)"),
+        ),
+        (
+            "a stream error in the pipe after exit is the outcome",
+            false,
+            vec![
+                accepted(),
+                Exited,
+                StreamError {
+                    code: "PROTOCOL_MALFORMED_FRAME",
+                    message: "bad".into(),
+                },
+            ],
+            vec!["persist start", "drain", "finish"],
+            Phase::Finished,
+            Some("failed (PROTOCOL_MALFORMED_FRAME)"),
+        ),
+        (
+            "stdout closed while the leader runs: no terminal can come",
+            false,
+            vec![accepted(), StdoutClosed],
+            vec!["persist start", "finish"],
+            Phase::Finished,
+            Some("failed (EXECUTOR_CRASHED)"),
+        ),
+        (
+            "cancel answered within the grace by a persistent process: kept",
+            true,
+            vec![accepted(), Cancel, error_frame(2, "CANCELLED")],
+            vec!["persist start", "cancel Requested", "grace", "finish keep"],
+            Phase::Finished,
+            Some("cancelled"),
+        ),
+        (
+            "cancel answered by a one-shot process: it may exit on its own first",
+            false,
+            vec![accepted(), Cancel, error_frame(2, "CANCELLED")],
+            vec!["persist start", "cancel Requested", "grace", "finish wait"],
+            Phase::Finished,
+            Some("cancelled"),
+        ),
+        (
+            "cancel answered by a result: the work was done, the result kept",
+            false,
+            vec![accepted(), Cancel, result_frame(2)],
+            vec!["persist start", "cancel Requested", "grace", "finish wait"],
+            Phase::Finished,
+            Some("verify"),
+        ),
+        (
+            "cancel not answered within the grace: killed, cancelled",
+            true,
+            vec![accepted(), Cancel, progress(2), GraceEnded],
+            vec![
+                "persist start",
+                "cancel Requested",
+                "grace",
+                "persist if room",
+                "finish",
+            ],
+            Phase::Finished,
+            Some("cancelled"),
+        ),
+        (
+            "a lost lease: the persistent process is not reused, nothing is written",
+            true,
+            vec![accepted(), LeaseLost, error_frame(2, "CANCELLED")],
+            vec!["persist start", "cancel LeaseLost", "grace", "finish wait"],
+            Phase::Finished,
+            Some("abandoned (lease lost)"),
+        ),
+        (
+            "the worker's abort: released, not counted",
+            false,
+            vec![accepted(), Abort, Exited],
+            vec!["persist start", "cancel Shutdown", "grace", "finish"],
+            Phase::Finished,
+            Some("released (worker shutdown)"),
+        ),
+        (
+            "deadline: non-retryable, its own code",
+            false,
+            vec![accepted(), DeadlinePassed, GraceEnded],
+            vec!["persist start", "cancel Deadline", "grace", "finish"],
+            Phase::Finished,
+            Some("failed (DEADLINE_EXCEEDED)"),
+        ),
+        (
+            "attempt timeout answered by a persistent process: kept, still a timeout",
+            true,
+            vec![accepted(), AttemptTimedOut, error_frame(2, "CANCELLED")],
+            vec![
+                "persist start",
+                "cancel AttemptTimeout",
+                "grace",
+                "finish keep",
+            ],
+            Phase::Finished,
+            Some("failed (ATTEMPT_TIMEOUT)"),
+        ),
+        (
+            "silence: a heartbeat timeout",
+            false,
+            vec![accepted(), Silent, Exited],
+            vec!["persist start", "cancel AttemptTimeout", "grace", "finish"],
+            Phase::Finished,
+            Some("failed (HEARTBEAT_TIMEOUT)"),
+        ),
+        (
+            "a violation ends it at once, no cancel",
+            false,
+            vec![progress(1)],
+            vec!["finish"],
+            Phase::Finished,
+            Some("failed (PROTOCOL_UNEXPECTED_FRAME)"),
+        ),
+        (
+            "a cancel during the drain after exit waits for the drain's end",
+            false,
+            vec![
+                Exited,
+                Cancel,
+                accepted(),
+                result_frame(2),
+                StdoutClosed,
+                DrainEnded,
+            ],
+            vec!["drain", "persist start", "drain", "finish"],
+            Phase::Finished,
+            Some("verify"),
+        ),
+        (
+            "still running: control inputs are what it waits for",
+            false,
+            vec![accepted(), progress(2), GraceEnded, DrainEnded],
+            vec!["persist start", "persist event"],
+            Phase::Running,
+            None,
+        ),
+        (
+            "after finishing, inputs do nothing",
+            false,
+            vec![accepted(), StdoutClosed, Cancel, result_frame(2)],
+            vec!["persist start", "finish"],
+            Phase::Finished,
+            Some("failed (EXECUTOR_CRASHED)"),
+        ),
+    ];
+    for (name, persistent, inputs, want_actions, want_phase, want_verdict) in rows {
+        let (actions, phase, verdict) = run_machine(persistent, inputs);
+        assert_eq!(actions, want_actions, "{name}: actions");
+        assert_eq!(phase, want_phase, "{name}: phase");
+        assert_eq!(verdict.as_deref(), want_verdict, "{name}: verdict");
+    }
+}
+
+#[test]
+fn a_cancels_grace_reads_a_bounded_number_of_frames() {
+    let mut m = Machine::new("j", 7, false, Limits::default());
+    m.on(accepted());
+    m.on(Input::Cancel);
+    for seq in 2..(2 + GRACE_MAX_FRAMES as u64) {
+        assert!(m.wants_frames());
+        m.on(progress(seq));
+    }
+    assert!(
+        !m.wants_frames(),
+        "a flood during the grace cannot hold the stop"
+    );
+    assert!(matches!(m.phase(), Phase::Cancelling { .. }));
 }

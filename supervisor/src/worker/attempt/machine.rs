@@ -1,0 +1,762 @@
+//! The attempt machine: one attempt's protocol as a pure state machine, with
+//! no I/O. Its inputs are what can happen to a running job (a frame, a stream
+//! error or EOF, the child's exit, a timer, a cancel, a lost lease, the
+//! worker's shutdown); its outputs are what the driver must do (persist an
+//! intent, send a cancel frame, close stdin, arm the grace timer, drain what is
+//! left on stdout, finish: keep the process or stop it). The driver
+//! (`attempt.rs`) owns the child, the pipes, the clocks and the writer, and
+//! only translates between them and this machine. What the attempt's outcome
+//! is once the child is gone is `precedence`, one pure function. Both are
+//! table-tested (`tests.rs`).
+
+use crate::wire::{self, CancelReason, EventKind, FromExecutor, JobError, JobResult, WireError};
+
+use super::Outcome;
+
+/// Codes that mean "this executor cannot run this job" (not "the job failed").
+pub(crate) const REFUSAL_CODES: [&str; 3] =
+    ["UNSUPPORTED_KIND", "EXECUTOR_REFUSED", "EXECUTOR_BUSY"];
+/// Frames read during a cancel's grace at most (a flood cannot hold the stop).
+pub(crate) const GRACE_MAX_FRAMES: usize = 16 * 1024;
+
+/// The terminal frame a job ended with.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Terminal {
+    Result(JobResult),
+    Error(JobError),
+}
+
+pub(crate) fn wire_failure(e: &WireError) -> (&'static str, String) {
+    match e {
+        WireError::TooLarge { len, cap } => (
+            "PROTOCOL_FRAME_TOO_LARGE",
+            format!("the executor announced a frame of {len} bytes; the cap is {cap}"),
+        ),
+        WireError::Truncated { buffered, .. } => (
+            "PROTOCOL_MALFORMED_FRAME",
+            format!("the executor's stdout ended inside a frame ({buffered} bytes buffered)"),
+        ),
+        WireError::Malformed { reason, .. } => (
+            "PROTOCOL_MALFORMED_FRAME",
+            format!("the executor wrote bytes that are not a valid frame: {reason}"),
+        ),
+        WireError::Io(e) => (
+            "EXECUTOR_CRASHED",
+            format!("reading the executor's stdout failed: {e}"),
+        ),
+    }
+}
+
+/// What the attempt's loop asks its writer to persist, in order.
+#[derive(Debug)]
+pub(crate) enum Intent {
+    Start { pid: i32, event: wire::Event },
+    Event(wire::Event),
+}
+
+/// What of a run of queued events is written: every event that carries a
+/// checkpoint or is not plain progress, and of the plain progress events
+/// (no checkpoint) only the latest — when the database is slower than the
+/// executor, progress is coalesced instead of queued without end. In order.
+pub(crate) fn coalesce<'a>(events: &[&'a wire::Event]) -> Vec<&'a wire::Event> {
+    let plain = |e: &wire::Event| e.kind == EventKind::Progress && e.checkpoint.is_none();
+    let last_plain = events.iter().rposition(|e| plain(e));
+    events
+        .iter()
+        .enumerate()
+        .filter(|(i, e)| !plain(e) || Some(*i) == last_plain)
+        .map(|(_, e)| *e)
+        .collect()
+}
+
+/// What the attempt's loop knows of the job's frames so far.
+#[derive(Debug, Default)]
+pub(crate) struct FrameState {
+    pub(crate) accepted: bool,
+    pub(crate) last_seq: u64,
+}
+
+#[derive(Debug)]
+pub(crate) enum FrameVerdict {
+    Continue,
+    Write(Intent),
+    Terminal(Terminal),
+    Impose(Outcome),
+}
+
+/// A protocol violation (logged, redacted, with the attempt's outcome).
+pub(crate) fn violation(code: &str, msg: String) -> FrameVerdict {
+    FrameVerdict::Impose(Outcome::failed(code, false, msg))
+}
+
+/// Checks one frame of a running job. Pure: what to write is returned, not done.
+pub(crate) fn on_frame(
+    st: &mut FrameState,
+    job_id: &str,
+    pid: i32,
+    frame: FromExecutor,
+) -> FrameVerdict {
+    let (frame_job, seq) = match &frame {
+        FromExecutor::Event(e) => (e.job_id.as_str(), e.sequence),
+        FromExecutor::Result(r) => (r.job_id.as_str(), r.sequence),
+        FromExecutor::Error(e) => (e.job_id.as_str(), e.sequence),
+        other => {
+            return violation(
+                "PROTOCOL_UNEXPECTED_FRAME",
+                format!("unexpected {} during a job", other.name()),
+            )
+        }
+    };
+    if frame_job != job_id {
+        return violation(
+            "PROTOCOL_UNEXPECTED_FRAME",
+            format!("frame for job {frame_job:?} while running job {job_id:?}"),
+        );
+    }
+    if seq <= st.last_seq {
+        return violation(
+            "PROTOCOL_SEQUENCE_REGRESSION",
+            format!("sequence {seq} after {}", st.last_seq),
+        );
+    }
+    // text the database cannot store (a NUL) is refused here, at the wire,
+    // with its own code, instead of failing the commit later
+    if let Some(field) = wire::text_problem(&frame) {
+        return violation(
+            "PROTOCOL_INVALID_TEXT",
+            format!("{field} contains a NUL character, which cannot be stored"),
+        );
+    }
+    st.last_seq = seq;
+    match frame {
+        FromExecutor::Event(e) => {
+            if !st.accepted {
+                if e.kind != EventKind::Accepted {
+                    return violation(
+                        "PROTOCOL_UNEXPECTED_FRAME",
+                        format!("{} event before accepted", e.kind.as_str()),
+                    );
+                }
+                st.accepted = true;
+                return FrameVerdict::Write(Intent::Start { pid, event: e });
+            }
+            if e.kind == EventKind::Accepted {
+                return violation(
+                    "PROTOCOL_UNEXPECTED_FRAME",
+                    "a second accepted event".into(),
+                );
+            }
+            if e.kind == EventKind::Heartbeat && e.checkpoint.is_none() {
+                // liveness only: the worker's batched heartbeat keeps the lease
+                return FrameVerdict::Continue;
+            }
+            FrameVerdict::Write(Intent::Event(e))
+        }
+        FromExecutor::Result(r) => {
+            if !st.accepted {
+                return violation(
+                    "PROTOCOL_UNEXPECTED_FRAME",
+                    "a result before accepted".into(),
+                );
+            }
+            FrameVerdict::Terminal(Terminal::Result(r))
+        }
+        FromExecutor::Error(e) => FrameVerdict::Terminal(Terminal::Error(e)),
+        _ => FrameVerdict::Continue,
+    }
+}
+
+/// What decides an attempt once its child is gone.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Verdict {
+    Outcome(Outcome),
+    /// A result to verify (artifacts on disk) before it becomes the outcome.
+    Verify(JobResult),
+}
+
+/// The precedence of outcomes, in one pure function:
+/// 1. a frame after the terminal overrides everything;
+/// 2. an outcome the supervisor imposed (timeout, deadline, lost lease,
+///    shutdown, violation) wins over the executor's terminal — except a
+///    cancel answered by a result within the grace: the work was done, the
+///    result is kept;
+/// 3. a result is verified;
+/// 4. an error before `accepted` is a refusal when it says "this executor
+///    can't" (a refusal code, or retryable), else a failure (a non-retryable
+///    error is terminal: respawning will not fix it);
+/// 5. `CANCELLED` confirms our own cancel; without one it is a failure;
+/// 6. no terminal at all: the executor crashed.
+pub(crate) fn precedence(
+    imposed: Option<Outcome>,
+    terminal: Option<Terminal>,
+    accepted: bool,
+    own_cancel: bool,
+    after_terminal_violation: bool,
+    exit_text: &str,
+) -> Verdict {
+    if after_terminal_violation {
+        return Verdict::Outcome(Outcome::failed(
+            "PROTOCOL_FRAME_AFTER_TERMINAL",
+            false,
+            "the executor wrote a frame after its terminal",
+        ));
+    }
+    match (imposed, terminal) {
+        (Some(Outcome::Cancelled { .. }), Some(Terminal::Result(r))) => Verdict::Verify(r),
+        (Some(o), _) => Verdict::Outcome(o),
+        (None, Some(Terminal::Result(r))) => Verdict::Verify(r),
+        (None, Some(Terminal::Error(e))) => {
+            if !accepted {
+                if REFUSAL_CODES.contains(&e.code.as_str()) || e.code.is_empty() || e.retryable {
+                    Verdict::Outcome(Outcome::Refused {
+                        code: if e.code.is_empty() {
+                            "EXECUTOR_REFUSED".into()
+                        } else {
+                            e.code
+                        },
+                        message: e.message,
+                    })
+                } else {
+                    Verdict::Outcome(executor_failure(e))
+                }
+            } else if e.code == "CANCELLED" && own_cancel {
+                Verdict::Outcome(Outcome::Cancelled { message: e.message })
+            } else {
+                // includes CANCELLED without a cancel request: an executor may
+                // not cancel on its own, so that is a failure with its code
+                Verdict::Outcome(executor_failure(e))
+            }
+        }
+        (None, None) => Verdict::Outcome(Outcome::failed(
+            "EXECUTOR_CRASHED",
+            true,
+            format!("the executor ended without a terminal ({exit_text})"),
+        )),
+    }
+}
+
+/// Codes only the supervisor (or the reclaimer) gives: its own verdicts. An
+/// executor that reports one is not believed (it cannot make its failure look
+/// like a lease expiry, a timeout or a shutdown).
+pub(crate) const RESERVED_CODES: &[&str] = &[
+    "LEASE_EXPIRED",
+    "LEASE_LOST",
+    "HEARTBEAT_TIMEOUT",
+    "ATTEMPT_TIMEOUT",
+    "DEADLINE_EXCEEDED",
+    "WORKER_SHUTDOWN",
+    "EXECUTOR_CRASHED",
+    "HANDSHAKE_FAILED",
+    "SPAWN_FAILED",
+    "SECRET_UNAVAILABLE",
+    "SECRET_NOT_ALLOWED",
+    "WORK_DIR_UNAVAILABLE",
+    "INPUT_UNAVAILABLE",
+    "COMMIT_REJECTED",
+    "SUPERVISOR_PANIC",
+    "EXECUTOR_ERROR",
+    "PROTOCOL_MALFORMED_FRAME",
+    "PROTOCOL_FRAME_TOO_LARGE",
+    "PROTOCOL_SEQUENCE_REGRESSION",
+    "PROTOCOL_FRAME_AFTER_TERMINAL",
+    "PROTOCOL_UNEXPECTED_FRAME",
+    "PROTOCOL_INVALID_TEXT",
+];
+
+pub(crate) fn is_reserved(code: &str) -> bool {
+    RESERVED_CODES.contains(&code)
+}
+
+/// An executor's error as a failed outcome. An empty code is
+/// `EXECUTOR_ERROR`; a code the supervisor reserves is rewritten to
+/// `EXECUTOR_ERROR`, the reported code kept in `details.reported_code`.
+pub(crate) fn executor_failure(e: JobError) -> Outcome {
+    let mut details = parse_details(&e.details);
+    let code = if e.code.is_empty() {
+        "EXECUTOR_ERROR".to_string()
+    } else if is_reserved(&e.code) {
+        let mut d = match details.take() {
+            Some(serde_json::Value::Object(m)) => m,
+            Some(other) => {
+                let mut m = serde_json::Map::new();
+                m.insert("details".into(), other);
+                m
+            }
+            None => serde_json::Map::new(),
+        };
+        d.insert(
+            "reported_code".into(),
+            serde_json::Value::String(e.code.clone()),
+        );
+        details = Some(serde_json::Value::Object(d));
+        "EXECUTOR_ERROR".to_string()
+    } else {
+        e.code
+    };
+    Outcome::Failed {
+        code,
+        message: e.message,
+        retryable: e.retryable,
+        details,
+        next_retry_delay_ms: e.next_retry_delay_ms,
+        sequence: Some(e.sequence),
+    }
+}
+
+pub(crate) fn parse_details(bytes: &[u8]) -> Option<serde_json::Value> {
+    if bytes.is_empty() {
+        return None;
+    }
+    let v = serde_json::from_slice(bytes).unwrap_or_else(|_| {
+        serde_json::json!({"unparsed": String::from_utf8_lossy(&bytes[..bytes.len().min(4096)])})
+    });
+    // jsonb cannot hold a NUL: details are evidence, so they are kept, cleaned
+    Some(without_nul(v))
+}
+
+/// A JSON value with every NUL character replaced (U+FFFD).
+pub(crate) fn without_nul(v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Value::String(s.replace('\0', "\u{fffd}")),
+        Value::Array(a) => Value::Array(a.into_iter().map(without_nul).collect()),
+        Value::Object(m) => Value::Object(
+            m.into_iter()
+                .map(|(k, x)| (k.replace('\0', "\u{fffd}"), without_nul(x)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+pub(crate) fn has_nul(v: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(a) => a.iter().any(has_nul),
+        Value::Object(m) => m.iter().any(|(k, x)| k.contains('\0') || has_nul(x)),
+        _ => false,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// the attempt machine
+
+/// Where a job is in its life, once it was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Frames flow until a terminal, a violation, the exit or a reason to stop.
+    Running,
+    /// The leader exited while the job ran: what is left on stdout counts
+    /// (read until EOF or idle, bounded), then the attempt is decided.
+    DrainingAfterExit,
+    /// The terminal came and the process is not kept: stdin is closed and the
+    /// executor must exit within the grace, writing nothing more.
+    AfterTerminal { stdout_closed: bool },
+    /// After the terminal, the leader gone: any frame still on stdout is a
+    /// violation.
+    DrainingAfterTerminal,
+    /// A cancel frame was sent: exactly one terminal is owed within the grace.
+    Cancelling { reason: CancelReason },
+    /// Nothing more to read: the driver keeps or stops the process.
+    Finished,
+}
+
+/// What can happen to an attempt whose job was sent.
+#[derive(Debug)]
+pub(crate) enum Input {
+    /// The worker's drain timeout passed: running children are stopped.
+    Abort,
+    /// The step (or its run) was cancel-requested.
+    Cancel,
+    /// The lease is gone, or its clock is about to run out.
+    LeaseLost,
+    DeadlinePassed,
+    AttemptTimedOut,
+    /// No frame for `heartbeat_timeout_ms`.
+    Silent,
+    /// The process group's leader exited.
+    Exited,
+    Frame(FromExecutor),
+    /// The stream broke (a malformed or oversized frame, an I/O error).
+    StreamError {
+        code: &'static str,
+        message: String,
+    },
+    /// EOF on stdout.
+    StdoutClosed,
+    /// A drain reached its idle time or its bounds.
+    DrainEnded,
+    /// The grace armed by `Action::ArmGrace` passed.
+    GraceEnded,
+}
+
+/// How the driver ends the conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Finish {
+    /// A persistent process that served its job cleanly goes back to its pool.
+    pub reusable: bool,
+    /// Give the leader the grace to exit on its own (stdin closed) before the
+    /// group is signalled: it answered its cancel and is winding down.
+    pub wait_exit_first: bool,
+}
+
+/// What the driver must do, in order.
+#[derive(Debug)]
+pub(crate) enum Action {
+    /// Queue for the writer (waiting for room if the queue is full).
+    Persist(Intent),
+    /// Queue if there is room, else drop (progress during a cancel's grace
+    /// must not delay the stop).
+    PersistIfRoom(Intent),
+    /// Write a cancel frame (a grace follows: `ArmGrace`).
+    SendCancel {
+        reason: CancelReason,
+        message: String,
+    },
+    /// No more jobs: close the executor's stdin.
+    CloseStdin,
+    /// Start the grace timer (`cancel_grace_ms` from now).
+    ArmGrace,
+    /// Start a bounded drain of stdout (idle time, time and frame bounds).
+    StartDrain,
+    Finish(Finish),
+}
+
+/// The limits of the step that shape the supervisor's own verdicts.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Limits {
+    pub timeout_ms: Option<i64>,
+    pub silence_ms: Option<i64>,
+}
+
+/// One attempt's protocol from the job frame to the end, without I/O.
+#[derive(Debug)]
+pub(crate) struct Machine {
+    job_id: String,
+    pid: i32,
+    persistent: bool,
+    limits: Limits,
+    frames: FrameState,
+    phase: Phase,
+    terminal: Option<Terminal>,
+    /// The outcome the supervisor imposes (timeout, cancel, lost lease,
+    /// shutdown, violation).
+    imposed: Option<Outcome>,
+    after_terminal_violation: bool,
+    exited: bool,
+    grace_frames: usize,
+}
+
+impl Machine {
+    pub(crate) fn new(job_id: &str, pid: i32, persistent: bool, limits: Limits) -> Machine {
+        Machine {
+            job_id: job_id.to_owned(),
+            pid,
+            persistent,
+            limits,
+            frames: FrameState::default(),
+            phase: Phase::Running,
+            terminal: None,
+            imposed: None,
+            after_terminal_violation: false,
+            exited: false,
+            grace_frames: 0,
+        }
+    }
+
+    pub(crate) fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// Whether the driver should read frames now (a cancel's grace reads a
+    /// bounded number of them).
+    pub(crate) fn wants_frames(&self) -> bool {
+        match self.phase {
+            Phase::Cancelling { .. } => self.grace_frames < GRACE_MAX_FRAMES,
+            Phase::AfterTerminal { stdout_closed } => !stdout_closed,
+            Phase::Finished => false,
+            _ => true,
+        }
+    }
+
+    pub(crate) fn accepted(&self) -> bool {
+        self.frames.accepted
+    }
+
+    /// The executor ended the job with a terminal (it served a job).
+    pub(crate) fn answered(&self) -> bool {
+        self.terminal.is_some()
+    }
+
+    /// Whether anything but the executor decided the outcome or it ended
+    /// without a terminal (for the driver's log).
+    pub(crate) fn ended_without_terminal(&self) -> bool {
+        self.terminal.is_none() && self.imposed.is_none()
+    }
+
+    /// The label of the imposed outcome, if any (the cancel frame's message).
+    fn imposed_label(&self) -> String {
+        self.imposed.as_ref().map(|o| o.label()).unwrap_or_default()
+    }
+
+    /// Feeds one input; returns what to do.
+    pub(crate) fn on(&mut self, input: Input) -> Vec<Action> {
+        match self.phase {
+            Phase::Running => self.running(input),
+            Phase::DrainingAfterExit => self.draining_after_exit(input),
+            Phase::AfterTerminal { stdout_closed } => self.after_terminal(input, stdout_closed),
+            Phase::DrainingAfterTerminal => self.draining_after_terminal(input),
+            Phase::Cancelling { reason } => self.cancelling(input, reason),
+            Phase::Finished => Vec::new(),
+        }
+    }
+
+    fn finish(&mut self, reusable: bool, wait_exit_first: bool) -> Vec<Action> {
+        self.phase = Phase::Finished;
+        vec![Action::Finish(Finish {
+            reusable,
+            wait_exit_first,
+        })]
+    }
+
+    /// The supervisor stops the job: impose `outcome`, ask for the owed
+    /// terminal, escalate after the grace.
+    fn impose_and_cancel(&mut self, outcome: Outcome, reason: CancelReason) -> Vec<Action> {
+        self.imposed = Some(outcome);
+        self.phase = Phase::Cancelling { reason };
+        vec![
+            Action::SendCancel {
+                reason,
+                message: self.imposed_label(),
+            },
+            Action::ArmGrace,
+        ]
+    }
+
+    fn running(&mut self, input: Input) -> Vec<Action> {
+        match input {
+            Input::Abort => self.impose_and_cancel(
+                Outcome::Released {
+                    message: "the worker shut down while the attempt ran".into(),
+                },
+                CancelReason::Shutdown,
+            ),
+            Input::Cancel => self.impose_and_cancel(
+                Outcome::Cancelled {
+                    message: "cancelled on request".into(),
+                },
+                CancelReason::Requested,
+            ),
+            Input::LeaseLost => self.impose_and_cancel(
+                Outcome::Abandoned {
+                    why: "the lease was lost (or could not be renewed in time) while the executor ran"
+                        .into(),
+                },
+                CancelReason::LeaseLost,
+            ),
+            Input::DeadlinePassed => self.impose_and_cancel(
+                Outcome::failed(
+                    "DEADLINE_EXCEEDED",
+                    false,
+                    "the step deadline passed during the attempt",
+                ),
+                CancelReason::Deadline,
+            ),
+            Input::AttemptTimedOut => {
+                let ms = self.limits.timeout_ms.unwrap_or(0);
+                self.impose_and_cancel(
+                    Outcome::failed(
+                        "ATTEMPT_TIMEOUT",
+                        true,
+                        format!("the attempt ran past timeout_ms = {ms}"),
+                    ),
+                    CancelReason::AttemptTimeout,
+                )
+            }
+            Input::Silent => {
+                let ms = self.limits.silence_ms.unwrap_or(0);
+                self.impose_and_cancel(
+                    Outcome::failed(
+                        "HEARTBEAT_TIMEOUT",
+                        true,
+                        format!("no frame from the executor for {ms} ms"),
+                    ),
+                    CancelReason::AttemptTimeout,
+                )
+            }
+            Input::Exited => {
+                // its last frames may still be in the pipe: those before a
+                // stream error count, then the error does
+                self.exited = true;
+                self.phase = Phase::DrainingAfterExit;
+                vec![Action::StartDrain]
+            }
+            Input::Frame(f) => match on_frame(&mut self.frames, &self.job_id, self.pid, f) {
+                FrameVerdict::Continue => Vec::new(),
+                FrameVerdict::Write(i) => vec![Action::Persist(i)],
+                FrameVerdict::Terminal(t) => {
+                    self.terminal = Some(t);
+                    self.job_done()
+                }
+                FrameVerdict::Impose(o) => {
+                    self.imposed = Some(o);
+                    self.finish(false, false)
+                }
+            },
+            Input::StreamError { code, message } => {
+                self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
+                self.finish(false, false)
+            }
+            // stdout closed while the leader runs: no terminal can come
+            Input::StdoutClosed => self.finish(false, false),
+            Input::DrainEnded | Input::GraceEnded => Vec::new(),
+        }
+    }
+
+    /// The terminal came while the process runs: a persistent process waits
+    /// for its next job (a frame it writes between jobs is caught when the
+    /// session is taken again); any other gets EOF and must exit cleanly.
+    fn job_done(&mut self) -> Vec<Action> {
+        if self.persistent && !self.exited {
+            return self.finish(true, false);
+        }
+        self.phase = Phase::AfterTerminal {
+            stdout_closed: false,
+        };
+        vec![Action::CloseStdin, Action::ArmGrace]
+    }
+
+    fn draining_after_exit(&mut self, input: Input) -> Vec<Action> {
+        match input {
+            Input::Frame(f) => {
+                if self.terminal.is_some() {
+                    self.after_terminal_violation = true;
+                    return self.finish(false, false);
+                }
+                if self.imposed.is_some() {
+                    // a violation decided it; the rest is not looked at
+                    return Vec::new();
+                }
+                match on_frame(&mut self.frames, &self.job_id, self.pid, f) {
+                    FrameVerdict::Continue => Vec::new(),
+                    FrameVerdict::Write(i) => vec![Action::Persist(i)],
+                    FrameVerdict::Terminal(t) => {
+                        self.terminal = Some(t);
+                        Vec::new()
+                    }
+                    FrameVerdict::Impose(o) => {
+                        self.imposed = Some(o);
+                        Vec::new()
+                    }
+                }
+            }
+            Input::StreamError { code, message } => {
+                if self.terminal.is_some() {
+                    self.after_terminal_violation = true;
+                } else if self.imposed.is_none() {
+                    self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
+                }
+                self.finish(false, false)
+            }
+            Input::StdoutClosed | Input::DrainEnded => {
+                if self.terminal.is_some() && self.imposed.is_none() {
+                    // what a grandchild may still write after the terminal
+                    self.phase = Phase::DrainingAfterTerminal;
+                    return vec![Action::StartDrain];
+                }
+                self.finish(false, false)
+            }
+            // the drain is bounded; control inputs wait for its end
+            _ => Vec::new(),
+        }
+    }
+
+    fn after_terminal(&mut self, input: Input, stdout_closed: bool) -> Vec<Action> {
+        match input {
+            Input::Frame(_) | Input::StreamError { .. } => {
+                self.after_terminal_violation = true;
+                self.finish(false, false)
+            }
+            Input::StdoutClosed => {
+                self.phase = Phase::AfterTerminal {
+                    stdout_closed: true,
+                };
+                Vec::new()
+            }
+            Input::Exited => {
+                self.exited = true;
+                if stdout_closed {
+                    return self.finish(false, false);
+                }
+                self.phase = Phase::DrainingAfterTerminal;
+                vec![Action::StartDrain]
+            }
+            // did not exit after its terminal: it is stopped
+            Input::GraceEnded => self.finish(false, false),
+            _ => Vec::new(),
+        }
+    }
+
+    fn draining_after_terminal(&mut self, input: Input) -> Vec<Action> {
+        match input {
+            Input::Frame(_) | Input::StreamError { .. } => {
+                self.after_terminal_violation = true;
+                self.finish(false, false)
+            }
+            Input::StdoutClosed | Input::DrainEnded => self.finish(false, false),
+            _ => Vec::new(),
+        }
+    }
+
+    fn cancelling(&mut self, input: Input, reason: CancelReason) -> Vec<Action> {
+        match input {
+            Input::GraceEnded | Input::StdoutClosed | Input::StreamError { .. } => {
+                self.cancel_done(reason)
+            }
+            Input::Exited => {
+                self.exited = true;
+                self.cancel_done(reason)
+            }
+            Input::Frame(f) => {
+                self.grace_frames += 1;
+                match on_frame(&mut self.frames, &self.job_id, self.pid, f) {
+                    FrameVerdict::Terminal(t) => {
+                        self.terminal = Some(t);
+                        self.cancel_done(reason)
+                    }
+                    FrameVerdict::Write(i) => vec![Action::PersistIfRoom(i)],
+                    _ => Vec::new(),
+                }
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The grace is over (or the terminal came): a persistent process that
+    /// answered a cancel or an imposed timeout in time may serve again; one
+    /// that did not is killed and replaced.
+    fn cancel_done(&mut self, reason: CancelReason) -> Vec<Action> {
+        let answered = self.terminal.is_some() && !self.exited;
+        let may_serve = matches!(
+            reason,
+            CancelReason::Requested | CancelReason::AttemptTimeout | CancelReason::Deadline
+        );
+        if self.persistent && answered && may_serve {
+            return self.finish(true, false);
+        }
+        self.finish(false, answered)
+    }
+
+    /// The attempt's verdict once the child is gone (or kept).
+    pub(crate) fn verdict(self, own_cancel: bool, exit_text: &str) -> Verdict {
+        precedence(
+            self.imposed,
+            self.terminal,
+            self.frames.accepted,
+            own_cancel,
+            self.after_terminal_violation,
+            exit_text,
+        )
+    }
+}
