@@ -41,7 +41,8 @@
 -- * History once per statement. `durable.transitions` rows for step changes
 --   are written by statement-level AFTER triggers with transition tables (one
 --   INSERT … SELECT for a lease of 16 rows, none for a heartbeat or a flag
---   update), then the cascades run for the rows that need them — in id
+--   update; the guard marks the changed rows with `prev_state`, so the new
+--   rows alone are scanned, never joined), then the cascades run for the rows that need them — in id
 --   order, dependents of a success, siblings of a terminal failure — then
 --   the run counters' recompute, once per run. History keeps its order: the
 --   step's own row, then rows of the steps it created or cancelled, then the
@@ -231,6 +232,48 @@ END $$;
 -- ---------------------------------------------------------------------------
 -- the step triggers: once per statement
 
+-- The guard also marks, on the row itself, the state an update changed it
+-- from (`prev_state`, NULL when the update left the state alone), so the
+-- statement triggers find the changed rows by a scan of the new rows: no join
+-- of the old and new transition tables, whose cached plan (made for the first
+-- statement's row count) could turn a 1,000-row heartbeat into a nested loop.
+ALTER TABLE durable.step_runs ADD COLUMN prev_state text;
+
+CREATE OR REPLACE FUNCTION durable.guard_step_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF durable.step_state_is_terminal(OLD.state) THEN
+        RAISE EXCEPTION 'step % (%) is %: a terminal step never changes', OLD.name, OLD.id, OLD.state
+            USING ERRCODE = 'P0D01';
+    END IF;
+    IF NEW.id <> OLD.id OR NEW.run_id <> OLD.run_id OR NEW.name <> OLD.name
+       OR NEW.idempotency_key <> OLD.idempotency_key THEN
+        RAISE EXCEPTION 'step % (%): identity columns never change', OLD.name, OLD.id
+            USING ERRCODE = 'P0D02';
+    END IF;
+    IF NEW.state IS DISTINCT FROM OLD.state THEN
+        -- a writer that did not say why must not inherit the previous reason
+        IF NEW.transition_reason IS NOT DISTINCT FROM OLD.transition_reason
+           AND NEW.transition_by IS NOT DISTINCT FROM OLD.transition_by THEN
+            NEW.transition_reason := NULL;
+            NEW.transition_by := NULL;
+        END IF;
+        IF NOT EXISTS (SELECT 1 FROM durable.step_transition_rules r
+                       WHERE r.from_state = OLD.state AND r.to_state = NEW.state) THEN
+            RAISE EXCEPTION 'illegal step transition % -> % for step % (%)', OLD.state, NEW.state, OLD.name, OLD.id
+                USING ERRCODE = 'P0D03';
+        END IF;
+        IF durable.step_state_is_terminal(NEW.state) THEN
+            NEW.finished_at := now();
+            NEW.lease_expires_at := NULL;
+        END IF;
+        NEW.prev_state := OLD.state;
+    ELSE
+        NEW.prev_state := NULL;
+    END IF;
+    NEW.updated_at := now();
+    RETURN NEW;
+END $$;
+
 CREATE OR REPLACE FUNCTION durable.on_step_transition() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     n_changed bigint; c record; d durable.step_defs; run_key text; run_cancel boolean; run_failed int;
@@ -253,9 +296,9 @@ BEGIN
     -- UPDATE: only rows whose state changed count (a heartbeat, a flag or a
     -- checkpoint changes none and ends here)
     INSERT INTO durable.transitions (run_id, step_run_id, from_state, to_state, attempt, worker, reason)
-    SELECT n.run_id, n.id, o.state, n.state, n.attempt, n.transition_by, n.transition_reason
-      FROM new_rows n JOIN old_rows o ON o.id = n.id
-     WHERE o.state IS DISTINCT FROM n.state
+    SELECT n.run_id, n.id, n.prev_state, n.state, n.attempt, n.transition_by, n.transition_reason
+      FROM new_rows n
+     WHERE n.prev_state IS NOT NULL
      ORDER BY n.id;
     GET DIAGNOSTICS n_changed = ROW_COUNT;
     IF n_changed = 0 THEN
@@ -263,8 +306,8 @@ BEGIN
     END IF;
 
     PERFORM pg_notify('durable_steps', k.executor_kind)
-       FROM (SELECT DISTINCT n.executor_kind FROM new_rows n JOIN old_rows o ON o.id = n.id
-              WHERE o.state IS DISTINCT FROM n.state AND n.state IN ('pending', 'retryable_failed')) k;
+       FROM (SELECT DISTINCT n.executor_kind FROM new_rows n
+              WHERE n.prev_state IS NOT NULL AND n.state IN ('pending', 'retryable_failed')) k;
 
     -- counters: only terminal transitions change one (a terminal row never
     -- changes again, so each step is counted once); runs locked in id order
@@ -273,8 +316,8 @@ BEGIN
                count(*) FILTER (WHERE n.state = 'succeeded')::int AS succeeded,
                count(*) FILTER (WHERE n.state = 'terminal_failed')::int AS failed,
                count(*) FILTER (WHERE n.state = 'cancelled')::int AS cancelled
-          FROM new_rows n JOIN old_rows o ON o.id = n.id
-         WHERE o.state IS DISTINCT FROM n.state AND durable.step_state_is_terminal(n.state)
+          FROM new_rows n
+         WHERE n.prev_state IS NOT NULL AND durable.step_state_is_terminal(n.state)
          GROUP BY n.run_id ORDER BY n.run_id
     LOOP
         UPDATE durable.workflow_runs
@@ -286,8 +329,8 @@ BEGIN
     -- cascades, in id order
     FOR c IN
         SELECT n.id, n.run_id, n.name, n.state
-          FROM new_rows n JOIN old_rows o ON o.id = n.id
-         WHERE o.state IS DISTINCT FROM n.state AND n.state IN ('succeeded', 'terminal_failed')
+          FROM new_rows n
+         WHERE n.prev_state IS NOT NULL AND n.state IN ('succeeded', 'terminal_failed')
          ORDER BY n.id
     LOOP
         IF c.state = 'succeeded' THEN
@@ -336,8 +379,8 @@ BEGIN
     -- running while its run is still pending (a running run needs nothing)
     FOR c IN
         SELECT DISTINCT ON (n.run_id) n.run_id, n.name, n.state
-          FROM new_rows n JOIN old_rows o ON o.id = n.id
-         WHERE o.state IS DISTINCT FROM n.state
+          FROM new_rows n
+         WHERE n.prev_state IS NOT NULL
            AND (durable.step_state_is_terminal(n.state)
                 OR (n.state = 'running' AND EXISTS (SELECT 1 FROM durable.workflow_runs w
                                                      WHERE w.id = n.run_id AND w.state = 'pending')))
@@ -351,7 +394,7 @@ END $$;
 DROP TRIGGER step_runs_transition ON durable.step_runs;
 DROP TRIGGER step_runs_created ON durable.step_runs;
 CREATE TRIGGER step_runs_transition AFTER UPDATE ON durable.step_runs
-    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    REFERENCING NEW TABLE AS new_rows
     FOR EACH STATEMENT EXECUTE FUNCTION durable.on_step_transition();
 CREATE TRIGGER step_runs_created AFTER INSERT ON durable.step_runs
     REFERENCING NEW TABLE AS new_rows
