@@ -1,0 +1,632 @@
+//! Issue 7 item 2: bookkeeping in O(1) per transition. The run counters, the
+//! dependency counters and the history written once per statement are checked
+//! against a full recount after every operation of random runs (leases,
+//! starts, completions, retryable and terminal failures with sibling
+//! cancellation, refusals, releases, cancels, reclaims, heartbeats, events);
+//! a 1,000-step fan-out/fan-in creates its sink exactly once; the lease writes
+//! no run row and a plain event no step row.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use sqlx::Row;
+use supervisor::db::{Db, DbError, FailureReport, LeasedStep, NewEvent};
+use supervisor::state::{aggregate_run, Failure, RunState, StepState};
+use tests::TestDb;
+use uuid::Uuid;
+
+async fn worker(db: &Db, name: &str) -> Uuid {
+    let id = Uuid::new_v4();
+    db.register_worker(id, name, "test", &json!([]))
+        .await
+        .expect("register");
+    id
+}
+
+fn failure(retryable: bool) -> FailureReport {
+    FailureReport {
+        failure: Failure {
+            code: "X".into(),
+            retryable,
+            next_retry_delay: None,
+        },
+        message: "x".into(),
+        details: None,
+        sequence: None,
+    }
+}
+
+/// Every run's counters, every definition's dependency counter and every
+/// step's history against a full recount; the counters' decision against the
+/// array form and against `state::aggregate_run`. Panics naming the first
+/// difference, after `what`.
+async fn check_books(db: &Db, what: &str) {
+    let runs = sqlx::query(
+        "SELECT r.id, r.state, r.steps_total, r.steps_succeeded, r.steps_failed, r.steps_cancelled,
+                r.defs_waiting, durable.run_state_from_counters(r) AS from_counters,
+                c.total, c.succeeded, c.failed, c.cancelled, c.states, w.waiting,
+                durable.aggregate_run_state(r.state, c.states, w.waiting > 0) AS from_recount
+           FROM durable.workflow_runs r
+           CROSS JOIN LATERAL (
+               SELECT count(*)::int AS total,
+                      count(*) FILTER (WHERE s.state = 'succeeded')::int AS succeeded,
+                      count(*) FILTER (WHERE s.state = 'terminal_failed')::int AS failed,
+                      count(*) FILTER (WHERE s.state = 'cancelled')::int AS cancelled,
+                      coalesce(array_agg(s.state), '{}') AS states
+                 FROM durable.step_runs s WHERE s.run_id = r.id) c
+           CROSS JOIN LATERAL (
+               SELECT count(*)::int AS waiting FROM durable.step_defs d
+                WHERE d.run_id = r.id
+                  AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = d.run_id AND s.name = d.name)) w",
+    )
+    .fetch_all(db.pool())
+    .await
+    .expect("recount runs");
+    for r in &runs {
+        let id: Uuid = r.get("id");
+        for (counter, recount) in [
+            ("steps_total", "total"),
+            ("steps_succeeded", "succeeded"),
+            ("steps_failed", "failed"),
+            ("steps_cancelled", "cancelled"),
+            ("defs_waiting", "waiting"),
+        ] {
+            assert_eq!(
+                r.get::<i32, _>(counter),
+                r.get::<i32, _>(recount),
+                "{what}: run {id}: {counter} differs from the recount"
+            );
+        }
+        let state: String = r.get("state");
+        let from_counters: String = r.get("from_counters");
+        let from_recount: String = r.get("from_recount");
+        assert_eq!(
+            from_counters, from_recount,
+            "{what}: run {id} ({state}): the counters decide differently from the recount"
+        );
+        let states: Vec<StepState> = r
+            .get::<Vec<String>, _>("states")
+            .iter()
+            .map(|s| s.parse().expect("step state"))
+            .collect();
+        let spec = aggregate_run(
+            state.parse().expect("run state"),
+            &states,
+            r.get::<i32, _>("waiting") > 0,
+        );
+        assert_eq!(
+            from_recount,
+            spec.as_str(),
+            "{what}: run {id}: SQL and state::aggregate_run disagree"
+        );
+    }
+    let bad_deps: Vec<(Uuid, String, i32, i64)> = sqlx::query_as(
+        "SELECT d.run_id, d.name, d.deps_remaining, x.n FROM durable.step_defs d
+          CROSS JOIN LATERAL (
+              SELECT count(*) AS n FROM unnest(d.depends_on) AS dep(name)
+               WHERE NOT EXISTS (SELECT 1 FROM durable.step_runs s
+                                  WHERE s.run_id = d.run_id AND s.name = dep.name AND s.state = 'succeeded')) x
+         WHERE d.deps_remaining <> x.n",
+    )
+    .fetch_all(db.pool())
+    .await
+    .expect("recount dependencies");
+    assert!(
+        bad_deps.is_empty(),
+        "{what}: deps_remaining differs: {bad_deps:?}"
+    );
+    // a ready definition (all dependencies succeeded) of a run without a
+    // failure or cancel request has its step
+    let missing: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT d.run_id, d.name FROM durable.step_defs d JOIN durable.workflow_runs r ON r.id = d.run_id
+          WHERE d.deps_remaining = 0 AND NOT r.cancel_requested AND r.steps_failed = 0
+            AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = d.run_id AND s.name = d.name)",
+    )
+    .fetch_all(db.pool())
+    .await
+    .expect("ready definitions");
+    assert!(
+        missing.is_empty(),
+        "{what}: ready definitions without a step: {missing:?}"
+    );
+    // history: per step, a chain from creation to its current state, each
+    // change exactly once
+    let rows: Vec<(Uuid, String, Option<String>, String)> = sqlx::query_as(
+        "SELECT s.id, s.state, t.from_state, t.to_state FROM durable.step_runs s
+           JOIN durable.transitions t ON t.step_run_id = s.id ORDER BY s.id, t.id",
+    )
+    .fetch_all(db.pool())
+    .await
+    .expect("history");
+    let mut chains: BTreeMap<Uuid, (String, Vec<Change>)> = BTreeMap::new();
+    for (id, state, from, to) in rows {
+        chains
+            .entry(id)
+            .or_insert_with(|| (state, Vec::new()))
+            .1
+            .push((from, to));
+    }
+    let steps = tests_step_count(db).await;
+    assert_eq!(chains.len() as i64, steps, "{what}: a step without history");
+    for (id, (state, chain)) in chains {
+        assert_eq!(
+            chain[0],
+            (None, "pending".to_string()),
+            "{what}: step {id}: history does not start with its creation: {chain:?}"
+        );
+        for w in chain.windows(2) {
+            assert_eq!(
+                w[1].0.as_deref(),
+                Some(w[0].1.as_str()),
+                "{what}: step {id}: history is not one chain: {chain:?}"
+            );
+        }
+        assert_eq!(
+            chain.last().map(|c| c.1.as_str()),
+            Some(state.as_str()),
+            "{what}: step {id}: history ends elsewhere than its state: {chain:?}"
+        );
+    }
+}
+
+/// One history row of a step: (from, to).
+type Change = (Option<String>, String);
+
+async fn tests_step_count(db: &Db) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM durable.step_runs")
+        .fetch_one(db.pool())
+        .await
+        .expect("count")
+}
+
+/// A random DAG of 1..=8 steps, edges only to earlier steps; retries at once.
+fn random_spec(rng: &mut StdRng, i: usize) -> serde_json::Value {
+    let n = rng.random_range(1..=8);
+    let steps: Vec<serde_json::Value> = (0..n)
+        .map(|j| {
+            let deps: Vec<String> = (0..j)
+                .filter(|_| rng.random_bool(0.3))
+                .map(|d| format!("s{d}"))
+                .collect();
+            json!({"name": format!("s{j}"), "executor_kind": "go", "kind": "k", "depends_on": deps,
+                   "retry": {"max_attempts": 3, "initial_interval_ms": 0}})
+        })
+        .collect();
+    json!({"name": format!("random-{i}"), "steps": steps})
+}
+
+/// A lease write's outcome: Ok, or the lease is gone (another path moved the step on).
+fn lost_is_fine<T>(r: Result<T, DbError>, what: &str) -> Option<T> {
+    match r {
+        Ok(v) => Some(v),
+        Err(DbError::LeaseLost { .. }) => None,
+        Err(e) => panic!("{what}: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn counters_equal_a_full_recount_after_random_transitions() {
+    let t = TestDb::new().await;
+    let seed = std::env::var("BOOKKEEPING_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| u64::from(rand::random::<u32>()));
+    println!("seed {seed} (BOOKKEEPING_SEED={seed} repeats it)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let wid = worker(&t.db, "w").await;
+    let mut runs = Vec::new();
+    for i in 0..24 {
+        runs.push((t.submit(random_spec(&mut rng, i)).await, i));
+    }
+    check_books(&t.db, "after submit").await;
+    let ttl = Duration::from_secs(30);
+    let mut held: Vec<(LeasedStep, bool)> = Vec::new(); // (lease, running)
+    let mut ops: BTreeMap<&str, u32> = BTreeMap::new();
+    for op_no in 0..500 {
+        let pick = rng.random_range(0..100);
+        let op = if held.is_empty() || pick < 25 {
+            "lease"
+        } else if pick < 38 {
+            "start"
+        } else if pick < 58 {
+            "complete"
+        } else if pick < 66 {
+            "fail_retryable"
+        } else if pick < 71 {
+            "fail_terminal"
+        } else if pick < 75 {
+            "refuse"
+        } else if pick < 78 {
+            "release"
+        } else if pick < 81 {
+            "confirm_cancelled"
+        } else if pick < 85 {
+            "reclaim"
+        } else if pick < 90 {
+            "heartbeat"
+        } else if pick < 94 {
+            "event"
+        } else if pick < 98 {
+            "cancel_step"
+        } else {
+            "cancel_run"
+        };
+        *ops.entry(op).or_default() += 1;
+        let k = if held.is_empty() {
+            0
+        } else {
+            rng.random_range(0..held.len())
+        };
+        match op {
+            "lease" => {
+                let n = rng.random_range(1..=4);
+                for l in
+                    t.db.lease(wid, "w", &tests::route_go_k(), n, ttl)
+                        .await
+                        .expect("lease")
+                {
+                    held.push((l, false));
+                }
+            }
+            "start" => {
+                let (l, running) = &mut held[k];
+                if lost_is_fine(
+                    t.db.mark_running(&l.lease, "w", 1, &tests::accepted_event())
+                        .await,
+                    "start",
+                )
+                .is_some()
+                {
+                    *running = true;
+                }
+            }
+            "complete" => {
+                let (l, _) = held.swap_remove(k);
+                lost_is_fine(
+                    t.db.complete(&l.lease, "w", &json!({"ok": 1}), &[], Some(9))
+                        .await,
+                    "complete",
+                );
+            }
+            "fail_retryable" | "fail_terminal" => {
+                let (l, _) = held.swap_remove(k);
+                lost_is_fine(
+                    t.db.fail(&l.lease, "w", &failure(op == "fail_retryable"), 0.5)
+                        .await,
+                    "fail",
+                );
+            }
+            "refuse" => {
+                // a refusal puts a step back in the queue even when a cancel
+                // was requested meanwhile (then nothing leases it again and
+                // its run never ends): refuse only steps nobody cancelled
+                let cancel: bool = sqlx::query_scalar(
+                    "SELECT s.cancel_requested OR r.cancel_requested FROM durable.step_runs s
+                       JOIN durable.workflow_runs r ON r.id = s.run_id WHERE s.id = $1",
+                )
+                .bind(held[k].0.lease.step_run_id())
+                .fetch_one(t.db.pool())
+                .await
+                .expect("cancel flags");
+                if !held[k].1 && !cancel {
+                    let (l, _) = held.swap_remove(k);
+                    lost_is_fine(
+                        t.db.refuse(&l.lease, "w", "ROUTE", "no", Duration::ZERO, 2)
+                            .await,
+                        "refuse",
+                    );
+                }
+            }
+            "release" => {
+                let (l, _) = held.swap_remove(k);
+                lost_is_fine(t.db.release(&l.lease, "w", "drain").await, "release");
+            }
+            "confirm_cancelled" => {
+                let (l, _) = held.swap_remove(k);
+                lost_is_fine(
+                    t.db.confirm_cancelled(&l.lease, "w", "stopped").await,
+                    "confirm_cancelled",
+                );
+            }
+            "reclaim" => {
+                let (l, _) = held.swap_remove(k);
+                sqlx::query(
+                    "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second'
+                      WHERE id = $1 AND state IN ('leased', 'running')",
+                )
+                .bind(l.lease.step_run_id())
+                .execute(t.db.pool())
+                .await
+                .expect("expire");
+                t.db.reclaim_expired("reclaimer", 10)
+                    .await
+                    .expect("reclaim");
+            }
+            "heartbeat" => {
+                let leases: Vec<_> = held.iter().map(|(l, _)| l.lease.clone()).collect();
+                let before = tests_transition_count(&t.db).await;
+                t.db.heartbeat(wid, &leases, ttl).await.expect("heartbeat");
+                assert_eq!(
+                    tests_transition_count(&t.db).await,
+                    before,
+                    "a heartbeat writes no history"
+                );
+            }
+            "event" => {
+                let (l, _) = &held[k];
+                let cp = [1u8, 2, 3];
+                let ev = NewEvent {
+                    sequence: 100 + op_no,
+                    kind: "progress",
+                    message: "p",
+                    fraction: Some(0.5),
+                    checkpoint: rng.random_bool(0.5).then_some(&cp[..]),
+                    executor_at: None,
+                };
+                lost_is_fine(t.db.record_event(&l.lease, &ev).await, "event");
+            }
+            "cancel_step" | "cancel_run" => {
+                let (run, i) = runs[rng.random_range(0..runs.len())];
+                let names: Vec<String> = sqlx::query_scalar(
+                    "SELECT name FROM durable.step_defs WHERE run_id = $1 ORDER BY position",
+                )
+                .bind(run)
+                .fetch_all(t.db.pool())
+                .await
+                .expect("names");
+                let name = &names[rng.random_range(0..names.len())];
+                let step = (op == "cancel_step").then_some(name.as_str());
+                t.db.cancel(run, step)
+                    .await
+                    .unwrap_or_else(|e| panic!("cancel run {i}: {e}"));
+            }
+            _ => unreachable!(),
+        }
+        check_books(&t.db, &format!("op {op_no} ({op})")).await;
+    }
+    // drain: everything runs to its end; every run ends terminal, as the
+    // aggregation says
+    for round in 0.. {
+        assert!(round < 200, "runs did not finish");
+        for (l, _) in held.drain(..) {
+            lost_is_fine(
+                t.db.complete(&l.lease, "w", &json!({}), &[], None).await,
+                "drain",
+            );
+        }
+        let open: i64 = t.db.open_runs().await.expect("open runs");
+        if open == 0 {
+            break;
+        }
+        for l in
+            t.db.lease(wid, "w", &tests::route_go_k(), 50, ttl)
+                .await
+                .expect("lease")
+        {
+            held.push((l, false));
+        }
+        check_books(&t.db, &format!("drain round {round}")).await;
+    }
+    check_books(&t.db, "at the end").await;
+    for (run, i) in runs {
+        let st = t.status(run).await;
+        let states: Vec<StepState> = st.steps.iter().map(|s| s.state.parse().unwrap()).collect();
+        let want = aggregate_run(RunState::Running, &states, !st.waiting.is_empty());
+        assert_eq!(st.state, want.as_str(), "run {i}: {states:?}");
+    }
+    println!("operations: {ops:?}");
+}
+
+async fn tests_transition_count(db: &Db) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM durable.transitions")
+        .fetch_one(db.pool())
+        .await
+        .expect("count")
+}
+
+/// root → 998 parallel steps → sink: the sink is created exactly once, when
+/// the last of its 998 dependencies succeeds, and the books hold.
+#[tokio::test]
+async fn a_thousand_step_fan_out_fan_in_creates_its_sink_once() {
+    let t = TestDb::new().await;
+    let mid: Vec<String> = (0..998).map(|i| format!("m{i}")).collect();
+    let mut steps = vec![json!({"name": "root", "executor_kind": "go", "kind": "k"})];
+    steps.extend(
+        mid.iter().map(
+            |m| json!({"name": m, "executor_kind": "go", "kind": "k", "depends_on": ["root"]}),
+        ),
+    );
+    steps.push(json!({"name": "sink", "executor_kind": "go", "kind": "k", "depends_on": mid}));
+    let run = t.submit(json!({"name": "fan", "steps": steps})).await;
+    let wid = worker(&t.db, "w").await;
+    let ttl = Duration::from_secs(60);
+    let mut completed = 0usize;
+    let mut times = Vec::new();
+    loop {
+        let leased =
+            t.db.lease(wid, "w", &tests::route_go_k(), 100, ttl)
+                .await
+                .expect("lease");
+        if leased.is_empty() {
+            break;
+        }
+        for l in leased {
+            let sink_before: i64 = t
+                .scalar_i64(&format!(
+                    "SELECT count(*) FROM durable.step_runs WHERE run_id = '{run}' AND name = 'sink'"
+                ))
+                .await;
+            assert_eq!(
+                sink_before,
+                i64::from(l.name == "sink"),
+                "the sink exists exactly when all 998 dependencies succeeded ({completed} done)"
+            );
+            t.db.mark_running(&l.lease, "w", 1, &tests::accepted_event())
+                .await
+                .expect("start");
+            let t0 = Instant::now();
+            t.db.complete(&l.lease, "w", &json!({}), &[], Some(2))
+                .await
+                .expect("complete");
+            times.push(t0.elapsed());
+            completed += 1;
+        }
+    }
+    assert_eq!(completed, 1000);
+    let st = t.status(run).await;
+    assert_eq!(st.state, "succeeded");
+    let sink_created = t
+        .scalar_i64(&format!(
+            "SELECT count(*) FROM durable.transitions t JOIN durable.step_runs s ON s.id = t.step_run_id
+              WHERE s.run_id = '{run}' AND s.name = 'sink' AND t.to_state = 'pending'"
+        ))
+        .await;
+    assert_eq!(sink_created, 1, "the sink is created once");
+    check_books(&t.db, "fan-out/fan-in").await;
+    let ms = |d: &[Duration]| d.iter().map(|d| d.as_secs_f64() * 1e3).sum::<f64>() / d.len() as f64;
+    println!(
+        "complete round trip: root {:.2} ms (creates 998 steps), first 100 middles {:.2} ms, last 100 middles {:.2} ms, sink {:.2} ms",
+        ms(&times[..1]),
+        ms(&times[1..101]),
+        ms(&times[899..999]),
+        ms(&times[999..])
+    );
+}
+
+/// The lease writes no run row (and so takes no run lock: it goes through
+/// while another transaction holds the run FOR NO KEY UPDATE), the heartbeat
+/// writes no history, a plain event does not rewrite the step row, a
+/// checkpoint does but records no transition; a multi-row statement writes
+/// one history row per changed step.
+#[tokio::test]
+async fn each_write_touches_only_what_it_changes() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "touch", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k"},
+            {"name": "c", "executor_kind": "go", "kind": "k"},
+            {"name": "d", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let run_xmin = |db: Db| async move {
+        sqlx::query_scalar::<_, String>(
+            "SELECT xmin::text FROM durable.workflow_runs WHERE id = $1",
+        )
+        .bind(run)
+        .fetch_one(db.pool())
+        .await
+        .expect("xmin")
+    };
+    let x0 = run_xmin(t.db.clone()).await;
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the run");
+    let leased = tokio::time::timeout(
+        Duration::from_secs(10),
+        t.db.lease(wid, "w", &tests::route_go_k(), 2, Duration::from_secs(30)),
+    )
+    .await
+    .expect("the lease does not wait on the run's lock")
+    .expect("lease");
+    assert_eq!(leased.len(), 2);
+    holder.rollback().await.expect("release the run");
+    assert_eq!(
+        run_xmin(t.db.clone()).await,
+        x0,
+        "the lease wrote the run row"
+    );
+    for l in &leased {
+        let n: Vec<(Option<String>, String)> = sqlx::query_as(
+            "SELECT from_state, to_state FROM durable.transitions WHERE step_run_id = $1 ORDER BY id",
+        )
+        .bind(l.lease.step_run_id())
+        .fetch_all(t.db.pool())
+        .await
+        .expect("history");
+        assert_eq!(
+            n,
+            vec![
+                (None, "pending".into()),
+                (Some("pending".into()), "leased".into())
+            ]
+        );
+    }
+    let leases: Vec<_> = leased.iter().map(|l| l.lease.clone()).collect();
+    let h0 = tests_transition_count(&t.db).await;
+    t.db.heartbeat(wid, &leases, Duration::from_secs(30))
+        .await
+        .expect("heartbeat");
+    assert_eq!(tests_transition_count(&t.db).await, h0, "heartbeat history");
+
+    let first = &leased[0];
+    let step_xmin = || async {
+        sqlx::query_scalar::<_, String>("SELECT xmin::text FROM durable.step_runs WHERE id = $1")
+            .bind(first.lease.step_run_id())
+            .fetch_one(t.db.pool())
+            .await
+            .expect("xmin")
+    };
+    let s0 = step_xmin().await;
+    let plain = NewEvent {
+        sequence: 5,
+        kind: "progress",
+        message: "half",
+        fraction: Some(0.5),
+        checkpoint: None,
+        executor_at: None,
+    };
+    t.db.record_event(&first.lease, &plain)
+        .await
+        .expect("event");
+    assert_eq!(step_xmin().await, s0, "a plain event rewrote the step row");
+    let cp = NewEvent {
+        sequence: 6,
+        checkpoint: Some(b"cp"),
+        ..plain
+    };
+    t.db.record_event(&first.lease, &cp)
+        .await
+        .expect("checkpoint");
+    assert_ne!(step_xmin().await, s0, "a checkpoint is stored on the step");
+    assert_eq!(tests_transition_count(&t.db).await, h0, "event history");
+
+    // one statement cancels the pending root and the waiting `d` (created
+    // for it) and flags the two leased ones: a history row per changed step
+    let last: i64 = sqlx::query_scalar("SELECT max(id) FROM durable.transitions")
+        .fetch_one(t.db.pool())
+        .await
+        .expect("max id");
+    t.db.cancel(run, None).await.expect("cancel");
+    let rows: Vec<(String, Option<String>, String)> = sqlx::query_as(
+        "SELECT s.name, t.from_state, t.to_state FROM durable.transitions t
+           JOIN durable.step_runs s ON s.id = t.step_run_id
+          WHERE t.id > $1 ORDER BY t.id",
+    )
+    .bind(last)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("cancel history");
+    let leased_names: Vec<&str> = leased.iter().map(|l| l.name.as_str()).collect();
+    let root = ["a", "b", "c"]
+        .into_iter()
+        .find(|n| !leased_names.contains(n))
+        .expect("one root left pending");
+    let mut cancelled: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.1.as_deref() == Some("pending") && r.2 == "cancelled")
+        .map(|r| r.0.as_str())
+        .collect();
+    cancelled.sort();
+    let mut want = vec![root, "d"];
+    want.sort();
+    assert_eq!(cancelled, want, "{rows:?}");
+    assert_eq!(rows.len(), 3, "d's creation and two cancels: {rows:?}");
+    check_books(&t.db, "after the cancel").await;
+}
