@@ -6,6 +6,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../proto");
     let file = root.join("durable/executor/v1/executor.proto");
     println!("cargo:rerun-if-changed={}", file.display());
+    // `sqlx::migrate!` embeds the migrations at compile time: a new file in
+    // the directory must rebuild the crate (else the binary lacks it)
+    let migrations = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+    println!("cargo:rerun-if-changed={}", migrations.display());
     let fds = protox::compile([&file], [&root])?;
     prost_build::Config::new()
         // Deterministic encoding: map entries in key order, like Go's and

@@ -504,3 +504,25 @@ async fn submit_does_not_migrate() {
             .expect("count");
     assert_eq!(schemas, 0, "submit created the schema");
 }
+
+/// A step refused by its executor after its run was cancelled (the cancel
+/// arrived while it was only leased) is cancelled, and its run ends. Before
+/// the fix the refusal put it back in the queue, where nothing leases a
+/// cancel-requested step: the run stayed open forever (found by the
+/// bookkeeping random test).
+#[tokio::test]
+async fn a_refusal_after_a_cancel_request_cancels_the_step() {
+    let t = TestDb::new().await;
+    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
+    let wid = worker(&t.db, "w").await;
+    let s = lease_all(&t.db, wid, 10).await.remove(0);
+    t.db.cancel(run, None).await.expect("cancel");
+    let state =
+        t.db.refuse(&s.lease, "w", "UNSUPPORTED_KIND", "no", Duration::ZERO, 5)
+            .await
+            .expect("refuse");
+    assert_eq!(state, "cancelled");
+    let st = t.status(run).await;
+    assert_eq!(st.state, "cancelled", "{st:?}");
+    assert_eq!(tests::step(&st, "s").state, "cancelled");
+}

@@ -22,9 +22,14 @@ async fn lease_one_each(t: &TestDb, runs: usize) -> Vec<LeasedStep> {
     t.db.register_worker(wid, "w", "test", &json!([]))
         .await
         .expect("register");
-    let mut steps = t
-        .db
-        .lease(wid, "w", &tests::route_go_k(), runs as u32, Duration::from_secs(30))
+    let mut steps =
+        t.db.lease(
+            wid,
+            "w",
+            &tests::route_go_k(),
+            runs as u32,
+            Duration::from_secs(30),
+        )
         .await
         .expect("lease");
     assert_eq!(steps.len(), runs);
@@ -106,12 +111,22 @@ async fn a_batch_answers_each_intent_on_its_own() {
             lease: a.lease.clone(),
             events: vec![ev(2, "running"), ev(3, "progress")],
         }],
-        completes: vec![complete(a, 4), complete(b, 2), complete(c, 2), complete(d, 2)],
+        completes: vec![
+            complete(a, 4),
+            complete(b, 2),
+            complete(c, 2),
+            complete(d, 2),
+        ],
     };
     let out = t.db.write_batch("w", &batch).await.expect("batch");
     assert_eq!(
         out.starts,
-        vec![RowOutcome::Ok, RowOutcome::Ok, RowOutcome::Ok, RowOutcome::Lost]
+        vec![
+            RowOutcome::Ok,
+            RowOutcome::Ok,
+            RowOutcome::Ok,
+            RowOutcome::Lost
+        ]
     );
     assert_eq!(out.events, vec![RowOutcome::Ok]);
     assert_eq!(out.completes[0], RowOutcome::Ok);
@@ -151,7 +166,12 @@ async fn a_batch_answers_each_intent_on_its_own() {
     let kinds: Vec<(i64, &str)> = kinds.iter().map(|(s, k)| (*s, k.as_str())).collect();
     assert_eq!(
         kinds,
-        vec![(1, "accepted"), (2, "running"), (3, "progress"), (4, "succeeded")]
+        vec![
+            (1, "accepted"),
+            (2, "running"),
+            (3, "progress"),
+            (4, "succeeded")
+        ]
     );
     assert_eq!(t.status(a.run_id).await.state, "succeeded");
     // nothing at all for d: its writes were fenced out

@@ -963,8 +963,9 @@ impl Db {
     /// a retryable error before `accepted`): nothing ran, so the attempt is
     /// given back and the step goes back to the queue after `delay`. Refusals
     /// are counted; the `max_refusals`-th ends the step `terminal_failed`
-    /// (`EXECUTOR_REFUSED`) instead of looping forever. Returns whether the
-    /// step ended terminal.
+    /// (`EXECUTOR_REFUSED`) instead of looping forever. A step with a cancel
+    /// request (its own or its run's) is never leased again, so its refusal
+    /// ends it `cancelled`. Returns the state the step is in now.
     pub async fn refuse(
         &self,
         lease: &Lease,
@@ -973,23 +974,35 @@ impl Db {
         message: &str,
         delay: StdDuration,
         max_refusals: u32,
-    ) -> Result<bool, DbError> {
+    ) -> Result<String, DbError> {
         let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        // a step with a cancel request (its own or its run's) is never leased
+        // again: a refusal ends it cancelled instead of back in the queue
         let state: Option<String> = sqlx::query_scalar(
-            "UPDATE durable.step_runs
-                SET state = CASE WHEN refusals + 1 >= $7 THEN 'terminal_failed' ELSE 'retryable_failed' END,
-                    refusals = refusals + 1, attempt = attempt - 1,
+            "UPDATE durable.step_runs s
+                SET state = CASE WHEN c.cancel THEN 'cancelled'
+                                 WHEN s.refusals + 1 >= $7 THEN 'terminal_failed' ELSE 'retryable_failed' END,
+                    refusals = s.refusals + 1,
+                    attempt = CASE WHEN c.cancel THEN s.attempt ELSE s.attempt - 1 END,
                     next_attempt_at = now() + make_interval(secs => $6::double precision / 1000.0),
-                    error_code = CASE WHEN refusals + 1 >= $7 THEN 'EXECUTOR_REFUSED' ELSE $4 END,
-                    error_message = CASE WHEN refusals + 1 >= $7
-                        THEN 'refused ' || (refusals + 1) || ' times (max_refusals = ' || $7 || '); last: ' || $4 || ': ' || $5
+                    error_code = CASE WHEN c.cancel THEN 'CANCELLED'
+                                      WHEN s.refusals + 1 >= $7 THEN 'EXECUTOR_REFUSED' ELSE $4 END,
+                    error_message = CASE WHEN c.cancel
+                        THEN 'cancellation was requested; the executor refused the job before running it (' || $4 || ': ' || $5 || ')'
+                        WHEN s.refusals + 1 >= $7
+                        THEN 'refused ' || (s.refusals + 1) || ' times (max_refusals = ' || $7 || '); last: ' || $4 || ': ' || $5
                         ELSE $5 END,
-                    error_retryable = refusals + 1 < $7, error_details = NULL,
-                    owner_worker_id = NULL, lease_token = NULL,
-                    transition_reason = CASE WHEN refusals + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
+                    error_retryable = NOT c.cancel AND s.refusals + 1 < $7, error_details = NULL,
+                    owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
+                    lease_token = CASE WHEN c.cancel THEN s.lease_token END,
+                    transition_reason = CASE WHEN c.cancel THEN 'CANCEL_REQUESTED (' || $4 || ')'
+                                             WHEN s.refusals + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
                     transition_by = $3
-              WHERE id = $1 AND lease_token = $2 AND state = 'leased'
-          RETURNING state",
+               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
+                       FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
+                      WHERE s2.id = $1) c
+              WHERE s.id = c.id AND s.lease_token = $2 AND s.state = 'leased'
+          RETURNING s.state",
         )
         .bind(lease.step_run_id)
         .bind(lease.token)
@@ -1005,7 +1018,7 @@ impl Db {
             step_run_id: lease.step_run_id,
         })?;
         tx.commit().await.ctx("committing a refusal")?;
-        Ok(state == "terminal_failed")
+        Ok(state)
     }
 
     /// A draining worker stopped the attempt (drain timeout): the step goes

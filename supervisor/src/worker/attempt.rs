@@ -1260,7 +1260,7 @@ async fn write_outcome(
                 .await
         }
         Outcome::Refused { code, message } => {
-            let terminal = shared
+            let state = shared
                 .db
                 .refuse(
                     lease,
@@ -1271,8 +1271,14 @@ async fn write_outcome(
                     shared.cfg.max_refusals,
                 )
                 .await?;
-            if terminal {
-                warn!(code = %code, max_refusals = shared.cfg.max_refusals, "refused too often: the step failed");
+            match state.as_str() {
+                "terminal_failed" => {
+                    warn!(code = %code, max_refusals = shared.cfg.max_refusals, "refused too often: the step failed")
+                }
+                "cancelled" => {
+                    info!(code = %code, "refused after a cancel request: the step is cancelled")
+                }
+                _ => {}
             }
             Ok(())
         }
