@@ -265,6 +265,7 @@ impl Report {
 
     /// One target of the issue: `id` (e.g. "a.persistent_go_steps_per_s"),
     /// what it says, the measured value, the limit and its direction.
+    #[allow(clippy::too_many_arguments)] // one call per target reads best flat
     pub fn target(
         &mut self,
         id: &str,
