@@ -2,10 +2,12 @@
 //! readings, percentiles, tables, and the setup header every benchmark prints.
 
 use std::future::Future;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
+use serde_json::{json, Value};
 use supervisor::db::Db;
 
 pub use crate::db_url;
@@ -98,8 +100,8 @@ pub fn pct(v: &[Duration], p: f64) -> Duration {
     s[rank.clamp(1, s.len()) - 1]
 }
 
-/// Machine, PostgreSQL and build facts.
-pub async fn print_setup(admin: &Db, url: &str) -> Result<()> {
+/// Machine, PostgreSQL and build facts, as the JSON summary's `setup`.
+pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
     let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -112,7 +114,7 @@ pub async fn print_setup(admin: &Db, url: &str) -> Result<()> {
     let nproc = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(0);
-    let mem = std::fs::read_to_string("/proc/meminfo")
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
             s.lines()
@@ -120,19 +122,14 @@ pub async fn print_setup(admin: &Db, url: &str) -> Result<()> {
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<f64>().ok())
         })
-        .map(|kb| format!("{:.1} GiB", kb / 1024.0 / 1024.0))
-        .unwrap_or_else(|| "unknown".into());
+        .map(|kb| kb / 1024.0 / 1024.0);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
-    println!(
-        "machine     : {cpu_model}; nproc {nproc}; memory {mem}; Linux {kernel}; load average {}",
-        loadavg()
-    );
     let version: String = sqlx::query_scalar("SHOW server_version")
         .fetch_one(admin.pool())
         .await?;
-    let mut settings = Vec::new();
+    let mut settings = serde_json::Map::new();
     for s in [
         "fsync",
         "synchronous_commit",
@@ -145,46 +142,241 @@ pub async fn print_setup(admin: &Db, url: &str) -> Result<()> {
         let v: String = sqlx::query_scalar(&format!("SHOW {s}"))
             .fetch_one(admin.pool())
             .await?;
-        settings.push(format!("{s}={v}"));
+        settings.insert(s.into(), Value::String(v));
     }
-    println!("postgresql  : {version}; {}", settings.join(", "));
-    let git = std::process::Command::new("git")
-        .args([
-            "-C",
-            env!("CARGO_MANIFEST_DIR"),
-            "rev-parse",
-            "--short",
-            "HEAD",
-        ])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+    };
+    let commit = git(&["rev-parse", "--short", "HEAD"])
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_else(|| "unknown".into());
-    let dirty = std::process::Command::new("git")
-        .args([
-            "-C",
-            env!("CARGO_MANIFEST_DIR"),
-            "status",
-            "--porcelain",
-            "--untracked-files=no",
-        ])
-        .output()
-        .ok()
+    let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
         .map(|o| !o.stdout.is_empty())
         .unwrap_or(false);
+    Ok(json!({
+        "cpu_model": cpu_model,
+        "cores": nproc,
+        "memory_gib": mem_gib,
+        "kernel": kernel,
+        "load_average": loadavg(),
+        "postgresql_version": version,
+        "postgresql_settings": settings,
+        "postgresql_host": db_host(url),
+        "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "git_commit": commit,
+        "git_dirty": dirty,
+    }))
+}
+
+/// Prints machine, PostgreSQL and build facts (from [`setup_json`]) and returns them.
+pub async fn print_setup(admin: &Db, url: &str) -> Result<Value> {
+    let s = setup_json(admin, url).await?;
+    let st = |k: &str| s[k].as_str().unwrap_or("").to_string();
     println!(
-        "build       : {} profile (debug_assertions {}); git {git}{}; database server at {}",
-        if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        },
-        if cfg!(debug_assertions) { "on" } else { "off" },
-        if dirty { " + uncommitted changes" } else { "" },
-        db_host(url),
+        "machine     : {}; nproc {}; memory {}; Linux {}; load average {}",
+        st("cpu_model"),
+        s["cores"],
+        s["memory_gib"]
+            .as_f64()
+            .map(|g| format!("{g:.1} GiB"))
+            .unwrap_or_else(|| "unknown".into()),
+        st("kernel"),
+        st("load_average"),
     );
-    Ok(())
+    let settings = s["postgresql_settings"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default();
+    println!("postgresql  : {}; {settings}", st("postgresql_version"));
+    println!(
+        "build       : {} profile (debug_assertions {}); git {}{}; database server at {}",
+        st("build_profile"),
+        if cfg!(debug_assertions) { "on" } else { "off" },
+        st("git_commit"),
+        if s["git_dirty"].as_bool() == Some(true) {
+            " + uncommitted changes"
+        } else {
+            ""
+        },
+        st("postgresql_host"),
+    );
+    Ok(s)
+}
+
+/// Which side of its limit a target's measured value must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    AtLeast,
+    AtMost,
+}
+
+/// What one benchmark binary measured, for the JSON summary: its setup and
+/// parameters, every figure it printed (with the setup of that figure), and
+/// each of issue 7's targets it can judge, with the measured value and
+/// met/missed. `scripts/bench` merges the parts (bench_summary).
+pub struct Report {
+    bench: String,
+    setup: Value,
+    params: Value,
+    figures: Vec<Value>,
+    targets: Vec<Value>,
+}
+
+impl Report {
+    pub fn new(bench: &str) -> Report {
+        Report {
+            bench: bench.into(),
+            setup: Value::Null,
+            params: Value::Null,
+            figures: Vec::new(),
+            targets: Vec::new(),
+        }
+    }
+
+    pub fn set_setup(&mut self, setup: Value) {
+        self.setup = setup;
+    }
+
+    pub fn set_params(&mut self, params: Value) {
+        self.params = params;
+    }
+
+    /// One printed figure: `name` (e.g. "lease p50"), its value and unit, and
+    /// the conditions it was measured under (executor, concurrency, sizes …).
+    pub fn figure(&mut self, name: &str, value: f64, unit: &str, setup: Value) {
+        self.figures.push(json!({
+            "name": name,
+            "value": finite(value),
+            "unit": unit,
+            "setup": setup,
+        }));
+    }
+
+    /// One target of the issue: `id` (e.g. "a.persistent_go_steps_per_s"),
+    /// what it says, the measured value, the limit and its direction.
+    #[allow(clippy::too_many_arguments)] // one call per target reads best flat
+    pub fn target(
+        &mut self,
+        id: &str,
+        description: &str,
+        measured: f64,
+        want: Want,
+        limit: f64,
+        unit: &str,
+        setup: Value,
+    ) {
+        let met = measured.is_finite()
+            && match want {
+                Want::AtLeast => measured >= limit,
+                Want::AtMost => measured <= limit,
+            };
+        self.targets.push(json!({
+            "id": id,
+            "description": description,
+            "measured": finite(measured),
+            "limit": limit,
+            "want": match want { Want::AtLeast => ">=", Want::AtMost => "<=" },
+            "unit": unit,
+            "met": met,
+            "setup": setup,
+        }));
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!({
+            "bench": self.bench,
+            "setup": self.setup,
+            "params": self.params,
+            "figures": self.figures,
+            "targets": self.targets,
+        })
+    }
+
+    /// Prints the targets as a table (if any).
+    pub fn print_targets(&self) {
+        print_targets(&self.targets);
+    }
+
+    /// Writes the part to `path` (creating its directory), if given.
+    pub fn write(&self, path: Option<&Path>) -> Result<()> {
+        let Some(path) = path else { return Ok(()) };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&self.to_json())?)?;
+        eprintln!("({}: JSON written to {})", self.bench, path.display());
+        Ok(())
+    }
+}
+
+fn finite(v: f64) -> Value {
+    if v.is_finite() {
+        json!(v)
+    } else {
+        Value::Null
+    }
+}
+
+/// Prints targets (JSON objects as [`Report::target`] makes them) as a table.
+pub fn print_targets(targets: &[Value]) {
+    if targets.is_empty() {
+        return;
+    }
+    println!("-- targets (issue 7)");
+    let rows: Vec<Vec<String>> = targets
+        .iter()
+        .map(|t| {
+            vec![
+                t["id"].as_str().unwrap_or("").to_string(),
+                t["description"].as_str().unwrap_or("").to_string(),
+                t["measured"]
+                    .as_f64()
+                    .map(fmt_num)
+                    .unwrap_or_else(|| "n/a".into()),
+                format!(
+                    "{} {}",
+                    t["want"].as_str().unwrap_or(""),
+                    t["limit"].as_f64().map(fmt_num).unwrap_or_default()
+                ),
+                t["unit"].as_str().unwrap_or("").to_string(),
+                if t["met"].as_bool() == Some(true) {
+                    "met".into()
+                } else {
+                    "MISSED".into()
+                },
+            ]
+        })
+        .collect();
+    print_table(
+        &["target", "what", "measured", "limit", "unit", "result"],
+        2,
+        &rows,
+    );
+}
+
+/// A number with a precision that fits its size.
+pub fn fmt_num(v: f64) -> String {
+    let a = v.abs();
+    if a >= 1000.0 {
+        format!("{v:.0}")
+    } else if a >= 100.0 {
+        format!("{v:.1}")
+    } else if a >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
 }
 
 /// Prints a table; the first `left` columns are left-aligned.
@@ -261,4 +453,39 @@ where
         eprintln!("{name} failed: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// A `kB` field of /proc/<pid>/status (VmRSS, VmHWM, …), in KiB.
+pub fn proc_status_kb(pid: i32, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// Creates a fresh database `<prefix>_<random>` on the admin server, records
+/// it for clean-up, migrates it, and returns its URL.
+pub async fn fresh_database(
+    admin: &Db,
+    admin_url: &str,
+    prefix: &str,
+    created: &Mutex<Vec<String>>,
+) -> Result<(String, String)> {
+    let name = format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(admin.pool())
+        .await?;
+    created
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(name.clone());
+    let url = db_url(admin_url, &name);
+    let db = Db::connect(&url, 1).await?;
+    db.migrate().await?;
+    db.pool().close().await;
+    Ok((name, url))
 }

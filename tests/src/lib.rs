@@ -404,8 +404,12 @@ pub fn step<'a>(st: &'a RunStatus, name: &str) -> &'a supervisor::db::StepStatus
 /// The `supervisor` binary of this build (scripts/test builds it first).
 pub fn supervisor_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    // target/<profile>/deps/<test> -> target/<profile>/supervisor
-    let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
+    // a test: target/<profile>/deps/<test> -> target/<profile>/supervisor;
+    // a benchmark binary: target/<profile>/<bench> -> target/<profile>/supervisor
+    let mut dir = exe.parent().expect("target dir");
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir = dir.parent().expect("target dir");
+    }
     let bin = dir.join("supervisor");
     assert!(
         bin.exists(),

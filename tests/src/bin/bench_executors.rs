@@ -53,6 +53,9 @@ struct Args {
     /// Give up on one worker measurement after this long.
     #[arg(long, default_value_t = 600)]
     timeout_secs: u64,
+    /// Write this benchmark's part of the JSON summary here.
+    #[arg(long)]
+    json_out: Option<std::path::PathBuf>,
 }
 
 const WARMUP_ROUNDS: u32 = 3;
@@ -411,6 +414,118 @@ async fn through_worker(
     })
 }
 
+// ---------------------------------------------------------------------------
+// the database's limit: the same transitions as plain SQL, batched the same way
+
+const PLAIN_DDL: &str = "CREATE TABLE IF NOT EXISTS public.plain_jobs (
+    id          uuid PRIMARY KEY,
+    state       text NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    lease_token uuid,
+    input       jsonb NOT NULL,
+    output      jsonb
+)";
+const PLAIN_INDEX: &str = "CREATE INDEX IF NOT EXISTS plain_jobs_pending
+    ON public.plain_jobs (created_at) WHERE state = 'pending'";
+const PLAIN_INSERT: &str =
+    "INSERT INTO public.plain_jobs (id, state, input) VALUES ($1, 'pending', $2)";
+const PLAIN_CLAIM: &str = "UPDATE public.plain_jobs j
+    SET state = 'leased', lease_token = gen_random_uuid()
+  WHERE j.id IN (SELECT id FROM public.plain_jobs WHERE state = 'pending'
+                  ORDER BY created_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+RETURNING j.id, j.lease_token";
+const PLAIN_START: &str = "UPDATE public.plain_jobs SET state = 'running'
+  WHERE id = $1 AND lease_token = $2 AND state = 'leased'";
+const PLAIN_COMPLETE: &str = "UPDATE public.plain_jobs SET state = 'succeeded', output = input
+  WHERE id = $1 AND lease_token = $2 AND state = 'running'";
+
+struct PlainCell {
+    concurrency: u32,
+    jobs: u32,
+    insert_secs: f64,
+    secs: f64,
+    claims: u32,
+}
+
+/// K jobs inserted one statement each (as runs are submitted), then one loop
+/// claims up to `conc` pending jobs per statement (SKIP LOCKED, as the worker
+/// leases up to its free slots) and each claimed job is started and completed
+/// (fenced by its token and state) on its own connection, `conc` at once.
+async fn plain_cycle(url: &str, conc: u32, jobs: u32) -> Result<PlainCell> {
+    let db = Db::connect(url, conc + 1).await?;
+    sqlx::query(PLAIN_DDL).execute(db.pool()).await?;
+    sqlx::query(PLAIN_INDEX).execute(db.pool()).await?;
+    sqlx::query("TRUNCATE public.plain_jobs")
+        .execute(db.pool())
+        .await?;
+    // warm every connection (and its prepared statements) with one job each
+    let warm_ids: Vec<Uuid> = (0..conc).map(|_| Uuid::new_v4()).collect();
+    for id in &warm_ids {
+        sqlx::query(PLAIN_INSERT)
+            .bind(id)
+            .bind(serde_json::json!({"warm": true}))
+            .execute(db.pool())
+            .await?;
+    }
+    plain_drain(&db, conc).await?;
+    let t = Instant::now();
+    for i in 0..jobs {
+        sqlx::query(PLAIN_INSERT)
+            .bind(Uuid::new_v4())
+            .bind(serde_json::json!({"i": i}))
+            .execute(db.pool())
+            .await?;
+    }
+    let insert_secs = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let (done, claims) = plain_drain(&db, conc).await?;
+    let secs = t.elapsed().as_secs_f64();
+    db.pool().close().await;
+    if done != jobs as u64 {
+        bail!("plain baseline completed {done} of {jobs} jobs");
+    }
+    Ok(PlainCell {
+        concurrency: conc,
+        jobs,
+        insert_secs,
+        secs,
+        claims,
+    })
+}
+
+/// Claims, starts and completes jobs until none is pending: (jobs, claims).
+async fn plain_drain(db: &Db, conc: u32) -> Result<(u64, u32)> {
+    let mut done = 0u64;
+    let mut claims = 0u32;
+    loop {
+        let rows: Vec<(Uuid, Uuid)> = sqlx::query_as(PLAIN_CLAIM)
+            .bind(conc as i64)
+            .fetch_all(db.pool())
+            .await?;
+        claims += 1;
+        if rows.is_empty() {
+            return Ok((done, claims));
+        }
+        let n = rows.len() as u64;
+        futures::future::try_join_all(rows.into_iter().map(|(id, token)| async move {
+            for sql in [PLAIN_START, PLAIN_COMPLETE] {
+                let n = sqlx::query(sql)
+                    .bind(id)
+                    .bind(token)
+                    .execute(db.pool())
+                    .await?
+                    .rows_affected();
+                if n != 1 {
+                    bail!("plain job {id}: a fenced write updated {n} rows");
+                }
+            }
+            anyhow::Ok(())
+        }))
+        .await?;
+        done += n;
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
@@ -437,8 +552,13 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     let admin = Db::connect(&args.database_url, 1)
         .await
         .context("connecting to DATABASE_URL")?;
-    println!("== bench_executors: demo.echo through the whole worker vs bare executor round trips");
-    print_setup(&admin, &args.database_url).await?;
+    println!("== bench_executors: demo.echo through the whole worker vs bare executor round trips and plain SQL");
+    let mut report = Report::new("bench_executors");
+    report.set_setup(print_setup(&admin, &args.database_url).await?);
+    report.set_params(
+        serde_json::json!({"steps": args.steps, "rounds": args.rounds,
+        "concurrency": args.concurrency, "executors": args.executors}),
+    );
     for (w, c) in &configs {
         println!("executor    : {w}: {} {}", c.command, c.args.join(" "));
     }
@@ -454,6 +574,11 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
          \x20             reported), start an in-process RunningWorker (tests::fast_config, one executor with\n\
          \x20             concurrency c; startup untimed); the clock runs from the end of the warm-up runs until no\n\
          \x20             run is open (polled every {} ms); then all runs are checked to have succeeded.\n\
+         \x20             plain SQL = the same transitions on a plain table (no triggers, history, events): K jobs\n\
+         \x20             inserted one statement each (untimed, reported), then one loop claims up to c pending jobs\n\
+         \x20             per statement (UPDATE … IN (SELECT … LIMIT c FOR UPDATE SKIP LOCKED), as the worker leases\n\
+         \x20             up to its free slots) and starts and completes each (fenced by token and state) on its\n\
+         \x20             own connection, c at once; clock from the first claim until none is pending.\n\
          \x20             CPU: children = reaped executors (getrusage RUSAGE_CHILDREN), bench = this process (incl.\n\
          \x20             the in-process worker), db = backends connected to the bench database (/proc/<pid>/stat).",
         POLL.as_millis()
@@ -470,6 +595,17 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         let db = Db::connect(&url, 1).await?;
         db.migrate().await?;
         db.pool().close().await;
+    }
+    let mut plains = Vec::new();
+    for &c in &args.concurrency {
+        let p = plain_cycle(&url, c, args.steps).await?;
+        eprintln!(
+            "[plain SQL] c={c}: {} jobs in {:.3} s = {:.0} jobs/s",
+            p.jobs,
+            p.secs,
+            p.jobs as f64 / p.secs
+        );
+        plains.push(p);
     }
     let spawner = Spawner::start()?;
     let mut bares = Vec::new();
@@ -509,6 +645,43 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     drop_databases(&args.database_url, std::slice::from_ref(&name)).await;
     created.lock().unwrap().clear();
     admin.pool().close().await;
+
+    println!("-- plain SQL baseline: insert, claim (SKIP LOCKED, up to c per statement), start, complete (fenced)");
+    let rows: Vec<Vec<String>> = plains
+        .iter()
+        .map(|p| {
+            vec![
+                p.concurrency.to_string(),
+                p.jobs.to_string(),
+                format!("{:.3}", p.secs),
+                format!("{:.0}", p.jobs as f64 / p.secs),
+                format!("{:.1}", p.jobs as f64 / p.claims.max(1) as f64),
+                format!("{:.2}", p.insert_secs * 1e3 / p.jobs.max(1) as f64),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "conc",
+            "jobs",
+            "secs",
+            "jobs/s",
+            "jobs/claim",
+            "insert ms/job",
+        ],
+        0,
+        &rows,
+    );
+    println!();
+    for p in &plains {
+        report.figure(
+            "plain SQL job cycle",
+            p.jobs as f64 / p.secs,
+            "steps/s",
+            serde_json::json!({"concurrency": p.concurrency, "jobs": p.jobs,
+                "insert_ms_per_job": p.insert_secs * 1e3 / p.jobs.max(1) as f64}),
+        );
+    }
 
     println!("-- bare executor round trips, no database (ms per round trip)");
     let mut rows = Vec::new();
@@ -567,8 +740,17 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         let bare = bares
             .iter()
             .find(|b| b.executor == w.executor && b.concurrency == w.concurrency);
+        let plain = plains.iter().find(|p| p.concurrency == w.concurrency);
         let rate = w.steps as f64 / w.secs;
         let n = w.steps.max(1) as f64;
+        report.figure(
+            "demo.echo through the worker",
+            rate,
+            "steps/s",
+            serde_json::json!({"executor": w.executor, "concurrency": w.concurrency, "steps": w.steps,
+                "bare_trips_per_s": bare.map(|b| b.trips.len() as f64 / b.secs),
+                "plain_sql_steps_per_s": plain.map(|p| p.jobs as f64 / p.secs)}),
+        );
         rows.push(vec![
             w.executor.clone(),
             w.concurrency.to_string(),
@@ -579,6 +761,12 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             bare.map(|b| format!("{:.1}", b.trips.len() as f64 / b.secs))
                 .unwrap_or_default(),
             bare.map(|b| format!("{:.0}%", 100.0 * rate / (b.trips.len() as f64 / b.secs)))
+                .unwrap_or_default(),
+            plain
+                .map(|p| format!("{:.0}", p.jobs as f64 / p.secs))
+                .unwrap_or_default(),
+            plain
+                .map(|p| format!("{:.1}%", 100.0 * rate / (p.jobs as f64 / p.secs)))
                 .unwrap_or_default(),
             fmt_ms(mean(&w.lease_to_started)),
             fmt_ms(mean(&w.started_to_finished)),
@@ -611,6 +799,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             "wall ms/step",
             "bare trips/s",
             "worker/bare",
+            "plain SQL steps/s",
+            "worker/plain",
             "leased→started mean",
             "started→finished mean",
             "finished→next leased mean",
@@ -632,8 +822,99 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     println!("   CPU per step).");
     println!("   submit ms/run: Db::submit (durable.submit_run) one run at a time before the worker starts (untimed above).");
     println!();
+    for b in &bares {
+        report.figure(
+            "bare executor round trips",
+            b.trips.len() as f64 / b.secs,
+            "trips/s",
+            serde_json::json!({"executor": b.executor, "concurrency": b.concurrency, "trips": b.trips.len()}),
+        );
+    }
+    executor_targets(&mut report, &workers, &bares, &plains);
+    report.print_targets();
     println!("load average at the end: {}", loadavg());
-    Ok(())
+    report.write(args.json_out.as_deref())
+}
+
+/// Issue 7's targets for (a)–(d), each at the largest concurrency measured
+/// for the executors it names.
+fn executor_targets(
+    report: &mut Report,
+    workers: &[WorkerCell],
+    bares: &[BareCell],
+    plains: &[PlainCell],
+) {
+    let top = |ex: &str| {
+        workers
+            .iter()
+            .filter(|w| w.executor == ex)
+            .max_by_key(|w| w.concurrency)
+    };
+    let rate = |w: &WorkerCell| w.steps as f64 / w.secs;
+    if let Some(w) = top("go-persistent") {
+        let setup = serde_json::json!({"executor": "go-persistent", "concurrency": w.concurrency, "steps": w.steps});
+        report.target(
+            "a.persistent_go_steps_per_s",
+            &format!(
+                "persistent Go no-op end to end ≥ 20,000 steps/s (concurrency {})",
+                w.concurrency
+            ),
+            rate(w),
+            Want::AtLeast,
+            20_000.0,
+            "steps/s",
+            setup.clone(),
+        );
+        if let Some(p) = plains.iter().find(|p| p.concurrency == w.concurrency) {
+            report.target(
+                "a.persistent_go_vs_plain_sql",
+                &format!(
+                    "persistent Go ≥ 40% of the batched plain-SQL job cycle (concurrency {})",
+                    w.concurrency
+                ),
+                100.0 * rate(w) / (p.jobs as f64 / p.secs),
+                Want::AtLeast,
+                40.0,
+                "%",
+                setup,
+            );
+        }
+    }
+    if let Some(w) = top("go") {
+        if let Some(b) = bares
+            .iter()
+            .find(|b| b.executor == "go" && b.concurrency == w.concurrency)
+        {
+            report.target(
+                "b.one_shot_go_vs_bare",
+                &format!(
+                    "one-shot Go ≥ 80% of bare start-and-exchange (concurrency {})",
+                    w.concurrency
+                ),
+                100.0 * rate(w) / (b.trips.len() as f64 / b.secs),
+                Want::AtLeast,
+                80.0,
+                "%",
+                serde_json::json!({"executor": "go", "concurrency": w.concurrency, "steps": w.steps, "trips": b.trips.len()}),
+            );
+        }
+    }
+    if let (Some(p), Some(o)) = (top("python-persistent"), top("python")) {
+        if p.concurrency == o.concurrency {
+            report.target(
+                "d.persistent_python_vs_one_shot",
+                &format!(
+                    "persistent Python ≥ 20× one-shot Python (concurrency {})",
+                    p.concurrency
+                ),
+                rate(p) / rate(o),
+                Want::AtLeast,
+                20.0,
+                "x",
+                serde_json::json!({"concurrency": p.concurrency, "steps": p.steps}),
+            );
+        }
+    }
 }
 
 fn mean(v: &[Duration]) -> Duration {

@@ -27,6 +27,9 @@ struct Args {
         default_value = "go-persistent,python-persistent,go,python"
     )]
     executors: Vec<String>,
+    /// Write this benchmark's part of the JSON summary here.
+    #[arg(long)]
+    json_out: Option<std::path::PathBuf>,
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -45,6 +48,12 @@ async fn main() -> Result<()> {
         .fetch_one(admin.pool())
         .await?;
     println!("== bench_latency: submit → accepted on an idle worker (database clock)");
+    let mut report = tests::bench::Report::new("bench_latency");
+    report.set_setup(tests::bench::setup_json(&admin, &args.database_url).await?);
+    report.set_params(
+        serde_json::json!({"runs": args.runs, "executors": args.executors,
+        "worker": "tests::fast_config, concurrency 1"}),
+    );
     println!(
         "setup: PostgreSQL {version} at {}; {} runs per executor, one at a time; worker = tests::fast_config (poll 100 ms, LISTEN/NOTIFY wake-up), concurrency 1; nproc {}",
         supervisor::db::redact_url(&args.database_url),
@@ -76,7 +85,29 @@ async fn main() -> Result<()> {
             pct(&lat, 99.0),
             lat.last().copied().unwrap_or(f64::NAN)
         );
+        let setup = serde_json::json!({"executor": which, "runs": lat.len(), "concurrency": 1,
+            "worker": "tests::fast_config (poll 100 ms, LISTEN wake-up)", "idle": true});
+        for (p, limit) in [(50.0, 5.0), (99.0, 25.0)] {
+            report.figure(
+                &format!("submit→accepted p{p}"),
+                pct(&lat, p),
+                "ms",
+                setup.clone(),
+            );
+            report.target(
+                &format!("e.submit_accepted_p{p}_{which}"),
+                &format!("submit → accepted p{p} ≤ {limit} ms on an idle worker ({which})"),
+                pct(&lat, p),
+                tests::bench::Want::AtMost,
+                limit,
+                "ms",
+                setup.clone(),
+            );
+        }
     }
+    println!();
+    report.print_targets();
+    report.write(args.json_out.as_deref())?;
     Ok(())
 }
 

@@ -54,6 +54,9 @@ struct Args {
     /// finished and measure lease latency again with one worker (0 = skip).
     #[arg(long, default_value_t = 90)]
     finished_pct: u32,
+    /// Write this benchmark's part of the JSON summary here.
+    #[arg(long)]
+    json_out: Option<std::path::PathBuf>,
 }
 
 const EXECUTOR_KIND: &str = "bench";
@@ -122,6 +125,9 @@ struct Cell {
 impl Cell {
     fn steps_per_sec(&self) -> f64 {
         self.steps as f64 / self.secs
+    }
+    fn leases_ms(&self, p: f64) -> f64 {
+        pct(&self.leases, p).as_secs_f64() * 1e3
     }
 }
 
@@ -629,7 +635,13 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         .context("connecting to DATABASE_URL")?;
 
     println!("== bench_queue: lease→complete throughput and lease latency");
-    print_setup(&admin, &args.database_url).await?;
+    let mut report = Report::new("bench_queue");
+    report.set_setup(print_setup(&admin, &args.database_url).await?);
+    report.set_params(
+        serde_json::json!({"backlogs": args.backlogs, "workers": args.workers,
+        "batches": args.batches, "duration_secs": args.duration_secs,
+        "steps_per_run": args.steps_per_run, "finished_pct": args.finished_pct}),
+    );
     println!(
         "parameters  : backlogs {:?}, workers {:?}, batch sizes {:?}, {} s per cell, {} step(s) per run, \
          finished share for the last phase {}%",
@@ -914,8 +926,52 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         );
         println!();
     }
+    for c in cells.iter().chain(finished_cells.iter()) {
+        let setup = serde_json::json!({"impl": c.imp.name(), "backlog": c.label,
+            "pending_at_start": c.pending_at_start, "rows_at_start": c.rows_at_start,
+            "workers": c.workers, "batch": c.batch, "steps": c.steps, "secs": c.secs});
+        report.figure(
+            "lease→complete throughput",
+            c.steps_per_sec(),
+            "steps/s",
+            setup.clone(),
+        );
+        report.figure("lease p50", c.leases_ms(50.0), "ms", setup.clone());
+        report.figure("lease p99", c.leases_ms(99.0), "ms", setup);
+    }
+    // (f): lease latency at the largest backlog vs the smallest, one worker
+    let smallest = *args.backlogs.iter().min().unwrap();
+    if largest > smallest {
+        for &b in &args.batches {
+            let at = |backlog: u64| {
+                cells.iter().find(|c| {
+                    c.imp == Imp::Runtime
+                        && c.workers == 1
+                        && c.batch == b
+                        && c.label == fmt_count(backlog)
+                })
+            };
+            if let (Some(lo), Some(hi)) = (at(smallest), at(largest)) {
+                report.target(
+                    &format!("f.lease_latency_ratio_batch{b}"),
+                    &format!(
+                        "lease p50 at {} pending ≤ 1.3× at {} (issue: 1,000,000 vs 10,000); 1 worker, batch {b}",
+                        fmt_count(largest),
+                        fmt_count(smallest)
+                    ),
+                    hi.leases_ms(50.0) / lo.leases_ms(50.0),
+                    Want::AtMost,
+                    1.3,
+                    "x",
+                    serde_json::json!({"small_backlog": smallest, "large_backlog": largest, "batch": b,
+                        "p50_ms_small": lo.leases_ms(50.0), "p50_ms_large": hi.leases_ms(50.0)}),
+                );
+            }
+        }
+    }
+    report.print_targets();
     println!("load average at the end: {}", loadavg());
-    Ok(())
+    report.write(args.json_out.as_deref())
 }
 
 fn latency_row(c: &Cell) -> Vec<String> {
