@@ -24,8 +24,10 @@ pub struct Cli {
     /// PostgreSQL URL (or DATABASE_URL).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
-    /// Log format on stderr.
-    #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
+    /// Log format on stderr: text, or json (one object per line, with the
+    /// fields of every enclosing span: worker, and run_id, step, step_run_id,
+    /// attempt and kind on an attempt's lines).
+    #[arg(long, global = true, env = "DURABLE_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
     #[command(subcommand)]
     pub command: Command,
@@ -276,7 +278,11 @@ fn init_tracing_to(format: &str, file: std::fs::File) {
         .with_ansi(false)
         .with_writer(std::sync::Mutex::new(file));
     let _ = if format == "json" {
-        builder.json().try_init()
+        builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .try_init()
     } else {
         builder.try_init()
     };
@@ -286,11 +292,17 @@ fn init_tracing(format: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
+    // colours only on a terminal: a log file or a collector gets plain text
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = if format == "json" {
-        builder.json().try_init()
+        builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .try_init()
     } else {
         builder.try_init()
     };
@@ -489,6 +501,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             let shutdown = CancellationToken::new();
             spawn_signal_handler(shutdown.clone());
             let db = connect(&url, cfg.db_max_connections, false).await?;
+            serve_metrics(&cfg, &db).await?;
             let worker = Worker::start(db, cfg).await?;
             let res = worker.run(shutdown).await;
             // the last line of defence: no child outlives the worker process
@@ -612,6 +625,7 @@ async fn dev_session(
     db.migrate().await?;
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
+    serve_metrics(&cfg, &db).await?;
     let worker = Worker::start(db.clone(), cfg).await?;
     let mut run_id = None;
     if let Some(spec) = spec {
@@ -672,6 +686,20 @@ async fn dev_session(
         }
     }
     Ok(0)
+}
+
+/// `/metrics`, `/healthz` and `/readyz` when `metrics_addr` is set (before
+/// the worker starts: `/healthz` answers while the executors are probed).
+async fn serve_metrics(cfg: &WorkerConfig, db: &Db) -> Result<(), CliError> {
+    let Some(addr) = cfg.metrics_addr.as_deref() else {
+        return Ok(());
+    };
+    let addr = crate::config::parse_metrics_addr(addr)
+        .map_err(|m| CliError::Config(ConfigError::Invalid(m)))?;
+    crate::metrics::serve(addr, db)
+        .await
+        .map_err(|e| CliError::Other(e.to_string()))?;
+    Ok(())
 }
 
 fn read_input(file: &str) -> Result<String, CliError> {

@@ -67,6 +67,9 @@ fn d_max_refusals() -> u32 {
 fn d_max_result() -> u64 {
     512 * 1024 * 1024
 }
+fn d_stderr_log_rate() -> u32 {
+    20
+}
 fn d_concurrency() -> u32 {
     4
 }
@@ -142,6 +145,15 @@ pub struct WorkerConfig {
     /// receive at all is its `secrets` list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets_dir: Option<PathBuf>,
+    /// Where `/metrics` (Prometheus), `/healthz` and `/readyz` are served,
+    /// as `IP:PORT` (port 0: any free port, logged). Unset: not served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<String>,
+    /// How many stderr lines of one attempt's executor are logged per second
+    /// (in the attempt's span, redacted); the rest are counted and reported
+    /// as suppressed. 0: none are logged (the tail is still kept).
+    #[serde(default = "d_stderr_log_rate")]
+    pub stderr_log_lines_per_sec: u32,
     #[serde(default)]
     pub executors: Vec<ExecutorConfig>,
 }
@@ -213,6 +225,8 @@ impl Default for WorkerConfig {
             max_result_bytes: d_max_result(),
             work_dir: None,
             secrets_dir: None,
+            metrics_addr: None,
+            stderr_log_lines_per_sec: d_stderr_log_rate(),
             executors: Vec::new(),
         }
     }
@@ -425,6 +439,17 @@ impl WorkerConfig {
                 ));
             }
         }
+        if let Some(addr) = &self.metrics_addr {
+            if let Err(e) = parse_metrics_addr(addr) {
+                return bad(e);
+            }
+        }
+        if self.stderr_log_lines_per_sec > MAX_STDERR_LOG_LINES_PER_SEC {
+            return bad(format!(
+                "stderr_log_lines_per_sec = {} is above {MAX_STDERR_LOG_LINES_PER_SEC}: give the lines per second of one attempt's stderr to log, like 20 (0 logs none)",
+                self.stderr_log_lines_per_sec
+            ));
+        }
         let mut names = std::collections::BTreeSet::new();
         for e in &self.executors {
             if e.name.is_empty() || !names.insert(e.name.clone()) {
@@ -458,6 +483,19 @@ impl WorkerConfig {
         Ok(())
     }
 }
+
+/// `metrics_addr` as a socket address: `IP:PORT` (`127.0.0.1:9464`,
+/// `0.0.0.0:9464`, `[::1]:9464`); the error names the key and what to write.
+pub fn parse_metrics_addr(addr: &str) -> Result<std::net::SocketAddr, String> {
+    addr.trim().parse().map_err(|_| {
+        format!(
+            "metrics_addr = {addr:?} is not an IP:PORT address: write it like \"127.0.0.1:9464\" (\"0.0.0.0:9464\" for every interface, port 0 for any free port), or remove metrics_addr to serve no metrics"
+        )
+    })
+}
+
+/// The most stderr lines per second `stderr_log_lines_per_sec` may allow.
+pub const MAX_STDERR_LOG_LINES_PER_SEC: u32 = 10_000;
 
 /// The longest any `_ms` setting may be: one day.
 pub const MAX_MS: u64 = 86_400_000;
@@ -567,6 +605,16 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
         "secrets_dir",
         "Read secret values from the file <secrets_dir>/<NAME> (one trailing newline stripped, as Docker and Kubernetes mount them) instead of the worker's environment. Must be an existing directory (default: unset, the environment).",
         Some("\"/run/secrets\""),
+    ),
+    (
+        "metrics_addr",
+        "Serve Prometheus /metrics, /healthz (the worker's vital loops run) and /readyz (the database answers and the executors were probed) over HTTP on this IP:PORT; port 0 picks a free one (logged). Default: unset, nothing is served.",
+        Some("\"127.0.0.1:9464\""),
+    ),
+    (
+        "stderr_log_lines_per_sec",
+        "How many lines of an executor's stderr are logged per second and attempt (in the attempt's span, secrets redacted); the rest are counted in one \"suppressed\" line. 0 logs none; at most 10000.",
+        None,
     ),
 ];
 
@@ -1012,6 +1060,61 @@ mod tests {
                 .to_string();
             assert!(e.contains(var), "{e}");
         }
+    }
+
+    #[test]
+    fn metrics_addr_and_the_stderr_rate_are_validated_naming_the_key() {
+        let mut cfg: WorkerConfig =
+            toml::from_str("[[executors]]\nname = \"a\"\ncommand = \"a\"\n").expect("parse");
+        assert_eq!(cfg.metrics_addr, None, "no metrics unless asked");
+        assert_eq!(cfg.stderr_log_lines_per_sec, 20);
+        for (addr, ok) in [
+            ("127.0.0.1:9464", true),
+            ("0.0.0.0:0", true),
+            ("[::1]:9464", true),
+            ("localhost:9464", false),
+            ("9464", false),
+            ("127.0.0.1", false),
+            ("", false),
+        ] {
+            cfg.metrics_addr = Some(addr.into());
+            match cfg.validate() {
+                Ok(()) => assert!(ok, "{addr:?} accepted"),
+                Err(e) => {
+                    assert!(!ok, "{addr:?}: {e}");
+                    let m = e.to_string();
+                    assert!(
+                        m.contains("metrics_addr = ") && m.contains("IP:PORT"),
+                        "{m}"
+                    );
+                }
+            }
+        }
+        cfg.metrics_addr = None;
+        cfg.stderr_log_lines_per_sec = MAX_STDERR_LOG_LINES_PER_SEC + 1;
+        let m = cfg.validate().expect_err("too many lines").to_string();
+        assert!(m.contains("stderr_log_lines_per_sec"), "{m}");
+        cfg.stderr_log_lines_per_sec = 0;
+        cfg.validate().expect("0 logs none");
+
+        let mut t = toml::Table::new();
+        let applied = apply_env(
+            &mut t,
+            vars(&[
+                ("DURABLE_METRICS_ADDR", "127.0.0.1:9100"),
+                ("DURABLE_STDERR_LOG_LINES_PER_SEC", "7"),
+                ("DURABLE_LOG_FORMAT", "json"),
+            ]),
+        )
+        .expect("apply");
+        assert_eq!(
+            applied,
+            ["DURABLE_METRICS_ADDR", "DURABLE_STDERR_LOG_LINES_PER_SEC"],
+            "the log format is the command's, not the config's"
+        );
+        let cfg: WorkerConfig = toml::Value::Table(t).try_into().expect("config");
+        assert_eq!(cfg.metrics_addr.as_deref(), Some("127.0.0.1:9100"));
+        assert_eq!(cfg.stderr_log_lines_per_sec, 7);
     }
 
     #[test]

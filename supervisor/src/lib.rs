@@ -6,6 +6,7 @@ pub mod conformance;
 pub mod db;
 pub mod dev;
 pub mod fault;
+pub mod metrics;
 pub mod process;
 pub mod retry;
 pub mod secrets;

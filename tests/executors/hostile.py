@@ -15,6 +15,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `echo` (and `panic`, for a supervisor-side fault): ACCEPTED, a result with output = input.
 - `secret_echo`: ACCEPTED, echoes every secret value it got into a progress
   message, the error message and details, and fails retryably.
+- `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
+  got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
+  stderr as fast as it can, then a result with output `{"lines": n + 1}`.
 
 Environment: HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1), HOSTILE_KINDS
@@ -41,6 +44,7 @@ MODES = [
     "huge_retry_delay",
     "echo",
     "secret_echo",
+    "stderr_chatty",
     "panic",
 ]
 
@@ -130,6 +134,15 @@ def main() -> int:
         event(pb.EVENT_KIND_PROGRESS, "progress " + values)
         details = json.dumps({"leak": values, "dsn": "host=db password=hunter2x user=u"}).encode()
         error("LEAK", "error " + values + " postgres://u:pw123456@h/db", True, details=details)
+    elif mode == "stderr_chatty":
+        event(pb.EVENT_KIND_ACCEPTED)
+        n = int(json.loads(job.input or b"{}").get("lines", 2000))
+        err = sys.stderr
+        err.write("secret " + " ".join(job.secrets.values()) + "\n")
+        for i in range(1, n + 1):
+            err.write(f"chatter {i}\n")
+        err.flush()
+        result(json.dumps({"lines": n + 1}).encode())
     else:
         error("BAD_INPUT", "unknown mode " + mode, False)
     # wait for EOF / shutdown, as an executor should

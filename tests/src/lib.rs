@@ -512,6 +512,17 @@ pub struct WorkerProcess {
 
 impl WorkerProcess {
     pub fn spawn(url: &str, cfg: &WorkerConfig) -> WorkerProcess {
+        Self::spawn_with(url, cfg, &[], &[])
+    }
+
+    /// [`spawn`](Self::spawn) with more arguments (`--log-format json`) and
+    /// environment variables.
+    pub fn spawn_with(
+        url: &str,
+        cfg: &WorkerConfig,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> WorkerProcess {
         let dir = tempfile::tempdir().expect("tempdir");
         let cfg_path = dir.path().join("worker.toml");
         std::fs::write(&cfg_path, toml::to_string(cfg).expect("config to TOML"))
@@ -520,6 +531,8 @@ impl WorkerProcess {
         let child = std::process::Command::new(supervisor_bin())
             .args(["worker", "--config"])
             .arg(&cfg_path)
+            .args(args)
+            .envs(env.iter().copied())
             .env("DATABASE_URL", url)
             .env("RUST_LOG", "info")
             .stdout(std::fs::File::create(&log).expect("log"))
@@ -556,6 +569,82 @@ impl WorkerProcess {
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(self._dir.path().join("worker.err")).unwrap_or_default()
     }
+
+    /// The worker's stderr (its log) as JSON lines (`--log-format json`);
+    /// panics on a line that is not a JSON object.
+    pub fn json_log(&self) -> Vec<Value> {
+        self.stderr()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                serde_json::from_str::<Value>(l)
+                    .ok()
+                    .filter(Value::is_object)
+                    .unwrap_or_else(|| panic!("a log line that is not a JSON object: {l}"))
+            })
+            .collect()
+    }
+
+    /// The address of `/metrics` (logged as the server starts; `metrics_addr`
+    /// may give port 0), waiting for it; needs `--log-format json`.
+    pub async fn metrics_addr(&self, within: Duration) -> std::net::SocketAddr {
+        let until = std::time::Instant::now() + within;
+        loop {
+            let found = self.stderr().lines().find_map(|l| {
+                let v: Value = serde_json::from_str(l).ok()?;
+                (v["fields"]["message"] == "serving /metrics, /healthz and /readyz")
+                    .then(|| v["fields"]["addr"].as_str()?.parse().ok())
+                    .flatten()
+            });
+            if let Some(addr) = found {
+                return addr;
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "the worker did not serve metrics within {within:?}: {}",
+                self.stderr()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// One HTTP/1.1 GET to a local address: the status and the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let go = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: */*\r\n\r\n").as_bytes(),
+        )
+        .await
+        .expect("send");
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.expect("read");
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .expect("a status code");
+        (status, body.to_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(10), go)
+        .await
+        .expect("the HTTP answer within 10 s")
+}
+
+/// The value of one series in a Prometheus text exposition: `name{labels}`
+/// exactly as printed (labels in their order), or a bare name.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }
 
 impl Drop for WorkerProcess {

@@ -119,6 +119,7 @@ fn print_default_config_prints_every_field_with_its_default_and_parses_back() {
         .unwrap_or_else(|e| panic!("uncommented: {e}\n{}", uncommented(&text)));
     assert!(full.database_url.is_some() && full.name.is_some());
     assert!(full.work_dir.is_some() && full.secrets_dir.is_some());
+    assert_eq!(full.metrics_addr.as_deref(), Some("127.0.0.1:9464"));
     assert_eq!(full.executors.len(), 1);
     let e = &full.executors[0];
     let d = ExecutorConfig::default();

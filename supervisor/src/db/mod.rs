@@ -10,6 +10,7 @@
 
 mod inspect;
 mod ledger;
+mod observe;
 pub use inspect::{
     ArtifactInfo, ArtifactReader, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary,
     WatchRun, WatchStep,
@@ -17,6 +18,7 @@ pub use inspect::{
 pub use ledger::{
     Batch, BatchOutcome, CompleteWrite, EventsWrite, OwnedEvent, RowOutcome, StartWrite,
 };
+pub use observe::QueueDepth;
 
 use std::collections::BTreeMap;
 use std::time::Duration as StdDuration;

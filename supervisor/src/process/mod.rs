@@ -71,7 +71,10 @@ pub use reaper::{
     become_subreaper, is_subreaper, orphans_reaped, reap_orphans, start_orphan_reaper, ReapPass,
 };
 pub use spawner::Spawner;
-pub use stderr::{StderrTail, STDERR_TARGET};
+pub use stderr::{
+    log_rate as stderr_log_rate, set_log_rate as set_stderr_log_rate, LogGuard, RedactLine,
+    StderrTail, STDERR_TARGET,
+};
 pub use sweep::{sweep_previous_incarnations, SweepReport, MAX_SWEEP_PASSES};
 
 use group::GroupGuard;
@@ -363,6 +366,13 @@ impl Child {
     /// exit, then drain with an idle timeout.
     pub fn take_stdout(&mut self) -> Option<ChildStdout> {
         self.stdout.take()
+    }
+
+    /// Until the guard drops, this child's stderr lines are logged in the
+    /// current span (an attempt's), through `redact` (see [`StderrTail::log_in`]).
+    pub fn log_stderr_here(&self, redact: std::sync::Arc<dyn RedactLine>) -> LogGuard {
+        self.stderr
+            .log_in(self.guard.pid, tracing::Span::current(), redact)
     }
 
     /// Handle on the retained tail of stderr (drained continuously).

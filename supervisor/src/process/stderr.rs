@@ -3,17 +3,23 @@
 //! A child that writes more than a pipe buffer (64 KiB on Linux) to stderr
 //! blocks forever if nobody reads it. Every child therefore gets a task that
 //! reads its stderr until EOF, keeps only the **last** `cap` bytes in a ring
-//! buffer, counts the total, and (when `debug` is enabled for
-//! [`STDERR_TARGET`]) forwards complete lines to `tracing`, truncating long
-//! ones. Memory use never grows with the amount of output.
+//! buffer, counts the total, and forwards complete lines (truncated when
+//! long) to `tracing` at info under [`STDERR_TARGET`]: inside the span of the
+//! attempt the process serves ([`StderrTail::log_in`]; before that, the span
+//! it was started in; between jobs of a persistent process, none), through
+//! that attempt's redactor, and at most [`log_rate`] lines per second and
+//! attempt — the rest are counted and reported in one "suppressed" line per
+//! window. Memory use never grows with the amount of output.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use tokio::io::AsyncReadExt;
 use tokio::process::ChildStderr;
 
-/// `tracing` target under which stderr lines of children are logged (debug level).
+/// `tracing` target under which stderr lines of children are logged (info level).
 pub const STDERR_TARGET: &str = "supervisor::process::stderr";
 
 /// Lines longer than this are truncated before being forwarded to `tracing`.
@@ -21,6 +27,153 @@ const MAX_LOG_LINE: usize = 1024;
 
 /// Size of the read buffer used by the drain task.
 const READ_CHUNK: usize = 64 * 1024;
+
+/// The default of [`log_rate`] (the worker config's `stderr_log_lines_per_sec`).
+pub const DEFAULT_LOG_LINES_PER_SEC: u32 = 20;
+
+static LOG_LINES_PER_SEC: AtomicU32 = AtomicU32::new(DEFAULT_LOG_LINES_PER_SEC);
+
+/// Sets how many stderr lines per second and attempt are logged (0: none).
+/// Process-wide: the worker sets it from its config at start.
+pub fn set_log_rate(lines_per_sec: u32) {
+    LOG_LINES_PER_SEC.store(lines_per_sec, Ordering::Relaxed);
+}
+
+/// How many stderr lines per second and attempt are logged.
+pub fn log_rate() -> u32 {
+    LOG_LINES_PER_SEC.load(Ordering::Relaxed)
+}
+
+/// What a logged line goes through first: the attempt's redactor.
+pub trait RedactLine: Send + Sync {
+    fn redact_line(&self, line: &str) -> String;
+}
+
+type LineFilter = Arc<dyn RedactLine>;
+
+/// A fixed one-second window: up to `per_sec` lines pass, the rest are
+/// counted and reported once the window is over (or the attempt ends).
+#[derive(Debug)]
+pub(crate) struct RateLimit {
+    per_sec: u32,
+    window: Option<Instant>,
+    used: u32,
+    suppressed: u64,
+}
+
+const WINDOW: Duration = Duration::from_secs(1);
+
+impl RateLimit {
+    pub(crate) fn new(per_sec: u32) -> Self {
+        RateLimit {
+            per_sec,
+            window: None,
+            used: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Whether the line arriving `now` is logged, and how many lines of the
+    /// window that just ended were suppressed (to report first).
+    pub(crate) fn admit(&mut self, now: Instant) -> (bool, u64) {
+        let mut ended = 0;
+        match self.window {
+            Some(start) if now.saturating_duration_since(start) < WINDOW => {}
+            _ => {
+                ended = std::mem::take(&mut self.suppressed);
+                self.window = Some(now);
+                self.used = 0;
+            }
+        }
+        if self.used < self.per_sec {
+            self.used += 1;
+            (true, ended)
+        } else {
+            self.suppressed += 1;
+            (false, ended)
+        }
+    }
+
+    /// The lines suppressed in the current window, not reported yet.
+    pub(crate) fn take_suppressed(&mut self) -> u64 {
+        std::mem::take(&mut self.suppressed)
+    }
+}
+
+/// Where the lines of one child go now.
+struct LogSink {
+    span: tracing::Span,
+    filter: Option<LineFilter>,
+    /// The [`LogGuard`] that attached this sink (0: none).
+    owner: u64,
+    limit: RateLimit,
+}
+
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+
+impl LogSink {
+    fn line(&mut self, pid: i32, line: &[u8], truncated: bool) {
+        let (admit, ended) = self.limit.admit(Instant::now());
+        if ended > 0 {
+            self.suppressed(pid, ended);
+        }
+        if !admit {
+            return;
+        }
+        let text = String::from_utf8_lossy(line);
+        let text = match &self.filter {
+            Some(f) => f.redact_line(&text),
+            None => crate::secrets::Redactor::none()
+                .redact_str(&text)
+                .into_owned(),
+        };
+        self.span.in_scope(|| {
+            if truncated {
+                tracing::info!(target: STDERR_TARGET, pid, truncated, "{text}");
+            } else {
+                tracing::info!(target: STDERR_TARGET, pid, "{text}");
+            }
+        });
+    }
+
+    fn suppressed(&self, pid: i32, lines: u64) {
+        crate::metrics::stderr_lines_suppressed(lines);
+        let per_sec = self.limit.per_sec;
+        self.span.in_scope(|| {
+            tracing::info!(target: STDERR_TARGET, pid, suppressed = lines, per_sec,
+                "executor stderr: {lines} more lines suppressed (at most {per_sec} lines per second are logged)")
+        });
+    }
+
+    fn flush(&mut self, pid: i32) {
+        let n = self.limit.take_suppressed();
+        if n > 0 {
+            self.suppressed(pid, n);
+        }
+    }
+}
+
+/// Ends the logging of a child's stderr in an attempt's span (see
+/// [`StderrTail::log_in`]): the suppressed lines are reported, and later
+/// lines are logged outside any attempt (the filter stays: an idle
+/// persistent process may still print what its last job was handed).
+pub struct LogGuard {
+    tail: StderrTail,
+    owner: u64,
+    pid: i32,
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        let mut sink = self.tail.sink();
+        if sink.owner == self.owner {
+            sink.flush(self.pid);
+            sink.owner = 0;
+            sink.span = tracing::Span::none();
+            sink.limit = RateLimit::new(log_rate());
+        }
+    }
+}
 
 #[derive(Debug)]
 struct TailState {
@@ -51,12 +204,22 @@ impl TailState {
 ///
 /// The drain task keeps updating it until the pipe reaches EOF; clones stay
 /// valid after the [`Child`](super::Child) is gone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct StderrTail {
     inner: Arc<Mutex<TailState>>,
+    log: Arc<Mutex<LogSink>>,
+}
+
+impl std::fmt::Debug for StderrTail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StderrTail")
+            .field("state", &*self.lock())
+            .finish_non_exhaustive()
+    }
 }
 
 impl StderrTail {
+    /// Lines are logged in the current span until [`log_in`](Self::log_in).
     pub(crate) fn new(cap: usize) -> Self {
         Self {
             inner: Arc::new(Mutex::new(TailState {
@@ -66,11 +229,45 @@ impl StderrTail {
                 total: 0,
                 closed: false,
             })),
+            log: Arc::new(Mutex::new(LogSink {
+                span: tracing::Span::current(),
+                filter: None,
+                owner: 0,
+                limit: RateLimit::new(log_rate()),
+            })),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, TailState> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn sink(&self) -> MutexGuard<'_, LogSink> {
+        self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// From now on (until the guard drops) the child's stderr lines are
+    /// logged inside `span` (an attempt's), through `filter` (its
+    /// redactor), at most [`log_rate`] lines per second. The rate window
+    /// starts anew unless `span` is the one lines already went to (a
+    /// one-shot process is started inside its attempt's span).
+    pub fn log_in(&self, pid: i32, span: tracing::Span, filter: LineFilter) -> LogGuard {
+        let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
+        let mut sink = self.sink();
+        let same = span.id().is_some() && sink.span.id() == span.id();
+        if !same {
+            sink.flush(pid);
+            sink.limit = RateLimit::new(log_rate());
+        }
+        sink.span = span;
+        sink.filter = Some(filter);
+        sink.owner = owner;
+        drop(sink);
+        LogGuard {
+            tail: self.clone(),
+            owner,
+            pid,
+        }
     }
 
     pub(crate) fn push(&self, data: &[u8]) {
@@ -170,9 +367,9 @@ impl LineSplitter {
     }
 }
 
-fn log_line(pid: i32, line: &[u8], truncated: bool) {
-    let text = String::from_utf8_lossy(line);
-    tracing::debug!(target: STDERR_TARGET, pid, truncated, "{text}");
+/// Whether lines are logged at all (the rate is not 0 and the target is on).
+fn logging() -> bool {
+    log_rate() > 0 && tracing::enabled!(target: STDERR_TARGET, tracing::Level::INFO)
 }
 
 /// Reads `pipe` until EOF into `tail`. Runs as its own task for the whole life
@@ -186,8 +383,9 @@ pub(crate) async fn drain(mut pipe: ChildStderr, tail: StderrTail, pid: i32) {
             Ok(n) => {
                 let chunk = &buf[..n];
                 tail.push(chunk);
-                if tracing::enabled!(target: STDERR_TARGET, tracing::Level::DEBUG) {
-                    lines.feed(chunk, |l, t| log_line(pid, l, t));
+                if logging() {
+                    let mut sink = tail.sink();
+                    lines.feed(chunk, |l, t| sink.line(pid, l, t));
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -197,8 +395,10 @@ pub(crate) async fn drain(mut pipe: ChildStderr, tail: StderrTail, pid: i32) {
             }
         }
     }
-    if tracing::enabled!(target: STDERR_TARGET, tracing::Level::DEBUG) {
-        lines.finish(|l, t| log_line(pid, l, t));
+    if logging() {
+        let mut sink = tail.sink();
+        lines.finish(|l, t| sink.line(pid, l, t));
+        sink.flush(pid);
     }
     tail.mark_closed();
 }
@@ -255,6 +455,33 @@ mod unit_tests {
         tail.push(b"z");
         assert!(tail.tail_string().ends_with('z'));
         assert!(tail.tail_string().contains('\u{FFFD}'));
+    }
+
+    #[test]
+    fn the_rate_limit_passes_n_lines_a_second_and_counts_the_rest() {
+        let t0 = Instant::now();
+        let mut r = RateLimit::new(3);
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        assert_eq!(r.admit(at(0)), (true, 0));
+        assert_eq!(r.admit(at(10)), (true, 0));
+        assert_eq!(r.admit(at(20)), (true, 0));
+        assert_eq!(r.admit(at(30)), (false, 0));
+        assert_eq!(r.admit(at(999)), (false, 0));
+        // the next window reports what the last one suppressed, once
+        assert_eq!(r.admit(at(1000)), (true, 2));
+        assert_eq!(r.admit(at(1001)), (true, 0));
+        assert_eq!(r.admit(at(1002)), (true, 0));
+        assert_eq!(r.admit(at(1003)), (false, 0));
+        assert_eq!(r.take_suppressed(), 1);
+        assert_eq!(r.take_suppressed(), 0);
+        // a quiet gap starts a fresh window
+        assert_eq!(r.admit(at(5000)), (true, 0));
+        // 0 lines a second: nothing passes, everything is counted
+        let mut none = RateLimit::new(0);
+        for i in 0..10 {
+            assert_eq!(none.admit(at(i)), (false, 0));
+        }
+        assert_eq!(none.take_suppressed(), 10);
     }
 
     fn split(max: usize, chunks: &[&[u8]]) -> Vec<(String, bool)> {

@@ -147,11 +147,20 @@ pub(crate) async fn run(
     };
     let outcome = redactor.outcome(outcome);
     if let Outcome::Failed { code, message, .. } = &outcome {
-        warn!(code = %code, %message, "the attempt failed");
+        crate::metrics::attempt_failed(code);
+        warn!(code = %code, error = %message, "the attempt failed");
     }
     let label = outcome.label();
     commit(&shared, &step, outcome, control, &redactor).await;
+    crate::metrics::attempt_finished(&step.kind, &label, started.elapsed());
     info!(outcome = %label, elapsed_ms = started.elapsed().as_millis() as u64, "attempt finished");
+}
+
+/// The executor's stderr lines are logged through the attempt's redactor.
+impl crate::process::RedactLine for Redact {
+    fn redact_line(&self, line: &str) -> String {
+        self.text(line)
+    }
 }
 
 /// Redaction of what an attempt persists or logs: the secret values it
@@ -354,6 +363,7 @@ async fn execute(
             Err(o) => return o,
         },
     };
+    let _stderr_log = session.child.log_stderr_here(redactor.clone());
     let outcome = converse(
         shared,
         exec,
@@ -1154,13 +1164,15 @@ async fn commit(
         )
         .await;
         match res {
-            Ok(()) => return,
+            Ok(()) => return crate::metrics::committed(&outcome.label()),
             Err(DbError::LeaseLost { .. }) => {
+                crate::metrics::committed("abandoned (lease lost)");
                 warn!(outcome = %outcome.label(), "lease lost before commit; the outcome is discarded (another owner or the reclaimer moved the step on)");
                 return;
             }
             Err(e) if e.is_transient() => {
                 if Instant::now() + delay >= valid_until {
+                    crate::metrics::committed("abandoned (lease clock ran out)");
                     error!(error = %e, outcome = %outcome.label(), "commit failed and the lease clock ran out; the step will be reclaimed");
                     return;
                 }
@@ -1173,7 +1185,7 @@ async fn commit(
                     matches!(&outcome, Outcome::Failed { code, .. } if code == "COMMIT_REJECTED");
                 error!(error = %redactor.text(&e.to_string()), sqlstate = ?e.sqlstate(), outcome = %outcome.label(), "the database refused the outcome for good");
                 if rejected {
-                    return;
+                    return crate::metrics::committed("abandoned (commit rejected)");
                 }
                 let cause: String = redactor
                     .text(&e.to_string())
@@ -1250,6 +1262,7 @@ async fn write_outcome(
                 .db
                 .fail(lease, &shared.name, &report, rand::random())
                 .await?;
+            crate::metrics::failure_decided(d.to.as_str());
             info!(to = %d.to, reason = %d.reason, "failure committed");
             Ok(())
         }
@@ -1594,8 +1607,10 @@ pub(crate) async fn stop_child(
         if let Err(e) = child.signal_group(Signal::SIGTERM) {
             debug!(error = %e, "SIGTERM to the group failed");
         }
+        crate::metrics::executor_signal("SIGTERM");
         let grace = Duration::from_millis(cfg.term_grace_ms);
         if tokio::time::timeout(grace, child.exited()).await.is_err() {
+            crate::metrics::executor_signal("SIGKILL");
             warn!(
                 pid = child.pid,
                 "executor ignored SIGTERM; sending SIGKILL to its group"

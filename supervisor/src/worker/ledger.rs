@@ -161,6 +161,7 @@ fn shape(requests: Vec<Request>) -> (Batch, Vec<Reply>, Vec<Vec<Reply>>, Vec<Rep
 async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
     let (batch, start_replies, event_replies, complete_replies) = shape(requests);
     let size = batch.starts.len() + batch.events.len() + batch.completes.len();
+    crate::metrics::ledger_batch(size);
     let res = crate::db::bounded(
         super::DB_CALL_TIMEOUT,
         "writing a ledger batch",

@@ -242,6 +242,7 @@ impl Worker {
     pub async fn start(db: Db, cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         let version = db.check_schema().await?;
         check_setup(&db, &cfg)?;
+        crate::process::set_stderr_log_rate(cfg.stderr_log_lines_per_sec);
         let id = Uuid::new_v4();
         let host = hostname();
         // every child carries this worker's slot (its name, or the host) and
@@ -372,6 +373,7 @@ impl Worker {
         let slot_freed = Arc::new(Notify::new());
         let mut died: Option<&'static str> = None;
         info!(executors = self.executors.len(), "worker running");
+        crate::metrics::worker_running(&cfg);
         let poll = Duration::from_millis(cfg.poll_interval_ms);
         let ttl = Duration::from_millis(cfg.lease_ttl_ms);
         while !shutdown.is_cancelled() {
@@ -405,6 +407,7 @@ impl Worker {
                         break;
                     }
                 };
+                crate::metrics::leased(&exec.cfg.name, steps.len());
                 if steps.len() as u32 == free {
                     leased_any_full = true;
                 }
@@ -471,6 +474,7 @@ impl Worker {
 
         // --- drain
         shared.draining.cancel();
+        crate::metrics::worker_draining();
         let running = attempts.len();
         info!(running, drain_timeout_ms = cfg.drain_timeout_ms, "draining");
         let drain_until = Instant::now() + Duration::from_millis(cfg.drain_timeout_ms);
@@ -545,6 +549,7 @@ fn vital_loop_died(
         loop_name = name,
         "a vital worker loop stopped: stopping every attempt"
     );
+    crate::metrics::vital_loop_died(name);
     shared.abort.cancel();
     name
 }
@@ -610,6 +615,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
         .await
         {
             Ok(report) => {
+                crate::metrics::heartbeat_renewed(sent.elapsed());
                 let map = shared.leases();
                 for id in &report.renewed_ids {
                     if let Some(e) = map.get(id) {
@@ -647,6 +653,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
             Err(e) => {
                 // the lease clocks stand still; each attempt stops its child
                 // before its own clock runs out
+                crate::metrics::heartbeat_failed();
                 error!(error = %e, leases = leases.len(), "heartbeat failed");
             }
         }
@@ -668,7 +675,10 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
         .await
         {
             Ok(0) => {}
-            Ok(n) => info!(reclaimed = n, "reclaimed expired leases"),
+            Ok(n) => {
+                crate::metrics::reclaimed(n);
+                info!(reclaimed = n, "reclaimed expired leases")
+            }
             Err(e) => error!(error = %e, "reclaim failed"),
         }
     }

@@ -1,0 +1,236 @@
+//! Logs (issue 8, item 8): a real `supervisor worker` logs JSON lines
+//! (`--log-format json` or `DURABLE_LOG_FORMAT=json`) or text, and every
+//! line of an attempt carries its run, step, step_run_id and attempt; an
+//! executor's stderr reaches the log inside the attempt's span, redacted and
+//! rate-limited (`stderr_log_lines_per_sec`), with the rest counted.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tests::{fast_config, TestDb, WorkerProcess};
+use uuid::Uuid;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn one(name: &str, executor_kind: &str, kind: &str, extra: Value) -> Value {
+    let mut s = json!({"name": name, "executor_kind": executor_kind, "kind": kind,
+                       "retry": {"max_attempts": 1}});
+    if let (Some(s), Some(extra)) = (s.as_object_mut(), extra.as_object()) {
+        s.extend(extra.clone());
+    }
+    json!({"name": name, "steps": [s]})
+}
+
+/// The fields of the innermost span named `attempt` of a JSON line, if any.
+fn attempt_span(line: &Value) -> Option<&Value> {
+    line["spans"]
+        .as_array()?
+        .iter()
+        .rev()
+        .find(|s| s["name"] == "attempt")
+}
+
+/// Stops the worker (SIGTERM, drained) so every line is written.
+async fn stop(w: &mut WorkerProcess) {
+    w.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(w.wait(LONG).await, Some(0), "{}", w.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_lines_carry_the_attempts_ids() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
+    // the format from the environment this time
+    let mut w = WorkerProcess::spawn_with(&t.url, &cfg, &[], &[("DURABLE_LOG_FORMAT", "json")]);
+    let ok = t
+        .submit(one("ok", "go", "demo.echo", json!({"input": {"x": 1}})))
+        .await;
+    let bad = t
+        .submit(one(
+            "bad",
+            "go",
+            "demo.fail",
+            json!({"input": {"code": "LOGS_BOOM", "retryable": false}}),
+        ))
+        .await;
+    let ok_st = t.wait_terminal(ok, LONG).await;
+    let bad_st = t.wait_terminal(bad, LONG).await;
+    stop(&mut w).await;
+
+    // every line is a JSON object with a level, a target and a message
+    let lines = w.json_log();
+    assert!(!lines.is_empty());
+    for l in &lines {
+        assert!(
+            l["level"].is_string() && l["target"].is_string() && l["timestamp"].is_string(),
+            "{l}"
+        );
+        assert!(l["fields"]["message"].is_string(), "{l}");
+    }
+    for (st, outcome) in [(&ok_st, "succeeded"), (&bad_st, "failed (LOGS_BOOM)")] {
+        let s = &st.steps[0];
+        let id = s.step_run_id.to_string();
+        let mine: Vec<&Value> = lines
+            .iter()
+            .filter(|l| attempt_span(l).is_some_and(|a| a["step_run_id"] == id.as_str()))
+            .collect();
+        // the attempt logs a few lines (at least its end), each with every id
+        assert!(!mine.is_empty(), "no line in the span of {id}");
+        for l in &mine {
+            let a = attempt_span(l).expect("attempt span");
+            assert_eq!(a["run_id"], st.run_id.to_string(), "{l}");
+            assert_eq!(a["step"], s.name.as_str(), "{l}");
+            assert_eq!(a["attempt"], 1, "{l}");
+            assert_eq!(a["kind"], s.kind.as_str(), "{l}");
+            // the current span is the attempt, inside the worker's
+            assert_eq!(l["span"]["step_run_id"], id.as_str(), "{l}");
+            assert_eq!(l["spans"][0]["name"], "worker", "{l}");
+        }
+        assert!(
+            mine.iter()
+                .any(|l| l["fields"]["message"] == "attempt finished"
+                    && l["fields"]["outcome"] == outcome),
+            "no `attempt finished` {outcome} line for {id}: {mine:?}"
+        );
+        // and no line of the attempt's code is logged outside an attempt span
+        // while the step ran: every line of the attempt module has one
+        for l in &lines {
+            if l["target"] == "supervisor::worker::attempt" {
+                assert!(
+                    attempt_span(l).is_some(),
+                    "an attempt line without its ids: {l}"
+                );
+            }
+        }
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["fields"]["message"] == "the attempt failed"
+                && l["fields"]["code"] == "LOGS_BOOM"
+                && attempt_span(l).is_some()),
+        "the failure's warning carries the ids"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_lines_carry_the_attempts_ids() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
+    let mut w = WorkerProcess::spawn_with(&t.url, &cfg, &["--log-format", "text"], &[]);
+    let run = t.submit(one("ok", "go", "demo.echo", json!({}))).await;
+    let st = t.wait_terminal(run, LONG).await;
+    stop(&mut w).await;
+    let log = w.stderr();
+    let id = st.steps[0].step_run_id;
+    let line = log
+        .lines()
+        .find(|l| l.contains("attempt finished") && l.contains(&id.to_string()))
+        .unwrap_or_else(|| panic!("no `attempt finished` line for {id}:\n{log}"));
+    for field in [
+        format!("run_id={}", st.run_id),
+        "step=ok".to_string(),
+        format!("step_run_id={id}"),
+        "attempt=1".to_string(),
+        "kind=demo.echo".to_string(),
+    ] {
+        assert!(line.contains(&field), "{field} missing: {line}");
+    }
+    assert!(
+        serde_json::from_str::<Value>(line).is_err(),
+        "text, not JSON"
+    );
+}
+
+fn hostile() -> supervisor::config::ExecutorConfig {
+    supervisor::config::ExecutorConfig {
+        name: "hostile".into(),
+        command: tests::python().to_string_lossy().into_owned(),
+        args: vec![tests::repo_root()
+            .join("tests/executors/hostile.py")
+            .to_string_lossy()
+            .into_owned()],
+        secrets: vec!["API_TOKEN".into()],
+        ..Default::default()
+    }
+}
+
+/// 2,001 stderr lines in well under a second (the first one echoes the
+/// step's secret): the log has at most `stderr_log_lines_per_sec` of them
+/// per second in the attempt's span, the secret redacted, and "suppressed"
+/// lines that account for every other line; the counter of suppressed lines
+/// agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executor_stderr_is_logged_in_the_attempt_redacted_and_rate_limited() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = "tok-logs-9f8e7d6c5b";
+    std::fs::write(dir.path().join("API_TOKEN"), format!("{secret}\n")).expect("secret file");
+    let mut cfg = fast_config(vec![hostile()]);
+    cfg.secrets_dir = Some(PathBuf::from(dir.path()));
+    cfg.stderr_log_lines_per_sec = 5;
+    cfg.metrics_addr = Some("127.0.0.1:0".into());
+    let mut w = WorkerProcess::spawn_with(&t.url, &cfg, &["--log-format", "json"], &[]);
+    let addr = w.metrics_addr(LONG).await;
+    let run = t
+        .submit(one(
+            "chatty",
+            "hostile",
+            "hostile.stderr_chatty",
+            json!({"input": {"lines": 2000}, "secrets": ["API_TOKEN"]}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(st.steps[0].state, "succeeded", "{:?}", st.steps[0].error);
+    let (_, metrics) = tests::http_get(addr, "/metrics").await;
+    stop(&mut w).await;
+
+    let raw = w.stderr();
+    assert!(!raw.contains(secret), "the secret reached the log");
+    let id: Uuid = st.steps[0].step_run_id;
+    let lines = w.json_log();
+    let stderr_lines: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["target"] == supervisor::process::STDERR_TARGET)
+        .collect();
+    for l in &stderr_lines {
+        let a = attempt_span(l).unwrap_or_else(|| panic!("a stderr line outside the attempt: {l}"));
+        assert_eq!(a["step_run_id"], id.to_string(), "{l}");
+        assert_eq!(a["run_id"], st.run_id.to_string(), "{l}");
+        assert_eq!(a["attempt"], 1, "{l}");
+    }
+    let (summaries, logged): (Vec<&Value>, Vec<&Value>) = stderr_lines
+        .iter()
+        .partition(|l| l["fields"]["suppressed"].is_u64());
+    let suppressed: u64 = summaries
+        .iter()
+        .map(|l| l["fields"]["suppressed"].as_u64().unwrap_or(0))
+        .sum();
+    let first = logged
+        .first()
+        .and_then(|l| l["fields"]["message"].as_str())
+        .unwrap_or_default();
+    assert_eq!(first, "secret [REDACTED:API_TOKEN]", "{logged:?}");
+    assert!(!summaries.is_empty(), "no suppressed-lines report");
+    assert_eq!(
+        logged.len() as u64 + suppressed,
+        2001,
+        "every line is logged or counted: {} logged, {suppressed} suppressed",
+        logged.len()
+    );
+    // 5 a second: the flood lasts about one window; a slow machine a few more
+    assert!(
+        (5..=25).contains(&logged.len()),
+        "{} lines logged at 5 a second",
+        logged.len()
+    );
+    assert_eq!(
+        tests::metric(&metrics, "durable_stderr_lines_suppressed_total"),
+        Some(suppressed as f64),
+        "{metrics}"
+    );
+}
