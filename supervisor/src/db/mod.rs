@@ -211,6 +211,9 @@ pub struct LeasedStep {
     pub secrets: Vec<String>,
     pub checkpoint: Option<Vec<u8>>,
     pub cancel_requested: bool,
+    /// Whether the step's definition names dependencies (only then can it
+    /// have input artifacts to fetch).
+    pub has_dependencies: bool,
 }
 
 /// What one batched heartbeat learned.
@@ -684,7 +687,10 @@ impl Db {
               WHERE s.id = c.id
           RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input, s.idempotency_key,
                     s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
-                    s.secrets, s.checkpoint, s.cancel_requested",
+                    s.secrets, s.checkpoint, s.cancel_requested,
+                    EXISTS (SELECT 1 FROM durable.step_defs d
+                             WHERE d.run_id = s.run_id AND d.name = s.name
+                               AND cardinality(d.depends_on) > 0) AS has_dependencies",
         )
         .bind(worker_id)
         .bind(worker_name)
@@ -1291,6 +1297,7 @@ fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
         secrets: r.get("secrets"),
         checkpoint: r.get("checkpoint"),
         cancel_requested: r.get("cancel_requested"),
+        has_dependencies: r.get("has_dependencies"),
     })
 }
 

@@ -466,6 +466,10 @@ async fn materialize_inputs(
     step: &LeasedStep,
     in_dir: &Path,
 ) -> Result<Vec<wire::InputArtifact>, Outcome> {
+    if !step.has_dependencies {
+        // no dependency, no input artifact: no query
+        return Ok(Vec::new());
+    }
     let arts = bounded(
         DB_CALL_TIMEOUT,
         "reading input artifacts",

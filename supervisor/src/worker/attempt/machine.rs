@@ -150,6 +150,15 @@ pub(crate) fn on_frame(
                 // liveness only: the worker's batched heartbeat keeps the lease
                 return FrameVerdict::Continue;
             }
+            if e.kind == EventKind::Running
+                && e.message.is_empty()
+                && e.fraction.is_none()
+                && e.checkpoint.is_none()
+            {
+                // the SDKs' automatic RUNNING after ACCEPTED says nothing the
+                // step's `running` state does not: it costs no write
+                return FrameVerdict::Continue;
+            }
             FrameVerdict::Write(Intent::Event(e))
         }
         FromExecutor::Result(r) => {
