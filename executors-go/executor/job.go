@@ -60,6 +60,12 @@ type Job struct {
 	// Labels are the step's labels.
 	Labels map[string]string
 
+	// ProtocolVersion is the protocol revision the supervisor chose ("1.1");
+	// empty from a supervisor that does not negotiate (1.0). Features are the
+	// features it agreed to (see FeatureFrameLimits).
+	ProtocolVersion string
+	Features        []string
+
 	run    *jobRun
 	red    *redactor
 	logger *slog.Logger
@@ -96,6 +102,8 @@ func newJob(p *pb.Job) *Job {
 		OutputDir:             p.GetOutputDir(),
 		Secrets:               p.GetSecrets(),
 		Labels:                p.GetLabels(),
+		ProtocolVersion:       p.GetNegotiatedVersion(),
+		Features:              p.GetNegotiatedFeatures(),
 	}
 	if j.HasPreviousCheckpoint && j.PreviousCheckpoint == nil {
 		j.PreviousCheckpoint = []byte{}
@@ -249,6 +257,7 @@ func (j *Job) redact(s string) string {
 type jobRun struct {
 	job  *Job
 	w    *frameWriter
+	max  int           // the cap on this job's frames (writeLimit)
 	done chan struct{} // closed once the terminal was sent (or could not be)
 
 	cancel    func(error)
@@ -268,7 +277,7 @@ func (r *jobRun) sendEvent(ev *pb.ProgressEvent) error {
 	}
 	ev.Sequence = r.seq + 1
 	ev.AtUnixMs = time.Now().UnixMilli()
-	err := r.w.write(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: ev}})
+	err := r.w.writeMax(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: ev}}, r.max)
 	if err != nil {
 		if errors.Is(err, errOutputBroken) {
 			r.cancel(&Cancellation{Reason: ReasonOutputBroken, Message: err.Error()})
@@ -297,9 +306,9 @@ func (r *jobRun) sendTerminal(build func(seq uint64) *pb.ExecutorFrame, shrink f
 	}
 	r.finished = true
 	r.seq++
-	err := r.w.write(build(r.seq))
+	err := r.w.writeMax(build(r.seq), r.max)
 	if errors.Is(err, ErrFrameTooLarge) && shrink != nil {
-		err = r.w.write(shrink(r.seq, err))
+		err = r.w.writeMax(shrink(r.seq, err), r.max)
 	}
 	return err
 }

@@ -501,8 +501,17 @@ class Job:
         self.output_dir: str = msg.output_dir
         self.secrets: dict[str, str] = dict(msg.secrets)
         self.labels: dict[str, str] = dict(msg.labels)
+        #: Protocol 1.1: the revision the supervisor chose ("" from a 1.0
+        #: supervisor) and the features it agreed to.
+        self.protocol_version: str = msg.negotiated_version
+        self.features: list[str] = list(msg.negotiated_features)
 
         self._session = session
+        # The cap on this job's frames: the SDK's own, lowered to the
+        # supervisor's limit when the job states one (protocol 1.1).
+        self._max_frame_bytes = session.max_frame_bytes
+        if 0 < msg.max_frame_bytes < self._max_frame_bytes:
+            self._max_frame_bytes = msg.max_frame_bytes
         self._input: Any = _UNSET
         import threading  # imported after the Hello (see the module's docstring)
 
@@ -699,10 +708,10 @@ class Job:
                 event.sequence = self._seq + 1
                 event.at_unix_ms = _now_ms()
                 data = wire.encode_executor_frame(event)
-                if len(data) > session.max_frame_bytes:
+                if len(data) > self._max_frame_bytes:
                     raise ValueError(
                         f"event frame of {len(data)} bytes exceeds the frame cap of "
-                        f"{session.max_frame_bytes} bytes (checkpoint too large?)"
+                        f"{self._max_frame_bytes} bytes (checkpoint too large?)"
                     )
                 self._seq += 1
                 session.write_locked(encode_frame(data))
@@ -721,10 +730,10 @@ class Job:
             self._seq += 1
             msg.sequence = self._seq
             data = wire.encode_executor_frame(msg)
-            if len(data) > session.max_frame_bytes:
+            if len(data) > self._max_frame_bytes:
                 text = (
                     f"the terminal frame of {len(data)} bytes exceeds the frame cap of "
-                    f"{session.max_frame_bytes} bytes; write large outputs as artifacts"
+                    f"{self._max_frame_bytes} bytes; write large outputs as artifacts"
                 )
                 _log(f"job {self.job_id}: {text}")
                 data = wire.encode_executor_frame(
@@ -1033,6 +1042,9 @@ class Executor:
             sdk_version=__version__,
             max_jobs_per_process=min(n, _INT32_MAX) if n > 0 else -1,
             pid=os.getpid(),
+            protocol_versions=wire.PROTOCOL_VERSIONS,
+            features=[wire.FEATURE_FRAME_LIMITS],
+            max_frame_bytes=self.max_frame_bytes,
         )
 
     def serve(self, in_stream: BinaryReader, out_stream: BinaryWriter) -> int:

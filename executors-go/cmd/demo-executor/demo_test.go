@@ -50,6 +50,9 @@ func TestHello(t *testing.T) {
 		SdkVersion:        executor.Version(),
 		MaxJobsPerProcess: -1,
 		Pid:               uint32(d.cmd.Process.Pid),
+		ProtocolVersions:  []string{"1.0", "1.1"},
+		Features:          []string{"frame_limits"},
+		MaxFrameBytes:     executor.DefaultMaxFrameBytes,
 	}
 	if !proto.Equal(h, want) {
 		t.Fatalf("hello:\n got %v\nwant %v", h, want)

@@ -21,6 +21,7 @@ fn job() -> wire::Job {
         output_dir: String::new(),
         secrets: Default::default(),
         labels: Default::default(),
+        agreement: None,
     }
 }
 
