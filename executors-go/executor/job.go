@@ -214,6 +214,33 @@ func (j *Job) ProgressWithCheckpoint(message string, fraction float64, checkpoin
 	return j.send(pb.EventKind_EVENT_KIND_PROGRESS, message, fraction, checkpoint)
 }
 
+// ProgressWithCheckpointJSON is ProgressWithCheckpoint with v encoded as
+// JSON: the counterpart of DecodeCheckpoint.
+func (j *Job) ProgressWithCheckpointJSON(message string, fraction float64, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("executor: encoding the checkpoint: %w", err)
+	}
+	return j.ProgressWithCheckpoint(message, fraction, b)
+}
+
+// DecodeCheckpoint decodes the previous attempt's checkpoint, as JSON, into
+// v and reports whether there was one: false, with v untouched, when no
+// earlier attempt reported a checkpoint (or it was empty), so a handler
+// resumes from v when ok and starts from the beginning otherwise. A
+// checkpoint that is not that JSON is an *Error with CodeBadCheckpoint (not
+// retryable: the next attempt would get the same one).
+func (j *Job) DecodeCheckpoint(v any) (ok bool, err error) {
+	cp := bytes.TrimSpace(j.PreviousCheckpoint)
+	if !j.HasPreviousCheckpoint || len(cp) == 0 {
+		return false, nil
+	}
+	if err := json.Unmarshal(cp, v); err != nil {
+		return false, &Error{Code: CodeBadCheckpoint, Message: fmt.Sprintf("the previous checkpoint of %q is not the JSON expected: %v", j.Kind, err), NonRetryable: true, Err: err}
+	}
+	return true, nil
+}
+
 // Checkpoint sends a HEARTBEAT event carrying a checkpoint (see
 // ProgressWithCheckpoint).
 func (j *Job) Checkpoint(checkpoint []byte) error {

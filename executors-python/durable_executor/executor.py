@@ -75,6 +75,9 @@ OUTPUT_INVALID = "OUTPUT_INVALID"
 ARTIFACT_INVALID = "ARTIFACT_INVALID"
 #: The terminal frame would exceed the frame cap; not retryable.
 RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
+#: :meth:`Job.checkpoint_json` found a previous checkpoint that is not JSON; not
+#: retryable (the next attempt would get the same one).
+BAD_CHECKPOINT = "BAD_CHECKPOINT"
 
 # Cancel reasons the SDK produces itself (no Cancel frame). A Cancel frame's reason is
 # reported without its prefix: "REQUESTED", "ATTEMPT_TIMEOUT", "DEADLINE", ...
@@ -670,6 +673,35 @@ class Job:
     def heartbeat(self, checkpoint: bytes | None = None) -> None:
         """Send a HEARTBEAT event (liveness only, optionally with a checkpoint)."""
         self._emit(wire.EVENT_KIND_HEARTBEAT, "", None, checkpoint)
+
+    def checkpoint_json(self, default: Any = None) -> Any:
+        """The previous attempt's checkpoint decoded from JSON, or ``default`` when
+        no earlier attempt reported one (or it was empty): a handler resumes from
+        it. A checkpoint that is not JSON raises ``ExecutorError(BAD_CHECKPOINT)``
+        (not retryable). The counterpart of :meth:`save_checkpoint_json`."""
+        if self.checkpoint is None or not self.checkpoint.strip():
+            return default
+        import json
+
+        try:
+            return json.loads(self.checkpoint)
+        except ValueError as e:
+            raise ExecutorError(
+                BAD_CHECKPOINT,
+                f"the previous checkpoint of {self.kind!r} is not JSON: {e}",
+                retryable=False,
+            ) from None
+
+    def save_checkpoint_json(
+        self, value: Any, message: str = "", fraction: float | None = None
+    ) -> None:
+        """Report resume state as JSON on a PROGRESS event (with a message and a
+        fraction, as :meth:`progress`); the next attempt reads it back with
+        :meth:`checkpoint_json`."""
+        import json
+
+        data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+        self._emit(wire.EVENT_KIND_PROGRESS, message, fraction, data)
 
     def save_checkpoint(self, data: bytes) -> None:
         """Report opaque resume state; the next attempt receives it as ``checkpoint``.

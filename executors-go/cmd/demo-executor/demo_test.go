@@ -22,7 +22,7 @@ import (
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
 )
 
-var allDemoKinds = []string{"demo.artifact", "demo.echo", "demo.effect", "demo.fail", "demo.finish_on_cancel", "demo.misbehave", "demo.sleep"}
+var allDemoKinds = []string{"demo.artifact", "demo.echo", "demo.effect", "demo.fail", "demo.finish_on_cancel", "demo.misbehave", "demo.resume", "demo.sleep"}
 
 func jsonEqual(t *testing.T, what string, got []byte, want string) {
 	t.Helper()
