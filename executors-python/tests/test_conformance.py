@@ -17,14 +17,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def supervisor_bin() -> Path:
-    """$DURABLE_SUPERVISOR_BIN (scripts/test sets it after building the binary,
+    """$DURABLE_TEST_SUPERVISOR_BIN (scripts/test sets it after building the binary,
     and then it must exist), else the repository's target/debug/supervisor;
     without either the test is skipped, saying how to build it."""
-    env = os.environ.get("DURABLE_SUPERVISOR_BIN")
+    env = os.environ.get("DURABLE_TEST_SUPERVISOR_BIN")
     if env:
         path = Path(env)
         assert path.exists(), (
-            f"DURABLE_SUPERVISOR_BIN={env} does not exist "
+            f"DURABLE_TEST_SUPERVISOR_BIN={env} does not exist "
             "(scripts/test builds it with `cargo build --workspace --bins`)"
         )
         return path

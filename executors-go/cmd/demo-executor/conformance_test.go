@@ -12,14 +12,14 @@ import (
 )
 
 // supervisorBin finds the supervisor binary whose `conformance` command this
-// test runs: $DURABLE_SUPERVISOR_BIN (scripts/test sets it after building the
+// test runs: $DURABLE_TEST_SUPERVISOR_BIN (scripts/test sets it after building the
 // binary, and then it must exist), else target/debug/supervisor of the
 // repository. Without either the test is skipped, saying how to build it.
 func supervisorBin(t *testing.T) string {
 	t.Helper()
-	if p := os.Getenv("DURABLE_SUPERVISOR_BIN"); p != "" {
+	if p := os.Getenv("DURABLE_TEST_SUPERVISOR_BIN"); p != "" {
 		if _, err := os.Stat(p); err != nil {
-			t.Fatalf("DURABLE_SUPERVISOR_BIN=%s: %v (scripts/test builds it with `cargo build --workspace --bins`)", p, err)
+			t.Fatalf("DURABLE_TEST_SUPERVISOR_BIN=%s: %v (scripts/test builds it with `cargo build --workspace --bins`)", p, err)
 		}
 		return p
 	}
