@@ -150,6 +150,9 @@ pub enum Command {
         /// The kind behaving as demo.effect (default demo.effect).
         #[arg(long, value_name = "KIND")]
         kind_effect: Option<String>,
+        /// Print the results as one JSON document instead of the table.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -544,6 +547,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             kind_sleep,
             kind_artifact,
             kind_effect,
+            json,
         } => {
             use crate::conformance::{self, ConformanceError};
             let cfg = WorkerConfig::load(&config)?;
@@ -559,7 +563,11 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                     ConformanceError::Spawner(_) => CliError::Other(e.to_string()),
                     _ => CliError::Usage(e.to_string()),
                 })?;
-            print!("{}", conformance::render(&reports));
+            if json {
+                println!("{}", conformance::render_json(&reports));
+            } else {
+                print!("{}", conformance::render(&reports));
+            }
             Ok(if reports.iter().all(|r| r.passed()) {
                 0
             } else {
@@ -583,6 +591,9 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                                 "labels": crate::worker::routing::effective_labels(&h, e),
                                 "sdk": format!("{} {}", h.sdk_name, h.sdk_version),
                                 "protocol_version": h.protocol_version,
+                                "protocol_versions": h.protocol_versions,
+                                "features": h.features,
+                                "max_frame_bytes": h.max_frame_bytes,
                                 "routes": routes.len(),
                             })
                         );

@@ -276,3 +276,49 @@ func appendLine(path, line string) error {
 	}
 	return f.Close()
 }
+
+// resumeCheckpoint is demo.resume's checkpoint: the next item to process.
+type resumeCheckpoint struct {
+	Next int64 `json:"next"`
+}
+
+// resume: processes items 0..items-1, ms each, checkpointing after every
+// item; an attempt resumes at the previous attempt's checkpoint. With a sink
+// it appends "<attempt> <item>" per item processed.
+func resume(ctx context.Context, job *executor.Job) (*executor.Result, error) {
+	in := struct {
+		Items int64  `json:"items"`
+		Ms    int64  `json:"ms"`
+		Sink  string `json:"sink"`
+	}{Items: 10, Ms: 100}
+	if err := job.DecodeInput(&in); err != nil {
+		return nil, err
+	}
+	if in.Items < 0 || in.Items > maxSleepSteps || in.Ms < 0 || in.Ms*in.Items > maxSleepMs {
+		return nil, badInput("demo.resume: items = %d, ms = %d out of range", in.Items, in.Ms)
+	}
+	var cp resumeCheckpoint
+	if _, err := job.DecodeCheckpoint(&cp); err != nil {
+		return nil, err
+	}
+	start := min(max(cp.Next, 0), in.Items)
+	for i := start; i < in.Items; i++ {
+		timer := time.NewTimer(time.Duration(in.Ms) * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil, ctx.Err()
+		case <-timer.C:
+		}
+		if in.Sink != "" {
+			if err := appendLine(in.Sink, fmt.Sprintf("%d %d", job.Attempt, i)); err != nil {
+				return nil, fmt.Errorf("demo.resume: %w", err)
+			}
+		}
+		msg := fmt.Sprintf("item %d of %d done", i+1, in.Items)
+		if err := job.ProgressWithCheckpointJSON(msg, float64(i+1)/float64(in.Items), resumeCheckpoint{Next: i + 1}); err != nil {
+			return nil, err
+		}
+	}
+	return executor.NewResult(map[string]int64{"started_at": start, "items": in.Items, "attempt": int64(job.Attempt)})
+}

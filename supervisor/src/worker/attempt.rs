@@ -335,6 +335,7 @@ async fn execute(
         output_dir: out_dir.to_string_lossy().into_owned(),
         secrets,
         labels: step.labels.clone(),
+        agreement: None,
     };
 
     // a warm process of a persistent executor, or a new one (a one-shot
@@ -835,6 +836,17 @@ async fn converse(
         };
         return decline(child, stdin, cfg, outcome).await;
     }
+    // protocol 1.1: the revision, features and frame limits agreed with this
+    // hello are stated in the job; a job over the executor's limit is not sent
+    let offer = wire::SupervisorOffer::new(cfg.max_frame_bytes);
+    let job = &match wire::prepare_job(&hello, &offer, job) {
+        Ok(job) => job,
+        Err(e) => {
+            warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
+            let outcome = Outcome::failed(e.code(), false, e.to_string());
+            return decline(child, stdin, cfg, outcome).await;
+        }
+    };
 
     // a cancel or a lost lease that arrived during spawn and handshake: the
     // step is still only leased, so the job is never sent

@@ -216,7 +216,10 @@ pub async fn probe(
             h.protocol_version,
             wire::PROTOCOL_VERSION
         ))),
-        (Ok(h), _) => Ok(h),
+        (Ok(h), _) => match wire::negotiate(&h, &wire::SupervisorOffer::new(wcfg.max_frame_bytes)) {
+            Ok(_) => Ok(h),
+            Err(e) => Err(fail(format!("{} ({e})", e.code()))),
+        },
         (Err(why), Ok(r)) => Err(fail(format!(
             "{why}; exit {}; stderr: {}",
             r.status,
