@@ -665,23 +665,27 @@ async fn write_loop(
     mut rx: mpsc::Receiver<Intent>,
     control: watch::Receiver<LeaseView>,
 ) {
+    /// One write of a queued run of intents, in order.
+    enum Write {
+        Start(StartWrite),
+        Plain(EventsWrite),
+        /// A checkpoint rewrites the step row: a write of its own.
+        Checkpointed(Vec<wire::Event>),
+    }
     let mut buf = Vec::with_capacity(64);
     while rx.recv_many(&mut buf, 64).await > 0 {
+        let mut writes = Vec::new();
         let mut i = 0;
         while i < buf.len() {
-            let res = match &buf[i] {
+            match &buf[i] {
                 Intent::Start { pid, event } => {
                     i += 1;
-                    let w = StartWrite {
+                    writes.push(Write::Start(StartWrite {
                         run_id,
                         lease: lease.clone(),
                         pid: *pid,
                         event: owned_event(event),
-                    };
-                    retrying(&control, "recording the start", || {
-                        shared.ledger.start(w.clone())
-                    })
-                    .await
+                    }));
                 }
                 Intent::Event(_) => {
                     let end = buf[i..]
@@ -698,24 +702,58 @@ async fn write_loop(
                         .collect();
                     let kept = coalesce(&run);
                     i = end;
-                    if kept.iter().any(|e| e.checkpoint.is_some()) {
-                        // a checkpoint rewrites the step row: a write of its own
-                        let evs: Vec<NewEvent<'_>> = kept.into_iter().map(new_event).collect();
-                        retrying(&control, "recording progress events", || {
-                            shared.db.record_events(&lease, &evs)
-                        })
-                        .await
+                    writes.push(if kept.iter().any(|e| e.checkpoint.is_some()) {
+                        Write::Checkpointed(kept.into_iter().cloned().collect())
                     } else {
-                        let w = EventsWrite {
+                        Write::Plain(EventsWrite {
                             lease: lease.clone(),
                             events: kept.into_iter().map(owned_event).collect(),
-                        };
-                        retrying(&control, "recording progress events", || {
-                            shared.ledger.events(w.clone())
                         })
-                        .await
-                    }
+                    });
                 }
+            }
+        }
+        buf.clear();
+        // the first try of every ledger write of this run is handed over at
+        // once, in order: a start and the events right behind it (the SDKs'
+        // RUNNING) land in one batch, with no round trip of their own
+        let mut handed = Vec::with_capacity(writes.len());
+        for w in &writes {
+            handed.push(match w {
+                Write::Start(s) => Some(shared.ledger.submit_start(s.clone()).await),
+                Write::Plain(e) => Some(shared.ledger.submit_events(e.clone()).await),
+                Write::Checkpointed(_) => None,
+            });
+        }
+        for (w, first) in writes.into_iter().zip(handed) {
+            let first = match first {
+                Some(Ok(p)) => p.answer().await,
+                Some(Err(e)) => Err(e),
+                None => Ok(()),
+            };
+            let res = match (w, first) {
+                (Write::Checkpointed(evs), _) => {
+                    let evs: Vec<NewEvent<'_>> = evs.iter().map(new_event).collect();
+                    retrying(&control, "recording progress events", || {
+                        shared.db.record_events(&lease, &evs)
+                    })
+                    .await
+                }
+                (Write::Start(s), Err(e)) if e.is_transient() => {
+                    warn!(error = %e, "recording the start failed; retrying");
+                    retrying(&control, "recording the start", || {
+                        shared.ledger.start(s.clone())
+                    })
+                    .await
+                }
+                (Write::Plain(ev), Err(e)) if e.is_transient() => {
+                    warn!(error = %e, "recording progress events failed; retrying");
+                    retrying(&control, "recording progress events", || {
+                        shared.ledger.events(ev.clone())
+                    })
+                    .await
+                }
+                (_, r) => r,
             };
             match res {
                 Ok(()) => {}
@@ -728,7 +766,6 @@ async fn write_loop(
                 }
             }
         }
-        buf.clear();
     }
 }
 
@@ -843,6 +880,11 @@ async fn converse(
         Ok(job) => job,
         Err(e) => {
             warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
+            if e.code() == "PROTOCOL_VERSION_MISMATCH" {
+                // the binary changed since its probe: nothing more is leased
+                // for it until the worker is restarted with a compatible one
+                exec.set_routes(Vec::new());
+            }
             let outcome = Outcome::failed(e.code(), false, e.to_string());
             return decline(child, stdin, cfg, outcome).await;
         }

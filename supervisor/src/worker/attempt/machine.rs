@@ -150,15 +150,7 @@ pub(crate) fn on_frame(
                 // liveness only: the worker's batched heartbeat keeps the lease
                 return FrameVerdict::Continue;
             }
-            if e.kind == EventKind::Running
-                && e.message.is_empty()
-                && e.fraction.is_none()
-                && e.checkpoint.is_none()
-            {
-                // the SDKs' automatic RUNNING after ACCEPTED says nothing the
-                // step's `running` state does not: it costs no write
-                return FrameVerdict::Continue;
-            }
+
             FrameVerdict::Write(Intent::Event(e))
         }
         FromExecutor::Result(r) => {
@@ -270,6 +262,8 @@ pub(crate) const RESERVED_CODES: &[&str] = &[
     "PROTOCOL_FRAME_AFTER_TERMINAL",
     "PROTOCOL_UNEXPECTED_FRAME",
     "PROTOCOL_INVALID_TEXT",
+    "PROTOCOL_VERSION_MISMATCH",
+    "JOB_TOO_LARGE",
 ];
 
 pub(crate) fn is_reserved(code: &str) -> bool {

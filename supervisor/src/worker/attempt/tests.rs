@@ -684,27 +684,3 @@ fn a_cancels_grace_reads_a_bounded_number_of_frames() {
     );
     assert!(matches!(m.phase(), Phase::Cancelling { .. }));
 }
-
-#[test]
-fn a_running_event_that_carries_nothing_costs_no_write() {
-    let mut st = FrameState::default();
-    let mut running = |seq: u64, message: &str, fraction: Option<f64>| {
-        let f = FromExecutor::Event(wire::Event {
-            job_id: "j".into(),
-            sequence: seq,
-            kind: EventKind::Running,
-            message: message.into(),
-            fraction,
-            checkpoint: None,
-            at_unix_ms: 0,
-        });
-        kind_of(&on_frame(&mut st, "j", 7, f))
-    };
-    let mut st0 = FrameState::default();
-    assert_eq!(kind_of(&on_frame(&mut st0, "j", 7, ev(1, EventKind::Accepted, ""))), "start");
-    st.accepted = true;
-    st.last_seq = 1;
-    assert_eq!(running(2, "", None), "continue");
-    assert_eq!(running(3, "warming up", None), "event");
-    assert_eq!(running(4, "", Some(0.1)), "event");
-}
