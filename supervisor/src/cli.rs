@@ -106,6 +106,29 @@ pub enum Command {
         #[arg(long)]
         step: Option<String>,
     },
+    /// Remove finished runs older than an age, with their steps, events,
+    /// transitions, artifacts and unreferenced artifact bytes (what each
+    /// worker's retention does on its own), in short batches.
+    Gc {
+        /// Remove runs that finished longer ago than this: 30s, 10m, 2h, 7d, 1h30m.
+        #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
+        older_than: std::time::Duration,
+        /// Count what would be removed; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// At most this many runs per transaction.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        batch_runs: u32,
+        /// At most this many steps per transaction.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        batch_steps: u32,
+        /// Leave the space to autovacuum: no VACUUM after the removal.
+        #[arg(long)]
+        no_vacuum: bool,
+        /// Print a JSON object instead of a line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Local development.
     Dev {
         /// Print the worker config (TOML) for the bundled demo executors, and exit.
@@ -475,6 +498,67 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             eprintln!("cancellation requested; run is {state}");
             Ok(0)
         }
+        Command::Gc {
+            older_than,
+            dry_run,
+            batch_runs,
+            batch_steps,
+            no_vacuum,
+            json,
+        } => {
+            let db = connect(&cli.database_url, 2, true).await?;
+            db.check_schema().await?;
+            if dry_run {
+                let p = db.retention_preview(older_than).await.map_err(explain)?;
+                if json {
+                    println!("{}", serde_json::to_string(&p).unwrap_or_default());
+                } else {
+                    println!(
+                        "would remove {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs no other run references)",
+                        p.runs,
+                        when(&p.cutoff),
+                        p.steps,
+                        p.artifacts,
+                        p.blobs
+                    );
+                }
+                return Ok(0);
+            }
+            let opts = crate::db::RetentionOptions {
+                older_than,
+                batch_runs,
+                batch_steps,
+                vacuum: !no_vacuum,
+            };
+            let stop = CancellationToken::new();
+            spawn_interrupt_handler(stop.clone());
+            let r = db.retention_pass(&opts, &stop).await.map_err(explain)?;
+            if json {
+                println!("{}", serde_json::to_string(&r).unwrap_or_default());
+            } else {
+                println!(
+                    "removed {} runs finished before {} ({} steps, {} artifact blobs, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
+                    r.runs,
+                    r.cutoff.as_ref().map(when).unwrap_or_default(),
+                    r.steps,
+                    r.blobs,
+                    r.workers,
+                    r.batches,
+                    r.longest_batch.as_secs_f64() * 1000.0,
+                    if r.vacuumed {
+                        format!("; VACUUM {:.1} ms", r.vacuum_time.as_secs_f64() * 1000.0)
+                    } else {
+                        String::new()
+                    },
+                    if r.interrupted {
+                        "; interrupted: run it again to remove the rest"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            Ok(0)
+        }
         Command::Worker {
             config,
             print_default_config,
@@ -701,6 +785,26 @@ fn read_input(file: &str) -> Result<String, CliError> {
             source,
         })
     }
+}
+
+/// `gc`: the first SIGINT/SIGTERM ends the pass after its current batch
+/// (each batch is its own transaction, so nothing is left half done).
+fn spawn_interrupt_handler(token: CancellationToken) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        eprintln!("stopping after the current batch");
+        token.cancel();
+    });
 }
 
 fn spawn_signal_handler(token: CancellationToken) {

@@ -70,6 +70,21 @@ fn d_max_result() -> u64 {
 fn d_concurrency() -> u32 {
     4
 }
+fn d_retention() -> String {
+    "7d".into()
+}
+fn d_retention_interval() -> u64 {
+    60_000
+}
+fn d_retention_batch_runs() -> u32 {
+    100
+}
+fn d_retention_batch_steps() -> u32 {
+    1_000
+}
+fn d_true() -> bool {
+    true
+}
 fn d_allowlist() -> Vec<String> {
     ["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"]
         .iter()
@@ -142,6 +157,22 @@ pub struct WorkerConfig {
     /// receive at all is its `secrets` list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets_dir: Option<PathBuf>,
+    /// Finished runs older than this are removed with everything they hold
+    /// (`30s`, `10m`, `2h`, `7d`, `1h30m`), or `off`.
+    #[serde(default = "d_retention")]
+    pub retention: String,
+    /// How often this worker's retention pass looks for old runs.
+    #[serde(default = "d_retention_interval")]
+    pub retention_interval_ms: u64,
+    /// At most this many runs are removed per transaction.
+    #[serde(default = "d_retention_batch_runs")]
+    pub retention_batch_runs: u32,
+    /// At most this many steps are removed per transaction.
+    #[serde(default = "d_retention_batch_steps")]
+    pub retention_batch_steps: u32,
+    /// VACUUM the durable tables after a pass that removed anything.
+    #[serde(default = "d_true")]
+    pub retention_vacuum: bool,
     #[serde(default)]
     pub executors: Vec<ExecutorConfig>,
 }
@@ -213,6 +244,11 @@ impl Default for WorkerConfig {
             max_result_bytes: d_max_result(),
             work_dir: None,
             secrets_dir: None,
+            retention: d_retention(),
+            retention_interval_ms: d_retention_interval(),
+            retention_batch_runs: d_retention_batch_runs(),
+            retention_batch_steps: d_retention_batch_steps(),
+            retention_vacuum: true,
             executors: Vec::new(),
         }
     }
@@ -339,6 +375,24 @@ impl WorkerConfig {
         Ok(())
     }
 
+    /// The retention age: `None` when `retention = "off"`. At least one
+    /// second (a finished run stays readable for at least that long).
+    pub fn retention_age(&self) -> Result<Option<std::time::Duration>, String> {
+        let text = self.retention.trim();
+        if text.eq_ignore_ascii_case("off") {
+            return Ok(None);
+        }
+        let age = crate::cli::parse_duration(text).map_err(|e| {
+            format!("retention = {text:?}: {e}, or \"off\" to keep every finished run")
+        })?;
+        if age < std::time::Duration::from_secs(1) {
+            return Err(format!(
+                "retention = {text:?} is below 1s: finished runs must stay readable a while. Give an age like 7d, or \"off\""
+            ));
+        }
+        Ok(Some(age))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         for (key, value) in [
@@ -351,6 +405,7 @@ impl WorkerConfig {
             ("drain_timeout_ms", self.drain_timeout_ms),
             ("handshake_timeout_ms", self.handshake_timeout_ms),
             ("refusal_delay_ms", self.refusal_delay_ms),
+            ("retention_interval_ms", self.retention_interval_ms),
         ] {
             if value > MAX_MS {
                 return bad(format!(
@@ -374,11 +429,18 @@ impl WorkerConfig {
             ("poll_interval_ms", self.poll_interval_ms),
             ("reclaim_interval_ms", self.reclaim_interval_ms),
             ("handshake_timeout_ms", self.handshake_timeout_ms),
+            ("retention_interval_ms", self.retention_interval_ms),
+            ("retention_batch_runs", u64::from(self.retention_batch_runs)),
+            (
+                "retention_batch_steps",
+                u64::from(self.retention_batch_steps),
+            ),
         ] {
             if value == 0 {
                 return bad(format!("{key} = 0 must be positive"));
             }
         }
+        self.retention_age().map_err(ConfigError::Invalid)?;
         if self.max_frame_bytes < 1024 || self.max_frame_bytes > MAX_FRAME_BYTES {
             return bad(format!(
                 "max_frame_bytes = {} must be at least 1024 and at most {MAX_FRAME_BYTES} (1 GiB)",
@@ -567,6 +629,31 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
         "secrets_dir",
         "Read secret values from the file <secrets_dir>/<NAME> (one trailing newline stripped, as Docker and Kubernetes mount them) instead of the worker's environment. Must be an existing directory (default: unset, the environment).",
         Some("\"/run/secrets\""),
+    ),
+    (
+        "retention",
+        "Finished runs (succeeded, failed, cancelled) older than this are removed, with their steps, events, transitions, artifacts and the artifact bytes nothing else references: 30s, 10m, 2h, 7d, 1h30m, or \"off\" to keep them all. Every worker runs the removal; one batch at a time across all of them. `supervisor gc` does the same on demand.",
+        None,
+    ),
+    (
+        "retention_interval_ms",
+        "How often this worker looks for finished runs older than retention (with up to 10% jitter).",
+        None,
+    ),
+    (
+        "retention_batch_runs",
+        "At most this many runs are removed per transaction (short transactions, short locks).",
+        None,
+    ),
+    (
+        "retention_batch_steps",
+        "At most this many steps are removed per transaction; a larger run is removed over several.",
+        None,
+    ),
+    (
+        "retention_vacuum",
+        "VACUUM the durable tables after a pass that removed anything, so their space is reused at once instead of when autovacuum comes (needs the tables' owner, or the MAINTAIN privilege; skipped with a warning otherwise).",
+        None,
     ),
 ];
 

@@ -10,12 +10,16 @@
 
 mod inspect;
 mod ledger;
+mod retention;
 pub use inspect::{
     ArtifactInfo, ArtifactReader, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary,
     WatchRun, WatchStep,
 };
 pub use ledger::{
     Batch, BatchOutcome, CompleteWrite, EventsWrite, OwnedEvent, RowOutcome, StartWrite,
+};
+pub use retention::{
+    RetentionBatch, RetentionOptions, RetentionPreview, RetentionReport, RETENTION_TABLES,
 };
 
 use std::collections::BTreeMap;
