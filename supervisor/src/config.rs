@@ -923,6 +923,36 @@ mod tests {
     }
 
     #[test]
+    fn artifact_store_settings_are_checked_by_name() {
+        let base = "[[executors]]\nname = \"a\"\ncommand = \"a\"\n";
+        let cfg: WorkerConfig = toml::from_str(base).expect("parse");
+        assert_eq!(cfg.artifact_store, ArtifactBackend::Postgres);
+        assert_eq!(cfg.artifact_chunk_bytes, 1 << 20);
+        let invalid = |toml_text: &str| -> String {
+            let cfg: WorkerConfig = toml::from_str(&format!("{toml_text}\n{base}")).expect("parse");
+            cfg.validate().expect_err("invalid").to_string()
+        };
+        assert!(invalid("artifact_store = \"directory\"").contains("needs artifact_dir"));
+        assert!(
+            invalid("artifact_dir = \"/nonexistent/durable-artifacts\"").contains(
+                "artifact_dir = \"/nonexistent/durable-artifacts\" is not an existing directory"
+            )
+        );
+        assert!(invalid("artifact_chunk_bytes = 100").contains("artifact_chunk_bytes = 100"));
+        let err = toml::from_str::<WorkerConfig>(&format!("artifact_store = \"s3\"\n{base}"))
+            .expect_err("unknown backend");
+        assert!(err.to_string().contains("postgres"), "{err}");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg: WorkerConfig = toml::from_str(&format!(
+            "artifact_store = \"directory\"\nartifact_dir = {:?}\n{base}",
+            dir.path().display().to_string()
+        ))
+        .expect("parse");
+        cfg.validate()
+            .expect("a directory store with its directory");
+    }
+
+    #[test]
     fn heartbeat_must_fit_in_the_lease() {
         let mut cfg: WorkerConfig =
             toml::from_str("[[executors]]\nname = \"a\"\ncommand = \"a\"\n").expect("parse");

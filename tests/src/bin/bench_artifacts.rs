@@ -94,7 +94,9 @@ async fn phase(
         .fetch_optional(db.pool())
         .await?;
         match state {
-            Some((s, _, _)) if s == "succeeded" => return Ok((t0.elapsed().as_secs_f64(), max_rss)),
+            Some((s, _, _)) if s == "succeeded" => {
+                return Ok((t0.elapsed().as_secs_f64(), max_rss))
+            }
             Some((s, code, msg)) if s == "terminal_failed" || s == "cancelled" => {
                 bail!("step {name} ended {s}: {code:?} {msg:?}")
             }
