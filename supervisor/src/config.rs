@@ -463,7 +463,9 @@ impl WorkerConfig {
                     "artifact_store = \"directory\" needs artifact_dir: the shared directory every worker host mounts (or use artifact_store = \"postgres\")".into(),
                 )
             }
-            (_, Some(dir)) if !dir.is_dir() => {
+            // a postgres worker only reads from it (blobs stored there by
+            // directory workers): a missing one fails those reads, by name
+            (ArtifactBackend::Directory, Some(dir)) if !dir.is_dir() => {
                 return bad(format!(
                     "artifact_dir = {:?} is not an existing directory: create it (on a volume all worker hosts share) or remove artifact_dir",
                     dir.display().to_string()
@@ -933,11 +935,12 @@ mod tests {
             cfg.validate().expect_err("invalid").to_string()
         };
         assert!(invalid("artifact_store = \"directory\"").contains("needs artifact_dir"));
-        assert!(
-            invalid("artifact_dir = \"/nonexistent/durable-artifacts\"").contains(
-                "artifact_dir = \"/nonexistent/durable-artifacts\" is not an existing directory"
-            )
-        );
+        assert!(invalid(
+            "artifact_store = \"directory\"\nartifact_dir = \"/nonexistent/durable-artifacts\""
+        )
+        .contains(
+            "artifact_dir = \"/nonexistent/durable-artifacts\" is not an existing directory"
+        ));
         assert!(invalid("artifact_chunk_bytes = 100").contains("artifact_chunk_bytes = 100"));
         let err = toml::from_str::<WorkerConfig>(&format!("artifact_store = \"s3\"\n{base}"))
             .expect_err("unknown backend");
