@@ -191,6 +191,10 @@ pub enum ArtifactCommand {
         /// Overwrite --out if it exists.
         #[arg(long)]
         force: bool,
+        /// The shared directory of a `directory` artifact store (the
+        /// workers' `artifact_dir`), for artifacts stored there.
+        #[arg(long, env = "DURABLE_ARTIFACT_DIR", value_name = "DIR")]
+        artifact_dir: Option<PathBuf>,
     },
     /// The artifacts it was derived from, through every step and attempt.
     Lineage {
@@ -457,9 +461,15 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Artifact { command } => {
             let db = connect(&cli.database_url, 2, true).await?;
             match command {
-                ArtifactCommand::Get { id, out, force } => {
+                ArtifactCommand::Get {
+                    id,
+                    out,
+                    force,
+                    artifact_dir,
+                } => {
                     let id = crate::artifact_cmd::parse_artifact_id(&id)?;
-                    let a = crate::artifact_cmd::get(&db, id, &out, force)
+                    let store = crate::artifacts::ArtifactStore::reader(db.clone(), artifact_dir);
+                    let a = crate::artifact_cmd::get(&db, &store, id, &out, force)
                         .await
                         .map_err(|e| match e {
                             CliError::Db(e) => explain(e),

@@ -53,7 +53,10 @@ fn d_stderr_tail() -> usize {
     64 * 1024
 }
 fn d_max_artifact() -> u64 {
-    256 * 1024 * 1024
+    4 * 1024 * 1024 * 1024
+}
+fn d_artifact_chunk() -> usize {
+    1024 * 1024
 }
 fn d_db_conns() -> u32 {
     10
@@ -65,7 +68,7 @@ fn d_max_refusals() -> u32 {
     5
 }
 fn d_max_result() -> u64 {
-    512 * 1024 * 1024
+    16 * 1024 * 1024 * 1024
 }
 fn d_concurrency() -> u32 {
     4
@@ -129,7 +132,8 @@ pub struct WorkerConfig {
     pub handshake_timeout_ms: u64,
     #[serde(default = "d_max_frame")]
     pub max_frame_bytes: usize,
-    /// The largest artifact accepted (held in memory, stored in PostgreSQL).
+    /// The largest artifact accepted (streamed to the artifact store, never
+    /// held in memory: a limit on storage, not on the worker's RSS).
     #[serde(default = "d_max_artifact")]
     pub max_artifact_bytes: u64,
     /// How much of each child's stderr is kept (the tail) for failures.
@@ -144,10 +148,22 @@ pub struct WorkerConfig {
     /// before it fails `terminal_failed` with `EXECUTOR_REFUSED`.
     #[serde(default = "d_max_refusals")]
     pub max_refusals: u32,
-    /// The most bytes all artifacts of one result may hold together (they
-    /// reach PostgreSQL in one message, whose limit is 1 GiB).
+    /// The most bytes all artifacts of one result may hold together.
     #[serde(default = "d_max_result")]
     pub max_result_bytes: u64,
+    /// Where artifact bytes go: `postgres` (chunks in the database; works
+    /// across hosts with no other service) or `directory` (files in
+    /// `artifact_dir`, a volume every worker host mounts).
+    #[serde(default)]
+    pub artifact_store: ArtifactBackend,
+    /// The shared directory of the `directory` store. A `postgres` worker
+    /// with it set can also read blobs that `directory` workers stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_dir: Option<PathBuf>,
+    /// Bytes per chunk, up and down (one database row of the `postgres`
+    /// store; one read of a file): what an artifact costs in memory.
+    #[serde(default = "d_artifact_chunk")]
+    pub artifact_chunk_bytes: usize,
     /// Where per-attempt working directories are created (default: the system temp dir).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_dir: Option<PathBuf>,
@@ -176,6 +192,21 @@ pub struct WorkerConfig {
     #[serde(default)]
     pub executors: Vec<ExecutorConfig>,
 }
+
+/// The artifact store's backend (`artifact_store`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ArtifactBackend {
+    /// Chunks in `durable.artifact_chunks` (the default).
+    #[default]
+    Postgres,
+    /// Content-addressed files in `artifact_dir`.
+    Directory,
+}
+
+/// The smallest and largest `artifact_chunk_bytes`.
+pub const MIN_ARTIFACT_CHUNK_BYTES: usize = 4 * 1024;
+pub const MAX_ARTIFACT_CHUNK_BYTES: usize = 64 * 1024 * 1024;
 
 /// One executor: a plain binary or script speaking the executor protocol.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -242,6 +273,9 @@ impl Default for WorkerConfig {
             refusal_delay_ms: d_refusal_delay(),
             max_refusals: d_max_refusals(),
             max_result_bytes: d_max_result(),
+            artifact_store: ArtifactBackend::default(),
+            artifact_dir: None,
+            artifact_chunk_bytes: d_artifact_chunk(),
             work_dir: None,
             secrets_dir: None,
             retention: d_retention(),
@@ -471,13 +505,35 @@ impl WorkerConfig {
         if self.max_refusals == 0 {
             return bad("max_refusals = 0 must be at least 1".into());
         }
-        if self.max_artifact_bytes > self.max_result_bytes
-            || self.max_result_bytes > 900 * 1024 * 1024
-        {
+        if self.max_artifact_bytes > self.max_result_bytes {
             return bad(format!(
-                "max_artifact_bytes ({}) must be at most max_result_bytes ({}), which must be at most 900 MiB (PostgreSQL's message limit is 1 GiB)",
+                "max_artifact_bytes ({}) must be at most max_result_bytes ({}): one artifact cannot be larger than a whole result",
                 self.max_artifact_bytes, self.max_result_bytes
             ));
+        }
+        if !(MIN_ARTIFACT_CHUNK_BYTES..=MAX_ARTIFACT_CHUNK_BYTES)
+            .contains(&self.artifact_chunk_bytes)
+        {
+            return bad(format!(
+                "artifact_chunk_bytes = {} must be at least {MIN_ARTIFACT_CHUNK_BYTES} (4 KiB) and at most {MAX_ARTIFACT_CHUNK_BYTES} (64 MiB); 1048576 (1 MiB) is the default",
+                self.artifact_chunk_bytes
+            ));
+        }
+        match (&self.artifact_store, &self.artifact_dir) {
+            (ArtifactBackend::Directory, None) => {
+                return bad(
+                    "artifact_store = \"directory\" needs artifact_dir: the shared directory every worker host mounts (or use artifact_store = \"postgres\")".into(),
+                )
+            }
+            // a postgres worker only reads from it (blobs stored there by
+            // directory workers): a missing one fails those reads, by name
+            (ArtifactBackend::Directory, Some(dir)) if !dir.is_dir() => {
+                return bad(format!(
+                    "artifact_dir = {:?} is not an existing directory: create it (on a volume all worker hosts share) or remove artifact_dir",
+                    dir.display().to_string()
+                ))
+            }
+            _ => {}
         }
         if let Some(dir) = &self.secrets_dir {
             if !dir.is_dir() {
@@ -592,7 +648,7 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "max_artifact_bytes",
-        "The largest artifact accepted (ARTIFACT_INVALID above it); at most max_result_bytes.",
+        "The largest artifact accepted (ARTIFACT_INVALID above it, checked before it is read); at most max_result_bytes. Artifacts stream to the artifact store in chunks: this limits storage, not memory.",
         None,
     ),
     (
@@ -617,7 +673,22 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "max_result_bytes",
-        "All artifacts of one result together (RESULT_TOO_LARGE above it); at most 900 MiB, below PostgreSQL's 1 GiB message limit.",
+        "All artifacts of one result together (RESULT_TOO_LARGE above it).",
+        None,
+    ),
+    (
+        "artifact_store",
+        "Where artifact bytes are stored: \"postgres\" (chunks in the database, works across hosts with no other service) or \"directory\" (content-addressed files <artifact_dir>/<sha[0..2]>/<sha> on a volume every worker host mounts).",
+        None,
+    ),
+    (
+        "artifact_dir",
+        "The shared directory of artifact_store = \"directory\" (must exist). With the postgres store it is optional and only lets this worker read blobs that directory workers stored.",
+        Some("\"/mnt/durable-artifacts\""),
+    ),
+    (
+        "artifact_chunk_bytes",
+        "Bytes per chunk when artifacts are uploaded and read back (one database row of the postgres store): an artifact's memory cost, whatever its size. 4 KiB to 64 MiB.",
         None,
     ),
     (
@@ -938,6 +1009,37 @@ mod tests {
         )
         .expect_err("unknown executor field");
         assert!(err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn artifact_store_settings_are_checked_by_name() {
+        let base = "[[executors]]\nname = \"a\"\ncommand = \"a\"\n";
+        let cfg: WorkerConfig = toml::from_str(base).expect("parse");
+        assert_eq!(cfg.artifact_store, ArtifactBackend::Postgres);
+        assert_eq!(cfg.artifact_chunk_bytes, 1 << 20);
+        let invalid = |toml_text: &str| -> String {
+            let cfg: WorkerConfig = toml::from_str(&format!("{toml_text}\n{base}")).expect("parse");
+            cfg.validate().expect_err("invalid").to_string()
+        };
+        assert!(invalid("artifact_store = \"directory\"").contains("needs artifact_dir"));
+        assert!(invalid(
+            "artifact_store = \"directory\"\nartifact_dir = \"/nonexistent/durable-artifacts\""
+        )
+        .contains(
+            "artifact_dir = \"/nonexistent/durable-artifacts\" is not an existing directory"
+        ));
+        assert!(invalid("artifact_chunk_bytes = 100").contains("artifact_chunk_bytes = 100"));
+        let err = toml::from_str::<WorkerConfig>(&format!("artifact_store = \"s3\"\n{base}"))
+            .expect_err("unknown backend");
+        assert!(err.to_string().contains("postgres"), "{err}");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg: WorkerConfig = toml::from_str(&format!(
+            "artifact_store = \"directory\"\nartifact_dir = {:?}\n{base}",
+            dir.path().display().to_string()
+        ))
+        .expect("parse");
+        cfg.validate()
+            .expect("a directory store with its directory");
     }
 
     #[test]

@@ -602,3 +602,42 @@ async fn the_gc_command() {
         "{bad:?}"
     );
 }
+
+/// Removing a chunked blob removes its chunk rows too (retention deletes
+/// blob rows no artifact references; before this the chunks stayed forever).
+#[tokio::test]
+async fn a_deleted_chunked_blob_takes_its_chunks_with_it() {
+    let t = TestDb::new().await;
+    let (kept, gone) = (Uuid::new_v4(), Uuid::new_v4());
+    for (upload, sha) in [(kept, "a".repeat(64)), (gone, "b".repeat(64))] {
+        sqlx::query(
+            "INSERT INTO durable.artifact_blobs (sha256, size, store, upload_id, chunks)
+             VALUES ($1, 6, 'chunks', $2, 2)",
+        )
+        .bind(&sha)
+        .bind(upload)
+        .execute(t.db.pool())
+        .await
+        .expect("blob");
+        for n in 0..2 {
+            sqlx::query("INSERT INTO durable.artifact_chunks (upload_id, n, data) VALUES ($1, $2, 'abc')")
+                .bind(upload)
+                .bind(n)
+                .execute(t.db.pool())
+                .await
+                .expect("chunk");
+        }
+    }
+    sqlx::query("DELETE FROM durable.artifact_blobs WHERE sha256 = $1")
+        .bind("b".repeat(64))
+        .execute(t.db.pool())
+        .await
+        .expect("delete");
+    let left: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT upload_id, count(*) FROM durable.artifact_chunks GROUP BY upload_id",
+    )
+    .fetch_all(t.db.pool())
+    .await
+    .expect("chunks");
+    assert_eq!(left, vec![(kept, 2)]);
+}

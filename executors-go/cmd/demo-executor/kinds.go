@@ -3,6 +3,8 @@ package main
 import (
 	"bufio"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -142,12 +144,15 @@ func fail(_ context.Context, job *executor.Job) (*executor.Result, error) {
 }
 
 // artifact: writes the input artifacts' bytes (in order) then content repeated
-// repeat times to output_dir/name.
+// repeat times to output_dir/name, streaming (a GiB never sits in memory).
+// lie ("sha256" or "size", Go demo only) makes the manifest misstate the file,
+// for the supervisor's ARTIFACT_DIGEST_MISMATCH check.
 func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) {
 	var in struct {
 		Name    *string `json:"name"`
 		Content string  `json:"content"`
 		Repeat  *int64  `json:"repeat"`
+		Lie     string  `json:"lie"`
 	}
 	if err := job.DecodeInput(&in); err != nil {
 		return nil, err
@@ -164,6 +169,9 @@ func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) 
 	}
 	if repeat < 0 {
 		return nil, badInput("demo.artifact: repeat = %d, want >= 0", repeat)
+	}
+	if in.Lie != "" && in.Lie != "sha256" && in.Lie != "size" {
+		return nil, badInput("demo.artifact: lie = %q, want \"sha256\", \"size\" or none", in.Lie)
 	}
 	path, err := job.OutputPath(name)
 	if err != nil {
@@ -182,6 +190,13 @@ func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) 
 	art, err := job.FileArtifact(name, &executor.ArtifactOptions{Name: name, MediaType: "text/plain", DerivedFrom: derived})
 	if err != nil {
 		return nil, err
+	}
+	switch in.Lie {
+	case "sha256": // another well-formed digest: the hash of the bytes plus one
+		sum := sha256.Sum256([]byte(art.SHA256))
+		art.SHA256 = hex.EncodeToString(sum[:])
+	case "size":
+		art.Size++
 	}
 	return executor.NewResult(map[string]any{"name": art.Name, "size": art.Size, "sha256": art.SHA256}, art)
 }
