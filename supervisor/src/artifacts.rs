@@ -101,6 +101,57 @@ fn is_sha256_hex(s: &str) -> bool {
 }
 
 /// `<dir>/<sha[0..2]>/<sha>`; `sha` must be 64 hex digits.
+/// How much older than its blob's removal a file must be to be deleted: a
+/// re-upload of the same bytes after the removal writes a newer file (kept);
+/// the margin covers clock skew between the database and the volume's hosts.
+const FILE_REMOVAL_MARGIN: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Deletes the files of removed directory-store blobs (queued by the
+/// database when their rows went): each one no blob row names again and
+/// whose file is older than its removal. Returns how many were deleted.
+pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError> {
+    let mut deleted = 0;
+    loop {
+        let queued = db.removed_blob_files(500).await?;
+        if queued.is_empty() {
+            return Ok(deleted);
+        }
+        let mut done = Vec::with_capacity(queued.len());
+        for (sha, removed_at) in queued {
+            if !is_sha256_hex(&sha) {
+                done.push(sha);
+                continue;
+            }
+            let path = blob_path(dir, &sha);
+            let cutoff = std::time::SystemTime::from(removed_at)
+                .checked_sub(FILE_REMOVAL_MARGIN)
+                .unwrap_or(std::time::UNIX_EPOCH);
+            let res = blocking(move || match std::fs::metadata(&path) {
+                Ok(m) if m.modified().map(|t| t < cutoff).unwrap_or(false) => {
+                    std::fs::remove_file(&path).map(|_| true)
+                }
+                Ok(_) => Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                Err(e) => Err(e),
+            })
+            .await;
+            match res {
+                Ok(true) => deleted += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(sha256 = %sha, error = %e, "cannot delete a removed blob's file; kept for the next pass");
+                    continue;
+                }
+            }
+            done.push(sha);
+        }
+        if done.is_empty() {
+            return Ok(deleted);
+        }
+        db.forget_removed_blob_files(&done).await?;
+    }
+}
+
 fn blob_path(dir: &Path, sha: &str) -> PathBuf {
     dir.join(&sha[..2]).join(sha)
 }

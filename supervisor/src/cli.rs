@@ -125,6 +125,10 @@ pub enum Command {
         /// Leave the space to autovacuum: no VACUUM after the removal.
         #[arg(long)]
         no_vacuum: bool,
+        /// The artifact directory (the workers' `artifact_dir`), if they use
+        /// the directory store: files of removed blobs are deleted there.
+        #[arg(long, value_name = "DIR", env = "DURABLE_ARTIFACT_DIR")]
+        artifact_dir: Option<PathBuf>,
         /// Print a JSON object instead of a line.
         #[arg(long)]
         json: bool,
@@ -514,6 +518,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             batch_runs,
             batch_steps,
             no_vacuum,
+            artifact_dir,
             json,
         } => {
             let db = connect(&cli.database_url, 2, true).await?;
@@ -543,15 +548,31 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             let stop = CancellationToken::new();
             spawn_interrupt_handler(stop.clone());
             let r = db.retention_pass(&opts, &stop).await.map_err(explain)?;
+            let files = match &artifact_dir {
+                Some(dir) => crate::artifacts::remove_deleted_files(&db, dir)
+                    .await
+                    .map_err(|e| {
+                        CliError::Other(format!(
+                            "cannot delete the files of removed artifact blobs in {}: {e}",
+                            dir.display()
+                        ))
+                    })?,
+                None => 0,
+            };
             if json {
-                println!("{}", serde_json::to_string(&r).unwrap_or_default());
+                let mut v = serde_json::to_value(&r).unwrap_or_default();
+                v["files_deleted"] = serde_json::json!(files);
+                println!("{v}");
             } else {
                 println!(
-                    "removed {} runs finished before {} ({} steps, {} artifact blobs, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
+                    "removed {} runs finished before {} ({} steps, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
                     r.runs,
                     r.cutoff.as_ref().map(when).unwrap_or_default(),
                     r.steps,
                     r.blobs,
+                    r.garbage_blobs,
+                    r.garbage_chunks,
+                    files,
                     r.workers,
                     r.batches,
                     r.longest_batch.as_secs_f64() * 1000.0,

@@ -30,13 +30,23 @@ async fn lease(db: &Db, wid: Uuid, n: u32) -> Vec<LeasedStep> {
         .expect("lease")
 }
 
-fn artifact(name: &str, content: &[u8], derived_from: Vec<Uuid>) -> NewArtifact {
-    NewArtifact {
-        name: name.into(),
-        sha256: hex(&sha2::Sha256::digest(content)),
-        media_type: "application/octet-stream".into(),
+/// An artifact of a result and its bytes (stored as a blob before the commit,
+/// as the worker's artifact store does).
+struct Art {
+    meta: NewArtifact,
+    content: Vec<u8>,
+}
+
+fn artifact(name: &str, content: &[u8], derived_from: Vec<Uuid>) -> Art {
+    Art {
+        meta: NewArtifact {
+            name: name.into(),
+            sha256: hex(&sha2::Sha256::digest(content)),
+            size: content.len() as i64,
+            media_type: "application/octet-stream".into(),
+            derived_from,
+        },
         content: content.to_vec(),
-        derived_from,
     }
 }
 
@@ -45,11 +55,17 @@ fn hex(b: &[u8]) -> String {
 }
 
 /// Runs `s` to success with `artifacts`; returns the artifact ids.
-async fn succeed(db: &Db, s: &LeasedStep, artifacts: &[NewArtifact]) -> Vec<Uuid> {
+async fn succeed(db: &Db, s: &LeasedStep, artifacts: &[Art]) -> Vec<Uuid> {
     db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
         .await
         .expect("running");
-    db.complete(&s.lease, "w", &json!({"ok": true}), artifacts, Some(2))
+    for a in artifacts {
+        db.record_inline_blob(&a.meta.sha256, &a.content)
+            .await
+            .expect("blob");
+    }
+    let metas: Vec<NewArtifact> = artifacts.iter().map(|a| a.meta.clone()).collect();
+    db.complete(&s.lease, "w", &json!({"ok": true}), &metas, Some(2))
         .await
         .expect("complete")
 }
@@ -391,15 +407,13 @@ async fn finish_batch(db: &Db, leased: &[LeasedStep]) {
             s.lease.step_run_id(),
             "x".repeat(512)
         );
-        db.complete(
-            &s.lease,
-            "w",
-            &json!({"n": 1}),
-            &[artifact("out", bytes.as_bytes(), vec![])],
-            Some(2),
-        )
-        .await
-        .expect("complete with artifact");
+        let a = artifact("out", bytes.as_bytes(), vec![]);
+        db.record_inline_blob(&a.meta.sha256, &a.content)
+            .await
+            .expect("blob");
+        db.complete(&s.lease, "w", &json!({"n": 1}), &[a.meta], Some(2))
+            .await
+            .expect("complete with artifact");
     }
 }
 
@@ -620,12 +634,14 @@ async fn a_deleted_chunked_blob_takes_its_chunks_with_it() {
         .await
         .expect("blob");
         for n in 0..2 {
-            sqlx::query("INSERT INTO durable.artifact_chunks (upload_id, n, data) VALUES ($1, $2, 'abc')")
-                .bind(upload)
-                .bind(n)
-                .execute(t.db.pool())
-                .await
-                .expect("chunk");
+            sqlx::query(
+                "INSERT INTO durable.artifact_chunks (upload_id, n, data) VALUES ($1, $2, 'abc')",
+            )
+            .bind(upload)
+            .bind(n)
+            .execute(t.db.pool())
+            .await
+            .expect("chunk");
         }
     }
     sqlx::query("DELETE FROM durable.artifact_blobs WHERE sha256 = $1")
@@ -640,4 +656,93 @@ async fn a_deleted_chunked_blob_takes_its_chunks_with_it() {
     .await
     .expect("chunks");
     assert_eq!(left, vec![(kept, 2)]);
+}
+
+async fn exec(db: &Db, sql: &str) {
+    sqlx::raw_sql(sql).execute(db.pool()).await.expect(sql);
+}
+
+async fn shas(db: &Db) -> Vec<String> {
+    sqlx::query_scalar("SELECT sha256 FROM durable.artifact_blobs ORDER BY sha256")
+        .fetch_all(db.pool())
+        .await
+        .expect("blobs")
+}
+
+/// Uploads whose attempt never committed leave unreferenced blobs and staged
+/// chunks: those nobody claimed for a day are garbage, younger ones are an
+/// upload in flight and stay. A removed directory-store blob's file is
+/// deleted by whoever mounts the directory, unless it is newer than the
+/// removal (the same bytes uploaded again since): that one stays.
+#[tokio::test]
+async fn unreferenced_uploads_are_collected_and_removed_files_follow_their_rows() {
+    let t = TestDb::new().await;
+    let (c, d, e, f) = (
+        "c".repeat(64),
+        "d".repeat(64),
+        "e".repeat(64),
+        "f".repeat(64),
+    );
+    let (old_upload, young_upload) = (Uuid::new_v4(), Uuid::new_v4());
+    exec(
+        &t.db,
+        &format!(
+            "INSERT INTO durable.artifact_blobs (sha256, size, content, claimed_at)
+                  VALUES ('{c}', 1, 'x', now() - interval '2 days'), ('{d}', 1, 'y', now());
+             INSERT INTO durable.artifact_blobs (sha256, size, store, claimed_at)
+                  VALUES ('{e}', 3, 'directory', now() - interval '2 days'),
+                         ('{f}', 3, 'directory', now() - interval '2 days');
+             INSERT INTO durable.artifact_chunks (upload_id, n, data, created_at)
+                  VALUES ('{old_upload}', 0, 'abc', now() - interval '2 days'),
+                         ('{old_upload}', 1, 'abc', now() - interval '2 days'),
+                         ('{young_upload}', 0, 'abc', now());"
+        ),
+    )
+    .await;
+    let (blobs, chunks) =
+        t.db.collect_blob_garbage(supervisor::db::BLOB_GARBAGE_AGE, 100)
+            .await
+            .expect("garbage");
+    assert_eq!(
+        (blobs, chunks),
+        (3, 2),
+        "c, e, f and the old upload's two chunks"
+    );
+    assert_eq!(shas(&t.db).await, vec![d.clone()]);
+    let left: Vec<Uuid> =
+        sqlx::query_scalar("SELECT DISTINCT upload_id FROM durable.artifact_chunks")
+            .fetch_all(t.db.pool())
+            .await
+            .expect("chunks");
+    assert_eq!(left, vec![young_upload]);
+
+    // the shared directory: e's file is old, f's was written again since
+    let dir = tempfile::tempdir().expect("dir");
+    for sha in [&e, &f] {
+        std::fs::create_dir_all(dir.path().join(&sha[..2])).expect("shard");
+        std::fs::write(dir.path().join(&sha[..2]).join(sha), b"abc").expect("file");
+    }
+    let old = std::time::SystemTime::now() - Duration::from_secs(3 * 24 * 3600);
+    std::fs::File::options()
+        .write(true)
+        .open(dir.path().join(&e[..2]).join(&e))
+        .and_then(|file| file.set_modified(old))
+        .expect("mtime");
+    let deleted = supervisor::artifacts::remove_deleted_files(&t.db, dir.path())
+        .await
+        .expect("remove files");
+    assert_eq!(deleted, 1);
+    assert!(
+        !dir.path().join(&e[..2]).join(&e).exists(),
+        "e's old file is deleted"
+    );
+    assert!(
+        dir.path().join(&f[..2]).join(&f).exists(),
+        "f's newer file is kept"
+    );
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM durable.artifact_files_removed")
+        .fetch_one(t.db.pool())
+        .await
+        .expect("queue");
+    assert_eq!(queued, 0, "both are dealt with");
 }

@@ -21,7 +21,8 @@ pub use ledger::{
     Batch, BatchOutcome, CompleteWrite, EventsWrite, OwnedEvent, RowOutcome, StartWrite,
 };
 pub use retention::{
-    RetentionBatch, RetentionOptions, RetentionPreview, RetentionReport, RETENTION_TABLES,
+    RetentionBatch, RetentionOptions, RetentionPreview, RetentionReport, BLOB_GARBAGE_AGE,
+    RETENTION_TABLES,
 };
 
 use std::collections::BTreeMap;

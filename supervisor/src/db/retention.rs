@@ -22,6 +22,7 @@ pub const RETENTION_TABLES: &[&str] = &[
     "durable.artifact_lineage",
     "durable.artifacts",
     "durable.artifact_blobs",
+    "durable.artifact_chunks",
     "durable.step_runs",
     "durable.step_dependents",
     "durable.step_defs",
@@ -74,11 +75,26 @@ pub struct RetentionReport {
     pub vacuum_time: Duration,
     /// The pass stopped early (shutdown): old runs may be left.
     pub interrupted: bool,
+    /// Unreferenced blobs nobody claimed for `BLOB_GARBAGE_AGE` (uploads
+    /// whose attempt never committed), and staged chunks of uploads that
+    /// never became a blob.
+    pub garbage_blobs: u64,
+    pub garbage_chunks: u64,
 }
+
+/// How long an unreferenced blob (or a staged chunk) is left alone before it
+/// is garbage: far longer than any upload takes to commit (its lease).
+pub const BLOB_GARBAGE_AGE: Duration = Duration::from_secs(24 * 3600);
 
 impl RetentionReport {
     pub fn removed_anything(&self) -> bool {
-        self.runs + self.steps + self.blobs + self.workers > 0
+        self.runs
+            + self.steps
+            + self.blobs
+            + self.workers
+            + self.garbage_blobs
+            + self.garbage_chunks
+            > 0
     }
 }
 
@@ -206,6 +222,13 @@ impl Db {
                 break;
             }
         }
+        if !stop.is_cancelled() {
+            let (blobs, chunks) = self
+                .collect_blob_garbage(BLOB_GARBAGE_AGE, opts.batch_runs.max(1) * 10)
+                .await?;
+            report.garbage_blobs = blobs;
+            report.garbage_chunks = chunks;
+        }
         if opts.vacuum && report.removed_anything() && !stop.is_cancelled() {
             let started = Instant::now();
             self.retention_vacuum().await?;
@@ -213,6 +236,60 @@ impl Db {
             report.vacuum_time = started.elapsed();
         }
         Ok(report)
+    }
+
+    /// Removes up to `limit` unreferenced blobs nobody claimed for `age`,
+    /// and staged chunks of uploads that never became a blob, older than
+    /// `age` (one transaction). Returns (blobs, chunks).
+    pub async fn collect_blob_garbage(
+        &self,
+        age: Duration,
+        limit: u32,
+    ) -> Result<(u64, u64), DbError> {
+        let row = sqlx::query(
+            "SELECT blobs, chunks FROM durable.collect_blob_garbage(
+                 now() - make_interval(secs => $1::double precision), $2)",
+        )
+        .bind(age.as_secs_f64())
+        .bind(limit.min(i32::MAX as u32) as i32)
+        .fetch_one(&self.pool)
+        .await
+        .ctx("collecting unreferenced artifact blobs")?;
+        Ok((
+            row.get::<i32, _>("blobs").max(0) as u64,
+            row.get::<i32, _>("chunks").max(0) as u64,
+        ))
+    }
+
+    /// Files of removed directory-store blobs still to delete: those no blob
+    /// row names again, with the time their blob was removed.
+    pub async fn removed_blob_files(
+        &self,
+        limit: u32,
+    ) -> Result<Vec<(String, DateTime<Utc>)>, DbError> {
+        let rows = sqlx::query(
+            "SELECT r.sha256, r.removed_at FROM durable.artifact_files_removed r
+              WHERE NOT EXISTS (SELECT 1 FROM durable.artifact_blobs b WHERE b.sha256 = r.sha256)
+              ORDER BY r.removed_at LIMIT $1",
+        )
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading removed blob files")?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.get("sha256"), r.get("removed_at")))
+            .collect())
+    }
+
+    /// The removed files are dealt with (deleted, or kept as a re-upload).
+    pub async fn forget_removed_blob_files(&self, shas: &[String]) -> Result<(), DbError> {
+        sqlx::query("DELETE FROM durable.artifact_files_removed WHERE sha256 = ANY ($1)")
+            .bind(shas)
+            .execute(&self.pool)
+            .await
+            .ctx("dequeuing removed blob files")?;
+        Ok(())
     }
 
     /// What a pass with this age would remove now; removes nothing.

@@ -707,6 +707,7 @@ fn spawn_retention_loop(
     };
     let interval = Duration::from_millis(cfg.retention_interval_ms.max(1));
     let db = shared.db.dedicated(RETENTION_STATEMENT_TIMEOUT);
+    let artifact_dir = cfg.artifact_dir.clone();
     let stop = stop.clone();
     background.spawn(async move {
         loop {
@@ -719,6 +720,14 @@ fn spawn_retention_loop(
                 _ = stop.cancelled() => return,
                 r = db.retention_pass(&opts, &stop) => r,
             };
+            if let Some(dir) = &artifact_dir {
+                // files of removed directory-store blobs (the database queued them)
+                match crate::artifacts::remove_deleted_files(&db, dir).await {
+                    Ok(0) => {}
+                    Ok(n) => info!(files = n, "retention deleted the files of removed artifact blobs"),
+                    Err(e) => warn!(error = %e, "cannot delete removed artifact files; trying again next interval"),
+                }
+            }
             match res {
                 Ok(r) if r.removed_anything() => info!(
                     runs = r.runs,
