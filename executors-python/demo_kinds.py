@@ -26,11 +26,27 @@ if TYPE_CHECKING:  # typing costs ~10 ms of start-up: annotations only
     JSONObject: TypeAlias = dict[str, Any]
 
 try:
-    from durable_executor import Cancelled, Executor, ExecutorError, Job, Result, wire
+    from durable_executor import (
+        BAD_CHECKPOINT,
+        Cancelled,
+        Executor,
+        ExecutorError,
+        Job,
+        Result,
+        wire,
+    )
     from durable_executor.framing import encode_varint
 except ImportError:  # not installed: use the package beside this module
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from durable_executor import Cancelled, Executor, ExecutorError, Job, Result, wire
+    from durable_executor import (
+        BAD_CHECKPOINT,
+        Cancelled,
+        Executor,
+        ExecutorError,
+        Job,
+        Result,
+        wire,
+    )
     from durable_executor.framing import encode_varint
 
 EXECUTOR_KIND = "python"
@@ -235,6 +251,34 @@ def effect(job: Job) -> JSONObject:
     return {"effect_performed": performed}
 
 
+def resume(job: Job) -> JSONObject:
+    """demo.resume {items, ms, sink}: process items 0..items-1, ms each, checkpointing
+    {"next": i + 1} after every item; an attempt resumes at the previous attempt's
+    checkpoint. With a sink, appends "<attempt> <item>" per item processed."""
+    args = _object_input(job)
+    items = _int(job, args, "items", 10, maximum=MAX_SLEEP_STEPS)
+    ms = _int(job, args, "ms", 100, maximum=MAX_SLEEP_MS // max(items, 1))
+    sink = _opt_str(job, args, "sink")
+    saved = job.checkpoint_json(default={})
+    start = saved.get("next", 0) if isinstance(saved, dict) else None
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise ExecutorError(
+            BAD_CHECKPOINT, f"checkpoint {saved!r} is not {{next: int}}", retryable=False
+        )
+    start = min(max(start, 0), items)
+    for i in range(start, items):
+        job.sleep(ms / 1000.0)
+        if sink:
+            fd = os.open(sink, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, f"{job.attempt} {i}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        job.save_checkpoint_json({"next": i + 1}, f"item {i + 1} of {items} done", (i + 1) / items)
+    return {"started_at": start, "items": items, "attempt": job.attempt}
+
+
 def finish_on_cancel(job: Job) -> JSONObject:
     """demo.finish_on_cancel {wait_ms}: wait up to wait_ms (default 30 s) for a cancel;
     when it arrives, ignore it and finish at once with {"finished_after_cancel": true}
@@ -382,6 +426,7 @@ KINDS: dict[str, Callable[[Job], object]] = {
     "demo.effect": effect,
     "demo.misbehave": misbehave,
     "demo.finish_on_cancel": finish_on_cancel,
+    "demo.resume": resume,
 }
 
 

@@ -5,6 +5,7 @@
 'use strict';
 const EXECUTOR_KIND = process.env.NODE_EXECUTOR_KIND || 'node';
 const KINDS = ['demo.echo', 'demo.sleep'];
+const MAX_FRAME_BYTES = 8 * 1024 * 1024; // the largest frame accepted on stdin (announced in the hello)
 
 // --- protobuf: varints (wire type 0), length-delimited (2), doubles (1)
 function varint(n) {
@@ -58,18 +59,27 @@ function event(job, kind, fraction) { // ProgressEvent: job_id 1, sequence 2, ki
   const f = fraction === undefined ? Buffer.alloc(0) : double(5, fraction);
   send(2, Buffer.concat([str(1, job.id), uint(2, ++job.seq), uint(3, kind), f, uint(7, Date.now())]));
 }
+const jobError = (job, code, message) =>
+  Buffer.concat([str(1, job.id), uint(2, ++job.seq), str(3, code), str(4, message)]);
 function finish(job, output, code, message) { // exactly one terminal per job
   if (job.done) return;
   job.done = true;
   clearTimeout(job.timer);
   jobs.delete(job.id);
-  if (code) send(4, Buffer.concat([str(1, job.id), uint(2, ++job.seq), str(3, code), str(4, message)]));
-  else send(3, Buffer.concat([str(1, job.id), uint(2, ++job.seq), bytes(3, JSON.stringify(output))]));
+  if (code) send(4, jobError(job, code, message));
+  else {
+    const result = Buffer.concat([str(1, job.id), uint(2, ++job.seq), bytes(3, JSON.stringify(output))]);
+    const body = bytes(3, result); // the ExecutorFrame{result}: the supervisor's limit applies to it
+    if (body.length > job.maxFrame) {
+      --job.seq; // the error takes the result's sequence
+      send(4, jobError(job, 'RESULT_TOO_LARGE', `result frame of ${body.length} bytes is over the supervisor's ${job.maxFrame}-byte limit`));
+    } else send(3, result);
+  }
   if (stdinClosed && jobs.size === 0) process.exit(0);
 }
 
-function onJob(j) { // Job: job_id 1, kind 6, input 11
-  const job = { id: String(j[1] || ''), seq: 0, done: false };
+function onJob(j) { // Job: job_id 1, kind 6, input 11, max_frame_bytes 19 (protocol 1.1; absent: the default 8 MiB)
+  const job = { id: String(j[1] || ''), seq: 0, done: false, maxFrame: Number(j[19] || 8 * 1024 * 1024) };
   const kind = String(j[6] || '');
   if (!KINDS.includes(kind)) { // a refusal: an error before ACCEPTED
     return send(4, Buffer.concat([str(1, job.id), str(3, 'UNSUPPORTED_KIND'), str(4, `no handler for ${kind}`)]));
@@ -103,6 +113,9 @@ process.stdin.on('data', (chunk) => {
 });
 process.stdin.on('end', () => { stdinClosed = true; if (jobs.size === 0) process.exit(0); });
 
-// Hello: protocol_version 1, executor_kind 2, kinds 3, sdk_name 5, max_jobs_per_process 7 (-1: any), pid 8
+// Hello: protocol_version 1, executor_kind 2, kinds 3, sdk_name 5, max_jobs_per_process 7 (-1: any), pid 8,
+// and protocol 1.1's protocol_versions 9, features 10 (frame_limits: results respect Job.max_frame_bytes),
+// max_frame_bytes 11
 send(1, Buffer.concat([uint(1, 1), str(2, EXECUTOR_KIND), ...KINDS.map((k) => str(3, k)),
-  str(5, 'node-example'), uint(7, -1), uint(8, process.pid)]));
+  str(5, 'node-example'), uint(7, -1), uint(8, process.pid),
+  str(9, '1.0'), str(9, '1.1'), str(10, 'frame_limits'), uint(11, MAX_FRAME_BYTES)]));

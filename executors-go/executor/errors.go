@@ -45,6 +45,9 @@ const (
 	// CodeResultTooLarge: the terminal frame would exceed the frame cap. Not
 	// retryable.
 	CodeResultTooLarge = "RESULT_TOO_LARGE"
+	// CodeBadCheckpoint: DecodeCheckpoint found a previous checkpoint that is
+	// not the JSON asked for (not retryable: the next attempt gets the same).
+	CodeBadCheckpoint = "BAD_CHECKPOINT"
 )
 
 // Error is a handler failure with a stable code. Return it (or an error wrapping

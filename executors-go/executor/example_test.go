@@ -75,3 +75,37 @@ func ExampleHandleJSON() {
 	})
 	os.Exit(ex.Run())
 }
+
+// importState is what importRows checkpoints: the first row not yet imported.
+type importState struct {
+	Next int `json:"next"`
+}
+
+// importRows resumes where the previous attempt's checkpoint says: after a
+// crash or a retry it continues at the first row not yet imported, not at 0.
+func importRows(ctx context.Context, job *executor.Job) (*executor.Result, error) {
+	const rows = 10
+	var state importState // zero (row 0) when there is no checkpoint
+	if _, err := job.DecodeCheckpoint(&state); err != nil {
+		return nil, err // BAD_CHECKPOINT, not retryable
+	}
+	for row := state.Next; row < rows; row++ {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		// ... import row (keyed on job.IdempotencyKey and row: redoing one is harmless) ...
+		done := importState{Next: row + 1}
+		if err := job.ProgressWithCheckpointJSON("imported a row", float64(done.Next)/rows, done); err != nil {
+			return nil, err
+		}
+	}
+	return executor.NewResult(map[string]int{"resumed_at": state.Next})
+}
+
+// A step that resumes from its checkpoint (importRows; TestImportRowsResumes
+// runs it).
+func ExampleJob_DecodeCheckpoint() {
+	ex := executor.New(executor.Options{})
+	ex.Handle("rows.import", importRows)
+	os.Exit(ex.Run())
+}

@@ -81,7 +81,10 @@ type Options struct {
 	// one job; the SDKs never send 0.)
 	MaxJobsPerProcess int
 	// MaxFrameBytes caps frames in both directions; <= 0 means
-	// DefaultMaxFrameBytes.
+	// DefaultMaxFrameBytes. The Hello announces it (the supervisor sends no
+	// larger frame), and a job's frames are also held to the supervisor's own
+	// limit (Job.max_frame_bytes, protocol 1.1): a terminal over the smaller
+	// of the two is replaced by RESULT_TOO_LARGE (not retryable).
 	MaxFrameBytes int
 	// StopGrace: see DefaultStopGrace (the default when <= 0).
 	StopGrace time.Duration
@@ -231,6 +234,9 @@ func (e *Executor) hello() *pb.Hello {
 		SdkVersion:        e.opts.SDKVersion,
 		MaxJobsPerProcess: maxJobs,
 		Pid:               uint32(os.Getpid()),
+		ProtocolVersions:  append([]string(nil), ProtocolVersions...),
+		Features:          []string{FeatureFrameLimits},
+		MaxFrameBytes:     uint64(e.opts.MaxFrameBytes),
 	}
 }
 
@@ -417,7 +423,7 @@ func (s *session) start(p *pb.Job, h HandlerFunc) *jobRun {
 	job := newJob(p)
 	job.logger = jobLogger(s.e.log, job)
 	cancelled, cancel := context.WithCancelCause(context.Background())
-	run := &jobRun{job: job, w: s.w, done: make(chan struct{}), cancel: cancel, cancelled: cancelled}
+	run := &jobRun{job: job, w: s.w, max: writeLimit(s.e.opts.MaxFrameBytes, p.GetMaxFrameBytes()), done: make(chan struct{}), cancel: cancel, cancelled: cancelled}
 	job.run = run
 	ctx, stop := cancelled, context.CancelFunc(func() {})
 	if d := s.contextDeadline(job, time.Now()); !d.IsZero() {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"reflect"
 	"runtime"
 	"slices"
 	"strings"
@@ -49,7 +50,65 @@ func TestHelloContents(t *testing.T) {
 		SdkVersion:        executor.Version(),
 		MaxJobsPerProcess: -1,
 		Pid:               uint32(os.Getpid()),
+		ProtocolVersions:  []string{"1.0", "1.1"},
+		Features:          []string{"frame_limits"},
+		MaxFrameBytes:     executor.DefaultMaxFrameBytes,
 	})
+}
+
+// Protocol 1.1: a job's frames are held to the supervisor's limit stated in
+// the job (lower than the SDK's own cap): a result over it becomes
+// RESULT_TOO_LARGE, not an oversized frame; the same result fits a job from a
+// 1.0 supervisor (no limit stated: the SDK's own cap). The Hello announces
+// the SDK's own cap.
+func TestTheSupervisorsFrameLimitIsRespected(t *testing.T) {
+	ex := newExecutor(executor.Options{MaxFrameBytes: 64 << 10})
+	var seen *executor.Job
+	ex.Handle("big", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
+		seen = j
+		return executor.NewResult(strings.Repeat("x", 5000))
+	})
+	ex.Handle("chatty", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
+		if err := j.ProgressWithCheckpoint("big", executor.NoFraction, []byte(strings.Repeat("c", 5000))); !errors.Is(err, executor.ErrFrameTooLarge) {
+			return nil, fmt.Errorf("an event over the supervisor's limit: %v, want ErrFrameTooLarge", err)
+		}
+		return executor.NewResult("small")
+	})
+	h := executortest.Start(t, ex)
+	if got := h.Hello().GetMaxFrameBytes(); got != 64<<10 {
+		t.Fatalf("hello max_frame_bytes = %d, want %d", got, 64<<10)
+	}
+
+	limited := job("j1", "big", "")
+	limited.NegotiatedVersion = "1.1"
+	limited.NegotiatedFeatures = []string{"frame_limits"}
+	limited.MaxFrameBytes = 4096
+	h.SendJob(limited)
+	h.Started("j1")
+	e := h.JobError("j1", 3, executor.CodeResultTooLarge)
+	if e.GetRetryable() || !strings.Contains(e.GetMessage(), "4096") {
+		t.Fatalf("RESULT_TOO_LARGE = %v, want non-retryable naming the 4096-byte limit", e)
+	}
+	if seen.ProtocolVersion != "1.1" || !reflect.DeepEqual(seen.Features, []string{"frame_limits"}) {
+		t.Fatalf("job protocol = %q %v", seen.ProtocolVersion, seen.Features)
+	}
+
+	h.SendJob(job("j2", "big", ""))
+	h.Started("j2")
+	if r := h.Result("j2", 3); len(r.GetOutput()) != 5002 {
+		t.Fatalf("result of %d bytes, want the 5002-byte output", len(r.GetOutput()))
+	}
+	if seen.ProtocolVersion != "" {
+		t.Fatalf("a job without a negotiated version: ProtocolVersion %q, want empty (1.0)", seen.ProtocolVersion)
+	}
+
+	chatty := job("j3", "chatty", "")
+	chatty.MaxFrameBytes = 4096
+	h.SendJob(chatty)
+	h.Started("j3")
+	if r := h.Result("j3", 3); string(r.GetOutput()) != `"small"` {
+		t.Fatalf("chatty result = %q", r.GetOutput())
+	}
 }
 
 func TestHelloOverrides(t *testing.T) {

@@ -143,6 +143,16 @@ func appendFrame(b []byte, m proto.Message, maxBytes int) ([]byte, error) {
 	return b, nil
 }
 
+// writeLimit is the cap on a job's frames: the executor's own cap, lowered to
+// the supervisor's limit stated in the job (0 = not stated: a 1.0 supervisor,
+// whose cap is the default).
+func writeLimit(own int, supervisor uint64) int {
+	if supervisor > 0 && supervisor < uint64(own) {
+		return int(supervisor)
+	}
+	return own
+}
+
 // frameWriter serialises frames onto the frame stream. Each frame goes out in a
 // single Write under the mutex, so concurrent senders never interleave bytes.
 // The first write error is sticky: the stream is broken from then on.
@@ -157,7 +167,12 @@ type frameWriter struct {
 var errOutputBroken = errors.New("frame stream broken")
 
 func (fw *frameWriter) write(m proto.Message) error {
-	b, err := appendFrame(nil, m, fw.max)
+	return fw.writeMax(m, fw.max)
+}
+
+// writeMax writes m unless its body is over maxBytes (a *FrameTooLargeError).
+func (fw *frameWriter) writeMax(m proto.Message, maxBytes int) error {
+	b, err := appendFrame(nil, m, maxBytes)
 	if err != nil {
 		return err // too large or unmarshalable: the stream itself is still fine
 	}

@@ -60,6 +60,12 @@ type Job struct {
 	// Labels are the step's labels.
 	Labels map[string]string
 
+	// ProtocolVersion is the protocol revision the supervisor chose ("1.1");
+	// empty from a supervisor that does not negotiate (1.0). Features are the
+	// features it agreed to (see FeatureFrameLimits).
+	ProtocolVersion string
+	Features        []string
+
 	run    *jobRun
 	red    *redactor
 	logger *slog.Logger
@@ -96,6 +102,8 @@ func newJob(p *pb.Job) *Job {
 		OutputDir:             p.GetOutputDir(),
 		Secrets:               p.GetSecrets(),
 		Labels:                p.GetLabels(),
+		ProtocolVersion:       p.GetNegotiatedVersion(),
+		Features:              p.GetNegotiatedFeatures(),
 	}
 	if j.HasPreviousCheckpoint && j.PreviousCheckpoint == nil {
 		j.PreviousCheckpoint = []byte{}
@@ -206,6 +214,33 @@ func (j *Job) ProgressWithCheckpoint(message string, fraction float64, checkpoin
 	return j.send(pb.EventKind_EVENT_KIND_PROGRESS, message, fraction, checkpoint)
 }
 
+// ProgressWithCheckpointJSON is ProgressWithCheckpoint with v encoded as
+// JSON: the counterpart of DecodeCheckpoint.
+func (j *Job) ProgressWithCheckpointJSON(message string, fraction float64, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("executor: encoding the checkpoint: %w", err)
+	}
+	return j.ProgressWithCheckpoint(message, fraction, b)
+}
+
+// DecodeCheckpoint decodes the previous attempt's checkpoint, as JSON, into
+// v and reports whether there was one: false, with v untouched, when no
+// earlier attempt reported a checkpoint (or it was empty), so a handler
+// resumes from v when ok and starts from the beginning otherwise. A
+// checkpoint that is not that JSON is an *Error with CodeBadCheckpoint (not
+// retryable: the next attempt would get the same one).
+func (j *Job) DecodeCheckpoint(v any) (ok bool, err error) {
+	cp := bytes.TrimSpace(j.PreviousCheckpoint)
+	if !j.HasPreviousCheckpoint || len(cp) == 0 {
+		return false, nil
+	}
+	if err := json.Unmarshal(cp, v); err != nil {
+		return false, &Error{Code: CodeBadCheckpoint, Message: fmt.Sprintf("the previous checkpoint of %q is not the JSON expected: %v", j.Kind, err), NonRetryable: true, Err: err}
+	}
+	return true, nil
+}
+
 // Checkpoint sends a HEARTBEAT event carrying a checkpoint (see
 // ProgressWithCheckpoint).
 func (j *Job) Checkpoint(checkpoint []byte) error {
@@ -249,6 +284,7 @@ func (j *Job) redact(s string) string {
 type jobRun struct {
 	job  *Job
 	w    *frameWriter
+	max  int           // the cap on this job's frames (writeLimit)
 	done chan struct{} // closed once the terminal was sent (or could not be)
 
 	cancel    func(error)
@@ -268,7 +304,7 @@ func (r *jobRun) sendEvent(ev *pb.ProgressEvent) error {
 	}
 	ev.Sequence = r.seq + 1
 	ev.AtUnixMs = time.Now().UnixMilli()
-	err := r.w.write(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: ev}})
+	err := r.w.writeMax(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: ev}}, r.max)
 	if err != nil {
 		if errors.Is(err, errOutputBroken) {
 			r.cancel(&Cancellation{Reason: ReasonOutputBroken, Message: err.Error()})
@@ -297,9 +333,9 @@ func (r *jobRun) sendTerminal(build func(seq uint64) *pb.ExecutorFrame, shrink f
 	}
 	r.finished = true
 	r.seq++
-	err := r.w.write(build(r.seq))
+	err := r.w.writeMax(build(r.seq), r.max)
 	if errors.Is(err, ErrFrameTooLarge) && shrink != nil {
-		err = r.w.write(shrink(r.seq, err))
+		err = r.w.writeMax(shrink(r.seq, err), r.max)
 	}
 	return err
 }

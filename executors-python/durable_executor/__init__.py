@@ -22,6 +22,7 @@ from . import wire
 from ._version import SDK_NAME, __version__
 from .executor import (
     ARTIFACT_INVALID,
+    BAD_CHECKPOINT,
     BAD_INPUT,
     CANCELLED,
     DEFAULT_MEDIA_TYPE,
@@ -61,6 +62,7 @@ from .framing import (
 
 __all__ = [
     "ARTIFACT_INVALID",
+    "BAD_CHECKPOINT",
     "BAD_INPUT",
     "CANCELLED",
     "DEFAULT_MAX_FRAME_BYTES",

@@ -75,6 +75,9 @@ OUTPUT_INVALID = "OUTPUT_INVALID"
 ARTIFACT_INVALID = "ARTIFACT_INVALID"
 #: The terminal frame would exceed the frame cap; not retryable.
 RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
+#: :meth:`Job.checkpoint_json` found a previous checkpoint that is not JSON; not
+#: retryable (the next attempt would get the same one).
+BAD_CHECKPOINT = "BAD_CHECKPOINT"
 
 # Cancel reasons the SDK produces itself (no Cancel frame). A Cancel frame's reason is
 # reported without its prefix: "REQUESTED", "ATTEMPT_TIMEOUT", "DEADLINE", ...
@@ -501,8 +504,17 @@ class Job:
         self.output_dir: str = msg.output_dir
         self.secrets: dict[str, str] = dict(msg.secrets)
         self.labels: dict[str, str] = dict(msg.labels)
+        #: Protocol 1.1: the revision the supervisor chose ("" from a 1.0
+        #: supervisor) and the features it agreed to.
+        self.protocol_version: str = msg.negotiated_version
+        self.features: list[str] = list(msg.negotiated_features)
 
         self._session = session
+        # The cap on this job's frames: the SDK's own, lowered to the
+        # supervisor's limit when the job states one (protocol 1.1).
+        self._max_frame_bytes = session.max_frame_bytes
+        if 0 < msg.max_frame_bytes < self._max_frame_bytes:
+            self._max_frame_bytes = msg.max_frame_bytes
         self._input: Any = _UNSET
         import threading  # imported after the Hello (see the module's docstring)
 
@@ -662,6 +674,35 @@ class Job:
         """Send a HEARTBEAT event (liveness only, optionally with a checkpoint)."""
         self._emit(wire.EVENT_KIND_HEARTBEAT, "", None, checkpoint)
 
+    def checkpoint_json(self, default: Any = None) -> Any:
+        """The previous attempt's checkpoint decoded from JSON, or ``default`` when
+        no earlier attempt reported one (or it was empty): a handler resumes from
+        it. A checkpoint that is not JSON raises ``ExecutorError(BAD_CHECKPOINT)``
+        (not retryable). The counterpart of :meth:`save_checkpoint_json`."""
+        if self.checkpoint is None or not self.checkpoint.strip():
+            return default
+        import json
+
+        try:
+            return json.loads(self.checkpoint)
+        except ValueError as e:
+            raise ExecutorError(
+                BAD_CHECKPOINT,
+                f"the previous checkpoint of {self.kind!r} is not JSON: {e}",
+                retryable=False,
+            ) from None
+
+    def save_checkpoint_json(
+        self, value: Any, message: str = "", fraction: float | None = None
+    ) -> None:
+        """Report resume state as JSON on a PROGRESS event (with a message and a
+        fraction, as :meth:`progress`); the next attempt reads it back with
+        :meth:`checkpoint_json`."""
+        import json
+
+        data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+        self._emit(wire.EVENT_KIND_PROGRESS, message, fraction, data)
+
     def save_checkpoint(self, data: bytes) -> None:
         """Report opaque resume state; the next attempt receives it as ``checkpoint``.
 
@@ -699,10 +740,10 @@ class Job:
                 event.sequence = self._seq + 1
                 event.at_unix_ms = _now_ms()
                 data = wire.encode_executor_frame(event)
-                if len(data) > session.max_frame_bytes:
+                if len(data) > self._max_frame_bytes:
                     raise ValueError(
                         f"event frame of {len(data)} bytes exceeds the frame cap of "
-                        f"{session.max_frame_bytes} bytes (checkpoint too large?)"
+                        f"{self._max_frame_bytes} bytes (checkpoint too large?)"
                     )
                 self._seq += 1
                 session.write_locked(encode_frame(data))
@@ -721,10 +762,10 @@ class Job:
             self._seq += 1
             msg.sequence = self._seq
             data = wire.encode_executor_frame(msg)
-            if len(data) > session.max_frame_bytes:
+            if len(data) > self._max_frame_bytes:
                 text = (
                     f"the terminal frame of {len(data)} bytes exceeds the frame cap of "
-                    f"{session.max_frame_bytes} bytes; write large outputs as artifacts"
+                    f"{self._max_frame_bytes} bytes; write large outputs as artifacts"
                 )
                 _log(f"job {self.job_id}: {text}")
                 data = wire.encode_executor_frame(
@@ -1033,6 +1074,9 @@ class Executor:
             sdk_version=__version__,
             max_jobs_per_process=min(n, _INT32_MAX) if n > 0 else -1,
             pid=os.getpid(),
+            protocol_versions=wire.PROTOCOL_VERSIONS,
+            features=[wire.FEATURE_FRAME_LIMITS],
+            max_frame_bytes=self.max_frame_bytes,
         )
 
     def serve(self, in_stream: BinaryReader, out_stream: BinaryWriter) -> int:

@@ -40,6 +40,8 @@ __all__ = [
     "EVENT_KIND_PROGRESS",
     "EVENT_KIND_RUNNING",
     "EVENT_KIND_UNSPECIFIED",
+    "FEATURE_FRAME_LIMITS",
+    "PROTOCOL_VERSIONS",
     "PROTOCOL_VERSION_1",
     "PROTOCOL_VERSION_UNSPECIFIED",
     "ArtifactManifestEntry",
@@ -67,6 +69,10 @@ __all__ = [
 
 PROTOCOL_VERSION_UNSPECIFIED = 0
 PROTOCOL_VERSION_1 = 1
+#: The protocol revisions this SDK speaks (Hello.protocol_versions).
+PROTOCOL_VERSIONS = ("1.0", "1.1")
+#: The SDK holds a job's frames to Job.max_frame_bytes (RESULT_TOO_LARGE).
+FEATURE_FRAME_LIMITS = "frame_limits"
 
 CANCEL_REASON_UNSPECIFIED = 0
 CANCEL_REASON_REQUESTED = 1
@@ -514,6 +520,9 @@ class Job(Message):
         "job_id",
         "kind",
         "labels",
+        "max_frame_bytes",
+        "negotiated_features",
+        "negotiated_version",
         "output_dir",
         "secrets",
         "step_run_id",
@@ -536,6 +545,9 @@ class Job(Message):
         (14, "output_dir", _STRING, None),
         (15, "secrets", _MAP_STRING_STRING, None),
         (16, "labels", _MAP_STRING_STRING, None),
+        (17, "negotiated_version", _STRING, None),
+        (18, "negotiated_features", _REP_STRING, None),
+        (19, "max_frame_bytes", _UINT64, None),
     )
     _SECRET_FIELDS = frozenset({"secrets"})
 
@@ -557,6 +569,9 @@ class Job(Message):
         output_dir: str = "",
         secrets: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
+        negotiated_version: str = "",
+        negotiated_features: Iterable[str] = (),
+        max_frame_bytes: int = 0,
     ) -> None:
         self.job_id = job_id
         self.workflow_run_id = workflow_run_id
@@ -575,6 +590,11 @@ class Job(Message):
         self.output_dir = output_dir
         self.secrets: dict[str, str] = dict(secrets or {})
         self.labels: dict[str, str] = dict(labels or {})
+        #: Protocol 1.1: the revision the supervisor chose ("" from a 1.0
+        #: supervisor), the agreed features, its frame limit (0 = not stated).
+        self.negotiated_version = negotiated_version
+        self.negotiated_features: list[str] = list(negotiated_features)
+        self.max_frame_bytes = max_frame_bytes
 
 
 class Cancel(Message):
@@ -613,11 +633,14 @@ class Hello(Message):
 
     __slots__ = (
         "executor_kind",
+        "features",
         "kinds",
         "labels",
+        "max_frame_bytes",
         "max_jobs_per_process",
         "pid",
         "protocol_version",
+        "protocol_versions",
         "sdk_name",
         "sdk_version",
     )
@@ -630,6 +653,9 @@ class Hello(Message):
         (6, "sdk_version", _STRING, None),
         (7, "max_jobs_per_process", _INT32, None),
         (8, "pid", _UINT32, None),
+        (9, "protocol_versions", _REP_STRING, None),
+        (10, "features", _REP_STRING, None),
+        (11, "max_frame_bytes", _UINT64, None),
     )
 
     def __init__(
@@ -642,6 +668,9 @@ class Hello(Message):
         sdk_version: str = "",
         max_jobs_per_process: int = 0,
         pid: int = 0,
+        protocol_versions: Iterable[str] = (),
+        features: Iterable[str] = (),
+        max_frame_bytes: int = 0,
     ) -> None:
         self.protocol_version = protocol_version
         self.executor_kind = executor_kind
@@ -651,6 +680,11 @@ class Hello(Message):
         self.sdk_version = sdk_version
         self.max_jobs_per_process = max_jobs_per_process
         self.pid = pid
+        #: Protocol 1.1: the revisions spoken, the features offered, the
+        #: largest frame accepted on stdin (0 = the default).
+        self.protocol_versions: list[str] = list(protocol_versions)
+        self.features: list[str] = list(features)
+        self.max_frame_bytes = max_frame_bytes
 
 
 class ProgressEvent(Message):

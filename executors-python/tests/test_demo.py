@@ -23,6 +23,7 @@ ALL_KINDS = [
     "demo.fail",
     "demo.finish_on_cancel",
     "demo.misbehave",
+    "demo.resume",
     "demo.sleep",
 ]
 

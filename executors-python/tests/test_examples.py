@@ -97,6 +97,26 @@ def test_resize(session, tmp_path):
     assert (err.code, err.retryable) == ("MISSING_WIDTH", False)
 
 
+def test_resume_continues_at_the_checkpoint(session):
+    s = session(load("resume"))
+    s.send(job_frame("rows.import"))
+    frames = s.frames.until_terminal()
+    saved = [f.event.checkpoint for f in frames if which(f) == "event" and f.event.checkpoint]
+    assert saved == [b'{"next":%d}' % i for i in range(1, 11)]
+    assert json.loads(frames[-1].result.output) == {"resumed_at": 0}
+
+    # the next attempt, handed the checkpoint, imports rows 7..9 only
+    s.send(job_frame("rows.import", job_id="j2", checkpoint=b'{"next":7}'))
+    frames = s.frames.until_terminal()
+    saved = [f.event.checkpoint for f in frames if which(f) == "event" and f.event.checkpoint]
+    assert saved == [b'{"next":8}', b'{"next":9}', b'{"next":10}']
+    assert json.loads(frames[-1].result.output) == {"resumed_at": 7}
+
+    s.send(job_frame("rows.import", job_id="j3", checkpoint=b"\x00not json"))
+    err = s.frames.until_terminal()[-1].error
+    assert (err.code, err.retryable) == ("BAD_CHECKPOINT", False)
+
+
 def test_fetch_async(session):
     s = session(load("fetch_async"))
     urls = ["https://a.example", "https://bb.example"]

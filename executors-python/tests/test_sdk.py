@@ -644,6 +644,56 @@ def test_oversize_terminal_becomes_result_too_large(session_factory):
     assert "write large outputs as artifacts" in err.message
 
 
+def test_hello_announces_protocol_1_1_features_and_the_frame_limit(session_factory):
+    s = session_factory(Executor("python", max_frame_bytes=65536))
+    hello = s.hello()
+    assert list(hello.protocol_versions) == ["1.0", "1.1"]
+    assert list(hello.features) == ["frame_limits"]
+    assert hello.max_frame_bytes == 65536
+    s.close_input()
+    assert s.wait() == 0
+
+
+def test_a_result_over_the_supervisors_limit_is_result_too_large(session_factory):
+    """Protocol 1.1: the job states the supervisor's frame limit, lower than the
+    SDK's own cap; a result over it is RESULT_TOO_LARGE (not retryable), never an
+    oversized frame, and an event over it raises in the handler. The same result
+    fits a job that states no limit (a 1.0 supervisor)."""
+    seen = []
+    ex = Executor("python", max_frame_bytes=65536)
+
+    @ex.handler("big")
+    def big(job: Job):
+        seen.append((job.protocol_version, job.features))
+        return "x" * 5000
+
+    @ex.handler("chatty")
+    def chatty(job: Job):
+        with pytest.raises(ValueError, match="4096"):
+            job.save_checkpoint(b"c" * 5000)
+        return "small"
+
+    s = session_factory(ex)
+    s.hello()
+    limited = {"negotiated_version": "1.1", "negotiated_features": ["frame_limits"]}
+    s.send(job_frame("big", job_id="j1", max_frame_bytes=4096, **limited))
+    err = s.frames.until_terminal()[-1].error
+    assert err.code == "RESULT_TOO_LARGE"
+    assert not err.retryable
+    assert "4096" in err.message
+    assert seen[-1] == ("1.1", ["frame_limits"])
+
+    s.send(job_frame("big", job_id="j2"))
+    res = s.frames.until_terminal()[-1].result
+    assert len(res.output) == 5002
+    assert seen[-1] == ("", [])
+
+    s.send(job_frame("chatty", job_id="j3", max_frame_bytes=4096))
+    assert s.frames.until_terminal()[-1].result.output == b'"small"'
+    s.close_input()
+    assert s.wait() == 0
+
+
 def test_oversize_event_raises_in_the_handler_without_using_a_sequence(session_factory):
     seen = []
     ex = Executor("python", max_frame_bytes=4096)

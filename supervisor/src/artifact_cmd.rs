@@ -1,7 +1,8 @@
 //! `supervisor artifact get ID --out FILE` and `supervisor artifact lineage ID`.
 //!
-//! `get` streams the bytes from the database in chunks (one `substring` of
-//! the blob per round trip, [`crate::db::ArtifactReader`]), hashing as it
+//! `get` streams the bytes from the artifact store in chunks (the workers'
+//! reader, [`crate::artifacts::BlobReader`]: chunk rows, a `substring` of an
+//! older single-value blob, or a shared directory's file), hashing as it
 //! writes to a temporary file beside the target; only when size and sha256
 //! match what the artifact row says is the file moved into place, so a
 //! failed or interrupted `get` leaves no half-written FILE, and an existing
@@ -14,11 +15,17 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+use crate::artifacts::{ArtifactStore, StoreError};
 use crate::cli::CliError;
 use crate::db::{ArtifactInfo, Db, DbError, Lineage};
 
-/// Bytes per round trip of `artifact get`.
-pub const CHUNK_BYTES: usize = 1 << 20;
+fn store_error(e: StoreError) -> CliError {
+    match e {
+        StoreError::Db(e) => CliError::Db(e),
+        StoreError::NoDirectory { .. } => CliError::Usage(e.to_string()),
+        e => CliError::Other(format!("{e} (nothing was written to the file)")),
+    }
+}
 
 /// An artifact id, or exit 4 (like an unknown one).
 pub fn parse_artifact_id(s: &str) -> Result<Uuid, CliError> {
@@ -31,7 +38,13 @@ pub fn parse_artifact_id(s: &str) -> Result<Uuid, CliError> {
 
 /// Writes artifact `id`'s bytes to `out` (`-`: stdout), checked against its
 /// size and sha256. Refuses an existing `out` unless `force`.
-pub async fn get(db: &Db, id: Uuid, out: &Path, force: bool) -> Result<ArtifactInfo, CliError> {
+pub async fn get(
+    db: &Db,
+    store: &ArtifactStore,
+    id: Uuid,
+    out: &Path,
+    force: bool,
+) -> Result<ArtifactInfo, CliError> {
     let to_stdout = out.as_os_str() == "-";
     if !to_stdout && !force && out.symlink_metadata().is_ok() {
         return Err(CliError::Usage(format!(
@@ -39,14 +52,14 @@ pub async fn get(db: &Db, id: Uuid, out: &Path, force: bool) -> Result<ArtifactI
             out.display()
         )));
     }
-    let mut reader = db.open_artifact(id, CHUNK_BYTES).await?;
-    let info = reader.info.clone();
-    if reader.stored_size != info.size {
+    let (info, blob) = db.artifact_blob(id).await?;
+    if blob.size != info.size {
         return Err(CliError::Other(format!(
             "artifact {id}: the stored blob has {} bytes, the artifact says {}; nothing written",
-            reader.stored_size, info.size
+            blob.size, info.size
         )));
     }
+    let mut reader = store.open(&blob).await.map_err(store_error)?;
     let io = |what: &str, e: std::io::Error| {
         CliError::Other(format!("cannot {what} {}: {e}", out.display()))
     };
@@ -55,13 +68,12 @@ pub async fn get(db: &Db, id: Uuid, out: &Path, force: bool) -> Result<ArtifactI
     if to_stdout {
         let stdout = std::io::stdout();
         let mut w = stdout.lock();
-        while let Some(chunk) = reader.next_chunk().await? {
+        while let Some(chunk) = reader.next_chunk().await.map_err(store_error)? {
             hasher.update(&chunk);
             written += chunk.len() as i64;
             w.write_all(&chunk).map_err(|e| io("write", e))?;
         }
         w.flush().map_err(|e| io("write", e))?;
-        reader.finish().await?;
         check(&info, written, &hex::encode(hasher.finalize()))?;
         return Ok(info);
     }
@@ -74,12 +86,11 @@ pub async fn get(db: &Db, id: Uuid, out: &Path, force: bool) -> Result<ArtifactI
         .suffix(".part")
         .tempfile_in(&dir)
         .map_err(|e| io("create a file beside", e))?;
-    while let Some(chunk) = reader.next_chunk().await? {
+    while let Some(chunk) = reader.next_chunk().await.map_err(store_error)? {
         hasher.update(&chunk);
         written += chunk.len() as i64;
         tmp.write_all(&chunk).map_err(|e| io("write", e))?;
     }
-    reader.finish().await?;
     // a mismatch drops `tmp`, which removes it: no wrong bytes under FILE
     check(&info, written, &hex::encode(hasher.finalize()))?;
     tmp.as_file().sync_all().map_err(|e| io("write", e))?;

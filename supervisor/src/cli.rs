@@ -108,6 +108,33 @@ pub enum Command {
         #[arg(long)]
         step: Option<String>,
     },
+    /// Remove finished runs older than an age, with their steps, events,
+    /// transitions, artifacts and unreferenced artifact bytes (what each
+    /// worker's retention does on its own), in short batches.
+    Gc {
+        /// Remove runs that finished longer ago than this: 30s, 10m, 2h, 7d, 1h30m.
+        #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
+        older_than: std::time::Duration,
+        /// Count what would be removed; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// At most this many runs per transaction.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        batch_runs: u32,
+        /// At most this many steps per transaction.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        batch_steps: u32,
+        /// Leave the space to autovacuum: no VACUUM after the removal.
+        #[arg(long)]
+        no_vacuum: bool,
+        /// The artifact directory (the workers' `artifact_dir`), if they use
+        /// the directory store: files of removed blobs are deleted there.
+        #[arg(long, value_name = "DIR", env = "DURABLE_ARTIFACT_DIR")]
+        artifact_dir: Option<PathBuf>,
+        /// Print a JSON object instead of a line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Local development.
     Dev {
         /// Print the worker config (TOML) for the bundled demo executors, and exit.
@@ -152,6 +179,9 @@ pub enum Command {
         /// The kind behaving as demo.effect (default demo.effect).
         #[arg(long, value_name = "KIND")]
         kind_effect: Option<String>,
+        /// Print the results as one JSON document instead of the table.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -167,6 +197,10 @@ pub enum ArtifactCommand {
         /// Overwrite --out if it exists.
         #[arg(long)]
         force: bool,
+        /// The shared directory of a `directory` artifact store (the
+        /// workers' `artifact_dir`), for artifacts stored there.
+        #[arg(long, env = "DURABLE_ARTIFACT_DIR", value_name = "DIR")]
+        artifact_dir: Option<PathBuf>,
     },
     /// The artifacts it was derived from, through every step and attempt.
     Lineage {
@@ -443,9 +477,15 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Artifact { command } => {
             let db = connect(&cli.database_url, 2, true).await?;
             match command {
-                ArtifactCommand::Get { id, out, force } => {
+                ArtifactCommand::Get {
+                    id,
+                    out,
+                    force,
+                    artifact_dir,
+                } => {
                     let id = crate::artifact_cmd::parse_artifact_id(&id)?;
-                    let a = crate::artifact_cmd::get(&db, id, &out, force)
+                    let store = crate::artifacts::ArtifactStore::reader(db.clone(), artifact_dir);
+                    let a = crate::artifact_cmd::get(&db, &store, id, &out, force)
                         .await
                         .map_err(|e| match e {
                             CliError::Db(e) => explain(e),
@@ -482,6 +522,84 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             let db = connect(&cli.database_url, 2, true).await?;
             let state = db.cancel(id, step.as_deref()).await.map_err(explain)?;
             eprintln!("cancellation requested; run is {state}");
+            Ok(0)
+        }
+        Command::Gc {
+            older_than,
+            dry_run,
+            batch_runs,
+            batch_steps,
+            no_vacuum,
+            artifact_dir,
+            json,
+        } => {
+            let db = connect(&cli.database_url, 2, true).await?;
+            db.check_schema().await?;
+            if dry_run {
+                let p = db.retention_preview(older_than).await.map_err(explain)?;
+                if json {
+                    println!("{}", serde_json::to_string(&p).unwrap_or_default());
+                } else {
+                    println!(
+                        "would remove {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs no other run references)",
+                        p.runs,
+                        when(&p.cutoff),
+                        p.steps,
+                        p.artifacts,
+                        p.blobs
+                    );
+                }
+                return Ok(0);
+            }
+            let opts = crate::db::RetentionOptions {
+                older_than,
+                batch_runs,
+                batch_steps,
+                vacuum: !no_vacuum,
+            };
+            let stop = CancellationToken::new();
+            spawn_interrupt_handler(stop.clone());
+            let r = db.retention_pass(&opts, &stop).await.map_err(explain)?;
+            let files = match &artifact_dir {
+                Some(dir) => crate::artifacts::remove_deleted_files(&db, dir)
+                    .await
+                    .map_err(|e| {
+                        CliError::Other(format!(
+                            "cannot delete the files of removed artifact blobs in {}: {e}",
+                            dir.display()
+                        ))
+                    })?,
+                None => 0,
+            };
+            if json {
+                let mut v = serde_json::to_value(&r).unwrap_or_default();
+                v["files_deleted"] = serde_json::json!(files);
+                println!("{v}");
+            } else {
+                println!(
+                    "removed {} runs finished before {} ({} steps, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
+                    r.runs,
+                    r.cutoff.as_ref().map(when).unwrap_or_default(),
+                    r.steps,
+                    r.blobs,
+                    r.garbage_blobs,
+                    r.garbage_chunks,
+                    files,
+                    r.workers,
+                    r.batches,
+                    r.longest_batch.as_secs_f64() * 1000.0,
+                    if r.vacuumed {
+                        format!("; VACUUM {:.1} ms", r.vacuum_time.as_secs_f64() * 1000.0)
+                    } else {
+                        String::new()
+                    },
+                    if r.interrupted {
+                        "; interrupted: run it again to remove the rest"
+                    } else {
+                        ""
+                    }
+                );
+            }
             Ok(0)
         }
         Command::Worker {
@@ -557,6 +675,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             kind_sleep,
             kind_artifact,
             kind_effect,
+            json,
         } => {
             use crate::conformance::{self, ConformanceError};
             let cfg = WorkerConfig::load(&config)?;
@@ -572,7 +691,11 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                     ConformanceError::Spawner(_) => CliError::Other(e.to_string()),
                     _ => CliError::Usage(e.to_string()),
                 })?;
-            print!("{}", conformance::render(&reports));
+            if json {
+                println!("{}", conformance::render_json(&reports));
+            } else {
+                print!("{}", conformance::render(&reports));
+            }
             Ok(if reports.iter().all(|r| r.passed()) {
                 0
             } else {
@@ -596,6 +719,9 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                                 "labels": crate::worker::routing::effective_labels(&h, e),
                                 "sdk": format!("{} {}", h.sdk_name, h.sdk_version),
                                 "protocol_version": h.protocol_version,
+                                "protocol_versions": h.protocol_versions,
+                                "features": h.features,
+                                "max_frame_bytes": h.max_frame_bytes,
                                 "routes": routes.len(),
                             })
                         );
@@ -718,6 +844,26 @@ fn read_input(file: &str) -> Result<String, CliError> {
             source,
         })
     }
+}
+
+/// `gc`: the first SIGINT/SIGTERM ends the pass after its current batch
+/// (each batch is its own transaction, so nothing is left half done).
+fn spawn_interrupt_handler(token: CancellationToken) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        eprintln!("stopping after the current batch");
+        token.cancel();
+    });
 }
 
 fn spawn_signal_handler(token: CancellationToken) {

@@ -53,7 +53,10 @@ fn d_stderr_tail() -> usize {
     64 * 1024
 }
 fn d_max_artifact() -> u64 {
-    256 * 1024 * 1024
+    4 * 1024 * 1024 * 1024
+}
+fn d_artifact_chunk() -> usize {
+    1024 * 1024
 }
 fn d_db_conns() -> u32 {
     10
@@ -65,13 +68,28 @@ fn d_max_refusals() -> u32 {
     5
 }
 fn d_max_result() -> u64 {
-    512 * 1024 * 1024
+    16 * 1024 * 1024 * 1024
 }
 fn d_stderr_log_rate() -> u32 {
     20
 }
 fn d_concurrency() -> u32 {
     4
+}
+fn d_retention() -> String {
+    "7d".into()
+}
+fn d_retention_interval() -> u64 {
+    60_000
+}
+fn d_retention_batch_runs() -> u32 {
+    100
+}
+fn d_retention_batch_steps() -> u32 {
+    1_000
+}
+fn d_true() -> bool {
+    true
 }
 fn d_allowlist() -> Vec<String> {
     ["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"]
@@ -117,7 +135,8 @@ pub struct WorkerConfig {
     pub handshake_timeout_ms: u64,
     #[serde(default = "d_max_frame")]
     pub max_frame_bytes: usize,
-    /// The largest artifact accepted (held in memory, stored in PostgreSQL).
+    /// The largest artifact accepted (streamed to the artifact store, never
+    /// held in memory: a limit on storage, not on the worker's RSS).
     #[serde(default = "d_max_artifact")]
     pub max_artifact_bytes: u64,
     /// How much of each child's stderr is kept (the tail) for failures.
@@ -132,10 +151,22 @@ pub struct WorkerConfig {
     /// before it fails `terminal_failed` with `EXECUTOR_REFUSED`.
     #[serde(default = "d_max_refusals")]
     pub max_refusals: u32,
-    /// The most bytes all artifacts of one result may hold together (they
-    /// reach PostgreSQL in one message, whose limit is 1 GiB).
+    /// The most bytes all artifacts of one result may hold together.
     #[serde(default = "d_max_result")]
     pub max_result_bytes: u64,
+    /// Where artifact bytes go: `postgres` (chunks in the database; works
+    /// across hosts with no other service) or `directory` (files in
+    /// `artifact_dir`, a volume every worker host mounts).
+    #[serde(default)]
+    pub artifact_store: ArtifactBackend,
+    /// The shared directory of the `directory` store. A `postgres` worker
+    /// with it set can also read blobs that `directory` workers stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_dir: Option<PathBuf>,
+    /// Bytes per chunk, up and down (one database row of the `postgres`
+    /// store; one read of a file): what an artifact costs in memory.
+    #[serde(default = "d_artifact_chunk")]
+    pub artifact_chunk_bytes: usize,
     /// Where per-attempt working directories are created (default: the system temp dir).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_dir: Option<PathBuf>,
@@ -154,9 +185,40 @@ pub struct WorkerConfig {
     /// as suppressed. 0: none are logged (the tail is still kept).
     #[serde(default = "d_stderr_log_rate")]
     pub stderr_log_lines_per_sec: u32,
+    /// Finished runs older than this are removed with everything they hold
+    /// (`30s`, `10m`, `2h`, `7d`, `1h30m`), or `off`.
+    #[serde(default = "d_retention")]
+    pub retention: String,
+    /// How often this worker's retention pass looks for old runs.
+    #[serde(default = "d_retention_interval")]
+    pub retention_interval_ms: u64,
+    /// At most this many runs are removed per transaction.
+    #[serde(default = "d_retention_batch_runs")]
+    pub retention_batch_runs: u32,
+    /// At most this many steps are removed per transaction.
+    #[serde(default = "d_retention_batch_steps")]
+    pub retention_batch_steps: u32,
+    /// VACUUM the durable tables after a pass that removed anything.
+    #[serde(default = "d_true")]
+    pub retention_vacuum: bool,
     #[serde(default)]
     pub executors: Vec<ExecutorConfig>,
 }
+
+/// The artifact store's backend (`artifact_store`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ArtifactBackend {
+    /// Chunks in `durable.artifact_chunks` (the default).
+    #[default]
+    Postgres,
+    /// Content-addressed files in `artifact_dir`.
+    Directory,
+}
+
+/// The smallest and largest `artifact_chunk_bytes`.
+pub const MIN_ARTIFACT_CHUNK_BYTES: usize = 4 * 1024;
+pub const MAX_ARTIFACT_CHUNK_BYTES: usize = 64 * 1024 * 1024;
 
 /// One executor: a plain binary or script speaking the executor protocol.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -223,10 +285,18 @@ impl Default for WorkerConfig {
             refusal_delay_ms: d_refusal_delay(),
             max_refusals: d_max_refusals(),
             max_result_bytes: d_max_result(),
+            artifact_store: ArtifactBackend::default(),
+            artifact_dir: None,
+            artifact_chunk_bytes: d_artifact_chunk(),
             work_dir: None,
             secrets_dir: None,
             metrics_addr: None,
             stderr_log_lines_per_sec: d_stderr_log_rate(),
+            retention: d_retention(),
+            retention_interval_ms: d_retention_interval(),
+            retention_batch_runs: d_retention_batch_runs(),
+            retention_batch_steps: d_retention_batch_steps(),
+            retention_vacuum: true,
             executors: Vec::new(),
         }
     }
@@ -353,6 +423,24 @@ impl WorkerConfig {
         Ok(())
     }
 
+    /// The retention age: `None` when `retention = "off"`. At least one
+    /// second (a finished run stays readable for at least that long).
+    pub fn retention_age(&self) -> Result<Option<std::time::Duration>, String> {
+        let text = self.retention.trim();
+        if text.eq_ignore_ascii_case("off") {
+            return Ok(None);
+        }
+        let age = crate::cli::parse_duration(text).map_err(|e| {
+            format!("retention = {text:?}: {e}, or \"off\" to keep every finished run")
+        })?;
+        if age < std::time::Duration::from_secs(1) {
+            return Err(format!(
+                "retention = {text:?} is below 1s: finished runs must stay readable a while. Give an age like 7d, or \"off\""
+            ));
+        }
+        Ok(Some(age))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         for (key, value) in [
@@ -365,6 +453,7 @@ impl WorkerConfig {
             ("drain_timeout_ms", self.drain_timeout_ms),
             ("handshake_timeout_ms", self.handshake_timeout_ms),
             ("refusal_delay_ms", self.refusal_delay_ms),
+            ("retention_interval_ms", self.retention_interval_ms),
         ] {
             if value > MAX_MS {
                 return bad(format!(
@@ -388,11 +477,18 @@ impl WorkerConfig {
             ("poll_interval_ms", self.poll_interval_ms),
             ("reclaim_interval_ms", self.reclaim_interval_ms),
             ("handshake_timeout_ms", self.handshake_timeout_ms),
+            ("retention_interval_ms", self.retention_interval_ms),
+            ("retention_batch_runs", u64::from(self.retention_batch_runs)),
+            (
+                "retention_batch_steps",
+                u64::from(self.retention_batch_steps),
+            ),
         ] {
             if value == 0 {
                 return bad(format!("{key} = 0 must be positive"));
             }
         }
+        self.retention_age().map_err(ConfigError::Invalid)?;
         if self.max_frame_bytes < 1024 || self.max_frame_bytes > MAX_FRAME_BYTES {
             return bad(format!(
                 "max_frame_bytes = {} must be at least 1024 and at most {MAX_FRAME_BYTES} (1 GiB)",
@@ -423,13 +519,35 @@ impl WorkerConfig {
         if self.max_refusals == 0 {
             return bad("max_refusals = 0 must be at least 1".into());
         }
-        if self.max_artifact_bytes > self.max_result_bytes
-            || self.max_result_bytes > 900 * 1024 * 1024
-        {
+        if self.max_artifact_bytes > self.max_result_bytes {
             return bad(format!(
-                "max_artifact_bytes ({}) must be at most max_result_bytes ({}), which must be at most 900 MiB (PostgreSQL's message limit is 1 GiB)",
+                "max_artifact_bytes ({}) must be at most max_result_bytes ({}): one artifact cannot be larger than a whole result",
                 self.max_artifact_bytes, self.max_result_bytes
             ));
+        }
+        if !(MIN_ARTIFACT_CHUNK_BYTES..=MAX_ARTIFACT_CHUNK_BYTES)
+            .contains(&self.artifact_chunk_bytes)
+        {
+            return bad(format!(
+                "artifact_chunk_bytes = {} must be at least {MIN_ARTIFACT_CHUNK_BYTES} (4 KiB) and at most {MAX_ARTIFACT_CHUNK_BYTES} (64 MiB); 1048576 (1 MiB) is the default",
+                self.artifact_chunk_bytes
+            ));
+        }
+        match (&self.artifact_store, &self.artifact_dir) {
+            (ArtifactBackend::Directory, None) => {
+                return bad(
+                    "artifact_store = \"directory\" needs artifact_dir: the shared directory every worker host mounts (or use artifact_store = \"postgres\")".into(),
+                )
+            }
+            // a postgres worker only reads from it (blobs stored there by
+            // directory workers): a missing one fails those reads, by name
+            (ArtifactBackend::Directory, Some(dir)) if !dir.is_dir() => {
+                return bad(format!(
+                    "artifact_dir = {:?} is not an existing directory: create it (on a volume all worker hosts share) or remove artifact_dir",
+                    dir.display().to_string()
+                ))
+            }
+            _ => {}
         }
         if let Some(dir) = &self.secrets_dir {
             if !dir.is_dir() {
@@ -568,7 +686,7 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "max_artifact_bytes",
-        "The largest artifact accepted (ARTIFACT_INVALID above it); at most max_result_bytes.",
+        "The largest artifact accepted (ARTIFACT_INVALID above it, checked before it is read); at most max_result_bytes. Artifacts stream to the artifact store in chunks: this limits storage, not memory.",
         None,
     ),
     (
@@ -593,7 +711,22 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "max_result_bytes",
-        "All artifacts of one result together (RESULT_TOO_LARGE above it); at most 900 MiB, below PostgreSQL's 1 GiB message limit.",
+        "All artifacts of one result together (RESULT_TOO_LARGE above it).",
+        None,
+    ),
+    (
+        "artifact_store",
+        "Where artifact bytes are stored: \"postgres\" (chunks in the database, works across hosts with no other service) or \"directory\" (content-addressed files <artifact_dir>/<sha[0..2]>/<sha> on a volume every worker host mounts).",
+        None,
+    ),
+    (
+        "artifact_dir",
+        "The shared directory of artifact_store = \"directory\" (must exist). With the postgres store it is optional and only lets this worker read blobs that directory workers stored.",
+        Some("\"/mnt/durable-artifacts\""),
+    ),
+    (
+        "artifact_chunk_bytes",
+        "Bytes per chunk when artifacts are uploaded and read back (one database row of the postgres store): an artifact's memory cost, whatever its size. 4 KiB to 64 MiB.",
         None,
     ),
     (
@@ -614,6 +747,31 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     (
         "stderr_log_lines_per_sec",
         "How many lines of an executor's stderr are logged per second and attempt (in the attempt's span, secrets redacted); the rest are counted in one \"suppressed\" line. 0 logs none; at most 10000.",
+        None,
+    ),
+    (
+        "retention",
+        "Finished runs (succeeded, failed, cancelled) older than this are removed, with their steps, events, transitions, artifacts and the artifact bytes nothing else references: 30s, 10m, 2h, 7d, 1h30m, or \"off\" to keep them all. Every worker runs the removal; one batch at a time across all of them. `supervisor gc` does the same on demand.",
+        None,
+    ),
+    (
+        "retention_interval_ms",
+        "How often this worker looks for finished runs older than retention (with up to 10% jitter).",
+        None,
+    ),
+    (
+        "retention_batch_runs",
+        "At most this many runs are removed per transaction (short transactions, short locks).",
+        None,
+    ),
+    (
+        "retention_batch_steps",
+        "At most this many steps are removed per transaction; a larger run is removed over several.",
+        None,
+    ),
+    (
+        "retention_vacuum",
+        "VACUUM the durable tables after a pass that removed anything, so their space is reused at once instead of when autovacuum comes (needs the tables' owner, or the MAINTAIN privilege; skipped with a warning otherwise).",
         None,
     ),
 ];
@@ -899,6 +1057,37 @@ mod tests {
         )
         .expect_err("unknown executor field");
         assert!(err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn artifact_store_settings_are_checked_by_name() {
+        let base = "[[executors]]\nname = \"a\"\ncommand = \"a\"\n";
+        let cfg: WorkerConfig = toml::from_str(base).expect("parse");
+        assert_eq!(cfg.artifact_store, ArtifactBackend::Postgres);
+        assert_eq!(cfg.artifact_chunk_bytes, 1 << 20);
+        let invalid = |toml_text: &str| -> String {
+            let cfg: WorkerConfig = toml::from_str(&format!("{toml_text}\n{base}")).expect("parse");
+            cfg.validate().expect_err("invalid").to_string()
+        };
+        assert!(invalid("artifact_store = \"directory\"").contains("needs artifact_dir"));
+        assert!(invalid(
+            "artifact_store = \"directory\"\nartifact_dir = \"/nonexistent/durable-artifacts\""
+        )
+        .contains(
+            "artifact_dir = \"/nonexistent/durable-artifacts\" is not an existing directory"
+        ));
+        assert!(invalid("artifact_chunk_bytes = 100").contains("artifact_chunk_bytes = 100"));
+        let err = toml::from_str::<WorkerConfig>(&format!("artifact_store = \"s3\"\n{base}"))
+            .expect_err("unknown backend");
+        assert!(err.to_string().contains("postgres"), "{err}");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg: WorkerConfig = toml::from_str(&format!(
+            "artifact_store = \"directory\"\nartifact_dir = {:?}\n{base}",
+            dir.path().display().to_string()
+        ))
+        .expect("parse");
+        cfg.validate()
+            .expect("a directory store with its directory");
     }
 
     #[test]

@@ -79,6 +79,15 @@ impl Verdict {
             Verdict::NotChecked => "not checked",
         }
     }
+
+    /// The name in `--json` output.
+    pub fn json_name(&self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Fail => "fail",
+            Verdict::NotChecked => "not_checked",
+        }
+    }
 }
 
 /// One scenario's outcome.
@@ -104,9 +113,11 @@ impl ExecutorReport {
 }
 
 /// The scenarios, in the order they run.
-pub const SCENARIOS: [&str; 10] = [
+pub const SCENARIOS: [&str; 12] = [
     "hello",
+    "negotiation",
     "echo",
+    "result too large",
     "cancel",
     "deadline",
     "progress order",
@@ -197,6 +208,38 @@ pub fn render(reports: &[ExecutorReport]) -> String {
     out
 }
 
+/// The results as one JSON document (`--json`): per executor whether it
+/// passed, the counts, and each scenario's result (`pass`, `fail`,
+/// `not_checked`), time and detail; `passed` is the exit status's verdict.
+pub fn render_json(reports: &[ExecutorReport]) -> Value {
+    let executors: Vec<Value> = reports
+        .iter()
+        .map(|r| {
+            let count = |v: Verdict| r.outcomes.iter().filter(|o| o.verdict == v).count();
+            json!({
+                "executor": r.executor,
+                "passed": r.passed(),
+                "counts": {
+                    "pass": count(Verdict::Pass),
+                    "fail": count(Verdict::Fail),
+                    "not_checked": count(Verdict::NotChecked),
+                },
+                "scenarios": r.outcomes.iter().map(|o| json!({
+                    "scenario": o.scenario,
+                    "result": o.verdict.json_name(),
+                    "ms": o.elapsed.as_millis() as u64,
+                    "detail": o.detail,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({
+        "passed": reports.iter().all(ExecutorReport::passed),
+        "scenarios": SCENARIOS,
+        "executors": executors,
+    })
+}
+
 // ---------------------------------------------------------------------------
 
 struct Ctx<'a> {
@@ -275,7 +318,9 @@ async fn check_executor(ctx: &Ctx<'_>, kinds: &Kinds) -> Vec<Outcome> {
         let started = Instant::now();
         let res = bounded(async {
             match *scenario {
+                "negotiation" => scenario_negotiation(ctx, &chosen).await,
                 "echo" => scenario_echo(ctx, &chosen).await,
+                "result too large" => scenario_result_too_large(ctx, &chosen).await,
                 "cancel" => scenario_cancel(ctx, &chosen).await,
                 "deadline" => scenario_deadline(ctx, &chosen).await,
                 "progress order" => scenario_progress(ctx, &chosen).await,
@@ -331,6 +376,10 @@ struct Proc {
     stdin: Option<ChildStdin>,
     frames: ExecutorFrames<ChildStdout>,
     dir: tempfile::TempDir,
+    /// What the supervisor offers (its frame cap is the decoder's).
+    offer: wire::SupervisorOffer,
+    /// Negotiated from the hello; every job is sent with it, as a worker does.
+    agreement: Option<wire::Agreement>,
 }
 
 impl Proc {
@@ -352,6 +401,8 @@ impl Proc {
             stdin,
             frames: FramedRead::new(stdout, wire::executor_decoder(ctx.wcfg.max_frame_bytes)),
             dir,
+            offer: wire::SupervisorOffer::new(ctx.wcfg.max_frame_bytes),
+            agreement: None,
         })
     }
 
@@ -373,6 +424,9 @@ impl Proc {
                 wire::PROTOCOL_VERSION
             ));
         }
+        let agreement =
+            wire::negotiate(&h, &self.offer).map_err(|e| format!("{}: {e}", e.code()))?;
+        self.agreement = Some(agreement);
         Ok(h)
     }
 
@@ -396,6 +450,26 @@ impl Proc {
     async fn send(&mut self, m: &ToExecutor) -> Result<(), String> {
         let Some(w) = self.stdin.as_mut() else {
             return Err("stdin already closed".into());
+        };
+        // a job goes with the agreement (unless the scenario states its own)
+        // and never over the executor's announced frame limit
+        let negotiated;
+        let m = match (m, &self.agreement) {
+            (ToExecutor::Job(job), Some(a)) => {
+                let mut job = job.clone();
+                job.agreement.get_or_insert_with(|| a.clone());
+                let len = wire::frame_body_len(&ToExecutor::Job(job.clone()));
+                if len > a.executor_max_frame_bytes {
+                    return Err(format!(
+                        "the scenario's job frame ({len} bytes) is over the executor's announced \
+                         max_frame_bytes {}",
+                        a.executor_max_frame_bytes
+                    ));
+                }
+                negotiated = ToExecutor::Job(job);
+                &negotiated
+            }
+            _ => m,
         };
         let bytes = wire::encode_to_executor(m);
         w.write_all(&bytes)
@@ -651,6 +725,7 @@ fn new_job(hello: &Hello, kind: &str, input: &Value, output_dir: String) -> wire
         output_dir,
         secrets: Default::default(),
         labels: Default::default(),
+        agreement: None,
     }
 }
 
@@ -737,6 +812,135 @@ async fn scenario_hello(ctx: &Ctx<'_>) -> Result<(String, Hello), String> {
         ),
         h,
     ))
+}
+
+/// The smallest `Hello.max_frame_bytes` an executor may announce (PROTOCOL.md).
+const MIN_ANNOUNCED_FRAME_BYTES: u64 = 64 * 1024;
+
+/// Protocol 1.1: the hello's revisions and features are well-formed, one
+/// revision is common, the announced frame limit is usable, and a job that
+/// states the agreement runs.
+async fn scenario_negotiation(ctx: &Ctx<'_>, k: &Chosen) -> Res {
+    let (mut p, hello) = Proc::ready(ctx).await?;
+    let Some(a) = p.agreement.clone() else {
+        return Err("no agreement after the hello".into());
+    };
+    if hello.protocol_versions.is_empty() {
+        p.finish(ctx.grace()).await?;
+        return Ok(Checked::NotChecked(
+            "the hello lists no protocol_versions: a 1.0 executor (it negotiates 1.0 with no \
+             features; its jobs carry no 1.1 fields)"
+                .into(),
+        ));
+    }
+    if let Some(bad) = hello
+        .protocol_versions
+        .iter()
+        .find(|v| wire::negotiate::Revision::parse(v).is_none())
+    {
+        return Err(format!(
+            "protocol_versions lists {bad:?}, not \"MAJOR.MINOR\" (e.g. \"1.1\")"
+        ));
+    }
+    let twice = |v: &[String]| v.iter().collect::<BTreeSet<_>>().len() != v.len();
+    if twice(&hello.protocol_versions) || twice(&hello.features) {
+        return Err(format!(
+            "a revision or feature listed twice: {:?} {:?}",
+            hello.protocol_versions, hello.features
+        ));
+    }
+    if hello.features.iter().any(|f| f.is_empty()) {
+        return Err(format!("an empty feature name in {:?}", hello.features));
+    }
+    if hello.max_frame_bytes != 0 && hello.max_frame_bytes < MIN_ANNOUNCED_FRAME_BYTES {
+        return Err(format!(
+            "max_frame_bytes {} is below the {MIN_ANNOUNCED_FRAME_BYTES} bytes an executor must accept",
+            hello.max_frame_bytes
+        ));
+    }
+    let ran = match &k.echo {
+        Some(kind) => {
+            echo_job(&mut p, &hello, kind, 1).await?;
+            format!("; a {kind} job stating it ran")
+        }
+        None => String::new(),
+    };
+    p.finish(ctx.grace()).await?;
+    Ok(Checked::Pass(format!(
+        "revision {} agreed from {:?}, features {:?}, frames to the executor up to {} bytes{ran}",
+        a.revision, hello.protocol_versions, a.features, a.executor_max_frame_bytes
+    )))
+}
+
+/// Protocol 1.1, feature frame_limits: a result over the job's
+/// `max_frame_bytes` is `RESULT_TOO_LARGE` (not retryable), never an
+/// oversized frame; a small result under the same limit still goes.
+async fn scenario_result_too_large(ctx: &Ctx<'_>, k: &Chosen) -> Res {
+    const LIMIT: u64 = 2048;
+    let Some(kind) = &k.echo else {
+        return not_offered("echo", "demo.echo", "--kind-echo");
+    };
+    let (mut p, hello) = Proc::ready(ctx).await?;
+    let Some(mut a) = p.agreement.clone() else {
+        return Err("no agreement after the hello".into());
+    };
+    if !a.has_feature(wire::negotiate::FEATURE_FRAME_LIMITS) {
+        p.finish(ctx.grace()).await?;
+        return Ok(Checked::NotChecked(format!(
+            "the executor does not announce the {} feature (protocol 1.1)",
+            wire::negotiate::FEATURE_FRAME_LIMITS
+        )));
+    }
+    a.supervisor_max_frame_bytes = LIMIT;
+    let input = json!({"conformance": "result too large", "pad": "x".repeat(3 * LIMIT as usize)});
+    let mut job = new_job(&hello, kind, &input, p.output_dir("out-big")?);
+    job.agreement = Some(a.clone());
+    let mut check = JobCheck::new(&job.job_id);
+    p.send(&ToExecutor::Job(Box::new(job))).await?;
+    to_terminal(&mut p, &mut check, JOB_WITHIN).await?;
+    match &check.terminal {
+        Some(Terminal::Error(e)) if check.refused => {
+            return Err(format!("refused the job: {} {:?}", e.code, e.message))
+        }
+        Some(Terminal::Error(e)) if e.code == "RESULT_TOO_LARGE" && !e.retryable => {}
+        Some(Terminal::Error(e)) => {
+            return Err(format!(
+                "error {} (retryable {}), expected RESULT_TOO_LARGE, not retryable",
+                e.code, e.retryable
+            ))
+        }
+        Some(Terminal::Result(r)) => {
+            return Err(format!(
+                "a result with {} output bytes although the job's max_frame_bytes is {LIMIT}: \
+                 expected RESULT_TOO_LARGE instead of an oversized frame",
+                r.output.len()
+            ))
+        }
+        None => return Err("no terminal".into()),
+    }
+    // a one-shot process has served its job: the small one goes to a new one
+    if matches!(hello.max_jobs_per_process, 0 | 1) {
+        p.finish(ctx.grace()).await?;
+        (p, _) = Proc::ready(ctx).await?;
+    }
+    let small = echo_input(2);
+    let mut job = new_job(&hello, kind, &small, p.output_dir("out-small")?);
+    job.agreement = Some(a);
+    let mut check = JobCheck::new(&job.job_id);
+    p.send(&ToExecutor::Job(Box::new(job))).await?;
+    to_terminal(&mut p, &mut check, JOB_WITHIN).await?;
+    let out = output_json(
+        expect_result(&check)
+            .map_err(|e| format!("a small result under the same {LIMIT}-byte limit: {e}"))?,
+    )?;
+    if out != small {
+        return Err(format!("output {out} differs from the input {small}"));
+    }
+    p.finish(ctx.grace()).await?;
+    Ok(Checked::Pass(format!(
+        "{kind}: a {}-byte echo under a {LIMIT}-byte limit is RESULT_TOO_LARGE (not retryable); a small one is a result",
+        input.to_string().len()
+    )))
 }
 
 fn echo_input(n: u32) -> Value {

@@ -1,5 +1,6 @@
 //! The durable workflow runtime's supervisor. See ARCHITECTURE.md for the map.
 pub mod artifact_cmd;
+pub mod artifacts;
 pub mod cli;
 pub mod config;
 pub mod conformance;

@@ -21,7 +21,12 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 
 Environment: HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1), HOSTILE_KINDS
-(comma separated kinds offered; default every mode above).
+(comma separated kinds offered; default every mode above). Protocol 1.1:
+HOSTILE_VERSIONS_FILE (a file read at each start: its comma separated content
+is the hello's protocol_versions; absent file or variable: none, a 1.0 hello),
+HOSTILE_MAX_FRAME_BYTES (the hello's max_frame_bytes), HOSTILE_JOB_LOG (a file:
+one line `<kind> <max_frame_bytes> <negotiated_version>` appended per job
+received).
 """
 
 import json
@@ -58,6 +63,11 @@ def main() -> int:
     os.dup2(2, 1)
     inp = sys.stdin.buffer
     kinds = os.environ.get("HOSTILE_KINDS")
+    versions: list[str] = []
+    versions_file = os.environ.get("HOSTILE_VERSIONS_FILE")
+    if versions_file and os.path.exists(versions_file):
+        with open(versions_file) as f:
+            versions = [v for v in f.read().strip().split(",") if v]
     hello = pb.ExecutorFrame(
         hello=pb.Hello(
             protocol_version=int(os.environ.get("HOSTILE_PROTOCOL_VERSION", "1")),
@@ -67,6 +77,8 @@ def main() -> int:
             sdk_version="0",
             max_jobs_per_process=1,
             pid=os.getpid(),
+            protocol_versions=versions,
+            max_frame_bytes=int(os.environ.get("HOSTILE_MAX_FRAME_BYTES", "0")),
         )
     )
     write_frame(out, hello.SerializeToString())
@@ -78,6 +90,10 @@ def main() -> int:
     if frame.WhichOneof("frame") != "job":
         return 0
     job = frame.job
+    job_log = os.environ.get("HOSTILE_JOB_LOG")
+    if job_log:
+        with open(job_log, "a") as f:
+            f.write(f"{job.kind} {job.max_frame_bytes} {job.negotiated_version or '-'}\n")
     mode = job.kind.removeprefix("hostile.")
     seq = 0
 

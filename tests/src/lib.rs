@@ -512,12 +512,28 @@ pub struct WorkerProcess {
 
 impl WorkerProcess {
     pub fn spawn(url: &str, cfg: &WorkerConfig) -> WorkerProcess {
-        Self::spawn_with(url, cfg, &[], &[])
+        Self::spawn_with(&[], url, cfg)
     }
 
-    /// [`spawn`](Self::spawn) with more arguments (`--log-format json`) and
-    /// environment variables.
-    pub fn spawn_with(
+    /// [`WorkerProcess::spawn`] under a wrapper that ends by exec'ing its
+    /// arguments (like `nsenter --net=… --`), so the child is the worker.
+    pub fn spawn_with(wrapper: &[String], url: &str, cfg: &WorkerConfig) -> WorkerProcess {
+        Self::spawn_full(wrapper, url, cfg, &[], &[])
+    }
+
+    /// [`WorkerProcess::spawn`] with more arguments (`--log-format json`)
+    /// and environment variables.
+    pub fn spawn_args(
+        url: &str,
+        cfg: &WorkerConfig,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> WorkerProcess {
+        Self::spawn_full(&[], url, cfg, args, env)
+    }
+
+    fn spawn_full(
+        wrapper: &[String],
         url: &str,
         cfg: &WorkerConfig,
         args: &[&str],
@@ -528,7 +544,15 @@ impl WorkerProcess {
         std::fs::write(&cfg_path, toml::to_string(cfg).expect("config to TOML"))
             .expect("write config");
         let log = dir.path().join("worker.log");
-        let child = std::process::Command::new(supervisor_bin())
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = std::process::Command::new(program);
+                c.args(args).arg(supervisor_bin());
+                c
+            }
+            None => std::process::Command::new(supervisor_bin()),
+        };
+        let child = cmd
             .args(["worker", "--config"])
             .arg(&cfg_path)
             .args(args)

@@ -43,7 +43,7 @@ fn write_config(dir: &Path, cfg: &WorkerConfig) -> PathBuf {
     path
 }
 
-/// Runs `supervisor conformance` (bounded: every scenario is, and there are ten).
+/// Runs `supervisor conformance` (bounded: every scenario is, and there are twelve).
 fn conformance(cfg: &Path, extra: &[&str]) -> Output {
     let out = std::process::Command::new(supervisor_bin())
         .arg("conformance")
@@ -81,11 +81,11 @@ fn go_and_python_demos_pass_every_scenario() {
     assert_eq!(out.status.code(), Some(0), "{text}");
     // every scenario is exercised by the demos: none is skipped
     assert!(
-        text.contains("go: 10 passed, 0 failed, 0 not checked"),
+        text.contains("go: 12 passed, 0 failed, 0 not checked"),
         "{text}"
     );
     assert!(
-        text.contains("python: 10 passed, 0 failed, 0 not checked"),
+        text.contains("python: 12 passed, 0 failed, 0 not checked"),
         "{text}"
     );
     for scenario in supervisor::conformance::SCENARIOS {
@@ -112,7 +112,7 @@ fn the_node_executor_passes_conformance() {
     assert_eq!(out.status.code(), Some(0), "{text}");
     // it offers no artifact kind: that scenario alone is not checked
     assert!(
-        text.contains("node: 9 passed, 0 failed, 1 not checked"),
+        text.contains("node: 11 passed, 0 failed, 1 not checked"),
         "{text}"
     );
     assert!(!text.contains("go "), "--executor node ran go too:\n{text}");
@@ -175,12 +175,93 @@ fn a_broken_executor_fails_and_an_unknown_name_is_bad_input() {
     );
     let out = conformance(&cfg, &[]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stdout(&out).contains("true: 0 passed, 1 failed, 9 not checked"));
+    assert!(stdout(&out).contains("true: 0 passed, 1 failed, 11 not checked"));
 
     let out = conformance(&cfg, &["--executor", "nope"]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no executor named \"nope\""), "{err}");
+}
+
+/// Protocol 1.1 (issue 9, item 2): a 1.0 executor (the Node example with its
+/// hello cut back to the 1.0 fields) still passes, with the two negotiation
+/// scenarios not checked; one that writes a result over the job's
+/// max_frame_bytes fails "result too large"; `--json` carries the same
+/// verdicts in a machine-readable form.
+#[test]
+fn negotiation_and_the_result_limit_are_checked_and_json_reports_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = std::fs::read_to_string(repo_root().join("examples/node-executor/executor.js"))
+        .expect("read executor.js");
+    let v1 = script.replace(
+        ",\n  str(9, '1.0'), str(9, '1.1'), str(10, 'frame_limits'), uint(11, MAX_FRAME_BYTES)]));",
+        "]));",
+    );
+    let oversized = script.replace("if (body.length > job.maxFrame)", "if (false)");
+    assert!(
+        v1 != script && oversized != script,
+        "the executor's text changed: update this test"
+    );
+    let mut executors = Vec::new();
+    for (name, text) in [("v1", &v1), ("oversized", &oversized)] {
+        let path = dir.path().join(format!("{name}.js"));
+        std::fs::write(&path, text).expect("write the variant");
+        let mut e = node_executor(name);
+        e.args = vec![path.to_string_lossy().into_owned()];
+        executors.push(e);
+    }
+    let cfg = write_config(dir.path(), &config(executors));
+
+    let out = conformance(&cfg, &["--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    assert_eq!(doc["passed"], json!(false));
+    assert_eq!(
+        doc["scenarios"],
+        json!(supervisor::conformance::SCENARIOS.to_vec())
+    );
+    let report = |name: &str| {
+        doc["executors"]
+            .as_array()
+            .expect("executors")
+            .iter()
+            .find(|e| e["executor"] == json!(name))
+            .unwrap_or_else(|| panic!("no report for {name}: {doc}"))
+            .clone()
+    };
+    let result = |r: &serde_json::Value, scenario: &str| {
+        r["scenarios"]
+            .as_array()
+            .expect("scenarios")
+            .iter()
+            .find(|s| s["scenario"] == json!(scenario))
+            .map(|s| s["result"].as_str().unwrap_or_default().to_owned())
+            .unwrap_or_else(|| panic!("no {scenario} row: {r}"))
+    };
+    let v1 = report("v1");
+    assert_eq!(v1["passed"], json!(true), "{v1}");
+    assert_eq!(
+        v1["counts"],
+        json!({"pass": 9, "fail": 0, "not_checked": 3}),
+        "{v1}"
+    );
+    assert_eq!(result(&v1, "negotiation"), "not_checked");
+    assert_eq!(result(&v1, "result too large"), "not_checked");
+    assert_eq!(result(&v1, "echo"), "pass");
+    let bad = report("oversized");
+    assert_eq!(bad["passed"], json!(false), "{bad}");
+    assert_eq!(result(&bad, "result too large"), "fail");
+    assert_eq!(result(&bad, "negotiation"), "pass");
+    assert_eq!(bad["counts"]["fail"], json!(1), "{bad}");
+    let detail = bad["scenarios"]
+        .as_array()
+        .and_then(|s| {
+            s.iter()
+                .find(|s| s["scenario"] == json!("result too large"))
+        })
+        .map(|s| s["detail"].to_string())
+        .unwrap_or_default();
+    assert!(detail.contains("expected RESULT_TOO_LARGE"), "{detail}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -8,10 +8,23 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tests::{fast_config, TestDb, WorkerProcess};
+use tests::{TestDb, WorkerProcess};
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(60);
+
+/// The tests' fast settings with a roomier lease: on a loaded two-core
+/// machine a lease statement can take most of a 2 s TTL, and the attempt
+/// would then (rightly) give up before sending its job.
+fn fast_config(
+    executors: Vec<supervisor::config::ExecutorConfig>,
+) -> supervisor::config::WorkerConfig {
+    supervisor::config::WorkerConfig {
+        lease_ttl_ms: 10_000,
+        heartbeat_interval_ms: 1_000,
+        ..tests::fast_config(executors)
+    }
+}
 
 fn one(name: &str, executor_kind: &str, kind: &str, extra: Value) -> Value {
     let mut s = json!({"name": name, "executor_kind": executor_kind, "kind": kind,
@@ -43,7 +56,7 @@ async fn json_lines_carry_the_attempts_ids() {
     let t = TestDb::new().await;
     let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
     // the format from the environment this time
-    let mut w = WorkerProcess::spawn_with(&t.url, &cfg, &[], &[("DURABLE_LOG_FORMAT", "json")]);
+    let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &[], &[("DURABLE_LOG_FORMAT", "json")]);
     let ok = t
         .submit(one("ok", "go", "demo.echo", json!({"input": {"x": 1}})))
         .await;
@@ -120,7 +133,7 @@ async fn text_lines_carry_the_attempts_ids() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
-    let mut w = WorkerProcess::spawn_with(&t.url, &cfg, &["--log-format", "text"], &[]);
+    let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "text"], &[]);
     let run = t.submit(one("ok", "go", "demo.echo", json!({}))).await;
     let st = t.wait_terminal(run, LONG).await;
     stop(&mut w).await;
@@ -174,7 +187,7 @@ async fn executor_stderr_is_logged_in_the_attempt_redacted_and_rate_limited() {
     cfg.secrets_dir = Some(PathBuf::from(dir.path()));
     cfg.stderr_log_lines_per_sec = 5;
     cfg.metrics_addr = Some("127.0.0.1:0".into());
-    let mut w = WorkerProcess::spawn_with(&t.url, &cfg, &["--log-format", "json"], &[]);
+    let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "json"], &[]);
     let addr = w.metrics_addr(LONG).await;
     let run = t
         .submit(one(

@@ -9,10 +9,23 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tests::{fast_config, http_get, metric, TestDb, WorkerProcess};
+use tests::{http_get, metric, TestDb, WorkerProcess};
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(60);
+
+/// The tests' fast settings with a roomier lease: on a loaded two-core
+/// machine a lease statement can take most of a 2 s TTL, and the attempt
+/// would then (rightly) give up before sending its job.
+fn fast_config(
+    executors: Vec<supervisor::config::ExecutorConfig>,
+) -> supervisor::config::WorkerConfig {
+    supervisor::config::WorkerConfig {
+        lease_ttl_ms: 10_000,
+        heartbeat_interval_ms: 1_000,
+        ..tests::fast_config(executors)
+    }
+}
 
 fn run(steps: Value) -> Value {
     json!({"name": "metrics", "steps": steps})
@@ -53,7 +66,7 @@ async fn a_scrape_after_a_run_finds_the_counters_moved() {
     let mut cfg = fast_config(vec![go]);
     cfg.metrics_addr = Some("127.0.0.1:0".into());
     cfg.max_refusals = 2;
-    let w = WorkerProcess::spawn_with(&t.url, &cfg, &["--log-format", "json"], &[]);
+    let w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "json"], &[]);
     let addr = w.metrics_addr(LONG).await;
 
     // ready once the executors are probed and the worker runs

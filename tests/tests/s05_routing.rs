@@ -259,6 +259,9 @@ fn hello(o: &Offer) -> Hello {
         sdk_version: "0".into(),
         max_jobs_per_process: 1,
         pid: 1,
+        protocol_versions: Vec::new(),
+        features: Vec::new(),
+        max_frame_bytes: 0,
     }
 }
 

@@ -22,7 +22,7 @@ import (
 	pb "github.com/durable-runtime/durable/executors-go/gen/executorv1"
 )
 
-var allDemoKinds = []string{"demo.artifact", "demo.echo", "demo.effect", "demo.fail", "demo.finish_on_cancel", "demo.misbehave", "demo.sleep"}
+var allDemoKinds = []string{"demo.artifact", "demo.echo", "demo.effect", "demo.fail", "demo.finish_on_cancel", "demo.misbehave", "demo.resume", "demo.sleep"}
 
 func jsonEqual(t *testing.T, what string, got []byte, want string) {
 	t.Helper()
@@ -50,6 +50,9 @@ func TestHello(t *testing.T) {
 		SdkVersion:        executor.Version(),
 		MaxJobsPerProcess: -1,
 		Pid:               uint32(d.cmd.Process.Pid),
+		ProtocolVersions:  []string{"1.0", "1.1"},
+		Features:          []string{"frame_limits"},
+		MaxFrameBytes:     executor.DefaultMaxFrameBytes,
 	}
 	if !proto.Equal(h, want) {
 		t.Fatalf("hello:\n got %v\nwant %v", h, want)

@@ -3,6 +3,8 @@ package main
 import (
 	"bufio"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -142,12 +144,15 @@ func fail(_ context.Context, job *executor.Job) (*executor.Result, error) {
 }
 
 // artifact: writes the input artifacts' bytes (in order) then content repeated
-// repeat times to output_dir/name.
+// repeat times to output_dir/name, streaming (a GiB never sits in memory).
+// lie ("sha256" or "size", Go demo only) makes the manifest misstate the file,
+// for the supervisor's ARTIFACT_DIGEST_MISMATCH check.
 func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) {
 	var in struct {
 		Name    *string `json:"name"`
 		Content string  `json:"content"`
 		Repeat  *int64  `json:"repeat"`
+		Lie     string  `json:"lie"`
 	}
 	if err := job.DecodeInput(&in); err != nil {
 		return nil, err
@@ -164,6 +169,9 @@ func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) 
 	}
 	if repeat < 0 {
 		return nil, badInput("demo.artifact: repeat = %d, want >= 0", repeat)
+	}
+	if in.Lie != "" && in.Lie != "sha256" && in.Lie != "size" {
+		return nil, badInput("demo.artifact: lie = %q, want \"sha256\", \"size\" or none", in.Lie)
 	}
 	path, err := job.OutputPath(name)
 	if err != nil {
@@ -182,6 +190,13 @@ func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) 
 	art, err := job.FileArtifact(name, &executor.ArtifactOptions{Name: name, MediaType: "text/plain", DerivedFrom: derived})
 	if err != nil {
 		return nil, err
+	}
+	switch in.Lie {
+	case "sha256": // another well-formed digest: the hash of the bytes plus one
+		sum := sha256.Sum256([]byte(art.SHA256))
+		art.SHA256 = hex.EncodeToString(sum[:])
+	case "size":
+		art.Size++
 	}
 	return executor.NewResult(map[string]any{"name": art.Name, "size": art.Size, "sha256": art.SHA256}, art)
 }
@@ -275,4 +290,50 @@ func appendLine(path, line string) error {
 		return err
 	}
 	return f.Close()
+}
+
+// resumeCheckpoint is demo.resume's checkpoint: the next item to process.
+type resumeCheckpoint struct {
+	Next int64 `json:"next"`
+}
+
+// resume: processes items 0..items-1, ms each, checkpointing after every
+// item; an attempt resumes at the previous attempt's checkpoint. With a sink
+// it appends "<attempt> <item>" per item processed.
+func resume(ctx context.Context, job *executor.Job) (*executor.Result, error) {
+	in := struct {
+		Items int64  `json:"items"`
+		Ms    int64  `json:"ms"`
+		Sink  string `json:"sink"`
+	}{Items: 10, Ms: 100}
+	if err := job.DecodeInput(&in); err != nil {
+		return nil, err
+	}
+	if in.Items < 0 || in.Items > maxSleepSteps || in.Ms < 0 || in.Ms*in.Items > maxSleepMs {
+		return nil, badInput("demo.resume: items = %d, ms = %d out of range", in.Items, in.Ms)
+	}
+	var cp resumeCheckpoint
+	if _, err := job.DecodeCheckpoint(&cp); err != nil {
+		return nil, err
+	}
+	start := min(max(cp.Next, 0), in.Items)
+	for i := start; i < in.Items; i++ {
+		timer := time.NewTimer(time.Duration(in.Ms) * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil, ctx.Err()
+		case <-timer.C:
+		}
+		if in.Sink != "" {
+			if err := appendLine(in.Sink, fmt.Sprintf("%d %d", job.Attempt, i)); err != nil {
+				return nil, fmt.Errorf("demo.resume: %w", err)
+			}
+		}
+		msg := fmt.Sprintf("item %d of %d done", i+1, in.Items)
+		if err := job.ProgressWithCheckpointJSON(msg, float64(i+1)/float64(in.Items), resumeCheckpoint{Next: i + 1}); err != nil {
+			return nil, err
+		}
+	}
+	return executor.NewResult(map[string]int64{"started_at": start, "items": in.Items, "attempt": int64(job.Attempt)})
 }

@@ -29,6 +29,7 @@ var handlers = map[string]executor.HandlerFunc{
 	"demo.effect":           effect,
 	"demo.misbehave":        misbehave,
 	"demo.finish_on_cancel": finishOnCancel,
+	"demo.resume":           resume,
 }
 
 func main() {

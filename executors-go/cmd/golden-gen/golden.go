@@ -95,7 +95,21 @@ func fullJob() *pb.Job {
 		OutputDir:  "/var/lib/durable/runs/wr-7f3a/sr-9c21/attempt-2",
 		Secrets:    map[string]string{"DB_PASSWORD": "pw-456", "API_TOKEN": "tok-123"},
 		Labels:     map[string]string{"region": "eu-west", "gpu": "a100"},
+		// protocol 1.1: what the supervisor chose for a negotiating hello
+		NegotiatedVersion:  "1.1",
+		NegotiatedFeatures: []string{"frame_limits"},
+		MaxFrameBytes:      8 << 20,
 	}
+}
+
+// negotiatingHello is a protocol 1.1 hello: revisions, features (one the
+// supervisor does not know) and a frame limit over 2^21 (a 4-byte varint).
+func negotiatingHello() *pb.Hello {
+	h := hello()
+	h.ProtocolVersions = []string{"1.0", "1.1"}
+	h.Features = []string{"frame_limits", "x-unknown"}
+	h.MaxFrameBytes = 16 << 20
+	return h
 }
 
 func emptyCheckpointJob() *pb.Job {
@@ -150,6 +164,7 @@ func goldens() []golden {
 
 	return []golden{
 		{"hello", executorToSupervisor, []proto.Message{e2s(hello())}},
+		{"hello_negotiating", executorToSupervisor, []proto.Message{e2s(negotiatingHello())}},
 		{"job_full", supervisorToExecutor, []proto.Message{s2e(fullJob())}},
 		{"job_empty_checkpoint", supervisorToExecutor, []proto.Message{s2e(emptyCheckpointJob())}},
 		{"cancel", supervisorToExecutor, []proto.Message{s2e(&pb.Cancel{

@@ -1,4 +1,4 @@
-// Executor wire protocol, version 1.
+// Executor wire protocol, version 1 (revision 1.1: negotiation, additive).
 //
 // The one source of truth for the Rust supervisor and the Go and Python SDKs.
 // Transport: the executor's stdin carries SupervisorFrame messages, its stdout
@@ -16,6 +16,12 @@
 //   supervisor-> Cancel                     (any time; a terminal is still owed)
 //   executor  -> JobResult | JobError       (exactly one terminal per job)
 //   supervisor-> Shutdown or closes stdin   (no more jobs: the executor exits 0)
+//
+// Negotiation (1.1, additive: a 1.0 executor sends none of the new Hello
+// fields, reads none of the new Job fields, and keeps working): the Hello lists
+// the protocol revisions and features the executor speaks and the largest
+// frame it accepts; the supervisor picks one revision and the common features
+// and states them in the Job, with the largest frame it accepts.
 //
 // Persistent mode: an executor whose Hello sets max_jobs_per_process != 1 may
 // receive another Job after it sent the previous job's terminal, on the same
@@ -348,9 +354,17 @@ type Job struct {
 	// only. Never logged, never stored, never echoed back.
 	Secrets map[string]string `protobuf:"bytes,15,rep,name=secrets,proto3" json:"secrets,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// The step's labels (routing constraints the executor satisfied).
-	Labels        map[string]string `protobuf:"bytes,16,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Labels map[string]string `protobuf:"bytes,16,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Set only when the executor's Hello listed protocol_versions (1.1): the
+	// revision the supervisor chose ("1.1"), the features both sides agreed on
+	// (the Hello's features this supervisor knows, sorted), and the largest
+	// frame the supervisor accepts from the executor. A terminal frame over it
+	// must be replaced by JobError{code: "RESULT_TOO_LARGE", retryable: false}.
+	NegotiatedVersion  string   `protobuf:"bytes,17,opt,name=negotiated_version,json=negotiatedVersion,proto3" json:"negotiated_version,omitempty"`
+	NegotiatedFeatures []string `protobuf:"bytes,18,rep,name=negotiated_features,json=negotiatedFeatures,proto3" json:"negotiated_features,omitempty"`
+	MaxFrameBytes      uint64   `protobuf:"varint,19,opt,name=max_frame_bytes,json=maxFrameBytes,proto3" json:"max_frame_bytes,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *Job) Reset() {
@@ -493,6 +507,27 @@ func (x *Job) GetLabels() map[string]string {
 		return x.Labels
 	}
 	return nil
+}
+
+func (x *Job) GetNegotiatedVersion() string {
+	if x != nil {
+		return x.NegotiatedVersion
+	}
+	return ""
+}
+
+func (x *Job) GetNegotiatedFeatures() []string {
+	if x != nil {
+		return x.NegotiatedFeatures
+	}
+	return nil
+}
+
+func (x *Job) GetMaxFrameBytes() uint64 {
+	if x != nil {
+		return x.MaxFrameBytes
+	}
+	return 0
 }
 
 // Stop the job: the executor must stop soon and still send exactly one
@@ -742,8 +777,18 @@ type Hello struct {
 	// one job then exit; N > 1 = up to N; a negative value = unlimited.
 	MaxJobsPerProcess int32  `protobuf:"varint,7,opt,name=max_jobs_per_process,json=maxJobsPerProcess,proto3" json:"max_jobs_per_process,omitempty"`
 	Pid               uint32 `protobuf:"varint,8,opt,name=pid,proto3" json:"pid,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Protocol revisions spoken, "MAJOR.MINOR" (e.g. "1.0", "1.1"); empty = "1.0"
+	// only (a 1.0 executor). No revision in common with the supervisor ends the
+	// attempt with PROTOCOL_VERSION_MISMATCH (not retryable).
+	ProtocolVersions []string `protobuf:"bytes,9,rep,name=protocol_versions,json=protocolVersions,proto3" json:"protocol_versions,omitempty"`
+	// Optional capabilities offered; the supervisor ignores names it does not
+	// know. "frame_limits": the executor honours Job.max_frame_bytes.
+	Features []string `protobuf:"bytes,10,rep,name=features,proto3" json:"features,omitempty"`
+	// The largest frame body the executor accepts on stdin; 0 = the default 8 MiB.
+	// The supervisor never sends a larger one (the job fails JOB_TOO_LARGE).
+	MaxFrameBytes uint64 `protobuf:"varint,11,opt,name=max_frame_bytes,json=maxFrameBytes,proto3" json:"max_frame_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -828,6 +873,27 @@ func (x *Hello) GetMaxJobsPerProcess() int32 {
 func (x *Hello) GetPid() uint32 {
 	if x != nil {
 		return x.Pid
+	}
+	return 0
+}
+
+func (x *Hello) GetProtocolVersions() []string {
+	if x != nil {
+		return x.ProtocolVersions
+	}
+	return nil
+}
+
+func (x *Hello) GetFeatures() []string {
+	if x != nil {
+		return x.Features
+	}
+	return nil
+}
+
+func (x *Hello) GetMaxFrameBytes() uint64 {
+	if x != nil {
+		return x.MaxFrameBytes
 	}
 	return 0
 }
@@ -1284,7 +1350,7 @@ const file_durable_executor_v1_executor_proto_rawDesc = "" +
 	"\x03job\x18\x01 \x01(\v2\x18.durable.executor.v1.JobH\x00R\x03job\x125\n" +
 	"\x06cancel\x18\x02 \x01(\v2\x1b.durable.executor.v1.CancelH\x00R\x06cancel\x12;\n" +
 	"\bshutdown\x18\x03 \x01(\v2\x1d.durable.executor.v1.ShutdownH\x00R\bshutdownB\a\n" +
-	"\x05frame\"\x9f\x06\n" +
+	"\x05frame\"\xa7\a\n" +
 	"\x03Job\x12\x15\n" +
 	"\x06job_id\x18\x01 \x01(\tR\x05jobId\x12&\n" +
 	"\x0fworkflow_run_id\x18\x02 \x01(\tR\rworkflowRunId\x12\x1e\n" +
@@ -1305,7 +1371,10 @@ const file_durable_executor_v1_executor_proto_rawDesc = "" +
 	"\n" +
 	"output_dir\x18\x0e \x01(\tR\toutputDir\x12?\n" +
 	"\asecrets\x18\x0f \x03(\v2%.durable.executor.v1.Job.SecretsEntryR\asecrets\x12<\n" +
-	"\x06labels\x18\x10 \x03(\v2$.durable.executor.v1.Job.LabelsEntryR\x06labels\x1a:\n" +
+	"\x06labels\x18\x10 \x03(\v2$.durable.executor.v1.Job.LabelsEntryR\x06labels\x12-\n" +
+	"\x12negotiated_version\x18\x11 \x01(\tR\x11negotiatedVersion\x12/\n" +
+	"\x13negotiated_features\x18\x12 \x03(\tR\x12negotiatedFeatures\x12&\n" +
+	"\x0fmax_frame_bytes\x18\x13 \x01(\x04R\rmaxFrameBytes\x1a:\n" +
 	"\fSecretsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a9\n" +
@@ -1325,7 +1394,7 @@ const file_durable_executor_v1_executor_proto_rawDesc = "" +
 	"\x05event\x18\x02 \x01(\v2\".durable.executor.v1.ProgressEventH\x00R\x05event\x128\n" +
 	"\x06result\x18\x03 \x01(\v2\x1e.durable.executor.v1.JobResultH\x00R\x06result\x125\n" +
 	"\x05error\x18\x04 \x01(\v2\x1d.durable.executor.v1.JobErrorH\x00R\x05errorB\a\n" +
-	"\x05frame\"\x8d\x03\n" +
+	"\x05frame\"\xfe\x03\n" +
 	"\x05Hello\x12O\n" +
 	"\x10protocol_version\x18\x01 \x01(\x0e2$.durable.executor.v1.ProtocolVersionR\x0fprotocolVersion\x12#\n" +
 	"\rexecutor_kind\x18\x02 \x01(\tR\fexecutorKind\x12\x14\n" +
@@ -1335,7 +1404,11 @@ const file_durable_executor_v1_executor_proto_rawDesc = "" +
 	"\vsdk_version\x18\x06 \x01(\tR\n" +
 	"sdkVersion\x12/\n" +
 	"\x14max_jobs_per_process\x18\a \x01(\x05R\x11maxJobsPerProcess\x12\x10\n" +
-	"\x03pid\x18\b \x01(\rR\x03pid\x1a9\n" +
+	"\x03pid\x18\b \x01(\rR\x03pid\x12+\n" +
+	"\x11protocol_versions\x18\t \x03(\tR\x10protocolVersions\x12\x1a\n" +
+	"\bfeatures\x18\n" +
+	" \x03(\tR\bfeatures\x12&\n" +
+	"\x0fmax_frame_bytes\x18\v \x01(\x04R\rmaxFrameBytes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x90\x02\n" +

@@ -11,6 +11,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, Row};
 use uuid::Uuid;
 
+use super::blobs::{blob_ref, BlobRef, BLOB_COLUMNS};
 use super::{redact_url, Ctx, Db, DbError};
 
 /// One progress event of a step attempt, as `supervisor events` shows it.
@@ -449,17 +450,6 @@ pub struct Lineage {
     pub derived_from: BTreeMap<Uuid, Vec<Uuid>>,
 }
 
-/// A reader of one artifact's bytes, chunk by chunk, inside one read-only
-/// transaction (the blob cannot go away half-read).
-pub struct ArtifactReader {
-    tx: sqlx::Transaction<'static, sqlx::Postgres>,
-    pub info: ArtifactInfo,
-    /// The size of the stored blob (checked against the artifact's).
-    pub stored_size: i64,
-    offset: i64,
-    chunk: i64,
-}
-
 fn artifact_info(r: &sqlx::postgres::PgRow) -> ArtifactInfo {
     ArtifactInfo {
         id: r.get("id"),
@@ -479,38 +469,22 @@ const ARTIFACT_COLUMNS: &str = "a.id, a.name, a.sha256, a.size, a.media_type, s.
     a.step_run_id, a.attempt, a.run_id, a.created_at";
 
 impl Db {
-    /// Opens an artifact for reading in chunks of `chunk_bytes`; `NotFound`
-    /// for an unknown id. The bytes are read with `substring`, one chunk per
-    /// round trip, so no more than one chunk is ever in memory.
-    pub async fn open_artifact(
-        &self,
-        id: Uuid,
-        chunk_bytes: usize,
-    ) -> Result<ArtifactReader, DbError> {
-        let mut tx = self.pool().begin().await.ctx("starting a read")?;
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            .execute(&mut *tx)
-            .await
-            .ctx("starting a read")?;
+    /// An artifact and where its blob's bytes are (read them with
+    /// `crate::artifacts::ArtifactStore`); `NotFound` for an unknown id.
+    pub async fn artifact_blob(&self, id: Uuid) -> Result<(ArtifactInfo, BlobRef), DbError> {
         let row = sqlx::query(&format!(
-            "SELECT {ARTIFACT_COLUMNS}, octet_length(b.content)::bigint AS stored_size
+            "SELECT {ARTIFACT_COLUMNS}, {BLOB_COLUMNS}
                FROM durable.artifacts a
                JOIN durable.step_runs s ON s.id = a.step_run_id
                JOIN durable.artifact_blobs b ON b.sha256 = a.sha256
               WHERE a.id = $1"
         ))
         .bind(id)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(self.pool())
         .await
         .ctx("reading an artifact")?
         .ok_or_else(|| DbError::NotFound(format!("unknown artifact {id}")))?;
-        Ok(ArtifactReader {
-            info: artifact_info(&row),
-            stored_size: row.get("stored_size"),
-            tx,
-            offset: 0,
-            chunk: i64::try_from(chunk_bytes.max(1)).unwrap_or(1 << 20),
-        })
+        Ok((artifact_info(&row), blob_ref(&row)?))
     }
 
     /// The artifact `id` and its lineage back to the first inputs, through
@@ -571,41 +545,5 @@ impl Db {
             nodes,
             derived_from,
         })
-    }
-}
-
-impl ArtifactReader {
-    /// The next chunk of the artifact's bytes, or `None` at the end.
-    pub async fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, DbError> {
-        if self.offset >= self.stored_size {
-            return Ok(None);
-        }
-        let bytes: Option<Vec<u8>> = sqlx::query_scalar(
-            // bytea values stop below 1 GiB: the offsets fit an integer
-            "SELECT substring(content FROM ($2::bigint)::int FOR ($3::bigint)::int)
-               FROM durable.artifact_blobs WHERE sha256 = $1",
-        )
-        .bind(&self.info.sha256)
-        .bind(self.offset + 1) // substring counts from 1
-        .bind(self.chunk)
-        .fetch_optional(&mut *self.tx)
-        .await
-        .ctx("reading an artifact's bytes")?;
-        let bytes = bytes.ok_or_else(|| {
-            DbError::Corrupt(format!("artifact {}: its blob is gone", self.info.id))
-        })?;
-        if bytes.is_empty() {
-            return Err(DbError::Corrupt(format!(
-                "artifact {}: its blob ended at byte {} of {}",
-                self.info.id, self.offset, self.stored_size
-            )));
-        }
-        self.offset += bytes.len() as i64;
-        Ok(Some(bytes))
-    }
-
-    /// Ends the read.
-    pub async fn finish(self) -> Result<(), DbError> {
-        self.tx.commit().await.ctx("ending a read")
     }
 }

@@ -8,17 +8,24 @@
 //! (typestate, as in underway). Transactions are short: none is held while a
 //! child runs. Times for leases come from the database clock (`now()`).
 
+mod blobs;
 mod inspect;
 mod ledger;
 mod observe;
+mod retention;
+pub use blobs::{BlobPlace, BlobRef, Recorded};
 pub use inspect::{
-    ArtifactInfo, ArtifactReader, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary,
-    WatchRun, WatchStep,
+    ArtifactInfo, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary, WatchRun,
+    WatchStep,
 };
 pub use ledger::{
     Batch, BatchOutcome, CompleteWrite, EventsWrite, OwnedEvent, RowOutcome, StartWrite,
 };
 pub use observe::QueueDepth;
+pub use retention::{
+    RetentionBatch, RetentionOptions, RetentionPreview, RetentionReport, BLOB_GARBAGE_AGE,
+    RETENTION_TABLES,
+};
 
 use std::collections::BTreeMap;
 use std::time::Duration as StdDuration;
@@ -213,6 +220,9 @@ pub struct LeasedStep {
     pub secrets: Vec<String>,
     pub checkpoint: Option<Vec<u8>>,
     pub cancel_requested: bool,
+    /// Whether the step's definition names dependencies (only then can it
+    /// have input artifacts to fetch).
+    pub has_dependencies: bool,
 }
 
 /// What one batched heartbeat learned.
@@ -240,13 +250,14 @@ pub struct NewEvent<'a> {
     pub executor_at: Option<DateTime<Utc>>,
 }
 
-/// An artifact verified on local disk, to be stored with a successful result.
+/// An artifact of a successful result whose blob is already stored (see
+/// `crate::artifacts`): the commit references it by sha256 and size.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewArtifact {
     pub name: String,
     pub sha256: String,
+    pub size: i64,
     pub media_type: String,
-    pub content: Vec<u8>,
     pub derived_from: Vec<Uuid>,
 }
 
@@ -259,7 +270,8 @@ pub struct InputArtifact {
     pub size: i64,
     pub media_type: String,
     pub step_name: String,
-    pub content: Vec<u8>,
+    /// Where its bytes are (read them with `crate::artifacts::ArtifactStore`).
+    pub blob: BlobRef,
 }
 
 /// A failure as the worker observed it, with the evidence to store.
@@ -686,7 +698,10 @@ impl Db {
               WHERE s.id = c.id
           RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input, s.idempotency_key,
                     s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
-                    s.secrets, s.checkpoint, s.cancel_requested",
+                    s.secrets, s.checkpoint, s.cancel_requested,
+                    EXISTS (SELECT 1 FROM durable.step_defs d
+                             WHERE d.run_id = s.run_id AND d.name = s.name
+                               AND cardinality(d.depends_on) > 0) AS has_dependencies",
         )
         .bind(worker_id)
         .bind(worker_name)
@@ -851,10 +866,11 @@ impl Db {
         fenced(n.max(0) as u64, lease)
     }
 
-    /// The attempt succeeded: stores artifacts, lineage, the terminal event and
-    /// the output, and moves `running → succeeded` — one short transaction,
-    /// fenced. The run is recomputed (and dependents created) by the database in
-    /// the same transaction.
+    /// The attempt succeeded: records its artifacts (whose blobs are already
+    /// stored: no bytes travel here), lineage, the terminal event and the
+    /// output, and moves `running → succeeded` — one short transaction,
+    /// fenced (`durable.complete_step_stored`). The run is recomputed (and
+    /// dependents created) by the database in the same transaction.
     pub async fn complete(
         &self,
         lease: &Lease,
@@ -866,7 +882,7 @@ impl Db {
         let names: Vec<&str> = artifacts.iter().map(|a| a.name.as_str()).collect();
         let shas: Vec<&str> = artifacts.iter().map(|a| a.sha256.as_str()).collect();
         let media: Vec<&str> = artifacts.iter().map(|a| a.media_type.as_str()).collect();
-        let contents: Vec<&[u8]> = artifacts.iter().map(|a| a.content.as_slice()).collect();
+        let sizes: Vec<i64> = artifacts.iter().map(|a| a.size).collect();
         let derived = serde_json::Value::Array(
             artifacts
                 .iter()
@@ -874,7 +890,7 @@ impl Db {
                 .collect(),
         );
         let ids: Option<Vec<Uuid>> = sqlx::query_scalar(
-            "SELECT durable.complete_step($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            "SELECT durable.complete_step_stored($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(lease.step_run_id)
         .bind(lease.token)
@@ -883,8 +899,8 @@ impl Db {
         .bind(sequence.map(|s| s as i64))
         .bind(&names)
         .bind(&shas)
+        .bind(&sizes)
         .bind(&media)
-        .bind(&contents)
         .bind(&derived)
         .fetch_one(&self.pool)
         .await
@@ -1135,32 +1151,34 @@ impl Db {
         run_id: Uuid,
         step_name: &str,
     ) -> Result<Vec<InputArtifact>, DbError> {
-        let rows = sqlx::query(
-            "SELECT a.id, a.name, a.sha256, a.size, a.media_type, s.name AS step_name, b.content
+        let rows = sqlx::query(&format!(
+            "SELECT a.id, a.name, a.sha256, a.size, a.media_type, s.name AS step_name, {}
                FROM durable.step_defs d
                JOIN durable.step_runs s ON s.run_id = d.run_id AND s.name = ANY (d.depends_on)
                JOIN durable.artifacts a ON a.step_run_id = s.id
                JOIN durable.artifact_blobs b ON b.sha256 = a.sha256
               WHERE d.run_id = $1 AND d.name = $2
               ORDER BY array_position(d.depends_on, s.name), a.name",
-        )
+            blobs::BLOB_COLUMNS
+        ))
         .bind(run_id)
         .bind(step_name)
         .fetch_all(&self.pool)
         .await
         .ctx("reading input artifacts")?;
-        Ok(rows
-            .into_iter()
-            .map(|r| InputArtifact {
-                id: r.get("id"),
-                name: r.get("name"),
-                sha256: r.get("sha256"),
-                size: r.get("size"),
-                media_type: r.get("media_type"),
-                step_name: r.get("step_name"),
-                content: r.get("content"),
+        rows.iter()
+            .map(|r| {
+                Ok(InputArtifact {
+                    id: r.get("id"),
+                    name: r.get("name"),
+                    sha256: r.get("sha256"),
+                    size: r.get("size"),
+                    media_type: r.get("media_type"),
+                    step_name: r.get("step_name"),
+                    blob: blobs::blob_ref(r)?,
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// How many runs are pending or running.
@@ -1293,6 +1311,7 @@ fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
         secrets: r.get("secrets"),
         checkpoint: r.get("checkpoint"),
         cancel_requested: r.get("cancel_requested"),
+        has_dependencies: r.get("has_dependencies"),
     })
 }
 

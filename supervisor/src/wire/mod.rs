@@ -3,8 +3,10 @@
 //! supervisor speaks the plain Rust types below.
 
 mod codec;
+pub mod negotiate;
 
 pub use codec::{encode_frame, FrameDecoder, DEFAULT_MAX_FRAME_BYTES};
+pub use negotiate::{negotiate, prepare_job, Agreement, NegotiationError, SupervisorOffer};
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -47,6 +49,11 @@ pub struct Hello {
     pub sdk_version: String,
     pub max_jobs_per_process: i32,
     pub pid: u32,
+    /// Protocol revisions spoken ("1.0", "1.1"); empty for a 1.0 executor.
+    pub protocol_versions: Vec<String>,
+    pub features: Vec<String>,
+    /// The largest frame body the executor accepts; 0 = the default.
+    pub max_frame_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,6 +170,9 @@ pub struct Job {
     pub output_dir: String,
     pub secrets: BTreeMap<String, String>,
     pub labels: BTreeMap<String, String>,
+    /// What was negotiated with the executor (`negotiate::prepare_job`);
+    /// from revision 1.1 on it is stated in the frame, `None` sends a 1.0 job.
+    pub agreement: Option<Agreement>,
 }
 
 impl std::fmt::Debug for Job {
@@ -215,6 +225,9 @@ impl From<pb::ExecutorFrame> for FromExecutor {
                 sdk_version: h.sdk_version,
                 max_jobs_per_process: h.max_jobs_per_process,
                 pid: h.pid,
+                protocol_versions: h.protocol_versions,
+                features: h.features,
+                max_frame_bytes: h.max_frame_bytes,
             }),
             Some(Frame::Event(e)) => FromExecutor::Event(Event {
                 kind: match pb::EventKind::try_from(e.kind) {
@@ -294,6 +307,7 @@ impl From<&ToExecutor> for pb::SupervisorFrame {
                 output_dir: j.output_dir.clone(),
                 secrets: j.secrets.clone(),
                 labels: j.labels.clone(),
+                ..negotiated_fields(j.agreement.as_ref())
             }),
             ToExecutor::Cancel {
                 job_id,
@@ -318,6 +332,26 @@ impl From<&ToExecutor> for pb::SupervisorFrame {
         };
         pb::SupervisorFrame { frame: Some(frame) }
     }
+}
+
+/// The 1.1 fields of a job (empty for 1.0: such a job is a 1.0 job, byte for byte).
+fn negotiated_fields(a: Option<&Agreement>) -> pb::Job {
+    match a {
+        Some(a) if a.negotiated() => pb::Job {
+            negotiated_version: a.revision.to_string(),
+            negotiated_features: a.features.clone(),
+            max_frame_bytes: a.supervisor_max_frame_bytes,
+            ..pb::Job::default()
+        },
+        _ => pb::Job::default(),
+    }
+}
+
+/// The encoded length of a supervisor frame's body (without its length prefix),
+/// what the executor's frame limit applies to.
+pub fn frame_body_len(m: &ToExecutor) -> u64 {
+    use prost::Message;
+    pb::SupervisorFrame::from(m).encoded_len() as u64
 }
 
 /// Why no hello was read.

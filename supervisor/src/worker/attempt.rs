@@ -14,7 +14,6 @@
 //! in the worker's renewal set.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::PermissionsExt;
 use std::panic::AssertUnwindSafe;
 use std::path::{Component, Path};
 use std::sync::Arc;
@@ -23,7 +22,6 @@ use std::time::Duration;
 use chrono::Utc;
 use futures::{FutureExt, StreamExt};
 use nix::sys::signal::Signal;
-use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use tokio::process::ChildStdin;
 use tokio::sync::{mpsc, watch};
@@ -36,6 +34,7 @@ mod machine;
 use machine::*;
 
 use super::{Control, ExecutorRuntime, LeaseView, Shared, DB_CALL_TIMEOUT};
+use crate::artifacts::{ArtifactStore, StoreError};
 use crate::db::{
     bounded, CompleteWrite, DbError, EventsWrite, FailureReport, Lease, LeasedStep, NewArtifact,
     NewEvent, OwnedEvent, StartWrite,
@@ -344,6 +343,7 @@ async fn execute(
         output_dir: out_dir.to_string_lossy().into_owned(),
         secrets,
         labels: step.labels.clone(),
+        agreement: None,
     };
 
     // a warm process of a persistent executor, or a new one (a one-shot
@@ -470,12 +470,18 @@ fn resolve_secrets(
         })
 }
 
-/// Writes the input artifacts under `in/<step>/<name>`, read-only.
+/// Streams the input artifacts from the artifact store to
+/// `in/<step>/<name>`, chunk by chunk, checked against their size and sha256,
+/// read-only.
 async fn materialize_inputs(
     shared: &Shared,
     step: &LeasedStep,
     in_dir: &Path,
 ) -> Result<Vec<wire::InputArtifact>, Outcome> {
+    if !step.has_dependencies {
+        // no dependency, no input artifact: no query
+        return Ok(Vec::new());
+    }
     let arts = bounded(
         DB_CALL_TIMEOUT,
         "reading input artifacts",
@@ -486,19 +492,24 @@ async fn materialize_inputs(
         code: "INPUT_UNAVAILABLE".into(),
         message: format!("cannot read input artifacts: {e}"),
     })?;
+    let store = ArtifactStore::new(shared.db.clone(), &shared.cfg);
     let mut out = Vec::with_capacity(arts.len());
     for a in arts {
         let dir = in_dir.join(sanitize(&a.step_name));
         let path = dir.join(sanitize(&a.name));
-        let written = async {
-            tokio::fs::create_dir_all(&dir).await?;
-            tokio::fs::write(&path, &a.content).await?;
-            tokio::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).await
-        }
-        .await;
-        if let Err(e) = written {
+        if let Err(e) = tokio::fs::create_dir_all(&dir).await {
             return Err(Outcome::Refused {
                 code: "WORK_DIR_UNAVAILABLE".into(),
+                message: format!("cannot write input artifact {}: {e}", a.name),
+            });
+        }
+        if let Err(e) = store.copy_to_file(&a.blob, &path).await {
+            let code = match e {
+                StoreError::Write { .. } => "WORK_DIR_UNAVAILABLE",
+                _ => "INPUT_UNAVAILABLE",
+            };
+            return Err(Outcome::Refused {
+                code: code.into(),
                 message: format!("cannot write input artifact {}: {e}", a.name),
             });
         }
@@ -670,23 +681,27 @@ async fn write_loop(
     mut rx: mpsc::Receiver<Intent>,
     control: watch::Receiver<LeaseView>,
 ) {
+    /// One write of a queued run of intents, in order.
+    enum Write {
+        Start(StartWrite),
+        Plain(EventsWrite),
+        /// A checkpoint rewrites the step row: a write of its own.
+        Checkpointed(Vec<wire::Event>),
+    }
     let mut buf = Vec::with_capacity(64);
     while rx.recv_many(&mut buf, 64).await > 0 {
+        let mut writes = Vec::new();
         let mut i = 0;
         while i < buf.len() {
-            let res = match &buf[i] {
+            match &buf[i] {
                 Intent::Start { pid, event } => {
                     i += 1;
-                    let w = StartWrite {
+                    writes.push(Write::Start(StartWrite {
                         run_id,
                         lease: lease.clone(),
                         pid: *pid,
                         event: owned_event(event),
-                    };
-                    retrying(&control, "recording the start", || {
-                        shared.ledger.start(w.clone())
-                    })
-                    .await
+                    }));
                 }
                 Intent::Event(_) => {
                     let end = buf[i..]
@@ -703,24 +718,58 @@ async fn write_loop(
                         .collect();
                     let kept = coalesce(&run);
                     i = end;
-                    if kept.iter().any(|e| e.checkpoint.is_some()) {
-                        // a checkpoint rewrites the step row: a write of its own
-                        let evs: Vec<NewEvent<'_>> = kept.into_iter().map(new_event).collect();
-                        retrying(&control, "recording progress events", || {
-                            shared.db.record_events(&lease, &evs)
-                        })
-                        .await
+                    writes.push(if kept.iter().any(|e| e.checkpoint.is_some()) {
+                        Write::Checkpointed(kept.into_iter().cloned().collect())
                     } else {
-                        let w = EventsWrite {
+                        Write::Plain(EventsWrite {
                             lease: lease.clone(),
                             events: kept.into_iter().map(owned_event).collect(),
-                        };
-                        retrying(&control, "recording progress events", || {
-                            shared.ledger.events(w.clone())
                         })
-                        .await
-                    }
+                    });
                 }
+            }
+        }
+        buf.clear();
+        // the first try of every ledger write of this run is handed over at
+        // once, in order: a start and the events right behind it (the SDKs'
+        // RUNNING) land in one batch, with no round trip of their own
+        let mut handed = Vec::with_capacity(writes.len());
+        for w in &writes {
+            handed.push(match w {
+                Write::Start(s) => Some(shared.ledger.submit_start(s.clone()).await),
+                Write::Plain(e) => Some(shared.ledger.submit_events(e.clone()).await),
+                Write::Checkpointed(_) => None,
+            });
+        }
+        for (w, first) in writes.into_iter().zip(handed) {
+            let first = match first {
+                Some(Ok(p)) => p.answer().await,
+                Some(Err(e)) => Err(e),
+                None => Ok(()),
+            };
+            let res = match (w, first) {
+                (Write::Checkpointed(evs), _) => {
+                    let evs: Vec<NewEvent<'_>> = evs.iter().map(new_event).collect();
+                    retrying(&control, "recording progress events", || {
+                        shared.db.record_events(&lease, &evs)
+                    })
+                    .await
+                }
+                (Write::Start(s), Err(e)) if e.is_transient() => {
+                    warn!(error = %e, "recording the start failed; retrying");
+                    retrying(&control, "recording the start", || {
+                        shared.ledger.start(s.clone())
+                    })
+                    .await
+                }
+                (Write::Plain(ev), Err(e)) if e.is_transient() => {
+                    warn!(error = %e, "recording progress events failed; retrying");
+                    retrying(&control, "recording progress events", || {
+                        shared.ledger.events(ev.clone())
+                    })
+                    .await
+                }
+                (_, r) => r,
             };
             match res {
                 Ok(()) => {}
@@ -733,7 +782,6 @@ async fn write_loop(
                 }
             }
         }
-        buf.clear();
     }
 }
 
@@ -841,6 +889,22 @@ async fn converse(
         };
         return decline(child, stdin, cfg, outcome).await;
     }
+    // protocol 1.1: the revision, features and frame limits agreed with this
+    // hello are stated in the job; a job over the executor's limit is not sent
+    let offer = wire::SupervisorOffer::new(cfg.max_frame_bytes);
+    let job = &match wire::prepare_job(&hello, &offer, job) {
+        Ok(job) => job,
+        Err(e) => {
+            warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
+            if e.code() == "PROTOCOL_VERSION_MISMATCH" {
+                // the binary changed since its probe: nothing more is leased
+                // for it until the worker is restarted with a compatible one
+                exec.set_routes(Vec::new());
+            }
+            let outcome = Outcome::failed(e.code(), false, e.to_string());
+            return decline(child, stdin, cfg, outcome).await;
+        }
+    };
 
     // a cancel or a lost lease that arrived during spawn and handshake: the
     // step is still only leased, so the job is never sent
@@ -940,6 +1004,7 @@ async fn converse(
         Verdict::Outcome(o) => o,
         Verdict::Verify(r) => {
             verify_result(
+                &ArtifactStore::new(shared.db.clone(), cfg),
                 job,
                 r,
                 accepted,
@@ -1327,10 +1392,13 @@ fn new_event(e: &wire::Event) -> NewEvent<'_> {
 }
 
 /// Turns a result into an outcome: the output must be JSON and every artifact
-/// must be where the manifest says, with its size and hash.
-/// Verifies a result off the runtime threads: reading and hashing artifacts
-/// (up to `max_artifact_bytes` each) must not stall other attempts or the heartbeat.
+/// must be where the manifest says (`finish_result`, off the runtime
+/// threads), then each artifact streams into the artifact store, its size and
+/// sha256 checked against the manifest on the way (`ARTIFACT_DIGEST_MISMATCH`
+/// otherwise; nothing of it stays stored). The commit then only references
+/// the stored blobs.
 async fn verify_result(
+    store: &ArtifactStore,
     job: &wire::Job,
     r: JobResult,
     accepted: bool,
@@ -1348,14 +1416,56 @@ async fn verify_result(
             max_result_bytes,
         )
     };
-    match tokio::task::spawn_blocking(check).await {
-        Ok(outcome) => outcome,
-        Err(e) => Outcome::failed(
-            "ARTIFACT_INVALID",
-            true,
-            format!("verifying the result failed: {e}"),
-        ),
+    let checked = match tokio::task::spawn_blocking(check).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(outcome)) => return outcome,
+        Err(e) => {
+            return Outcome::failed(
+                "ARTIFACT_INVALID",
+                true,
+                format!("verifying the result failed: {e}"),
+            )
+        }
+    };
+    let mut artifacts = checked.artifacts;
+    for (a, (path, declared_sha)) in artifacts.iter_mut().zip(checked.files) {
+        match store
+            .put_file(&a.name, &path, a.size.max(0) as u64, &declared_sha)
+            .await
+        {
+            Ok(sha) => a.sha256 = sha,
+            Err(e) if e.is_mismatch() => {
+                return Outcome::failed("ARTIFACT_DIGEST_MISMATCH", false, e.to_string())
+            }
+            Err(e @ StoreError::Read { .. }) => {
+                return Outcome::failed("ARTIFACT_INVALID", false, e.to_string())
+            }
+            Err(e) => {
+                return Outcome::failed(
+                    "ARTIFACT_STORE_FAILED",
+                    true,
+                    format!("artifact {:?}: storing it failed: {e}", a.name),
+                )
+            }
+        }
     }
+    Outcome::Succeeded {
+        output: checked.output,
+        artifacts,
+        sequence: checked.sequence,
+    }
+}
+
+/// A result whose output and manifest passed the checks; its files are not
+/// read yet.
+struct Checked {
+    output: serde_json::Value,
+    /// The artifacts as the commit will name them (`sha256` is replaced by
+    /// the stored digest once uploaded).
+    artifacts: Vec<NewArtifact>,
+    /// Per artifact: the file and the manifest's sha256.
+    files: Vec<(std::path::PathBuf, String)>,
+    sequence: u64,
 }
 
 fn finish_result(
@@ -1365,13 +1475,13 @@ fn finish_result(
     accepted: bool,
     max_artifact_bytes: u64,
     max_result_bytes: u64,
-) -> Outcome {
+) -> Result<Checked, Outcome> {
     if !accepted {
-        return Outcome::failed(
+        return Err(Outcome::failed(
             "PROTOCOL_UNEXPECTED_FRAME",
             false,
             "a result before accepted",
-        );
+        ));
     }
     let output = if r.output.is_empty() {
         serde_json::Value::Null
@@ -1379,41 +1489,42 @@ fn finish_result(
         match serde_json::from_slice(&r.output) {
             Ok(v) => v,
             Err(e) => {
-                return Outcome::failed(
+                return Err(Outcome::failed(
                     "OUTPUT_INVALID",
                     false,
                     format!("the result's output is not JSON: {e}"),
-                )
+                ))
             }
         }
     };
     if has_nul(&output) {
-        return Outcome::failed(
+        return Err(Outcome::failed(
             "OUTPUT_INVALID",
             false,
             "the result's output contains a NUL character (\\u0000), which cannot be stored",
-        );
+        ));
     }
-    // all artifacts of one result travel to the database in one message:
-    // their sum is capped below PostgreSQL's 1 GiB message limit
+    // all artifacts of one result together are capped (storage, not memory:
+    // each streams to the artifact store)
     let declared: u64 = r
         .artifacts
         .iter()
         .map(|m| m.size)
         .fold(0, u64::saturating_add);
     if declared > max_result_bytes {
-        return Outcome::failed(
+        return Err(Outcome::failed(
             "RESULT_TOO_LARGE",
             false,
             format!(
                 "the result's artifacts declare {declared} bytes together; max_result_bytes is {max_result_bytes}"
             ),
-        );
+        ));
     }
     let mut total: u64 = 0;
     let inputs: std::collections::HashMap<&str, &wire::InputArtifact> =
         input_artifacts.iter().map(|a| (a.id.as_str(), a)).collect();
     let mut artifacts = Vec::with_capacity(r.artifacts.len());
+    let mut files = Vec::with_capacity(r.artifacts.len());
     let mut names = std::collections::HashSet::new();
     for m in &r.artifacts {
         let rel = Path::new(&m.path);
@@ -1421,58 +1532,58 @@ fn finish_result(
             .iter()
             .any(|t| t.contains('\0'))
         {
-            return Outcome::failed(
+            return Err(Outcome::failed(
                 "ARTIFACT_INVALID",
                 false,
                 format!(
                     "artifact {:?}: a field contains a NUL character",
                     m.name.replace('\0', "\u{fffd}")
                 ),
-            );
+            ));
         }
         if m.name.is_empty() || !names.insert(m.name.clone()) {
-            return Outcome::failed(
+            return Err(Outcome::failed(
                 "ARTIFACT_INVALID",
                 false,
                 format!("artifact name {:?} is empty or repeated", m.name),
-            );
+            ));
         }
         if m.path.is_empty()
             || rel.is_absolute()
             || rel.components().any(|c| !matches!(c, Component::Normal(_)))
         {
-            return Outcome::failed(
+            return Err(Outcome::failed(
                 "ARTIFACT_INVALID",
                 false,
                 format!(
                     "artifact {:?}: path {:?} must be relative to output_dir, without '..'",
                     m.name, m.path
                 ),
-            );
+            ));
         }
         let full = out_dir.join(rel);
         let real = match std::fs::canonicalize(&full) {
             Ok(p) => p,
             Err(e) => {
-                return Outcome::failed(
+                return Err(Outcome::failed(
                     "ARTIFACT_INVALID",
                     false,
                     format!("artifact {:?}: {}: {e}", m.name, m.path),
-                )
+                ))
             }
         };
         let real_out = std::fs::canonicalize(out_dir).unwrap_or_else(|_| out_dir.to_owned());
         if !real.starts_with(&real_out) {
-            return Outcome::failed(
+            return Err(Outcome::failed(
                 "ARTIFACT_INVALID",
                 false,
                 format!("artifact {:?} escapes output_dir", m.name),
-            );
+            ));
         }
-        // checked before reading: artifacts are held in memory and stored in PostgreSQL
+        // checked before reading: a cap on what one attempt may store
         let on_disk = std::fs::metadata(&real).map(|m| m.len()).unwrap_or(0);
         if on_disk > max_artifact_bytes || m.size > max_artifact_bytes {
-            return Outcome::failed(
+            return Err(Outcome::failed(
                 "ARTIFACT_INVALID",
                 false,
                 format!(
@@ -1480,81 +1591,62 @@ fn finish_result(
                     m.name,
                     on_disk.max(m.size)
                 ),
-            );
+            ));
         }
         total = total.saturating_add(on_disk);
         if total > max_result_bytes {
-            return Outcome::failed(
+            return Err(Outcome::failed(
                 "RESULT_TOO_LARGE",
                 false,
                 format!(
                     "the result's artifacts hold more than max_result_bytes = {max_result_bytes} bytes together"
                 ),
-            );
+            ));
         }
-        let content = match std::fs::read(&real) {
-            Ok(c) => c,
-            Err(e) => {
-                return Outcome::failed(
-                    "ARTIFACT_INVALID",
-                    false,
-                    format!("artifact {:?}: {e}", m.name),
-                )
-            }
-        };
-        if content.len() as u64 != m.size {
-            return Outcome::failed(
-                "ARTIFACT_INVALID",
+        // a file that is not what the manifest says is refused before a
+        // byte is uploaded; the digest is checked while streaming
+        if on_disk != m.size {
+            return Err(Outcome::failed(
+                "ARTIFACT_DIGEST_MISMATCH",
                 false,
                 format!(
-                    "artifact {:?}: manifest says {} bytes, file has {}",
-                    m.name,
-                    m.size,
-                    content.len()
+                    "artifact {:?}: manifest says {} bytes, file has {on_disk}",
+                    m.name, m.size
                 ),
-            );
-        }
-        let sha = hex::encode(Sha256::digest(&content));
-        if !sha.eq_ignore_ascii_case(&m.sha256) {
-            return Outcome::failed(
-                "ARTIFACT_INVALID",
-                false,
-                format!(
-                    "artifact {:?}: sha256 mismatch (manifest {}, file {sha})",
-                    m.name, m.sha256
-                ),
-            );
+            ));
         }
         let mut derived = Vec::with_capacity(m.derived_from.len());
         for d in &m.derived_from {
             match inputs.get(d.as_str()).and_then(|a| Uuid::parse_str(&a.id).ok()) {
                 Some(id) => derived.push(id),
                 None => {
-                    return Outcome::failed(
+                    return Err(Outcome::failed(
                         "ARTIFACT_INVALID",
                         false,
                         format!("artifact {:?} derives from {d:?}, which is not an input artifact of this step", m.name),
-                    )
+                    ))
                 }
             }
         }
+        files.push((real, m.sha256.clone()));
         artifacts.push(NewArtifact {
             name: m.name.clone(),
-            sha256: sha,
+            sha256: m.sha256.to_ascii_lowercase(),
+            size: i64::try_from(m.size).unwrap_or(i64::MAX),
             media_type: if m.media_type.is_empty() {
                 "application/octet-stream".into()
             } else {
                 m.media_type.clone()
             },
-            content,
             derived_from: derived,
         });
     }
-    Outcome::Succeeded {
+    Ok(Checked {
         output,
         artifacts,
+        files,
         sequence: r.sequence,
-    }
+    })
 }
 
 async fn wait_exit(child: &mut Child, grace: Duration) -> bool {

@@ -58,24 +58,46 @@ fn gone() -> DbError {
     }
 }
 
+/// A write handed to the ledger, its answer still to come.
+pub(crate) struct Pending(oneshot::Receiver<Result<(), DbError>>);
+
+impl Pending {
+    pub(crate) async fn answer(self) -> Result<(), DbError> {
+        self.0.await.map_err(|_| gone())?
+    }
+}
+
 impl Ledger {
-    async fn ask(&self, make: impl FnOnce(Reply) -> Request) -> Result<(), DbError> {
+    async fn submit(&self, make: impl FnOnce(Reply) -> Request) -> Result<Pending, DbError> {
         let (reply, answer) = oneshot::channel();
         self.tx.send(make(reply)).await.map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
+        Ok(Pending(answer))
     }
 
-    pub(crate) async fn start(&self, w: StartWrite) -> Result<(), DbError> {
-        self.ask(|r| Request::Start(w, r)).await
+    /// Hands a start to the ledger without waiting for its commit: what is
+    /// handed right after it (the events behind it) goes in the same batch.
+    pub(crate) async fn submit_start(&self, w: StartWrite) -> Result<Pending, DbError> {
+        self.submit(|r| Request::Start(w, r)).await
     }
 
     /// Plain events only (none carries a checkpoint).
+    pub(crate) async fn submit_events(&self, w: EventsWrite) -> Result<Pending, DbError> {
+        self.submit(|r| Request::Events(w, r)).await
+    }
+
+    pub(crate) async fn start(&self, w: StartWrite) -> Result<(), DbError> {
+        self.submit_start(w).await?.answer().await
+    }
+
     pub(crate) async fn events(&self, w: EventsWrite) -> Result<(), DbError> {
-        self.ask(|r| Request::Events(w, r)).await
+        self.submit_events(w).await?.answer().await
     }
 
     pub(crate) async fn complete(&self, w: CompleteWrite) -> Result<(), DbError> {
-        self.ask(|r| Request::Complete(w, r)).await
+        self.submit(|r| Request::Complete(w, r))
+            .await?
+            .answer()
+            .await
     }
 }
 

@@ -216,7 +216,10 @@ pub async fn probe(
             h.protocol_version,
             wire::PROTOCOL_VERSION
         ))),
-        (Ok(h), _) => Ok(h),
+        (Ok(h), _) => match wire::negotiate(&h, &wire::SupervisorOffer::new(wcfg.max_frame_bytes)) {
+            Ok(_) => Ok(h),
+            Err(e) => Err(fail(format!("{} ({e})", e.code()))),
+        },
         (Err(why), Ok(r)) => Err(fail(format!(
             "{why}; exit {}; stderr: {}",
             r.status,
@@ -362,6 +365,7 @@ impl Worker {
             "ledger"
         });
         let mut background = JoinSet::new();
+        spawn_retention_loop(&mut background, &shared, &loops_stop);
         background.spawn(listen_loop(
             shared.clone(),
             self.wake.clone(),
@@ -683,6 +687,78 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
         }
     }
 }
+
+/// Retention without an operator: every `retention_interval_ms` (plus up to
+/// 10% jitter, so workers started together spread out) a pass removes the
+/// finished runs older than `retention`. On a connection of its own (opened
+/// lazily), so a pass never takes one the attempts need. Not vital: a failed
+/// pass is logged and tried again next interval. Concurrent passes of several
+/// workers are harmless (one batch at a time, in the database).
+fn spawn_retention_loop(
+    background: &mut JoinSet<()>,
+    shared: &Arc<Shared>,
+    stop: &CancellationToken,
+) {
+    let cfg = &shared.cfg;
+    // validated at load; a config built in code with a bad value keeps its runs
+    let older_than = match cfg.retention_age() {
+        Ok(Some(age)) => age,
+        Ok(None) => return,
+        Err(e) => {
+            warn!(error = %e, "retention is off");
+            return;
+        }
+    };
+    let opts = crate::db::RetentionOptions {
+        older_than,
+        batch_runs: cfg.retention_batch_runs,
+        batch_steps: cfg.retention_batch_steps,
+        vacuum: cfg.retention_vacuum,
+    };
+    let interval = Duration::from_millis(cfg.retention_interval_ms.max(1));
+    let db = shared.db.dedicated(RETENTION_STATEMENT_TIMEOUT);
+    let artifact_dir = cfg.artifact_dir.clone();
+    let stop = stop.clone();
+    background.spawn(async move {
+        loop {
+            let jitter = interval.mul_f64(rand::random::<f64>() * 0.1);
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(interval + jitter) => {}
+            }
+            let res = tokio::select! {
+                _ = stop.cancelled() => return,
+                r = db.retention_pass(&opts, &stop) => r,
+            };
+            if let Some(dir) = &artifact_dir {
+                // files of removed directory-store blobs (the database queued them)
+                match crate::artifacts::remove_deleted_files(&db, dir).await {
+                    Ok(0) => {}
+                    Ok(n) => info!(files = n, "retention deleted the files of removed artifact blobs"),
+                    Err(e) => warn!(error = %e, "cannot delete removed artifact files; trying again next interval"),
+                }
+            }
+            match res {
+                Ok(r) if r.removed_anything() => info!(
+                    runs = r.runs,
+                    steps = r.steps,
+                    blobs = r.blobs,
+                    workers = r.workers,
+                    batches = r.batches,
+                    longest_batch_ms = r.longest_batch.as_millis() as u64,
+                    vacuum_ms = r.vacuum_time.as_millis() as u64,
+                    "retention removed old finished runs"
+                ),
+                Ok(_) => debug!("retention: nothing old enough"),
+                Err(e) => warn!(error = %e, "retention pass failed; trying again next interval"),
+            }
+        }
+    });
+}
+
+/// The retention connection's statement timeout (a batch is far shorter;
+/// VACUUM lifts it for itself).
+const RETENTION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// LISTEN/NOTIFY is only a wake-up hint; polling and the heartbeat remain the
 /// paths that always work, so a lost notification costs latency, never a cancel.

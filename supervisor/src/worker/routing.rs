@@ -106,6 +106,9 @@ mod tests {
             sdk_version: "0".into(),
             max_jobs_per_process: 1,
             pid: 1,
+            protocol_versions: Vec::new(),
+            features: Vec::new(),
+            max_frame_bytes: 0,
         }
     }
 

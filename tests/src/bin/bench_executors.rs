@@ -133,6 +133,7 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
         output_dir: out_dir.to_string_lossy().into_owned(),
         secrets: BTreeMap::new(),
         labels: BTreeMap::new(),
+        agreement: None,
     };
     stdin
         .write_all(&wire::encode_to_executor(&ToExecutor::Job(Box::new(job))))

@@ -150,6 +150,7 @@ pub(crate) fn on_frame(
                 // liveness only: the worker's batched heartbeat keeps the lease
                 return FrameVerdict::Continue;
             }
+
             FrameVerdict::Write(Intent::Event(e))
         }
         FromExecutor::Result(r) => {
@@ -252,6 +253,8 @@ pub(crate) const RESERVED_CODES: &[&str] = &[
     "SECRET_NOT_ALLOWED",
     "WORK_DIR_UNAVAILABLE",
     "INPUT_UNAVAILABLE",
+    "ARTIFACT_DIGEST_MISMATCH",
+    "ARTIFACT_STORE_FAILED",
     "COMMIT_REJECTED",
     "SUPERVISOR_PANIC",
     "EXECUTOR_ERROR",
@@ -261,6 +264,8 @@ pub(crate) const RESERVED_CODES: &[&str] = &[
     "PROTOCOL_FRAME_AFTER_TERMINAL",
     "PROTOCOL_UNEXPECTED_FRAME",
     "PROTOCOL_INVALID_TEXT",
+    "PROTOCOL_VERSION_MISMATCH",
+    "JOB_TOO_LARGE",
 ];
 
 pub(crate) fn is_reserved(code: &str) -> bool {

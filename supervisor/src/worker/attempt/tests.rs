@@ -22,6 +22,7 @@ fn job() -> wire::Job {
         output_dir: String::new(),
         secrets: Default::default(),
         labels: Default::default(),
+        agreement: None,
     }
 }
 

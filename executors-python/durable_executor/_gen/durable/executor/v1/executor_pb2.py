@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"durable/executor/v1/executor.proto\x12\x13\x64urable.executor.v1\"\xa5\x01\n\x0fSupervisorFrame\x12\'\n\x03job\x18\x01 \x01(\x0b\x32\x18.durable.executor.v1.JobH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.durable.executor.v1.CancelH\x00\x12\x31\n\x08shutdown\x18\x03 \x01(\x0b\x32\x1d.durable.executor.v1.ShutdownH\x00\x42\x07\n\x05\x66rame\"\xbf\x04\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x17\n\x0fworkflow_run_id\x18\x02 \x01(\t\x12\x13\n\x0bstep_run_id\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x15\n\rexecutor_kind\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x03\x12 \n\x18\x61ttempt_deadline_unix_ms\x18\t \x01(\x03\x12\x1c\n\x14heartbeat_timeout_ms\x18\n \x01(\r\x12\r\n\x05input\x18\x0b \x01(\x0c\x12\x39\n\x0finput_artifacts\x18\x0c \x03(\x0b\x32 .durable.executor.v1.ArtifactRef\x12\x17\n\ncheckpoint\x18\r \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\noutput_dir\x18\x0e \x01(\t\x12\x36\n\x07secrets\x18\x0f \x03(\x0b\x32%.durable.executor.v1.Job.SecretsEntry\x12\x34\n\x06labels\x18\x10 \x03(\x0b\x32$.durable.executor.v1.Job.LabelsEntry\x1a.\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_checkpoint\"n\n\x06\x43\x61ncel\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x31\n\x06reason\x18\x02 \x01(\x0e\x32!.durable.executor.v1.CancelReason\x12\x10\n\x08grace_ms\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xdc\x01\n\rExecutorFrame\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.durable.executor.v1.HelloH\x00\x12\x33\n\x05\x65vent\x18\x02 \x01(\x0b\x32\".durable.executor.v1.ProgressEventH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.durable.executor.v1.JobResultH\x00\x12.\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1d.durable.executor.v1.JobErrorH\x00\x42\x07\n\x05\x66rame\"\xa6\x02\n\x05Hello\x12>\n\x10protocol_version\x18\x01 \x01(\x0e\x32$.durable.executor.v1.ProtocolVersion\x12\x15\n\rexecutor_kind\x18\x02 \x01(\t\x12\r\n\x05kinds\x18\x03 \x03(\t\x12\x36\n\x06labels\x18\x04 \x03(\x0b\x32&.durable.executor.v1.Hello.LabelsEntry\x12\x10\n\x08sdk_name\x18\x05 \x01(\t\x12\x13\n\x0bsdk_version\x18\x06 \x01(\t\x12\x1c\n\x14max_jobs_per_process\x18\x07 \x01(\x05\x12\x0b\n\x03pid\x18\x08 \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd0\x01\n\rProgressEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.durable.executor.v1.EventKind\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x15\n\x08\x66raction\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\ncheckpoint\x18\x06 \x01(\x0cH\x01\x88\x01\x01\x12\x12\n\nat_unix_ms\x18\x07 \x01(\x03\x42\x0b\n\t_fractionB\r\n\x0b_checkpoint\"|\n\tJobResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0e\n\x06output\x18\x03 \x01(\x0c\x12=\n\tartifacts\x18\x04 \x03(\x0b\x32*.durable.executor.v1.ArtifactManifestEntry\"\xa9\x01\n\x08JobError\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\tretryable\x18\x05 \x01(\x08\x12\x0f\n\x07\x64\x65tails\x18\x06 \x01(\x0c\x12 \n\x13next_retry_delay_ms\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x16\n\x14_next_retry_delay_ms\"{\n\x15\x41rtifactManifestEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nmedia_type\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65rived_from\x18\x06 \x03(\t\"z\n\x0b\x41rtifactRef\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nmedia_type\x18\x05 \x01(\t\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x11\n\tstep_name\x18\x07 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\xc3\x01\n\x0c\x43\x61ncelReason\x12\x1d\n\x19\x43\x41NCEL_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41NCEL_REASON_REQUESTED\x10\x01\x12!\n\x1d\x43\x41NCEL_REASON_ATTEMPT_TIMEOUT\x10\x02\x12\x1a\n\x16\x43\x41NCEL_REASON_DEADLINE\x10\x03\x12\x1c\n\x18\x43\x41NCEL_REASON_LEASE_LOST\x10\x04\x12\x1a\n\x16\x43\x41NCEL_REASON_SHUTDOWN\x10\x05*\x8b\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_ACCEPTED\x10\x01\x12\x16\n\x12\x45VENT_KIND_RUNNING\x10\x02\x12\x17\n\x13\x45VENT_KIND_PROGRESS\x10\x03\x12\x18\n\x14\x45VENT_KIND_HEARTBEAT\x10\x04\x42KZIgithub.com/durable-runtime/durable/executors-go/gen/executorv1;executorv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"durable/executor/v1/executor.proto\x12\x13\x64urable.executor.v1\"\xa5\x01\n\x0fSupervisorFrame\x12\'\n\x03job\x18\x01 \x01(\x0b\x32\x18.durable.executor.v1.JobH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.durable.executor.v1.CancelH\x00\x12\x31\n\x08shutdown\x18\x03 \x01(\x0b\x32\x1d.durable.executor.v1.ShutdownH\x00\x42\x07\n\x05\x66rame\"\x91\x05\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x17\n\x0fworkflow_run_id\x18\x02 \x01(\t\x12\x13\n\x0bstep_run_id\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x15\n\rexecutor_kind\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x03\x12 \n\x18\x61ttempt_deadline_unix_ms\x18\t \x01(\x03\x12\x1c\n\x14heartbeat_timeout_ms\x18\n \x01(\r\x12\r\n\x05input\x18\x0b \x01(\x0c\x12\x39\n\x0finput_artifacts\x18\x0c \x03(\x0b\x32 .durable.executor.v1.ArtifactRef\x12\x17\n\ncheckpoint\x18\r \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\noutput_dir\x18\x0e \x01(\t\x12\x36\n\x07secrets\x18\x0f \x03(\x0b\x32%.durable.executor.v1.Job.SecretsEntry\x12\x34\n\x06labels\x18\x10 \x03(\x0b\x32$.durable.executor.v1.Job.LabelsEntry\x12\x1a\n\x12negotiated_version\x18\x11 \x01(\t\x12\x1b\n\x13negotiated_features\x18\x12 \x03(\t\x12\x17\n\x0fmax_frame_bytes\x18\x13 \x01(\x04\x1a.\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_checkpoint\"n\n\x06\x43\x61ncel\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x31\n\x06reason\x18\x02 \x01(\x0e\x32!.durable.executor.v1.CancelReason\x12\x10\n\x08grace_ms\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xdc\x01\n\rExecutorFrame\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.durable.executor.v1.HelloH\x00\x12\x33\n\x05\x65vent\x18\x02 \x01(\x0b\x32\".durable.executor.v1.ProgressEventH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.durable.executor.v1.JobResultH\x00\x12.\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1d.durable.executor.v1.JobErrorH\x00\x42\x07\n\x05\x66rame\"\xec\x02\n\x05Hello\x12>\n\x10protocol_version\x18\x01 \x01(\x0e\x32$.durable.executor.v1.ProtocolVersion\x12\x15\n\rexecutor_kind\x18\x02 \x01(\t\x12\r\n\x05kinds\x18\x03 \x03(\t\x12\x36\n\x06labels\x18\x04 \x03(\x0b\x32&.durable.executor.v1.Hello.LabelsEntry\x12\x10\n\x08sdk_name\x18\x05 \x01(\t\x12\x13\n\x0bsdk_version\x18\x06 \x01(\t\x12\x1c\n\x14max_jobs_per_process\x18\x07 \x01(\x05\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\x19\n\x11protocol_versions\x18\t \x03(\t\x12\x10\n\x08\x66\x65\x61tures\x18\n \x03(\t\x12\x17\n\x0fmax_frame_bytes\x18\x0b \x01(\x04\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd0\x01\n\rProgressEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.durable.executor.v1.EventKind\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x15\n\x08\x66raction\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\ncheckpoint\x18\x06 \x01(\x0cH\x01\x88\x01\x01\x12\x12\n\nat_unix_ms\x18\x07 \x01(\x03\x42\x0b\n\t_fractionB\r\n\x0b_checkpoint\"|\n\tJobResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0e\n\x06output\x18\x03 \x01(\x0c\x12=\n\tartifacts\x18\x04 \x03(\x0b\x32*.durable.executor.v1.ArtifactManifestEntry\"\xa9\x01\n\x08JobError\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\tretryable\x18\x05 \x01(\x08\x12\x0f\n\x07\x64\x65tails\x18\x06 \x01(\x0c\x12 \n\x13next_retry_delay_ms\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x16\n\x14_next_retry_delay_ms\"{\n\x15\x41rtifactManifestEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nmedia_type\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65rived_from\x18\x06 \x03(\t\"z\n\x0b\x41rtifactRef\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nmedia_type\x18\x05 \x01(\t\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x11\n\tstep_name\x18\x07 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\xc3\x01\n\x0c\x43\x61ncelReason\x12\x1d\n\x19\x43\x41NCEL_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41NCEL_REASON_REQUESTED\x10\x01\x12!\n\x1d\x43\x41NCEL_REASON_ATTEMPT_TIMEOUT\x10\x02\x12\x1a\n\x16\x43\x41NCEL_REASON_DEADLINE\x10\x03\x12\x1c\n\x18\x43\x41NCEL_REASON_LEASE_LOST\x10\x04\x12\x1a\n\x16\x43\x41NCEL_REASON_SHUTDOWN\x10\x05*\x8b\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45VENT_KIND_ACCEPTED\x10\x01\x12\x16\n\x12\x45VENT_KIND_RUNNING\x10\x02\x12\x17\n\x13\x45VENT_KIND_PROGRESS\x10\x03\x12\x18\n\x14\x45VENT_KIND_HEARTBEAT\x10\x04\x42KZIgithub.com/durable-runtime/durable/executors-go/gen/executorv1;executorv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,38 +38,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOB_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_HELLO_LABELSENTRY']._loaded_options = None
   _globals['_HELLO_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_PROTOCOLVERSION']._serialized_start=2223
-  _globals['_PROTOCOLVERSION']._serialized_end=2298
-  _globals['_CANCELREASON']._serialized_start=2301
-  _globals['_CANCELREASON']._serialized_end=2496
-  _globals['_EVENTKIND']._serialized_start=2499
-  _globals['_EVENTKIND']._serialized_end=2638
+  _globals['_PROTOCOLVERSION']._serialized_start=2375
+  _globals['_PROTOCOLVERSION']._serialized_end=2450
+  _globals['_CANCELREASON']._serialized_start=2453
+  _globals['_CANCELREASON']._serialized_end=2648
+  _globals['_EVENTKIND']._serialized_start=2651
+  _globals['_EVENTKIND']._serialized_end=2790
   _globals['_SUPERVISORFRAME']._serialized_start=60
   _globals['_SUPERVISORFRAME']._serialized_end=225
   _globals['_JOB']._serialized_start=228
-  _globals['_JOB']._serialized_end=803
-  _globals['_JOB_SECRETSENTRY']._serialized_start=695
-  _globals['_JOB_SECRETSENTRY']._serialized_end=741
-  _globals['_JOB_LABELSENTRY']._serialized_start=743
-  _globals['_JOB_LABELSENTRY']._serialized_end=788
-  _globals['_CANCEL']._serialized_start=805
-  _globals['_CANCEL']._serialized_end=915
-  _globals['_SHUTDOWN']._serialized_start=917
-  _globals['_SHUTDOWN']._serialized_end=943
-  _globals['_EXECUTORFRAME']._serialized_start=946
-  _globals['_EXECUTORFRAME']._serialized_end=1166
-  _globals['_HELLO']._serialized_start=1169
-  _globals['_HELLO']._serialized_end=1463
-  _globals['_HELLO_LABELSENTRY']._serialized_start=743
-  _globals['_HELLO_LABELSENTRY']._serialized_end=788
-  _globals['_PROGRESSEVENT']._serialized_start=1466
-  _globals['_PROGRESSEVENT']._serialized_end=1674
-  _globals['_JOBRESULT']._serialized_start=1676
-  _globals['_JOBRESULT']._serialized_end=1800
-  _globals['_JOBERROR']._serialized_start=1803
-  _globals['_JOBERROR']._serialized_end=1972
-  _globals['_ARTIFACTMANIFESTENTRY']._serialized_start=1974
-  _globals['_ARTIFACTMANIFESTENTRY']._serialized_end=2097
-  _globals['_ARTIFACTREF']._serialized_start=2099
-  _globals['_ARTIFACTREF']._serialized_end=2221
+  _globals['_JOB']._serialized_end=885
+  _globals['_JOB_SECRETSENTRY']._serialized_start=777
+  _globals['_JOB_SECRETSENTRY']._serialized_end=823
+  _globals['_JOB_LABELSENTRY']._serialized_start=825
+  _globals['_JOB_LABELSENTRY']._serialized_end=870
+  _globals['_CANCEL']._serialized_start=887
+  _globals['_CANCEL']._serialized_end=997
+  _globals['_SHUTDOWN']._serialized_start=999
+  _globals['_SHUTDOWN']._serialized_end=1025
+  _globals['_EXECUTORFRAME']._serialized_start=1028
+  _globals['_EXECUTORFRAME']._serialized_end=1248
+  _globals['_HELLO']._serialized_start=1251
+  _globals['_HELLO']._serialized_end=1615
+  _globals['_HELLO_LABELSENTRY']._serialized_start=825
+  _globals['_HELLO_LABELSENTRY']._serialized_end=870
+  _globals['_PROGRESSEVENT']._serialized_start=1618
+  _globals['_PROGRESSEVENT']._serialized_end=1826
+  _globals['_JOBRESULT']._serialized_start=1828
+  _globals['_JOBRESULT']._serialized_end=1952
+  _globals['_JOBERROR']._serialized_start=1955
+  _globals['_JOBERROR']._serialized_end=2124
+  _globals['_ARTIFACTMANIFESTENTRY']._serialized_start=2126
+  _globals['_ARTIFACTMANIFESTENTRY']._serialized_end=2249
+  _globals['_ARTIFACTREF']._serialized_start=2251
+  _globals['_ARTIFACTREF']._serialized_end=2373
 # @@protoc_insertion_point(module_scope)

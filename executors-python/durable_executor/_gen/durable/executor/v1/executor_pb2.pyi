@@ -53,7 +53,7 @@ class SupervisorFrame(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "workflow_run_id", "step_run_id", "idempotency_key", "executor_kind", "kind", "attempt", "deadline_unix_ms", "attempt_deadline_unix_ms", "heartbeat_timeout_ms", "input", "input_artifacts", "checkpoint", "output_dir", "secrets", "labels")
+    __slots__ = ("job_id", "workflow_run_id", "step_run_id", "idempotency_key", "executor_kind", "kind", "attempt", "deadline_unix_ms", "attempt_deadline_unix_ms", "heartbeat_timeout_ms", "input", "input_artifacts", "checkpoint", "output_dir", "secrets", "labels", "negotiated_version", "negotiated_features", "max_frame_bytes")
     class SecretsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,9 @@ class Job(_message.Message):
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    NEGOTIATED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEGOTIATED_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     workflow_run_id: str
     step_run_id: str
@@ -100,7 +103,10 @@ class Job(_message.Message):
     output_dir: str
     secrets: _containers.ScalarMap[str, str]
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., workflow_run_id: _Optional[str] = ..., step_run_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., executor_kind: _Optional[str] = ..., kind: _Optional[str] = ..., attempt: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., attempt_deadline_unix_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., input: _Optional[bytes] = ..., input_artifacts: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., checkpoint: _Optional[bytes] = ..., output_dir: _Optional[str] = ..., secrets: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    negotiated_version: str
+    negotiated_features: _containers.RepeatedScalarFieldContainer[str]
+    max_frame_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., workflow_run_id: _Optional[str] = ..., step_run_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., executor_kind: _Optional[str] = ..., kind: _Optional[str] = ..., attempt: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., attempt_deadline_unix_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., input: _Optional[bytes] = ..., input_artifacts: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., checkpoint: _Optional[bytes] = ..., output_dir: _Optional[str] = ..., secrets: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., negotiated_version: _Optional[str] = ..., negotiated_features: _Optional[_Iterable[str]] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("job_id", "reason", "grace_ms", "message")
@@ -133,7 +139,7 @@ class ExecutorFrame(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., event: _Optional[_Union[ProgressEvent, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "executor_kind", "kinds", "labels", "sdk_name", "sdk_version", "max_jobs_per_process", "pid")
+    __slots__ = ("protocol_version", "executor_kind", "kinds", "labels", "sdk_name", "sdk_version", "max_jobs_per_process", "pid", "protocol_versions", "features", "max_frame_bytes")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +155,9 @@ class Hello(_message.Message):
     SDK_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_JOBS_PER_PROCESS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     executor_kind: str
     kinds: _containers.RepeatedScalarFieldContainer[str]
@@ -157,7 +166,10 @@ class Hello(_message.Message):
     sdk_version: str
     max_jobs_per_process: int
     pid: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., executor_kind: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., sdk_name: _Optional[str] = ..., sdk_version: _Optional[str] = ..., max_jobs_per_process: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    protocol_versions: _containers.RepeatedScalarFieldContainer[str]
+    features: _containers.RepeatedScalarFieldContainer[str]
+    max_frame_bytes: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., executor_kind: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., sdk_name: _Optional[str] = ..., sdk_version: _Optional[str] = ..., max_jobs_per_process: _Optional[int] = ..., pid: _Optional[int] = ..., protocol_versions: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class ProgressEvent(_message.Message):
     __slots__ = ("job_id", "sequence", "kind", "message", "fraction", "checkpoint", "at_unix_ms")

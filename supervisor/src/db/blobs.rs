@@ -1,0 +1,212 @@
+//! The artifact store's SQL (migrations/20261203000003_artifact_store.sql):
+//! blob rows, their chunks, and reading both back one chunk per round trip.
+//! Every statement here is its own short transaction: no transaction is held
+//! while a GiB streams (`crate::artifacts` drives the loop).
+
+use sqlx::Row;
+use uuid::Uuid;
+
+use super::{Ctx, Db, DbError};
+
+/// Where a blob's bytes are, as its row says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlobPlace {
+    /// One bytea in the blob row (rows from before the chunked store, and
+    /// blobs that fit in one chunk).
+    Inline,
+    /// `chunks` rows of `durable.artifact_chunks` under `upload_id`.
+    Chunks { upload_id: Uuid, chunks: i32 },
+    /// The file `<artifact_dir>/<sha[0..2]>/<sha>` of a shared directory.
+    Directory,
+}
+
+/// A stored blob: its digest, size and place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlobRef {
+    pub sha256: String,
+    pub size: i64,
+    pub place: BlobPlace,
+}
+
+/// How a blob row came out of [`Db::record_chunked_blob`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// This upload's chunks are the blob now.
+    Ours,
+    /// The blob existed already (another upload of the same bytes won): the
+    /// caller's chunks are not referenced and must be deleted.
+    Existing,
+}
+
+/// The `SELECT` list that [`blob_ref`] reads (table alias `b`).
+pub(crate) const BLOB_COLUMNS: &str =
+    "b.sha256 AS blob_sha256, b.size AS blob_size, b.store AS blob_store, b.upload_id AS blob_upload_id, b.chunks AS blob_chunks";
+
+pub(crate) fn blob_ref(r: &sqlx::postgres::PgRow) -> Result<BlobRef, DbError> {
+    let sha256: String = r.get("blob_sha256");
+    let store: String = r.get("blob_store");
+    let place = match store.as_str() {
+        "inline" => BlobPlace::Inline,
+        "directory" => BlobPlace::Directory,
+        "chunks" => {
+            let upload_id: Option<Uuid> = r.get("blob_upload_id");
+            let chunks: Option<i32> = r.get("blob_chunks");
+            match (upload_id, chunks) {
+                (Some(upload_id), Some(chunks)) => BlobPlace::Chunks { upload_id, chunks },
+                _ => {
+                    return Err(DbError::Corrupt(format!(
+                        "blob {sha256}: stored in chunks without an upload id or chunk count"
+                    )))
+                }
+            }
+        }
+        other => {
+            return Err(DbError::Corrupt(format!(
+                "blob {sha256}: unknown store {other:?} (a newer supervisor wrote it: upgrade this one)"
+            )))
+        }
+    };
+    Ok(BlobRef {
+        sha256,
+        size: r.get("blob_size"),
+        place,
+    })
+}
+
+impl Db {
+    /// Claims the blob `sha256` if it is stored (refreshing `claimed_at`, so
+    /// garbage collection leaves it alone until the commit references it);
+    /// its size, or `None` when no such blob exists.
+    pub async fn claim_blob(&self, sha256: &str) -> Result<Option<i64>, DbError> {
+        sqlx::query_scalar(
+            "UPDATE durable.artifact_blobs SET claimed_at = now() WHERE sha256 = $1 RETURNING size",
+        )
+        .bind(sha256)
+        .fetch_optional(self.pool())
+        .await
+        .ctx("claiming an artifact blob")
+    }
+
+    /// Stores a blob that fits in one chunk as one value (inline). An
+    /// existing blob of that sha256 is claimed instead.
+    pub async fn record_inline_blob(&self, sha256: &str, content: &[u8]) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO durable.artifact_blobs (sha256, size, content, store)
+             VALUES ($1, $2, $3, 'inline')
+             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()",
+        )
+        .bind(sha256)
+        .bind(content.len() as i64)
+        .bind(content)
+        .execute(self.pool())
+        .await
+        .ctx("storing an artifact blob")?;
+        Ok(())
+    }
+
+    /// Writes chunk `n` of upload `upload_id` (its own statement: staged, not
+    /// yet part of any blob).
+    pub async fn put_chunk(&self, upload_id: Uuid, n: i32, data: &[u8]) -> Result<(), DbError> {
+        sqlx::query("INSERT INTO durable.artifact_chunks (upload_id, n, data) VALUES ($1, $2, $3)")
+            .bind(upload_id)
+            .bind(n)
+            .bind(data)
+            .execute(self.pool())
+            .await
+            .ctx("storing an artifact chunk")?;
+        Ok(())
+    }
+
+    /// Promotes the verified chunks of `upload_id` to the blob `sha256`.
+    /// `Existing` when that blob was recorded first by someone else (then
+    /// claimed; the caller deletes its own chunks).
+    pub async fn record_chunked_blob(
+        &self,
+        sha256: &str,
+        size: i64,
+        upload_id: Uuid,
+        chunks: i32,
+    ) -> Result<Recorded, DbError> {
+        let ours: bool = sqlx::query_scalar(
+            "INSERT INTO durable.artifact_blobs (sha256, size, store, upload_id, chunks)
+             VALUES ($1, $2, 'chunks', $3, $4)
+             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()
+             RETURNING upload_id IS NOT DISTINCT FROM $3",
+        )
+        .bind(sha256)
+        .bind(size)
+        .bind(upload_id)
+        .bind(chunks)
+        .fetch_one(self.pool())
+        .await
+        .ctx("storing an artifact blob")?;
+        Ok(if ours {
+            Recorded::Ours
+        } else {
+            Recorded::Existing
+        })
+    }
+
+    /// Records a blob whose file is in the shared directory (or claims the
+    /// existing blob of that sha256).
+    pub async fn record_directory_blob(&self, sha256: &str, size: i64) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO durable.artifact_blobs (sha256, size, store)
+             VALUES ($1, $2, 'directory')
+             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()",
+        )
+        .bind(sha256)
+        .bind(size)
+        .execute(self.pool())
+        .await
+        .ctx("storing an artifact blob")?;
+        Ok(())
+    }
+
+    /// Deletes the chunks of an upload that did not become (or did not need
+    /// to become) a blob. Never touches a promoted upload's chunks.
+    pub async fn drop_upload(&self, upload_id: Uuid) -> Result<u64, DbError> {
+        let r = sqlx::query(
+            "DELETE FROM durable.artifact_chunks c WHERE c.upload_id = $1
+               AND NOT EXISTS (SELECT 1 FROM durable.artifact_blobs b WHERE b.upload_id = $1)",
+        )
+        .bind(upload_id)
+        .execute(self.pool())
+        .await
+        .ctx("deleting an unfinished upload")?;
+        Ok(r.rows_affected())
+    }
+
+    /// Chunk `n` of a chunked blob; `None` when it is missing.
+    pub async fn blob_chunk(&self, upload_id: Uuid, n: i32) -> Result<Option<Vec<u8>>, DbError> {
+        sqlx::query_scalar(
+            "SELECT data FROM durable.artifact_chunks WHERE upload_id = $1 AND n = $2",
+        )
+        .bind(upload_id)
+        .bind(n)
+        .fetch_optional(self.pool())
+        .await
+        .ctx("reading an artifact chunk")
+    }
+
+    /// `len` bytes from `offset` of an inline blob (one `substring`); `None`
+    /// when the blob is gone.
+    pub async fn inline_slice(
+        &self,
+        sha256: &str,
+        offset: i64,
+        len: i64,
+    ) -> Result<Option<Vec<u8>>, DbError> {
+        // a bytea stops below 1 GiB: the offsets fit an integer
+        sqlx::query_scalar(
+            "SELECT substring(content FROM ($2::bigint)::int FOR ($3::bigint)::int)
+               FROM durable.artifact_blobs WHERE sha256 = $1 AND content IS NOT NULL",
+        )
+        .bind(sha256)
+        .bind(offset + 1) // substring counts from 1
+        .bind(len)
+        .fetch_optional(self.pool())
+        .await
+        .ctx("reading an artifact's bytes")
+    }
+}

@@ -1,0 +1,748 @@
+//! Retention (issue 8, item 9): finished runs older than the configured age
+//! are removed with everything they hold, in short batches; open and young
+//! runs and shared artifact bytes still referenced are kept; the tables stay
+//! bounded under churn; a worker does it on its own; `supervisor gc` does it
+//! on demand.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use sha2::Digest;
+use supervisor::db::{
+    Batch, CompleteWrite, Db, LeasedStep, NewArtifact, OwnedEvent, RetentionOptions, StartWrite,
+    RETENTION_TABLES,
+};
+use tests::TestDb;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+async fn worker(db: &Db) -> Uuid {
+    let id = Uuid::new_v4();
+    db.register_worker(id, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    id
+}
+
+async fn lease(db: &Db, wid: Uuid, n: u32) -> Vec<LeasedStep> {
+    db.lease(wid, "w", &tests::route_go_k(), n, Duration::from_secs(30))
+        .await
+        .expect("lease")
+}
+
+/// An artifact of a result and its bytes (stored as a blob before the commit,
+/// as the worker's artifact store does).
+struct Art {
+    meta: NewArtifact,
+    content: Vec<u8>,
+}
+
+fn artifact(name: &str, content: &[u8], derived_from: Vec<Uuid>) -> Art {
+    Art {
+        meta: NewArtifact {
+            name: name.into(),
+            sha256: hex(&sha2::Sha256::digest(content)),
+            size: content.len() as i64,
+            media_type: "application/octet-stream".into(),
+            derived_from,
+        },
+        content: content.to_vec(),
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Runs `s` to success with `artifacts`; returns the artifact ids.
+async fn succeed(db: &Db, s: &LeasedStep, artifacts: &[Art]) -> Vec<Uuid> {
+    db.mark_running(&s.lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    for a in artifacts {
+        db.record_inline_blob(&a.meta.sha256, &a.content)
+            .await
+            .expect("blob");
+    }
+    let metas: Vec<NewArtifact> = artifacts.iter().map(|a| a.meta.clone()).collect();
+    db.complete(&s.lease, "w", &json!({"ok": true}), &metas, Some(2))
+        .await
+        .expect("complete")
+}
+
+fn options(older_than: Duration) -> RetentionOptions {
+    RetentionOptions {
+        older_than,
+        batch_runs: 100,
+        batch_steps: 1000,
+        vacuum: true,
+    }
+}
+
+async fn count(db: &Db, sql: &str, ids: &[Uuid]) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .bind(ids)
+        .fetch_one(db.pool())
+        .await
+        .expect(sql)
+}
+
+/// Every row a run has, table by table.
+async fn rows_of_run(
+    db: &Db,
+    run: Uuid,
+    steps: &[Uuid],
+    artifacts: &[Uuid],
+) -> Vec<(&'static str, i64)> {
+    let r = [run];
+    vec![
+        ("workflow_runs", count(db, "SELECT count(*) FROM durable.workflow_runs WHERE id = ANY($1)", &r).await),
+        ("step_defs", count(db, "SELECT count(*) FROM durable.step_defs WHERE run_id = ANY($1)", &r).await),
+        ("step_dependents", count(db, "SELECT count(*) FROM durable.step_dependents WHERE run_id = ANY($1)", &r).await),
+        ("step_runs", count(db, "SELECT count(*) FROM durable.step_runs WHERE run_id = ANY($1)", &r).await),
+        ("transitions", count(db, "SELECT count(*) FROM durable.transitions WHERE run_id = ANY($1)", &r).await),
+        ("step_events", count(db, "SELECT count(*) FROM durable.step_events WHERE step_run_id = ANY($1)", steps).await),
+        ("artifacts", count(db, "SELECT count(*) FROM durable.artifacts WHERE id = ANY($1)", artifacts).await),
+        ("artifact_lineage", count(db, "SELECT count(*) FROM durable.artifact_lineage WHERE artifact_id = ANY($1) OR derived_from_id = ANY($1)", artifacts).await),
+    ]
+}
+
+async fn blob_exists(db: &Db, content: &[u8]) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM durable.artifact_blobs WHERE sha256 = $1)")
+        .bind(hex(&sha2::Sha256::digest(content)))
+        .fetch_one(db.pool())
+        .await
+        .expect("blob")
+}
+
+/// Old finished runs (one succeeded `a → b` with artifacts and lineage, one
+/// failed, one cancelled) go with all their rows; a young finished run, an
+/// open run, and the bytes the old run shared with the young one stay.
+#[tokio::test]
+async fn gc_removes_exactly_the_old_finished_runs() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let (shared, own, derived) = (
+        b"shared bytes".as_slice(),
+        b"old run's own".as_slice(),
+        b"derived".as_slice(),
+    );
+
+    // old, succeeded: a (shared + own) → b (derived from own)
+    let old = t
+        .submit(json!({"name": "old", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"},
+        {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]}))
+        .await;
+    let a = lease(db, wid, 10).await.remove(0);
+    let a_arts = succeed(
+        db,
+        &a,
+        &[
+            artifact("shared", shared, vec![]),
+            artifact("own", own, vec![]),
+        ],
+    )
+    .await;
+    let b = lease(db, wid, 10).await.remove(0);
+    let b_arts = succeed(db, &b, &[artifact("derived", derived, vec![a_arts[1]])]).await;
+    assert_eq!(t.status(old).await.state, "succeeded");
+    let old_steps = vec![a.lease.step_run_id(), b.lease.step_run_id()];
+    let old_arts: Vec<Uuid> = a_arts.iter().chain(&b_arts).copied().collect();
+    assert_eq!(
+        count(
+            db,
+            "SELECT count(*) FROM durable.artifact_lineage WHERE artifact_id = ANY($1)",
+            &old_arts
+        )
+        .await,
+        1
+    );
+
+    // old, failed
+    let failed = t
+        .submit(tests::one_step("failed", "go", "k", json!({})))
+        .await;
+    let f = lease(db, wid, 10).await.remove(0);
+    db.fail(
+        &f.lease,
+        "w",
+        &supervisor::db::FailureReport {
+            failure: supervisor::state::Failure {
+                code: "X".into(),
+                retryable: false,
+                next_retry_delay: None,
+            },
+            message: "x".into(),
+            details: None,
+            sequence: None,
+        },
+        0.5,
+    )
+    .await
+    .expect("fail");
+    assert_eq!(t.status(failed).await.state, "failed");
+    // old, cancelled before it ran
+    let cancelled = t
+        .submit(tests::one_step("cancelled", "go", "k", json!({})))
+        .await;
+    db.cancel(cancelled, None).await.expect("cancel");
+    assert_eq!(t.status(cancelled).await.state, "cancelled");
+    // open, created long enough ago: never removed, whatever its age
+    let open = t
+        .submit(json!({"name": "open", "steps": [
+        {"name": "x", "executor_kind": "go", "kind": "other"}]}))
+        .await;
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // young, succeeded, sharing the old run's bytes
+    let young = t
+        .submit(tests::one_step("young", "go", "k", json!({})))
+        .await;
+    let y = lease(db, wid, 10).await.remove(0);
+    let y_arts = succeed(db, &y, &[artifact("shared", shared, vec![])]).await;
+    let young_before = rows_of_run(db, young, &[y.lease.step_run_id()], &y_arts).await;
+
+    let preview = db
+        .retention_preview(Duration::from_secs(1))
+        .await
+        .expect("preview");
+    assert_eq!(
+        (
+            preview.runs,
+            preview.steps,
+            preview.artifacts,
+            preview.blobs
+        ),
+        (3, 4, 3, 2),
+        "{preview:?}"
+    );
+    // the preview removed nothing
+    assert_eq!(t.status(old).await.state, "succeeded");
+
+    let report = db
+        .retention_pass(&options(Duration::from_secs(1)), &CancellationToken::new())
+        .await
+        .expect("pass");
+    assert_eq!(
+        (report.runs, report.steps, report.blobs),
+        (3, 4, 2),
+        "{report:?}"
+    );
+    assert!(report.vacuumed, "{report:?}");
+
+    for (table, n) in rows_of_run(db, old, &old_steps, &old_arts).await {
+        assert_eq!(n, 0, "the old run still has {n} rows in durable.{table}");
+    }
+    for run in [failed, cancelled] {
+        for (table, n) in rows_of_run(db, run, &[], &[]).await {
+            assert_eq!(n, 0, "run {run} still has {n} rows in durable.{table}");
+        }
+    }
+    assert!(matches!(
+        db.status(old).await,
+        Err(supervisor::db::DbError::NotFound(_))
+    ));
+    // bytes only the old run referenced are gone; the shared ones stay
+    assert!(!blob_exists(db, own).await && !blob_exists(db, derived).await);
+    assert!(
+        blob_exists(db, shared).await,
+        "a blob the young run references was removed"
+    );
+    // the young and the open run are untouched, row for row
+    assert_eq!(
+        rows_of_run(db, young, &[y.lease.step_run_id()], &y_arts).await,
+        young_before
+    );
+    assert_eq!(t.status(young).await.state, "succeeded");
+    let st = t.status(open).await;
+    assert_eq!(
+        (st.state.as_str(), tests::step(&st, "x").state.as_str()),
+        ("pending", "pending")
+    );
+    // the kept run's bytes are still readable
+    let read: Vec<u8> = sqlx::query_scalar(
+        "SELECT b.content FROM durable.artifacts a JOIN durable.artifact_blobs b USING (sha256) WHERE a.id = $1")
+        .bind(y_arts[0]).fetch_one(db.pool()).await.expect("read");
+    assert_eq!(read, shared);
+
+    // a second pass finds nothing, and the run counters of the rest are exact
+    let again = db
+        .retention_pass(&options(Duration::from_secs(1)), &CancellationToken::new())
+        .await
+        .expect("again");
+    assert_eq!(
+        (again.runs, again.steps, again.blobs, again.vacuumed),
+        (0, 0, 0, false)
+    );
+    let young_counts: (i32, i32) = sqlx::query_as(
+        "SELECT steps_total, steps_succeeded FROM durable.workflow_runs WHERE id = $1",
+    )
+    .bind(young)
+    .fetch_one(db.pool())
+    .await
+    .expect("counters");
+    assert_eq!(young_counts, (1, 1));
+}
+
+/// A run larger than a batch goes over several transactions (its steps
+/// first, then the run), each within `batch_steps`.
+#[tokio::test]
+async fn a_run_larger_than_a_batch_goes_in_several() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let steps: Vec<_> = (0..25)
+        .map(|i| json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "k"}))
+        .collect();
+    let run = t.submit(json!({"name": "wide", "steps": steps})).await;
+    let small = t
+        .submit(tests::one_step("small", "go", "k", json!({})))
+        .await;
+    let leased = lease(db, wid, 100).await;
+    assert_eq!(leased.len(), 26);
+    finish_batch(db, &leased).await;
+    assert_eq!(t.status(run).await.state, "succeeded");
+    assert_eq!(t.status(small).await.state, "succeeded");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut opts = options(Duration::from_secs(1));
+    opts.batch_steps = 10;
+    let r = db
+        .retention_pass(&opts, &CancellationToken::new())
+        .await
+        .expect("pass");
+    // 10 + 10 + 5 steps of the wide run (the last batch takes the run), then the small run
+    assert_eq!((r.runs, r.steps, r.batches), (2, 26, 4), "{r:?}");
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.step_runs").await,
+        0
+    );
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+            .await,
+        0
+    );
+}
+
+/// An artifact that names bytes retention removed while its write was in
+/// flight is a retryable conflict (40001), not a permanent foreign-key
+/// violation: the worker retries the write, which stores the bytes again.
+#[tokio::test]
+async fn an_artifact_whose_blob_is_gone_is_a_retryable_conflict() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
+    let s = lease(db, wid, 1).await.remove(0);
+    succeed(db, &s, &[]).await;
+    let err = sqlx::query(
+        "INSERT INTO durable.artifacts (id, run_id, step_run_id, attempt, name, sha256, size, media_type)
+         VALUES (gen_random_uuid(), $1, $2, 1, 'x', repeat('0', 64), 1, 'text/plain')",
+    )
+    .bind(run)
+    .bind(s.lease.step_run_id())
+    .execute(db.pool())
+    .await
+    .expect_err("no blob");
+    let code = err
+        .as_database_error()
+        .and_then(|e| e.code())
+        .map(|c| c.into_owned());
+    assert_eq!(code.as_deref(), Some("40001"), "{err}");
+    assert!(supervisor::db::sqlstate_is_transient("40001"));
+}
+
+fn ev(seq: u64, kind: &'static str) -> OwnedEvent {
+    OwnedEvent {
+        sequence: seq,
+        kind,
+        message: String::new(),
+        fraction: None,
+        executor_at: None,
+    }
+}
+
+/// Starts and completes `leased` in one ledger batch (what a worker's ledger
+/// writes), except every twentieth step, which completes on its own with an
+/// artifact of its own bytes.
+async fn finish_batch(db: &Db, leased: &[LeasedStep]) {
+    let mut sorted: Vec<&LeasedStep> = leased.iter().collect();
+    sorted.sort_by_key(|s| (s.run_id, s.lease.step_run_id()));
+    let with_artifact = |i: usize| i % 20 == 19;
+    let batch = Batch {
+        starts: sorted
+            .iter()
+            .map(|s| StartWrite {
+                run_id: s.run_id,
+                lease: s.lease.clone(),
+                pid: 1,
+                event: ev(1, "accepted"),
+            })
+            .collect(),
+        events: Vec::new(),
+        completes: sorted
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !with_artifact(*i))
+            .map(|(_, s)| CompleteWrite {
+                run_id: s.run_id,
+                lease: s.lease.clone(),
+                output: json!({"n": 1}),
+                sequence: Some(2),
+            })
+            .collect(),
+    };
+    let out = db.write_batch("w", &batch).await.expect("batch");
+    assert!(
+        out.starts
+            .iter()
+            .chain(&out.completes)
+            .all(|o| *o == supervisor::db::RowOutcome::Ok),
+        "{out:?}"
+    );
+    for (i, s) in sorted.iter().enumerate().filter(|(i, _)| with_artifact(*i)) {
+        let bytes = format!(
+            "artifact of {} ({i}) {}",
+            s.lease.step_run_id(),
+            "x".repeat(512)
+        );
+        let a = artifact("out", bytes.as_bytes(), vec![]);
+        db.record_inline_blob(&a.meta.sha256, &a.content)
+            .await
+            .expect("blob");
+        db.complete(&s.lease, "w", &json!({"n": 1}), &[a.meta], Some(2))
+            .await
+            .expect("complete with artifact");
+    }
+}
+
+/// The durable tables with their indexes and TOAST, in bytes.
+async fn footprint(db: &Db) -> i64 {
+    let names: Vec<String> = RETENTION_TABLES.iter().map(|s| s.to_string()).collect();
+    sqlx::query_scalar(
+        "SELECT sum(pg_total_relation_size(t::regclass))::bigint FROM unnest($1::text[]) AS t",
+    )
+    .bind(&names)
+    .fetch_one(db.pool())
+    .await
+    .expect("sizes")
+}
+
+/// Churn: 20,000 steps (2,000 runs of 10, every twentieth step with an
+/// artifact of its own) in ten waves, with a retention age of half a second
+/// and its pass (batches, then VACUUM, as a worker runs it) after each wave.
+/// The tables and indexes when the last 2,000 steps have finished are within
+/// 2× of their size when the first 2,000 had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_keeps_the_tables_bounded() {
+    const AGE: Duration = Duration::from_millis(500);
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let spec = |w: usize, r: usize| {
+        let steps: Vec<_> = (0..10)
+            .map(|i| json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "k"}))
+            .collect();
+        json!({"name": format!("churn-{w}-{r}"), "steps": steps})
+    };
+    let started = Instant::now();
+    let mut after_first = 0;
+    let mut at_end = 0;
+    let mut longest_batch = Duration::ZERO;
+    let mut removed = 0;
+    for wave in 0..10 {
+        let wave_start = Instant::now();
+        let specs: Vec<_> = (0..200).map(|r| spec(wave, r)).collect();
+        let submits = specs.iter().map(|s| db.submit(s));
+        for id in futures::future::join_all(submits).await {
+            id.expect("submit");
+        }
+        let submitted = wave_start.elapsed();
+        let mut done = 0;
+        while done < 2000 {
+            let leased = lease(db, wid, 200).await;
+            assert!(
+                !leased.is_empty(),
+                "wave {wave}: {done} of 2000 steps done and nothing to lease"
+            );
+            finish_batch(db, &leased).await;
+            done += leased.len();
+        }
+        assert_eq!(
+            t.scalar_i64("SELECT count(*) FROM durable.workflow_runs WHERE state <> 'succeeded'")
+                .await,
+            0
+        );
+        let worked = started.elapsed();
+        let ran = wave_start.elapsed() - submitted;
+        if wave == 0 {
+            after_first = footprint(db).await;
+        }
+        if wave == 9 {
+            // the end: the last 2,000 steps just finished, as the first had
+            at_end = footprint(db).await;
+        }
+        // the wave is older than the retention age, then a pass
+        tokio::time::sleep(AGE + Duration::from_millis(50)).await;
+        let r = db
+            .retention_pass(&options(AGE), &CancellationToken::new())
+            .await
+            .expect("pass");
+        assert_eq!((r.runs, r.steps), (200, 2000), "wave {wave}: {r:?}");
+        assert_eq!(
+            r.blobs, 100,
+            "wave {wave}: every artifact's bytes were its own: {r:?}"
+        );
+        longest_batch = longest_batch.max(r.longest_batch);
+        removed += r.runs;
+        println!(
+            "wave {wave}: at {:.1} s (submit {:.1} s, lease and finish {:.1} s), footprint after its pass {} KiB, pass {r:?}",
+            worked.as_secs_f64(),
+            submitted.as_secs_f64(),
+            ran.as_secs_f64(),
+            footprint(db).await / 1024
+        );
+    }
+    let end = at_end;
+    println!(
+        "churn: 20000 steps in {:.1} s; footprint after the first 2000: {} KiB, at the end: {} KiB ({:.2}x); {removed} runs removed; longest retention batch {:.1} ms (100 runs, 1000 steps)",
+        started.elapsed().as_secs_f64(),
+        after_first / 1024,
+        end / 1024,
+        end as f64 / after_first as f64,
+        longest_batch.as_secs_f64() * 1000.0
+    );
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.step_runs").await,
+        0
+    );
+    assert!(
+        end <= 2 * after_first,
+        "the tables grew from {after_first} to {end} bytes under churn with retention on"
+    );
+}
+
+/// A worker with `retention = "1s"` removes a finished run on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_removes_old_runs_on_its_own() {
+    let t = TestDb::new().await;
+    let mut cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    cfg.retention = "1s".into();
+    cfg.retention_interval_ms = 200;
+    let w = tests::RunningWorker::start(t.connect(6).await, cfg).await;
+    let run = t
+        .submit(tests::one_step("r", "go", "demo.echo", json!({"x": 1})))
+        .await;
+    assert_eq!(
+        t.wait_terminal(run, Duration::from_secs(20)).await.state,
+        "succeeded"
+    );
+    let until = Instant::now() + Duration::from_secs(20);
+    while t
+        .scalar_i64(&format!(
+            "SELECT count(*) FROM durable.workflow_runs WHERE id = '{run}'"
+        ))
+        .await
+        > 0
+    {
+        assert!(
+            Instant::now() < until,
+            "the worker did not remove the finished run within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.step_runs").await,
+        0
+    );
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.transitions")
+            .await,
+        0
+    );
+    w.shutdown().await;
+}
+
+/// `supervisor gc` from the installed binary: a dry run counts and keeps,
+/// the real one removes, a bad age is exit 2 naming the fix.
+#[tokio::test]
+async fn the_gc_command() {
+    let t = TestDb::new().await;
+    let wid = worker(&t.db).await;
+    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
+    let s = lease(&t.db, wid, 1).await.remove(0);
+    succeed(&t.db, &s, &[]).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let gc = |args: &[&str]| {
+        std::process::Command::new(tests::supervisor_bin())
+            .arg("gc")
+            .args(args)
+            .env("DATABASE_URL", &t.url)
+            .output()
+            .expect("run supervisor gc")
+    };
+    let dry = gc(&["--older-than", "1s", "--dry-run", "--json"]);
+    assert!(dry.status.success(), "{dry:?}");
+    let v: serde_json::Value = serde_json::from_slice(&dry.stdout).expect("json");
+    assert_eq!(
+        (v["runs"].as_i64(), v["steps"].as_i64()),
+        (Some(1), Some(1)),
+        "{v}"
+    );
+    assert_eq!(t.status(run).await.state, "succeeded");
+    // the default age (7d) keeps a run that finished a second ago
+    let default = gc(&[]);
+    assert!(default.status.success(), "{default:?}");
+    assert!(
+        String::from_utf8_lossy(&default.stdout).starts_with("removed 0 runs"),
+        "{default:?}"
+    );
+    let real = gc(&["--older-than", "1s"]);
+    assert!(real.status.success(), "{real:?}");
+    let out = String::from_utf8_lossy(&real.stdout);
+    assert!(
+        out.starts_with("removed 1 runs") && out.contains("longest batch"),
+        "{out}"
+    );
+    assert!(matches!(
+        t.db.status(run).await,
+        Err(supervisor::db::DbError::NotFound(_))
+    ));
+    let bad = gc(&["--older-than", "7x"]);
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("like 30s, 10m, 2h, 3d"),
+        "{bad:?}"
+    );
+}
+
+/// Removing a chunked blob removes its chunk rows too (retention deletes
+/// blob rows no artifact references; before this the chunks stayed forever).
+#[tokio::test]
+async fn a_deleted_chunked_blob_takes_its_chunks_with_it() {
+    let t = TestDb::new().await;
+    let (kept, gone) = (Uuid::new_v4(), Uuid::new_v4());
+    for (upload, sha) in [(kept, "a".repeat(64)), (gone, "b".repeat(64))] {
+        sqlx::query(
+            "INSERT INTO durable.artifact_blobs (sha256, size, store, upload_id, chunks)
+             VALUES ($1, 6, 'chunks', $2, 2)",
+        )
+        .bind(&sha)
+        .bind(upload)
+        .execute(t.db.pool())
+        .await
+        .expect("blob");
+        for n in 0..2 {
+            sqlx::query(
+                "INSERT INTO durable.artifact_chunks (upload_id, n, data) VALUES ($1, $2, 'abc')",
+            )
+            .bind(upload)
+            .bind(n)
+            .execute(t.db.pool())
+            .await
+            .expect("chunk");
+        }
+    }
+    sqlx::query("DELETE FROM durable.artifact_blobs WHERE sha256 = $1")
+        .bind("b".repeat(64))
+        .execute(t.db.pool())
+        .await
+        .expect("delete");
+    let left: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT upload_id, count(*) FROM durable.artifact_chunks GROUP BY upload_id",
+    )
+    .fetch_all(t.db.pool())
+    .await
+    .expect("chunks");
+    assert_eq!(left, vec![(kept, 2)]);
+}
+
+async fn exec(db: &Db, sql: &str) {
+    sqlx::raw_sql(sql).execute(db.pool()).await.expect(sql);
+}
+
+async fn shas(db: &Db) -> Vec<String> {
+    sqlx::query_scalar("SELECT sha256 FROM durable.artifact_blobs ORDER BY sha256")
+        .fetch_all(db.pool())
+        .await
+        .expect("blobs")
+}
+
+/// Uploads whose attempt never committed leave unreferenced blobs and staged
+/// chunks: those nobody claimed for a day are garbage, younger ones are an
+/// upload in flight and stay. A removed directory-store blob's file is
+/// deleted by whoever mounts the directory, unless it is newer than the
+/// removal (the same bytes uploaded again since): that one stays.
+#[tokio::test]
+async fn unreferenced_uploads_are_collected_and_removed_files_follow_their_rows() {
+    let t = TestDb::new().await;
+    let (c, d, e, f) = (
+        "c".repeat(64),
+        "d".repeat(64),
+        "e".repeat(64),
+        "f".repeat(64),
+    );
+    let (old_upload, young_upload) = (Uuid::new_v4(), Uuid::new_v4());
+    exec(
+        &t.db,
+        &format!(
+            "INSERT INTO durable.artifact_blobs (sha256, size, content, claimed_at)
+                  VALUES ('{c}', 1, 'x', now() - interval '2 days'), ('{d}', 1, 'y', now());
+             INSERT INTO durable.artifact_blobs (sha256, size, store, claimed_at)
+                  VALUES ('{e}', 3, 'directory', now() - interval '2 days'),
+                         ('{f}', 3, 'directory', now() - interval '2 days');
+             INSERT INTO durable.artifact_chunks (upload_id, n, data, created_at)
+                  VALUES ('{old_upload}', 0, 'abc', now() - interval '2 days'),
+                         ('{old_upload}', 1, 'abc', now() - interval '2 days'),
+                         ('{young_upload}', 0, 'abc', now());"
+        ),
+    )
+    .await;
+    let (blobs, chunks) =
+        t.db.collect_blob_garbage(supervisor::db::BLOB_GARBAGE_AGE, 100)
+            .await
+            .expect("garbage");
+    assert_eq!(
+        (blobs, chunks),
+        (3, 2),
+        "c, e, f and the old upload's two chunks"
+    );
+    assert_eq!(shas(&t.db).await, vec![d.clone()]);
+    let left: Vec<Uuid> =
+        sqlx::query_scalar("SELECT DISTINCT upload_id FROM durable.artifact_chunks")
+            .fetch_all(t.db.pool())
+            .await
+            .expect("chunks");
+    assert_eq!(left, vec![young_upload]);
+
+    // the shared directory: e's file is old, f's was written again since
+    let dir = tempfile::tempdir().expect("dir");
+    for sha in [&e, &f] {
+        std::fs::create_dir_all(dir.path().join(&sha[..2])).expect("shard");
+        std::fs::write(dir.path().join(&sha[..2]).join(sha), b"abc").expect("file");
+    }
+    let old = std::time::SystemTime::now() - Duration::from_secs(3 * 24 * 3600);
+    std::fs::File::options()
+        .write(true)
+        .open(dir.path().join(&e[..2]).join(&e))
+        .and_then(|file| file.set_modified(old))
+        .expect("mtime");
+    let deleted = supervisor::artifacts::remove_deleted_files(&t.db, dir.path())
+        .await
+        .expect("remove files");
+    assert_eq!(deleted, 1);
+    assert!(
+        !dir.path().join(&e[..2]).join(&e).exists(),
+        "e's old file is deleted"
+    );
+    assert!(
+        dir.path().join(&f[..2]).join(&f).exists(),
+        "f's newer file is kept"
+    );
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM durable.artifact_files_removed")
+        .fetch_one(t.db.pool())
+        .await
+        .expect("queue");
+    assert_eq!(queued, 0, "both are dealt with");
+}
