@@ -6,7 +6,7 @@
 use sqlx::Row;
 use uuid::Uuid;
 
-use super::{Ctx, Db, DbError};
+use super::{Ctx, Db, DbError, InputArtifact};
 
 /// Where a blob's bytes are, as its row says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -208,5 +208,44 @@ impl Db {
         .fetch_optional(self.pool())
         .await
         .ctx("reading an artifact's bytes")
+    }
+}
+
+impl Db {
+    /// The artifacts a step receives as input: those of its dependencies, in
+    /// `depends_on` order.
+    pub async fn input_artifacts(
+        &self,
+        run_id: Uuid,
+        step_name: &str,
+    ) -> Result<Vec<InputArtifact>, DbError> {
+        let rows = sqlx::query(&format!(
+            "SELECT a.id, a.name, a.sha256, a.size, a.media_type, s.name AS step_name, {}
+               FROM durable.step_defs d
+               JOIN durable.step_runs s ON s.run_id = d.run_id AND s.name = ANY (d.depends_on)
+               JOIN durable.artifacts a ON a.step_run_id = s.id
+               JOIN durable.artifact_blobs b ON b.sha256 = a.sha256
+              WHERE d.run_id = $1 AND d.name = $2
+              ORDER BY array_position(d.depends_on, s.name), a.name",
+            BLOB_COLUMNS
+        ))
+        .bind(run_id)
+        .bind(step_name)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading input artifacts")?;
+        rows.iter()
+            .map(|r| {
+                Ok(InputArtifact {
+                    id: r.get("id"),
+                    name: r.get("name"),
+                    sha256: r.get("sha256"),
+                    size: r.get("size"),
+                    media_type: r.get("media_type"),
+                    step_name: r.get("step_name"),
+                    blob: blob_ref(r)?,
+                })
+            })
+            .collect()
     }
 }

@@ -1,0 +1,282 @@
+//! The queue: worker registration, the lease, the heartbeat, the reclaim of
+//! expired leases, LISTEN.
+
+use super::*;
+
+impl Db {
+    pub async fn register_worker(
+        &self,
+        id: Uuid,
+        name: &str,
+        host: &str,
+        capabilities: &serde_json::Value,
+    ) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO durable.workers (id, name, host, pid, capabilities) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(id)
+        .bind(name)
+        .bind(host)
+        .bind(std::process::id() as i32)
+        .bind(capabilities)
+        .execute(&self.pool)
+        .await
+        .ctx("registering the worker")?;
+        Ok(())
+    }
+
+    pub async fn worker_stopped(&self, id: Uuid) -> Result<(), DbError> {
+        sqlx::query("UPDATE durable.workers SET stopped_at = now() WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .ctx("marking the worker stopped")?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------
+    // the queue
+
+    /// Leases up to `limit` steps this worker can route, in one statement:
+    /// `pending` ones, and `retryable_failed` ones whose time has come. Sets the
+    /// owner, a fresh lease token and an expiry on the database clock, and
+    /// counts the attempt.
+    pub async fn lease(
+        &self,
+        worker_id: Uuid,
+        worker_name: &str,
+        routes: &[Route],
+        limit: u32,
+        ttl: StdDuration,
+    ) -> Result<Vec<LeasedStep>, DbError> {
+        if routes.is_empty() || limit == 0 {
+            return Ok(Vec::new());
+        }
+        let eks: Vec<&str> = routes.iter().map(|r| r.executor_kind.as_str()).collect();
+        let kinds: Vec<&str> = routes.iter().map(|r| r.kind.as_str()).collect();
+        let labels: Vec<serde_json::Value> = routes
+            .iter()
+            .map(|r| serde_json::to_value(&r.labels).unwrap_or_default())
+            .collect();
+        let rows = sqlx::query(
+            "WITH routes AS (
+                 SELECT * FROM unnest($3::text[], $4::text[], $5::jsonb[]) AS r(executor_kind, kind, labels)
+             ), candidates AS (
+                 -- one ordered scan of the routing index per route, stopping
+                 -- after `limit` rows: the cost does not grow with the backlog
+                 -- nor with ready steps of kinds this worker cannot run
+                 SELECT c.id FROM routes r
+                 CROSS JOIN LATERAL (
+                     SELECT s.id, s.next_attempt_at FROM durable.step_runs s
+                      WHERE s.executor_kind = r.executor_kind AND s.kind = r.kind
+                        AND s.state IN ('pending', 'retryable_failed')
+                        AND s.next_attempt_at <= now()
+                        AND r.labels @> s.labels
+                        AND NOT s.cancel_requested
+                        AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs wr
+                                         WHERE wr.id = s.run_id AND wr.cancel_requested)
+                      ORDER BY s.next_attempt_at
+                      LIMIT $6
+                      FOR NO KEY UPDATE OF s SKIP LOCKED
+                 ) c
+                 ORDER BY c.next_attempt_at
+                 LIMIT $6
+             )
+             UPDATE durable.step_runs s
+                SET state = 'leased', owner_worker_id = $1, lease_token = gen_random_uuid(),
+                    lease_expires_at = now() + make_interval(secs => $7::double precision / 1000.0),
+                    leased_at = now(), started_at = NULL, attempt = s.attempt + 1,
+                    transition_reason = 'LEASED', transition_by = $2
+               FROM candidates c
+              WHERE s.id = c.id
+          RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input, s.idempotency_key,
+                    s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
+                    s.secrets, s.checkpoint, s.cancel_requested,
+                    EXISTS (SELECT 1 FROM durable.step_defs d
+                             WHERE d.run_id = s.run_id AND d.name = s.name
+                               AND cardinality(d.depends_on) > 0) AS has_dependencies",
+        )
+        .bind(worker_id)
+        .bind(worker_name)
+        .bind(&eks)
+        .bind(&kinds)
+        .bind(&labels)
+        .bind(limit as i64)
+        .bind(ttl.as_millis() as f64)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("leasing steps")?;
+        rows.into_iter().map(leased_from_row).collect()
+    }
+
+    /// One statement per worker per interval, however many leases it holds:
+    /// renews every live lease, reports which were cancel-requested (the step's
+    /// flag or its run's) and which are lost, and stamps the worker's own
+    /// heartbeat. Rows locked by a writer right now are skipped (SKIP LOCKED,
+    /// in id order), so the heartbeat never waits on a lock and is never part
+    /// of a deadlock; such a lease is `busy`: neither renewed nor lost this
+    /// time (its owner's write is in flight; the next heartbeat renews it).
+    pub async fn heartbeat(
+        &self,
+        worker_id: Uuid,
+        leases: &[Lease],
+        ttl: StdDuration,
+    ) -> Result<HeartbeatReport, DbError> {
+        let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id).collect();
+        let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+        let rows = sqlx::query(
+            "WITH w AS (
+                 UPDATE durable.workers SET last_heartbeat_at = now() WHERE id = $1
+             ), h AS (
+                 SELECT * FROM unnest($2::uuid[], $3::uuid[]) AS h(id, token)
+             ), locked AS (
+                 SELECT s.id FROM durable.step_runs s JOIN h ON h.id = s.id AND h.token = s.lease_token
+                  WHERE s.state IN ('leased', 'running')
+                  ORDER BY s.id
+                  FOR NO KEY UPDATE OF s SKIP LOCKED
+             ), renewed AS (
+                 UPDATE durable.step_runs s
+                    SET lease_expires_at = now() + make_interval(secs => $4::double precision / 1000.0)
+                   FROM locked
+                  WHERE s.id = locked.id
+              RETURNING s.id, s.run_id, s.cancel_requested
+             )
+             SELECT h.id,
+                    r.id IS NOT NULL AS renewed,
+                    coalesce(r.cancel_requested OR wr.cancel_requested, false) AS cancel_requested,
+                    (r.id IS NULL AND EXISTS (SELECT 1 FROM durable.step_runs s
+                                               WHERE s.id = h.id AND s.lease_token = h.token
+                                                 AND s.state IN ('leased', 'running'))) AS busy
+               FROM h
+               LEFT JOIN renewed r ON r.id = h.id
+               LEFT JOIN durable.workflow_runs wr ON wr.id = r.run_id",
+        )
+        .bind(worker_id)
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(ttl.as_millis() as f64)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("renewing leases")?;
+        let mut report = HeartbeatReport::default();
+        for r in rows {
+            let id: Uuid = r.get("id");
+            if r.get::<bool, _>("renewed") {
+                report.renewed_ids.push(id);
+                if r.get::<bool, _>("cancel_requested") {
+                    report.cancel_requested.push(id);
+                }
+            } else if r.get::<bool, _>("busy") {
+                report.busy.push(id);
+            } else {
+                report.lost.push(id);
+            }
+        }
+        report.renewed = report.renewed_ids.len();
+        Ok(report)
+    }
+
+    /// Moves expired leases on: `retryable_failed`, `terminal_failed` when
+    /// attempts are spent (or no retry fits before the deadline), `cancelled`
+    /// when cancellation was requested — reason `LEASE_EXPIRED`. Returns how
+    /// many were reclaimed.
+    pub async fn reclaim_expired(&self, worker_name: &str, limit: u32) -> Result<usize, DbError> {
+        let candidates: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM durable.step_runs
+              WHERE state IN ('leased', 'running') AND lease_expires_at < now()
+              ORDER BY lease_expires_at
+              LIMIT $1",
+        )
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("finding expired leases")?;
+        let mut reclaimed = 0;
+        for id in candidates {
+            // run lock first, like every step write; then the step, skipping
+            // one another worker is reclaiming or its owner is writing right now
+            let mut tx = begin_step_write(&self.pool, id).await?;
+            let row = sqlx::query(
+                "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, retry, deadline,
+                        cancel_requested, now() AS db_now
+                   FROM durable.step_runs
+                  WHERE id = $1 AND state IN ('leased', 'running') AND lease_expires_at < now()
+                  FOR NO KEY UPDATE SKIP LOCKED",
+            )
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await
+            .ctx("locking an expired lease")?;
+            let Some(row) = row else {
+                continue;
+            };
+            let lease = Lease {
+                step_run_id: row.get("id"),
+                token: row.get("lease_token"),
+                attempt: row.get::<i32, _>("attempt").max(0) as u32,
+            };
+            let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
+                .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+            let facts = StepFacts {
+                attempt: row.get::<i32, _>("counted").max(0) as u32,
+                policy: &policy,
+                deadline: row.get("deadline"),
+                cancel_requested: row.get("cancel_requested"),
+            };
+            let report = FailureReport {
+                failure: Failure {
+                    code: "LEASE_EXPIRED".into(),
+                    retryable: true,
+                    next_retry_delay: None,
+                },
+                message: "the owning worker stopped renewing its lease".into(),
+                details: None,
+                sequence: None,
+            };
+            let decision =
+                state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
+            write_failure(&mut tx, &lease, worker_name, &report, &decision).await?;
+            tx.commit().await.ctx("committing a reclaim")?;
+            reclaimed += 1;
+        }
+        Ok(reclaimed)
+    }
+
+    /// A dedicated listener for the wake-up channels.
+    pub async fn listener(&self) -> Result<sqlx::postgres::PgListener, DbError> {
+        let mut l = sqlx::postgres::PgListener::connect_with(&self.pool)
+            .await
+            .ctx("opening a LISTEN connection")?;
+        l.listen_all([CHANNEL_STEPS, CHANNEL_CANCEL])
+            .await
+            .ctx("listening for wake-ups")?;
+        Ok(l)
+    }
+}
+
+pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
+    let retry: RetryPolicy = serde_json::from_value(r.get("retry"))
+        .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+    Ok(LeasedStep {
+        lease: Lease {
+            step_run_id: r.get("id"),
+            token: r.get("lease_token"),
+            attempt: r.get::<i32, _>("attempt").max(0) as u32,
+        },
+        run_id: r.get("run_id"),
+        name: r.get("name"),
+        executor_kind: r.get("executor_kind"),
+        kind: r.get("kind"),
+        labels: parse_labels(r.get("labels"))?,
+        input: r.get("input"),
+        idempotency_key: r.get("idempotency_key"),
+        retry,
+        timeout_ms: r.get("timeout_ms"),
+        heartbeat_timeout_ms: r.get("heartbeat_timeout_ms"),
+        deadline: r.get("deadline"),
+        secrets: r.get("secrets"),
+        checkpoint: r.get("checkpoint"),
+        cancel_requested: r.get("cancel_requested"),
+        has_dependencies: r.get("has_dependencies"),
+    })
+}

@@ -1,0 +1,166 @@
+//! Runs: submit, cancel, status (the CLI's writes and reads of a whole run).
+
+use super::*;
+
+impl Db {
+    /// Validates and submits a spec through `durable.submit_run`. An invalid
+    /// spec is `DbError::InvalidSpec` with a message that names the field;
+    /// nothing is written then.
+    pub async fn submit(&self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
+        let res = sqlx::query_scalar::<_, Uuid>("SELECT durable.submit_run($1)")
+            .bind(spec)
+            .fetch_one(&self.pool)
+            .await;
+        match res {
+            Ok(id) => Ok(id),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => {
+                Err(DbError::InvalidSpec(e.message().to_owned()))
+            }
+            Err(e) => Err(DbError::Query {
+                context: "submitting a run",
+                source: e,
+            }),
+        }
+    }
+
+    /// Requests cancellation of a run or one of its steps; returns the run's
+    /// state afterwards.
+    pub async fn cancel(&self, run_id: Uuid, step: Option<&str>) -> Result<RunState, DbError> {
+        let res = sqlx::query_scalar::<_, String>("SELECT durable.cancel_run($1, $2)")
+            .bind(run_id)
+            .bind(step)
+            .fetch_one(&self.pool)
+            .await;
+        match res {
+            Ok(s) => s
+                .parse()
+                .map_err(|e| DbError::Corrupt(format!("run state: {e}"))),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("P0D04") => {
+                Err(DbError::NotFound(e.message().to_owned()))
+            }
+            Err(e) => Err(DbError::Query {
+                context: "cancelling",
+                source: e,
+            }),
+        }
+    }
+
+    /// The run and its steps, or `NotFound`.
+    pub async fn status(&self, run_id: Uuid) -> Result<RunStatus, DbError> {
+        let run = sqlx::query(
+            "SELECT id, name, state, idempotency_key, cancel_requested, created_at, finished_at
+               FROM durable.workflow_runs WHERE id = $1",
+        )
+        .bind(run_id)
+        .fetch_optional(&self.pool)
+        .await
+        .ctx("reading a run")?
+        .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
+
+        let rows = sqlx::query(
+            "SELECT s.id, s.name, s.state, s.attempt, s.executor_kind, s.kind, s.idempotency_key,
+                    s.cancel_requested, s.next_attempt_at, s.output, s.error_code, s.error_message,
+                    s.error_retryable, s.error_details,
+                    (SELECT count(*) FROM durable.step_events e WHERE e.step_run_id = s.id) AS events
+               FROM durable.step_runs s WHERE s.run_id = $1 ORDER BY s.position",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading a run's steps")?;
+        let arts = sqlx::query(
+            "SELECT id, step_run_id, name, sha256, size, media_type FROM durable.artifacts
+              WHERE run_id = $1 ORDER BY created_at, name",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading a run's artifacts")?;
+
+        let mut steps = Vec::with_capacity(rows.len());
+        for r in rows {
+            let id: Uuid = r.get("id");
+            let state: String = r.get("state");
+            let code: Option<String> = r.get("error_code");
+            let error = code.map(|code| StepError {
+                code,
+                message: r
+                    .get::<Option<String>, _>("error_message")
+                    .unwrap_or_default(),
+                retryable: r.get::<Option<bool>, _>("error_retryable").unwrap_or(false),
+                details: r.get("error_details"),
+            });
+            let next: Option<DateTime<Utc>> = if state == "retryable_failed" {
+                r.get("next_attempt_at")
+            } else {
+                None
+            };
+            steps.push(StepStatus {
+                name: r.get("name"),
+                step_run_id: id,
+                state,
+                attempt: r.get("attempt"),
+                executor_kind: r.get("executor_kind"),
+                kind: r.get("kind"),
+                idempotency_key: r.get("idempotency_key"),
+                cancel_requested: r.get("cancel_requested"),
+                next_attempt_at: next,
+                output: r.get("output"),
+                error,
+                events: r.get("events"),
+                artifacts: arts
+                    .iter()
+                    .filter(|a| a.get::<Uuid, _>("step_run_id") == id)
+                    .map(|a| ArtifactSummary {
+                        id: a.get("id"),
+                        name: a.get("name"),
+                        sha256: a.get("sha256"),
+                        size: a.get("size"),
+                        media_type: a.get("media_type"),
+                    })
+                    .collect(),
+            });
+        }
+        let waiting = sqlx::query(
+            "SELECT d.name, d.depends_on FROM durable.step_defs d
+              WHERE d.run_id = $1
+                AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = d.run_id AND s.name = d.name)
+              ORDER BY d.position",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .ctx("reading a run's waiting steps")?
+        .into_iter()
+        .map(|r| WaitingStep {
+            name: r.get("name"),
+            depends_on: r.get("depends_on"),
+        })
+        .collect();
+
+        Ok(RunStatus {
+            run_id: run.get("id"),
+            name: run.get("name"),
+            state: run.get("state"),
+            idempotency_key: run.get("idempotency_key"),
+            cancel_requested: run.get("cancel_requested"),
+            created_at: run.get("created_at"),
+            finished_at: run.get("finished_at"),
+            steps,
+            waiting,
+        })
+    }
+
+    // -----------------------------------------------------------------------
+    // workers
+
+    /// How many runs are pending or running.
+    pub async fn open_runs(&self) -> Result<i64, DbError> {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM durable.workflow_runs WHERE state IN ('pending', 'running')",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .ctx("counting open runs")
+    }
+}

@@ -1,0 +1,388 @@
+//! Single fenced writes of one step by its lease holder (the ledger batches
+//! the hot ones: `ledger.rs`): start, events, completion, failure, cancel,
+//! refusal, release; and the helpers every step writer shares (the run lock
+//! first, the fence, the failure write).
+
+use super::*;
+
+impl Db {
+    /// The executor accepted the job: `leased → running`, with its event.
+    pub async fn mark_running(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        executor_pid: i32,
+        event: &NewEvent<'_>,
+    ) -> Result<(), DbError> {
+        let started: bool =
+            sqlx::query_scalar("SELECT durable.start_step($1, $2, $3, $4, $5, $6, $7, $8, $9)")
+                .bind(lease.step_run_id)
+                .bind(lease.token)
+                .bind(worker_name)
+                .bind(executor_pid)
+                .bind(event.sequence as i64)
+                .bind(event.kind)
+                .bind(event.message)
+                .bind(event.fraction)
+                .bind(event.executor_at)
+                .fetch_one(&self.pool)
+                .await
+                .ctx("marking a step running")?;
+        fenced(u64::from(started), lease)
+    }
+
+    /// Persists a progress event (and its checkpoint, if any), fenced.
+    pub async fn record_event(&self, lease: &Lease, event: &NewEvent<'_>) -> Result<(), DbError> {
+        self.record_events(lease, std::slice::from_ref(event)).await
+    }
+
+    /// Persists a batch of one attempt's progress events in one statement,
+    /// fenced by the lease. Idempotent (a retried batch inserts nothing twice).
+    /// The step row is rewritten only when the batch carries a checkpoint (the
+    /// last one wins); plain events only read it for the fence.
+    pub async fn record_events(
+        &self,
+        lease: &Lease,
+        events: &[NewEvent<'_>],
+    ) -> Result<(), DbError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let seqs: Vec<i64> = events.iter().map(|e| e.sequence as i64).collect();
+        let kinds: Vec<&str> = events.iter().map(|e| e.kind).collect();
+        let msgs: Vec<&str> = events.iter().map(|e| e.message).collect();
+        let fracs: Vec<Option<f64>> = events.iter().map(|e| e.fraction).collect();
+        let cps: Vec<bool> = events.iter().map(|e| e.checkpoint.is_some()).collect();
+        let ats: Vec<Option<DateTime<Utc>>> = events.iter().map(|e| e.executor_at).collect();
+        let checkpoint = events.iter().rev().find_map(|e| e.checkpoint);
+        let fence = if checkpoint.is_some() {
+            "UPDATE durable.step_runs SET checkpoint = $3
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')
+          RETURNING id, attempt"
+        } else {
+            "SELECT id, attempt FROM durable.step_runs
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') AND $3::bytea IS NULL"
+        };
+        let sql = format!(
+            "WITH s AS ({fence}), ins AS (
+                 INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint, executor_at)
+                 SELECT s.id, s.attempt, e.seq, e.kind, e.msg, e.frac, e.cp, e.at
+                   FROM s, unnest($4::bigint[], $5::text[], $6::text[], $7::float8[], $8::bool[], $9::timestamptz[])
+                        AS e(seq, kind, msg, frac, cp, at)
+                 ON CONFLICT DO NOTHING
+             )
+             SELECT count(*) FROM s"
+        );
+        let n: i64 = sqlx::query_scalar(&sql)
+            .bind(lease.step_run_id)
+            .bind(lease.token)
+            .bind(checkpoint)
+            .bind(&seqs)
+            .bind(&kinds)
+            .bind(&msgs)
+            .bind(&fracs)
+            .bind(&cps)
+            .bind(&ats)
+            .fetch_one(&self.pool)
+            .await
+            .ctx("recording progress events")?;
+        fenced(n.max(0) as u64, lease)
+    }
+
+    /// The attempt succeeded: records its artifacts (whose blobs are already
+    /// stored: no bytes travel here), lineage, the terminal event and the
+    /// output, and moves `running → succeeded` — one short transaction,
+    /// fenced (`durable.complete_step_stored`). The run is recomputed (and
+    /// dependents created) by the database in the same transaction.
+    pub async fn complete(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        output: &serde_json::Value,
+        artifacts: &[NewArtifact],
+        sequence: Option<u64>,
+    ) -> Result<Vec<Uuid>, DbError> {
+        let names: Vec<&str> = artifacts.iter().map(|a| a.name.as_str()).collect();
+        let shas: Vec<&str> = artifacts.iter().map(|a| a.sha256.as_str()).collect();
+        let media: Vec<&str> = artifacts.iter().map(|a| a.media_type.as_str()).collect();
+        let sizes: Vec<i64> = artifacts.iter().map(|a| a.size).collect();
+        let derived = serde_json::Value::Array(
+            artifacts
+                .iter()
+                .map(|a| serde_json::json!(a.derived_from))
+                .collect(),
+        );
+        let ids: Option<Vec<Uuid>> = sqlx::query_scalar(
+            "SELECT durable.complete_step_stored($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(output)
+        .bind(sequence.map(|s| s as i64))
+        .bind(&names)
+        .bind(&shas)
+        .bind(&sizes)
+        .bind(&media)
+        .bind(&derived)
+        .fetch_one(&self.pool)
+        .await
+        .ctx("completing a step")?;
+        ids.ok_or(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })
+    }
+
+    /// The attempt failed: the state module decides retry, terminal failure or
+    /// cancellation from the row's current facts; fenced.
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        report: &FailureReport,
+        jitter: f64,
+    ) -> Result<FailureDecision, DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let row = sqlx::query(
+            "SELECT attempt - uncounted_attempts AS counted, retry, deadline, cancel_requested, now() AS db_now
+               FROM durable.step_runs
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') FOR NO KEY UPDATE",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .fetch_optional(&mut *tx)
+        .await
+        .ctx("locking a step to fail it")?
+        .ok_or(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })?;
+        let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
+            .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+        let facts = StepFacts {
+            attempt: row.get::<i32, _>("counted").max(0) as u32,
+            policy: &policy,
+            deadline: row.get("deadline"),
+            cancel_requested: row.get("cancel_requested"),
+        };
+        let decision = state::decide_failure(&facts, &report.failure, row.get("db_now"), jitter);
+        if let Some(seq) = report.sequence {
+            insert_terminal_event(&mut tx, lease, seq, decision.to.as_str(), &report.message)
+                .await?;
+        }
+        write_failure(&mut tx, lease, worker_name, report, &decision).await?;
+        tx.commit().await.ctx("committing a failure")?;
+        Ok(decision)
+    }
+
+    /// Cancellation is confirmed and the executor has exited: `→ cancelled`.
+    pub async fn confirm_cancelled(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        message: &str,
+    ) -> Result<(), DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let n = sqlx::query(
+            "UPDATE durable.step_runs
+                SET state = 'cancelled', error_code = 'CANCELLED', error_message = $4,
+                    error_retryable = false, transition_reason = 'CANCELLED', transition_by = $3
+              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(message)
+        .execute(&mut *tx)
+        .await
+        .ctx("confirming a cancellation")?
+        .rows_affected();
+        fenced(n, lease)?;
+        tx.commit().await.ctx("committing a cancellation")
+    }
+
+    /// The executor refused the job before executing it (routing mismatch, or
+    /// a retryable error before `accepted`): nothing ran, so the attempt is
+    /// given back and the step goes back to the queue after `delay`. Refusals
+    /// are counted; the `max_refusals`-th ends the step `terminal_failed`
+    /// (`EXECUTOR_REFUSED`) instead of looping forever. A step with a cancel
+    /// request (its own or its run's) is never leased again, so its refusal
+    /// ends it `cancelled`. Returns the state the step is in now.
+    pub async fn refuse(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        code: &str,
+        message: &str,
+        delay: StdDuration,
+        max_refusals: u32,
+    ) -> Result<String, DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        // a step with a cancel request (its own or its run's) is never leased
+        // again: a refusal ends it cancelled instead of back in the queue
+        let state: Option<String> = sqlx::query_scalar(
+            "UPDATE durable.step_runs s
+                SET state = CASE WHEN c.cancel THEN 'cancelled'
+                                 WHEN s.refusals + 1 >= $7 THEN 'terminal_failed' ELSE 'retryable_failed' END,
+                    refusals = s.refusals + 1,
+                    attempt = CASE WHEN c.cancel THEN s.attempt ELSE s.attempt - 1 END,
+                    next_attempt_at = now() + make_interval(secs => $6::double precision / 1000.0),
+                    error_code = CASE WHEN c.cancel THEN 'CANCELLED'
+                                      WHEN s.refusals + 1 >= $7 THEN 'EXECUTOR_REFUSED' ELSE $4 END,
+                    error_message = CASE WHEN c.cancel
+                        THEN 'cancellation was requested; the executor refused the job before running it (' || $4 || ': ' || $5 || ')'
+                        WHEN s.refusals + 1 >= $7
+                        THEN 'refused ' || (s.refusals + 1) || ' times (max_refusals = ' || $7 || '); last: ' || $4 || ': ' || $5
+                        ELSE $5 END,
+                    error_retryable = NOT c.cancel AND s.refusals + 1 < $7, error_details = NULL,
+                    owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
+                    lease_token = CASE WHEN c.cancel THEN s.lease_token END,
+                    transition_reason = CASE WHEN c.cancel THEN 'CANCEL_REQUESTED (' || $4 || ')'
+                                             WHEN s.refusals + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
+                    transition_by = $3
+               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
+                       FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
+                      WHERE s2.id = $1) c
+              WHERE s.id = c.id AND s.lease_token = $2 AND s.state = 'leased'
+          RETURNING s.state",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(code)
+        .bind(message)
+        .bind(delay.as_millis() as f64)
+        .bind(max_refusals.max(1) as i32)
+        .fetch_optional(&mut *tx)
+        .await
+        .ctx("returning a refused step")?;
+        let state = state.ok_or(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })?;
+        tx.commit().await.ctx("committing a refusal")?;
+        Ok(state)
+    }
+
+    /// A draining worker stopped the attempt (drain timeout): the step goes
+    /// back to the queue at once and the attempt does not count against
+    /// `max_attempts` (a routine redeploy must not burn attempts). A step with
+    /// a cancel request (its own or its run's) is cancelled instead. Fenced.
+    pub async fn release(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        message: &str,
+    ) -> Result<(), DbError> {
+        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let n = sqlx::query(
+            "UPDATE durable.step_runs s
+                SET state = CASE WHEN c.cancel THEN 'cancelled' ELSE 'retryable_failed' END,
+                    uncounted_attempts = s.uncounted_attempts + CASE WHEN c.cancel THEN 0 ELSE 1 END,
+                    next_attempt_at = now(),
+                    error_code = CASE WHEN c.cancel THEN 'CANCELLED' ELSE 'WORKER_SHUTDOWN' END,
+                    error_message = $4, error_retryable = NOT c.cancel, error_details = NULL,
+                    owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
+                    lease_token = CASE WHEN c.cancel THEN s.lease_token END,
+                    transition_reason = CASE WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)' ELSE 'RELEASED' END,
+                    transition_by = $3
+               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
+                       FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
+                      WHERE s2.id = $1) c
+              WHERE s.id = c.id AND s.lease_token = $2 AND s.state IN ('leased', 'running')",
+        )
+        .bind(lease.step_run_id)
+        .bind(lease.token)
+        .bind(worker_name)
+        .bind(message)
+        .execute(&mut *tx)
+        .await
+        .ctx("releasing a step")?
+        .rows_affected();
+        fenced(n, lease)?;
+        tx.commit().await.ctx("committing a release")
+    }
+}
+
+/// Begins a single-step write: locks the step's run row first. Every writer
+/// that changes a step's state takes the run lock before the step lock (the
+/// triggers recompute the run), so concurrent completions, cancels and reclaims
+/// in one run serialise instead of deadlocking.
+pub(super) async fn begin_step_write(
+    pool: &PgPool,
+    step_run_id: Uuid,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, DbError> {
+    let mut tx = pool.begin().await.ctx("beginning a step write")?;
+    sqlx::query(
+        "SELECT 1 FROM durable.workflow_runs
+          WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1) FOR NO KEY UPDATE",
+    )
+    .bind(step_run_id)
+    .execute(&mut *tx)
+    .await
+    .ctx("locking the step's run")?;
+    Ok(tx)
+}
+
+pub(super) fn fenced(rows: u64, lease: &Lease) -> Result<(), DbError> {
+    if rows == 0 {
+        Err(DbError::LeaseLost {
+            step_run_id: lease.step_run_id,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+pub(super) async fn insert_terminal_event(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    lease: &Lease,
+    sequence: u64,
+    kind: &str,
+    message: &str,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message)
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+    )
+    .bind(lease.step_run_id)
+    .bind(lease.attempt as i32)
+    .bind(sequence as i64)
+    .bind(kind)
+    .bind(message)
+    .execute(&mut **tx)
+    .await
+    .ctx("recording a terminal event")?;
+    Ok(())
+}
+
+pub(super) async fn write_failure(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    lease: &Lease,
+    worker_name: &str,
+    report: &FailureReport,
+    decision: &FailureDecision,
+) -> Result<(), DbError> {
+    let conn = tx.acquire().await.ctx("using the transaction")?;
+    let n = sqlx::query(
+        "UPDATE durable.step_runs
+            SET state = $3, next_attempt_at = coalesce($4, next_attempt_at),
+                error_code = $5, error_message = $6, error_retryable = $7, error_details = $8,
+                owner_worker_id = CASE WHEN $3 = 'retryable_failed' THEN NULL ELSE owner_worker_id END,
+                transition_reason = $9, transition_by = $10
+          WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')",
+    )
+    .bind(lease.step_run_id)
+    .bind(lease.token)
+    .bind(decision.to.as_str())
+    .bind(decision.next_attempt_at)
+    .bind(&report.failure.code)
+    .bind(&report.message)
+    .bind(report.failure.retryable)
+    .bind(&report.details)
+    .bind(&decision.reason)
+    .bind(worker_name)
+    .execute(&mut *conn)
+    .await
+    .ctx("failing a step")?
+    .rows_affected();
+    fenced(n, lease)
+}
