@@ -274,41 +274,46 @@ impl From<pb::ExecutorFrame> for FromExecutor {
     }
 }
 
+/// A job as its protobuf message (the frame's body, and what its size is).
+fn job_to_pb(j: &Job) -> pb::Job {
+    pb::Job {
+        job_id: j.job_id.clone(),
+        workflow_run_id: j.workflow_run_id.clone(),
+        step_run_id: j.step_run_id.clone(),
+        idempotency_key: j.idempotency_key.clone(),
+        executor_kind: j.executor_kind.clone(),
+        kind: j.kind.clone(),
+        attempt: j.attempt,
+        deadline_unix_ms: j.deadline_unix_ms,
+        attempt_deadline_unix_ms: j.attempt_deadline_unix_ms,
+        heartbeat_timeout_ms: j.heartbeat_timeout_ms,
+        input: j.input.clone(),
+        input_artifacts: j
+            .input_artifacts
+            .iter()
+            .map(|a| pb::ArtifactRef {
+                id: a.id.clone(),
+                name: a.name.clone(),
+                sha256: a.sha256.clone(),
+                size: a.size,
+                media_type: a.media_type.clone(),
+                path: a.path.clone(),
+                step_name: a.step_name.clone(),
+            })
+            .collect(),
+        checkpoint: j.checkpoint.clone(),
+        output_dir: j.output_dir.clone(),
+        secrets: j.secrets.clone(),
+        labels: j.labels.clone(),
+        ..negotiated_fields(j.agreement.as_ref())
+    }
+}
+
 impl From<&ToExecutor> for pb::SupervisorFrame {
     fn from(m: &ToExecutor) -> Self {
         use pb::supervisor_frame::Frame;
         let frame = match m {
-            ToExecutor::Job(j) => Frame::Job(pb::Job {
-                job_id: j.job_id.clone(),
-                workflow_run_id: j.workflow_run_id.clone(),
-                step_run_id: j.step_run_id.clone(),
-                idempotency_key: j.idempotency_key.clone(),
-                executor_kind: j.executor_kind.clone(),
-                kind: j.kind.clone(),
-                attempt: j.attempt,
-                deadline_unix_ms: j.deadline_unix_ms,
-                attempt_deadline_unix_ms: j.attempt_deadline_unix_ms,
-                heartbeat_timeout_ms: j.heartbeat_timeout_ms,
-                input: j.input.clone(),
-                input_artifacts: j
-                    .input_artifacts
-                    .iter()
-                    .map(|a| pb::ArtifactRef {
-                        id: a.id.clone(),
-                        name: a.name.clone(),
-                        sha256: a.sha256.clone(),
-                        size: a.size,
-                        media_type: a.media_type.clone(),
-                        path: a.path.clone(),
-                        step_name: a.step_name.clone(),
-                    })
-                    .collect(),
-                checkpoint: j.checkpoint.clone(),
-                output_dir: j.output_dir.clone(),
-                secrets: j.secrets.clone(),
-                labels: j.labels.clone(),
-                ..negotiated_fields(j.agreement.as_ref())
-            }),
+            ToExecutor::Job(j) => Frame::Job(job_to_pb(j)),
             ToExecutor::Cancel {
                 job_id,
                 reason,
@@ -352,6 +357,15 @@ fn negotiated_fields(a: Option<&Agreement>) -> pb::Job {
 pub fn frame_body_len(m: &ToExecutor) -> u64 {
     use prost::Message;
     pb::SupervisorFrame::from(m).encoded_len() as u64
+}
+
+/// The body length of the job frame of `j`, without copying the job first.
+pub fn job_frame_len(j: &Job) -> u64 {
+    use prost::Message;
+    pb::SupervisorFrame {
+        frame: Some(pb::supervisor_frame::Frame::Job(job_to_pb(j))),
+    }
+    .encoded_len() as u64
 }
 
 /// Why no hello was read.

@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use super::{Hello, Job, ToExecutor, DEFAULT_MAX_FRAME_BYTES};
+use super::{Hello, Job, DEFAULT_MAX_FRAME_BYTES};
 
 /// A protocol revision, "MAJOR.MINOR".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -201,7 +201,7 @@ pub fn prepare_job(
     let agreement = negotiate(hello, offer)?;
     let mut job = job.clone();
     job.agreement = Some(agreement.clone());
-    let len = super::frame_body_len(&ToExecutor::Job(Box::new(job.clone())));
+    let len = super::job_frame_len(&job);
     if len > agreement.executor_max_frame_bytes {
         return Err(NegotiationError::JobTooLarge {
             len,
@@ -214,6 +214,7 @@ pub fn prepare_job(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::ToExecutor;
 
     fn hello(versions: &[&str], features: &[&str], max_frame_bytes: u64) -> Hello {
         Hello {

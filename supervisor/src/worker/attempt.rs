@@ -892,8 +892,8 @@ async fn converse(
     // protocol 1.1: the revision, features and frame limits agreed with this
     // hello are stated in the job; a job over the executor's limit is not sent
     let offer = wire::SupervisorOffer::new(cfg.max_frame_bytes);
-    let job = &match wire::prepare_job(&hello, &offer, job) {
-        Ok(job) => job,
+    let prepared = match wire::prepare_job(&hello, &offer, job) {
+        Ok(prepared) => prepared,
         Err(e) => {
             warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
             if e.code() == "PROTOCOL_VERSION_MISMATCH" {
@@ -914,7 +914,9 @@ async fn converse(
     }
 
     // --- the job
-    write_frame(&mut stdin, &ToExecutor::Job(Box::new(job.clone()))).await;
+    // the job sent carries the agreement; what follows needs only its id and
+    // directories, the same in `job`
+    write_frame(&mut stdin, &ToExecutor::Job(Box::new(prepared))).await;
     let silence = step.heartbeat_timeout_ms.filter(|&ms| ms > 0);
     let clocks = Clocks {
         attempt_end: step.timeout_ms.and_then(instant_in),
