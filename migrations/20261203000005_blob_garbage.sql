@@ -16,6 +16,10 @@
 --   than its removal (a re-upload of the same bytes after the removal writes
 --   a newer file, which is kept), then dequeues it.
 
+-- each pass looks only at what is old enough, not at the whole store
+CREATE INDEX artifact_blobs_claimed ON durable.artifact_blobs (claimed_at);
+CREATE INDEX artifact_chunks_created ON durable.artifact_chunks (created_at);
+
 CREATE TABLE durable.artifact_files_removed (
     sha256     text PRIMARY KEY,
     removed_at timestamptz NOT NULL DEFAULT now()
