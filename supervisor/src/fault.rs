@@ -45,3 +45,21 @@ pub(crate) fn maybe_kill_heartbeat(worker: &str) {
         panic!("fault injection: the heartbeat loop of {worker} dies");
     }
 }
+
+static SLOW_RELEASE: Mutex<Option<(String, std::time::Duration)>> = Mutex::new(None);
+
+/// Makes the first attempt of steps of `kind` hold its slot and its place in
+/// the renewal set for `delay` after its outcome resolved (None: off): the
+/// window in which a retry of the same step can be leased while the previous
+/// attempt's task is still winding down.
+pub fn delay_first_attempt_release_of_kind(fault: Option<(&str, std::time::Duration)>) {
+    *SLOW_RELEASE.lock().unwrap_or_else(|p| p.into_inner()) = fault.map(|(k, d)| (k.to_owned(), d));
+}
+
+/// How long a test asked this attempt to hold on to its slot.
+pub(crate) fn release_delay(kind: &str, attempt: u32) -> Option<std::time::Duration> {
+    match &*SLOW_RELEASE.lock().unwrap_or_else(|p| p.into_inner()) {
+        Some((k, d)) if k == kind && attempt == 1 => Some(*d),
+        _ => None,
+    }
+}

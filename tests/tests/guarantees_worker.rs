@@ -648,3 +648,82 @@ async fn secrets_are_allowlisted_and_never_stored() {
     }
     w.shutdown().await;
 }
+
+/// A retry of a step can be leased by the same worker while the previous
+/// attempt's task is still winding down (its failure is committed, its slot
+/// not yet freed). The old attempt's cleanup used to drop the retry from the
+/// renewal set (it was keyed by step, not by lease), so the retry lost its
+/// lease mid-run and the step needed a third attempt (CI saw it in
+/// `checkpoint_resume`). The fault holds attempt 1's slot for a moment after
+/// its failure committed, which makes that window certain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_leased_while_the_last_attempt_winds_down_keeps_its_lease() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let kind = "demo.resume";
+    supervisor::fault::delay_first_attempt_release_of_kind(Some((
+        kind,
+        Duration::from_millis(500),
+    )));
+    let w = RunningWorker::start(
+        t.connect(6).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    // 20 items of 150 ms: a retry from item 2 on runs about 2.7 s, longer than
+    // the 2 s lease it would have without renewals
+    let run = t
+        .submit(json!({"name": "retry-lease", "steps": [{
+            "name": "s", "executor_kind": "go", "kind": kind,
+            "input": {"items": 20, "ms": 150},
+            "retry": {"max_attempts": 3, "initial_interval_ms": 0},
+        }]}))
+        .await;
+    let sid = tests::only_step_id(&t, run).await;
+    let t0 = Instant::now();
+    loop {
+        let next: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT checkpoint FROM durable.step_runs WHERE id = $1")
+                .bind(sid)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("checkpoint");
+        let next = next
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|v| v["next"].as_i64());
+        if next.is_some_and(|n| n >= 2) {
+            break;
+        }
+        assert!(t0.elapsed() < LONG, "no checkpoint stored");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let pid = tests::executor_pid(&t.db, sid).await.expect("executor pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("SIGKILL attempt 1's executor");
+    let st = t.wait_terminal(run, LONG).await;
+    supervisor::fault::delay_first_attempt_release_of_kind(None);
+    let s = step(&st, "s");
+    assert_eq!(s.state, "succeeded", "{st:?}");
+    assert_eq!(
+        s.attempt, 2,
+        "the retry kept its lease: no third attempt ({s:?})"
+    );
+    let reasons: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT reason FROM durable.transitions WHERE step_run_id = $1 ORDER BY id",
+    )
+    .bind(sid)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("transitions");
+    assert!(
+        !reasons
+            .iter()
+            .flatten()
+            .any(|r| r.contains("LEASE_EXPIRED")),
+        "no attempt expired: {reasons:?}"
+    );
+    w.shutdown().await;
+}

@@ -205,6 +205,15 @@ impl Lease {
     pub fn attempt(&self) -> u32 {
         self.attempt
     }
+    /// A lease made up for a unit test of the worker's bookkeeping.
+    #[cfg(test)]
+    pub(crate) fn for_test(step_run_id: Uuid, token: Uuid, attempt: u32) -> Lease {
+        Lease {
+            step_run_id,
+            token,
+            attempt,
+        }
+    }
 }
 
 /// A step this worker now owns, with everything needed to run it.

@@ -774,7 +774,7 @@ async fn write_loop(
             match res {
                 Ok(()) => {}
                 Err(DbError::LeaseLost { .. }) => {
-                    shared.lease_lost(lease.step_run_id());
+                    shared.lease_lost(&lease);
                     return;
                 }
                 Err(e) => {

@@ -3,18 +3,18 @@
 //! drains on shutdown (detect → tell → wait).
 
 mod attempt;
+mod leases;
 mod ledger;
 pub mod routing;
 mod session;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::FutureExt;
 
-use tokio::sync::{watch, Notify};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
@@ -66,11 +66,6 @@ pub(crate) struct LeaseView {
     pub valid_until: Instant,
 }
 
-struct LeaseEntry {
-    lease: Lease,
-    tx: watch::Sender<LeaseView>,
-}
-
 /// A probed executor: its config and the lease routes its hello offered.
 #[derive(Debug)]
 pub struct ExecutorRuntime {
@@ -113,27 +108,20 @@ pub(crate) struct Shared {
     pub abort: CancellationToken,
     /// Cancelled when the drain starts: no session goes back to a pool.
     pub draining: CancellationToken,
-    leases: Mutex<HashMap<Uuid, LeaseEntry>>,
+    leases: leases::LeaseSet,
 }
 
 impl Shared {
     /// The attempt's commit resolved (or it was abandoned): its lease leaves
     /// the renewal set. Until then the heartbeat keeps renewing it, so a
     /// commit that waits on a busy database does not lose a valid lease.
-    fn forget(&self, step_run_id: Uuid) {
-        self.leases().remove(&step_run_id);
-    }
-
-    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, LeaseEntry>> {
-        // a panic while holding this lock cannot leave the map inconsistent
-        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    fn forget(&self, lease: &Lease) {
+        self.leases.forget(lease);
     }
 
     /// A write learned that the lease is gone: tell the attempt.
-    pub(crate) fn lease_lost(&self, step_run_id: Uuid) {
-        if let Some(e) = self.leases().get(&step_run_id) {
-            e.tx.send_modify(|v| v.control = Control::LeaseLost);
-        }
+    pub(crate) fn lease_lost(&self, lease: &Lease) {
+        self.leases.lease_lost(lease);
     }
 
     /// Time the attempt needs to stop its child (cancel grace, SIGTERM grace)
@@ -150,13 +138,13 @@ impl Shared {
 struct SlotGuard {
     shared: Arc<Shared>,
     exec: Arc<ExecutorRuntime>,
-    step_run_id: Uuid,
+    lease: Lease,
     freed: Arc<Notify>,
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.shared.forget(self.step_run_id);
+        self.shared.forget(&self.lease);
         self.exec.running.fetch_sub(1, Ordering::SeqCst);
         self.freed.notify_one();
     }
@@ -314,7 +302,7 @@ impl Worker {
                 spawner,
                 abort: CancellationToken::new(),
                 draining: CancellationToken::new(),
-                leases: Mutex::new(HashMap::new()),
+                leases: leases::LeaseSet::default(),
             }),
             executors,
             wake: Arc::new(Notify::new()),
@@ -416,28 +404,20 @@ impl Worker {
                     leased_any_full = true;
                 }
                 for step in steps {
-                    let (tx, rx) = watch::channel(LeaseView {
-                        control: Control::Run,
-                        valid_until: sent + ttl,
-                    });
+                    let rx = shared.leases.insert(step.lease.clone(), sent + ttl);
                     let id = step.lease.step_run_id();
-                    shared.leases().insert(
-                        id,
-                        LeaseEntry {
-                            lease: step.lease.clone(),
-                            tx,
-                        },
-                    );
                     exec.running.fetch_add(1, Ordering::SeqCst);
                     let span = info_span!("attempt", run_id = %step.run_id, step = %step.name,
                         step_run_id = %id, attempt = step.lease.attempt(), kind = %step.kind);
                     let guard = SlotGuard {
                         shared: shared.clone(),
                         exec: exec.clone(),
-                        step_run_id: id,
+                        lease: step.lease.clone(),
                         freed: slot_freed.clone(),
                     };
                     let (shared2, exec2) = (shared.clone(), exec.clone());
+                    let slow_release =
+                        crate::fault::release_delay(&step.kind, step.lease.attempt());
                     attempts.spawn(
                         async move {
                             // the guard frees the slot even if the attempt panics
@@ -449,6 +429,9 @@ impl Worker {
                             .await;
                             if res.is_err() {
                                 error!("the attempt task panicked; its lease is dropped and the step will be reclaimed");
+                            }
+                            if let Some(delay) = slow_release {
+                                tokio::time::sleep(delay).await;
                             }
                         }
                         .instrument(span),
@@ -608,7 +591,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
             _ = now.notified() => {}
         }
         crate::fault::maybe_kill_heartbeat(&shared.name);
-        let leases: Vec<Lease> = shared.leases().values().map(|e| e.lease.clone()).collect();
+        let leases: Vec<Lease> = shared.leases.snapshot();
         let sent = Instant::now();
         next = sent + interval;
         match bounded(
@@ -620,36 +603,12 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
         {
             Ok(report) => {
                 crate::metrics::heartbeat_renewed(sent.elapsed());
-                let map = shared.leases();
-                for id in &report.renewed_ids {
-                    if let Some(e) = map.get(id) {
-                        e.tx.send_modify(|v| {
-                            if v.valid_until < sent + ttl {
-                                v.valid_until = sent + ttl;
-                            }
-                        });
-                    }
-                }
-                for id in &report.cancel_requested {
-                    if let Some(e) = map.get(id) {
-                        e.tx.send_if_modified(|v| {
-                            if v.control == Control::Run {
-                                v.control = Control::Cancel;
-                                true
-                            } else {
-                                false
-                            }
-                        });
-                    }
-                }
-                for id in &report.lost {
-                    if let Some(e) = map.get(id) {
-                        warn!(step_run_id = %id, "lease lost");
-                        e.tx.send_modify(|v| v.control = Control::LeaseLost);
-                    }
+                let applied = shared.leases.apply(&leases, &report, sent, ttl);
+                for id in &applied.lost {
+                    warn!(step_run_id = %id, "lease lost");
                 }
                 debug!(
-                    renewed = report.renewed,
+                    renewed = applied.renewed,
                     busy = report.busy.len(),
                     "heartbeat"
                 );

@@ -1,0 +1,270 @@
+//! The worker's renewal set: the leases its heartbeat renews, each with the
+//! channel that tells its attempt about cancel requests, lost leases and the
+//! lease clock.
+//!
+//! An entry belongs to one *attempt*, not to a step: a retry of a step can be
+//! leased by this worker while the previous attempt's task is still winding
+//! down (its failure is committed, so the step is leasable again, but its slot
+//! is not yet freed). Every operation therefore matches the lease token, so
+//! the old attempt's cleanup cannot drop the retry from the renewal set and a
+//! heartbeat answer about the old token cannot reach the retry.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::{Control, LeaseView};
+use crate::db::{HeartbeatReport, Lease};
+
+struct Entry {
+    lease: Lease,
+    tx: watch::Sender<LeaseView>,
+}
+
+/// What applying one heartbeat answer did (for logs and tests).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Applied {
+    pub renewed: usize,
+    pub cancelled: usize,
+    pub lost: Vec<Uuid>,
+}
+
+/// One entry per step: the newest attempt of it that this worker holds.
+#[derive(Default)]
+pub(crate) struct LeaseSet {
+    map: Mutex<HashMap<Uuid, Entry>>,
+}
+
+impl LeaseSet {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Entry>> {
+        // no operation can leave the map inconsistent if it panics
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new lease joins the set; its attempt watches the returned receiver.
+    /// An older attempt of the same step still in the set has already
+    /// resolved its outcome (the step could not be leased again otherwise),
+    /// so the new lease takes its place.
+    pub fn insert(&self, lease: Lease, valid_until: Instant) -> watch::Receiver<LeaseView> {
+        let (tx, rx) = watch::channel(LeaseView {
+            control: Control::Run,
+            valid_until,
+        });
+        self.map().insert(lease.step_run_id(), Entry { lease, tx });
+        rx
+    }
+
+    /// The attempt holding `lease` is done with it. A newer attempt of the
+    /// same step (another token) keeps its place.
+    pub fn forget(&self, lease: &Lease) {
+        let mut map = self.map();
+        if map
+            .get(&lease.step_run_id())
+            .is_some_and(|e| e.lease.token() == lease.token())
+        {
+            map.remove(&lease.step_run_id());
+        }
+    }
+
+    /// The leases to renew now.
+    pub fn snapshot(&self) -> Vec<Lease> {
+        self.map().values().map(|e| e.lease.clone()).collect()
+    }
+
+    /// A write of the attempt holding `lease` learned that it is gone.
+    pub fn lease_lost(&self, lease: &Lease) {
+        if let Some(e) = self.current(&self.map(), lease) {
+            e.tx.send_modify(|v| v.control = Control::LeaseLost);
+        }
+    }
+
+    fn current<'m>(&self, map: &'m HashMap<Uuid, Entry>, lease: &Lease) -> Option<&'m Entry> {
+        map.get(&lease.step_run_id())
+            .filter(|e| e.lease.token() == lease.token())
+    }
+
+    /// Applies the answer to a heartbeat that renewed `sent` at `sent_at`:
+    /// renewed leases' clocks move to `sent_at + ttl`, cancel requests and
+    /// lost leases reach their attempts. An answer about a lease that has
+    /// since left the set, or been replaced by a newer attempt, is ignored.
+    pub fn apply(
+        &self,
+        sent: &[Lease],
+        report: &HeartbeatReport,
+        sent_at: Instant,
+        ttl: Duration,
+    ) -> Applied {
+        let sent: HashMap<Uuid, &Lease> = sent.iter().map(|l| (l.step_run_id(), l)).collect();
+        let map = self.map();
+        let entry = |id: &Uuid| sent.get(id).and_then(|l| self.current(&map, l));
+        let mut applied = Applied::default();
+        for e in report.renewed_ids.iter().filter_map(entry) {
+            applied.renewed += 1;
+            e.tx.send_if_modified(|v| {
+                let until = sent_at + ttl;
+                let later = v.valid_until < until;
+                if later {
+                    v.valid_until = until;
+                }
+                later
+            });
+        }
+        for e in report.cancel_requested.iter().filter_map(entry) {
+            let moved = e.tx.send_if_modified(|v| {
+                let run = v.control == Control::Run;
+                if run {
+                    v.control = Control::Cancel;
+                }
+                run
+            });
+            applied.cancelled += usize::from(moved);
+        }
+        for e in report.lost.iter().filter_map(entry) {
+            applied.lost.push(e.lease.step_run_id());
+            e.tx.send_modify(|v| v.control = Control::LeaseLost);
+        }
+        applied
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(2);
+
+    fn lease(step: u128, token: u128) -> Lease {
+        Lease::for_test(Uuid::from_u128(step), Uuid::from_u128(token), 1)
+    }
+
+    fn report(renewed: &[u128], cancel: &[u128], lost: &[u128]) -> HeartbeatReport {
+        let ids = |v: &[u128]| v.iter().map(|&s| Uuid::from_u128(s)).collect::<Vec<_>>();
+        HeartbeatReport {
+            renewed_ids: ids(renewed),
+            cancel_requested: ids(cancel),
+            lost: ids(lost),
+            busy: vec![],
+            renewed: renewed.len(),
+        }
+    }
+
+    fn steps(set: &LeaseSet) -> Vec<(Uuid, Uuid)> {
+        let mut v: Vec<_> = set
+            .snapshot()
+            .iter()
+            .map(|l| (l.step_run_id(), l.token()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn the_old_attempts_cleanup_keeps_the_retry_in_the_renewal_set() {
+        let set = LeaseSet::default();
+        let (old, retry) = (lease(1, 10), lease(1, 11));
+        let t0 = Instant::now();
+        let _rx_old = set.insert(old.clone(), t0 + TTL);
+        let _rx_retry = set.insert(retry.clone(), t0 + TTL);
+        set.forget(&old);
+        assert_eq!(steps(&set), vec![(Uuid::from_u128(1), Uuid::from_u128(11))]);
+        set.forget(&retry);
+        assert!(set.snapshot().is_empty());
+    }
+
+    /// Rows: what the heartbeat sent (step, token), what the database
+    /// answered (renewed, cancel, lost step ids), and what the retry of step
+    /// 1 (token 11, inserted after the send) and step 2 (token 20) see.
+    #[test]
+    fn heartbeat_answers_reach_only_the_attempt_they_are_about() {
+        struct Row {
+            name: &'static str,
+            sent: &'static [(u128, u128)],
+            answer: (&'static [u128], &'static [u128], &'static [u128]),
+            retry: (bool, Control),
+            other: (bool, Control),
+        }
+        let rows = [
+            Row {
+                name: "a renewal of the old token does not move the retry's clock",
+                sent: &[(1, 10), (2, 20)],
+                answer: (&[1, 2], &[], &[]),
+                retry: (false, Control::Run),
+                other: (true, Control::Run),
+            },
+            Row {
+                name: "the old token reported lost does not stop the retry",
+                sent: &[(1, 10), (2, 20)],
+                answer: (&[2], &[], &[1]),
+                retry: (false, Control::Run),
+                other: (true, Control::Run),
+            },
+            Row {
+                name: "a cancel about the old token does not cancel the retry",
+                sent: &[(1, 10), (2, 20)],
+                answer: (&[1, 2], &[1, 2], &[]),
+                retry: (false, Control::Run),
+                other: (true, Control::Cancel),
+            },
+            Row {
+                name: "the retry's own renewal moves its clock",
+                sent: &[(1, 11), (2, 20)],
+                answer: (&[1, 2], &[], &[]),
+                retry: (true, Control::Run),
+                other: (true, Control::Run),
+            },
+            Row {
+                name: "the retry's own loss stops it",
+                sent: &[(1, 11), (2, 20)],
+                answer: (&[2], &[], &[1]),
+                retry: (false, Control::LeaseLost),
+                other: (true, Control::Run),
+            },
+            Row {
+                name: "an answer about a step no longer held is ignored, the rest applies",
+                sent: &[(3, 30), (2, 20)],
+                answer: (&[3], &[3], &[2]),
+                retry: (false, Control::Run),
+                other: (false, Control::LeaseLost),
+            },
+        ];
+        for row in rows {
+            let set = LeaseSet::default();
+            let t0 = Instant::now();
+            let _old = set.insert(lease(1, 10), t0 + TTL);
+            let rx_other = set.insert(lease(2, 20), t0 + TTL);
+            let sent: Vec<Lease> = row.sent.iter().map(|&(s, t)| lease(s, t)).collect();
+            // the old attempt resolves and the retry is leased while the
+            // heartbeat is in flight
+            set.forget(&lease(1, 10));
+            let rx_retry = set.insert(lease(1, 11), t0 + TTL);
+            let sent_at = t0 + Duration::from_millis(300);
+            let (renewed, cancel, lost) = row.answer;
+            set.apply(&sent, &report(renewed, cancel, lost), sent_at, TTL);
+            for (who, rx, (moved, control)) in [
+                ("retry", &rx_retry, row.retry),
+                ("other", &rx_other, row.other),
+            ] {
+                let v = *rx.borrow();
+                assert_eq!(v.control, control, "{}: {who}'s control", row.name);
+                let want = if moved { sent_at + TTL } else { t0 + TTL };
+                assert_eq!(v.valid_until, want, "{}: {who}'s lease clock", row.name);
+            }
+        }
+    }
+
+    #[test]
+    fn a_write_that_lost_the_old_lease_does_not_stop_the_retry() {
+        let set = LeaseSet::default();
+        let t0 = Instant::now();
+        let _old = set.insert(lease(1, 10), t0 + TTL);
+        let rx = set.insert(lease(1, 11), t0 + TTL);
+        set.lease_lost(&lease(1, 10));
+        assert_eq!(rx.borrow().control, Control::Run);
+        set.lease_lost(&lease(1, 11));
+        assert_eq!(rx.borrow().control, Control::LeaseLost);
+    }
+}
