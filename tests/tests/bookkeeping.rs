@@ -621,3 +621,186 @@ async fn each_write_touches_only_what_it_changes() {
     assert_eq!(rows.len(), 3, "d's creation and two cancels: {rows:?}");
     check_books(&t.db, "after the cancel").await;
 }
+
+/// The ledger's batches write starts and completions as set-based statements
+/// (one UPDATE per batch, the step triggers once per batch): random batches of
+/// random runs, some completions with their start in the same batch, some
+/// whose start never was written, some fenced out (a stale token), interleaved
+/// with cancels. After every batch the counters, dependency counters and the
+/// history match a full recount, and every answer is the one the fence says.
+#[tokio::test]
+async fn counters_equal_a_full_recount_after_batched_writes() {
+    use supervisor::db::{Batch, CompleteWrite, EventsWrite, OwnedEvent, RowOutcome, StartWrite};
+    let t = TestDb::new().await;
+    let seed = std::env::var("BOOKKEEPING_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| u64::from(rand::random::<u32>()));
+    println!("seed {seed} (BOOKKEEPING_SEED={seed} repeats it)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let wid = worker(&t.db, "w").await;
+    let mut runs = Vec::new();
+    for i in 0..16 {
+        runs.push(t.submit(random_spec(&mut rng, i)).await);
+    }
+    let ttl = Duration::from_secs(30);
+    let ev = |seq: u64, kind: &'static str| OwnedEvent {
+        sequence: seq,
+        kind,
+        message: String::new(),
+        fraction: None,
+        executor_at: None,
+    };
+    let mut held: Vec<(LeasedStep, bool)> = Vec::new(); // (lease, started)
+    for round in 0.. {
+        if round >= 300 {
+            let open: Vec<(String, String, i32, bool, Option<chrono::DateTime<chrono::Utc>>)> = sqlx::query_as(
+                "SELECT r.state, s.state, s.attempt, s.cancel_requested, s.next_attempt_at FROM durable.step_runs s
+                   JOIN durable.workflow_runs r ON r.id = s.run_id
+                  WHERE NOT durable.run_state_is_terminal(r.state) ORDER BY r.id, s.position",
+            )
+            .fetch_all(t.db.pool())
+            .await
+            .expect("open steps");
+            panic!(
+                "runs did not finish: held {}, open steps {open:?}",
+                held.len()
+            );
+        }
+        if t.db.open_runs().await.expect("open runs") == 0 {
+            break;
+        }
+        let n = rng.random_range(1..=8);
+        for l in
+            t.db.lease(wid, "w", &tests::route_go_k(), n, ttl)
+                .await
+                .expect("lease")
+        {
+            held.push((l, false));
+        }
+        if rng.random_bool(0.05) {
+            let run = runs[rng.random_range(0..runs.len())];
+            t.db.cancel(run, None).await.expect("cancel");
+        }
+        // a random part of what is held: started, completed, or both; a
+        // few leases taken over by another owner first (fenced out)
+        let mut batch = Batch::default();
+        let mut keep = Vec::new();
+        let mut stolen = Vec::new();
+        for (l, started) in held.drain(..) {
+            if rng.random_bool(0.05) {
+                sqlx::query("UPDATE durable.step_runs SET lease_token = gen_random_uuid() WHERE id = $1 AND state IN ('leased', 'running')")
+                    .bind(l.lease.step_run_id())
+                    .execute(t.db.pool())
+                    .await
+                    .expect("steal");
+                stolen.push(l.lease.step_run_id());
+            }
+            let start = !started && rng.random_bool(0.7);
+            let complete = rng.random_bool(0.6);
+            if start {
+                batch.starts.push(StartWrite {
+                    run_id: l.run_id,
+                    lease: l.lease.clone(),
+                    pid: 1,
+                    event: ev(1, "accepted"),
+                });
+                if rng.random_bool(0.5) {
+                    batch.events.push(EventsWrite {
+                        lease: l.lease.clone(),
+                        events: vec![ev(2, "running")],
+                    });
+                }
+            }
+            if complete {
+                batch.completes.push(CompleteWrite {
+                    run_id: l.run_id,
+                    lease: l.lease.clone(),
+                    output: json!({"round": round}),
+                    sequence: Some(3),
+                });
+            } else {
+                keep.push((l, started || start));
+            }
+        }
+        held = keep;
+        // the ledger's order: by (run, step)
+        batch
+            .starts
+            .sort_by_key(|s| (s.run_id, s.lease.step_run_id()));
+        batch
+            .completes
+            .sort_by_key(|c| (c.run_id, c.lease.step_run_id()));
+        let mut exp_s = Vec::new();
+        for s in &batch.starts {
+            exp_s.push(fence_holds(&t.db, &s.lease).await);
+        }
+        let mut exp_c = Vec::new();
+        for c in &batch.completes {
+            exp_c.push(fence_holds(&t.db, &c.lease).await);
+        }
+        let out = t.db.write_batch("w", &batch).await.expect("batch");
+        let ok = |f: bool| if f { RowOutcome::Ok } else { RowOutcome::Lost };
+        assert_eq!(
+            out.starts,
+            exp_s.iter().map(|&f| ok(f)).collect::<Vec<_>>(),
+            "round {round}: the starts' answers"
+        );
+        assert_eq!(
+            out.completes,
+            exp_c.iter().map(|&f| ok(f)).collect::<Vec<_>>(),
+            "round {round}: the completions' answers"
+        );
+        for c in batch.completes.iter().zip(&exp_c).filter(|(_, f)| **f) {
+            let state: String =
+                sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE id = $1")
+                    .bind(c.0.lease.step_run_id())
+                    .fetch_one(t.db.pool())
+                    .await
+                    .expect("state");
+            assert_eq!(state, "succeeded", "round {round}: a completion that held");
+        }
+        check_books(&t.db, &format!("batch round {round}")).await;
+        // what was taken over or cancelled meanwhile moves on by the reclaim
+        let mut still = Vec::new();
+        for (l, started) in held.drain(..) {
+            if fence_holds(&t.db, &l.lease).await {
+                still.push((l, started));
+            }
+        }
+        held = still;
+        for id in stolen {
+            sqlx::query(
+                "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second'
+                  WHERE id = $1 AND state IN ('leased', 'running')",
+            )
+            .bind(id)
+            .execute(t.db.pool())
+            .await
+            .expect("expire");
+        }
+        t.db.reclaim_expired("reclaimer", 100)
+            .await
+            .expect("reclaim");
+        check_books(&t.db, &format!("after the reclaim of round {round}")).await;
+    }
+    for run in runs {
+        let st = t.status(run).await;
+        let states: Vec<StepState> = st.steps.iter().map(|s| s.state.parse().unwrap()).collect();
+        let want = aggregate_run(RunState::Running, &states, !st.waiting.is_empty());
+        assert_eq!(st.state, want.as_str(), "run {run}: {states:?}");
+    }
+}
+
+/// Whether a write with `lease` would be fenced in right now.
+async fn fence_holds(db: &Db, lease: &supervisor::db::Lease) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM durable.step_runs WHERE id = $1 AND lease_token = $2
+                           AND state IN ('leased', 'running'))",
+    )
+    .bind(lease.step_run_id())
+    .bind(lease.token())
+    .fetch_one(db.pool())
+    .await
+    .expect("fence")
+}

@@ -215,3 +215,97 @@ async fn a_retried_batch_writes_nothing_twice() {
         assert_eq!(tests::event_count(&t.db, x.lease.step_run_id()).await, 3);
     }
 }
+
+/// A clean batch is written by the set form whole (one statement per table,
+/// the step triggers once per batch), not intent by intent: called directly,
+/// the set forms fence in every lease and raise nothing; and their writes are
+/// what the intent-by-intent form writes (history, events, the runs' state).
+#[tokio::test]
+async fn a_clean_batch_is_written_by_the_set_form() {
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 3).await;
+    let ids: Vec<Uuid> = s.iter().map(|x| x.lease.step_run_id()).collect();
+    let tokens: Vec<Uuid> = s.iter().map(|x| x.lease.token()).collect();
+    // s[2]'s start is never written: its completion records it first
+    let fenced: Vec<i32> = sqlx::query_scalar(
+        "SELECT unnest(durable.start_steps_set('w', $1, $2, '{7,7}', '{1,1}', '{accepted,accepted}',
+                 '{\"\",\"\"}', '{NULL,NULL}', '{NULL,NULL}'))",
+    )
+    .bind(&ids[..2])
+    .bind(&tokens[..2])
+    .fetch_all(t.db.pool())
+    .await
+    .expect("the set form of the starts");
+    assert_eq!(fenced.len(), 2);
+    let fenced: Vec<i32> = sqlx::query_scalar(
+        "SELECT unnest(durable.complete_steps_set('w', $1, $2, ARRAY['{\"a\":1}', '{\"a\":2}', '{\"a\":3}']::jsonb[], '{2,2,2}'))",
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("the set form of the completions");
+    let mut fenced = fenced;
+    fenced.sort();
+    assert_eq!(fenced, vec![1, 2, 3]);
+    for (i, x) in s.iter().enumerate() {
+        let history: Vec<(Option<String>, String, Option<String>)> = sqlx::query_as(
+            "SELECT from_state, to_state, reason FROM durable.transitions WHERE step_run_id = $1 ORDER BY id",
+        )
+        .bind(x.lease.step_run_id())
+        .fetch_all(t.db.pool())
+        .await
+        .expect("history");
+        let changes: Vec<(Option<&str>, &str)> = history
+            .iter()
+            .map(|(f, to, _)| (f.as_deref(), to.as_str()))
+            .collect();
+        assert_eq!(
+            changes,
+            vec![
+                (None, "pending"),
+                (Some("pending"), "leased"),
+                (Some("leased"), "running"),
+                (Some("running"), "succeeded")
+            ],
+            "step {i}: one history row per change, in order"
+        );
+        let st = t.status(x.run_id).await;
+        assert_eq!(st.state, "succeeded", "run {i}");
+        assert_eq!(
+            st.steps[0].output,
+            Some(json!({"a": i + 1})),
+            "step {i}: its own output"
+        );
+        let events: Vec<String> = sqlx::query_scalar(
+            "SELECT kind FROM durable.step_events WHERE step_run_id = $1 ORDER BY sequence",
+        )
+        .bind(x.lease.step_run_id())
+        .fetch_all(t.db.pool())
+        .await
+        .expect("events");
+        let want: &[&str] = if i < 2 {
+            &["accepted", "succeeded"]
+        } else {
+            &["succeeded"]
+        };
+        assert_eq!(events, want, "step {i}: its events");
+    }
+}
+
+/// A batch that names one lease twice (no ledger builds one, but the
+/// database does not rely on that): the first completion wins, the second is
+/// fenced out, as when they come one by one.
+#[tokio::test]
+async fn a_batch_naming_a_lease_twice_answers_as_one_by_one() {
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 1).await;
+    let batch = Batch {
+        completes: vec![complete(&s[0], 2), complete(&s[0], 3)],
+        ..Batch::default()
+    };
+    let out = t.db.write_batch("w", &batch).await.expect("batch");
+    assert_eq!(out.completes, vec![RowOutcome::Ok, RowOutcome::Lost]);
+    let st = t.status(s[0].run_id).await;
+    assert_eq!(st.steps[0].output, Some(json!({"n": 2})));
+}
