@@ -48,8 +48,8 @@ pub(crate) fn maybe_kill_heartbeat(worker: &str) {
 
 static SLOW_RELEASE: Mutex<Option<(String, std::time::Duration)>> = Mutex::new(None);
 
-/// Makes the first attempt of steps of `kind` hold its slot and its place in
-/// the renewal set for `delay` after its outcome resolved (None: off): the
+/// Makes the first attempt of steps of `kind` hold its place in the renewal
+/// set for `delay` after its outcome resolved (None: off): the
 /// window in which a retry of the same step can be leased while the previous
 /// attempt's task is still winding down.
 pub fn delay_first_attempt_release_of_kind(fault: Option<(&str, std::time::Duration)>) {

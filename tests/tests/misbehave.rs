@@ -50,7 +50,11 @@ async fn every_misbehaviour_has_its_code_and_the_worker_keeps_serving() {
     for e in &mut executors {
         e.concurrency = 16; // ten misbehaving attempts, room for the echo stream
     }
-    let cfg = fast_config(executors);
+    // a 10 s lease: twenty misbehaving attempts (floods, hangs, garbage) on a
+    // loaded two-core machine could delay renewals past fast_config's 2 s
+    // TTL (CI saw LEASE_EXPIRED once); no mode here is about lease expiry
+    let mut cfg = fast_config(executors);
+    cfg.lease_ttl_ms = 10_000;
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
 
     let mut cases: Vec<(&str, &str, Option<&str>, Uuid)> = Vec::new();

@@ -115,12 +115,14 @@ impl Outcome {
 
 /// Runs one attempt to the end and commits its outcome. A panic inside the
 /// attempt fails it with `SUPERVISOR_PANIC` (its child is killed by `Child`'s
-/// drop); the caller's guard frees the slot whatever happens.
+/// drop); the executor slot is given back once the outcome is known, the
+/// caller's guard drops the lease once it is committed, whatever happens.
 pub(crate) async fn run(
     shared: Arc<Shared>,
     exec: Arc<ExecutorRuntime>,
     step: LeasedStep,
     control: watch::Receiver<LeaseView>,
+    slot: super::ExecSlot,
 ) {
     let started = Instant::now();
     let redactor = Arc::new(Redact::default());
@@ -144,6 +146,9 @@ pub(crate) async fn run(
             )
         }
     };
+    // done with the executor: its slot goes to the next job while this
+    // outcome commits (the lease stays in the renewal set until then)
+    drop(slot);
     let outcome = redactor.outcome(outcome);
     if let Outcome::Failed { code, message, .. } = &outcome {
         crate::metrics::attempt_failed(code);

@@ -71,7 +71,11 @@ pub(crate) struct LeaseView {
 pub struct ExecutorRuntime {
     pub cfg: ExecutorConfig,
     routes: RwLock<Vec<Route>>,
+    /// Attempts using an executor slot (preparing, running the job).
     running: AtomicU32,
+    /// Attempts holding a lease: running ones, and those whose outcome is
+    /// being committed (their slot already went to the next job).
+    held: AtomicU32,
     /// Idle warm processes (persistent executors).
     pool: session::Pool,
 }
@@ -133,21 +137,47 @@ impl Shared {
     }
 }
 
-/// Frees an attempt's slot whatever happens to its task (a panic included):
-/// the lease leaves the renewal set and the executor's concurrency is given back.
-struct SlotGuard {
+/// An attempt's executor slot. Given back as soon as the attempt is done
+/// with its executor (its outcome known, the process stopped or back in the
+/// pool), before the outcome is committed: the next job does not wait on the
+/// previous one's commit. Given back whatever happens (a panic included).
+pub(crate) struct ExecSlot {
+    exec: Arc<ExecutorRuntime>,
+    freed: Arc<Notify>,
+}
+
+impl Drop for ExecSlot {
+    fn drop(&mut self) {
+        self.exec.running.fetch_sub(1, Ordering::SeqCst);
+        self.freed.notify_one();
+    }
+}
+
+/// An attempt's lease: it leaves the renewal set when the attempt's task
+/// ends (its commit resolved), whatever happens to the task.
+struct LeaseGuard {
     shared: Arc<Shared>,
     exec: Arc<ExecutorRuntime>,
     lease: Lease,
     freed: Arc<Notify>,
 }
 
-impl Drop for SlotGuard {
+impl Drop for LeaseGuard {
     fn drop(&mut self) {
         self.shared.forget(&self.lease);
-        self.exec.running.fetch_sub(1, Ordering::SeqCst);
+        self.exec.held.fetch_sub(1, Ordering::SeqCst);
         self.freed.notify_one();
     }
+}
+
+/// How many steps an executor may lease now: its free slots, while its
+/// attempts still committing (slot given back, lease held) number no more
+/// than its concurrency again. A slow database therefore holds at most twice
+/// the concurrency in leases.
+fn leasable(concurrency: u32, running: u32, held: u32) -> u32 {
+    concurrency
+        .saturating_sub(running)
+        .min(concurrency.saturating_mul(2).saturating_sub(held))
 }
 
 /// Probes one executor: spawn, read its hello, ask it to shut down, reap.
@@ -268,6 +298,7 @@ impl Worker {
                 cfg: ecfg.clone(),
                 routes: RwLock::new(routes),
                 running: AtomicU32::new(0),
+                held: AtomicU32::new(0),
                 pool: session::Pool::default(),
             }));
         }
@@ -377,8 +408,11 @@ impl Worker {
             }
             let mut leased_any_full = false;
             for exec in &self.executors {
-                let running = exec.running.load(Ordering::SeqCst);
-                let free = exec.cfg.concurrency.saturating_sub(running);
+                let free = leasable(
+                    exec.cfg.concurrency,
+                    exec.running.load(Ordering::SeqCst),
+                    exec.held.load(Ordering::SeqCst),
+                );
                 let routes = exec.routes();
                 if free == 0 || routes.is_empty() {
                     continue;
@@ -407,12 +441,17 @@ impl Worker {
                     let rx = shared.leases.insert(step.lease.clone(), sent + ttl);
                     let id = step.lease.step_run_id();
                     exec.running.fetch_add(1, Ordering::SeqCst);
+                    exec.held.fetch_add(1, Ordering::SeqCst);
                     let span = info_span!("attempt", run_id = %step.run_id, step = %step.name,
                         step_run_id = %id, attempt = step.lease.attempt(), kind = %step.kind);
-                    let guard = SlotGuard {
+                    let guard = LeaseGuard {
                         shared: shared.clone(),
                         exec: exec.clone(),
                         lease: step.lease.clone(),
+                        freed: slot_freed.clone(),
+                    };
+                    let slot = ExecSlot {
+                        exec: exec.clone(),
                         freed: slot_freed.clone(),
                     };
                     let (shared2, exec2) = (shared.clone(), exec.clone());
@@ -420,10 +459,11 @@ impl Worker {
                         crate::fault::release_delay(&step.kind, step.lease.attempt());
                     attempts.spawn(
                         async move {
-                            // the guard frees the slot even if the attempt panics
+                            // the guards give the slot and the lease back even
+                            // if the attempt panics
                             let _guard = guard;
                             let res = std::panic::AssertUnwindSafe(attempt::run(
-                                shared2, exec2, step, rx,
+                                shared2, exec2, step, rx, slot,
                             ))
                             .catch_unwind()
                             .await;
@@ -760,4 +800,46 @@ fn hostname() -> String {
         .ok()
         .and_then(|h| h.into_string().ok())
         .unwrap_or_else(|| "unknown-host".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::leasable;
+
+    /// (concurrency, running, held) → how many steps may be leased now.
+    #[test]
+    fn an_executor_leases_for_free_slots_while_its_commits_stay_bounded() {
+        let rows = [
+            (4, 0, 0, 4, "idle: every slot"),
+            (4, 3, 3, 1, "three running: one slot"),
+            (4, 4, 4, 0, "all running: none"),
+            (
+                4,
+                0,
+                4,
+                4,
+                "four committing, none running: every slot again",
+            ),
+            (4, 1, 6, 2, "five committing, one running: two more leases"),
+            (
+                4,
+                0,
+                8,
+                0,
+                "eight leases held (a slow database): none until a commit resolves",
+            ),
+            (4, 5, 9, 0, "more than the bounds (never happens): none"),
+            (
+                1,
+                0,
+                1,
+                1,
+                "concurrency 1: the next job while the last commits",
+            ),
+            (0, 0, 0, 0, "no concurrency: nothing"),
+        ];
+        for (c, running, held, want, what) in rows {
+            assert_eq!(leasable(c, running, held), want, "{what}");
+        }
+    }
 }
