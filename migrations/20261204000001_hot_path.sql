@@ -199,3 +199,24 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 END $$;
+
+-- A lease renewal (the heartbeat: lease_expires_at moves, nothing else does)
+-- skips the per-row guard: the trigger's WHEN is evaluated without entering
+-- plpgsql. Every other update still goes through it: a state change (the
+-- transition table, prev_state, finished_at), an update of a row whose
+-- prev_state is still set (the guard clears it), any update of a terminal
+-- row or of an identity column (the guard refuses it), and any update that
+-- leaves lease_expires_at alone (the guard keeps updated_at). A renewal
+-- therefore no longer moves updated_at: that column says when the row last
+-- changed, the lease expiry says when it was last renewed.
+DROP TRIGGER step_runs_guard_update ON durable.step_runs;
+CREATE TRIGGER step_runs_guard_update BEFORE UPDATE ON durable.step_runs
+    FOR EACH ROW
+    WHEN (OLD.state IS DISTINCT FROM NEW.state
+          OR OLD.prev_state IS NOT NULL
+          OR OLD.state IN ('succeeded', 'terminal_failed', 'cancelled')
+          OR NEW.id IS DISTINCT FROM OLD.id OR NEW.run_id IS DISTINCT FROM OLD.run_id
+          OR NEW.name IS DISTINCT FROM OLD.name
+          OR NEW.idempotency_key IS DISTINCT FROM OLD.idempotency_key
+          OR NEW.lease_expires_at IS NOT DISTINCT FROM OLD.lease_expires_at)
+    EXECUTE FUNCTION durable.guard_step_update();

@@ -804,3 +804,109 @@ async fn fence_holds(db: &Db, lease: &supervisor::db::Lease) -> bool {
     .await
     .expect("fence")
 }
+
+/// A renewal skips the per-row guard (its trigger's WHEN): the lease expiry
+/// moves, updated_at does not, and no history is written; but the guard still
+/// sees every update it must: a renewal-shaped update of a terminal row or
+/// one that also changes an identity column is refused, and the first
+/// renewal after a transition clears prev_state (no transition is recorded
+/// twice when the step moves on).
+#[tokio::test]
+async fn a_renewal_skips_the_guard_and_nothing_else_does() {
+    let t = TestDb::new().await;
+    let wid = worker(&t.db, "w").await;
+    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
+    let ttl = Duration::from_secs(30);
+    let l =
+        t.db.lease(wid, "w", &tests::route_go_k(), 1, ttl)
+            .await
+            .expect("lease");
+    let lease = l[0].lease.clone();
+    t.db.mark_running(&lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("start");
+    let row = |db: Db, id: Uuid| async move {
+        sqlx::query_as::<
+            _,
+            (
+                chrono::DateTime<chrono::Utc>,
+                chrono::DateTime<chrono::Utc>,
+                Option<String>,
+            ),
+        >(
+            "SELECT updated_at, lease_expires_at, prev_state FROM durable.step_runs WHERE id = $1"
+        )
+        .bind(id)
+        .fetch_one(db.pool())
+        .await
+        .expect("row")
+    };
+    let id = lease.step_run_id();
+    let (upd0, _, prev0) = row(t.db.clone(), id).await;
+    assert_eq!(prev0.as_deref(), Some("leased"), "the start set prev_state");
+    // the first renewal goes through the guard (it clears prev_state) ...
+    t.db.heartbeat(wid, std::slice::from_ref(&lease), ttl)
+        .await
+        .expect("hb 1");
+    let (upd1, exp1, prev1) = row(t.db.clone(), id).await;
+    assert_eq!(prev1, None, "the first renewal cleared prev_state");
+    assert!(upd1 >= upd0);
+    // ... the next ones skip it: the expiry moves, updated_at stays
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    t.db.heartbeat(wid, std::slice::from_ref(&lease), ttl)
+        .await
+        .expect("hb 2");
+    let (upd2, exp2, prev2) = row(t.db.clone(), id).await;
+    assert!(exp2 > exp1, "the renewal moved the expiry");
+    assert_eq!(upd2, upd1, "a renewal does not move updated_at");
+    assert_eq!(prev2, None);
+    // a renewal-shaped update that also changes an identity column is refused
+    let err = sqlx::query(
+        "UPDATE durable.step_runs SET lease_expires_at = now() + interval '1 hour', name = 'other' WHERE id = $1",
+    )
+    .bind(id)
+    .execute(t.db.pool())
+    .await
+    .expect_err("identity change refused");
+    assert!(
+        err.to_string().contains("identity columns never change"),
+        "{err}"
+    );
+    t.db.complete(&lease, "w", &json!({}), &[], Some(2))
+        .await
+        .expect("complete");
+    // one history row per change, none twice
+    let history: Vec<(Option<String>, String)> = sqlx::query_as(
+        "SELECT from_state, to_state FROM durable.transitions WHERE step_run_id = $1 ORDER BY id",
+    )
+    .bind(id)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("history");
+    let history: Vec<(Option<&str>, &str)> = history
+        .iter()
+        .map(|(f, s)| (f.as_deref(), s.as_str()))
+        .collect();
+    assert_eq!(
+        history,
+        vec![
+            (None, "pending"),
+            (Some("pending"), "leased"),
+            (Some("leased"), "running"),
+            (Some("running"), "succeeded")
+        ]
+    );
+    // a renewal-shaped update of a terminal row is refused
+    let err = sqlx::query(
+        "UPDATE durable.step_runs SET lease_expires_at = now() + interval '1 hour' WHERE id = $1",
+    )
+    .bind(id)
+    .execute(t.db.pool())
+    .await
+    .expect_err("a terminal step never changes");
+    assert!(
+        err.to_string().contains("a terminal step never changes"),
+        "{err}"
+    );
+    assert_eq!(t.status(run).await.state, "succeeded");
+}
