@@ -172,6 +172,15 @@ async fn check_books(db: &Db, what: &str) {
     }
 }
 
+/// A step of a run still open: (run state, step state, attempt, cancel requested, next attempt at).
+type OpenStep = (
+    String,
+    String,
+    i32,
+    bool,
+    Option<chrono::DateTime<chrono::Utc>>,
+);
+
 /// One history row of a step: (from, to).
 type Change = (Option<String>, String);
 
@@ -654,7 +663,7 @@ async fn counters_equal_a_full_recount_after_batched_writes() {
     let mut held: Vec<(LeasedStep, bool)> = Vec::new(); // (lease, started)
     for round in 0.. {
         if round >= 300 {
-            let open: Vec<(String, String, i32, bool, Option<chrono::DateTime<chrono::Utc>>)> = sqlx::query_as(
+            let open: Vec<OpenStep> = sqlx::query_as(
                 "SELECT r.state, s.state, s.attempt, s.cancel_requested, s.next_attempt_at FROM durable.step_runs s
                    JOIN durable.workflow_runs r ON r.id = s.run_id
                   WHERE NOT durable.run_state_is_terminal(r.state) ORDER BY r.id, s.position",
