@@ -73,8 +73,12 @@ impl Db {
                         AND s.next_attempt_at <= now()
                         AND r.labels @> s.labels
                         AND NOT s.cancel_requested
-                        AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs wr
-                                         WHERE wr.id = s.run_id AND wr.cancel_requested)
+                        -- a scalar subquery, one primary-key probe per
+                        -- candidate: as NOT EXISTS the planner could make it
+                        -- an anti-join over a seq scan of every run (it
+                        -- expects few cancelled ones), O(runs) per lease
+                        AND NOT coalesce((SELECT wr.cancel_requested FROM durable.workflow_runs wr
+                                           WHERE wr.id = s.run_id), false)
                       ORDER BY s.next_attempt_at
                       LIMIT $6
                       FOR NO KEY UPDATE OF s SKIP LOCKED
