@@ -1,7 +1,9 @@
 //! The artifact store's SQL (migrations/20261203000003_artifact_store.sql):
 //! blob rows, their chunks, and reading both back one chunk per round trip.
-//! Every statement here is its own short transaction: no transaction is held
-//! while a GiB streams (`crate::artifacts` drives the loop).
+//! On the pool every statement here is its own short transaction: no
+//! transaction is held while a GiB streams (`crate::artifacts` drives the
+//! loop). A caller may still compose them in a transaction of its own
+//! through `DbConn` (see `mod.rs`).
 
 use sqlx::Row;
 use uuid::Uuid;
