@@ -138,8 +138,9 @@ impl Db {
 
 /// The same writes on a caller's connection. The ones that take the run lock
 /// begin a transaction of their own (`conn.begin()`: a SAVEPOINT inside a
-/// caller's transaction), so a lost fence or a refused write undoes only
-/// their own work.
+/// caller's transaction); the single statements get a savepoint there too
+/// (`Scope`). Either way a lost fence or a refused write undoes only its own
+/// work and leaves the caller's transaction usable.
 impl DbConn<'_> {
     /// The executor accepted the job: `leased → running`, with its event.
     pub async fn mark_running(
