@@ -1,12 +1,14 @@
 //! The artifact store's SQL (migrations/20261203000003_artifact_store.sql):
 //! blob rows, their chunks, and reading both back one chunk per round trip.
-//! Every statement here is its own short transaction: no transaction is held
-//! while a GiB streams (`crate::artifacts` drives the loop).
+//! On the pool every statement here is its own short transaction: no
+//! transaction is held while a GiB streams (`crate::artifacts` drives the
+//! loop). A caller may still compose them in a transaction of its own
+//! through `DbConn` (see `mod.rs`).
 
 use sqlx::Row;
 use uuid::Uuid;
 
-use super::{Ctx, Db, DbError, InputArtifact};
+use super::{Ctx, Db, DbConn, DbError, InputArtifact, Scope};
 
 /// Where a blob's bytes are, as its row says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,43 +80,31 @@ impl Db {
     /// garbage collection leaves it alone until the commit references it);
     /// its size, or `None` when no such blob exists.
     pub async fn claim_blob(&self, sha256: &str) -> Result<Option<i64>, DbError> {
-        sqlx::query_scalar(
-            "UPDATE durable.artifact_blobs SET claimed_at = now() WHERE sha256 = $1 RETURNING size",
-        )
-        .bind(sha256)
-        .fetch_optional(self.pool())
-        .await
-        .ctx("claiming an artifact blob")
+        self.acquire("claiming an artifact blob")
+            .await?
+            .db()
+            .claim_blob(sha256)
+            .await
     }
 
     /// Stores a blob that fits in one chunk as one value (inline). An
     /// existing blob of that sha256 is claimed instead.
     pub async fn record_inline_blob(&self, sha256: &str, content: &[u8]) -> Result<(), DbError> {
-        sqlx::query(
-            "INSERT INTO durable.artifact_blobs (sha256, size, content, store)
-             VALUES ($1, $2, $3, 'inline')
-             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()",
-        )
-        .bind(sha256)
-        .bind(content.len() as i64)
-        .bind(content)
-        .execute(self.pool())
-        .await
-        .ctx("storing an artifact blob")?;
-        Ok(())
+        self.acquire("storing an artifact blob")
+            .await?
+            .db()
+            .record_inline_blob(sha256, content)
+            .await
     }
 
     /// Writes chunk `n` of upload `upload_id` (its own statement: staged, not
     /// yet part of any blob).
     pub async fn put_chunk(&self, upload_id: Uuid, n: i32, data: &[u8]) -> Result<(), DbError> {
-        sqlx::query("INSERT INTO durable.artifact_chunks (upload_id, n, data) VALUES ($1, $2, $3)")
-            .bind(upload_id)
-            .bind(n)
-            .bind(data)
-            .execute(self.pool())
+        self.acquire("storing an artifact chunk")
+            .await?
+            .db()
+            .put_chunk(upload_id, n, data)
             .await
-            .ctx("storing an artifact chunk")?;
-        Ok(())
     }
 
     /// Promotes the verified chunks of `upload_id` to the blob `sha256`.
@@ -127,66 +117,40 @@ impl Db {
         upload_id: Uuid,
         chunks: i32,
     ) -> Result<Recorded, DbError> {
-        let ours: bool = sqlx::query_scalar(
-            "INSERT INTO durable.artifact_blobs (sha256, size, store, upload_id, chunks)
-             VALUES ($1, $2, 'chunks', $3, $4)
-             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()
-             RETURNING upload_id IS NOT DISTINCT FROM $3",
-        )
-        .bind(sha256)
-        .bind(size)
-        .bind(upload_id)
-        .bind(chunks)
-        .fetch_one(self.pool())
-        .await
-        .ctx("storing an artifact blob")?;
-        Ok(if ours {
-            Recorded::Ours
-        } else {
-            Recorded::Existing
-        })
+        self.acquire("storing an artifact blob")
+            .await?
+            .db()
+            .record_chunked_blob(sha256, size, upload_id, chunks)
+            .await
     }
 
     /// Records a blob whose file is in the shared directory (or claims the
     /// existing blob of that sha256).
     pub async fn record_directory_blob(&self, sha256: &str, size: i64) -> Result<(), DbError> {
-        sqlx::query(
-            "INSERT INTO durable.artifact_blobs (sha256, size, store)
-             VALUES ($1, $2, 'directory')
-             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()",
-        )
-        .bind(sha256)
-        .bind(size)
-        .execute(self.pool())
-        .await
-        .ctx("storing an artifact blob")?;
-        Ok(())
+        self.acquire("storing an artifact blob")
+            .await?
+            .db()
+            .record_directory_blob(sha256, size)
+            .await
     }
 
     /// Deletes the chunks of an upload that did not become (or did not need
     /// to become) a blob. Never touches a promoted upload's chunks.
     pub async fn drop_upload(&self, upload_id: Uuid) -> Result<u64, DbError> {
-        let r = sqlx::query(
-            "DELETE FROM durable.artifact_chunks c WHERE c.upload_id = $1
-               AND NOT EXISTS (SELECT 1 FROM durable.artifact_blobs b WHERE b.upload_id = $1)",
-        )
-        .bind(upload_id)
-        .execute(self.pool())
-        .await
-        .ctx("deleting an unfinished upload")?;
-        Ok(r.rows_affected())
+        self.acquire("deleting an unfinished upload")
+            .await?
+            .db()
+            .drop_upload(upload_id)
+            .await
     }
 
     /// Chunk `n` of a chunked blob; `None` when it is missing.
     pub async fn blob_chunk(&self, upload_id: Uuid, n: i32) -> Result<Option<Vec<u8>>, DbError> {
-        sqlx::query_scalar(
-            "SELECT data FROM durable.artifact_chunks WHERE upload_id = $1 AND n = $2",
-        )
-        .bind(upload_id)
-        .bind(n)
-        .fetch_optional(self.pool())
-        .await
-        .ctx("reading an artifact chunk")
+        self.acquire("reading an artifact chunk")
+            .await?
+            .db()
+            .blob_chunk(upload_id, n)
+            .await
     }
 
     /// `len` bytes from `offset` of an inline blob (one `substring`); `None`
@@ -197,21 +161,13 @@ impl Db {
         offset: i64,
         len: i64,
     ) -> Result<Option<Vec<u8>>, DbError> {
-        // a bytea stops below 1 GiB: the offsets fit an integer
-        sqlx::query_scalar(
-            "SELECT substring(content FROM ($2::bigint)::int FOR ($3::bigint)::int)
-               FROM durable.artifact_blobs WHERE sha256 = $1 AND content IS NOT NULL",
-        )
-        .bind(sha256)
-        .bind(offset + 1) // substring counts from 1
-        .bind(len)
-        .fetch_optional(self.pool())
-        .await
-        .ctx("reading an artifact's bytes")
+        self.acquire("reading an artifact's bytes")
+            .await?
+            .db()
+            .inline_slice(sha256, offset, len)
+            .await
     }
-}
 
-impl Db {
     /// The artifacts a step receives as input: those of its dependencies, in
     /// `depends_on` order.
     pub async fn input_artifacts(
@@ -219,6 +175,173 @@ impl Db {
         run_id: Uuid,
         step_name: &str,
     ) -> Result<Vec<InputArtifact>, DbError> {
+        self.acquire("reading input artifacts")
+            .await?
+            .db()
+            .input_artifacts(run_id, step_name)
+            .await
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::claim_blob`].
+    pub async fn claim_blob(&mut self, sha256: &str) -> Result<Option<i64>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let size = sqlx::query_scalar(
+            "UPDATE durable.artifact_blobs SET claimed_at = now() WHERE sha256 = $1 RETURNING size",
+        )
+        .bind(sha256)
+        .fetch_optional(&mut *s)
+        .await
+        .ctx("claiming an artifact blob")?;
+        s.done().await?;
+        Ok(size)
+    }
+
+    /// See [`Db::record_inline_blob`].
+    pub async fn record_inline_blob(
+        &mut self,
+        sha256: &str,
+        content: &[u8],
+    ) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query(
+            "INSERT INTO durable.artifact_blobs (sha256, size, content, store)
+             VALUES ($1, $2, $3, 'inline')
+             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()",
+        )
+        .bind(sha256)
+        .bind(content.len() as i64)
+        .bind(content)
+        .execute(&mut *s)
+        .await
+        .ctx("storing an artifact blob")?;
+        s.done().await
+    }
+
+    /// See [`Db::put_chunk`].
+    pub async fn put_chunk(&mut self, upload_id: Uuid, n: i32, data: &[u8]) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query("INSERT INTO durable.artifact_chunks (upload_id, n, data) VALUES ($1, $2, $3)")
+            .bind(upload_id)
+            .bind(n)
+            .bind(data)
+            .execute(&mut *s)
+            .await
+            .ctx("storing an artifact chunk")?;
+        s.done().await
+    }
+
+    /// See [`Db::record_chunked_blob`].
+    pub async fn record_chunked_blob(
+        &mut self,
+        sha256: &str,
+        size: i64,
+        upload_id: Uuid,
+        chunks: i32,
+    ) -> Result<Recorded, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let ours: bool = sqlx::query_scalar(
+            "INSERT INTO durable.artifact_blobs (sha256, size, store, upload_id, chunks)
+             VALUES ($1, $2, 'chunks', $3, $4)
+             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()
+             RETURNING upload_id IS NOT DISTINCT FROM $3",
+        )
+        .bind(sha256)
+        .bind(size)
+        .bind(upload_id)
+        .bind(chunks)
+        .fetch_one(&mut *s)
+        .await
+        .ctx("storing an artifact blob")?;
+        s.done().await?;
+        Ok(if ours {
+            Recorded::Ours
+        } else {
+            Recorded::Existing
+        })
+    }
+
+    /// See [`Db::record_directory_blob`].
+    pub async fn record_directory_blob(&mut self, sha256: &str, size: i64) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query(
+            "INSERT INTO durable.artifact_blobs (sha256, size, store)
+             VALUES ($1, $2, 'directory')
+             ON CONFLICT (sha256) DO UPDATE SET claimed_at = now()",
+        )
+        .bind(sha256)
+        .bind(size)
+        .execute(&mut *s)
+        .await
+        .ctx("storing an artifact blob")?;
+        s.done().await
+    }
+
+    /// See [`Db::drop_upload`].
+    pub async fn drop_upload(&mut self, upload_id: Uuid) -> Result<u64, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let r = sqlx::query(
+            "DELETE FROM durable.artifact_chunks c WHERE c.upload_id = $1
+               AND NOT EXISTS (SELECT 1 FROM durable.artifact_blobs b WHERE b.upload_id = $1)",
+        )
+        .bind(upload_id)
+        .execute(&mut *s)
+        .await
+        .ctx("deleting an unfinished upload")?;
+        s.done().await?;
+        Ok(r.rows_affected())
+    }
+
+    /// See [`Db::blob_chunk`].
+    pub async fn blob_chunk(
+        &mut self,
+        upload_id: Uuid,
+        n: i32,
+    ) -> Result<Option<Vec<u8>>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let data = sqlx::query_scalar(
+            "SELECT data FROM durable.artifact_chunks WHERE upload_id = $1 AND n = $2",
+        )
+        .bind(upload_id)
+        .bind(n)
+        .fetch_optional(&mut *s)
+        .await
+        .ctx("reading an artifact chunk")?;
+        s.done().await?;
+        Ok(data)
+    }
+
+    /// See [`Db::inline_slice`].
+    pub async fn inline_slice(
+        &mut self,
+        sha256: &str,
+        offset: i64,
+        len: i64,
+    ) -> Result<Option<Vec<u8>>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        // a bytea stops below 1 GiB: the offsets fit an integer
+        let bytes = sqlx::query_scalar(
+            "SELECT substring(content FROM ($2::bigint)::int FOR ($3::bigint)::int)
+               FROM durable.artifact_blobs WHERE sha256 = $1 AND content IS NOT NULL",
+        )
+        .bind(sha256)
+        .bind(offset + 1) // substring counts from 1
+        .bind(len)
+        .fetch_optional(&mut *s)
+        .await
+        .ctx("reading an artifact's bytes")?;
+        s.done().await?;
+        Ok(bytes)
+    }
+
+    /// See [`Db::input_artifacts`].
+    pub async fn input_artifacts(
+        &mut self,
+        run_id: Uuid,
+        step_name: &str,
+    ) -> Result<Vec<InputArtifact>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(&format!(
             "SELECT a.id, a.name, a.sha256, a.size, a.media_type, s.name AS step_name, {}
                FROM durable.step_defs d
@@ -231,9 +354,10 @@ impl Db {
         ))
         .bind(run_id)
         .bind(step_name)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *s)
         .await
         .ctx("reading input artifacts")?;
+        s.done().await?;
         rows.iter()
             .map(|r| {
                 Ok(InputArtifact {

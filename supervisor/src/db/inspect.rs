@@ -12,7 +12,7 @@ use sqlx::{ConnectOptions, Connection, Row};
 use uuid::Uuid;
 
 use super::blobs::{blob_ref, BlobRef, BLOB_COLUMNS};
-use super::{redact_url, Ctx, Db, DbError};
+use super::{redact_url, Ctx, Db, DbConn, DbError, Scope};
 
 /// One progress event of a step attempt, as `supervisor events` shows it.
 #[derive(Debug, Clone, Serialize)]
@@ -125,7 +125,40 @@ impl Db {
     /// (step, attempt, sequence); steps in their spec order. `NotFound`
     /// names an unknown run or step.
     pub async fn events(&self, run_id: Uuid, step: Option<&str>) -> Result<Vec<EventRow>, DbError> {
-        let steps: Vec<String> = self.step_names(run_id).await?;
+        self.acquire("reading a run")
+            .await?
+            .db()
+            .events(run_id, step)
+            .await
+    }
+
+    /// Each step's latest `progress` event (of its newest attempt that sent
+    /// one), by step_run_id. Steps that never reported progress are absent.
+    pub async fn latest_progress(&self, run_id: Uuid) -> Result<BTreeMap<Uuid, Progress>, DbError> {
+        self.acquire("reading a run's latest progress")
+            .await?
+            .db()
+            .latest_progress(run_id)
+            .await
+    }
+
+    /// Runs, newest first, with their step counts by state.
+    pub async fn runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, DbError> {
+        self.acquire("listing runs").await?.db().runs(filter).await
+    }
+}
+
+impl DbConn<'_> {
+    /// The progress events of a run (or of its step `step`), in order per
+    /// (step, attempt, sequence); steps in their spec order. `NotFound`
+    /// names an unknown run or step.
+    pub async fn events(
+        &mut self,
+        run_id: Uuid,
+        step: Option<&str>,
+    ) -> Result<Vec<EventRow>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let steps: Vec<String> = step_names(&mut s, run_id).await?;
         if let Some(name) = step {
             if !steps.iter().any(|s| s == name) {
                 return Err(DbError::NotFound(format!(
@@ -143,9 +176,10 @@ impl Db {
         )
         .bind(run_id)
         .bind(step)
-        .fetch_all(self.pool())
+        .fetch_all(&mut *s)
         .await
         .ctx("reading a run's events")?;
+        s.done().await?;
         Ok(rows
             .into_iter()
             .map(|r| EventRow {
@@ -163,30 +197,13 @@ impl Db {
             .collect())
     }
 
-    /// The names of a run's steps (created or waiting), in spec order, or
-    /// `NotFound` for an unknown run.
-    async fn step_names(&self, run_id: Uuid) -> Result<Vec<String>, DbError> {
-        let exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM durable.workflow_runs WHERE id = $1)")
-                .bind(run_id)
-                .fetch_one(self.pool())
-                .await
-                .ctx("reading a run")?;
-        if !exists {
-            return Err(DbError::NotFound(format!("unknown run {run_id}")));
-        }
-        sqlx::query_scalar(
-            "SELECT name FROM durable.step_defs WHERE run_id = $1 ORDER BY position, name",
-        )
-        .bind(run_id)
-        .fetch_all(self.pool())
-        .await
-        .ctx("reading a run's step names")
-    }
-
     /// Each step's latest `progress` event (of its newest attempt that sent
     /// one), by step_run_id. Steps that never reported progress are absent.
-    pub async fn latest_progress(&self, run_id: Uuid) -> Result<BTreeMap<Uuid, Progress>, DbError> {
+    pub async fn latest_progress(
+        &mut self,
+        run_id: Uuid,
+    ) -> Result<BTreeMap<Uuid, Progress>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
             "SELECT DISTINCT ON (e.step_run_id)
                     e.step_run_id, e.attempt, e.sequence, e.fraction, e.message, e.at
@@ -195,9 +212,10 @@ impl Db {
               ORDER BY e.step_run_id, e.attempt DESC, e.sequence DESC",
         )
         .bind(run_id)
-        .fetch_all(self.pool())
+        .fetch_all(&mut *s)
         .await
         .ctx("reading a run's latest progress")?;
+        s.done().await?;
         Ok(rows
             .into_iter()
             .map(|r| {
@@ -216,10 +234,11 @@ impl Db {
     }
 
     /// Runs, newest first, with their step counts by state.
-    pub async fn runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, DbError> {
+    pub async fn runs(&mut self, filter: &RunFilter) -> Result<Vec<RunSummary>, DbError> {
         let since_ms: Option<i64> = filter
             .since
             .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
             "SELECT r.id, r.name, r.state, r.cancel_requested, r.created_at, r.finished_at,
                     coalesce((SELECT jsonb_object_agg(c.state, c.n)
@@ -240,9 +259,10 @@ impl Db {
         .bind(filter.name.as_deref())
         .bind(since_ms)
         .bind(i64::from(filter.limit))
-        .fetch_all(self.pool())
+        .fetch_all(&mut *s)
         .await
         .ctx("listing runs")?;
+        s.done().await?;
         rows.into_iter()
             .map(|r| {
                 let mut steps: BTreeMap<String, i64> = serde_json::from_value(r.get("steps"))
@@ -263,6 +283,27 @@ impl Db {
             })
             .collect()
     }
+}
+
+/// The names of a run's steps (created or waiting), in spec order, or
+/// `NotFound` for an unknown run.
+async fn step_names(conn: &mut sqlx::PgConnection, run_id: Uuid) -> Result<Vec<String>, DbError> {
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM durable.workflow_runs WHERE id = $1)")
+            .bind(run_id)
+            .fetch_one(&mut *conn)
+            .await
+            .ctx("reading a run")?;
+    if !exists {
+        return Err(DbError::NotFound(format!("unknown run {run_id}")));
+    }
+    sqlx::query_scalar(
+        "SELECT name FROM durable.step_defs WHERE run_id = $1 ORDER BY position, name",
+    )
+    .bind(run_id)
+    .fetch_all(&mut *conn)
+    .await
+    .ctx("reading a run's step names")
 }
 
 /// One direct connection, bounded, to learn why the pool cannot connect.
@@ -340,11 +381,37 @@ impl Db {
     /// A snapshot of a run for `watch`, in one read-only transaction (so the
     /// run's state and its steps agree). `NotFound` for an unknown run.
     pub async fn watch_snapshot(&self, run_id: Uuid) -> Result<WatchRun, DbError> {
-        let mut tx = self.pool().begin().await.ctx("starting a read")?;
+        self.acquire("starting a read")
+            .await?
+            .db()
+            .watch_snapshot(run_id)
+            .await
+    }
+}
+
+/// Begins a read of several statements that must agree: REPEATABLE READ,
+/// READ ONLY when it is the connection's own transaction; inside a caller's
+/// transaction a savepoint that reads with the caller's isolation (which
+/// cannot be changed there).
+async fn begin_read(
+    conn: &mut sqlx::PgConnection,
+) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, DbError> {
+    let own = !conn.is_in_transaction();
+    let mut tx = conn.begin().await.ctx("starting a read")?;
+    if own {
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             .execute(&mut *tx)
             .await
             .ctx("starting a read")?;
+    }
+    Ok(tx)
+}
+
+impl DbConn<'_> {
+    /// See [`Db::watch_snapshot`]. Inside a caller's transaction it reads with
+    /// the caller's isolation (see the module documentation).
+    pub async fn watch_snapshot(&mut self, run_id: Uuid) -> Result<WatchRun, DbError> {
+        let mut tx = begin_read(self.conn).await?;
         let run = sqlx::query(
             "SELECT id, name, state, cancel_requested,
                     (extract(epoch FROM coalesce(finished_at, now()) - created_at) * 1000)::bigint AS elapsed_ms
@@ -472,6 +539,29 @@ impl Db {
     /// An artifact and where its blob's bytes are (read them with
     /// `crate::artifacts::ArtifactStore`); `NotFound` for an unknown id.
     pub async fn artifact_blob(&self, id: Uuid) -> Result<(ArtifactInfo, BlobRef), DbError> {
+        self.acquire("reading an artifact")
+            .await?
+            .db()
+            .artifact_blob(id)
+            .await
+    }
+
+    /// The artifact `id` and its lineage back to the first inputs, through
+    /// every step and attempt (`durable.artifact_lineage`, recursively).
+    /// `NotFound` for an unknown id.
+    pub async fn artifact_lineage(&self, id: Uuid) -> Result<Lineage, DbError> {
+        self.acquire("starting a read")
+            .await?
+            .db()
+            .artifact_lineage(id)
+            .await
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::artifact_blob`].
+    pub async fn artifact_blob(&mut self, id: Uuid) -> Result<(ArtifactInfo, BlobRef), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let row = sqlx::query(&format!(
             "SELECT {ARTIFACT_COLUMNS}, {BLOB_COLUMNS}
                FROM durable.artifacts a
@@ -480,22 +570,18 @@ impl Db {
               WHERE a.id = $1"
         ))
         .bind(id)
-        .fetch_optional(self.pool())
+        .fetch_optional(&mut *s)
         .await
         .ctx("reading an artifact")?
         .ok_or_else(|| DbError::NotFound(format!("unknown artifact {id}")))?;
+        s.done().await?;
         Ok((artifact_info(&row), blob_ref(&row)?))
     }
 
-    /// The artifact `id` and its lineage back to the first inputs, through
-    /// every step and attempt (`durable.artifact_lineage`, recursively).
-    /// `NotFound` for an unknown id.
-    pub async fn artifact_lineage(&self, id: Uuid) -> Result<Lineage, DbError> {
-        let mut tx = self.pool().begin().await.ctx("starting a read")?;
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            .execute(&mut *tx)
-            .await
-            .ctx("starting a read")?;
+    /// See [`Db::artifact_lineage`]. Inside a caller's transaction it reads
+    /// with the caller's isolation (see the module documentation).
+    pub async fn artifact_lineage(&mut self, id: Uuid) -> Result<Lineage, DbError> {
+        let mut tx = begin_read(self.conn).await?;
         // UNION (not ALL) stops at artifacts already reached: a diamond is
         // visited once, and even a cycle (which the writes cannot make) ends
         let nodes = sqlx::query(&format!(

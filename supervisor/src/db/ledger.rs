@@ -4,10 +4,10 @@
 //! row alone: see migrations/20261202000002_ledger.sql).
 
 use chrono::{DateTime, Utc};
-use sqlx::Row;
+use sqlx::{Connection, Row};
 use uuid::Uuid;
 
-use super::{Ctx, Db, DbError, Lease};
+use super::{Ctx, Db, DbConn, DbError, Lease};
 
 /// An owned progress event (the ledger's queue outlives the attempt's frame).
 #[derive(Debug, Clone, PartialEq)]
@@ -118,7 +118,20 @@ impl Db {
     /// connection, the commit) is returned as such; a row's own refusal is in
     /// its `RowOutcome`. Nothing is acknowledged before the commit.
     pub async fn write_batch(&self, worker: &str, b: &Batch) -> Result<BatchOutcome, DbError> {
-        let mut tx = self.pool.begin().await.ctx("beginning a ledger batch")?;
+        self.acquire("beginning a ledger batch")
+            .await?
+            .db()
+            .write_batch(worker, b)
+            .await
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::write_batch`]. The batch's transaction is `conn.begin()`: a
+    /// SAVEPOINT inside a caller's transaction, so a batch that fails as a
+    /// whole undoes only itself; a row refused alone stays in its outcome.
+    pub async fn write_batch(&mut self, worker: &str, b: &Batch) -> Result<BatchOutcome, DbError> {
+        let mut tx = self.conn.begin().await.ctx("beginning a ledger batch")?;
         let mut out = BatchOutcome::default();
         if !b.starts.is_empty() {
             let ids: Vec<Uuid> = b.starts.iter().map(|s| s.lease.step_run_id).collect();

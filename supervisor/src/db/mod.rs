@@ -7,6 +7,68 @@
 //! produces a [`Lease`], and only a `Lease` can complete, fail or cancel a step
 //! (typestate, as in underway). Transactions are short: none is held while a
 //! child runs. Times for leases come from the database clock (`now()`).
+//!
+//! # Composing operations in one transaction
+//!
+//! Every operation exists twice: as a method of [`Db`] (runs on the pool,
+//! exactly as it always has) and as a method of [`DbConn`], a handle bound to
+//! one connection the caller holds. Each `Db` method is a thin wrapper: it
+//! takes a connection from the pool and calls the `DbConn` method on it. To
+//! make several operations atomic, run them on the connection of one
+//! transaction:
+//!
+//! ```ignore
+//! let mut tx = db.begin().await?;           // BEGIN
+//! let run = tx.conn().submit(&spec).await?;
+//! tx.conn().cancel(run, None).await?;
+//! tx.commit().await?;                       // or drop it / rollback(): nothing happened
+//!
+//! // the same, committed when the closure returns Ok, rolled back otherwise
+//! let run = db.transaction(async |c| {
+//!     let run = c.submit(&spec).await?;
+//!     c.cancel(run, None).await?;
+//!     Ok::<_, DbError>(run)
+//! }).await?;
+//! ```
+//!
+//! A caller that holds an `sqlx` transaction or connection of its own uses
+//! `DbConn::new(&mut tx)`.
+//!
+//! Inside a caller's transaction every operation is atomic on its own: it
+//! runs in a SAVEPOINT (operations that begin a transaction of their own
+//! today, such as the fenced step writes, `write_batch`, the reclaim, do
+//! exactly that through `conn.begin()`, which sqlx turns into a SAVEPOINT
+//! inside a transaction; single statements get one too). An operation that
+//! fails (`LeaseLost`, a write the database refused, a timeout) rolls back to
+//! its savepoint: its own work is undone and the caller's transaction stays
+//! usable, so the caller can go on and commit the rest. On a connection that
+//! is not in a transaction no savepoint is made: the statements are those the
+//! `Db` methods always sent.
+//!
+//! What inside a caller's transaction means for some operations:
+//! - `watch_snapshot` and `artifact_lineage` set REPEATABLE READ, READ ONLY
+//!   only when they begin the transaction themselves; inside a caller's
+//!   transaction they read with the caller's isolation (and see its
+//!   uncommitted writes): begin it REPEATABLE READ for one snapshot.
+//! - `retention_batch` takes its advisory lock for the caller's transaction
+//!   (other batches wait until it ends); its 5 s `lock_timeout` is restored
+//!   to the caller's value before it returns.
+//! - `reclaim_expired` reclaims every candidate in the caller's transaction
+//!   (each in its own savepoint, the whole call in one): the locks are held
+//!   until the caller commits.
+//!
+//! Pool-only (no `DbConn` form), and why:
+//! - [`Db::listener`]: LISTEN needs a dedicated connection of its own that
+//!   outlives any transaction (notifications are delivered between them).
+//! - [`Db::migrate`]: the migrator takes its own advisory lock and runs each
+//!   migration in a transaction of its own (some cannot run in one at all),
+//!   and it changes the connection's `search_path` while it works.
+//! - [`Db::retention_vacuum`] and [`Db::retention_pass`]: VACUUM cannot run
+//!   inside a transaction block, and a pass is by design a series of short
+//!   batch transactions (one transaction would hold every lock of the pass).
+//!   Compose [`DbConn::retention_batch`] instead.
+//! - [`Db::connect`], [`Db::connect_explained`], [`Db::dedicated`]: they make
+//!   pools, they run no statement of the runtime.
 
 mod blobs;
 mod inspect;
@@ -38,7 +100,7 @@ use std::time::Duration as StdDuration;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Acquire, ConnectOptions, Executor, PgPool, Row};
+use sqlx::{ConnectOptions, Connection, Executor, PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::retry::RetryPolicy;
@@ -176,6 +238,102 @@ impl<T> Ctx<T> for Result<T, sqlx::Error> {
 #[derive(Clone, Debug)]
 pub struct Db {
     pool: PgPool,
+}
+
+/// The runtime's database operations on one connection the caller holds:
+/// a pooled connection, or the connection of a transaction (from
+/// [`Db::begin`], [`Db::transaction`], or the caller's own `sqlx`
+/// transaction: `DbConn::new(&mut tx)`). Inside a transaction each operation
+/// runs in a savepoint of its own (see the module documentation).
+#[derive(Debug)]
+pub struct DbConn<'c> {
+    conn: &'c mut PgConnection,
+}
+
+impl<'c> DbConn<'c> {
+    pub fn new(conn: &'c mut PgConnection) -> DbConn<'c> {
+        DbConn { conn }
+    }
+}
+
+/// A transaction on the runtime's database (from [`Db::begin`]): run
+/// operations on it with [`DbTransaction::conn`], then `commit`. Dropped
+/// without a commit, it rolls back.
+#[derive(Debug)]
+pub struct DbTransaction {
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+}
+
+impl DbTransaction {
+    /// The operations, on this transaction's connection.
+    pub fn conn(&mut self) -> DbConn<'_> {
+        DbConn::new(&mut self.tx)
+    }
+
+    pub async fn commit(self) -> Result<(), DbError> {
+        self.tx.commit().await.ctx("committing a transaction")
+    }
+
+    pub async fn rollback(self) -> Result<(), DbError> {
+        self.tx.rollback().await.ctx("rolling back a transaction")
+    }
+}
+
+/// A pooled connection taken by one `Db` wrapper for one operation.
+struct Pooled(sqlx::pool::PoolConnection<sqlx::Postgres>);
+
+impl Pooled {
+    fn db(&mut self) -> DbConn<'_> {
+        DbConn::new(&mut self.0)
+    }
+}
+
+/// Where one operation of a [`DbConn`] runs: in a savepoint of its own when
+/// the connection is in a caller's transaction (so its failure undoes only
+/// its own work and leaves the caller's transaction usable), directly on the
+/// connection otherwise (the statements the pool form always sent).
+enum Scope<'a> {
+    Savepoint(sqlx::Transaction<'a, sqlx::Postgres>),
+    Bare(&'a mut PgConnection),
+}
+
+impl<'a> Scope<'a> {
+    async fn enter(conn: &'a mut PgConnection) -> Result<Scope<'a>, DbError> {
+        if conn.is_in_transaction() {
+            Ok(Scope::Savepoint(
+                conn.begin().await.ctx("opening a savepoint")?,
+            ))
+        } else {
+            Ok(Scope::Bare(conn))
+        }
+    }
+
+    /// The operation succeeded: release its savepoint, if it has one.
+    async fn done(self) -> Result<(), DbError> {
+        match self {
+            Scope::Savepoint(tx) => tx.commit().await.ctx("releasing a savepoint"),
+            Scope::Bare(_) => Ok(()),
+        }
+    }
+}
+
+impl std::ops::Deref for Scope<'_> {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        match self {
+            Scope::Savepoint(tx) => tx,
+            Scope::Bare(c) => c,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Scope<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        match self {
+            Scope::Savepoint(tx) => tx,
+            Scope::Bare(c) => c,
+        }
+    }
 }
 
 /// A routing entry: this worker can run steps of `executor_kind` / `kind`
@@ -421,30 +579,47 @@ impl Db {
     /// newer schema is accepted (migrations are additive: rolling upgrades run
     /// new workers and old ones against one database). Returns the version found.
     pub async fn check_schema(&self) -> Result<i64, DbError> {
-        let res = sqlx::query_scalar::<_, Option<i64>>(
-            "SELECT max(version) FROM durable._sqlx_migrations WHERE success",
-        )
-        .fetch_one(&self.pool)
-        .await;
-        let have = match res {
-            Ok(v) => v.ok_or(DbError::SchemaMissing)?,
-            Err(sqlx::Error::Database(e))
-                if matches!(e.code().as_deref(), Some("42P01") | Some("3F000")) =>
-            {
-                return Err(DbError::SchemaMissing)
+        self.acquire("reading the schema version")
+            .await?
+            .db()
+            .check_schema()
+            .await
+    }
+
+    /// A connection of the pool for one operation; `context` names the
+    /// operation, as the error of its first statement would have.
+    async fn acquire(&self, context: &'static str) -> Result<Pooled, DbError> {
+        Ok(Pooled(self.pool.acquire().await.ctx(context)?))
+    }
+
+    /// Begins a transaction: run operations on it with
+    /// [`DbTransaction::conn`], then commit (see the module documentation).
+    pub async fn begin(&self) -> Result<DbTransaction, DbError> {
+        let tx = self.pool.begin().await.ctx("beginning a transaction")?;
+        Ok(DbTransaction { tx })
+    }
+
+    /// Runs `f` in one transaction: committed when it returns `Ok`, rolled
+    /// back when it returns `Err` (or panics, or its future is dropped).
+    pub async fn transaction<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        F: AsyncFnOnce(&mut DbConn<'_>) -> Result<T, E>,
+        E: From<DbError>,
+    {
+        let mut tx = self.begin().await?;
+        let out = f(&mut tx.conn()).await;
+        match out {
+            Ok(v) => {
+                tx.commit().await?;
+                Ok(v)
             }
             Err(e) => {
-                return Err(DbError::Query {
-                    context: "reading the schema version",
-                    source: e,
-                })
+                // the caller's error is the one to report; a failed rollback
+                // ends the connection (sqlx closes it), nothing is committed
+                let _ = tx.rollback().await;
+                Err(e)
             }
-        };
-        let need = Self::schema_version_needed();
-        if have < need {
-            return Err(DbError::SchemaTooOld { have, need });
         }
-        Ok(have)
     }
 
     /// Applies the migrations; safe to run again and from several processes at
@@ -470,9 +645,38 @@ impl Db {
         res?;
         Ok(())
     }
+}
 
-    // -----------------------------------------------------------------------
-    // submit, cancel, status
+impl DbConn<'_> {
+    /// See [`Db::check_schema`].
+    pub async fn check_schema(&mut self) -> Result<i64, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let res = sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT max(version) FROM durable._sqlx_migrations WHERE success",
+        )
+        .fetch_one(&mut *s)
+        .await;
+        let have = match res {
+            Ok(v) => v.ok_or(DbError::SchemaMissing)?,
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("42P01") | Some("3F000")) =>
+            {
+                return Err(DbError::SchemaMissing)
+            }
+            Err(e) => {
+                return Err(DbError::Query {
+                    context: "reading the schema version",
+                    source: e,
+                })
+            }
+        };
+        s.done().await?;
+        let need = Db::schema_version_needed();
+        if have < need {
+            return Err(DbError::SchemaTooOld { have, need });
+        }
+        Ok(have)
+    }
 }
 
 /// A database URL with its password replaced, for messages and logs.

@@ -3,25 +3,47 @@
 //! backlog: a `SELECT 1`, and a walk of the routing index that touches at
 //! most `max_kinds` distinct routes and counts at most `cap` rows of each.
 
-use super::{Ctx, Db, DbError};
+use super::{Ctx, Db, DbConn, DbError, Scope};
 
 /// Ready steps of one (executor_kind, kind): leasable now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueDepth {
     pub executor_kind: String,
     pub kind: String,
-    /// Ready steps, counted up to the cap given to [`Db::queue_depth`].
+    /// Ready steps, counted up to the cap given to [`DbConn::queue_depth`].
     pub ready: i64,
 }
 
 impl Db {
     /// Whether the database answers at all (readiness).
     pub async fn ping(&self) -> Result<(), DbError> {
+        self.acquire("checking that the database answers")
+            .await?
+            .db()
+            .ping()
+            .await
+    }
+
+    /// Ready steps per (executor_kind, kind), whoever can run them: see
+    /// [`DbConn::queue_depth`].
+    pub async fn queue_depth(&self, max_kinds: u32, cap: u32) -> Result<Vec<QueueDepth>, DbError> {
+        self.acquire("counting ready steps per kind")
+            .await?
+            .db()
+            .queue_depth(max_kinds, cap)
+            .await
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::ping`].
+    pub async fn ping(&mut self) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         sqlx::query_scalar::<_, i32>("SELECT 1")
-            .fetch_one(self.pool())
+            .fetch_one(&mut *s)
             .await
             .ctx("checking that the database answers")?;
-        Ok(())
+        s.done().await
     }
 
     /// Ready steps per (executor_kind, kind), whoever can run them. A skip
@@ -30,7 +52,12 @@ impl Db {
     /// each), then each route's ready steps (`next_attempt_at <= now()`) are
     /// counted up to `cap` (an index range scan that stops there). Steps of
     /// a cancel-requested run still count until the run's cancel reaches them.
-    pub async fn queue_depth(&self, max_kinds: u32, cap: u32) -> Result<Vec<QueueDepth>, DbError> {
+    pub async fn queue_depth(
+        &mut self,
+        max_kinds: u32,
+        cap: u32,
+    ) -> Result<Vec<QueueDepth>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let rows: Vec<(String, String, i64)> = sqlx::query_as(
             "WITH RECURSIVE routes AS (
                  (SELECT s.executor_kind, s.kind, 1 AS n FROM durable.step_runs s
@@ -57,9 +84,10 @@ impl Db {
         )
         .bind(max_kinds.max(1) as i32)
         .bind(cap as i64)
-        .fetch_all(self.pool())
+        .fetch_all(&mut *s)
         .await
         .ctx("counting ready steps per kind")?;
+        s.done().await?;
         Ok(rows
             .into_iter()
             .map(|(executor_kind, kind, ready)| QueueDepth {

@@ -11,31 +11,20 @@ impl Db {
         host: &str,
         capabilities: &serde_json::Value,
     ) -> Result<(), DbError> {
-        sqlx::query(
-            "INSERT INTO durable.workers (id, name, host, pid, capabilities) VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(id)
-        .bind(name)
-        .bind(host)
-        .bind(std::process::id() as i32)
-        .bind(capabilities)
-        .execute(&self.pool)
-        .await
-        .ctx("registering the worker")?;
-        Ok(())
+        self.acquire("registering the worker")
+            .await?
+            .db()
+            .register_worker(id, name, host, capabilities)
+            .await
     }
 
     pub async fn worker_stopped(&self, id: Uuid) -> Result<(), DbError> {
-        sqlx::query("UPDATE durable.workers SET stopped_at = now() WHERE id = $1")
-            .bind(id)
-            .execute(&self.pool)
+        self.acquire("marking the worker stopped")
+            .await?
+            .db()
+            .worker_stopped(id)
             .await
-            .ctx("marking the worker stopped")?;
-        Ok(())
     }
-
-    // -----------------------------------------------------------------------
-    // the queue
 
     /// Leases up to `limit` steps this worker can route, in one statement:
     /// `pending` ones, and `retryable_failed` ones whose time has come. Sets the
@@ -52,12 +41,115 @@ impl Db {
         if routes.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
+        self.acquire("leasing steps")
+            .await?
+            .db()
+            .lease(worker_id, worker_name, routes, limit, ttl)
+            .await
+    }
+
+    /// One statement per worker per interval, however many leases it holds:
+    /// renews every live lease, reports which were cancel-requested (the step's
+    /// flag or its run's) and which are lost, and stamps the worker's own
+    /// heartbeat. Rows locked by a writer right now are skipped (SKIP LOCKED,
+    /// in id order), so the heartbeat never waits on a lock and is never part
+    /// of a deadlock; such a lease is `busy`: neither renewed nor lost this
+    /// time (its owner's write is in flight; the next heartbeat renews it).
+    pub async fn heartbeat(
+        &self,
+        worker_id: Uuid,
+        leases: &[Lease],
+        ttl: StdDuration,
+    ) -> Result<HeartbeatReport, DbError> {
+        self.acquire("renewing leases")
+            .await?
+            .db()
+            .heartbeat(worker_id, leases, ttl)
+            .await
+    }
+
+    /// Moves expired leases on: `retryable_failed`, `terminal_failed` when
+    /// attempts are spent (or no retry fits before the deadline), `cancelled`
+    /// when cancellation was requested — reason `LEASE_EXPIRED`. Returns how
+    /// many were reclaimed. Each reclaim is its own transaction.
+    pub async fn reclaim_expired(&self, worker_name: &str, limit: u32) -> Result<usize, DbError> {
+        self.acquire("finding expired leases")
+            .await?
+            .db()
+            .reclaim_expired(worker_name, limit)
+            .await
+    }
+
+    /// A dedicated listener for the wake-up channels. Pool-only: LISTEN
+    /// needs a connection of its own (see the module documentation).
+    pub async fn listener(&self) -> Result<sqlx::postgres::PgListener, DbError> {
+        let mut l = sqlx::postgres::PgListener::connect_with(&self.pool)
+            .await
+            .ctx("opening a LISTEN connection")?;
+        l.listen_all([CHANNEL_STEPS, CHANNEL_CANCEL])
+            .await
+            .ctx("listening for wake-ups")?;
+        Ok(l)
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::register_worker`].
+    pub async fn register_worker(
+        &mut self,
+        id: Uuid,
+        name: &str,
+        host: &str,
+        capabilities: &serde_json::Value,
+    ) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query(
+            "INSERT INTO durable.workers (id, name, host, pid, capabilities) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(id)
+        .bind(name)
+        .bind(host)
+        .bind(std::process::id() as i32)
+        .bind(capabilities)
+        .execute(&mut *s)
+        .await
+        .ctx("registering the worker")?;
+        s.done().await
+    }
+
+    /// See [`Db::worker_stopped`].
+    pub async fn worker_stopped(&mut self, id: Uuid) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query("UPDATE durable.workers SET stopped_at = now() WHERE id = $1")
+            .bind(id)
+            .execute(&mut *s)
+            .await
+            .ctx("marking the worker stopped")?;
+        s.done().await
+    }
+
+    // -----------------------------------------------------------------------
+    // the queue
+
+    /// See [`Db::lease`].
+    pub async fn lease(
+        &mut self,
+        worker_id: Uuid,
+        worker_name: &str,
+        routes: &[Route],
+        limit: u32,
+        ttl: StdDuration,
+    ) -> Result<Vec<LeasedStep>, DbError> {
+        if routes.is_empty() || limit == 0 {
+            return Ok(Vec::new());
+        }
         let eks: Vec<&str> = routes.iter().map(|r| r.executor_kind.as_str()).collect();
         let kinds: Vec<&str> = routes.iter().map(|r| r.kind.as_str()).collect();
         let labels: Vec<serde_json::Value> = routes
             .iter()
             .map(|r| serde_json::to_value(&r.labels).unwrap_or_default())
             .collect();
+        let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
             "WITH routes AS (
                  SELECT * FROM unnest($3::text[], $4::text[], $5::jsonb[]) AS r(executor_kind, kind, labels)
@@ -107,27 +199,23 @@ impl Db {
         .bind(&labels)
         .bind(limit as i64)
         .bind(ttl.as_millis() as f64)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *s)
         .await
         .ctx("leasing steps")?;
+        s.done().await?;
         rows.into_iter().map(leased_from_row).collect()
     }
 
-    /// One statement per worker per interval, however many leases it holds:
-    /// renews every live lease, reports which were cancel-requested (the step's
-    /// flag or its run's) and which are lost, and stamps the worker's own
-    /// heartbeat. Rows locked by a writer right now are skipped (SKIP LOCKED,
-    /// in id order), so the heartbeat never waits on a lock and is never part
-    /// of a deadlock; such a lease is `busy`: neither renewed nor lost this
-    /// time (its owner's write is in flight; the next heartbeat renews it).
+    /// See [`Db::heartbeat`].
     pub async fn heartbeat(
-        &self,
+        &mut self,
         worker_id: Uuid,
         leases: &[Lease],
         ttl: StdDuration,
     ) -> Result<HeartbeatReport, DbError> {
         let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id).collect();
         let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+        let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
             "WITH w AS (
                  UPDATE durable.workers SET last_heartbeat_at = now() WHERE id = $1
@@ -159,9 +247,10 @@ impl Db {
         .bind(&ids)
         .bind(&tokens)
         .bind(ttl.as_millis() as f64)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *s)
         .await
         .ctx("renewing leases")?;
+        s.done().await?;
         let mut report = HeartbeatReport::default();
         for r in rows {
             let id: Uuid = r.get("id");
@@ -180,11 +269,14 @@ impl Db {
         Ok(report)
     }
 
-    /// Moves expired leases on: `retryable_failed`, `terminal_failed` when
-    /// attempts are spent (or no retry fits before the deadline), `cancelled`
-    /// when cancellation was requested — reason `LEASE_EXPIRED`. Returns how
-    /// many were reclaimed.
-    pub async fn reclaim_expired(&self, worker_name: &str, limit: u32) -> Result<usize, DbError> {
+    /// See [`Db::reclaim_expired`]. Inside a caller's transaction the whole
+    /// call is one savepoint and each reclaim a savepoint within it.
+    pub async fn reclaim_expired(
+        &mut self,
+        worker_name: &str,
+        limit: u32,
+    ) -> Result<usize, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let candidates: Vec<Uuid> = sqlx::query_scalar(
             "SELECT id FROM durable.step_runs
               WHERE state IN ('leased', 'running') AND lease_expires_at < now()
@@ -192,14 +284,14 @@ impl Db {
               LIMIT $1",
         )
         .bind(limit as i64)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *s)
         .await
         .ctx("finding expired leases")?;
         let mut reclaimed = 0;
         for id in candidates {
             // run lock first, like every step write; then the step, skipping
             // one another worker is reclaiming or its owner is writing right now
-            let mut tx = begin_step_write(&self.pool, id).await?;
+            let mut tx = begin_step_write(&mut s, id).await?;
             let row = sqlx::query(
                 "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, retry, deadline,
                         cancel_requested, now() AS db_now
@@ -243,18 +335,8 @@ impl Db {
             tx.commit().await.ctx("committing a reclaim")?;
             reclaimed += 1;
         }
+        s.done().await?;
         Ok(reclaimed)
-    }
-
-    /// A dedicated listener for the wake-up channels.
-    pub async fn listener(&self) -> Result<sqlx::postgres::PgListener, DbError> {
-        let mut l = sqlx::postgres::PgListener::connect_with(&self.pool)
-            .await
-            .ctx("opening a LISTEN connection")?;
-        l.listen_all([CHANNEL_STEPS, CHANNEL_CANCEL])
-            .await
-            .ctx("listening for wake-ups")?;
-        Ok(l)
     }
 }
 

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{Executor, Row};
+use sqlx::{Connection, Executor, Row};
 use tokio_util::sync::CancellationToken;
 
-use super::{Ctx, Db, DbError};
+use super::{Ctx, Db, DbConn, DbError, Scope};
 
 /// The tables a pass removes rows from, children first: what VACUUM visits.
 pub const RETENTION_TABLES: &[&str] = &[
@@ -117,11 +117,11 @@ impl Db {
     /// `now() - older_than` on the database clock: lease and finish times
     /// are the database's, so is the cutoff.
     pub async fn retention_cutoff(&self, older_than: Duration) -> Result<DateTime<Utc>, DbError> {
-        sqlx::query_scalar("SELECT now() - make_interval(secs => $1::double precision / 1000.0)")
-            .bind(older_than.as_millis() as f64)
-            .fetch_one(&self.pool)
+        self.acquire("computing the retention cutoff")
+            .await?
+            .db()
+            .retention_cutoff(older_than)
             .await
-            .ctx("computing the retention cutoff")
     }
 
     /// One batch in one transaction: at most `max_runs` runs finished before
@@ -134,37 +134,19 @@ impl Db {
         max_runs: u32,
         max_steps: u32,
     ) -> Result<RetentionBatch, DbError> {
-        let started = Instant::now();
-        let mut tx = self.pool.begin().await.ctx("beginning a retention batch")?;
-        tx.execute("SET LOCAL lock_timeout = '5s'")
+        self.acquire("beginning a retention batch")
+            .await?
+            .db()
+            .retention_batch(cutoff, max_runs, max_steps)
             .await
-            .ctx("bounding the retention batch's lock waits")?;
-        let row = sqlx::query(
-            "SELECT runs, steps, blobs, workers, more FROM durable.retention_batch($1, $2, $3)",
-        )
-        .bind(cutoff)
-        .bind(max_runs.min(i32::MAX as u32) as i32)
-        .bind(max_steps.min(i32::MAX as u32) as i32)
-        .fetch_one(&mut *tx)
-        .await
-        .ctx("removing a batch of old runs")?;
-        tx.commit().await.ctx("committing a retention batch")?;
-        let n = |c: &str| row.get::<i32, _>(c).max(0) as u64;
-        Ok(RetentionBatch {
-            runs: n("runs"),
-            steps: n("steps"),
-            blobs: n("blobs"),
-            workers: n("workers"),
-            more: row.get("more"),
-            elapsed: started.elapsed(),
-        })
     }
 
     /// Plain VACUUM (no FULL: no exclusive lock; readers and writers go on)
     /// of the tables retention removes rows from, so their space is reused
     /// at once. SKIP_LOCKED: a table another VACUUM is working on is left to
     /// it. A role that does not own the tables gets a warning per table from
-    /// PostgreSQL and nothing is done (autovacuum still is).
+    /// PostgreSQL and nothing is done (autovacuum still is). Pool-only:
+    /// VACUUM cannot run inside a transaction block.
     pub async fn retention_vacuum(&self) -> Result<(), DbError> {
         let mut conn = self
             .pool
@@ -194,6 +176,8 @@ impl Db {
     /// One pass: the cutoff once (so the pass ends), batches until no run
     /// finished before it is left (or `stop`), then VACUUM if anything went.
     /// An error stops the pass; what earlier batches removed stays removed.
+    /// Pool-only: a pass is a series of short transactions by design (and
+    /// ends with VACUUM); compose [`DbConn::retention_batch`] instead.
     pub async fn retention_pass(
         &self,
         opts: &RetentionOptions,
@@ -246,19 +230,11 @@ impl Db {
         age: Duration,
         limit: u32,
     ) -> Result<(u64, u64), DbError> {
-        let row = sqlx::query(
-            "SELECT blobs, chunks FROM durable.collect_blob_garbage(
-                 now() - make_interval(secs => $1::double precision), $2)",
-        )
-        .bind(age.as_secs_f64())
-        .bind(limit.min(i32::MAX as u32) as i32)
-        .fetch_one(&self.pool)
-        .await
-        .ctx("collecting unreferenced artifact blobs")?;
-        Ok((
-            row.get::<i32, _>("blobs").max(0) as u64,
-            row.get::<i32, _>("chunks").max(0) as u64,
-        ))
+        self.acquire("collecting unreferenced artifact blobs")
+            .await?
+            .db()
+            .collect_blob_garbage(age, limit)
+            .await
     }
 
     /// Files of removed directory-store blobs still to delete: those no blob
@@ -267,29 +243,20 @@ impl Db {
         &self,
         limit: u32,
     ) -> Result<Vec<(String, DateTime<Utc>)>, DbError> {
-        let rows = sqlx::query(
-            "SELECT r.sha256, r.removed_at FROM durable.artifact_files_removed r
-              WHERE NOT EXISTS (SELECT 1 FROM durable.artifact_blobs b WHERE b.sha256 = r.sha256)
-              ORDER BY r.removed_at LIMIT $1",
-        )
-        .bind(limit as i64)
-        .fetch_all(&self.pool)
-        .await
-        .ctx("reading removed blob files")?;
-        Ok(rows
-            .into_iter()
-            .map(|r| (r.get("sha256"), r.get("removed_at")))
-            .collect())
+        self.acquire("reading removed blob files")
+            .await?
+            .db()
+            .removed_blob_files(limit)
+            .await
     }
 
     /// The removed files are dealt with (deleted, or kept as a re-upload).
     pub async fn forget_removed_blob_files(&self, shas: &[String]) -> Result<(), DbError> {
-        sqlx::query("DELETE FROM durable.artifact_files_removed WHERE sha256 = ANY ($1)")
-            .bind(shas)
-            .execute(&self.pool)
+        self.acquire("dequeuing removed blob files")
+            .await?
+            .db()
+            .forget_removed_blob_files(shas)
             .await
-            .ctx("dequeuing removed blob files")?;
-        Ok(())
     }
 
     /// What a pass with this age would remove now; removes nothing.
@@ -297,7 +264,149 @@ impl Db {
         &self,
         older_than: Duration,
     ) -> Result<RetentionPreview, DbError> {
-        let cutoff = self.retention_cutoff(older_than).await?;
+        self.acquire("computing the retention cutoff")
+            .await?
+            .db()
+            .retention_preview(older_than)
+            .await
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::retention_cutoff`].
+    pub async fn retention_cutoff(
+        &mut self,
+        older_than: Duration,
+    ) -> Result<DateTime<Utc>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let cutoff = sqlx::query_scalar(
+            "SELECT now() - make_interval(secs => $1::double precision / 1000.0)",
+        )
+        .bind(older_than.as_millis() as f64)
+        .fetch_one(&mut *s)
+        .await
+        .ctx("computing the retention cutoff")?;
+        s.done().await?;
+        Ok(cutoff)
+    }
+
+    /// See [`Db::retention_batch`]. Inside a caller's transaction the batch
+    /// is a savepoint, its advisory lock is held until the caller's
+    /// transaction ends, and the caller's `lock_timeout` is restored before
+    /// it returns (a `SET LOCAL` would outlive the savepoint).
+    pub async fn retention_batch(
+        &mut self,
+        cutoff: DateTime<Utc>,
+        max_runs: u32,
+        max_steps: u32,
+    ) -> Result<RetentionBatch, DbError> {
+        let started = Instant::now();
+        let nested = self.conn.is_in_transaction();
+        let mut tx = self.conn.begin().await.ctx("beginning a retention batch")?;
+        let callers_timeout: Option<String> = if nested {
+            Some(
+                sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+                    .fetch_one(&mut *tx)
+                    .await
+                    .ctx("reading the caller's lock timeout")?,
+            )
+        } else {
+            None
+        };
+        tx.execute("SET LOCAL lock_timeout = '5s'")
+            .await
+            .ctx("bounding the retention batch's lock waits")?;
+        let row = sqlx::query(
+            "SELECT runs, steps, blobs, workers, more FROM durable.retention_batch($1, $2, $3)",
+        )
+        .bind(cutoff)
+        .bind(max_runs.min(i32::MAX as u32) as i32)
+        .bind(max_steps.min(i32::MAX as u32) as i32)
+        .fetch_one(&mut *tx)
+        .await
+        .ctx("removing a batch of old runs")?;
+        if let Some(t) = callers_timeout {
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(t)
+                .execute(&mut *tx)
+                .await
+                .ctx("restoring the caller's lock timeout")?;
+        }
+        tx.commit().await.ctx("committing a retention batch")?;
+        let n = |c: &str| row.get::<i32, _>(c).max(0) as u64;
+        Ok(RetentionBatch {
+            runs: n("runs"),
+            steps: n("steps"),
+            blobs: n("blobs"),
+            workers: n("workers"),
+            more: row.get("more"),
+            elapsed: started.elapsed(),
+        })
+    }
+
+    /// See [`Db::collect_blob_garbage`].
+    pub async fn collect_blob_garbage(
+        &mut self,
+        age: Duration,
+        limit: u32,
+    ) -> Result<(u64, u64), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let row = sqlx::query(
+            "SELECT blobs, chunks FROM durable.collect_blob_garbage(
+                 now() - make_interval(secs => $1::double precision), $2)",
+        )
+        .bind(age.as_secs_f64())
+        .bind(limit.min(i32::MAX as u32) as i32)
+        .fetch_one(&mut *s)
+        .await
+        .ctx("collecting unreferenced artifact blobs")?;
+        s.done().await?;
+        Ok((
+            row.get::<i32, _>("blobs").max(0) as u64,
+            row.get::<i32, _>("chunks").max(0) as u64,
+        ))
+    }
+
+    /// See [`Db::removed_blob_files`].
+    pub async fn removed_blob_files(
+        &mut self,
+        limit: u32,
+    ) -> Result<Vec<(String, DateTime<Utc>)>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let rows = sqlx::query(
+            "SELECT r.sha256, r.removed_at FROM durable.artifact_files_removed r
+              WHERE NOT EXISTS (SELECT 1 FROM durable.artifact_blobs b WHERE b.sha256 = r.sha256)
+              ORDER BY r.removed_at LIMIT $1",
+        )
+        .bind(limit as i64)
+        .fetch_all(&mut *s)
+        .await
+        .ctx("reading removed blob files")?;
+        s.done().await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.get("sha256"), r.get("removed_at")))
+            .collect())
+    }
+
+    /// See [`Db::forget_removed_blob_files`].
+    pub async fn forget_removed_blob_files(&mut self, shas: &[String]) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query("DELETE FROM durable.artifact_files_removed WHERE sha256 = ANY ($1)")
+            .bind(shas)
+            .execute(&mut *s)
+            .await
+            .ctx("dequeuing removed blob files")?;
+        s.done().await
+    }
+
+    /// See [`Db::retention_preview`].
+    pub async fn retention_preview(
+        &mut self,
+        older_than: Duration,
+    ) -> Result<RetentionPreview, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let cutoff = DbConn::new(&mut s).retention_cutoff(older_than).await?;
         let row = sqlx::query(
             "WITH r AS (
                  SELECT id, steps_total FROM durable.workflow_runs
@@ -314,9 +423,10 @@ impl Db {
                                            AND k.run_id NOT IN (SELECT id FROM r))) AS blobs",
         )
         .bind(cutoff)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *s)
         .await
         .ctx("counting what retention would remove")?;
+        s.done().await?;
         Ok(RetentionPreview {
             cutoff,
             runs: row.get("runs"),

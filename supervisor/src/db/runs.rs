@@ -7,11 +7,51 @@ impl Db {
     /// spec is `DbError::InvalidSpec` with a message that names the field;
     /// nothing is written then.
     pub async fn submit(&self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
+        self.acquire("submitting a run")
+            .await?
+            .db()
+            .submit(spec)
+            .await
+    }
+
+    /// Requests cancellation of a run or one of its steps; returns the run's
+    /// state afterwards.
+    pub async fn cancel(&self, run_id: Uuid, step: Option<&str>) -> Result<RunState, DbError> {
+        self.acquire("cancelling")
+            .await?
+            .db()
+            .cancel(run_id, step)
+            .await
+    }
+
+    /// The run and its steps, or `NotFound`.
+    pub async fn status(&self, run_id: Uuid) -> Result<RunStatus, DbError> {
+        self.acquire("reading a run")
+            .await?
+            .db()
+            .status(run_id)
+            .await
+    }
+
+    /// How many runs are pending or running.
+    pub async fn open_runs(&self) -> Result<i64, DbError> {
+        self.acquire("counting open runs")
+            .await?
+            .db()
+            .open_runs()
+            .await
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::submit`].
+    pub async fn submit(&mut self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let res = sqlx::query_scalar::<_, Uuid>("SELECT durable.submit_run($1)")
             .bind(spec)
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *s)
             .await;
-        match res {
+        let res = match res {
             Ok(id) => Ok(id),
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => {
                 Err(DbError::InvalidSpec(e.message().to_owned()))
@@ -20,19 +60,21 @@ impl Db {
                 context: "submitting a run",
                 source: e,
             }),
-        }
+        }?;
+        s.done().await?;
+        Ok(res)
     }
 
-    /// Requests cancellation of a run or one of its steps; returns the run's
-    /// state afterwards.
-    pub async fn cancel(&self, run_id: Uuid, step: Option<&str>) -> Result<RunState, DbError> {
+    /// See [`Db::cancel`].
+    pub async fn cancel(&mut self, run_id: Uuid, step: Option<&str>) -> Result<RunState, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let res = sqlx::query_scalar::<_, String>("SELECT durable.cancel_run($1, $2)")
             .bind(run_id)
             .bind(step)
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *s)
             .await;
-        match res {
-            Ok(s) => s
+        let state = match res {
+            Ok(st) => st
                 .parse()
                 .map_err(|e| DbError::Corrupt(format!("run state: {e}"))),
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("P0D04") => {
@@ -42,17 +84,20 @@ impl Db {
                 context: "cancelling",
                 source: e,
             }),
-        }
+        }?;
+        s.done().await?;
+        Ok(state)
     }
 
-    /// The run and its steps, or `NotFound`.
-    pub async fn status(&self, run_id: Uuid) -> Result<RunStatus, DbError> {
+    /// See [`Db::status`].
+    pub async fn status(&mut self, run_id: Uuid) -> Result<RunStatus, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
         let run = sqlx::query(
             "SELECT id, name, state, idempotency_key, cancel_requested, created_at, finished_at
                FROM durable.workflow_runs WHERE id = $1",
         )
         .bind(run_id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *s)
         .await
         .ctx("reading a run")?
         .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
@@ -65,7 +110,7 @@ impl Db {
                FROM durable.step_runs s WHERE s.run_id = $1 ORDER BY s.position",
         )
         .bind(run_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *s)
         .await
         .ctx("reading a run's steps")?;
         let arts = sqlx::query(
@@ -73,7 +118,7 @@ impl Db {
               WHERE run_id = $1 ORDER BY created_at, name",
         )
         .bind(run_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *s)
         .await
         .ctx("reading a run's artifacts")?;
 
@@ -128,7 +173,7 @@ impl Db {
               ORDER BY d.position",
         )
         .bind(run_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *s)
         .await
         .ctx("reading a run's waiting steps")?
         .into_iter()
@@ -138,6 +183,7 @@ impl Db {
         })
         .collect();
 
+        s.done().await?;
         Ok(RunStatus {
             run_id: run.get("id"),
             name: run.get("name"),
@@ -151,16 +197,16 @@ impl Db {
         })
     }
 
-    // -----------------------------------------------------------------------
-    // workers
-
-    /// How many runs are pending or running.
-    pub async fn open_runs(&self) -> Result<i64, DbError> {
-        sqlx::query_scalar(
+    /// See [`Db::open_runs`].
+    pub async fn open_runs(&mut self) -> Result<i64, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let n = sqlx::query_scalar(
             "SELECT count(*) FROM durable.workflow_runs WHERE state IN ('pending', 'running')",
         )
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *s)
         .await
-        .ctx("counting open runs")
+        .ctx("counting open runs")?;
+        s.done().await?;
+        Ok(n)
     }
 }

@@ -14,21 +14,11 @@ impl Db {
         executor_pid: i32,
         event: &NewEvent<'_>,
     ) -> Result<(), DbError> {
-        let started: bool =
-            sqlx::query_scalar("SELECT durable.start_step($1, $2, $3, $4, $5, $6, $7, $8, $9)")
-                .bind(lease.step_run_id)
-                .bind(lease.token)
-                .bind(worker_name)
-                .bind(executor_pid)
-                .bind(event.sequence as i64)
-                .bind(event.kind)
-                .bind(event.message)
-                .bind(event.fraction)
-                .bind(event.executor_at)
-                .fetch_one(&self.pool)
-                .await
-                .ctx("marking a step running")?;
-        fenced(u64::from(started), lease)
+        self.acquire("marking a step running")
+            .await?
+            .db()
+            .mark_running(lease, worker_name, executor_pid, event)
+            .await
     }
 
     /// Persists a progress event (and its checkpoint, if any), fenced.
@@ -42,6 +32,158 @@ impl Db {
     /// last one wins); plain events only read it for the fence.
     pub async fn record_events(
         &self,
+        lease: &Lease,
+        events: &[NewEvent<'_>],
+    ) -> Result<(), DbError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        self.acquire("recording progress events")
+            .await?
+            .db()
+            .record_events(lease, events)
+            .await
+    }
+
+    /// The attempt succeeded: records its artifacts (whose blobs are already
+    /// stored: no bytes travel here), lineage, the terminal event and the
+    /// output, and moves `running → succeeded` — one short transaction,
+    /// fenced (`durable.complete_step_stored`). The run is recomputed (and
+    /// dependents created) by the database in the same transaction.
+    pub async fn complete(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        output: &serde_json::Value,
+        artifacts: &[NewArtifact],
+        sequence: Option<u64>,
+    ) -> Result<Vec<Uuid>, DbError> {
+        self.acquire("completing a step")
+            .await?
+            .db()
+            .complete(lease, worker_name, output, artifacts, sequence)
+            .await
+    }
+
+    /// The attempt failed: the state module decides retry, terminal failure or
+    /// cancellation from the row's current facts; fenced.
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        report: &FailureReport,
+        jitter: f64,
+    ) -> Result<FailureDecision, DbError> {
+        self.acquire("beginning a step write")
+            .await?
+            .db()
+            .fail(lease, worker_name, report, jitter)
+            .await
+    }
+
+    /// Cancellation is confirmed and the executor has exited: `→ cancelled`.
+    pub async fn confirm_cancelled(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        message: &str,
+    ) -> Result<(), DbError> {
+        self.acquire("beginning a step write")
+            .await?
+            .db()
+            .confirm_cancelled(lease, worker_name, message)
+            .await
+    }
+
+    /// The executor refused the job before executing it (routing mismatch, or
+    /// a retryable error before `accepted`): nothing ran, so the attempt is
+    /// given back and the step goes back to the queue after `delay`. Refusals
+    /// are counted; the `max_refusals`-th ends the step `terminal_failed`
+    /// (`EXECUTOR_REFUSED`) instead of looping forever. A step with a cancel
+    /// request (its own or its run's) is never leased again, so its refusal
+    /// ends it `cancelled`. Returns the state the step is in now.
+    pub async fn refuse(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        code: &str,
+        message: &str,
+        delay: StdDuration,
+        max_refusals: u32,
+    ) -> Result<String, DbError> {
+        self.acquire("beginning a step write")
+            .await?
+            .db()
+            .refuse(lease, worker_name, code, message, delay, max_refusals)
+            .await
+    }
+
+    /// A draining worker stopped the attempt (drain timeout): the step goes
+    /// back to the queue at once and the attempt does not count against
+    /// `max_attempts` (a routine redeploy must not burn attempts). A step with
+    /// a cancel request (its own or its run's) is cancelled instead. Fenced.
+    pub async fn release(
+        &self,
+        lease: &Lease,
+        worker_name: &str,
+        message: &str,
+    ) -> Result<(), DbError> {
+        self.acquire("beginning a step write")
+            .await?
+            .db()
+            .release(lease, worker_name, message)
+            .await
+    }
+}
+
+/// The same writes on a caller's connection. The ones that take the run lock
+/// begin a transaction of their own (`conn.begin()`: a SAVEPOINT inside a
+/// caller's transaction); the single statements get a savepoint there too
+/// (`Scope`). Either way a lost fence or a refused write undoes only its own
+/// work and leaves the caller's transaction usable.
+impl DbConn<'_> {
+    /// The executor accepted the job: `leased → running`, with its event.
+    pub async fn mark_running(
+        &mut self,
+        lease: &Lease,
+        worker_name: &str,
+        executor_pid: i32,
+        event: &NewEvent<'_>,
+    ) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let started: bool =
+            sqlx::query_scalar("SELECT durable.start_step($1, $2, $3, $4, $5, $6, $7, $8, $9)")
+                .bind(lease.step_run_id)
+                .bind(lease.token)
+                .bind(worker_name)
+                .bind(executor_pid)
+                .bind(event.sequence as i64)
+                .bind(event.kind)
+                .bind(event.message)
+                .bind(event.fraction)
+                .bind(event.executor_at)
+                .fetch_one(&mut *s)
+                .await
+                .ctx("marking a step running")?;
+        fenced(u64::from(started), lease)?;
+        s.done().await
+    }
+
+    /// Persists a progress event (and its checkpoint, if any), fenced.
+    pub async fn record_event(
+        &mut self,
+        lease: &Lease,
+        event: &NewEvent<'_>,
+    ) -> Result<(), DbError> {
+        self.record_events(lease, std::slice::from_ref(event)).await
+    }
+
+    /// Persists a batch of one attempt's progress events in one statement,
+    /// fenced by the lease. Idempotent (a retried batch inserts nothing twice).
+    /// The step row is rewritten only when the batch carries a checkpoint (the
+    /// last one wins); plain events only read it for the fence.
+    pub async fn record_events(
+        &mut self,
         lease: &Lease,
         events: &[NewEvent<'_>],
     ) -> Result<(), DbError> {
@@ -73,6 +215,7 @@ impl Db {
              )
              SELECT count(*) FROM s"
         );
+        let mut s = Scope::enter(self.conn).await?;
         let n: i64 = sqlx::query_scalar(&sql)
             .bind(lease.step_run_id)
             .bind(lease.token)
@@ -83,10 +226,11 @@ impl Db {
             .bind(&fracs)
             .bind(&cps)
             .bind(&ats)
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *s)
             .await
             .ctx("recording progress events")?;
-        fenced(n.max(0) as u64, lease)
+        fenced(n.max(0) as u64, lease)?;
+        s.done().await
     }
 
     /// The attempt succeeded: records its artifacts (whose blobs are already
@@ -95,7 +239,7 @@ impl Db {
     /// fenced (`durable.complete_step_stored`). The run is recomputed (and
     /// dependents created) by the database in the same transaction.
     pub async fn complete(
-        &self,
+        &mut self,
         lease: &Lease,
         worker_name: &str,
         output: &serde_json::Value,
@@ -112,6 +256,7 @@ impl Db {
                 .map(|a| serde_json::json!(a.derived_from))
                 .collect(),
         );
+        let mut s = Scope::enter(self.conn).await?;
         let ids: Option<Vec<Uuid>> = sqlx::query_scalar(
             "SELECT durable.complete_step_stored($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
@@ -125,24 +270,26 @@ impl Db {
         .bind(&sizes)
         .bind(&media)
         .bind(&derived)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *s)
         .await
         .ctx("completing a step")?;
-        ids.ok_or(DbError::LeaseLost {
+        let ids = ids.ok_or(DbError::LeaseLost {
             step_run_id: lease.step_run_id,
-        })
+        })?;
+        s.done().await?;
+        Ok(ids)
     }
 
     /// The attempt failed: the state module decides retry, terminal failure or
     /// cancellation from the row's current facts; fenced.
     pub async fn fail(
-        &self,
+        &mut self,
         lease: &Lease,
         worker_name: &str,
         report: &FailureReport,
         jitter: f64,
     ) -> Result<FailureDecision, DbError> {
-        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
         let row = sqlx::query(
             "SELECT attempt - uncounted_attempts AS counted, retry, deadline, cancel_requested, now() AS db_now
                FROM durable.step_runs
@@ -176,12 +323,12 @@ impl Db {
 
     /// Cancellation is confirmed and the executor has exited: `→ cancelled`.
     pub async fn confirm_cancelled(
-        &self,
+        &mut self,
         lease: &Lease,
         worker_name: &str,
         message: &str,
     ) -> Result<(), DbError> {
-        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
         let n = sqlx::query(
             "UPDATE durable.step_runs
                 SET state = 'cancelled', error_code = 'CANCELLED', error_message = $4,
@@ -208,7 +355,7 @@ impl Db {
     /// request (its own or its run's) is never leased again, so its refusal
     /// ends it `cancelled`. Returns the state the step is in now.
     pub async fn refuse(
-        &self,
+        &mut self,
         lease: &Lease,
         worker_name: &str,
         code: &str,
@@ -216,7 +363,7 @@ impl Db {
         delay: StdDuration,
         max_refusals: u32,
     ) -> Result<String, DbError> {
-        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
         // a step with a cancel request (its own or its run's) is never leased
         // again: a refusal ends it cancelled instead of back in the queue
         let state: Option<String> = sqlx::query_scalar(
@@ -267,12 +414,12 @@ impl Db {
     /// `max_attempts` (a routine redeploy must not burn attempts). A step with
     /// a cancel request (its own or its run's) is cancelled instead. Fenced.
     pub async fn release(
-        &self,
+        &mut self,
         lease: &Lease,
         worker_name: &str,
         message: &str,
     ) -> Result<(), DbError> {
-        let mut tx = begin_step_write(&self.pool, lease.step_run_id).await?;
+        let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
         let n = sqlx::query(
             "UPDATE durable.step_runs s
                 SET state = CASE WHEN c.cancel THEN 'cancelled' ELSE 'retryable_failed' END,
@@ -307,10 +454,10 @@ impl Db {
 /// triggers recompute the run), so concurrent completions, cancels and reclaims
 /// in one run serialise instead of deadlocking.
 pub(super) async fn begin_step_write(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     step_run_id: Uuid,
-) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, DbError> {
-    let mut tx = pool.begin().await.ctx("beginning a step write")?;
+) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, DbError> {
+    let mut tx = conn.begin().await.ctx("beginning a step write")?;
     sqlx::query(
         "SELECT 1 FROM durable.workflow_runs
           WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1) FOR NO KEY UPDATE",
@@ -361,7 +508,7 @@ pub(super) async fn write_failure(
     report: &FailureReport,
     decision: &FailureDecision,
 ) -> Result<(), DbError> {
-    let conn = tx.acquire().await.ctx("using the transaction")?;
+    let conn: &mut PgConnection = tx;
     let n = sqlx::query(
         "UPDATE durable.step_runs
             SET state = $3, next_attempt_at = coalesce($4, next_attempt_at),
