@@ -43,6 +43,28 @@ END $$;
 -- intent as before, each intent with its own answer. A batch naming a step
 -- twice also goes intent by intent (the first wins, as before).
 
+-- The batch's lock and fence, shared by the set forms: its runs, then its
+-- steps, locked in id order; of the steps, those whose lease (id, token,
+-- leased/running) holds, as parallel arrays in step id order: the intent's
+-- index in the batch, the step, its state and attempt (all NULL: none held).
+CREATE FUNCTION durable.lock_batch(p_ids uuid[], p_tokens uuid[],
+                                   OUT n integer[], OUT id uuid[], OUT state text[], OUT attempt integer[])
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM durable.workflow_runs w
+      WHERE w.id IN (SELECT s.run_id FROM durable.step_runs s WHERE s.id = ANY (p_ids))
+      ORDER BY w.id FOR NO KEY UPDATE;
+    SELECT array_agg(x.n ORDER BY x.id), array_agg(x.id ORDER BY x.id),
+           array_agg(x.state ORDER BY x.id), array_agg(x.attempt ORDER BY x.id)
+      INTO n, id, state, attempt
+      FROM (SELECT u.n::integer AS n, s.id, s.state, s.attempt
+              FROM unnest(p_ids, p_tokens) WITH ORDINALITY AS u(id, token, n)
+              JOIN durable.step_runs s ON s.id = u.id AND s.lease_token = u.token
+                                      AND s.state IN ('leased', 'running')
+             ORDER BY s.id
+               FOR NO KEY UPDATE OF s) x;
+END $$;
+
 CREATE FUNCTION durable.start_steps_set(p_worker text, p_ids uuid[], p_tokens uuid[], p_pids integer[],
                                         p_sequences bigint[], p_kinds text[], p_messages text[],
                                         p_fractions double precision[], p_executor_at timestamptz[])
@@ -50,18 +72,8 @@ RETURNS integer[] LANGUAGE plpgsql AS $$
 DECLARE
     fn integer[]; fid uuid[]; fstate text[]; fatt integer[];
 BEGIN
-    PERFORM 1 FROM durable.workflow_runs
-      WHERE id IN (SELECT s.run_id FROM durable.step_runs s WHERE s.id = ANY (p_ids))
-      ORDER BY id FOR NO KEY UPDATE;
-    SELECT array_agg(x.n ORDER BY x.id), array_agg(x.id ORDER BY x.id),
-           array_agg(x.state ORDER BY x.id), array_agg(x.attempt ORDER BY x.id)
-      INTO fn, fid, fstate, fatt
-      FROM (SELECT u.n::integer AS n, s.id, s.state, s.attempt
-              FROM unnest(p_ids, p_tokens) WITH ORDINALITY AS u(id, token, n)
-              JOIN durable.step_runs s ON s.id = u.id AND s.lease_token = u.token
-                                      AND s.state IN ('leased', 'running')
-             ORDER BY s.id
-               FOR NO KEY UPDATE OF s) x;
+    SELECT f.n, f.id, f.state, f.attempt INTO fn, fid, fstate, fatt
+      FROM durable.lock_batch(p_ids, p_tokens) AS f;
     IF fn IS NULL THEN
         RETURN '{}';
     END IF;
@@ -86,18 +98,8 @@ RETURNS integer[] LANGUAGE plpgsql AS $$
 DECLARE
     fn integer[]; fid uuid[]; fstate text[]; fatt integer[];
 BEGIN
-    PERFORM 1 FROM durable.workflow_runs
-      WHERE id IN (SELECT s.run_id FROM durable.step_runs s WHERE s.id = ANY (p_ids))
-      ORDER BY id FOR NO KEY UPDATE;
-    SELECT array_agg(x.n ORDER BY x.id), array_agg(x.id ORDER BY x.id),
-           array_agg(x.state ORDER BY x.id), array_agg(x.attempt ORDER BY x.id)
-      INTO fn, fid, fstate, fatt
-      FROM (SELECT u.n::integer AS n, s.id, s.state, s.attempt
-              FROM unnest(p_ids, p_tokens) WITH ORDINALITY AS u(id, token, n)
-              JOIN durable.step_runs s ON s.id = u.id AND s.lease_token = u.token
-                                      AND s.state IN ('leased', 'running')
-             ORDER BY s.id
-               FOR NO KEY UPDATE OF s) x;
+    SELECT f.n, f.id, f.state, f.attempt INTO fn, fid, fstate, fatt
+      FROM durable.lock_batch(p_ids, p_tokens) AS f;
     IF fn IS NULL THEN
         RETURN '{}';
     END IF;
