@@ -41,7 +41,8 @@ END $$;
 -- refused (a site's trigger, a constraint), the set statement fails as a
 -- whole, its subtransaction is rolled back, and the batch is done intent by
 -- intent as before, each intent with its own answer. A batch naming a step
--- twice also goes intent by intent (the first wins, as before).
+-- twice also goes intent by intent (the first wins, as before), and so does a
+-- batch of one intent (the same statements, without the set form's arrays).
 
 -- The batch's lock and fence, shared by the set forms: its runs, then its
 -- steps, locked in id order; of the steps, those whose lease (id, token,
@@ -138,7 +139,10 @@ LANGUAGE plpgsql AS $$
 DECLARE
     i integer; fenced integer[]; done boolean := false;
 BEGIN
-    IF (SELECT count(DISTINCT x) FROM unnest(p_ids) AS x) = coalesce(cardinality(p_ids), 0) THEN
+    -- one intent: the intent-by-intent form is the same statements without
+    -- the set form's arrays (and without a second subtransaction)
+    IF cardinality(p_ids) > 1
+       AND (SELECT count(DISTINCT x) FROM unnest(p_ids) AS x) = cardinality(p_ids) THEN
         BEGIN
             fenced := durable.start_steps_set(p_worker, p_ids, p_tokens, p_pids, p_sequences, p_kinds,
                                               p_messages, p_fractions, p_executor_at);
@@ -174,7 +178,10 @@ LANGUAGE plpgsql AS $$
 DECLARE
     i integer; fenced integer[]; done boolean := false;
 BEGIN
-    IF (SELECT count(DISTINCT x) FROM unnest(p_ids) AS x) = coalesce(cardinality(p_ids), 0) THEN
+    -- one intent: the intent-by-intent form is the same statements without
+    -- the set form's arrays (and without a second subtransaction)
+    IF cardinality(p_ids) > 1
+       AND (SELECT count(DISTINCT x) FROM unnest(p_ids) AS x) = cardinality(p_ids) THEN
         BEGIN
             fenced := durable.complete_steps_set(p_worker, p_ids, p_tokens, p_outputs, p_sequences);
             done := true;
