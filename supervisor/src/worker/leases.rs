@@ -25,11 +25,14 @@ struct Entry {
     tx: watch::Sender<LeaseView>,
 }
 
-/// What applying one heartbeat answer did (for logs and tests).
+/// What applying one heartbeat answer did (the heartbeat logs it).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Applied {
+    /// Leases of this set the database renewed.
     pub renewed: usize,
+    /// Attempts told of a cancel request for the first time.
     pub cancelled: usize,
+    /// Steps whose attempt was told its lease is lost.
     pub lost: Vec<Uuid>,
 }
 

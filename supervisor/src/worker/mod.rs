@@ -649,6 +649,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 }
                 debug!(
                     renewed = applied.renewed,
+                    cancels_delivered = applied.cancelled,
                     busy = report.busy.len(),
                     "heartbeat"
                 );
