@@ -1,0 +1,313 @@
+//! Issue 7 item 2, checked by what the database reads: every hot write (the
+//! lease, a batch of starts, a batch of completions with a cascade, a single
+//! start, a retryable failure, a terminal failure with its run's end, a
+//! heartbeat, a cancel) reads as many rows with a backlog of 1,500 open runs
+//! as with one of 10. The rows are the backend's own counters of the write's
+//! transaction (`pg_stat_xact_user_tables`: rows fetched by sequential and
+//! index scans, triggers included), so the check is exact and does not time
+//! anything. The backlog is added after the statistics were taken on the
+//! small one, as when a queue fills faster than autovacuum analyzes it: a
+//! plan that turns a per-row probe into a scan of every open run (a hashed
+//! subplan) shows here as a read count that grows with the backlog.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::json;
+use supervisor::db::{
+    Batch, CompleteWrite, Db, DbConn, FailureReport, LeasedStep, OwnedEvent, StartWrite,
+};
+use supervisor::state::Failure;
+use tests::TestDb;
+use uuid::Uuid;
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// Rows read per table (sequential + index fetches) by this backend since
+/// its statistics were last reported.
+async fn reads(c: &mut sqlx::PgConnection) -> BTreeMap<String, i64> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT relname::text, (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::int8
+           FROM pg_stat_xact_user_tables WHERE schemaname = 'durable'",
+    )
+    .fetch_all(c)
+    .await
+    .expect("pg_stat_xact_user_tables");
+    rows.into_iter().filter(|r| r.1 > 0).collect()
+}
+
+/// What was read after `before` (the counters are the backend's since its
+/// last report, which never happens inside a transaction).
+fn since(before: &BTreeMap<String, i64>, after: BTreeMap<String, i64>) -> BTreeMap<String, i64> {
+    after
+        .into_iter()
+        .map(|(t, n)| {
+            let d = n - before.get(&t).copied().unwrap_or(0);
+            (t, d)
+        })
+        .filter(|r| r.1 > 0)
+        .collect()
+}
+
+fn ev(sequence: u64, kind: &'static str) -> OwnedEvent {
+    OwnedEvent {
+        sequence,
+        kind,
+        message: String::new(),
+        fraction: None,
+        executor_at: None,
+    }
+}
+
+fn failure(retryable: bool) -> FailureReport {
+    FailureReport {
+        failure: Failure {
+            code: "X".into(),
+            retryable,
+            next_retry_delay: None,
+        },
+        message: "x".into(),
+        details: None,
+        sequence: None,
+    }
+}
+
+/// `n` open runs nobody here can lease: a root and a step waiting on it.
+async fn backlog(db: &Db, n: i64) {
+    sqlx::query(
+        "SELECT count(durable.submit_run(jsonb_build_object('name', 'bg', 'steps', jsonb_build_array(
+                    jsonb_build_object('name', 'x', 'executor_kind', 'go', 'kind', 'bg'),
+                    jsonb_build_object('name', 'y', 'executor_kind', 'go', 'kind', 'bg',
+                                       'depends_on', jsonb_build_array('x'))))))
+           FROM generate_series(1, $1)",
+    )
+    .bind(n)
+    .execute(db.pool())
+    .await
+    .expect("backlog");
+}
+
+type Reads = BTreeMap<&'static str, BTreeMap<String, i64>>;
+
+/// One measured run through every hot write; each write in its own
+/// transaction, its reads taken before the commit.
+async fn measure(db: &Db, wid: Uuid) -> Reads {
+    let run = db
+        .submit(&json!({"name": "m", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "c", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]}))
+        .await
+        .expect("submit");
+    let other = db
+        .submit(&tests::one_step("o", "go", "k2", json!({})))
+        .await
+        .expect("submit");
+    let mut out = Reads::new();
+
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    let leased: Vec<LeasedStep> = c
+        .lease(wid, "w", &tests::route_go_k(), 2, TTL)
+        .await
+        .expect("lease");
+    assert_eq!(leased.len(), 2, "a and c");
+    out.insert("lease", since(&r0, reads(&mut tx).await));
+    tx.commit().await.expect("commit");
+    let mut leased = leased;
+    leased.sort_by_key(|l| l.lease.step_run_id());
+
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    let starts = Batch {
+        starts: leased
+            .iter()
+            .map(|l| StartWrite {
+                run_id: run,
+                lease: l.lease.clone(),
+                pid: 1,
+                event: ev(1, "accepted"),
+            })
+            .collect(),
+        ..Batch::default()
+    };
+    let o = c.write_batch("w", &starts).await.expect("starts");
+    assert!(
+        o.starts
+            .iter()
+            .all(|r| *r == supervisor::db::RowOutcome::Ok),
+        "{o:?}"
+    );
+    out.insert(
+        "start batch (the run starts)",
+        since(&r0, reads(&mut tx).await),
+    );
+    tx.commit().await.expect("commit");
+
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    let completes = Batch {
+        completes: leased
+            .iter()
+            .map(|l| CompleteWrite {
+                run_id: run,
+                lease: l.lease.clone(),
+                output: json!({"ok": true}),
+                sequence: Some(2),
+            })
+            .collect(),
+        ..Batch::default()
+    };
+    let o = c.write_batch("w", &completes).await.expect("completes");
+    assert!(o
+        .completes
+        .iter()
+        .all(|r| *r == supervisor::db::RowOutcome::Ok));
+    out.insert(
+        "complete batch (b is created)",
+        since(&r0, reads(&mut tx).await),
+    );
+    tx.commit().await.expect("commit");
+
+    // b: a single start, a retryable failure, a second lease, a terminal
+    // failure (the run fails)
+    for (what, retryable) in [("retryable failure", true), ("terminal failure", false)] {
+        let b = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let got = db
+                    .lease(wid, "w", &tests::route_go_k(), 1, TTL)
+                    .await
+                    .expect("lease b");
+                if let Some(s) = got.into_iter().next() {
+                    return s;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("b is leasable");
+        let mut tx = db.pool().begin().await.expect("begin");
+        let r0 = reads(&mut tx).await;
+        let mut c = DbConn::new(&mut tx);
+        c.mark_running(&b.lease, "w", 1, &tests::accepted_event())
+            .await
+            .expect("start b");
+        out.insert(
+            if retryable {
+                "single start"
+            } else {
+                "single start (again)"
+            },
+            since(&r0, reads(&mut tx).await),
+        );
+        tx.commit().await.expect("commit");
+        let mut tx = db.pool().begin().await.expect("begin");
+        let r0 = reads(&mut tx).await;
+        let mut c = DbConn::new(&mut tx);
+        // no jitter, no delay: the retry is leasable at once
+        c.fail(&b.lease, "w", &failure(retryable), 0.0)
+            .await
+            .expect("fail b");
+        out.insert(what, since(&r0, reads(&mut tx).await));
+        tx.commit().await.expect("commit");
+        if retryable {
+            sqlx::query("UPDATE durable.step_runs SET next_attempt_at = now() WHERE id = $1")
+                .bind(b.lease.step_run_id())
+                .execute(db.pool())
+                .await
+                .expect("retry now");
+        }
+    }
+
+    let route_k2 = vec![supervisor::db::Route {
+        executor_kind: "go".into(),
+        kind: "k2".into(),
+        labels: Default::default(),
+    }];
+    let o = db
+        .lease(wid, "w", &route_k2, 1, TTL)
+        .await
+        .expect("lease o");
+    assert_eq!(o.len(), 1);
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    c.heartbeat(wid, &[o[0].lease.clone()], TTL)
+        .await
+        .expect("heartbeat");
+    out.insert("heartbeat", since(&r0, reads(&mut tx).await));
+    tx.commit().await.expect("commit");
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    c.cancel(other, None).await.expect("cancel");
+    out.insert("cancel", since(&r0, reads(&mut tx).await));
+    tx.commit().await.expect("commit");
+    out
+}
+
+/// Each phase on connections of its own, opened after its backlog: a
+/// session plans its statements (and PostgreSQL its foreign-key checks) once
+/// and keeps the plan until the table's statistics change, so connections
+/// that planned against 10 runs would still scan them sequentially at 1,510.
+/// That is PostgreSQL's plan cache, gone at the next ANALYZE; what this test
+/// is after is a plan made with the table at its size and still reading
+/// every open run.
+async fn phase(t: &TestDb, wid: Uuid) -> [Reads; 2] {
+    let db = t.connect(2).await;
+    // the first pass also warms the connections' caches; both must be bounded
+    let first = measure(&db, wid).await;
+    let second = measure(&db, wid).await;
+    db.pool().close().await;
+    [first, second]
+}
+
+#[tokio::test]
+async fn hot_writes_read_the_same_rows_whatever_the_backlog() {
+    let t = TestDb::new().await;
+    let wid = Uuid::new_v4();
+    t.db.register_worker(wid, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    backlog(&t.db, 10).await;
+    sqlx::query("ANALYZE")
+        .execute(t.db.pool())
+        .await
+        .expect("analyze");
+    let [_, small] = phase(&t, wid).await;
+    // the statistics still say 10 runs, as when a queue fills faster than
+    // autovacuum analyzes it
+    backlog(&t.db, 1_500).await;
+    let stale = phase(&t, wid).await;
+    sqlx::query("ANALYZE")
+        .execute(t.db.pool())
+        .await
+        .expect("analyze");
+    let analyzed = phase(&t, wid).await;
+    let big = [
+        ("stale statistics", &stale[0]),
+        ("stale statistics", &stale[1]),
+        ("analyzed", &analyzed[0]),
+        ("analyzed", &analyzed[1]),
+    ];
+    for (label, big) in big {
+        for (op, tables) in big {
+            for (table, n) in tables {
+                let before = small
+                    .get(op)
+                    .and_then(|m| m.get(table))
+                    .copied()
+                    .unwrap_or(0);
+                assert!(
+                    *n <= before + 8,
+                    "{op} read {n} rows of {table} with 1,510 open runs ({label}), \
+                     {before} with 10: its cost grows with the backlog\n\
+                     small: {small:#?}\nbig: {big:#?}"
+                );
+            }
+        }
+    }
+}
