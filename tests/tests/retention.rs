@@ -746,3 +746,86 @@ async fn unreferenced_uploads_are_collected_and_removed_files_follow_their_rows(
         .expect("queue");
     assert_eq!(queued, 0, "both are dealt with");
 }
+
+/// History has no foreign keys (their per-row checks were a fifth of a
+/// step's database time: migration 20261205000002): a run or a step deleted
+/// by hand, outside retention, still takes its transitions and events with
+/// it, by the delete triggers that replaced the cascades; other runs'
+/// history stays.
+#[tokio::test]
+async fn a_run_deleted_by_hand_takes_its_history_with_it() {
+    let t = TestDb::new().await;
+    let wid = worker(&t.db).await;
+    let spec = |name: &str| {
+        json!({"name": name, "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]})
+    };
+    let gone = t.submit(spec("gone")).await;
+    let kept = t.submit(spec("kept")).await;
+    for s in lease(&t.db, wid, 2).await {
+        succeed(&t.db, &s, &[]).await;
+    }
+    let steps = |run: Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query_scalar::<_, Uuid>("SELECT id FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_all(db.pool())
+                .await
+                .expect("steps")
+        }
+    };
+    let (gone_steps, kept_steps) = (steps(gone).await, steps(kept).await);
+    assert_eq!(
+        (gone_steps.len(), kept_steps.len()),
+        (2, 2),
+        "b was created"
+    );
+    let kept_before = rows_of_run(&t.db, kept, &kept_steps, &[]).await;
+    let before = rows_of_run(&t.db, gone, &gone_steps, &[]).await;
+    assert!(
+        before
+            .iter()
+            .all(|(table, n)| *n > 0 || table.starts_with("artifact")),
+        "{before:?}"
+    );
+    // one step alone first: its events and transitions go, the run's stay
+    let a = gone_steps[0];
+    sqlx::query("DELETE FROM durable.step_runs WHERE id = $1")
+        .bind(a)
+        .execute(t.db.pool())
+        .await
+        .expect("delete a step");
+    let of_step = |sql: &'static str| {
+        let db = t.db.clone();
+        async move { count(&db, sql, &[a]).await }
+    };
+    assert_eq!(
+        of_step("SELECT count(*) FROM durable.transitions WHERE step_run_id = ANY($1)").await,
+        0
+    );
+    assert_eq!(
+        of_step("SELECT count(*) FROM durable.step_events WHERE step_run_id = ANY($1)").await,
+        0
+    );
+    let run_rows = count(
+        &t.db,
+        "SELECT count(*) FROM durable.transitions WHERE run_id = ANY($1) AND step_run_id IS NULL",
+        &[gone],
+    )
+    .await;
+    assert!(run_rows > 0, "the run's own transitions stay");
+    sqlx::query("DELETE FROM durable.workflow_runs WHERE id = $1")
+        .bind(gone)
+        .execute(t.db.pool())
+        .await
+        .expect("delete the run");
+    let after = rows_of_run(&t.db, gone, &gone_steps, &[]).await;
+    assert!(after.iter().all(|(_, n)| *n == 0), "left behind: {after:?}");
+    assert_eq!(
+        rows_of_run(&t.db, kept, &kept_steps, &[]).await,
+        kept_before,
+        "another run's rows"
+    );
+}
