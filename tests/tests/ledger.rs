@@ -934,3 +934,57 @@ async fn a_batch_error_is_every_writes_and_nothing_commits() {
         "retryable_failed"
     );
 }
+
+/// Through a running worker: an attempt's failure goes to the ledger; the
+/// first time it is written, the ledger's connection is terminated in the
+/// middle of it (a site trigger). The failure's answer is that transient
+/// error, the attempt's commit writes it again, and it commits once: one
+/// `running → retryable_failed`, then the second attempt succeeds.
+#[tokio::test]
+async fn a_failure_whose_batch_lost_its_connection_is_written_again_once() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    // nextval is not undone by the rollback: the connection is cut once
+    sqlx::raw_sql(
+        "CREATE SEQUENCE public.cut_seq;
+         CREATE FUNCTION public.cut_connection() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.state = 'retryable_failed' AND OLD.state = 'running'
+                AND nextval('public.cut_seq') = 1 THEN
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER cut_connection BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.cut_connection();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("trigger");
+    let w = tests::RunningWorker::start(
+        t.connect(5).await,
+        tests::fast_config(vec![tests::demo("go", "go", &[], None)]),
+    )
+    .await;
+    let run = t
+        .submit(json!({"name": "cut", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.fail",
+            "input": {"fail_attempts": 1},
+            "retry": {"max_attempts": 3, "initial_interval_ms": 50, "backoff_coefficient": 1.0, "max_interval_ms": 50}}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "succeeded", "{st:?}");
+    assert_eq!(st.steps[0].attempt, 2);
+    assert_eq!(st.steps[0].output, Some(json!({"attempt": 2})));
+    // the failure was written twice (cut, then committed)
+    assert_eq!(
+        t.scalar_i64("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM public.cut_seq")
+            .await,
+        2
+    );
+    let h = history(&t.db, st.steps[0].step_run_id).await;
+    let failed: Vec<_> = h
+        .iter()
+        .filter(|(f, to, _)| f.as_deref() == Some("running") && to == "retryable_failed")
+        .collect();
+    assert_eq!(failed.len(), 1, "the failure committed once: {h:?}");
+}
