@@ -1,12 +1,18 @@
 //! The ledger's batched writes (issue 7), against the database: one
-//! transaction per batch, every intent fenced and answered on its own.
+//! transaction per batch, every intent fenced and answered on its own; the
+//! writes that no set form carries (checkpoints, completions with artifacts,
+//! failures, cancellations, refusals, releases) in the same transaction,
+//! each in a savepoint of its own.
 
 use std::time::Duration;
 
 use serde_json::json;
 use supervisor::db::{
-    Batch, CompleteWrite, Db, EventsWrite, LeasedStep, OwnedEvent, RowOutcome, StartWrite,
+    Batch, CancelWrite, CheckpointEvent, CheckpointWrite, CompleteStoredWrite, CompleteWrite, Db,
+    DbError, EventsWrite, FailWrite, FailureReport, LeasedStep, LedgerWrite, NewArtifact,
+    OwnedEvent, RefuseWrite, ReleaseWrite, RowOutcome, StartWrite, Written,
 };
+use supervisor::state::Failure;
 use tests::TestDb;
 use uuid::Uuid;
 
@@ -308,4 +314,677 @@ async fn a_batch_naming_a_lease_twice_answers_as_one_by_one() {
     assert_eq!(out.completes, vec![RowOutcome::Ok, RowOutcome::Lost]);
     let st = t.status(s[0].run_id).await;
     assert_eq!(st.steps[0].output, Some(json!({"n": 2})));
+}
+
+// ---------------------------------------------------------------------------
+// every other write of a lease holder, in the same batch (LedgerWrite)
+
+async fn lease_specs(t: &TestDb, specs: Vec<serde_json::Value>) -> Vec<LeasedStep> {
+    let mut ids = Vec::new();
+    for spec in specs {
+        ids.push(t.submit(spec).await);
+    }
+    let wid = Uuid::new_v4();
+    t.db.register_worker(wid, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let mut steps =
+        t.db.lease(
+            wid,
+            "w",
+            &tests::route_go_k(),
+            ids.len() as u32,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("lease");
+    assert_eq!(steps.len(), ids.len());
+    steps.sort_by_key(|s| ids.iter().position(|r| *r == s.run_id));
+    steps
+}
+
+/// One step of executor kind go / kind k, at most `max_attempts` attempts.
+fn attempts(name: &str, max_attempts: u32) -> serde_json::Value {
+    json!({
+        "name": name,
+        "steps": [{"name": "s", "executor_kind": "go", "kind": "k", "input": {},
+                   "retry": {"max_attempts": max_attempts}}]
+    })
+}
+
+fn failure(s: &LeasedStep, code: &str, retryable: bool, sequence: Option<u64>) -> LedgerWrite {
+    LedgerWrite::Fail(FailWrite {
+        lease: s.lease.clone(),
+        report: FailureReport {
+            failure: Failure {
+                code: code.into(),
+                retryable,
+                next_retry_delay: None,
+            },
+            message: format!("{code} happened"),
+            details: None,
+            sequence,
+        },
+        jitter: 0.5,
+    })
+}
+
+fn checkpointed(s: &LeasedStep, from: u64, bytes: &[u8]) -> LedgerWrite {
+    LedgerWrite::Checkpoint(CheckpointWrite {
+        lease: s.lease.clone(),
+        events: vec![
+            CheckpointEvent {
+                event: ev(from, "progress"),
+                checkpoint: Some(bytes.to_vec()),
+            },
+            CheckpointEvent {
+                event: ev(from + 1, "running"),
+                checkpoint: None,
+            },
+        ],
+    })
+}
+
+fn sha_hex(content: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(content)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+async fn history(db: &Db, id: Uuid) -> Vec<(Option<String>, String, Option<String>)> {
+    tests::step_transitions(db, id)
+        .await
+        .into_iter()
+        .map(|h| (h.from_state, h.to_state, h.reason))
+        .collect()
+}
+
+fn changes(h: &[(Option<String>, String, Option<String>)]) -> Vec<(Option<&str>, &str)> {
+    h.iter()
+        .map(|(f, to, _)| (f.as_deref(), to.as_str()))
+        .collect()
+}
+
+async fn events_of(db: &Db, id: Uuid) -> Vec<(i64, String, bool)> {
+    sqlx::query_as(
+        "SELECT sequence, kind, checkpoint FROM durable.step_events WHERE step_run_id = $1 ORDER BY id",
+    )
+    .bind(id)
+    .fetch_all(db.pool())
+    .await
+    .expect("events")
+}
+
+async fn error_code(db: &Db, id: Uuid) -> Option<String> {
+    sqlx::query_scalar("SELECT error_code FROM durable.step_runs WHERE id = $1")
+        .bind(id)
+        .fetch_one(db.pool())
+        .await
+        .expect("error code")
+}
+
+/// A failure (retried and final), a refusal, a release, a cancellation, a
+/// checkpoint and a completion with artifacts, in one batch behind the
+/// starts: each commits with its own answer (the failure's decision, the
+/// refusal's state, the artifacts' ids), its end state and its history.
+#[tokio::test]
+async fn every_write_of_a_lease_holder_commits_in_one_batch_with_its_answer() {
+    let t = TestDb::new().await;
+    let s = lease_specs(
+        &t,
+        vec![
+            attempts("retried", 3),
+            attempts("final", 1),
+            attempts("refused", 3),
+            attempts("released", 3),
+            attempts("cancelled", 3),
+            attempts("artifacts", 3),
+        ],
+    )
+    .await;
+    let (retried, last, refused, released, cancelled, arts) =
+        (&s[0], &s[1], &s[2], &s[3], &s[4], &s[5]);
+    let content = b"the bytes of an artifact";
+    let sha = sha_hex(content);
+    t.db.record_inline_blob(&sha, content).await.expect("blob");
+    // every lease but the refused one starts (a refusal comes before `accepted`)
+    let batch = Batch {
+        starts: [retried, last, released, cancelled, arts]
+            .into_iter()
+            .map(start)
+            .collect(),
+        ..Batch::default()
+    };
+    let writes = vec![
+        failure(retried, "FLAKY", true, Some(2)),
+        failure(last, "FLAKY", true, Some(2)),
+        LedgerWrite::Refuse(RefuseWrite {
+            lease: refused.lease.clone(),
+            code: "KIND_UNSUPPORTED".into(),
+            message: "not here".into(),
+            delay: Duration::from_millis(10),
+            max_refusals: 5,
+        }),
+        LedgerWrite::Release(ReleaseWrite {
+            lease: released.lease.clone(),
+            message: "draining".into(),
+        }),
+        LedgerWrite::Cancel(CancelWrite {
+            lease: cancelled.lease.clone(),
+            message: "cancelled by the executor".into(),
+        }),
+        checkpointed(arts, 2, b"cp-1"),
+        LedgerWrite::CompleteStored(CompleteStoredWrite {
+            lease: arts.lease.clone(),
+            output: json!({"done": true}),
+            artifacts: vec![NewArtifact {
+                name: "out.bin".into(),
+                sha256: sha.clone(),
+                size: content.len() as i64,
+                media_type: "application/octet-stream".into(),
+                derived_from: vec![],
+            }],
+            sequence: Some(4),
+        }),
+    ];
+    let out =
+        t.db.write_ledger("w", &batch, &writes)
+            .await
+            .expect("batch");
+    assert_eq!(out.batch.starts, vec![RowOutcome::Ok; 5]);
+    let answers: Vec<Written> = out
+        .writes
+        .into_iter()
+        .map(|r| r.expect("every write commits"))
+        .collect();
+    match &answers[0] {
+        Written::Fail(d) => {
+            assert_eq!(d.to.as_str(), "retryable_failed");
+            assert!(d.next_attempt_at.is_some(), "a retry has its time");
+        }
+        other => panic!("a failure's answer is its decision, got {other:?}"),
+    }
+    match &answers[1] {
+        Written::Fail(d) => {
+            assert_eq!(d.to.as_str(), "terminal_failed");
+            assert!(d.next_attempt_at.is_none());
+        }
+        other => panic!("a failure's answer is its decision, got {other:?}"),
+    }
+    assert_eq!(answers[2], Written::Refuse("retryable_failed".into()));
+    assert_eq!(answers[3], Written::Release);
+    assert_eq!(answers[4], Written::Cancel);
+    assert_eq!(answers[5], Written::Checkpoint);
+    let ids = match &answers[6] {
+        Written::CompleteStored(ids) => ids.clone(),
+        other => panic!("a completion's answer is its artifacts' ids, got {other:?}"),
+    };
+    assert_eq!(ids.len(), 1);
+
+    // end states and history, as the single writes leave them
+    let id = |x: &LeasedStep| x.lease.step_run_id();
+    let run_path = |last: &'static str| {
+        vec![
+            (None, "pending"),
+            (Some("pending"), "leased"),
+            (Some("leased"), "running"),
+            (Some("running"), last),
+        ]
+    };
+    assert_eq!(
+        changes(&history(&t.db, id(retried)).await),
+        run_path("retryable_failed")
+    );
+    assert_eq!(
+        changes(&history(&t.db, id(last)).await),
+        run_path("terminal_failed")
+    );
+    assert_eq!(
+        changes(&history(&t.db, id(released)).await),
+        run_path("retryable_failed")
+    );
+    assert_eq!(
+        changes(&history(&t.db, id(cancelled)).await),
+        run_path("cancelled")
+    );
+    assert_eq!(
+        changes(&history(&t.db, id(arts)).await),
+        run_path("succeeded")
+    );
+    assert_eq!(
+        changes(&history(&t.db, id(refused)).await),
+        vec![
+            (None, "pending"),
+            (Some("pending"), "leased"),
+            (Some("leased"), "retryable_failed")
+        ]
+    );
+    assert_eq!(
+        error_code(&t.db, id(retried)).await.as_deref(),
+        Some("FLAKY")
+    );
+    assert_eq!(error_code(&t.db, id(last)).await.as_deref(), Some("FLAKY"));
+    assert_eq!(
+        error_code(&t.db, id(refused)).await.as_deref(),
+        Some("KIND_UNSUPPORTED")
+    );
+    assert_eq!(
+        error_code(&t.db, id(released)).await.as_deref(),
+        Some("WORKER_SHUTDOWN")
+    );
+    assert_eq!(
+        error_code(&t.db, id(cancelled)).await.as_deref(),
+        Some("CANCELLED")
+    );
+    // the refusal gave its attempt back, the release did not count its own
+    let (attempt, refusals, uncounted): (i32, i32, i32) = sqlx::query_as(
+        "SELECT attempt, refusals, uncounted_attempts FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(id(refused))
+    .fetch_one(t.db.pool())
+    .await
+    .expect("refused row");
+    assert_eq!((attempt, refusals, uncounted), (0, 1, 0));
+    let uncounted: i32 =
+        sqlx::query_scalar("SELECT uncounted_attempts FROM durable.step_runs WHERE id = $1")
+            .bind(id(released))
+            .fetch_one(t.db.pool())
+            .await
+            .expect("released row");
+    assert_eq!(uncounted, 1);
+    // the failures' terminal events
+    assert_eq!(
+        events_of(&t.db, id(retried)).await,
+        vec![
+            (1, "accepted".into(), false),
+            (2, "retryable_failed".into(), false)
+        ]
+    );
+    assert_eq!(
+        events_of(&t.db, id(last)).await,
+        vec![
+            (1, "accepted".into(), false),
+            (2, "terminal_failed".into(), false)
+        ]
+    );
+    // the checkpoint, then the completion with its artifact
+    assert_eq!(
+        events_of(&t.db, id(arts)).await,
+        vec![
+            (1, "accepted".into(), false),
+            (2, "progress".into(), true),
+            (3, "running".into(), false),
+            (4, "succeeded".into(), false)
+        ]
+    );
+    let cp: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT checkpoint FROM durable.step_runs WHERE id = $1")
+            .bind(id(arts))
+            .fetch_one(t.db.pool())
+            .await
+            .expect("checkpoint");
+    assert_eq!(cp.as_deref(), Some(&b"cp-1"[..]));
+    let st = t.status(arts.run_id).await;
+    assert_eq!(st.state, "succeeded");
+    assert_eq!(st.steps[0].output, Some(json!({"done": true})));
+    assert_eq!(st.steps[0].artifacts.len(), 1);
+    assert_eq!(st.steps[0].artifacts[0].id, ids[0]);
+    assert_eq!(st.steps[0].artifacts[0].sha256, sha);
+    // the runs follow their steps
+    assert_eq!(t.status(retried.run_id).await.state, "running");
+    assert_eq!(t.status(last.run_id).await.state, "failed");
+    assert_eq!(t.status(cancelled.run_id).await.state, "cancelled");
+}
+
+/// In one batch: a failure and a checkpoint of a lease taken over by another
+/// owner (a stale token), a failure the database refuses (a site trigger,
+/// 22023) and, behind them, a release and a cancellation of other leases.
+/// The stale ones are `LeaseLost` and the refused one its own permanent
+/// error, each alone: the writes after them, and the batch's starts and
+/// events, commit.
+#[tokio::test]
+async fn a_write_fenced_out_or_refused_fails_alone_and_the_batch_commits() {
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 4).await;
+    let (stale, refused, released, cancelled) = (&s[0], &s[1], &s[2], &s[3]);
+    sqlx::query("UPDATE durable.step_runs SET lease_token = gen_random_uuid() WHERE id = $1")
+        .bind(stale.lease.step_run_id())
+        .execute(t.db.pool())
+        .await
+        .expect("steal");
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION public.refuse_failure() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.id = '{}' AND NEW.state = 'retryable_failed' THEN
+                 RAISE EXCEPTION 'failures refused by a site rule' USING ERRCODE = '22023';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_failure BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.refuse_failure();",
+        refused.lease.step_run_id()
+    ))
+    .execute(t.db.pool())
+    .await
+    .expect("site trigger");
+
+    let batch = Batch {
+        starts: [refused, released, cancelled]
+            .into_iter()
+            .map(start)
+            .collect(),
+        events: vec![EventsWrite {
+            lease: refused.lease.clone(),
+            events: vec![ev(2, "running")],
+        }],
+        completes: vec![],
+    };
+    let writes = vec![
+        failure(stale, "FLAKY", true, Some(2)),
+        checkpointed(stale, 2, b"stale"),
+        failure(refused, "FLAKY", true, Some(3)),
+        LedgerWrite::Release(ReleaseWrite {
+            lease: released.lease.clone(),
+            message: "draining".into(),
+        }),
+        LedgerWrite::Cancel(CancelWrite {
+            lease: cancelled.lease.clone(),
+            message: "cancelled".into(),
+        }),
+    ];
+    let out =
+        t.db.write_ledger("w", &batch, &writes)
+            .await
+            .expect("batch");
+    assert_eq!(out.batch.starts, vec![RowOutcome::Ok; 3]);
+    assert_eq!(out.batch.events, vec![RowOutcome::Ok]);
+    let mut w = out.writes.into_iter();
+    for what in ["the stale failure", "the stale checkpoint"] {
+        match w.next() {
+            Some(Err(DbError::LeaseLost { step_run_id })) => {
+                assert_eq!(step_run_id, stale.lease.step_run_id(), "{what}")
+            }
+            other => panic!("{what} is LeaseLost, got {other:?}"),
+        }
+    }
+    match w.next() {
+        Some(Err(e)) => {
+            assert_eq!(e.sqlstate().as_deref(), Some("22023"), "{e}");
+            assert!(!e.is_transient(), "a site rule's refusal is permanent: {e}");
+            assert!(
+                e.to_string().contains("failures refused by a site rule"),
+                "{e}"
+            );
+        }
+        other => panic!("the refused failure fails alone, got {other:?}"),
+    }
+    assert_eq!(
+        w.next().map(|r| r.expect("release")),
+        Some(Written::Release)
+    );
+    assert_eq!(w.next().map(|r| r.expect("cancel")), Some(Written::Cancel));
+    assert!(w.next().is_none());
+
+    // the stale lease: nothing of its writes; its new owner's row untouched
+    assert_eq!(state_of(&t.db, stale.lease.step_run_id()).await, "leased");
+    assert_eq!(
+        tests::event_count(&t.db, stale.lease.step_run_id()).await,
+        0
+    );
+    let cp: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT checkpoint FROM durable.step_runs WHERE id = $1")
+            .bind(stale.lease.step_run_id())
+            .fetch_one(t.db.pool())
+            .await
+            .expect("checkpoint");
+    assert_eq!(cp, None);
+    // the refused failure undid only itself: its start and events stay, its
+    // terminal event is gone with it
+    assert_eq!(
+        state_of(&t.db, refused.lease.step_run_id()).await,
+        "running"
+    );
+    assert_eq!(
+        events_of(&t.db, refused.lease.step_run_id()).await,
+        vec![(1, "accepted".into(), false), (2, "running".into(), false)]
+    );
+    assert_eq!(
+        state_of(&t.db, released.lease.step_run_id()).await,
+        "retryable_failed"
+    );
+    assert_eq!(
+        state_of(&t.db, cancelled.lease.step_run_id()).await,
+        "cancelled"
+    );
+    assert_eq!(t.status(cancelled.run_id).await.state, "cancelled");
+}
+
+/// One lease's writes in the order handed: its start, its plain events, a
+/// checkpoint, then its failure. The checkpoint's events land before the
+/// failure's terminal event (sequence and insertion order) and before its
+/// transition; handed the other way round, the checkpoint comes after the
+/// failure and is fenced out alone.
+#[tokio::test]
+async fn a_leases_checkpoint_lands_before_its_failure() {
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 2).await;
+    let (a, b) = (&s[0], &s[1]);
+    let batch = Batch {
+        starts: vec![start(a), start(b)],
+        events: vec![EventsWrite {
+            lease: a.lease.clone(),
+            events: vec![ev(2, "running")],
+        }],
+        completes: vec![],
+    };
+    let writes = vec![
+        checkpointed(a, 3, b"cp-a"),
+        failure(a, "BOOM", false, Some(5)),
+        // b: the same two, the other way round
+        failure(b, "BOOM", false, Some(2)),
+        checkpointed(b, 3, b"cp-b"),
+    ];
+    let out =
+        t.db.write_ledger("w", &batch, &writes)
+            .await
+            .expect("batch");
+    let mut w = out.writes.into_iter();
+    assert_eq!(
+        w.next().map(|r| r.expect("checkpoint")),
+        Some(Written::Checkpoint)
+    );
+    match w.next() {
+        Some(Ok(Written::Fail(d))) => assert_eq!(d.to.as_str(), "terminal_failed"),
+        other => panic!("a's failure commits, got {other:?}"),
+    }
+    match w.next() {
+        Some(Ok(Written::Fail(d))) => assert_eq!(d.to.as_str(), "terminal_failed"),
+        other => panic!("b's failure commits, got {other:?}"),
+    }
+    assert!(
+        matches!(w.next(), Some(Err(DbError::LeaseLost { .. }))),
+        "b's checkpoint came after its failure: fenced out"
+    );
+
+    let ida = a.lease.step_run_id();
+    // insertion order (id) is sequence order, the failure's terminal event last
+    assert_eq!(
+        events_of(&t.db, ida).await,
+        vec![
+            (1, "accepted".into(), false),
+            (2, "running".into(), false),
+            (3, "progress".into(), true),
+            (4, "running".into(), false),
+            (5, "terminal_failed".into(), false)
+        ]
+    );
+    // the checkpoint's events are older than the failure's transition
+    let before: bool = sqlx::query_scalar(
+        "SELECT max(e.at) FILTER (WHERE e.sequence IN (3, 4))
+                < (SELECT t.at FROM durable.transitions t
+                    WHERE t.step_run_id = $1 AND t.to_state = 'terminal_failed')
+           FROM durable.step_events e WHERE e.step_run_id = $1",
+    )
+    .bind(ida)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("order");
+    assert!(before, "the checkpoint landed before the failure");
+    assert_eq!(
+        changes(&history(&t.db, ida).await),
+        vec![
+            (None, "pending"),
+            (Some("pending"), "leased"),
+            (Some("leased"), "running"),
+            (Some("running"), "terminal_failed")
+        ]
+    );
+    let cp: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT checkpoint FROM durable.step_runs WHERE id = $1")
+            .bind(ida)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("checkpoint");
+    assert_eq!(cp.as_deref(), Some(&b"cp-a"[..]));
+    // b: no checkpoint, no event of it
+    let idb = b.lease.step_run_id();
+    assert_eq!(
+        events_of(&t.db, idb).await,
+        vec![
+            (1, "accepted".into(), false),
+            (2, "terminal_failed".into(), false)
+        ]
+    );
+}
+
+/// An error of the whole batch (its connection terminated in the middle of
+/// it) is the batch's answer: transient, and nothing of the batch committed
+/// — not its starts, nor the writes before the one that broke it. Sent
+/// again, the same batch commits whole.
+#[tokio::test]
+async fn a_batch_error_is_every_writes_and_nothing_commits() {
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 3).await;
+    let (a, b, c) = (&s[0], &s[1], &s[2]);
+    // c's release ends the batch's own connection, once
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE public.cut_once (done boolean);
+         CREATE FUNCTION public.cut_connection() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.id = '{}' AND NEW.state = 'retryable_failed'
+                AND NOT EXISTS (SELECT 1 FROM public.cut_once) THEN
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER cut_connection BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.cut_connection();",
+        c.lease.step_run_id()
+    ))
+    .execute(t.db.pool())
+    .await
+    .expect("trigger");
+    let batch = Batch {
+        starts: vec![start(a), start(b), start(c)],
+        ..Batch::default()
+    };
+    let writes = vec![
+        failure(a, "FLAKY", true, Some(2)),
+        LedgerWrite::Cancel(CancelWrite {
+            lease: b.lease.clone(),
+            message: "cancelled".into(),
+        }),
+        LedgerWrite::Release(ReleaseWrite {
+            lease: c.lease.clone(),
+            message: "draining".into(),
+        }),
+    ];
+    let err =
+        t.db.write_ledger("w", &batch, &writes)
+            .await
+            .expect_err("the batch's connection was terminated");
+    assert!(err.is_transient(), "a lost connection is retried: {err}");
+    for x in &s {
+        assert_eq!(state_of(&t.db, x.lease.step_run_id()).await, "leased");
+        assert_eq!(tests::event_count(&t.db, x.lease.step_run_id()).await, 0);
+    }
+    sqlx::query("INSERT INTO public.cut_once VALUES (true)")
+        .execute(t.db.pool())
+        .await
+        .expect("once");
+    let out =
+        t.db.write_ledger("w", &batch, &writes)
+            .await
+            .expect("again");
+    assert_eq!(out.batch.starts, vec![RowOutcome::Ok; 3]);
+    let answers: Vec<Written> = out
+        .writes
+        .into_iter()
+        .map(|r| r.expect("commits"))
+        .collect();
+    assert!(matches!(answers[0], Written::Fail(_)));
+    assert_eq!(answers[1..], [Written::Cancel, Written::Release]);
+    assert_eq!(
+        state_of(&t.db, a.lease.step_run_id()).await,
+        "retryable_failed"
+    );
+    assert_eq!(state_of(&t.db, b.lease.step_run_id()).await, "cancelled");
+    assert_eq!(
+        state_of(&t.db, c.lease.step_run_id()).await,
+        "retryable_failed"
+    );
+}
+
+/// Through a running worker: an attempt's failure goes to the ledger; the
+/// first time it is written, the ledger's connection is terminated in the
+/// middle of it (a site trigger). The failure's answer is that transient
+/// error, the attempt's commit writes it again, and it commits once: one
+/// `running → retryable_failed`, then the second attempt succeeds.
+#[tokio::test]
+async fn a_failure_whose_batch_lost_its_connection_is_written_again_once() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    // nextval is not undone by the rollback: the connection is cut once
+    sqlx::raw_sql(
+        "CREATE SEQUENCE public.cut_seq;
+         CREATE FUNCTION public.cut_connection() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.state = 'retryable_failed' AND OLD.state = 'running'
+                AND nextval('public.cut_seq') = 1 THEN
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER cut_connection BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.cut_connection();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("trigger");
+    let w = tests::RunningWorker::start(
+        t.connect(5).await,
+        tests::fast_config(vec![tests::demo("go", "go", &[], None)]),
+    )
+    .await;
+    let run = t
+        .submit(json!({"name": "cut", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.fail",
+            "input": {"fail_attempts": 1},
+            "retry": {"max_attempts": 3, "initial_interval_ms": 50, "backoff_coefficient": 1.0, "max_interval_ms": 50}}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "succeeded", "{st:?}");
+    assert_eq!(st.steps[0].attempt, 2);
+    assert_eq!(st.steps[0].output, Some(json!({"attempt": 2})));
+    // the failure was written twice (cut, then committed)
+    assert_eq!(
+        t.scalar_i64("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM public.cut_seq")
+            .await,
+        2
+    );
+    let h = history(&t.db, st.steps[0].step_run_id).await;
+    let failed: Vec<_> = h
+        .iter()
+        .filter(|(f, to, _)| f.as_deref() == Some("running") && to == "retryable_failed")
+        .collect();
+    assert_eq!(failed.len(), 1, "the failure committed once: {h:?}");
 }

@@ -1,13 +1,21 @@
-//! The ledger's batched writes: one transaction per batch, one statement per
-//! kind of intent, every row fenced by its lease (id, token, state) and
-//! answered on its own (`ok`, `lost`, or the error the database gave for that
-//! row alone: see migrations/20261202000002_ledger.sql).
+//! The ledger's batched writes: one transaction per batch, every row fenced
+//! by its lease (id, token, state) and answered on its own. Starts, plain
+//! events and completions without artifacts are written by one set-based
+//! statement per kind (`ok`, `lost`, or the error the database gave for that
+//! row alone: see migrations/20261202000002_ledger.sql and
+//! 20261204000001_hot_path.sql); every other write of a lease holder
+//! ([`LedgerWrite`]: checkpoints, completions with artifacts, failures,
+//! cancellations, refusals, releases) follows them in the same transaction,
+//! in the order given, each in a savepoint of its own (its `DbConn` form).
+
+use std::time::Duration as StdDuration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Connection, Row};
+use sqlx::{Connection, PgConnection, Row};
 use uuid::Uuid;
 
-use super::{Ctx, Db, DbConn, DbError, Lease};
+use super::{Ctx, Db, DbConn, DbError, FailureReport, Lease, NewArtifact, NewEvent};
+use crate::state::FailureDecision;
 
 /// An owned progress event (the ledger's queue outlives the attempt's frame).
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +94,122 @@ pub struct BatchOutcome {
     pub completes: Vec<RowOutcome>,
 }
 
+/// A progress event that may carry a checkpoint (owned, as [`OwnedEvent`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointEvent {
+    pub event: OwnedEvent,
+    pub checkpoint: Option<Vec<u8>>,
+}
+
+/// Events of one lease of which at least one carries a checkpoint (the step
+/// row is rewritten: `DbConn::record_events`).
+#[derive(Debug, Clone)]
+pub struct CheckpointWrite {
+    pub lease: Lease,
+    pub events: Vec<CheckpointEvent>,
+}
+
+/// A success with artifacts whose blobs are already stored
+/// (`DbConn::complete`); answered with the artifacts' ids.
+#[derive(Debug, Clone)]
+pub struct CompleteStoredWrite {
+    pub lease: Lease,
+    pub output: serde_json::Value,
+    pub artifacts: Vec<NewArtifact>,
+    pub sequence: Option<u64>,
+}
+
+/// A failure (`DbConn::fail`); answered with the decision.
+#[derive(Debug, Clone)]
+pub struct FailWrite {
+    pub lease: Lease,
+    pub report: FailureReport,
+    pub jitter: f64,
+}
+
+/// A confirmed cancellation (`DbConn::confirm_cancelled`).
+#[derive(Debug, Clone)]
+pub struct CancelWrite {
+    pub lease: Lease,
+    pub message: String,
+}
+
+/// A refusal before execution (`DbConn::refuse`); answered with the state
+/// the step is in now.
+#[derive(Debug, Clone)]
+pub struct RefuseWrite {
+    pub lease: Lease,
+    pub code: String,
+    pub message: String,
+    pub delay: StdDuration,
+    pub max_refusals: u32,
+}
+
+/// A drain's release (`DbConn::release`).
+#[derive(Debug, Clone)]
+pub struct ReleaseWrite {
+    pub lease: Lease,
+    pub message: String,
+}
+
+/// A write of one lease that no set form carries: in a batch, each runs after
+/// the set-based part, in the order given, in a savepoint of its own.
+#[derive(Debug, Clone)]
+pub enum LedgerWrite {
+    Checkpoint(CheckpointWrite),
+    CompleteStored(CompleteStoredWrite),
+    Fail(FailWrite),
+    Cancel(CancelWrite),
+    Refuse(RefuseWrite),
+    Release(ReleaseWrite),
+}
+
+impl LedgerWrite {
+    pub fn lease(&self) -> &Lease {
+        match self {
+            LedgerWrite::Checkpoint(w) => &w.lease,
+            LedgerWrite::CompleteStored(w) => &w.lease,
+            LedgerWrite::Fail(w) => &w.lease,
+            LedgerWrite::Cancel(w) => &w.lease,
+            LedgerWrite::Refuse(w) => &w.lease,
+            LedgerWrite::Release(w) => &w.lease,
+        }
+    }
+
+    /// For logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LedgerWrite::Checkpoint(_) => "checkpoint",
+            LedgerWrite::CompleteStored(_) => "completion with artifacts",
+            LedgerWrite::Fail(_) => "failure",
+            LedgerWrite::Cancel(_) => "cancellation",
+            LedgerWrite::Refuse(_) => "refusal",
+            LedgerWrite::Release(_) => "release",
+        }
+    }
+}
+
+/// What a [`LedgerWrite`] that committed returned.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Written {
+    Checkpoint,
+    /// The artifacts' ids, in the order given.
+    CompleteStored(Vec<Uuid>),
+    Fail(FailureDecision),
+    Cancel,
+    /// The state the step is in now.
+    Refuse(String),
+    Release,
+}
+
+/// One flush's answers: the set-based part's per row, then one per
+/// [`LedgerWrite`], in the order given (its own error, if it failed alone).
+#[derive(Debug, Default)]
+pub struct LedgerOutcome {
+    pub batch: BatchOutcome,
+    pub writes: Vec<Result<Written, DbError>>,
+}
+
 fn row_outcomes(rows: Vec<sqlx::postgres::PgRow>, n: usize) -> Result<Vec<RowOutcome>, DbError> {
     let mut out = vec![RowOutcome::Lost; n];
     for r in rows {
@@ -124,6 +248,26 @@ impl Db {
             .write_batch(worker, b)
             .await
     }
+
+    /// Writes one flush of the ledger in one transaction: the set-based part
+    /// (`b`, as [`Db::write_batch`]), then `writes` in the order given, each
+    /// in a savepoint of its own, so a write that fails (`LeaseLost`, a
+    /// refusal, any error of its own) fails alone and the rest commits. The
+    /// batch's runs are locked first, in id order. An error of the whole
+    /// batch (the connection, the commit) is returned as such: nothing of it
+    /// committed. One write alone (no set part) is its own transaction.
+    pub async fn write_ledger(
+        &self,
+        worker: &str,
+        b: &Batch,
+        writes: &[LedgerWrite],
+    ) -> Result<LedgerOutcome, DbError> {
+        self.acquire("beginning a ledger batch")
+            .await?
+            .db()
+            .write_ledger(worker, b, writes)
+            .await
+    }
 }
 
 impl DbConn<'_> {
@@ -132,91 +276,222 @@ impl DbConn<'_> {
     /// whole undoes only itself; a row refused alone stays in its outcome.
     pub async fn write_batch(&mut self, worker: &str, b: &Batch) -> Result<BatchOutcome, DbError> {
         let mut tx = self.conn.begin().await.ctx("beginning a ledger batch")?;
-        let mut out = BatchOutcome::default();
-        if !b.starts.is_empty() {
-            let ids: Vec<Uuid> = b.starts.iter().map(|s| s.lease.step_run_id).collect();
-            let tokens: Vec<Uuid> = b.starts.iter().map(|s| s.lease.token).collect();
-            let pids: Vec<i32> = b.starts.iter().map(|s| s.pid).collect();
-            let seqs: Vec<i64> = b.starts.iter().map(|s| s.event.sequence as i64).collect();
-            let kinds: Vec<&str> = b.starts.iter().map(|s| s.event.kind).collect();
-            let msgs: Vec<&str> = b.starts.iter().map(|s| s.event.message.as_str()).collect();
-            let fracs: Vec<Option<f64>> = b.starts.iter().map(|s| s.event.fraction).collect();
-            let ats: Vec<Option<DateTime<Utc>>> =
-                b.starts.iter().map(|s| s.event.executor_at).collect();
-            let rows = sqlx::query(
-                "SELECT idx, status, err_state, err_message
-                   FROM durable.start_steps($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-            )
-            .bind(worker)
-            .bind(&ids)
-            .bind(&tokens)
-            .bind(&pids)
-            .bind(&seqs)
-            .bind(&kinds)
-            .bind(&msgs)
-            .bind(&fracs)
-            .bind(&ats)
-            .fetch_all(&mut *tx)
-            .await
-            .ctx("recording starts (batch)")?;
-            out.starts = row_outcomes(rows, b.starts.len())?;
-        }
-        if !b.events.is_empty() {
-            let ids: Vec<Uuid> = b.events.iter().map(|e| e.lease.step_run_id).collect();
-            let tokens: Vec<Uuid> = b.events.iter().map(|e| e.lease.token).collect();
-            let (mut lease_n, mut seqs, mut kinds, mut msgs, mut fracs, mut ats) =
-                (vec![], vec![], vec![], vec![], vec![], vec![]);
-            for (n, w) in b.events.iter().enumerate() {
-                for e in &w.events {
-                    lease_n.push(n as i32 + 1);
-                    seqs.push(e.sequence as i64);
-                    kinds.push(e.kind);
-                    msgs.push(e.message.as_str());
-                    fracs.push(e.fraction);
-                    ats.push(e.executor_at);
-                }
-            }
-            let rows = sqlx::query(
-                "SELECT idx, status, err_state, err_message
-                   FROM durable.record_plain_events($1, $2, $3, $4, $5, $6, $7, $8)",
-            )
-            .bind(&ids)
-            .bind(&tokens)
-            .bind(&lease_n)
-            .bind(&seqs)
-            .bind(&kinds)
-            .bind(&msgs)
-            .bind(&fracs)
-            .bind(&ats)
-            .fetch_all(&mut *tx)
-            .await
-            .ctx("recording progress events (batch)")?;
-            out.events = row_outcomes(rows, b.events.len())?;
-        }
-        if !b.completes.is_empty() {
-            let ids: Vec<Uuid> = b.completes.iter().map(|c| c.lease.step_run_id).collect();
-            let tokens: Vec<Uuid> = b.completes.iter().map(|c| c.lease.token).collect();
-            let outputs: Vec<&serde_json::Value> = b.completes.iter().map(|c| &c.output).collect();
-            let seqs: Vec<Option<i64>> = b
-                .completes
-                .iter()
-                .map(|c| c.sequence.map(|s| s as i64))
-                .collect();
-            let rows = sqlx::query(
-                "SELECT idx, status, err_state, err_message
-                   FROM durable.complete_steps($1, $2, $3, $4::jsonb[], $5)",
-            )
-            .bind(worker)
-            .bind(&ids)
-            .bind(&tokens)
-            .bind(&outputs)
-            .bind(&seqs)
-            .fetch_all(&mut *tx)
-            .await
-            .ctx("completing steps (batch)")?;
-            out.completes = row_outcomes(rows, b.completes.len())?;
-        }
+        let out = write_sets(&mut tx, worker, b).await?;
         tx.commit().await.ctx("committing a ledger batch")?;
         Ok(out)
     }
+
+    /// See [`Db::write_ledger`].
+    pub async fn write_ledger(
+        &mut self,
+        worker: &str,
+        b: &Batch,
+        writes: &[LedgerWrite],
+    ) -> Result<LedgerOutcome, DbError> {
+        if writes.is_empty() {
+            let batch = self.write_batch(worker, b).await?;
+            return Ok(LedgerOutcome {
+                batch,
+                writes: Vec::new(),
+            });
+        }
+        let sets = b.starts.len() + b.events.len() + b.completes.len();
+        if sets == 0 && writes.len() == 1 {
+            // one write alone is its own transaction (the statements a
+            // single write always sent: no batch around it, no savepoint)
+            let one = self.write_one(worker, &writes[0]).await;
+            return Ok(LedgerOutcome {
+                batch: BatchOutcome::default(),
+                writes: vec![one],
+            });
+        }
+        let mut tx = self.conn.begin().await.ctx("beginning a ledger batch")?;
+        // The writes below lock their runs in the order given, after the set
+        // forms locked theirs: the batch's runs are locked first, once, in
+        // id order, so that the batch as a whole takes its run locks in
+        // ascending order (and a checkpoint's step lock is never taken before
+        // a run lock), as every other multi-run writer does.
+        // (Plain events lock nothing. One locking intent alone needs no
+        // lock taken ahead of it.)
+        let mut locking: Vec<Uuid> = b
+            .starts
+            .iter()
+            .map(|s| s.lease.step_run_id)
+            .chain(b.completes.iter().map(|c| c.lease.step_run_id))
+            .chain(writes.iter().map(|w| w.lease().step_run_id))
+            .collect();
+        if locking.len() > 1 {
+            locking.sort_unstable();
+            locking.dedup();
+            lock_runs(&mut tx, &locking).await?;
+        }
+        let batch = write_sets(&mut tx, worker, b).await?;
+        let mut out = Vec::with_capacity(writes.len());
+        for w in writes {
+            // its own savepoint: a failure undoes only this write (and rolls
+            // back to it before the next statement)
+            out.push(DbConn::new(&mut tx).write_one(worker, w).await);
+        }
+        tx.commit().await.ctx("committing a ledger batch")?;
+        Ok(LedgerOutcome { batch, writes: out })
+    }
+
+    /// One [`LedgerWrite`] by its `DbConn` form: inside a transaction it runs
+    /// in a savepoint of its own.
+    async fn write_one(&mut self, worker: &str, w: &LedgerWrite) -> Result<Written, DbError> {
+        match w {
+            LedgerWrite::Checkpoint(c) => {
+                let events: Vec<NewEvent<'_>> = c
+                    .events
+                    .iter()
+                    .map(|e| NewEvent {
+                        sequence: e.event.sequence,
+                        kind: e.event.kind,
+                        message: &e.event.message,
+                        fraction: e.event.fraction,
+                        checkpoint: e.checkpoint.as_deref(),
+                        executor_at: e.event.executor_at,
+                    })
+                    .collect();
+                self.record_events(&c.lease, &events).await?;
+                Ok(Written::Checkpoint)
+            }
+            LedgerWrite::CompleteStored(c) => self
+                .complete(&c.lease, worker, &c.output, &c.artifacts, c.sequence)
+                .await
+                .map(Written::CompleteStored),
+            LedgerWrite::Fail(f) => self
+                .fail(&f.lease, worker, &f.report, f.jitter)
+                .await
+                .map(Written::Fail),
+            LedgerWrite::Cancel(c) => {
+                self.confirm_cancelled(&c.lease, worker, &c.message).await?;
+                Ok(Written::Cancel)
+            }
+            LedgerWrite::Refuse(r) => self
+                .refuse(
+                    &r.lease,
+                    worker,
+                    &r.code,
+                    &r.message,
+                    r.delay,
+                    r.max_refusals,
+                )
+                .await
+                .map(Written::Refuse),
+            LedgerWrite::Release(r) => {
+                self.release(&r.lease, worker, &r.message).await?;
+                Ok(Written::Release)
+            }
+        }
+    }
+}
+
+/// Locks the runs of these steps, in id order (`FOR NO KEY UPDATE`, as every
+/// step writer locks its run).
+async fn lock_runs(conn: &mut PgConnection, step_ids: &[Uuid]) -> Result<(), DbError> {
+    sqlx::query(
+        "SELECT 1 FROM durable.workflow_runs w
+          WHERE w.id IN (SELECT s.run_id FROM durable.step_runs s WHERE s.id = ANY ($1))
+          ORDER BY w.id FOR NO KEY UPDATE",
+    )
+    .bind(step_ids)
+    .execute(&mut *conn)
+    .await
+    .ctx("locking a ledger batch's runs")?;
+    Ok(())
+}
+
+/// The set-based part of a batch, on the batch's transaction: the starts,
+/// then the plain events, then the completions.
+async fn write_sets(
+    tx: &mut PgConnection,
+    worker: &str,
+    b: &Batch,
+) -> Result<BatchOutcome, DbError> {
+    let mut out = BatchOutcome::default();
+    if !b.starts.is_empty() {
+        let ids: Vec<Uuid> = b.starts.iter().map(|s| s.lease.step_run_id).collect();
+        let tokens: Vec<Uuid> = b.starts.iter().map(|s| s.lease.token).collect();
+        let pids: Vec<i32> = b.starts.iter().map(|s| s.pid).collect();
+        let seqs: Vec<i64> = b.starts.iter().map(|s| s.event.sequence as i64).collect();
+        let kinds: Vec<&str> = b.starts.iter().map(|s| s.event.kind).collect();
+        let msgs: Vec<&str> = b.starts.iter().map(|s| s.event.message.as_str()).collect();
+        let fracs: Vec<Option<f64>> = b.starts.iter().map(|s| s.event.fraction).collect();
+        let ats: Vec<Option<DateTime<Utc>>> =
+            b.starts.iter().map(|s| s.event.executor_at).collect();
+        let rows = sqlx::query(
+            "SELECT idx, status, err_state, err_message
+               FROM durable.start_steps($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(worker)
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&pids)
+        .bind(&seqs)
+        .bind(&kinds)
+        .bind(&msgs)
+        .bind(&fracs)
+        .bind(&ats)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("recording starts (batch)")?;
+        out.starts = row_outcomes(rows, b.starts.len())?;
+    }
+    if !b.events.is_empty() {
+        let ids: Vec<Uuid> = b.events.iter().map(|e| e.lease.step_run_id).collect();
+        let tokens: Vec<Uuid> = b.events.iter().map(|e| e.lease.token).collect();
+        let (mut lease_n, mut seqs, mut kinds, mut msgs, mut fracs, mut ats) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for (n, w) in b.events.iter().enumerate() {
+            for e in &w.events {
+                lease_n.push(n as i32 + 1);
+                seqs.push(e.sequence as i64);
+                kinds.push(e.kind);
+                msgs.push(e.message.as_str());
+                fracs.push(e.fraction);
+                ats.push(e.executor_at);
+            }
+        }
+        let rows = sqlx::query(
+            "SELECT idx, status, err_state, err_message
+               FROM durable.record_plain_events($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&lease_n)
+        .bind(&seqs)
+        .bind(&kinds)
+        .bind(&msgs)
+        .bind(&fracs)
+        .bind(&ats)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("recording progress events (batch)")?;
+        out.events = row_outcomes(rows, b.events.len())?;
+    }
+    if !b.completes.is_empty() {
+        let ids: Vec<Uuid> = b.completes.iter().map(|c| c.lease.step_run_id).collect();
+        let tokens: Vec<Uuid> = b.completes.iter().map(|c| c.lease.token).collect();
+        let outputs: Vec<&serde_json::Value> = b.completes.iter().map(|c| &c.output).collect();
+        let seqs: Vec<Option<i64>> = b
+            .completes
+            .iter()
+            .map(|c| c.sequence.map(|s| s as i64))
+            .collect();
+        let rows = sqlx::query(
+            "SELECT idx, status, err_state, err_message
+               FROM durable.complete_steps($1, $2, $3, $4::jsonb[], $5)",
+        )
+        .bind(worker)
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&outputs)
+        .bind(&seqs)
+        .fetch_all(&mut *tx)
+        .await
+        .ctx("completing steps (batch)")?;
+        out.completes = row_outcomes(rows, b.completes.len())?;
+    }
+    Ok(out)
 }

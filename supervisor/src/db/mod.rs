@@ -36,14 +36,14 @@
 //!
 //! Inside a caller's transaction every operation is atomic on its own: it
 //! runs in a SAVEPOINT (operations that begin a transaction of their own
-//! today, such as the fenced step writes, `write_batch`, the reclaim, do
-//! exactly that through `conn.begin()`, which sqlx turns into a SAVEPOINT
-//! inside a transaction; single statements get one too). An operation that
-//! fails (`LeaseLost`, a write the database refused, a timeout) rolls back to
-//! its savepoint: its own work is undone and the caller's transaction stays
-//! usable, so the caller can go on and commit the rest. On a connection that
-//! is not in a transaction no savepoint is made: the statements are those the
-//! `Db` methods always sent.
+//! today, such as the fenced step writes, `write_batch`, `write_ledger`, the
+//! reclaim, do exactly that through `conn.begin()`, which sqlx turns into a
+//! SAVEPOINT inside a transaction; single statements get one too). An
+//! operation that fails (`LeaseLost`, a write the database refused, a
+//! timeout) rolls back to its savepoint: its own work is undone and the
+//! caller's transaction stays usable, so the caller can go on and commit the
+//! rest. On a connection that is not in a transaction no savepoint is made:
+//! the statements are those the `Db` methods always sent.
 //!
 //! What inside a caller's transaction means for some operations:
 //! - `watch_snapshot` and `artifact_lineage` set REPEATABLE READ, READ ONLY
@@ -85,7 +85,9 @@ pub use inspect::{
     WatchStep,
 };
 pub use ledger::{
-    Batch, BatchOutcome, CompleteWrite, EventsWrite, OwnedEvent, RowOutcome, StartWrite,
+    Batch, BatchOutcome, CancelWrite, CheckpointEvent, CheckpointWrite, CompleteStoredWrite,
+    CompleteWrite, EventsWrite, FailWrite, LedgerOutcome, LedgerWrite, OwnedEvent, RefuseWrite,
+    ReleaseWrite, RowOutcome, StartWrite, Written,
 };
 pub use observe::QueueDepth;
 pub use retention::{

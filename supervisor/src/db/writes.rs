@@ -1,7 +1,9 @@
-//! Single fenced writes of one step by its lease holder (the ledger batches
-//! the hot ones: `ledger.rs`): start, events, completion, failure, cancel,
-//! refusal, release; and the helpers every step writer shares (the run lock
-//! first, the fence, the failure write).
+//! Single fenced writes of one step by its lease holder: start, events,
+//! completion, failure, cancel, refusal, release; and the helpers every step
+//! writer shares (the run lock first, the fence, the failure write). The
+//! worker writes them through its ledger (`ledger.rs`), which runs the
+//! `DbConn` forms of these inside its batch's transaction, each in a
+//! savepoint of its own; the `Db` forms are for every other caller.
 
 use super::*;
 

@@ -36,8 +36,9 @@ use machine::*;
 use super::{Control, ExecutorRuntime, LeaseView, Shared, DB_CALL_TIMEOUT};
 use crate::artifacts::{ArtifactStore, StoreError};
 use crate::db::{
-    bounded, CompleteWrite, DbError, EventsWrite, FailureReport, Lease, LeasedStep, NewArtifact,
-    NewEvent, OwnedEvent, StartWrite,
+    bounded, CancelWrite, CheckpointEvent, CheckpointWrite, CompleteStoredWrite, CompleteWrite,
+    DbError, EventsWrite, FailWrite, FailureReport, Lease, LeasedStep, NewArtifact, OwnedEvent,
+    RefuseWrite, ReleaseWrite, StartWrite,
 };
 use crate::process::Child;
 use crate::state::Failure;
@@ -690,8 +691,9 @@ async fn write_loop(
     enum Write {
         Start(StartWrite),
         Plain(EventsWrite),
-        /// A checkpoint rewrites the step row: a write of its own.
-        Checkpointed(Vec<wire::Event>),
+        /// A checkpoint rewrites the step row: a write of its own (in the
+        /// ledger's batch, after the set-based part).
+        Checkpointed(CheckpointWrite),
     }
     let mut buf = Vec::with_capacity(64);
     while rx.recv_many(&mut buf, 64).await > 0 {
@@ -724,7 +726,16 @@ async fn write_loop(
                     let kept = coalesce(&run);
                     i = end;
                     writes.push(if kept.iter().any(|e| e.checkpoint.is_some()) {
-                        Write::Checkpointed(kept.into_iter().cloned().collect())
+                        Write::Checkpointed(CheckpointWrite {
+                            lease: lease.clone(),
+                            events: kept
+                                .into_iter()
+                                .map(|e| CheckpointEvent {
+                                    event: owned_event(e),
+                                    checkpoint: e.checkpoint.clone(),
+                                })
+                                .collect(),
+                        })
                     } else {
                         Write::Plain(EventsWrite {
                             lease: lease.clone(),
@@ -735,28 +746,27 @@ async fn write_loop(
             }
         }
         buf.clear();
-        // the first try of every ledger write of this run is handed over at
-        // once, in order: a start and the events right behind it (the SDKs'
-        // RUNNING) land in one batch, with no round trip of their own
+        // the first try of every write of this run is handed to the ledger
+        // at once, in order: a start and the events right behind it (the
+        // SDKs' RUNNING) land in one batch, with no round trip of their own
         let mut handed = Vec::with_capacity(writes.len());
         for w in &writes {
             handed.push(match w {
-                Write::Start(s) => Some(shared.ledger.submit_start(s.clone()).await),
-                Write::Plain(e) => Some(shared.ledger.submit_events(e.clone()).await),
-                Write::Checkpointed(_) => None,
+                Write::Start(s) => shared.ledger.submit_start(s.clone()).await,
+                Write::Plain(e) => shared.ledger.submit_events(e.clone()).await,
+                Write::Checkpointed(c) => shared.ledger.submit_checkpoint(c.clone()).await,
             });
         }
         for (w, first) in writes.into_iter().zip(handed) {
             let first = match first {
-                Some(Ok(p)) => p.answer().await,
-                Some(Err(e)) => Err(e),
-                None => Ok(()),
+                Ok(p) => p.answer().await,
+                Err(e) => Err(e),
             };
             let res = match (w, first) {
-                (Write::Checkpointed(evs), _) => {
-                    let evs: Vec<NewEvent<'_>> = evs.iter().map(new_event).collect();
+                (Write::Checkpointed(c), Err(e)) if e.is_transient() => {
+                    warn!(error = %e, "recording progress events failed; retrying");
                     retrying(&control, "recording progress events", || {
-                        shared.db.record_events(&lease, &evs)
+                        shared.ledger.checkpoint(c.clone())
                     })
                     .await
                 }
@@ -1305,8 +1315,13 @@ async fn write_outcome(
             artifacts,
             sequence,
         } => shared
-            .db
-            .complete(lease, &shared.name, output, artifacts, Some(*sequence))
+            .ledger
+            .complete_stored(CompleteStoredWrite {
+                lease: lease.clone(),
+                output: output.clone(),
+                artifacts: artifacts.clone(),
+                sequence: Some(*sequence),
+            })
             .await
             .map(|_| ()),
         Outcome::Failed {
@@ -1331,8 +1346,12 @@ async fn write_outcome(
                 sequence: *sequence,
             };
             let d = shared
-                .db
-                .fail(lease, &shared.name, &report, rand::random())
+                .ledger
+                .fail(FailWrite {
+                    lease: lease.clone(),
+                    report,
+                    jitter: rand::random(),
+                })
                 .await?;
             crate::metrics::failure_decided(d.to.as_str());
             info!(to = %d.to, reason = %d.reason, "failure committed");
@@ -1340,21 +1359,23 @@ async fn write_outcome(
         }
         Outcome::Cancelled { message } => {
             shared
-                .db
-                .confirm_cancelled(lease, &shared.name, message)
+                .ledger
+                .confirm_cancelled(CancelWrite {
+                    lease: lease.clone(),
+                    message: message.clone(),
+                })
                 .await
         }
         Outcome::Refused { code, message } => {
             let state = shared
-                .db
-                .refuse(
-                    lease,
-                    &shared.name,
-                    code,
-                    message,
-                    Duration::from_millis(shared.cfg.refusal_delay_ms),
-                    shared.cfg.max_refusals,
-                )
+                .ledger
+                .refuse(RefuseWrite {
+                    lease: lease.clone(),
+                    code: code.clone(),
+                    message: message.clone(),
+                    delay: Duration::from_millis(shared.cfg.refusal_delay_ms),
+                    max_refusals: shared.cfg.max_refusals,
+                })
                 .await?;
             match state.as_str() {
                 "terminal_failed" => {
@@ -1367,7 +1388,15 @@ async fn write_outcome(
             }
             Ok(())
         }
-        Outcome::Released { message } => shared.db.release(lease, &shared.name, message).await,
+        Outcome::Released { message } => {
+            shared
+                .ledger
+                .release(ReleaseWrite {
+                    lease: lease.clone(),
+                    message: message.clone(),
+                })
+                .await
+        }
         Outcome::Abandoned { why } => {
             warn!(%why, "outcome discarded: this worker no longer owns the step");
             Ok(())
@@ -1381,18 +1410,6 @@ fn owned_event(e: &wire::Event) -> OwnedEvent {
         kind: e.kind.as_str(),
         message: e.message.clone(),
         fraction: e.fraction,
-        executor_at: chrono::DateTime::from_timestamp_millis(e.at_unix_ms)
-            .filter(|_| e.at_unix_ms > 0),
-    }
-}
-
-fn new_event(e: &wire::Event) -> NewEvent<'_> {
-    NewEvent {
-        sequence: e.sequence,
-        kind: e.kind.as_str(),
-        message: &e.message,
-        fraction: e.fraction,
-        checkpoint: e.checkpoint.as_deref(),
         executor_at: chrono::DateTime::from_timestamp_millis(e.at_unix_ms)
             .filter(|_| e.at_unix_ms > 0),
     }

@@ -1,37 +1,142 @@
-//! The ledger: the one writer of a worker's hot writes. Attempts hand it
-//! their starts, plain progress events and completions without artifacts;
-//! it writes them in batches (group commit: a batch is flushed as soon as the
-//! ledger is idle, and what arrives during a flush waits for the next one),
-//! one transaction per batch, set-based statements over arrays, every row
-//! fenced by its lease. Each intent gets its own answer, only after the
-//! batch committed: `Ok`, `LeaseLost` for that intent alone, or the error the
-//! database gave for that row (transient ones are retried by the caller while
-//! its lease clock allows, as for a single write). Plain progress of one lease
-//! is coalesced within a batch (the latest kept). Writes that lock more than
-//! one step or carry bytes (checkpoints, artifacts, failures, cancels,
-//! refusals, releases) stay single writes; the heartbeat has its own
-//! connection so that no batch can delay a renewal.
+//! The ledger: the one writer of a worker. Attempts hand it every write of
+//! a lease holder: starts, progress events (plain or with a checkpoint),
+//! completions (with or without artifacts), failures, cancellations,
+//! refusals and releases. It writes them in batches (group commit: a batch is
+//! flushed as soon as the ledger is idle, and what arrives during a flush
+//! waits for the next one), one transaction per batch, every row fenced by
+//! its lease. Starts, plain events and completions without artifacts are
+//! written by set-based statements over arrays, starts and completions sorted
+//! by (run, step); the other writes follow them in the same transaction, in
+//! the order they arrived, each in a savepoint of its own (its `DbConn` form),
+//! after the batch's runs were locked in id order. A batch ends before a set
+//! write of a lease that arrived after one of its other writes, so one
+//! lease's writes always land in the order the attempt handed them (its
+//! start, its events and checkpoints, its terminal write).
+//!
+//! Each intent gets its own answer, only after the batch committed: `Ok`
+//! (with what the write returns: a failure's decision, a refusal's resulting
+//! state, the artifacts' ids), `LeaseLost` for that intent alone, or the
+//! error the database gave for that intent alone. An error of the whole batch
+//! (the connection, the commit) is every intent's answer; transient errors
+//! are retried by the caller while its lease clock allows, as for a single
+//! write, and a batch refused as a whole is written again intent by intent.
+//! Plain progress of one lease is coalesced within a batch (the latest
+//! kept). Artifact blobs are uploaded before their completion is handed
+//! over, outside any transaction. The heartbeat is not in the ledger: it has
+//! its own connection, so that no batch can delay a renewal and run the
+//! lease clock out.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 use uuid::Uuid;
 
-use crate::db::{Batch, CompleteWrite, Db, DbError, EventsWrite, OwnedEvent, StartWrite};
+use crate::db::{
+    Batch, CancelWrite, CheckpointWrite, CompleteStoredWrite, CompleteWrite, Db, DbError,
+    EventsWrite, FailWrite, LedgerWrite, OwnedEvent, RefuseWrite, ReleaseWrite, StartWrite,
+    Written,
+};
+use crate::state::FailureDecision;
 
 /// Intents per batch at most (a subtransaction each; PostgreSQL caches 64).
 pub(crate) const MAX_BATCH: usize = 64;
 /// Requests queued at most: a full queue back-pressures the attempts.
 const QUEUE: usize = 4096;
 
-type Reply = oneshot::Sender<Result<(), DbError>>;
+type Reply<T = ()> = oneshot::Sender<Result<T, DbError>>;
 
 enum Request {
     Start(StartWrite, Reply),
     Events(EventsWrite, Reply),
     Complete(CompleteWrite, Reply),
+    Checkpoint(CheckpointWrite, Reply),
+    CompleteStored(CompleteStoredWrite, Reply<Vec<Uuid>>),
+    Fail(FailWrite, Reply<FailureDecision>),
+    Cancel(CancelWrite, Reply),
+    Refuse(RefuseWrite, Reply<String>),
+    Release(ReleaseWrite, Reply),
+}
+
+impl Request {
+    /// The step of a write that is not one of the set forms'.
+    fn single_step(&self) -> Option<Uuid> {
+        match self {
+            Request::Start(..) | Request::Events(..) | Request::Complete(..) => None,
+            Request::Checkpoint(w, _) => Some(w.lease.step_run_id()),
+            Request::CompleteStored(w, _) => Some(w.lease.step_run_id()),
+            Request::Fail(w, _) => Some(w.lease.step_run_id()),
+            Request::Cancel(w, _) => Some(w.lease.step_run_id()),
+            Request::Refuse(w, _) => Some(w.lease.step_run_id()),
+            Request::Release(w, _) => Some(w.lease.step_run_id()),
+        }
+    }
+
+    /// The step of a set form's write.
+    fn set_step(&self) -> Option<Uuid> {
+        match self {
+            Request::Start(w, _) => Some(w.lease.step_run_id()),
+            Request::Events(w, _) => Some(w.lease.step_run_id()),
+            Request::Complete(w, _) => Some(w.lease.step_run_id()),
+            _ => None,
+        }
+    }
+}
+
+/// The typed answer of a [`LedgerWrite`].
+enum WriteReply {
+    Unit(Reply),
+    Ids(Reply<Vec<Uuid>>),
+    Decision(Reply<FailureDecision>),
+    State(Reply<String>),
+}
+
+impl WriteReply {
+    fn send(self, res: Result<Written, DbError>) {
+        // a mismatch cannot happen (each request kind is paired with its
+        // write here); should it, the caller gets an error, not a wrong value
+        let wrong = |w: &Written| {
+            DbError::Corrupt(format!(
+                "the ledger answered {w:?} to a write of another kind"
+            ))
+        };
+        match self {
+            WriteReply::Unit(r) => {
+                let _ = r.send(res.and_then(|w| match w {
+                    Written::Checkpoint | Written::Cancel | Written::Release => Ok(()),
+                    w => Err(wrong(&w)),
+                }));
+            }
+            WriteReply::Ids(r) => {
+                let _ = r.send(res.and_then(|w| match w {
+                    Written::CompleteStored(ids) => Ok(ids),
+                    w => Err(wrong(&w)),
+                }));
+            }
+            WriteReply::Decision(r) => {
+                let _ = r.send(res.and_then(|w| match w {
+                    Written::Fail(d) => Ok(d),
+                    w => Err(wrong(&w)),
+                }));
+            }
+            WriteReply::State(r) => {
+                let _ = r.send(res.and_then(|w| match w {
+                    Written::Refuse(s) => Ok(s),
+                    w => Err(wrong(&w)),
+                }));
+            }
+        }
+    }
+
+    fn fail(self, e: DbError) {
+        match self {
+            WriteReply::Unit(r) => drop(r.send(Err(e))),
+            WriteReply::Ids(r) => drop(r.send(Err(e))),
+            WriteReply::Decision(r) => drop(r.send(Err(e))),
+            WriteReply::State(r) => drop(r.send(Err(e))),
+        }
+    }
 }
 
 /// The handle attempts write through.
@@ -59,16 +164,19 @@ fn gone() -> DbError {
 }
 
 /// A write handed to the ledger, its answer still to come.
-pub(crate) struct Pending(oneshot::Receiver<Result<(), DbError>>);
+pub(crate) struct Pending<T = ()>(oneshot::Receiver<Result<T, DbError>>);
 
-impl Pending {
-    pub(crate) async fn answer(self) -> Result<(), DbError> {
+impl<T> Pending<T> {
+    pub(crate) async fn answer(self) -> Result<T, DbError> {
         self.0.await.map_err(|_| gone())?
     }
 }
 
 impl Ledger {
-    async fn submit(&self, make: impl FnOnce(Reply) -> Request) -> Result<Pending, DbError> {
+    async fn submit<T>(
+        &self,
+        make: impl FnOnce(Reply<T>) -> Request,
+    ) -> Result<Pending<T>, DbError> {
         let (reply, answer) = oneshot::channel();
         self.tx.send(make(reply)).await.map_err(|_| gone())?;
         Ok(Pending(answer))
@@ -85,6 +193,11 @@ impl Ledger {
         self.submit(|r| Request::Events(w, r)).await
     }
 
+    /// Events of which at least one carries a checkpoint.
+    pub(crate) async fn submit_checkpoint(&self, w: CheckpointWrite) -> Result<Pending, DbError> {
+        self.submit(|r| Request::Checkpoint(w, r)).await
+    }
+
     pub(crate) async fn start(&self, w: StartWrite) -> Result<(), DbError> {
         self.submit_start(w).await?.answer().await
     }
@@ -93,8 +206,45 @@ impl Ledger {
         self.submit_events(w).await?.answer().await
     }
 
+    pub(crate) async fn checkpoint(&self, w: CheckpointWrite) -> Result<(), DbError> {
+        self.submit_checkpoint(w).await?.answer().await
+    }
+
+    /// A success without artifacts.
     pub(crate) async fn complete(&self, w: CompleteWrite) -> Result<(), DbError> {
         self.submit(|r| Request::Complete(w, r))
+            .await?
+            .answer()
+            .await
+    }
+
+    /// A success with artifacts (their blobs already stored): their ids.
+    pub(crate) async fn complete_stored(
+        &self,
+        w: CompleteStoredWrite,
+    ) -> Result<Vec<Uuid>, DbError> {
+        self.submit(|r| Request::CompleteStored(w, r))
+            .await?
+            .answer()
+            .await
+    }
+
+    /// A failure: where it took the step.
+    pub(crate) async fn fail(&self, w: FailWrite) -> Result<FailureDecision, DbError> {
+        self.submit(|r| Request::Fail(w, r)).await?.answer().await
+    }
+
+    pub(crate) async fn confirm_cancelled(&self, w: CancelWrite) -> Result<(), DbError> {
+        self.submit(|r| Request::Cancel(w, r)).await?.answer().await
+    }
+
+    /// A refusal: the state the step is in now.
+    pub(crate) async fn refuse(&self, w: RefuseWrite) -> Result<String, DbError> {
+        self.submit(|r| Request::Refuse(w, r)).await?.answer().await
+    }
+
+    pub(crate) async fn release(&self, w: ReleaseWrite) -> Result<(), DbError> {
+        self.submit(|r| Request::Release(w, r))
             .await?
             .answer()
             .await
@@ -103,22 +253,58 @@ impl Ledger {
 
 /// Runs until `stop` is cancelled and every queued request is written.
 pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: CancellationToken) {
-    let mut buf = Vec::with_capacity(MAX_BATCH);
+    // what a batch's end left behind goes first in the next one
+    let mut carried: Vec<Request> = Vec::new();
     loop {
-        let n = tokio::select! {
-            biased;
-            n = queue.rx.recv_many(&mut buf, MAX_BATCH) => n,
-            _ = stop.cancelled() => {
-                // what is still queued is written before the ledger ends
-                queue.rx.close();
-                queue.rx.recv_many(&mut buf, MAX_BATCH).await
+        let mut buf = std::mem::take(&mut carried);
+        if buf.is_empty() {
+            buf.reserve(MAX_BATCH);
+            let n = tokio::select! {
+                biased;
+                n = queue.rx.recv_many(&mut buf, MAX_BATCH) => n,
+                _ = stop.cancelled() => {
+                    // what is still queued is written before the ledger ends
+                    queue.rx.close();
+                    queue.rx.recv_many(&mut buf, MAX_BATCH).await
+                }
+            };
+            if n == 0 {
+                return;
             }
-        };
-        if n == 0 {
-            return;
+        } else {
+            // and what is queued already joins it, without waiting
+            while buf.len() < MAX_BATCH {
+                match queue.rx.try_recv() {
+                    Ok(r) => buf.push(r),
+                    Err(_) => break,
+                }
+            }
         }
-        flush(&db, &worker, std::mem::take(&mut buf)).await;
+        let end = batch_end(&buf);
+        carried = buf.split_off(end);
+        flush(&db, &worker, buf).await;
     }
+}
+
+/// Where a batch of these requests (in arrival order) must end so that one
+/// lease's writes land in the order they came: the set-based part is written
+/// before the other writes, so a set write (start, events, plain completion)
+/// of a step that arrived after another write of that step waits for the
+/// next batch, and so does everything behind it. Never 0 for a non-empty
+/// slice.
+fn batch_end(requests: &[Request]) -> usize {
+    let mut singles: HashSet<Uuid> = HashSet::new();
+    for (i, r) in requests.iter().enumerate() {
+        if let Some(id) = r.set_step() {
+            if singles.contains(&id) {
+                return i;
+            }
+        }
+        if let Some(id) = r.single_step() {
+            singles.insert(id);
+        }
+    }
+    requests.len()
 }
 
 /// Plain progress is coalesced (latest per lease); other events are kept, in order.
@@ -133,13 +319,34 @@ fn coalesce(events: Vec<OwnedEvent>) -> Vec<OwnedEvent> {
         .collect()
 }
 
-/// Shapes one batch from queued requests: starts and completions sorted by
-/// (run, step) (the lock order), events merged per lease.
-fn shape(requests: Vec<Request>) -> (Batch, Vec<Reply>, Vec<Vec<Reply>>, Vec<Reply>) {
+/// One batch, shaped: the set-based part (starts and completions sorted by
+/// (run, step), the lock order; events merged per lease) and the other
+/// writes in arrival order, each with its replies.
+struct Shaped {
+    batch: Batch,
+    start_replies: Vec<Reply>,
+    event_replies: Vec<Vec<Reply>>,
+    complete_replies: Vec<Reply>,
+    writes: Vec<LedgerWrite>,
+    write_replies: Vec<WriteReply>,
+}
+
+impl Shaped {
+    fn size(&self) -> usize {
+        self.batch.starts.len()
+            + self.batch.events.len()
+            + self.batch.completes.len()
+            + self.writes.len()
+    }
+}
+
+fn shape(requests: Vec<Request>) -> Shaped {
     let mut starts: Vec<(StartWrite, Reply)> = Vec::new();
     let mut completes: Vec<(CompleteWrite, Reply)> = Vec::new();
     let mut events: Vec<(EventsWrite, Vec<Reply>)> = Vec::new();
     let mut by_lease: HashMap<(Uuid, Uuid), usize> = HashMap::new();
+    let mut writes = Vec::new();
+    let mut write_replies = Vec::new();
     for r in requests {
         match r {
             Request::Start(w, reply) => starts.push((w, reply)),
@@ -157,6 +364,30 @@ fn shape(requests: Vec<Request>) -> (Batch, Vec<Reply>, Vec<Vec<Reply>>, Vec<Rep
                     }
                 }
             }
+            Request::Checkpoint(w, reply) => {
+                writes.push(LedgerWrite::Checkpoint(w));
+                write_replies.push(WriteReply::Unit(reply));
+            }
+            Request::CompleteStored(w, reply) => {
+                writes.push(LedgerWrite::CompleteStored(w));
+                write_replies.push(WriteReply::Ids(reply));
+            }
+            Request::Fail(w, reply) => {
+                writes.push(LedgerWrite::Fail(w));
+                write_replies.push(WriteReply::Decision(reply));
+            }
+            Request::Cancel(w, reply) => {
+                writes.push(LedgerWrite::Cancel(w));
+                write_replies.push(WriteReply::Unit(reply));
+            }
+            Request::Refuse(w, reply) => {
+                writes.push(LedgerWrite::Refuse(w));
+                write_replies.push(WriteReply::State(reply));
+            }
+            Request::Release(w, reply) => {
+                writes.push(LedgerWrite::Release(w));
+                write_replies.push(WriteReply::Unit(reply));
+            }
         }
     }
     starts.sort_by_key(|(w, _)| (w.run_id, w.lease.step_run_id()));
@@ -168,8 +399,8 @@ fn shape(requests: Vec<Request>) -> (Batch, Vec<Reply>, Vec<Vec<Reply>>, Vec<Rep
         let evs = std::mem::take(&mut e.events);
         e.events = coalesce(evs);
     }
-    (
-        Batch {
+    Shaped {
+        batch: Batch {
             starts,
             events,
             completes,
@@ -177,19 +408,29 @@ fn shape(requests: Vec<Request>) -> (Batch, Vec<Reply>, Vec<Vec<Reply>>, Vec<Rep
         start_replies,
         event_replies,
         complete_replies,
-    )
+        writes,
+        write_replies,
+    }
 }
 
 async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
-    let (batch, start_replies, event_replies, complete_replies) = shape(requests);
-    let size = batch.starts.len() + batch.events.len() + batch.completes.len();
+    let s = shape(requests);
+    let size = s.size();
     crate::metrics::ledger_batch(size);
     let res = crate::db::bounded(
         super::DB_CALL_TIMEOUT,
         "writing a ledger batch",
-        db.write_batch(worker, &batch),
+        db.write_ledger(worker, &s.batch, &s.writes),
     )
     .await;
+    let Shaped {
+        batch,
+        start_replies,
+        event_replies,
+        complete_replies,
+        writes,
+        write_replies,
+    } = s;
     match res {
         Ok(out) => {
             debug!(
@@ -197,12 +438,14 @@ async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
                 starts = batch.starts.len(),
                 events = batch.events.len(),
                 completes = batch.completes.len(),
+                writes = writes.len(),
                 "ledger batch committed"
             );
-            for ((w, reply), o) in batch.starts.iter().zip(start_replies).zip(out.starts) {
+            let sets = out.batch;
+            for ((w, reply), o) in batch.starts.iter().zip(start_replies).zip(sets.starts) {
                 let _ = reply.send(o.into_result(w.lease.step_run_id()));
             }
-            for ((w, replies), o) in batch.events.iter().zip(event_replies).zip(out.events) {
+            for ((w, replies), o) in batch.events.iter().zip(event_replies).zip(sets.events) {
                 for reply in replies {
                     let _ = reply.send(o.clone().into_result(w.lease.step_run_id()));
                 }
@@ -211,9 +454,15 @@ async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
                 .completes
                 .iter()
                 .zip(complete_replies)
-                .zip(out.completes)
+                .zip(sets.completes)
             {
                 let _ = reply.send(o.into_result(w.lease.step_run_id()));
+            }
+            for ((w, reply), o) in writes.iter().zip(write_replies).zip(out.writes) {
+                if let Err(e) = &o {
+                    debug!(error = %e, write = w.kind(), step_run_id = %w.lease().step_run_id(), "a ledger write failed alone; the rest of its batch committed");
+                }
+                reply.send(o);
             }
         }
         Err(e) if !e.is_transient() && size > 1 => {
@@ -247,6 +496,9 @@ async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
                 };
                 let _ = reply.send(single(db, worker, &one, id).await);
             }
+            for (w, reply) in writes.iter().zip(write_replies) {
+                reply.send(single_write(db, worker, w).await);
+            }
         }
         Err(e) => {
             // the whole batch failed and nothing of it committed: every intent
@@ -258,6 +510,9 @@ async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
             }
             for r in event_replies.into_iter().flatten() {
                 let _ = r.send(Err(as_each(&e)));
+            }
+            for r in write_replies {
+                r.fail(as_each(&e));
             }
         }
     }
@@ -278,6 +533,22 @@ async fn single(db: &Db, worker: &str, one: &Batch, id: Uuid) -> Result<(), DbEr
         .next()
         .map(|o| o.into_result(id))
         .unwrap_or(Err(DbError::LeaseLost { step_run_id: id }))
+}
+
+/// One write on its own (its own transaction), answered as that write.
+async fn single_write(db: &Db, worker: &str, w: &LedgerWrite) -> Result<Written, DbError> {
+    let res = crate::db::bounded(
+        super::DB_CALL_TIMEOUT,
+        "writing a ledger intent",
+        db.write_ledger(worker, &Batch::default(), std::slice::from_ref(w)),
+    )
+    .await?;
+    res.writes
+        .into_iter()
+        .next()
+        .unwrap_or(Err(DbError::LeaseLost {
+            step_run_id: w.lease().step_run_id(),
+        }))
 }
 
 fn clone_result(r: &Result<(), DbError>) -> Result<(), DbError> {
@@ -316,6 +587,83 @@ mod tests {
             fraction: None,
             executor_at: None,
         }
+    }
+
+    fn lease(n: u128) -> crate::db::Lease {
+        crate::db::Lease::for_test(Uuid::from_u128(n), Uuid::from_u128(n + 1000), 1)
+    }
+
+    fn events(n: u128) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Events(
+            EventsWrite {
+                lease: lease(n),
+                events: vec![ev(2, "progress")],
+            },
+            r,
+        )
+    }
+
+    fn checkpoint(n: u128) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Checkpoint(
+            CheckpointWrite {
+                lease: lease(n),
+                events: vec![],
+            },
+            r,
+        )
+    }
+
+    fn release(n: u128) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Release(
+            ReleaseWrite {
+                lease: lease(n),
+                message: String::new(),
+            },
+            r,
+        )
+    }
+
+    fn complete(n: u128) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Complete(
+            CompleteWrite {
+                run_id: Uuid::from_u128(n + 2000),
+                lease: lease(n),
+                output: serde_json::Value::Null,
+                sequence: None,
+            },
+            r,
+        )
+    }
+
+    /// The set-based part is written before the other writes: a set write of
+    /// a step behind another write of that step ends the batch, so the
+    /// step's writes keep their order; other steps' writes do not.
+    #[test]
+    fn a_batch_ends_before_a_set_write_that_follows_a_write_of_its_step() {
+        assert_eq!(batch_end(&[]), 0);
+        // events before a checkpoint and a release of the same step: in order as it is
+        assert_eq!(batch_end(&[events(1), checkpoint(1), release(1)]), 3);
+        // another step's set writes after a single write are not held back
+        assert_eq!(batch_end(&[release(1), events(2), complete(2)]), 3);
+        // events behind a checkpoint of their step wait for the next batch,
+        // and so does everything behind them
+        assert_eq!(
+            batch_end(&[events(1), checkpoint(1), events(2), events(1), release(2)]),
+            3
+        );
+        assert_eq!(batch_end(&[checkpoint(1), complete(1)]), 1);
+        let shaped = shape(vec![release(1), events(2), checkpoint(2), complete(3)]);
+        assert_eq!(shaped.size(), 4);
+        let kinds: Vec<&str> = shaped.writes.iter().map(|w| w.kind()).collect();
+        assert_eq!(
+            kinds,
+            ["release", "checkpoint"],
+            "the other writes keep their order"
+        );
     }
 
     #[test]
