@@ -288,7 +288,10 @@ impl DbConn<'_> {
         b: &Batch,
         writes: &[LedgerWrite],
     ) -> Result<LedgerOutcome, DbError> {
-        if writes.is_empty() {
+        // starts and completions together: each set form locks its own
+        // runs in id order, but the completions' after the starts', so the
+        // batch as a whole locks its runs up front (below), once, in id order
+        if writes.is_empty() && (b.starts.is_empty() || b.completes.is_empty()) {
             let batch = self.write_batch(worker, b).await?;
             return Ok(LedgerOutcome {
                 batch,
@@ -391,9 +394,13 @@ impl DbConn<'_> {
 /// step writer locks its run).
 async fn lock_runs(conn: &mut PgConnection, step_ids: &[Uuid]) -> Result<(), DbError> {
     sqlx::query(
-        "SELECT 1 FROM durable.workflow_runs w
-          WHERE w.id IN (SELECT s.run_id FROM durable.step_runs s WHERE s.id = ANY ($1))
-          ORDER BY w.id FOR NO KEY UPDATE",
+        // a primary-key probe per run, in id order (as a semi-join the
+        // planner may make it a hash join over a scan of every run)
+        "SELECT 1
+           FROM (SELECT DISTINCT s.run_id FROM durable.step_runs s
+                  WHERE s.id = ANY ($1) ORDER BY s.run_id) r
+          CROSS JOIN LATERAL (SELECT 1 FROM durable.workflow_runs w
+                               WHERE w.id = r.run_id FOR NO KEY UPDATE) l",
     )
     .bind(step_ids)
     .execute(&mut *conn)
