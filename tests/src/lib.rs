@@ -716,3 +716,18 @@ pub fn accepted_event() -> supervisor::db::NewEvent<'static> {
         executor_at: None,
     }
 }
+
+/// An attempt's failure with code `X`, message `x`, no retry delay: what the
+/// database-level tests report when only the failure's retryability matters.
+pub fn failure_x(retryable: bool) -> supervisor::db::FailureReport {
+    supervisor::db::FailureReport {
+        failure: supervisor::state::Failure {
+            code: "X".into(),
+            retryable,
+            next_retry_delay: None,
+        },
+        message: "x".into(),
+        details: None,
+        sequence: None,
+    }
+}

@@ -13,8 +13,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 use sqlx::Row;
-use supervisor::db::{Db, DbError, FailureReport, LeasedStep, NewEvent};
-use supervisor::state::{aggregate_run, Failure, RunState, StepState};
+use supervisor::db::{Db, DbError, LeasedStep, NewEvent};
+use supervisor::state::{aggregate_run, RunState, StepState};
 use tests::TestDb;
 use uuid::Uuid;
 
@@ -24,19 +24,6 @@ async fn worker(db: &Db, name: &str) -> Uuid {
         .await
         .expect("register");
     id
-}
-
-fn failure(retryable: bool) -> FailureReport {
-    FailureReport {
-        failure: Failure {
-            code: "X".into(),
-            retryable,
-            next_retry_delay: None,
-        },
-        message: "x".into(),
-        details: None,
-        sequence: None,
-    }
 }
 
 /// Every run's counters, every definition's dependency counter and every
@@ -303,8 +290,13 @@ async fn counters_equal_a_full_recount_after_random_transitions() {
             "fail_retryable" | "fail_terminal" => {
                 let (l, _) = held.swap_remove(k);
                 lost_is_fine(
-                    t.db.fail(&l.lease, "w", &failure(op == "fail_retryable"), 0.5)
-                        .await,
+                    t.db.fail(
+                        &l.lease,
+                        "w",
+                        &tests::failure_x(op == "fail_retryable"),
+                        0.5,
+                    )
+                    .await,
                     "fail",
                 );
             }

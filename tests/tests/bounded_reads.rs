@@ -14,10 +14,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::json;
-use supervisor::db::{
-    Batch, CompleteWrite, Db, DbConn, FailureReport, LeasedStep, OwnedEvent, StartWrite,
-};
-use supervisor::state::Failure;
+use supervisor::db::{Batch, CompleteWrite, Db, DbConn, LeasedStep, OwnedEvent, StartWrite};
 use tests::TestDb;
 use uuid::Uuid;
 
@@ -56,19 +53,6 @@ fn ev(sequence: u64, kind: &'static str) -> OwnedEvent {
         message: String::new(),
         fraction: None,
         executor_at: None,
-    }
-}
-
-fn failure(retryable: bool) -> FailureReport {
-    FailureReport {
-        failure: Failure {
-            code: "X".into(),
-            retryable,
-            next_retry_delay: None,
-        },
-        message: "x".into(),
-        details: None,
-        sequence: None,
     }
 }
 
@@ -208,7 +192,7 @@ async fn measure(db: &Db, wid: Uuid) -> Reads {
         let r0 = reads(&mut tx).await;
         let mut c = DbConn::new(&mut tx);
         // no jitter, no delay: the retry is leasable at once
-        c.fail(&b.lease, "w", &failure(retryable), 0.0)
+        c.fail(&b.lease, "w", &tests::failure_x(retryable), 0.0)
             .await
             .expect("fail b");
         out.insert(what, since(&r0, reads(&mut tx).await));

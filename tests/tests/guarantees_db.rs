@@ -29,20 +29,6 @@ async fn lease_all(db: &Db, wid: Uuid, n: u32) -> Vec<LeasedStep> {
         .expect("lease")
 }
 
-/// An attempt's failure with code X.
-fn failure(retryable: bool) -> supervisor::db::FailureReport {
-    supervisor::db::FailureReport {
-        failure: supervisor::state::Failure {
-            code: "X".into(),
-            retryable,
-            next_retry_delay: None,
-        },
-        message: "x".into(),
-        details: None,
-        sequence: None,
-    }
-}
-
 fn two_step_chain() -> serde_json::Value {
     json!({"name": "chain", "steps": [
         {"name": "a", "executor_kind": "go", "kind": "k"},
@@ -296,7 +282,7 @@ async fn mixed_writers_do_not_deadlock() {
                 let n = held.len() / 2;
                 for s in held.drain(..n) {
                     let r = if round % 2 == 0 {
-                        db.fail(&s.lease, "w", &failure(false), 0.5)
+                        db.fail(&s.lease, "w", &tests::failure_x(false), 0.5)
                             .await
                             .map(|_| ())
                     } else {
@@ -397,7 +383,7 @@ async fn a_released_attempt_is_not_counted() {
     let s2 = lease_all(&t.db, wid, 1).await.remove(0);
     assert_eq!(s2.lease.attempt(), 2, "attempt numbers stay unique");
     let d =
-        t.db.fail(&s2.lease, "w", &failure(true), 0.5)
+        t.db.fail(&s2.lease, "w", &tests::failure_x(true), 0.5)
             .await
             .expect("fail");
     assert!(

@@ -79,6 +79,35 @@ async fn state_of(db: &Db, id: Uuid) -> String {
         .expect("state")
 }
 
+/// Another owner takes `s`'s lease over (a new token): its writes are fenced out.
+async fn steal(t: &TestDb, s: &LeasedStep) {
+    sqlx::query("UPDATE durable.step_runs SET lease_token = gen_random_uuid() WHERE id = $1")
+        .bind(s.lease.step_run_id())
+        .execute(t.db.pool())
+        .await
+        .expect("steal");
+}
+
+/// A site rule (a trigger of the operator's) refuses `s`'s update into
+/// `state`, and only that one, with SQLSTATE 22023 and `message`.
+async fn refuse_entering(t: &TestDb, s: &LeasedStep, state: &str, message: &str) {
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION public.refuse_{state}() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.id = '{id}' AND NEW.state = '{state}' THEN
+                 RAISE EXCEPTION '{message}' USING ERRCODE = '22023';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_{state} BEFORE UPDATE ON durable.step_runs
+             FOR EACH ROW EXECUTE FUNCTION public.refuse_{state}();",
+        id = s.lease.step_run_id()
+    ))
+    .execute(t.db.pool())
+    .await
+    .expect("site trigger");
+}
+
 /// Four leases in one batch: two succeed, one's completion is refused by the
 /// database (a site trigger raising 22023 for that row alone), one lost its
 /// lease to another owner. Each intent gets its own answer; the refusal and
@@ -90,26 +119,9 @@ async fn a_batch_answers_each_intent_on_its_own() {
     let s = lease_one_each(&t, 4).await;
     let (a, b, c, d) = (&s[0], &s[1], &s[2], &s[3]);
     // d's lease is taken over (another owner's token)
-    sqlx::query("UPDATE durable.step_runs SET lease_token = gen_random_uuid() WHERE id = $1")
-        .bind(d.lease.step_run_id())
-        .execute(t.db.pool())
-        .await
-        .expect("steal");
+    steal(&t, d).await;
     // the database refuses c's success, and only c's
-    sqlx::raw_sql(&format!(
-        "CREATE FUNCTION public.refuse_c() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.id = '{}' AND NEW.state = 'succeeded' THEN
-                 RAISE EXCEPTION 'refused by a site rule' USING ERRCODE = '22023';
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER refuse_c BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.refuse_c();",
-        c.lease.step_run_id()
-    ))
-    .execute(t.db.pool())
-    .await
-    .expect("site trigger");
+    refuse_entering(&t, c, "succeeded", "refused by a site rule").await;
 
     let batch = Batch {
         starts: s.iter().map(start).collect(),
@@ -649,25 +661,14 @@ async fn a_write_fenced_out_or_refused_fails_alone_and_the_batch_commits() {
     let t = TestDb::new().await;
     let s = lease_one_each(&t, 4).await;
     let (stale, refused, released, cancelled) = (&s[0], &s[1], &s[2], &s[3]);
-    sqlx::query("UPDATE durable.step_runs SET lease_token = gen_random_uuid() WHERE id = $1")
-        .bind(stale.lease.step_run_id())
-        .execute(t.db.pool())
-        .await
-        .expect("steal");
-    sqlx::raw_sql(&format!(
-        "CREATE FUNCTION public.refuse_failure() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.id = '{}' AND NEW.state = 'retryable_failed' THEN
-                 RAISE EXCEPTION 'failures refused by a site rule' USING ERRCODE = '22023';
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER refuse_failure BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.refuse_failure();",
-        refused.lease.step_run_id()
-    ))
-    .execute(t.db.pool())
-    .await
-    .expect("site trigger");
+    steal(&t, stale).await;
+    refuse_entering(
+        &t,
+        refused,
+        "retryable_failed",
+        "failures refused by a site rule",
+    )
+    .await;
 
     let batch = Batch {
         starts: [refused, released, cancelled]
