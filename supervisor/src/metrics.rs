@@ -197,7 +197,7 @@ impl Metrics {
         );
         r.register(
             "ledger_batch_intents",
-            "Intents (starts, event runs, completions) written per ledger batch",
+            "Intents written per ledger batch (starts, event runs, completions, checkpoints, failures, cancels, refusals, releases)",
             m.ledger_batch.clone(),
         );
         r.register(
