@@ -11,7 +11,10 @@
 --   EXISTS under an OR, which the planner may make a hashed subplan over
 --   every open run or every dependency edge;
 -- * the counters' lock of the runs, a join that could be a hash join over a
---   scan of every run.
+--   scan of every run;
+-- * the set forms' lock and fence (lock_batch), a semi-join and a join of
+--   the same shape: now durable.lock_runs_of, shared with a ledger batch
+--   that locks its runs up front, and a probe per step.
 --
 -- The decisions are unchanged; only how the rows are found is.
 
@@ -187,4 +190,36 @@ BEGIN
       FROM unnest(r_ids, r_cur, r_next, r_why) AS x(id, cur, nxt, why)
      ORDER BY x.id;
     RETURN NULL;
+END $$;
+
+-- One way to lock the runs of a set of steps: a primary-key probe per run, in
+-- id order (as a semi-join the planner may make it a hash join over a scan
+-- of every run). The set forms' lock_batch and a ledger batch that locks its
+-- runs up front (supervisor/src/db/ledger.rs) both call it.
+CREATE FUNCTION durable.lock_runs_of(p_steps uuid[]) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1
+       FROM (SELECT DISTINCT s.run_id FROM durable.step_runs s
+              WHERE s.id = ANY (p_steps) ORDER BY s.run_id) r
+      CROSS JOIN LATERAL (SELECT 1 FROM durable.workflow_runs w
+                           WHERE w.id = r.run_id FOR NO KEY UPDATE) l;
+END $$;
+
+-- The set forms' lock and fence: the batch's runs (above), then its steps,
+-- each by a probe in id order, the fence (token, live state) in the probe.
+CREATE OR REPLACE FUNCTION durable.lock_batch(p_ids uuid[], p_tokens uuid[],
+                                              OUT n integer[], OUT id uuid[], OUT state text[], OUT attempt integer[])
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM durable.lock_runs_of(p_ids);
+    SELECT array_agg(x.n ORDER BY x.id), array_agg(x.id ORDER BY x.id),
+           array_agg(x.state ORDER BY x.id), array_agg(x.attempt ORDER BY x.id)
+      INTO n, id, state, attempt
+      FROM (SELECT u.n::integer AS n, s.id, s.state, s.attempt
+              FROM (SELECT * FROM unnest(p_ids, p_tokens) WITH ORDINALITY AS u(id, token, n)
+                     ORDER BY u.id) u
+             CROSS JOIN LATERAL (SELECT s.id, s.state, s.attempt FROM durable.step_runs s
+                                  WHERE s.id = u.id AND s.lease_token = u.token
+                                    AND s.state IN ('leased', 'running')
+                                  FOR NO KEY UPDATE) s) x;
 END $$;

@@ -394,13 +394,8 @@ impl DbConn<'_> {
 /// step writer locks its run).
 async fn lock_runs(conn: &mut PgConnection, step_ids: &[Uuid]) -> Result<(), DbError> {
     sqlx::query(
-        // a primary-key probe per run, in id order (as a semi-join the
-        // planner may make it a hash join over a scan of every run)
-        "SELECT 1
-           FROM (SELECT DISTINCT s.run_id FROM durable.step_runs s
-                  WHERE s.id = ANY ($1) ORDER BY s.run_id) r
-          CROSS JOIN LATERAL (SELECT 1 FROM durable.workflow_runs w
-                               WHERE w.id = r.run_id FOR NO KEY UPDATE) l",
+        // the set forms' own run lock (a key probe per run, in id order)
+        "SELECT durable.lock_runs_of($1)",
     )
     .bind(step_ids)
     .execute(&mut *conn)
