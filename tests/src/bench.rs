@@ -12,6 +12,20 @@ use supervisor::db::Db;
 
 pub use crate::db_url;
 
+/// A pool of `n` connections for a plain-SQL baseline: PostgreSQL's own plan
+/// cache (the runtime's connections plan every statement generically, which
+/// its SQL is written for and the baselines' statements are not), JIT off and
+/// the statement timeout as on the runtime's.
+pub async fn plain_db(url: &str, n: u32) -> Result<Db> {
+    let opts: sqlx::postgres::PgConnectOptions = url.parse()?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(n)
+        .test_before_acquire(false)
+        .connect_with(opts.options([("statement_timeout", "60000"), ("jit", "off")]))
+        .await?;
+    Ok(Db::from_pool(pool))
+}
+
 pub fn busy_fraction(a: (u64, u64), b: (u64, u64)) -> f64 {
     let total = b.1.saturating_sub(a.1);
     if total == 0 {
@@ -144,6 +158,14 @@ pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
             .await?;
         settings.insert(s.into(), Value::String(v));
     }
+    // what Db::connect sets on the runtime's own connections (admin is one)
+    let mut session = serde_json::Map::new();
+    for s in ["plan_cache_mode", "jit"] {
+        let v: String = sqlx::query_scalar(&format!("SHOW {s}"))
+            .fetch_one(admin.pool())
+            .await?;
+        session.insert(s.into(), Value::String(v));
+    }
     let git = |args: &[&str]| {
         std::process::Command::new("git")
             .arg("-C")
@@ -167,6 +189,7 @@ pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
         "load_average": loadavg(),
         "postgresql_version": version,
         "postgresql_settings": settings,
+        "runtime_session_settings": session,
         "postgresql_host": db_host(url),
         "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
         "git_commit": commit,
@@ -199,6 +222,18 @@ pub async fn print_setup(admin: &Db, url: &str) -> Result<Value> {
         })
         .unwrap_or_default();
     println!("postgresql  : {}; {settings}", st("postgresql_version"));
+    let session = s["runtime_session_settings"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default();
+    println!(
+        "sessions    : the runtime's connections {session}; plain-SQL baselines PostgreSQL's plan cache (plan_cache_mode=auto), jit=off"
+    );
     println!(
         "build       : {} profile (debug_assertions {}); git {}{}; database server at {}",
         st("build_profile"),

@@ -528,11 +528,25 @@ impl Db {
             url: redact_url(url),
             source,
         })?;
-        // no statement waits forever on a lock or runs away (a transient
-        // error the callers retry); the heartbeat's own connection is tighter
+        // No statement waits forever on a lock or runs away (a transient
+        // error the callers retry); the heartbeat's own connection is tighter.
+        // Every statement is planned once per connection (generic plans): by
+        // default PostgreSQL re-plans a prepared statement with its values
+        // whenever the generic plan looks costlier, which with arrays as
+        // parameters is always: the lease cost 0.86 ms of planning per call,
+        // the triggers' array statements 0.2–0.5 ms each. The runtime's SQL
+        // is written for it (key probes whose plan does not depend on the
+        // values; tests/tests/bounded_reads.rs). No JIT: a generic plan's
+        // estimate over a million pending rows crosses jit_above_cost, and
+        // compiling it cost 280 ms for a lease that runs in 0.1 ms.
         let opts = opts
             .log_statements(tracing::log::LevelFilter::Trace)
-            .options([("statement_timeout", "60000"), ("lock_timeout", "10000")]);
+            .options([
+                ("statement_timeout", "60000"),
+                ("lock_timeout", "10000"),
+                ("plan_cache_mode", "force_generic_plan"),
+                ("jit", "off"),
+            ]);
         // No ping before every acquire (sqlx's default): it costs a round trip
         // per statement batch (~3 per step, measured by bench_queue); a dead
         // connection surfaces as an error on the next statement instead, which
@@ -552,6 +566,13 @@ impl Db {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// A `Db` over a pool the caller configured, without the session
+    /// settings [`Db::connect`] gives the runtime's connections (the
+    /// benchmarks' plain-SQL baselines use PostgreSQL's defaults).
+    pub fn from_pool(pool: PgPool) -> Db {
+        Db { pool }
     }
 
     /// A separate pool of one connection to the same database, with

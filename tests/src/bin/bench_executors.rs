@@ -453,7 +453,7 @@ struct PlainCell {
 /// leases up to its free slots) and each claimed job is started and completed
 /// (fenced by its token and state) on its own connection, `conc` at once.
 async fn plain_cycle(url: &str, conc: u32, jobs: u32) -> Result<PlainCell> {
-    let db = Db::connect(url, conc + 1).await?;
+    let db = plain_db(url, conc + 1).await?;
     sqlx::query(PLAIN_DDL).execute(db.pool()).await?;
     sqlx::query(PLAIN_INDEX).execute(db.pool()).await?;
     sqlx::query("TRUNCATE public.plain_jobs")

@@ -159,7 +159,10 @@ async fn run_cell(
     leases: &[Lease],
     calls: u32,
 ) -> Result<Cell> {
-    let db = Db::connect(url, 1).await?;
+    let db = match imp {
+        Imp::Runtime => Db::connect(url, 1).await?,
+        Imp::Plain => plain_db(url, 1).await?,
+    };
     let reader = Db::connect(url, 1).await?;
     let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id()).collect();
     for _ in 0..WARMUP {

@@ -254,7 +254,10 @@ async fn run_cell(
     let mut dbs = Vec::new();
     let mut pids = Vec::new();
     for _ in 0..workers {
-        let db = Db::connect(url, 1).await?;
+        let db = match imp {
+            Imp::Runtime => Db::connect(url, 1).await?,
+            Imp::Plain => plain_db(url, 1).await?,
+        };
         pids.push(backend_pid(&db).await?);
         // time spent in plpgsql functions, read from pg_stat_user_functions
         sqlx::query("SET track_functions = 'pl'")
