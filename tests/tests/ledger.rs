@@ -989,3 +989,109 @@ async fn a_failure_whose_batch_lost_its_connection_is_written_again_once() {
         .collect();
     assert_eq!(failed.len(), 1, "the failure committed once: {h:?}");
 }
+
+/// Counts the statements sqlx sends (its `sqlx::query` log events, one per
+/// statement executed; its own BEGIN and COMMIT are not among them) while it
+/// is the thread's subscriber.
+#[derive(Clone, Default)]
+struct Statements(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Statements {
+    fn on_event(&self, e: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if e.metadata().target() == "sqlx::query" {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+impl Statements {
+    fn take(&self) -> usize {
+        self.0.swap(0, std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A flush of the ledger's set forms is one statement: starts, their
+/// progress events and other leases' completions, with the up-front run
+/// lock, in one call (`durable.write_sets`), in autocommit on a bare
+/// connection. It was BEGIN, the run lock, one statement per part and
+/// COMMIT: six round trips, each a full protocol cycle on both sides, for
+/// one transaction (four of them statements this test counts). Inside a
+/// caller's transaction it is a savepoint around that one call, and the
+/// caller's transaction goes on. What it writes is what the parts wrote.
+#[tokio::test(flavor = "current_thread")]
+async fn a_flush_of_set_writes_is_one_statement() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 4).await;
+    let db = t.connect(1).await;
+    // both halves of the batch in flight: s[0], s[1] starting, s[2], s[3]
+    // already running and finishing
+    let warm = Batch {
+        starts: vec![start(&s[2]), start(&s[3])],
+        ..Batch::default()
+    };
+    db.write_batch("w", &warm)
+        .await
+        .expect("the earlier starts");
+
+    let count = Statements::default();
+    let _scope =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(count.clone()));
+    let running = |seq: u64| EventsWrite {
+        lease: s[0].lease.clone(),
+        events: vec![ev(seq, "running")],
+    };
+    let batch = Batch {
+        starts: vec![start(&s[0]), start(&s[1])],
+        events: vec![running(2)],
+        completes: vec![complete(&s[2], 2), complete(&s[3], 2)],
+    };
+    count.take();
+    let out = db.write_batch("w", &batch).await.expect("the batch");
+    assert_eq!(count.take(), 1, "one statement for the whole batch");
+    assert_eq!(out.starts, vec![RowOutcome::Ok, RowOutcome::Ok]);
+    assert_eq!(out.events, vec![RowOutcome::Ok]);
+    assert_eq!(out.completes, vec![RowOutcome::Ok, RowOutcome::Ok]);
+    for (x, want) in [
+        (0, "running"),
+        (1, "running"),
+        (2, "succeeded"),
+        (3, "succeeded"),
+    ] {
+        assert_eq!(
+            state_of(&db, s[x].lease.step_run_id()).await,
+            want,
+            "step {x}"
+        );
+    }
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM durable.step_events WHERE step_run_id = $1 ORDER BY sequence",
+    )
+    .bind(s[0].lease.step_run_id())
+    .fetch_all(db.pool())
+    .await
+    .expect("events");
+    assert_eq!(kinds, ["accepted", "running"]);
+    count.take();
+
+    // inside a caller's transaction: a savepoint around the one call
+    let mut tx = db.pool().begin().await.expect("begin");
+    let more = Batch {
+        events: vec![running(3)],
+        ..Batch::default()
+    };
+    let out = supervisor::db::DbConn::new(&mut tx)
+        .write_batch("w", &more)
+        .await
+        .expect("in a transaction");
+    assert_eq!(out.events, vec![RowOutcome::Ok]);
+    let mine: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM durable.step_events WHERE step_run_id = $1")
+            .bind(s[0].lease.step_run_id())
+            .fetch_one(&mut *tx)
+            .await
+            .expect("the caller's transaction goes on");
+    assert_eq!(mine, 3);
+    tx.commit().await.expect("commit");
+    assert_eq!(tests::event_count(&db, s[0].lease.step_run_id()).await, 3);
+}

@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{Connection, PgConnection, Row};
 use uuid::Uuid;
 
-use super::{Ctx, Db, DbConn, DbError, FailureReport, Lease, NewArtifact, NewEvent};
+use super::{Ctx, Db, DbConn, DbError, FailureReport, Lease, NewArtifact, NewEvent, Scope};
 use crate::state::FailureDecision;
 
 /// An owned progress event (the ledger's queue outlives the attempt's frame).
@@ -271,13 +271,30 @@ impl Db {
 }
 
 impl DbConn<'_> {
-    /// See [`Db::write_batch`]. The batch's transaction is `conn.begin()`: a
-    /// SAVEPOINT inside a caller's transaction, so a batch that fails as a
-    /// whole undoes only itself; a row refused alone stays in its outcome.
+    /// See [`Db::write_batch`]. The batch is one statement: on a bare
+    /// connection its own transaction, inside a caller's transaction a
+    /// savepoint, so a batch that fails as a whole undoes only itself; a row
+    /// refused alone stays in its outcome.
     pub async fn write_batch(&mut self, worker: &str, b: &Batch) -> Result<BatchOutcome, DbError> {
-        let mut tx = self.conn.begin().await.ctx("beginning a ledger batch")?;
-        let out = write_sets(&mut tx, worker, b).await?;
-        tx.commit().await.ctx("committing a ledger batch")?;
+        let mut s = Scope::enter(self.conn).await?;
+        // starts and completions together: each set form locks its own
+        // runs in id order, but the completions' after the starts', so the
+        // batch as a whole locks its runs up front, once, in id order
+        let lock = if !b.starts.is_empty() && !b.completes.is_empty() {
+            let mut ids: Vec<Uuid> = b
+                .starts
+                .iter()
+                .map(|s| s.lease.step_run_id)
+                .chain(b.completes.iter().map(|c| c.lease.step_run_id))
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids
+        } else {
+            Vec::new()
+        };
+        let out = write_sets(&mut s, worker, b, &lock).await?;
+        s.done().await?;
         Ok(out)
     }
 
@@ -288,10 +305,7 @@ impl DbConn<'_> {
         b: &Batch,
         writes: &[LedgerWrite],
     ) -> Result<LedgerOutcome, DbError> {
-        // starts and completions together: each set form locks its own
-        // runs in id order, but the completions' after the starts', so the
-        // batch as a whole locks its runs up front (below), once, in id order
-        if writes.is_empty() && (b.starts.is_empty() || b.completes.is_empty()) {
+        if writes.is_empty() {
             let batch = self.write_batch(worker, b).await?;
             return Ok(LedgerOutcome {
                 batch,
@@ -311,11 +325,11 @@ impl DbConn<'_> {
         let mut tx = self.conn.begin().await.ctx("beginning a ledger batch")?;
         // The writes below lock their runs in the order given, after the set
         // forms locked theirs: the batch's runs are locked first, once, in
-        // id order, so that the batch as a whole takes its run locks in
-        // ascending order (and a checkpoint's step lock is never taken before
-        // a run lock), as every other multi-run writer does.
-        // (Plain events lock nothing. One locking intent alone needs no
-        // lock taken ahead of it.)
+        // id order (by the set part's statement), so that the batch as a
+        // whole takes its run locks in ascending order (and a checkpoint's
+        // step lock is never taken before a run lock), as every other
+        // multi-run writer does. (Plain events lock nothing. One locking
+        // intent alone needs no lock taken ahead of it.)
         let mut locking: Vec<Uuid> = b
             .starts
             .iter()
@@ -323,12 +337,12 @@ impl DbConn<'_> {
             .chain(b.completes.iter().map(|c| c.lease.step_run_id))
             .chain(writes.iter().map(|w| w.lease().step_run_id))
             .collect();
-        if locking.len() > 1 {
-            locking.sort_unstable();
-            locking.dedup();
-            lock_runs(&mut tx, &locking).await?;
+        locking.sort_unstable();
+        locking.dedup();
+        if locking.len() < 2 {
+            locking.clear();
         }
-        let batch = write_sets(&mut tx, worker, b).await?;
+        let batch = write_sets(&mut tx, worker, b, &locking).await?;
         let mut out = Vec::with_capacity(writes.len());
         for w in writes {
             // its own savepoint: a failure undoes only this write (and rolls
@@ -390,110 +404,100 @@ impl DbConn<'_> {
     }
 }
 
-/// Locks the runs of these steps, in id order (`FOR NO KEY UPDATE`, as every
-/// step writer locks its run).
-async fn lock_runs(conn: &mut PgConnection, step_ids: &[Uuid]) -> Result<(), DbError> {
-    sqlx::query(
-        // the set forms' own run lock (a key probe per run, in id order)
-        "SELECT durable.lock_runs_of($1)",
-    )
-    .bind(step_ids)
-    .execute(&mut *conn)
-    .await
-    .ctx("locking a ledger batch's runs")?;
-    Ok(())
-}
-
-/// The set-based part of a batch, on the batch's transaction: the starts,
-/// then the plain events, then the completions.
+/// The set-based part of a batch in one statement (`durable.write_sets`):
+/// the runs of `lock` locked first, in id order (none when empty), then the
+/// starts, the plain events and the completions. No statement at all when
+/// there is nothing to write.
 async fn write_sets(
-    tx: &mut PgConnection,
+    conn: &mut PgConnection,
     worker: &str,
     b: &Batch,
+    lock: &[Uuid],
 ) -> Result<BatchOutcome, DbError> {
-    let mut out = BatchOutcome::default();
-    if !b.starts.is_empty() {
-        let ids: Vec<Uuid> = b.starts.iter().map(|s| s.lease.step_run_id).collect();
-        let tokens: Vec<Uuid> = b.starts.iter().map(|s| s.lease.token).collect();
-        let pids: Vec<i32> = b.starts.iter().map(|s| s.pid).collect();
-        let seqs: Vec<i64> = b.starts.iter().map(|s| s.event.sequence as i64).collect();
-        let kinds: Vec<&str> = b.starts.iter().map(|s| s.event.kind).collect();
-        let msgs: Vec<&str> = b.starts.iter().map(|s| s.event.message.as_str()).collect();
-        let fracs: Vec<Option<f64>> = b.starts.iter().map(|s| s.event.fraction).collect();
-        let ats: Vec<Option<DateTime<Utc>>> =
-            b.starts.iter().map(|s| s.event.executor_at).collect();
-        let rows = sqlx::query(
-            "SELECT idx, status, err_state, err_message
-               FROM durable.start_steps($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(worker)
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&pids)
-        .bind(&seqs)
-        .bind(&kinds)
-        .bind(&msgs)
-        .bind(&fracs)
-        .bind(&ats)
-        .fetch_all(&mut *tx)
-        .await
-        .ctx("recording starts (batch)")?;
-        out.starts = row_outcomes(rows, b.starts.len())?;
+    if lock.is_empty() && b.starts.is_empty() && b.events.is_empty() && b.completes.is_empty() {
+        return Ok(BatchOutcome::default());
     }
-    if !b.events.is_empty() {
-        let ids: Vec<Uuid> = b.events.iter().map(|e| e.lease.step_run_id).collect();
-        let tokens: Vec<Uuid> = b.events.iter().map(|e| e.lease.token).collect();
-        let (mut lease_n, mut seqs, mut kinds, mut msgs, mut fracs, mut ats) =
-            (vec![], vec![], vec![], vec![], vec![], vec![]);
-        for (n, w) in b.events.iter().enumerate() {
-            for e in &w.events {
-                lease_n.push(n as i32 + 1);
-                seqs.push(e.sequence as i64);
-                kinds.push(e.kind);
-                msgs.push(e.message.as_str());
-                fracs.push(e.fraction);
-                ats.push(e.executor_at);
+    let s_ids: Vec<Uuid> = b.starts.iter().map(|s| s.lease.step_run_id).collect();
+    let s_tokens: Vec<Uuid> = b.starts.iter().map(|s| s.lease.token).collect();
+    let s_pids: Vec<i32> = b.starts.iter().map(|s| s.pid).collect();
+    let s_seqs: Vec<i64> = b.starts.iter().map(|s| s.event.sequence as i64).collect();
+    let s_kinds: Vec<&str> = b.starts.iter().map(|s| s.event.kind).collect();
+    let s_msgs: Vec<&str> = b.starts.iter().map(|s| s.event.message.as_str()).collect();
+    let s_fracs: Vec<Option<f64>> = b.starts.iter().map(|s| s.event.fraction).collect();
+    let s_ats: Vec<Option<DateTime<Utc>>> = b.starts.iter().map(|s| s.event.executor_at).collect();
+
+    let e_ids: Vec<Uuid> = b.events.iter().map(|e| e.lease.step_run_id).collect();
+    let e_tokens: Vec<Uuid> = b.events.iter().map(|e| e.lease.token).collect();
+    let (mut e_lease, mut e_seqs, mut e_kinds, mut e_msgs, mut e_fracs, mut e_ats) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for (n, w) in b.events.iter().enumerate() {
+        for e in &w.events {
+            e_lease.push(n as i32 + 1);
+            e_seqs.push(e.sequence as i64);
+            e_kinds.push(e.kind);
+            e_msgs.push(e.message.as_str());
+            e_fracs.push(e.fraction);
+            e_ats.push(e.executor_at);
+        }
+    }
+
+    let c_ids: Vec<Uuid> = b.completes.iter().map(|c| c.lease.step_run_id).collect();
+    let c_tokens: Vec<Uuid> = b.completes.iter().map(|c| c.lease.token).collect();
+    let c_outputs: Vec<&serde_json::Value> = b.completes.iter().map(|c| &c.output).collect();
+    let c_seqs: Vec<Option<i64>> = b
+        .completes
+        .iter()
+        .map(|c| c.sequence.map(|s| s as i64))
+        .collect();
+
+    let rows = sqlx::query(
+        "SELECT part, idx, status, err_state, err_message
+           FROM durable.write_sets($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
+                                   $11, $12, $13, $14, $15, $16, $17, $18,
+                                   $19, $20, $21::jsonb[], $22)",
+    )
+    .bind(worker)
+    .bind(lock)
+    .bind(&s_ids)
+    .bind(&s_tokens)
+    .bind(&s_pids)
+    .bind(&s_seqs)
+    .bind(&s_kinds)
+    .bind(&s_msgs)
+    .bind(&s_fracs)
+    .bind(&s_ats)
+    .bind(&e_ids)
+    .bind(&e_tokens)
+    .bind(&e_lease)
+    .bind(&e_seqs)
+    .bind(&e_kinds)
+    .bind(&e_msgs)
+    .bind(&e_fracs)
+    .bind(&e_ats)
+    .bind(&c_ids)
+    .bind(&c_tokens)
+    .bind(&c_outputs)
+    .bind(&c_seqs)
+    .fetch_all(&mut *conn)
+    .await
+    .ctx("writing a ledger batch (starts, progress events, completions)")?;
+    let (mut starts, mut events, mut completes) = (vec![], vec![], vec![]);
+    for r in rows {
+        let part: String = r.get("part");
+        match part.as_str() {
+            "start" => starts.push(r),
+            "event" => events.push(r),
+            "complete" => completes.push(r),
+            other => {
+                return Err(DbError::Corrupt(format!(
+                    "ledger batch answered for an unknown part {other:?}"
+                )))
             }
         }
-        let rows = sqlx::query(
-            "SELECT idx, status, err_state, err_message
-               FROM durable.record_plain_events($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&lease_n)
-        .bind(&seqs)
-        .bind(&kinds)
-        .bind(&msgs)
-        .bind(&fracs)
-        .bind(&ats)
-        .fetch_all(&mut *tx)
-        .await
-        .ctx("recording progress events (batch)")?;
-        out.events = row_outcomes(rows, b.events.len())?;
     }
-    if !b.completes.is_empty() {
-        let ids: Vec<Uuid> = b.completes.iter().map(|c| c.lease.step_run_id).collect();
-        let tokens: Vec<Uuid> = b.completes.iter().map(|c| c.lease.token).collect();
-        let outputs: Vec<&serde_json::Value> = b.completes.iter().map(|c| &c.output).collect();
-        let seqs: Vec<Option<i64>> = b
-            .completes
-            .iter()
-            .map(|c| c.sequence.map(|s| s as i64))
-            .collect();
-        let rows = sqlx::query(
-            "SELECT idx, status, err_state, err_message
-               FROM durable.complete_steps($1, $2, $3, $4::jsonb[], $5)",
-        )
-        .bind(worker)
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&outputs)
-        .bind(&seqs)
-        .fetch_all(&mut *tx)
-        .await
-        .ctx("completing steps (batch)")?;
-        out.completes = row_outcomes(rows, b.completes.len())?;
-    }
-    Ok(out)
+    Ok(BatchOutcome {
+        starts: row_outcomes(starts, b.starts.len())?,
+        events: row_outcomes(events, b.events.len())?,
+        completes: row_outcomes(completes, b.completes.len())?,
+    })
 }
