@@ -143,29 +143,21 @@ pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
     let version: String = sqlx::query_scalar("SHOW server_version")
         .fetch_one(admin.pool())
         .await?;
-    let mut settings = serde_json::Map::new();
-    for s in [
-        "fsync",
-        "synchronous_commit",
-        "full_page_writes",
-        "shared_buffers",
-        "max_connections",
-        "autovacuum",
-        "work_mem",
-    ] {
-        let v: String = sqlx::query_scalar(&format!("SHOW {s}"))
-            .fetch_one(admin.pool())
-            .await?;
-        settings.insert(s.into(), Value::String(v));
-    }
+    let settings = show(
+        admin,
+        &[
+            "fsync",
+            "synchronous_commit",
+            "full_page_writes",
+            "shared_buffers",
+            "max_connections",
+            "autovacuum",
+            "work_mem",
+        ],
+    )
+    .await?;
     // what Db::connect sets on the runtime's own connections (admin is one)
-    let mut session = serde_json::Map::new();
-    for s in ["plan_cache_mode", "jit"] {
-        let v: String = sqlx::query_scalar(&format!("SHOW {s}"))
-            .fetch_one(admin.pool())
-            .await?;
-        session.insert(s.into(), Value::String(v));
-    }
+    let session = show(admin, &["plan_cache_mode", "jit"]).await?;
     let git = |args: &[&str]| {
         std::process::Command::new("git")
             .arg("-C")
@@ -197,6 +189,30 @@ pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
     }))
 }
 
+/// These settings of `admin`'s session, by name.
+async fn show(admin: &Db, names: &[&str]) -> Result<serde_json::Map<String, Value>> {
+    let mut out = serde_json::Map::new();
+    for s in names {
+        let v: String = sqlx::query_scalar(&format!("SHOW {s}"))
+            .fetch_one(admin.pool())
+            .await?;
+        out.insert((*s).into(), Value::String(v));
+    }
+    Ok(out)
+}
+
+/// `k=v, k=v` of a JSON object of strings.
+fn key_values(v: &Value) -> String {
+    v.as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
+}
+
 /// Prints machine, PostgreSQL and build facts (from [`setup_json`]) and returns them.
 pub async fn print_setup(admin: &Db, url: &str) -> Result<Value> {
     let s = setup_json(admin, url).await?;
@@ -212,25 +228,9 @@ pub async fn print_setup(admin: &Db, url: &str) -> Result<Value> {
         st("kernel"),
         st("load_average"),
     );
-    let settings = s["postgresql_settings"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
-                .collect::<Vec<_>>()
-                .join(", ")
-        })
-        .unwrap_or_default();
+    let settings = key_values(&s["postgresql_settings"]);
     println!("postgresql  : {}; {settings}", st("postgresql_version"));
-    let session = s["runtime_session_settings"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
-                .collect::<Vec<_>>()
-                .join(", ")
-        })
-        .unwrap_or_default();
+    let session = key_values(&s["runtime_session_settings"]);
     println!(
         "sessions    : the runtime's connections {session}; plain-SQL baselines PostgreSQL's plan cache (plan_cache_mode=auto), jit=off"
     );

@@ -281,15 +281,7 @@ impl DbConn<'_> {
         // runs in id order, but the completions' after the starts', so the
         // batch as a whole locks its runs up front, once, in id order
         let lock = if !b.starts.is_empty() && !b.completes.is_empty() {
-            let mut ids: Vec<Uuid> = b
-                .starts
-                .iter()
-                .map(|s| s.lease.step_run_id)
-                .chain(b.completes.iter().map(|c| c.lease.step_run_id))
-                .collect();
-            ids.sort_unstable();
-            ids.dedup();
-            ids
+            steps_to_lock(b, &[])
         } else {
             Vec::new()
         };
@@ -330,15 +322,7 @@ impl DbConn<'_> {
         // step lock is never taken before a run lock), as every other
         // multi-run writer does. (Plain events lock nothing. One locking
         // intent alone needs no lock taken ahead of it.)
-        let mut locking: Vec<Uuid> = b
-            .starts
-            .iter()
-            .map(|s| s.lease.step_run_id)
-            .chain(b.completes.iter().map(|c| c.lease.step_run_id))
-            .chain(writes.iter().map(|w| w.lease().step_run_id))
-            .collect();
-        locking.sort_unstable();
-        locking.dedup();
+        let mut locking = steps_to_lock(b, writes);
         if locking.len() < 2 {
             locking.clear();
         }
@@ -402,6 +386,21 @@ impl DbConn<'_> {
             }
         }
     }
+}
+
+/// The steps of a batch whose runs its writes lock (starts, completions and
+/// the other writes; plain events lock nothing), in id order, once each.
+fn steps_to_lock(b: &Batch, writes: &[LedgerWrite]) -> Vec<Uuid> {
+    let mut ids: Vec<Uuid> = b
+        .starts
+        .iter()
+        .map(|s| s.lease.step_run_id)
+        .chain(b.completes.iter().map(|c| c.lease.step_run_id))
+        .chain(writes.iter().map(|w| w.lease().step_run_id))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 /// The set-based part of a batch in one statement (`durable.write_sets`):
