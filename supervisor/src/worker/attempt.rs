@@ -971,6 +971,7 @@ async fn converse(
         clocks,
         cancel_grace_ms: cfg.cancel_grace_ms,
         job_id: &job.job_id,
+        exit_told: false,
     };
     let (machine, finish) = conv.drive(machine).await;
     let Conversation {
@@ -1060,6 +1061,12 @@ struct Conversation<'a> {
     clocks: Clocks,
     cancel_grace_ms: u64,
     job_id: &'a str,
+    /// Whether the machine was told the leader exited. The exit is watched
+    /// until then, also when it already happened: asking the process instead
+    /// ("has it exited?") disabled the watch for an exit that came before the
+    /// question, and an executor that exited right after its terminal then
+    /// kept its attempt open for the whole cancel grace.
+    exit_told: bool,
 }
 
 impl Conversation<'_> {
@@ -1094,8 +1101,9 @@ impl Conversation<'_> {
                     _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
                     _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
                     _ = sleep_opt(c.silence_at) => return Input::Silent,
-                    res = self.child.exited(), if !self.child.has_exited() => {
+                    res = self.child.exited(), if !self.exit_told => {
                         if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
+                        self.exit_told = true;
                         return Input::Exited;
                     }
                     _ = self.writer.room(), if !room => continue,
@@ -1133,8 +1141,9 @@ impl Conversation<'_> {
                 tokio::select! {
                     biased;
                     _ = sleep_opt(grace_until) => Input::GraceEnded,
-                    res = self.child.exited(), if !self.child.has_exited() => {
+                    res = self.child.exited(), if !self.exit_told => {
                         if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
+                        self.exit_told = true;
                         Input::Exited
                     }
                     frame = self.frames.next(), if reading => self.frame_input(frame),
