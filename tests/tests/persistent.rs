@@ -120,3 +120,69 @@ async fn warm_process_serves_many_jobs(lang: &str) {
 }
 
 tests::for_each_lang!(warm_process_serves_many_jobs);
+
+/// The executor is free as soon as its job ended: the next job does not wait
+/// for the previous one's writes. The first `accepted` event's insert sleeps
+/// 3 s (a slow database); with one slot, the second step is leased while the
+/// first one's start is still being written. Before the fix the slot came
+/// back only after the attempt's writer had finished, so the second lease
+/// waited the whole 3 s (and every persistent job waited for the one before
+/// it to be written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.slowed (at timestamptz NOT NULL DEFAULT now());
+         CREATE FUNCTION public.slow_first_start() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.kind = 'accepted' AND NOT EXISTS (SELECT 1 FROM public.slowed) THEN
+                 INSERT INTO public.slowed DEFAULT VALUES;
+                 PERFORM pg_sleep(3);
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER slow_first_start BEFORE INSERT ON durable.step_events
+             FOR EACH ROW EXECUTE FUNCTION public.slow_first_start();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("slow trigger");
+    let mut runs = Vec::new();
+    for i in 0..2 {
+        runs.push(
+            t.submit(
+                json!({"name": "pair", "steps": [{"name": "s", "executor_kind": "go",
+                     "kind": "demo.echo", "input": {"i": i}, "retry": {"max_attempts": 1}}]}),
+            )
+            .await,
+        );
+    }
+    let mut e = demo("go", "go", &[], None);
+    e.persistent = true;
+    e.concurrency = 1;
+    let mut cfg = fast_config(vec![e]);
+    // a row under a slow write cannot be renewed (the heartbeat skips locked
+    // rows): the lease must outlast the 3 s
+    cfg.lease_ttl_ms = 20_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    for run in &runs {
+        let st = t.wait_terminal(*run, LONG).await;
+        assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    }
+    let slowed: i64 = t.scalar_i64("SELECT count(*) FROM public.slowed").await;
+    assert_eq!(slowed, 1, "the first start was written slowly");
+    let leased: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM leased_at)::float8 FROM durable.step_runs ORDER BY leased_at",
+    )
+    .fetch_all(t.db.pool())
+    .await
+    .expect("lease times");
+    assert_eq!(leased.len(), 2);
+    let gap = leased[1] - leased[0];
+    assert!(
+        gap < 1.5,
+        "the second job was leased {gap:.2} s after the first: it waited for the first one's slow start write"
+    );
+    w.shutdown().await;
+}

@@ -127,12 +127,14 @@ pub(crate) async fn run(
 ) {
     let started = Instant::now();
     let redactor = Arc::new(Redact::default());
+    let mut slot = Some(slot);
     let outcome = match AssertUnwindSafe(execute(
         &shared,
         &exec,
         &step,
         control.clone(),
         redactor.clone(),
+        &mut slot,
     ))
     .catch_unwind()
     .await
@@ -147,8 +149,10 @@ pub(crate) async fn run(
             )
         }
     };
-    // done with the executor: its slot goes to the next job while this
-    // outcome commits (the lease stays in the renewal set until then)
+    // done with the executor (execute gave the slot back as soon as the
+    // executor was free, unless it ended before it had one): its slot goes to
+    // the next job while this outcome commits (the lease stays in the renewal
+    // set until then)
     drop(slot);
     let outcome = redactor.outcome(outcome);
     if let Outcome::Failed { code, message, .. } = &outcome {
@@ -264,6 +268,7 @@ async fn execute(
     step: &LeasedStep,
     mut control: watch::Receiver<LeaseView>,
     redactor: Arc<Redact>,
+    slot: &mut Option<super::ExecSlot>,
 ) -> Outcome {
     crate::fault::maybe_panic(&step.kind);
     let view = *control.borrow_and_update();
@@ -370,7 +375,7 @@ async fn execute(
         },
     };
     let _stderr_log = session.child.log_stderr_here(redactor.clone());
-    let outcome = converse(
+    let conversed = converse(
         shared,
         exec,
         step,
@@ -381,6 +386,13 @@ async fn execute(
     )
     .await;
     finish_session(shared, exec, session).await;
+    // done with the executor (stopped and reaped, or back in its pool): its
+    // slot goes to the next job while this one's writes finish
+    drop(slot.take());
+    let outcome = match conversed {
+        Conversed::Decided(o) => o,
+        Conversed::Ran(ran) => conclude(shared, step, &job, *ran, &control, &redactor).await,
+    };
     drop(workdir);
     outcome
 }
@@ -846,7 +858,7 @@ async fn converse(
     job: &wire::Job,
     control: &mut watch::Receiver<LeaseView>,
     redactor: &Redact,
-) -> Outcome {
+) -> Conversed {
     let cfg = &shared.cfg;
     let budget = shared.stop_budget();
     let persistent = exec.cfg.persistent;
@@ -864,12 +876,12 @@ async fn converse(
         let read = tokio::select! {
             biased;
             _ = shared.abort.cancelled() => {
-                return stop_now(child, cfg, Outcome::Released {
+                return Conversed::Decided(stop_now(child, cfg, Outcome::Released {
                     message: "the worker shut down while the executor started; no job was sent".into(),
-                }).await;
+                }).await);
             }
             c = until_stopped(control, budget) => {
-                return stop_now(child, cfg, before_job_outcome(c)).await;
+                return Conversed::Decided(stop_now(child, cfg, before_job_outcome(c)).await);
             }
             r = handshake => r,
         };
@@ -882,7 +894,9 @@ async fn converse(
                     HandshakeError::Wire(w) => wire_failure(w).1,
                     other => other.to_string(),
                 };
-                return stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await;
+                return Conversed::Decided(
+                    stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await,
+                );
             }
         };
         session.hello = Some(h.clone());
@@ -902,7 +916,7 @@ async fn converse(
             code: "EXECUTOR_REFUSED".into(),
             message: why,
         };
-        return decline(child, stdin, cfg, outcome).await;
+        return Conversed::Decided(decline(child, stdin, cfg, outcome).await);
     }
     // protocol 1.1: the revision, features and frame limits agreed with this
     // hello are stated in the job; a job over the executor's limit is not sent
@@ -917,7 +931,7 @@ async fn converse(
                 exec.set_routes(Vec::new());
             }
             let outcome = Outcome::failed(e.code(), false, e.to_string());
-            return decline(child, stdin, cfg, outcome).await;
+            return Conversed::Decided(decline(child, stdin, cfg, outcome).await);
         }
     };
 
@@ -925,7 +939,9 @@ async fn converse(
     // step is still only leased, so the job is never sent
     let before_job = control.borrow_and_update().control;
     if before_job != Control::Run {
-        return decline(child, stdin, cfg, before_job_outcome(before_job)).await;
+        return Conversed::Decided(
+            decline(child, stdin, cfg, before_job_outcome(before_job)).await,
+        );
     }
 
     // --- the job
@@ -1006,6 +1022,49 @@ async fn converse(
         (None, true) => "still serving".into(),
         (None, false) => "unknown status".into(),
     };
+    Conversed::Ran(Box::new(Ran {
+        machine,
+        writer,
+        exit_text,
+        stderr_tail: report.map(|r| r.stderr_tail).unwrap_or_default(),
+    }))
+}
+
+/// How a conversation with the executor ended: decided before any job ran
+/// (a stop during the handshake, a refusal, a failed negotiation), or a job
+/// that ran, whose outcome is concluded once the executor is free again.
+enum Conversed {
+    Decided(Outcome),
+    Ran(Box<Ran>),
+}
+
+/// A job that ran: its machine, its writer, and how its process ended (kept
+/// warm, or stopped and reaped).
+struct Ran {
+    machine: Machine,
+    writer: Writer,
+    exit_text: String,
+    stderr_tail: String,
+}
+
+/// The outcome of a job that ran. It needs no executor: the slot is free by
+/// now, so the next job starts while this one's writes finish (the terminal
+/// is committed after them) and its result is verified.
+async fn conclude(
+    shared: &Arc<Shared>,
+    step: &LeasedStep,
+    job: &wire::Job,
+    ran: Ran,
+    control: &watch::Receiver<LeaseView>,
+    redactor: &Redact,
+) -> Outcome {
+    let cfg = &shared.cfg;
+    let Ran {
+        machine,
+        writer,
+        exit_text,
+        stderr_tail,
+    } = ran;
     // the writer persists what it has (the terminal comes after its events)
     let valid_until = control.borrow().valid_until;
     writer
@@ -1014,7 +1073,7 @@ async fn converse(
 
     let own_cancel = step.cancel_requested || control.borrow().control == Control::Cancel;
     if machine.ended_without_terminal() {
-        warn!(status = %exit_text, stderr_tail = %redactor.text(report.as_ref().map(|r| r.stderr_tail.as_str()).unwrap_or("")),
+        warn!(status = %exit_text, stderr_tail = %redactor.text(&stderr_tail),
               "executor ended without a terminal");
     }
     let accepted = machine.accepted();

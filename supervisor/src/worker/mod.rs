@@ -138,9 +138,10 @@ impl Shared {
 }
 
 /// An attempt's executor slot. Given back as soon as the attempt is done
-/// with its executor (its outcome known, the process stopped or back in the
-/// pool), before the outcome is committed: the next job does not wait on the
-/// previous one's commit. Given back whatever happens (a panic included).
+/// with its executor (the process stopped and reaped, or back in the pool),
+/// before the attempt's writes finish, its result is verified and its
+/// outcome committed: the next job waits on none of these. Given back
+/// whatever happens (a panic included).
 pub(crate) struct ExecSlot {
     exec: Arc<ExecutorRuntime>,
     freed: Arc<Notify>,
