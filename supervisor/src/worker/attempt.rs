@@ -127,14 +127,13 @@ pub(crate) async fn run(
 ) {
     let started = Instant::now();
     let redactor = Arc::new(Redact::default());
-    let mut slot = Some(slot);
     let outcome = match AssertUnwindSafe(execute(
         &shared,
         &exec,
         &step,
         control.clone(),
         redactor.clone(),
-        &mut slot,
+        slot,
     ))
     .catch_unwind()
     .await
@@ -149,11 +148,9 @@ pub(crate) async fn run(
             )
         }
     };
-    // done with the executor (execute gave the slot back as soon as the
-    // executor was free, unless it ended before it had one): its slot goes to
-    // the next job while this outcome commits (the lease stays in the renewal
-    // set until then)
-    drop(slot);
+    // execute gave the executor's slot back as soon as the executor was free
+    // (or on any earlier return, or its unwinding); the lease stays in the
+    // renewal set until this outcome commits
     let outcome = redactor.outcome(outcome);
     if let Outcome::Failed { code, message, .. } = &outcome {
         crate::metrics::attempt_failed(code);
@@ -268,7 +265,7 @@ async fn execute(
     step: &LeasedStep,
     mut control: watch::Receiver<LeaseView>,
     redactor: Arc<Redact>,
-    slot: &mut Option<super::ExecSlot>,
+    slot: super::ExecSlot,
 ) -> Outcome {
     crate::fault::maybe_panic(&step.kind);
     let view = *control.borrow_and_update();
@@ -388,7 +385,7 @@ async fn execute(
     finish_session(shared, exec, session).await;
     // done with the executor (stopped and reaped, or back in its pool): its
     // slot goes to the next job while this one's writes finish
-    drop(slot.take());
+    drop(slot);
     let outcome = match conversed {
         Conversed::Decided(o) => o,
         Conversed::Ran(ran) => conclude(shared, step, &job, *ran, &control, &redactor).await,
@@ -849,6 +846,54 @@ fn before_job_outcome(c: Control) -> Outcome {
     }
 }
 
+/// The executor's hello: the one a warm process said, or read now from a
+/// new one (the executor speaks first). A cancel, a lost lease or the
+/// worker's abort during the read, or a failed read, stops the child; the
+/// error is then the attempt's outcome.
+async fn hello_of(
+    shared: &Shared,
+    session: &mut Session,
+    control: &mut watch::Receiver<LeaseView>,
+    redactor: &Redact,
+) -> Result<Hello, Outcome> {
+    if let Some(h) = &session.hello {
+        return Ok(h.clone());
+    }
+    let cfg = &shared.cfg;
+    let child = &mut session.child;
+    let handshake = wire::read_hello(
+        &mut session.frames,
+        Duration::from_millis(cfg.handshake_timeout_ms),
+    );
+    let read = tokio::select! {
+        biased;
+        _ = shared.abort.cancelled() => {
+            return Err(stop_now(child, cfg, Outcome::Released {
+                message: "the worker shut down while the executor started; no job was sent".into(),
+            }).await);
+        }
+        c = until_stopped(control, shared.stop_budget()) => {
+            return Err(stop_now(child, cfg, before_job_outcome(c)).await);
+        }
+        r = handshake => r,
+    };
+    match read {
+        Ok(h) => {
+            session.hello = Some(h.clone());
+            Ok(h)
+        }
+        Err(e) => {
+            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %redactor.text(&child.stderr().tail_string()), "handshake failed");
+            // the raw evidence stays in the log; the stored message describes it
+            let msg = match &e {
+                HandshakeError::Wire(w) => wire_failure(w).1,
+                other => other.to_string(),
+            };
+            Err(stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await)
+        }
+    }
+}
+
 /// The conversation with one child, from hello to reaped.
 async fn converse(
     shared: &Arc<Shared>,
@@ -859,49 +904,17 @@ async fn converse(
     control: &mut watch::Receiver<LeaseView>,
     redactor: &Redact,
 ) -> Conversed {
+    let hello = match hello_of(shared, session, control, redactor).await {
+        Ok(h) => h,
+        Err(outcome) => return Conversed::Decided(outcome),
+    };
     let cfg = &shared.cfg;
     let budget = shared.stop_budget();
     let persistent = exec.cfg.persistent;
     let mut stdin = session.stdin.take();
-    let known_hello = session.hello.clone();
     let child = &mut session.child;
     let frames = &mut session.frames;
 
-    // --- handshake (a new process only): the executor speaks first; a
-    // cancel, a lost lease or the worker's abort during it stops the child
-    let hello: Hello = if let Some(h) = known_hello {
-        h
-    } else {
-        let handshake = wire::read_hello(frames, Duration::from_millis(cfg.handshake_timeout_ms));
-        let read = tokio::select! {
-            biased;
-            _ = shared.abort.cancelled() => {
-                return Conversed::Decided(stop_now(child, cfg, Outcome::Released {
-                    message: "the worker shut down while the executor started; no job was sent".into(),
-                }).await);
-            }
-            c = until_stopped(control, budget) => {
-                return Conversed::Decided(stop_now(child, cfg, before_job_outcome(c)).await);
-            }
-            r = handshake => r,
-        };
-        let h = match read {
-            Ok(h) => h,
-            Err(e) => {
-                warn!(error = %redactor.text(&e.to_string()), stderr_tail = %redactor.text(&child.stderr().tail_string()), "handshake failed");
-                // the raw evidence stays in the log; the stored message describes it
-                let msg = match &e {
-                    HandshakeError::Wire(w) => wire_failure(w).1,
-                    other => other.to_string(),
-                };
-                return Conversed::Decided(
-                    stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await,
-                );
-            }
-        };
-        session.hello = Some(h.clone());
-        h
-    };
     if let Err(why) = super::routing::check(
         &hello,
         &exec.cfg,
@@ -987,7 +1000,6 @@ async fn converse(
         clocks,
         cancel_grace_ms: cfg.cancel_grace_ms,
         job_id: &job.job_id,
-        exit_told: false,
     };
     let (machine, finish) = conv.drive(machine).await;
     let Conversation {
@@ -1120,12 +1132,6 @@ struct Conversation<'a> {
     clocks: Clocks,
     cancel_grace_ms: u64,
     job_id: &'a str,
-    /// Whether the machine was told the leader exited. The exit is watched
-    /// until then, also when it already happened: asking the process instead
-    /// ("has it exited?") disabled the watch for an exit that came before the
-    /// question, and an executor that exited right after its terminal then
-    /// kept its attempt open for the whole cancel grace.
-    exit_told: bool,
 }
 
 impl Conversation<'_> {
@@ -1160,9 +1166,8 @@ impl Conversation<'_> {
                     _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
                     _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
                     _ = sleep_opt(c.silence_at) => return Input::Silent,
-                    res = self.child.exited(), if !self.exit_told => {
+                    res = self.child.exited(), if !machine.exited() => {
                         if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
-                        self.exit_told = true;
                         return Input::Exited;
                     }
                     _ = self.writer.room(), if !room => continue,
@@ -1200,9 +1205,8 @@ impl Conversation<'_> {
                 tokio::select! {
                     biased;
                     _ = sleep_opt(grace_until) => Input::GraceEnded,
-                    res = self.child.exited(), if !self.exit_told => {
+                    res = self.child.exited(), if !machine.exited() => {
                         if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
-                        self.exit_told = true;
                         Input::Exited
                     }
                     frame = self.frames.next(), if reading => self.frame_input(frame),

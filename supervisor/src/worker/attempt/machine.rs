@@ -489,6 +489,14 @@ impl Machine {
         self.frames.accepted
     }
 
+    /// Whether the machine was told that the leader exited. The driver
+    /// watches the exit until it was, also when it already happened: asking
+    /// the process instead ("has it exited?") would miss an exit that came
+    /// before the question, and the attempt would wait for the cancel grace.
+    pub(crate) fn exited(&self) -> bool {
+        self.exited
+    }
+
     /// The executor ended the job with a terminal (it served a job).
     pub(crate) fn answered(&self) -> bool {
         self.terminal.is_some()
