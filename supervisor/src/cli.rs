@@ -915,8 +915,10 @@ pub fn dev_config(root: &Path) -> WorkerConfig {
             .join("target/executors/demo-executor-go")
             .to_string_lossy()
             .into_owned(),
-        // the bundled executors stay warm between jobs
+        // the bundled executors stay warm between jobs, one process started
+        // ahead, so not even the first job waits for a process start
         persistent: true,
+        warm_processes: 1,
         ..ExecutorConfig::default()
     };
     let py = ExecutorConfig {
@@ -927,6 +929,7 @@ pub fn dev_config(root: &Path) -> WorkerConfig {
             .to_string_lossy()
             .into_owned()],
         persistent: true,
+        warm_processes: 1,
         ..ExecutorConfig::default()
     };
     cfg.executors = vec![go, py];

@@ -263,6 +263,13 @@ pub struct ExecutorConfig {
     /// Caps the jobs one persistent process serves (default: what its hello says).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_jobs_per_process: Option<u32>,
+    /// Persistent executors: processes kept started and handshaken ahead of
+    /// jobs, at most `concurrency`. The worker starts them when it starts and
+    /// replaces each one that is retired or killed, so no job (the first ones
+    /// included) waits for a process start while fewer are busy. 0: processes
+    /// start when a job needs one.
+    #[serde(default)]
+    pub warm_processes: u32,
 }
 
 impl Default for WorkerConfig {
@@ -316,6 +323,7 @@ impl Default for ExecutorConfig {
             concurrency: d_concurrency(),
             persistent: false,
             max_jobs_per_process: None,
+            warm_processes: 0,
         }
     }
 }
@@ -591,6 +599,18 @@ impl WorkerConfig {
                     e.name
                 ));
             }
+            if e.warm_processes > 0 && !e.persistent {
+                return bad(format!(
+                    "executor {:?}: warm_processes = {} needs persistent = true (a one-shot process serves one job, so none can be kept warm): set persistent = true or remove warm_processes",
+                    e.name, e.warm_processes
+                ));
+            }
+            if e.warm_processes > e.concurrency {
+                return bad(format!(
+                    "executor {:?}: warm_processes = {} is more than its concurrency = {}: no more than {} of its processes are ever busy; lower warm_processes or raise concurrency",
+                    e.name, e.warm_processes, e.concurrency, e.concurrency
+                ));
+            }
             if let Some(s) = e.secrets.iter().find(|s| !crate::secrets::is_valid_name(s)) {
                 return bad(format!(
                     "executor {:?}: secrets entry {s:?} is not a secret name: use letters, digits and _, not starting with a digit, at most 128 characters (like REPORT_API_TOKEN)",
@@ -829,6 +849,11 @@ const EXECUTOR_KEYS: &[(&str, &str, Option<&str>)] = &[
         "max_jobs_per_process",
         "Caps the jobs one persistent process serves (default: what its hello says).",
         Some("100"),
+    ),
+    (
+        "warm_processes",
+        "Persistent executors: processes kept started and handshaken ahead of jobs, at most concurrency; started with the worker, and each one retired or killed is replaced. 0: a process starts when a job needs one.",
+        None,
     ),
 ];
 

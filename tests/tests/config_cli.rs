@@ -271,6 +271,16 @@ fn validation_at_start_names_the_key_and_checks_ranges() {
             format!("{EXEC}max_jobs_per_process = 0\n"),
             vec!["executor \"x\"", "max_jobs_per_process = 0"],
         ),
+        (
+            "warm processes of a one-shot executor",
+            format!("{EXEC}warm_processes = 1\n"),
+            vec!["executor \"x\"", "warm_processes = 1", "persistent = true"],
+        ),
+        (
+            "more warm processes than can serve",
+            format!("{EXEC}persistent = true\nconcurrency = 2\nwarm_processes = 3\n"),
+            vec!["executor \"x\"", "warm_processes = 3", "concurrency = 2"],
+        ),
         ("no executors", String::new(), vec!["no [[executors]]"]),
     ] {
         let bad = write(dir.path(), "bad.toml", &text);

@@ -121,6 +121,141 @@ async fn warm_process_serves_many_jobs(lang: &str) {
 
 tests::for_each_lang!(warm_process_serves_many_jobs);
 
+/// The live processes whose working directory is a session directory under
+/// `work_dir` (persistent sessions run in `durable-session-<executor>-…`).
+fn session_processes(work_dir: &std::path::Path) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        if let Ok(cwd) = std::fs::read_link(e.path().join("cwd")) {
+            let session = cwd
+                .strip_prefix(work_dir)
+                .is_ok_and(|rest| rest.to_string_lossy().starts_with("durable-session-"));
+            if session && alive(pid) {
+                pids.push(pid);
+            }
+        }
+    }
+    pids.sort_unstable();
+    pids
+}
+
+/// Waits until exactly `n` session processes run under `work_dir` and
+/// `settled` holds for them; returns them.
+async fn wait_sessions(
+    work_dir: &std::path::Path,
+    n: usize,
+    settled: impl Fn(&[i32]) -> bool,
+    what: &str,
+) -> Vec<i32> {
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        let pids = session_processes(work_dir);
+        if pids.len() == n && settled(&pids) {
+            return pids;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{what}: session processes are {pids:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `warm_processes`: the worker starts that many processes of a persistent
+/// executor before any job arrives, jobs run in them, and one retired after
+/// its `max_jobs_per_process` is replaced without waiting for the next job.
+/// Nothing of the pool survives the worker.
+async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    let mut e = demo(lang, lang, &[], None);
+    e.persistent = true;
+    e.concurrency = 2;
+    e.warm_processes = 2;
+    e.max_jobs_per_process = Some(1);
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+
+    // before any job: two processes, started by the worker on its own
+    let warm = wait_sessions(work.path(), 2, |_| true, "two warm processes at start").await;
+
+    // a job runs in one of them; that process served its one job and is
+    // retired, and a new one takes its place with no job waiting for it
+    let (state, pid) = run_one(&t, lang, "demo.echo", json!({"i": 1})).await;
+    assert_eq!(state, "succeeded");
+    let used = pid.expect("pid");
+    assert!(
+        warm.contains(&used),
+        "the job ran in {used}, not in a warm process {warm:?}"
+    );
+    let refilled = wait_sessions(
+        work.path(),
+        2,
+        |p| !p.contains(&used) && p.iter().any(|x| !warm.contains(x)),
+        "the retired process replaced",
+    )
+    .await;
+    assert!(!alive(used), "the retired process {used} is still alive");
+
+    // the next jobs run in warm processes too, one after the other and two at once
+    let (state, pid) = run_one(&t, lang, "demo.echo", json!({"i": 2})).await;
+    assert_eq!(state, "succeeded");
+    let second = pid.expect("pid");
+    assert!(refilled.contains(&second), "{second} not in {refilled:?}");
+    let now = wait_sessions(
+        work.path(),
+        2,
+        |p| !p.contains(&second),
+        "the second retired process replaced",
+    )
+    .await;
+    let runs = [
+        t.submit(
+            json!({"name": "a", "steps": [{"name": "s", "executor_kind": lang,
+                  "kind": "demo.sleep", "input": {"ms": 300, "steps": 1}}]}),
+        )
+        .await,
+        t.submit(
+            json!({"name": "b", "steps": [{"name": "s", "executor_kind": lang,
+                  "kind": "demo.sleep", "input": {"ms": 300, "steps": 1}}]}),
+        )
+        .await,
+    ];
+    let mut pair = Vec::new();
+    for run in runs {
+        let st = t.wait_terminal(run, LONG).await;
+        let s = step(&st, "s");
+        assert_eq!(s.state, "succeeded");
+        pair.push(executor_pid(&t.db, s.step_run_id).await.expect("pid"));
+    }
+    pair.sort_unstable();
+    assert_eq!(pair, now, "both jobs ran in the two warm processes");
+    let last = wait_sessions(
+        work.path(),
+        2,
+        |p| p.iter().all(|x| !now.contains(x)),
+        "both replaced",
+    )
+    .await;
+
+    w.shutdown().await;
+    for pid in &last {
+        tests::assert_no_survivors(uuid::Uuid::nil(), Some(*pid), Duration::from_secs(5)).await;
+    }
+    assert_eq!(
+        session_processes(work.path()),
+        Vec::<i32>::new(),
+        "a warm process outlived its worker"
+    );
+}
+
+tests::for_each_lang!(warm_processes_are_started_ahead_and_replaced);
+
 /// The executor is free as soon as its job ended: the next job does not wait
 /// for the previous one's writes. The first `accepted` event's insert sleeps
 /// 3 s (a slow database); with one slot, the second step is leased while the

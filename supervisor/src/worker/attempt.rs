@@ -366,9 +366,10 @@ async fn execute(
             debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
             s
         }
-        None => match spawn_session(shared, exec, workdir.path()).await {
+        None => match Session::start(&shared.spawner, &shared.cfg, &exec.cfg, workdir.path()).await
+        {
             Ok(s) => s,
-            Err(o) => return o,
+            Err(e) => return start_failed(e),
         },
     };
     let _stderr_log = session.child.log_stderr_here(redactor.clone());
@@ -394,51 +395,19 @@ async fn execute(
     outcome
 }
 
-/// Starts a process of `exec`: in `attempt_dir` (one-shot) or in a directory
-/// of its own that lives as long as the process (persistent).
-pub(crate) async fn spawn_session(
-    shared: &Shared,
-    exec: &ExecutorRuntime,
-    attempt_dir: &Path,
-) -> Result<Session, Outcome> {
-    let dir = if exec.cfg.persistent {
-        let base = shared
-            .cfg
-            .work_dir
-            .clone()
-            .unwrap_or_else(std::env::temp_dir);
-        match tempfile::Builder::new()
-            .prefix(&format!("durable-session-{}-", sanitize(&exec.cfg.name)))
-            .tempdir_in(&base)
-        {
-            Ok(d) => Some(d),
-            Err(e) => {
-                return Err(Outcome::Refused {
-                    code: "WORK_DIR_UNAVAILABLE".into(),
-                    message: format!(
-                        "cannot create a session directory in {}: {e}",
-                        base.display()
-                    ),
-                })
-            }
+/// A process that could not be started: a session directory this worker
+/// cannot create is "this worker can't" (a refusal, another worker may run
+/// the step), anything else a retryable failure.
+fn start_failed(e: StartError) -> Outcome {
+    match e {
+        StartError::WorkDir { .. } => Outcome::Refused {
+            code: "WORK_DIR_UNAVAILABLE".into(),
+            message: e.to_string(),
+        },
+        StartError::Spawn(_) | StartError::NoPipes => {
+            Outcome::failed("SPAWN_FAILED", true, e.to_string())
         }
-    } else {
-        None
-    };
-    let cwd = dir.as_ref().map(|d| d.path()).unwrap_or(attempt_dir);
-    let spec = exec.cfg.spawn_spec(cwd, shared.cfg.stderr_tail_bytes);
-    let child = shared
-        .spawner
-        .spawn(spec)
-        .await
-        .map_err(|e| Outcome::failed("SPAWN_FAILED", true, e.to_string()))?;
-    debug!(
-        pid = child.pid,
-        persistent = exec.cfg.persistent,
-        "executor spawned"
-    );
-    Session::new(child, shared.cfg.max_frame_bytes, dir)
-        .ok_or_else(|| Outcome::failed("SPAWN_FAILED", true, "the executor's pipes are missing"))
+    }
 }
 
 /// After a job: a clean persistent session goes back to its pool (unless it
@@ -457,8 +426,10 @@ async fn finish_session(shared: &Shared, exec: &ExecutorRuntime, session: Sessio
         session
             .retire(&shared.cfg, "max_jobs_per_process served")
             .await;
-    } else {
-        exec.pool.put(session);
+    } else if let Some(extra) = exec.pool.put(session, exec.cfg.concurrency as usize) {
+        extra
+            .retire(&shared.cfg, "as many processes are idle as can serve")
+            .await;
     }
 }
 
@@ -541,7 +512,7 @@ async fn materialize_inputs(
     Ok(out)
 }
 
-fn sanitize(name: &str) -> String {
+pub(super) fn sanitize(name: &str) -> String {
     let s: String = name
         .chars()
         .map(|c| {
@@ -559,7 +530,7 @@ fn sanitize(name: &str) -> String {
     }
 }
 
-use super::session::{Frames, Session};
+use super::session::{Frames, Session, StartError};
 
 /// How long one frame may take to go into the child's stdin. A child that
 /// does not read its stdin must not block the attempt's event loop.

@@ -7,6 +7,7 @@ mod leases;
 mod ledger;
 pub mod routing;
 mod session;
+mod warm;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
@@ -78,6 +79,9 @@ pub struct ExecutorRuntime {
     held: AtomicU32,
     /// Idle warm processes (persistent executors).
     pool: session::Pool,
+    /// Told whenever a slot is given back: the warm pool's keeper then
+    /// replaces a process that was retired or killed (`warm_processes`).
+    slot_back: Notify,
 }
 
 impl ExecutorRuntime {
@@ -150,6 +154,7 @@ pub(crate) struct ExecSlot {
 impl Drop for ExecSlot {
     fn drop(&mut self) {
         self.exec.running.fetch_sub(1, Ordering::SeqCst);
+        self.exec.slot_back.notify_one();
         self.freed.notify_one();
     }
 }
@@ -301,6 +306,7 @@ impl Worker {
                 running: AtomicU32::new(0),
                 held: AtomicU32::new(0),
                 pool: session::Pool::default(),
+                slot_back: Notify::new(),
             }));
         }
         let name = cfg
@@ -398,6 +404,8 @@ impl Worker {
         let mut died: Option<&'static str> = None;
         info!(executors = self.executors.len(), "worker running");
         crate::metrics::worker_running(&cfg);
+        // warm pools: processes started ahead of jobs, until the drain starts
+        let mut keepers = warm::start(&shared, &self.executors, &shared.draining);
         let poll = Duration::from_millis(cfg.poll_interval_ms);
         let ttl = Duration::from_millis(cfg.lease_ttl_ms);
         while !shutdown.is_cancelled() {
@@ -523,6 +531,8 @@ impl Worker {
             }
         }
         // warm processes: Shutdown, EOF, their grace, then the usual stop
+        // (the keepers stopped with the drain; none puts a process back now)
+        while keepers.join_next().await.is_some() {}
         for exec in &self.executors {
             for s in exec.pool.drain() {
                 s.retire(&cfg, "the worker is stopping").await;

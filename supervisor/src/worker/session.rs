@@ -9,6 +9,7 @@
 //! `max_jobs_per_process` jobs (the smaller of the hello's and the config's),
 //! and killed on anything else. One-shot executors use a session for one job.
 
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -18,8 +19,8 @@ use tokio::process::ChildStdin;
 use tokio_util::codec::FramedRead;
 use tracing::{debug, warn};
 
-use crate::config::WorkerConfig;
-use crate::process::Child;
+use crate::config::{ExecutorConfig, WorkerConfig};
+use crate::process::{Child, ProcessError, Spawner};
 use crate::wire::{self, Hello, ToExecutor};
 
 pub(crate) type Frames = wire::ExecutorFrames<tokio::process::ChildStdout>;
@@ -40,7 +41,58 @@ pub(crate) struct Session {
     pub reusable: bool,
 }
 
+/// Why a process of an executor could not be started.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StartError {
+    /// A persistent session's own directory could not be created.
+    #[error("cannot create a session directory in {}: {source}", base.display())]
+    WorkDir {
+        base: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Spawn(#[from] ProcessError),
+    #[error("the executor's pipes are missing")]
+    NoPipes,
+}
+
 impl Session {
+    /// Starts a process of `ecfg`: a one-shot one in `attempt_dir`, a
+    /// persistent one in a directory of its own (under `work_dir`) that lives
+    /// as long as the process.
+    pub async fn start(
+        spawner: &Spawner,
+        cfg: &WorkerConfig,
+        ecfg: &ExecutorConfig,
+        attempt_dir: &Path,
+    ) -> Result<Session, StartError> {
+        let dir = if ecfg.persistent {
+            let base = cfg.work_dir.clone().unwrap_or_else(std::env::temp_dir);
+            match tempfile::Builder::new()
+                .prefix(&format!(
+                    "durable-session-{}-",
+                    super::attempt::sanitize(&ecfg.name)
+                ))
+                .tempdir_in(&base)
+            {
+                Ok(d) => Some(d),
+                Err(source) => return Err(StartError::WorkDir { base, source }),
+            }
+        } else {
+            None
+        };
+        let cwd = dir.as_ref().map(|d| d.path()).unwrap_or(attempt_dir);
+        let child = spawner
+            .spawn(ecfg.spawn_spec(cwd, cfg.stderr_tail_bytes))
+            .await?;
+        debug!(
+            pid = child.pid,
+            persistent = ecfg.persistent,
+            "executor spawned"
+        );
+        Session::new(child, cfg.max_frame_bytes, dir).ok_or(StartError::NoPipes)
+    }
+
     /// Wraps a freshly spawned child; `None` if its pipes are missing.
     pub fn new(
         mut child: Child,
@@ -138,8 +190,17 @@ impl Pool {
         }
     }
 
-    pub fn put(&self, s: Session) {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+    /// Keeps `s` idle, unless `cap` sessions already are: then it is handed
+    /// back, to be retired (a warm start and an attempt's own start can race,
+    /// and more idle processes than the executor's concurrency never serve).
+    #[must_use = "a session handed back must be retired"]
+    pub fn put(&self, s: Session, cap: usize) -> Option<Session> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() >= cap {
+            return Some(s);
+        }
+        idle.push(s);
+        None
     }
 
     /// Every idle session, for retirement at shutdown.

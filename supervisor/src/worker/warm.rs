@@ -1,0 +1,165 @@
+//! Warm pools: a persistent executor with `warm_processes = N` keeps N of its
+//! processes started and handshaken ahead of jobs, so that no job waits for a
+//! process start (an interpreter's import time, a JVM's warm-up) while fewer
+//! than N are busy — the first jobs after the worker starts included.
+//!
+//! One keeper task per such executor owns the top-up: whenever the idle
+//! sessions plus the slots in use fall below N (at start; after a process was
+//! retired at `max_jobs_per_process`, killed after a violation, or found dead
+//! while idle), it starts one more, reads its hello, and puts it in the pool.
+//! It never starts more than that: an attempt that finds the pool empty still
+//! starts its own process, as without a warm pool, and the pool never keeps
+//! more idle sessions than the executor's concurrency. A process that cannot
+//! be started (or says no usable hello) is logged, and the keeper tries again
+//! after a back-off that doubles up to [`MAX_BACKOFF`]; jobs are unaffected
+//! (they start their own process and fail or refuse as they would anyway).
+//! When the worker starts draining, the keeper stops; a process it was
+//! starting is stopped, the idle ones are retired with the rest of the pool.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info_span, warn, Instrument};
+
+use super::session::Session;
+use super::{ExecutorRuntime, Shared};
+use crate::wire;
+
+/// The first wait after a failed start; doubled after each further failure.
+const MIN_BACKOFF: Duration = Duration::from_millis(500);
+/// The longest wait between two failed starts.
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Starts one keeper per executor with `warm_processes > 0`. They end when
+/// `stop` is cancelled; join them before the pools are drained.
+pub(crate) fn start(
+    shared: &Arc<Shared>,
+    executors: &[Arc<ExecutorRuntime>],
+    stop: &CancellationToken,
+) -> JoinSet<()> {
+    let mut keepers = JoinSet::new();
+    for exec in executors
+        .iter()
+        .filter(|e| e.cfg.persistent && e.cfg.warm_processes > 0)
+    {
+        let span = info_span!("warm_pool", executor = %exec.cfg.name);
+        keepers.spawn(keep_warm(shared.clone(), exec.clone(), stop.clone()).instrument(span));
+    }
+    keepers
+}
+
+/// Processes to start now: `want` minus the idle ones and the slots in use.
+fn missing(want: u32, idle: usize, busy: u32) -> u32 {
+    want.saturating_sub(u32::try_from(idle).unwrap_or(u32::MAX).saturating_add(busy))
+}
+
+async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
+    let want = exec.cfg.warm_processes;
+    let mut backoff = MIN_BACKOFF;
+    loop {
+        while missing(want, exec.pool.idle(), exec.running.load(Ordering::SeqCst)) > 0 {
+            let started = tokio::select! {
+                _ = stop.cancelled() => return,
+                s = start_one(&shared, &exec) => s,
+            };
+            match started {
+                Ok(session) => {
+                    backoff = MIN_BACKOFF;
+                    debug!(pid = session.child.pid, "warm executor process ready");
+                    if stop.is_cancelled() {
+                        session.retire(&shared.cfg, "the worker is stopping").await;
+                        return;
+                    }
+                    if let Some(extra) = exec.pool.put(session, exec.cfg.concurrency as usize) {
+                        extra
+                            .retire(&shared.cfg, "as many processes are idle as can serve")
+                            .await;
+                    }
+                }
+                Err(why) => {
+                    warn!(error = %why, retry_in_ms = backoff.as_millis() as u64,
+                          "cannot start a warm executor process; jobs start their own meanwhile");
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = exec.slot_back.notified() => {}
+        }
+    }
+}
+
+/// One process of `exec`, started and handshaken, with a hello this
+/// supervisor can speak to. A process whose hello is unusable is stopped.
+async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, String> {
+    let base = shared
+        .cfg
+        .work_dir
+        .clone()
+        .unwrap_or_else(std::env::temp_dir);
+    let mut session = Session::start(&shared.spawner, &shared.cfg, &exec.cfg, &base)
+        .await
+        .map_err(|e| e.to_string())?;
+    let read = wire::read_hello(
+        &mut session.frames,
+        Duration::from_millis(shared.cfg.handshake_timeout_ms),
+    )
+    .await;
+    let usable = match read {
+        Ok(h) if h.protocol_version != wire::PROTOCOL_VERSION => Err(format!(
+            "it speaks protocol version {}; this supervisor speaks {}",
+            h.protocol_version,
+            wire::PROTOCOL_VERSION
+        )),
+        Ok(h) => wire::negotiate(&h, &wire::SupervisorOffer::new(shared.cfg.max_frame_bytes))
+            .map(|_| h)
+            .map_err(|e| format!("{} ({e})", e.code())),
+        Err(e) => Err(format!("handshake failed: {e}")),
+    };
+    match usable {
+        Ok(h) => {
+            session.hello = Some(h);
+            Ok(session)
+        }
+        Err(why) => {
+            let tail = session.child.stderr().tail_string();
+            let _ = super::attempt::stop_child(&mut session.child, &shared.cfg).await;
+            Err(format!("{why}; stderr: {}", tail.trim()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::missing;
+
+    #[test]
+    fn tops_up_to_the_wanted_count_of_idle_and_busy_processes() {
+        // (want, idle, busy) -> to start
+        for (want, idle, busy, expect) in [
+            (2, 0, 0, 2),
+            (2, 1, 0, 1),
+            (2, 0, 1, 1),
+            (2, 1, 1, 0),
+            (2, 2, 0, 0),
+            (2, 0, 4, 0),
+            (2, 3, 0, 0),
+            (0, 0, 0, 0),
+            (1, usize::MAX, u32::MAX, 0),
+        ] {
+            assert_eq!(
+                missing(want, idle, busy),
+                expect,
+                "want {want}, idle {idle}, busy {busy}"
+            );
+        }
+    }
+}
