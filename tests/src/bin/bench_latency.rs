@@ -5,6 +5,12 @@
 //! `ACCEPTED` transition (leased → running), both `clock_timestamp()`.
 //! Prints p50/p95/p99/max per executor with the setup.
 //!
+//! Then, for each persistent executor, the *first* job of a freshly started
+//! worker (`--first-runs` workers, each idle for 2 s after it started, then
+//! one run submitted): submit → accepted with `warm_processes = 0` (the job
+//! starts its process) beside `warm_processes = 1` (the worker started one
+//! ahead), the two interleaved.
+//!
 //!   cargo run --release -p tests --bin bench_latency -- --runs 200 --executors go-persistent,go
 
 use std::time::Duration;
@@ -27,6 +33,10 @@ struct Args {
         default_value = "go-persistent,python-persistent,go,python"
     )]
     executors: Vec<String>,
+    /// Fresh workers per persistent executor and warm_processes setting for
+    /// the first-job figure (0: skip it).
+    #[arg(long, default_value_t = 10)]
+    first_runs: u32,
     /// Write this benchmark's part of the JSON summary here.
     #[arg(long)]
     json_out: Option<std::path::PathBuf>,
@@ -105,13 +115,89 @@ async fn main() -> Result<()> {
             );
         }
     }
+    first_jobs(&args, &admin, &mut report).await?;
     println!();
     report.print_targets();
     report.write(args.json_out.as_deref())?;
     Ok(())
 }
 
-async fn measure(url: &str, which: &str, runs: u32) -> Result<Vec<f64>> {
+/// The first job of a fresh worker, without and with a warm process.
+async fn first_jobs(args: &Args, admin: &Db, report: &mut tests::bench::Report) -> Result<()> {
+    let persistent: Vec<&String> = args
+        .executors
+        .iter()
+        .filter(|w| w.ends_with("-persistent"))
+        .collect();
+    if args.first_runs == 0 || persistent.is_empty() {
+        return Ok(());
+    }
+    println!();
+    println!(
+        "-- the first job of a fresh worker: {} workers per cell, each idle 2 s after its start, then one run; warm_processes 0 and 1 interleaved",
+        args.first_runs
+    );
+    println!(
+        "{:<18} {:>14} {:>5} {:>8} {:>8}",
+        "executor", "warm_processes", "runs", "p50 ms", "max ms"
+    );
+    for which in persistent {
+        let mut lat: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        for _ in 0..args.first_runs {
+            for warm in [0u32, 1] {
+                let name = format!("bench_l_{}", uuid::Uuid::new_v4().simple());
+                sqlx::query(&format!("CREATE DATABASE {name}"))
+                    .execute(admin.pool())
+                    .await?;
+                let url = tests::db_url(&args.database_url, &name);
+                let res = first_job(&url, which, warm).await;
+                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .execute(admin.pool())
+                    .await;
+                lat[warm as usize].push(res?);
+            }
+        }
+        for (warm, l) in lat.iter_mut().enumerate() {
+            l.sort_by(|a, b| a.total_cmp(b));
+            println!(
+                "{:<18} {:>14} {:>5} {:>8.2} {:>8.2}",
+                which,
+                warm,
+                l.len(),
+                pct(l, 50.0),
+                l.last().copied().unwrap_or(f64::NAN)
+            );
+            report.figure(
+                "first job submit→accepted p50",
+                pct(l, 50.0),
+                "ms",
+                serde_json::json!({"executor": which, "warm_processes": warm, "workers": l.len(),
+                    "idle_after_start_ms": 2000, "concurrency": 1}),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A fresh worker, idle for 2 s, then one run: its submit → accepted.
+async fn first_job(url: &str, which: &str, warm: u32) -> Result<f64> {
+    let (db, w) = start(url, which, warm).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spec = tests::one_step(
+        "first",
+        which.trim_end_matches("-persistent"),
+        "demo.echo",
+        serde_json::json!(0),
+    );
+    let run = db.submit(&spec).await?;
+    wait_succeeded(&db, run).await?;
+    let ms = accepted_after_submit(&db, run).await?;
+    w.shutdown().await;
+    Ok(ms)
+}
+
+/// A migrated database and a worker with one executor of `which`, concurrency 1.
+async fn start(url: &str, which: &str, warm: u32) -> Result<(Db, RunningWorker)> {
     let db = Db::connect(url, 4).await?;
     db.migrate().await?;
     let base = which.trim_end_matches("-persistent");
@@ -122,40 +208,55 @@ async fn measure(url: &str, which: &str, runs: u32) -> Result<Vec<f64>> {
     };
     e.persistent = which.ends_with("-persistent");
     e.concurrency = 1;
+    e.warm_processes = warm;
     let w = RunningWorker::start(Db::connect(url, 4).await?, fast_config(vec![e])).await;
+    Ok((db, w))
+}
+
+async fn wait_succeeded(db: &Db, run: uuid::Uuid) -> Result<()> {
+    loop {
+        let st: String =
+            sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
+                .bind(run)
+                .fetch_one(db.pool())
+                .await?;
+        if st == "succeeded" {
+            return Ok(());
+        }
+        if st == "failed" || st == "cancelled" {
+            bail!("run {run} ended {st}");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// The run's SUBMITTED transition to its step's ACCEPTED one, by the database's clock.
+async fn accepted_after_submit(db: &Db, run: uuid::Uuid) -> Result<f64> {
+    Ok(sqlx::query_scalar(
+        "SELECT (extract(epoch FROM (a.at - s.at)) * 1000)::float8
+           FROM durable.transitions s, durable.transitions a
+          WHERE s.run_id = $1 AND s.step_run_id IS NULL AND s.reason = 'SUBMITTED'
+            AND a.run_id = $1 AND a.to_state = 'running' AND a.step_run_id IS NOT NULL",
+    )
+    .bind(run)
+    .fetch_one(db.pool())
+    .await?)
+}
+
+async fn measure(url: &str, which: &str, runs: u32) -> Result<Vec<f64>> {
+    let (db, w) = start(url, which, 0).await?;
+    let base = which.trim_end_matches("-persistent");
     let mut out = Vec::with_capacity(runs as usize);
     for i in 0..runs + 5 {
         let spec = tests::one_step(&format!("l{i}"), base, "demo.echo", serde_json::json!(i));
         let run = db.submit(&spec).await?;
         // wait until it is done, so the worker is idle again
-        loop {
-            let st: String =
-                sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
-                    .bind(run)
-                    .fetch_one(db.pool())
-                    .await?;
-            if st == "succeeded" {
-                break;
-            }
-            if st == "failed" || st == "cancelled" {
-                bail!("run {run} ended {st}");
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        wait_succeeded(&db, run).await?;
         tokio::time::sleep(Duration::from_millis(20)).await;
         if i < 5 {
             continue; // warm-up: connections open, the warm process started
         }
-        let ms: f64 = sqlx::query_scalar(
-            "SELECT (extract(epoch FROM (a.at - s.at)) * 1000)::float8
-               FROM durable.transitions s, durable.transitions a
-              WHERE s.run_id = $1 AND s.step_run_id IS NULL AND s.reason = 'SUBMITTED'
-                AND a.run_id = $1 AND a.to_state = 'running' AND a.step_run_id IS NOT NULL",
-        )
-        .bind(run)
-        .fetch_one(db.pool())
-        .await?;
-        out.push(ms);
+        out.push(accepted_after_submit(&db, run).await?);
     }
     w.shutdown().await;
     Ok(out)
