@@ -72,6 +72,12 @@ struct SignalLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProcessStartLabels {
+    executor: String,
+    by: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StepLabels {
     kind: String,
     outcome: String,
@@ -99,6 +105,8 @@ struct Metrics {
     reclaims: Counter,
     refusals: Capped<CodeLabel, Counter>,
     signals: Family<SignalLabel, Counter>,
+    process_starts: Capped<ProcessStartLabels, Counter>,
+    idle_processes: Capped<ExecutorLabel, Gauge>,
     step_duration: Capped<StepLabels, Histogram>,
     frame_errors: Capped<CodeLabel, Counter>,
     heartbeat_duration: Histogram,
@@ -121,6 +129,8 @@ impl Metrics {
             reclaims: Counter::default(),
             refusals: Capped::new(Family::new_with_constructor(Counter::default)),
             signals: Family::default(),
+            process_starts: Capped::new(Family::new_with_constructor(Counter::default)),
+            idle_processes: Capped::new(Family::new_with_constructor(Gauge::default)),
             step_duration: Capped::new(Family::new_with_constructor(step_histogram)),
             frame_errors: Capped::new(Family::new_with_constructor(Counter::default)),
             heartbeat_duration: Histogram::new([
@@ -164,6 +174,16 @@ impl Metrics {
             "refusals",
             "Steps handed back without running (refused), by code",
             m.refusals.family.clone(),
+        );
+        r.register(
+            "executor_processes_started",
+            "Executor processes started, by executor (its config name) and by whom: job (an attempt found no warm process), warm (the warm pool started it ahead)",
+            m.process_starts.family.clone(),
+        );
+        r.register(
+            "executor_idle_processes",
+            "Processes of a persistent executor idle in its pool, started and handshaken, ready for a job, by executor (its config name)",
+            m.idle_processes.family.clone(),
         );
         r.register(
             "executor_signals",
@@ -391,6 +411,35 @@ pub fn executor_signal(signal: &'static str) {
             signal: signal.into(),
         })
         .inc();
+}
+
+/// A process of `executor` was started, by an attempt (`"job"`) or by its
+/// warm pool ahead of jobs (`"warm"`).
+pub fn executor_process_started(executor: &str, by: &'static str) {
+    let l = ProcessStartLabels {
+        executor: clean(executor),
+        by: by.into(),
+    };
+    metrics()
+        .process_starts
+        .get(l, || ProcessStartLabels {
+            executor: "other".into(),
+            by: by.into(),
+        })
+        .inc();
+}
+
+/// `delta` processes of `executor` went into (+) or out of (-) its pool of idle ones.
+pub fn idle_processes(executor: &str, delta: i64) {
+    let l = ExecutorLabel {
+        executor: clean(executor),
+    };
+    metrics()
+        .idle_processes
+        .get(l, || ExecutorLabel {
+            executor: "other".into(),
+        })
+        .inc_by(delta);
 }
 
 /// A ledger batch of `intents` was written.

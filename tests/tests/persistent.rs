@@ -164,6 +164,29 @@ async fn wait_sessions(
     }
 }
 
+/// The warm processes of executor `name` idle in its pool, ready for a job
+/// (`durable_executor_idle_processes`).
+fn idle_processes(name: &str) -> f64 {
+    tests::metric(
+        &supervisor::metrics::render(),
+        &format!("durable_executor_idle_processes{{executor=\"{name}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+/// Waits until `n` warm processes of `name` are ready in its pool.
+async fn wait_ready(name: &str, n: f64, what: &str) {
+    let until = std::time::Instant::now() + LONG;
+    while idle_processes(name) != n {
+        assert!(
+            std::time::Instant::now() < until,
+            "{what}: {} idle processes, not {n}",
+            idle_processes(name)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// `warm_processes`: the worker starts that many processes of a persistent
 /// executor before any job arrives, jobs run in them, and one retired after
 /// its `max_jobs_per_process` is replaced without waiting for the next job.
@@ -172,7 +195,8 @@ async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let work = tempfile::tempdir().expect("work dir");
-    let mut e = demo(lang, lang, &[], None);
+    let name = format!("warm-{lang}");
+    let mut e = demo(lang, &name, &[], None);
     e.persistent = true;
     e.concurrency = 2;
     e.warm_processes = 2;
@@ -183,6 +207,7 @@ async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
 
     // before any job: two processes, started by the worker on its own
     let warm = wait_sessions(work.path(), 2, |_| true, "two warm processes at start").await;
+    wait_ready(&name, 2.0, "two warm processes at start").await;
 
     // a job runs in one of them; that process served its one job and is
     // retired, and a new one takes its place with no job waiting for it
@@ -200,6 +225,7 @@ async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
         "the retired process replaced",
     )
     .await;
+    wait_ready(&name, 2.0, "the retired process replaced").await;
     assert!(!alive(used), "the retired process {used} is still alive");
 
     // the next jobs run in warm processes too, one after the other and two at once
@@ -214,24 +240,37 @@ async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
         "the second retired process replaced",
     )
     .await;
-    let runs = [
-        t.submit(
-            json!({"name": "a", "steps": [{"name": "s", "executor_kind": lang,
-                  "kind": "demo.sleep", "input": {"ms": 300, "steps": 1}}]}),
-        )
-        .await,
-        t.submit(
-            json!({"name": "b", "steps": [{"name": "s", "executor_kind": lang,
-                  "kind": "demo.sleep", "input": {"ms": 300, "steps": 1}}]}),
-        )
-        .await,
-    ];
+    wait_ready(&name, 2.0, "the second retired process replaced").await;
+    // two at once (long enough that both run together even on a loaded
+    // host): each in one of the two warm processes
+    let mut runs = Vec::new();
+    for name in ["a", "b"] {
+        runs.push(
+            t.submit(
+                json!({"name": name, "steps": [{"name": "s", "executor_kind": lang,
+                  "kind": "demo.sleep", "input": {"ms": 3000, "steps": 3}}]}),
+            )
+            .await,
+        );
+    }
     let mut pair = Vec::new();
+    for run in &runs {
+        let st = t
+            .wait_run(*run, LONG, |s| {
+                s.steps.first().is_some_and(|s| s.state == "running")
+            })
+            .await;
+        pair.push(
+            executor_pid(&t.db, step(&st, "s").step_run_id)
+                .await
+                .expect("pid"),
+        );
+    }
     for run in runs {
-        let st = t.wait_terminal(run, LONG).await;
-        let s = step(&st, "s");
-        assert_eq!(s.state, "succeeded");
-        pair.push(executor_pid(&t.db, s.step_run_id).await.expect("pid"));
+        assert_eq!(
+            step(&t.wait_terminal(run, LONG).await, "s").state,
+            "succeeded"
+        );
     }
     pair.sort_unstable();
     assert_eq!(pair, now, "both jobs ran in the two warm processes");
@@ -242,6 +281,7 @@ async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
         "both replaced",
     )
     .await;
+    wait_ready(&name, 2.0, "both replaced").await;
 
     w.shutdown().await;
     for pid in &last {
@@ -251,6 +291,22 @@ async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
         session_processes(work.path()),
         Vec::<i32>::new(),
         "a warm process outlived its worker"
+    );
+
+    // what an operator sees: every process was started ahead (2 at start,
+    // then one per retired process), none by a job
+    let text = supervisor::metrics::render();
+    let started = |by: &str| {
+        tests::metric(
+            &text,
+            &format!("durable_executor_processes_started_total{{executor=\"{name}\",by=\"{by}\"}}"),
+        )
+    };
+    assert_eq!(started("warm"), Some(6.0), "{text}");
+    assert_eq!(
+        started("job"),
+        None,
+        "a job started its own process: {text}"
     );
 }
 

@@ -368,7 +368,10 @@ async fn execute(
         }
         None => match Session::start(&shared.spawner, &shared.cfg, &exec.cfg, workdir.path()).await
         {
-            Ok(s) => s,
+            Ok(s) => {
+                crate::metrics::executor_process_started(&exec.cfg.name, "job");
+                s
+            }
             Err(e) => return start_failed(e),
         },
     };

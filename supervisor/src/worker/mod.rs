@@ -305,7 +305,7 @@ impl Worker {
                 routes: RwLock::new(routes),
                 running: AtomicU32::new(0),
                 held: AtomicU32::new(0),
-                pool: session::Pool::default(),
+                pool: session::Pool::new(&ecfg.name),
                 slot_back: Notify::new(),
             }));
         }

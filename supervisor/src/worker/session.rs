@@ -166,9 +166,10 @@ impl Session {
     }
 }
 
-/// The idle sessions of one persistent executor.
-#[derive(Default)]
+/// The idle sessions of one persistent executor (counted in
+/// `durable_executor_idle_processes` under its name).
 pub(crate) struct Pool {
+    executor: String,
     idle: Mutex<Vec<Session>>,
 }
 
@@ -179,11 +180,19 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
+    pub fn new(executor: &str) -> Pool {
+        Pool {
+            executor: executor.to_owned(),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
     /// An idle, healthy session, if there is one (unhealthy ones are dropped:
     /// `Child`'s drop kills and reaps their group).
     pub fn take(&self) -> Option<Session> {
         loop {
             let mut s = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+            crate::metrics::idle_processes(&self.executor, -1);
             if s.healthy() {
                 return Some(s);
             }
@@ -200,12 +209,15 @@ impl Pool {
             return Some(s);
         }
         idle.push(s);
+        crate::metrics::idle_processes(&self.executor, 1);
         None
     }
 
     /// Every idle session, for retirement at shutdown.
     pub fn drain(&self) -> Vec<Session> {
-        std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()))
+        let all = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+        crate::metrics::idle_processes(&self.executor, -(all.len() as i64));
+        all
     }
 
     pub fn idle(&self) -> usize {

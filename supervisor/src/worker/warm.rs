@@ -108,6 +108,7 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
     let mut session = Session::start(&shared.spawner, &shared.cfg, &exec.cfg, &base)
         .await
         .map_err(|e| e.to_string())?;
+    crate::metrics::executor_process_started(&exec.cfg.name, "warm");
     let read = wire::read_hello(
         &mut session.frames,
         Duration::from_millis(shared.cfg.handshake_timeout_ms),
