@@ -292,8 +292,10 @@ async fn execute(
     };
     redactor.set(&secrets);
 
-    // the attempt's own directory: in/ for input artifacts, out/ for results.
-    // Failing to make it is "this worker can't", not the step's failure.
+    // the attempt's own directory: out/ for results, in/ for input artifacts
+    // (made only when there are any: most steps have none, and every
+    // directory made and removed costs the filesystem an inode). Failing to
+    // make it is "this worker can't", not the step's failure.
     let base = shared
         .cfg
         .work_dir
@@ -316,7 +318,7 @@ async fn execute(
     };
     let out_dir = workdir.path().join("out");
     let in_dir = workdir.path().join("in");
-    if let Err(e) = std::fs::create_dir(&out_dir).and_then(|_| std::fs::create_dir(&in_dir)) {
+    if let Err(e) = std::fs::create_dir(&out_dir) {
         return Outcome::Refused {
             code: "WORK_DIR_UNAVAILABLE".into(),
             message: format!("cannot prepare the working directory: {e}"),

@@ -447,44 +447,7 @@ impl Worker {
                     leased_any_full = true;
                 }
                 for step in steps {
-                    let rx = shared.leases.insert(step.lease.clone(), sent + ttl);
-                    let id = step.lease.step_run_id();
-                    exec.running.fetch_add(1, Ordering::SeqCst);
-                    exec.held.fetch_add(1, Ordering::SeqCst);
-                    let span = info_span!("attempt", run_id = %step.run_id, step = %step.name,
-                        step_run_id = %id, attempt = step.lease.attempt(), kind = %step.kind);
-                    let guard = LeaseGuard {
-                        shared: shared.clone(),
-                        exec: exec.clone(),
-                        lease: step.lease.clone(),
-                        freed: slot_freed.clone(),
-                    };
-                    let slot = ExecSlot {
-                        exec: exec.clone(),
-                        freed: slot_freed.clone(),
-                    };
-                    let (shared2, exec2) = (shared.clone(), exec.clone());
-                    let slow_release =
-                        crate::fault::release_delay(&step.kind, step.lease.attempt());
-                    attempts.spawn(
-                        async move {
-                            // the guards give the slot and the lease back even
-                            // if the attempt panics
-                            let _guard = guard;
-                            let res = std::panic::AssertUnwindSafe(attempt::run(
-                                shared2, exec2, step, rx, slot,
-                            ))
-                            .catch_unwind()
-                            .await;
-                            if res.is_err() {
-                                error!("the attempt task panicked; its lease is dropped and the step will be reclaimed");
-                            }
-                            if let Some(delay) = slow_release {
-                                tokio::time::sleep(delay).await;
-                            }
-                        }
-                        .instrument(span),
-                    );
+                    start_attempt(&shared, exec, &slot_freed, &mut attempts, step, sent + ttl);
                 }
             }
             // reap finished attempt tasks (a panic in one is logged, never fatal)
@@ -559,6 +522,54 @@ impl Worker {
         info!("worker stopped");
         Ok(())
     }
+}
+
+/// Starts the attempt of a step just leased for `exec`, whose lease is
+/// certainly valid until `valid_until`: the lease joins the renewal set, the
+/// attempt takes one of the executor's slots, and its task gives both back
+/// whatever happens to it (a panic included).
+fn start_attempt(
+    shared: &Arc<Shared>,
+    exec: &Arc<ExecutorRuntime>,
+    slot_freed: &Arc<Notify>,
+    attempts: &mut JoinSet<()>,
+    step: crate::db::LeasedStep,
+    valid_until: Instant,
+) {
+    let rx = shared.leases.insert(step.lease.clone(), valid_until);
+    exec.running.fetch_add(1, Ordering::SeqCst);
+    exec.held.fetch_add(1, Ordering::SeqCst);
+    let span = info_span!("attempt", run_id = %step.run_id, step = %step.name,
+        step_run_id = %step.lease.step_run_id(), attempt = step.lease.attempt(), kind = %step.kind);
+    let guard = LeaseGuard {
+        shared: shared.clone(),
+        exec: exec.clone(),
+        lease: step.lease.clone(),
+        freed: slot_freed.clone(),
+    };
+    let slot = ExecSlot {
+        exec: exec.clone(),
+        freed: slot_freed.clone(),
+    };
+    let (shared, exec) = (shared.clone(), exec.clone());
+    let slow_release = crate::fault::release_delay(&step.kind, step.lease.attempt());
+    attempts.spawn(
+        async move {
+            // the guards give the slot and the lease back even if the
+            // attempt panics
+            let _guard = guard;
+            let res = std::panic::AssertUnwindSafe(attempt::run(shared, exec, step, rx, slot))
+                .catch_unwind()
+                .await;
+            if res.is_err() {
+                error!("the attempt task panicked; its lease is dropped and the step will be reclaimed");
+            }
+            if let Some(delay) = slow_release {
+                tokio::time::sleep(delay).await;
+            }
+        }
+        .instrument(span),
+    );
 }
 
 /// How long one renewal may take. A renewal counts from its send time, so a
