@@ -377,3 +377,75 @@ async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
     );
     w.shutdown().await;
 }
+
+/// A persistent executor's jobs reuse clean job directories: artifacts and
+/// input artifacts still come out right job after job (nothing of an earlier
+/// job's `out/` or `in/` reaches a later one), and what stays in `work_dir`
+/// between jobs is at most `concurrency` directories, each holding an empty
+/// `out/` and nothing else.
+async fn persistent_jobs_get_clean_job_directories(lang: &str) {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    let mut e = demo(lang, lang, &[], None);
+    e.persistent = true;
+    e.concurrency = 1;
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+
+    for (raw, more) in [("abc", "XYZ"), ("de", "UV"), ("f", "W")] {
+        let run = t
+            .submit(json!({"name": "chain", "steps": [
+                {"name": "make", "executor_kind": lang, "kind": "demo.artifact",
+                 "input": {"name": "raw.txt", "content": raw}},
+                {"name": "derive", "executor_kind": lang, "kind": "demo.artifact",
+                 "input": {"name": "derived.txt", "content": more}, "depends_on": ["make"]}]}))
+            .await;
+        let st = t.wait_terminal(run, LONG).await;
+        assert_eq!(st.state, "succeeded", "{st:?}");
+        let made = &step(&st, "make").artifacts;
+        let derived = &step(&st, "derive").artifacts;
+        assert_eq!((made.len(), derived.len()), (1, 1), "{st:?}");
+        assert_eq!(made[0].size, raw.len() as i64);
+        assert_eq!(
+            derived[0].size,
+            (raw.len() + more.len()) as i64,
+            "derived = this run's input bytes + content, nothing older"
+        );
+        let (state, _) = run_one(&t, lang, "demo.echo", json!({"after": raw})).await;
+        assert_eq!(state, "succeeded");
+    }
+
+    let job_dirs: Vec<std::path::PathBuf> = std::fs::read_dir(work.path())
+        .expect("work dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("durable-job-"))
+        })
+        .collect();
+    assert!(job_dirs.len() <= 1, "more spares than slots: {job_dirs:?}");
+    for d in &job_dirs {
+        let names: Vec<String> = std::fs::read_dir(d)
+            .expect("job dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec!["out".to_string()], "{}", d.display());
+        assert_eq!(std::fs::read_dir(d.join("out")).expect("out").count(), 0);
+    }
+    w.shutdown().await;
+    let left: Vec<_> = std::fs::read_dir(work.path())
+        .expect("work dir")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in work_dir by the stopped worker: {left:?}"
+    );
+}
+
+tests::for_each_lang!(persistent_jobs_get_clean_job_directories);

@@ -294,17 +294,21 @@ async fn execute(
 
     // the attempt's own directory: out/ for results, in/ for input artifacts
     // (made only when there are any: most steps have none, and every
-    // directory made and removed costs the filesystem an inode). Failing to
-    // make it is "this worker can't", not the step's failure.
+    // directory made and removed costs the filesystem an inode). A one-shot
+    // process runs in it, so it is always fresh; a persistent executor's
+    // jobs reuse a clean one (worker/jobdir.rs). Failing to make it is "this
+    // worker can't", not the step's failure.
     let base = shared
         .cfg
         .work_dir
         .clone()
         .unwrap_or_else(std::env::temp_dir);
-    let workdir = match tempfile::Builder::new()
-        .prefix(&format!("durable-{}-", step.lease.step_run_id()))
-        .tempdir_in(&base)
-    {
+    let workdir = if exec.cfg.persistent {
+        exec.job_dirs.take(&base)
+    } else {
+        fresh_attempt_dir(&base, step.lease.step_run_id())
+    };
+    let workdir = match workdir {
         Ok(d) => d,
         Err(e) => {
             return Outcome::Refused {
@@ -318,12 +322,6 @@ async fn execute(
     };
     let out_dir = workdir.path().join("out");
     let in_dir = workdir.path().join("in");
-    if let Err(e) = std::fs::create_dir(&out_dir) {
-        return Outcome::Refused {
-            code: "WORK_DIR_UNAVAILABLE".into(),
-            message: format!("cannot prepare the working directory: {e}"),
-        };
-    }
     let inputs = match materialize_inputs(shared, step, &in_dir).await {
         Ok(v) => v,
         Err(o) => return o,
@@ -396,8 +394,19 @@ async fn execute(
         Conversed::Decided(o) => o,
         Conversed::Ran(ran) => conclude(shared, step, &job, *ran, &control, &redactor).await,
     };
-    drop(workdir);
+    if exec.cfg.persistent {
+        exec.job_dirs.give_back(workdir);
+    }
     outcome
+}
+
+/// A new directory `durable-<step_run_id>-…` in `base`, with an empty `out/`.
+fn fresh_attempt_dir(base: &Path, step_run_id: Uuid) -> std::io::Result<tempfile::TempDir> {
+    let d = tempfile::Builder::new()
+        .prefix(&format!("durable-{step_run_id}-"))
+        .tempdir_in(base)?;
+    std::fs::create_dir(d.path().join("out"))?;
+    Ok(d)
 }
 
 /// A process that could not be started: a session directory this worker

@@ -3,6 +3,7 @@
 //! drains on shutdown (detect → tell → wait).
 
 mod attempt;
+mod jobdir;
 mod leases;
 mod ledger;
 pub mod routing;
@@ -79,6 +80,8 @@ pub struct ExecutorRuntime {
     held: AtomicU32,
     /// Idle warm processes (persistent executors).
     pool: session::Pool,
+    /// Clean job directories for the next jobs (persistent executors).
+    job_dirs: jobdir::JobDirs,
     /// Told whenever a slot is given back: the warm pool's keeper then
     /// replaces a process that was retired or killed (`warm_processes`).
     slot_back: Notify,
@@ -306,6 +309,7 @@ impl Worker {
                 running: AtomicU32::new(0),
                 held: AtomicU32::new(0),
                 pool: session::Pool::new(&ecfg.name),
+                job_dirs: jobdir::JobDirs::new(&ecfg.name, ecfg.concurrency as usize),
                 slot_back: Notify::new(),
             }));
         }
