@@ -381,7 +381,7 @@ async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
 /// A persistent executor's jobs reuse clean job directories: artifacts and
 /// input artifacts still come out right job after job (nothing of an earlier
 /// job's `out/` or `in/` reaches a later one), and what stays in `work_dir`
-/// between jobs is at most `concurrency` directories, each holding an empty
+/// between jobs is at most twice `concurrency` directories, each holding an empty
 /// `out/` and nothing else.
 async fn persistent_jobs_get_clean_job_directories(lang: &str) {
     let _serial = tests::exclusive().await;
@@ -426,7 +426,10 @@ async fn persistent_jobs_get_clean_job_directories(lang: &str) {
                 .is_some_and(|n| n.to_string_lossy().starts_with("durable-job-"))
         })
         .collect();
-    assert!(job_dirs.len() <= 1, "more spares than slots: {job_dirs:?}");
+    assert!(
+        job_dirs.len() <= 2,
+        "more spares than leases can hold: {job_dirs:?}"
+    );
     for d in &job_dirs {
         let names: Vec<String> = std::fs::read_dir(d)
             .expect("job dir")

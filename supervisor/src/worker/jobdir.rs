@@ -8,9 +8,10 @@
 //! was ~14 % of the worker's own CPU in a profile of no-op persistent jobs
 //! (ext4 allocating and freeing directory inodes), so a persistent
 //! executor's job directories are reused: one given back *clean* — it holds
-//! `out/` and nothing else, and `out/` is empty — is kept (at most
-//! `concurrency` of them) and handed to the next job, after the same check
-//! again. Any other is removed, as before. So every job still starts with an
+//! `out/` and nothing else, and `out/` is empty — is kept (at most twice the
+//! executor's concurrency: an attempt keeps its directory until its outcome
+//! is committed, after its slot went to the next job) and handed to the next
+//! job, after the same check again. Any other is removed, as before. So every job still starts with an
 //! empty `out/` and no `in/`.
 
 use std::io;
@@ -73,18 +74,16 @@ impl JobDirs {
     }
 }
 
-/// `dir` holds an empty `out/` directory and nothing else.
+/// `dir` holds an empty `out/` directory (not a link to one) and nothing else.
 fn is_clean(dir: &Path) -> bool {
-    let only_out = match std::fs::read_dir(dir) {
-        Ok(entries) => {
-            let names: Vec<_> = entries.flatten().map(|e| e.file_name()).collect();
-            names.len() == 1 && names[0] == "out"
-        }
-        Err(_) => false,
+    let Ok(mut entries) = std::fs::read_dir(dir) else {
+        return false;
     };
-    only_out
-        && std::fs::symlink_metadata(dir.join("out")).is_ok_and(|m| m.is_dir())
-        && std::fs::read_dir(dir.join("out")).is_ok_and(|mut d| d.next().is_none())
+    let only_out = match (entries.next(), entries.next()) {
+        (Some(Ok(e)), None) => e.file_name() == "out" && e.file_type().is_ok_and(|t| t.is_dir()),
+        _ => false,
+    };
+    only_out && std::fs::read_dir(dir.join("out")).is_ok_and(|mut d| d.next().is_none())
 }
 
 #[cfg(test)]
@@ -112,7 +111,7 @@ mod tests {
 
         // for each way of not being clean: not kept, removed, the next is new
         type Dirty = fn(&Path);
-        let dirty: [(&str, Dirty); 4] = [
+        let dirty: [(&str, Dirty); 5] = [
             ("a file in out/", |d| {
                 std::fs::write(d.join("out/result.txt"), b"x").expect("write")
             }),
@@ -125,6 +124,12 @@ mod tests {
             ("out/ replaced by a file", |d| {
                 std::fs::remove_dir(d.join("out")).expect("rmdir");
                 std::fs::write(d.join("out"), b"x").expect("write");
+            }),
+            ("out/ replaced by a link to an empty directory", |d| {
+                std::fs::remove_dir(d.join("out")).expect("rmdir");
+                std::fs::create_dir(d.with_extension("elsewhere")).expect("mkdir");
+                std::os::unix::fs::symlink(d.with_extension("elsewhere"), d.join("out"))
+                    .expect("symlink");
             }),
         ];
         let mut d = a;

@@ -309,7 +309,9 @@ impl Worker {
                 running: AtomicU32::new(0),
                 held: AtomicU32::new(0),
                 pool: session::Pool::new(&ecfg.name),
-                job_dirs: jobdir::JobDirs::new(&ecfg.name, ecfg.concurrency as usize),
+                // an attempt keeps its directory until its outcome is
+                // committed, and up to twice the concurrency hold a lease
+                job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
                 slot_back: Notify::new(),
             }));
         }
