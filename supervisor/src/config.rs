@@ -328,6 +328,14 @@ impl Default for ExecutorConfig {
     }
 }
 
+impl WorkerConfig {
+    /// Where attempt, session and job directories are made: `work_dir`, or
+    /// the system's temporary directory.
+    pub fn work_base(&self) -> PathBuf {
+        self.work_dir.clone().unwrap_or_else(std::env::temp_dir)
+    }
+}
+
 impl ExecutorConfig {
     /// How to start this executor in `cwd`.
     pub fn spawn_spec(&self, cwd: &Path, stderr_tail_bytes: usize) -> crate::process::SpawnSpec {

@@ -298,11 +298,7 @@ async fn execute(
     // process runs in it, so it is always fresh; a persistent executor's
     // jobs reuse a clean one (worker/jobdir.rs). Failing to make it is "this
     // worker can't", not the step's failure.
-    let base = shared
-        .cfg
-        .work_dir
-        .clone()
-        .unwrap_or_else(std::env::temp_dir);
+    let base = shared.cfg.work_base();
     let workdir = if exec.cfg.persistent {
         exec.job_dirs.take(&base)
     } else {
@@ -440,10 +436,8 @@ async fn finish_session(shared: &Shared, exec: &ExecutorRuntime, session: Sessio
         session
             .retire(&shared.cfg, "max_jobs_per_process served")
             .await;
-    } else if let Some(extra) = exec.pool.put(session, exec.cfg.concurrency as usize) {
-        extra
-            .retire(&shared.cfg, "as many processes are idle as can serve")
-            .await;
+    } else {
+        exec.pool.put(session, &shared.cfg).await;
     }
 }
 

@@ -11,8 +11,8 @@
 //! `out/` and nothing else, and `out/` is empty — is kept (at most twice the
 //! executor's concurrency: an attempt keeps its directory until its outcome
 //! is committed, after its slot went to the next job) and handed to the next
-//! job, after the same check again. Any other is removed, as before. So every job still starts with an
-//! empty `out/` and no `in/`.
+//! job, after the same check again. Any other is removed, as before. So
+//! every job still starts with an empty `out/` and no `in/`.
 
 use std::io;
 use std::path::Path;
@@ -44,7 +44,7 @@ impl JobDirs {
         loop {
             let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
             match spare {
-                Some(d) if d.path().starts_with(base) && is_clean(d.path()) => return Ok(d),
+                Some(d) if is_clean(d.path()) => return Ok(d),
                 Some(d) => drop(d),
                 None => break,
             }

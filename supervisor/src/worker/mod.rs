@@ -238,21 +238,29 @@ pub async fn probe(
             .await
     };
     match (hello, report) {
-        (Ok(h), _) if h.protocol_version != wire::PROTOCOL_VERSION => Err(fail(format!(
-            "it speaks protocol version {}; this supervisor speaks {}. Upgrade the executor's SDK or the supervisor",
-            h.protocol_version,
-            wire::PROTOCOL_VERSION
-        ))),
-        (Ok(h), _) => match wire::negotiate(&h, &wire::SupervisorOffer::new(wcfg.max_frame_bytes)) {
-            Ok(_) => Ok(h),
-            Err(e) => Err(fail(format!("{} ({e})", e.code()))),
-        },
+        (Ok(h), _) => usable_hello(h, wcfg.max_frame_bytes).map_err(fail),
         (Err(why), Ok(r)) => Err(fail(format!(
             "{why}; exit {}; stderr: {}",
             r.status,
             r.stderr_tail.trim()
         ))),
         (Err(why), Err(_)) => Err(fail(why)),
+    }
+}
+
+/// `h` if this supervisor can speak to the executor that said it: its
+/// protocol version, and an agreement on revision, features and frame limits.
+pub(crate) fn usable_hello(h: Hello, max_frame_bytes: usize) -> Result<Hello, String> {
+    if h.protocol_version != wire::PROTOCOL_VERSION {
+        return Err(format!(
+            "it speaks protocol version {}; this supervisor speaks {}. Upgrade the executor's SDK or the supervisor",
+            h.protocol_version,
+            wire::PROTOCOL_VERSION
+        ));
+    }
+    match wire::negotiate(&h, &wire::SupervisorOffer::new(max_frame_bytes)) {
+        Ok(_) => Ok(h),
+        Err(e) => Err(format!("{} ({e})", e.code())),
     }
 }
 
@@ -308,7 +316,7 @@ impl Worker {
                 routes: RwLock::new(routes),
                 running: AtomicU32::new(0),
                 held: AtomicU32::new(0),
-                pool: session::Pool::new(&ecfg.name),
+                pool: session::Pool::new(&ecfg.name, ecfg.concurrency as usize),
                 // an attempt keeps its directory until its outcome is
                 // committed, and up to twice the concurrency hold a lease
                 job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
@@ -628,7 +636,7 @@ fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
             "the database pool is smaller than the executors' total concurrency + 1: attempts will queue for connections"
         );
     }
-    let base = cfg.work_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let base = cfg.work_base();
     tempfile::Builder::new()
         .prefix("durable-check-")
         .tempdir_in(&base)

@@ -67,7 +67,7 @@ impl Session {
         attempt_dir: &Path,
     ) -> Result<Session, StartError> {
         let dir = if ecfg.persistent {
-            let base = cfg.work_dir.clone().unwrap_or_else(std::env::temp_dir);
+            let base = cfg.work_base();
             match tempfile::Builder::new()
                 .prefix(&format!(
                     "durable-session-{}-",
@@ -170,6 +170,9 @@ impl Session {
 /// `durable_executor_idle_processes` under its name).
 pub(crate) struct Pool {
     executor: String,
+    /// The most idle sessions kept: the executor's concurrency (a warm start
+    /// and an attempt's own start can race, and more never serve).
+    cap: usize,
     idle: Mutex<Vec<Session>>,
 }
 
@@ -180,9 +183,10 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    pub fn new(executor: &str) -> Pool {
+    pub fn new(executor: &str, cap: usize) -> Pool {
         Pool {
             executor: executor.to_owned(),
+            cap,
             idle: Mutex::new(Vec::new()),
         }
     }
@@ -199,18 +203,22 @@ impl Pool {
         }
     }
 
-    /// Keeps `s` idle, unless `cap` sessions already are: then it is handed
-    /// back, to be retired (a warm start and an attempt's own start can race,
-    /// and more idle processes than the executor's concurrency never serve).
-    #[must_use = "a session handed back must be retired"]
-    pub fn put(&self, s: Session, cap: usize) -> Option<Session> {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        if idle.len() >= cap {
-            return Some(s);
+    /// Keeps `s` idle, unless `cap` sessions already are: then it is retired.
+    pub async fn put(&self, s: Session, cfg: &WorkerConfig) {
+        let surplus = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() >= self.cap {
+                Some(s)
+            } else {
+                idle.push(s);
+                crate::metrics::idle_processes(&self.executor, 1);
+                None
+            }
+        };
+        if let Some(s) = surplus {
+            s.retire(cfg, "as many processes are idle as can serve")
+                .await;
         }
-        idle.push(s);
-        crate::metrics::idle_processes(&self.executor, 1);
-        None
     }
 
     /// Every idle session, for retirement at shutdown.

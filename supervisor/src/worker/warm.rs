@@ -73,11 +73,7 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
                         session.retire(&shared.cfg, "the worker is stopping").await;
                         return;
                     }
-                    if let Some(extra) = exec.pool.put(session, exec.cfg.concurrency as usize) {
-                        extra
-                            .retire(&shared.cfg, "as many processes are idle as can serve")
-                            .await;
-                    }
+                    exec.pool.put(session, &shared.cfg).await;
                 }
                 Err(why) => {
                     warn!(error = %why, retry_in_ms = backoff.as_millis() as u64,
@@ -100,14 +96,16 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
 /// One process of `exec`, started and handshaken, with a hello this
 /// supervisor can speak to. A process whose hello is unusable is stopped.
 async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, String> {
-    let base = shared
-        .cfg
-        .work_dir
-        .clone()
-        .unwrap_or_else(std::env::temp_dir);
-    let mut session = Session::start(&shared.spawner, &shared.cfg, &exec.cfg, &base)
-        .await
-        .map_err(|e| e.to_string())?;
+    // a persistent process runs in a session directory of its own: no
+    // attempt directory to give it
+    let mut session = Session::start(
+        &shared.spawner,
+        &shared.cfg,
+        &exec.cfg,
+        &shared.cfg.work_base(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     crate::metrics::executor_process_started(&exec.cfg.name, "warm");
     let read = wire::read_hello(
         &mut session.frames,
@@ -115,14 +113,7 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
     )
     .await;
     let usable = match read {
-        Ok(h) if h.protocol_version != wire::PROTOCOL_VERSION => Err(format!(
-            "it speaks protocol version {}; this supervisor speaks {}",
-            h.protocol_version,
-            wire::PROTOCOL_VERSION
-        )),
-        Ok(h) => wire::negotiate(&h, &wire::SupervisorOffer::new(shared.cfg.max_frame_bytes))
-            .map(|_| h)
-            .map_err(|e| format!("{} ({e})", e.code())),
+        Ok(h) => super::usable_hello(h, shared.cfg.max_frame_bytes),
         Err(e) => Err(format!("handshake failed: {e}")),
     };
     match usable {
