@@ -111,6 +111,7 @@ struct Metrics {
     frame_errors: Capped<CodeLabel, Counter>,
     heartbeat_duration: Histogram,
     heartbeat_failures: Counter,
+    leases_lost: Counter,
     heartbeat_lag: Gauge<f64, AtomicU64>,
     ledger_batch: Histogram,
     queue_depth: Family<QueueLabels, Gauge>,
@@ -137,6 +138,7 @@ impl Metrics {
                 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             ]),
             heartbeat_failures: Counter::default(),
+            leases_lost: Counter::default(),
             heartbeat_lag: Gauge::default(),
             ledger_batch: Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
             queue_depth: Family::default(),
@@ -209,6 +211,11 @@ impl Metrics {
             "heartbeat_failures",
             "Lease renewals that failed (database error or timeout)",
             m.heartbeat_failures.clone(),
+        );
+        r.register(
+            "heartbeat_lost_leases",
+            "Leases the heartbeat found taken from a running attempt (reclaimed after an expiry, or moved on by someone else); the attempt stops its executor",
+            m.leases_lost.clone(),
         );
         r.register(
             "heartbeat_lag_seconds",
@@ -462,6 +469,11 @@ pub fn heartbeat_renewed(rtt: Duration) {
         now.saturating_sub(rtt.as_millis() as u64),
         Ordering::Relaxed,
     );
+}
+
+/// The heartbeat found `n` leases of running attempts lost.
+pub fn heartbeat_lost_leases(n: usize) {
+    metrics().leases_lost.inc_by(n as u64);
 }
 
 /// A renewal failed (the loop still runs: liveness is fine, readiness tells).

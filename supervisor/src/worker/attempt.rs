@@ -157,6 +157,10 @@ pub(crate) async fn run(
         warn!(code = %code, error = %message, "the attempt failed");
     }
     let label = outcome.label();
+    // from here the commit's own fence, not the heartbeat, says whether the
+    // lease held: a heartbeat that no longer finds the step leased has most
+    // likely raced this commit
+    shared.committing(&step.lease);
     commit(&shared, &step, outcome, control, &redactor).await;
     crate::metrics::attempt_finished(&step.kind, &label, started.elapsed());
     info!(outcome = %label, elapsed_ms = started.elapsed().as_millis() as u64, "attempt finished");

@@ -23,6 +23,9 @@ use crate::db::{HeartbeatReport, Lease};
 struct Entry {
     lease: Lease,
     tx: watch::Sender<LeaseView>,
+    /// The attempt's outcome is decided and being committed: its own fenced
+    /// write, not the heartbeat, says whether the lease still held.
+    committing: bool,
 }
 
 /// What applying one heartbeat answer did (the heartbeat logs it).
@@ -34,6 +37,12 @@ pub(crate) struct Applied {
     pub cancelled: usize,
     /// Steps whose attempt was told its lease is lost.
     pub lost: Vec<Uuid>,
+    /// Steps the database no longer had leased to this worker while their
+    /// attempt was committing its outcome: most often that commit itself,
+    /// which landed between the heartbeat's snapshot and its statement. Not a
+    /// lost lease: the commit's own fence tells the attempt (and logs a
+    /// real loss).
+    pub ended: Vec<Uuid>,
 }
 
 /// One entry per step: the newest attempt of it that this worker holds.
@@ -57,8 +66,28 @@ impl LeaseSet {
             control: Control::Run,
             valid_until,
         });
-        self.map().insert(lease.step_run_id(), Entry { lease, tx });
+        self.map().insert(
+            lease.step_run_id(),
+            Entry {
+                lease,
+                tx,
+                committing: false,
+            },
+        );
         rx
+    }
+
+    /// The attempt holding `lease` decided its outcome and commits it now:
+    /// the lease stays in the set (renewed while the commit waits), but a
+    /// heartbeat that no longer finds it is not reported as a lost lease.
+    pub fn committing(&self, lease: &Lease) {
+        let mut map = self.map();
+        if let Some(e) = map
+            .get_mut(&lease.step_run_id())
+            .filter(|e| e.lease.token() == lease.token())
+        {
+            e.committing = true;
+        }
     }
 
     /// The attempt holding `lease` is done with it. A newer attempt of the
@@ -127,6 +156,10 @@ impl LeaseSet {
             applied.cancelled += usize::from(moved);
         }
         for e in report.lost.iter().filter_map(entry) {
+            if e.committing {
+                applied.ended.push(e.lease.step_run_id());
+                continue;
+            }
             applied.lost.push(e.lease.step_run_id());
             e.tx.send_modify(|v| v.control = Control::LeaseLost);
         }
@@ -257,6 +290,31 @@ mod tests {
                 assert_eq!(v.valid_until, want, "{}: {who}'s lease clock", row.name);
             }
         }
+    }
+
+    /// The heartbeat snapshots the set, the attempt's outcome commits, then
+    /// the heartbeat's statement runs and no longer finds the step leased:
+    /// that is the commit, not a lost lease. A running attempt's loss still is.
+    #[test]
+    fn a_step_gone_while_its_outcome_commits_is_not_a_lost_lease() {
+        let set = LeaseSet::default();
+        let t0 = Instant::now();
+        let rx_done = set.insert(lease(1, 10), t0 + TTL);
+        let rx_running = set.insert(lease(2, 20), t0 + TTL);
+        let sent = set.snapshot();
+        set.committing(&lease(1, 10));
+        // a stale token's call changes nothing
+        set.committing(&lease(2, 21));
+        let applied = set.apply(&sent, &report(&[], &[], &[1, 2]), t0, TTL);
+        assert_eq!(applied.lost, vec![Uuid::from_u128(2)]);
+        assert_eq!(applied.ended, vec![Uuid::from_u128(1)]);
+        assert_eq!(rx_done.borrow().control, Control::Run);
+        assert_eq!(rx_running.borrow().control, Control::LeaseLost);
+        // a committing lease is still renewed: its commit may wait on the database
+        let later = t0 + Duration::from_millis(500);
+        let applied = set.apply(&sent, &report(&[1], &[], &[]), later, TTL);
+        assert_eq!(applied.renewed, 1);
+        assert_eq!(rx_done.borrow().valid_until, later + TTL);
     }
 
     #[test]

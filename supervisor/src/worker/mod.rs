@@ -130,6 +130,12 @@ impl Shared {
         self.leases.forget(lease);
     }
 
+    /// The attempt decided its outcome and commits it now (see
+    /// [`leases::LeaseSet::committing`]).
+    pub(crate) fn committing(&self, lease: &Lease) {
+        self.leases.committing(lease);
+    }
+
     /// A write learned that the lease is gone: tell the attempt.
     pub(crate) fn lease_lost(&self, lease: &Lease) {
         self.leases.lease_lost(lease);
@@ -680,11 +686,13 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
             Ok(report) => {
                 crate::metrics::heartbeat_renewed(sent.elapsed());
                 let applied = shared.leases.apply(&leases, &report, sent, ttl);
+                crate::metrics::heartbeat_lost_leases(applied.lost.len());
                 for id in &applied.lost {
-                    warn!(step_run_id = %id, "lease lost");
+                    warn!(step_run_id = %id, "lease lost: another worker or the reclaimer moved the step on; its executor is stopped and its outcome will not be committed");
                 }
                 debug!(
                     renewed = applied.renewed,
+                    ended_while_committing = applied.ended.len(),
                     cancels_delivered = applied.cancelled,
                     busy = report.busy.len(),
                     "heartbeat"
