@@ -547,3 +547,97 @@ async fn restarted_worker_ends_the_grandchild_its_killed_predecessor_left() {
         assert!(leftovers.is_empty(), "cgroups left: {leftovers:?}");
     }
 }
+
+/// The entries of `work` (names), sorted.
+fn entries(work: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(work)
+        .expect("work dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// End to end: `supervisor worker` runs a one-shot and a persistent attempt,
+/// each in its directories in `work_dir` (the attempt's `durable-<id>-…`,
+/// the session's `durable-session-…`, the job's `durable-job-…`), and is
+/// killed with SIGKILL: the directories stay (before, nothing ever removed
+/// them). A new worker of another name with the same `work_dir` removes
+/// them at its start, as soon as the dead worker's lock is free, and
+/// leaves what is not a dead worker's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_worker_removes_the_directories_a_killed_worker_left() {
+    reaping();
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    std::fs::create_dir(work.path().join("durable-kept-by-an-operator")).expect("foreign dir");
+    std::fs::write(work.path().join("notes.txt"), b"mine").expect("foreign file");
+    // one slot each: one step runs in each
+    let mut one_shot = go_demo("go", &[], None);
+    one_shot.concurrency = 1;
+    let mut persistent = go_demo("go-warm", &[], None);
+    persistent.persistent = true;
+    persistent.concurrency = 1;
+    let mut cfg = fast_config(vec![one_shot, persistent]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    cfg.name = Some(format!("workdir-first-{}", Uuid::new_v4().simple()));
+
+    let mut first = WorkerProcess::spawn(&t.url, &cfg);
+    let sleep = |n: &str| {
+        json!({"name": n, "executor_kind": "go", "kind": "demo.sleep",
+               "input": {"ms": 60000, "steps": 60}, "retry": {"max_attempts": 1}})
+    };
+    let run = t
+        .submit(json!({"name": "dirs", "steps": [sleep("a"), sleep("b")]}))
+        .await;
+    t.wait_run(run, Duration::from_secs(30), |s| {
+        s.steps.len() == 2 && s.steps.iter().all(|s| s.state == "running")
+    })
+    .await;
+    let before = entries(work.path());
+    let has = |p: &str| before.iter().any(|n| n.starts_with(p));
+    assert!(
+        has("durable-session-go-warm-") && has("durable-job-go-warm-"),
+        "the persistent attempt's directories: {before:?}"
+    );
+    let attempt_dirs = before
+        .iter()
+        .filter(|n| {
+            n.strip_prefix("durable-")
+                .and_then(|r| r.get(..36))
+                .is_some_and(|id| Uuid::parse_str(id).is_ok())
+        })
+        .count();
+    assert!(
+        attempt_dirs >= 1,
+        "the one-shot attempt's directory: {before:?}"
+    );
+
+    first.signal(Signal::SIGKILL);
+    first.wait(Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        entries(work.path()),
+        before,
+        "a killed worker's directories stay until someone removes them"
+    );
+
+    let mut cfg2 = cfg.clone();
+    cfg2.name = Some(format!("workdir-second-{}", Uuid::new_v4().simple()));
+    let second = tests::RunningWorker::start(t.connect(6).await, cfg2).await;
+    let after = entries(work.path());
+    let left: Vec<&String> = before.iter().filter(|n| after.contains(n)).collect();
+    assert_eq!(
+        left,
+        vec!["durable-kept-by-an-operator", "notes.txt"],
+        "what the new worker left of the old entries: {after:?}"
+    );
+    second.shutdown().await;
+    assert_eq!(
+        entries(work.path()),
+        vec!["durable-kept-by-an-operator", "notes.txt"],
+        "a stopped worker leaves nothing of its own"
+    );
+}

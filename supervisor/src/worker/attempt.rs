@@ -33,6 +33,7 @@ mod machine;
 
 use machine::*;
 
+use super::workdir::WorkDir;
 use super::{Control, ExecutorRuntime, LeaseView, Shared, DB_CALL_TIMEOUT};
 use crate::artifacts::{ArtifactStore, StoreError};
 use crate::db::{
@@ -302,11 +303,10 @@ async fn execute(
     // process runs in it, so it is always fresh; a persistent executor's
     // jobs reuse a clean one (worker/jobdir.rs). Failing to make it is "this
     // worker can't", not the step's failure.
-    let base = shared.cfg.work_base();
     let workdir = if exec.cfg.persistent {
-        exec.job_dirs.take(&base)
+        exec.job_dirs.take(&shared.work)
     } else {
-        fresh_attempt_dir(&base, step.lease.step_run_id())
+        fresh_attempt_dir(&shared.work, step.lease.step_run_id())
     };
     let workdir = match workdir {
         Ok(d) => d,
@@ -315,7 +315,7 @@ async fn execute(
                 code: "WORK_DIR_UNAVAILABLE".into(),
                 message: format!(
                     "cannot create a working directory in {}: {e}",
-                    base.display()
+                    shared.work.base().display()
                 ),
             }
         }
@@ -366,7 +366,14 @@ async fn execute(
             debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
             s
         }
-        None => match Session::start(&shared.spawner, &shared.cfg, &exec.cfg, workdir.path()).await
+        None => match Session::start(
+            &shared.spawner,
+            &shared.cfg,
+            &shared.work,
+            &exec.cfg,
+            workdir.path(),
+        )
+        .await
         {
             Ok(s) => {
                 crate::metrics::executor_process_started(&exec.cfg.name, "job");
@@ -400,11 +407,9 @@ async fn execute(
     outcome
 }
 
-/// A new directory `durable-<step_run_id>-…` in `base`, with an empty `out/`.
-fn fresh_attempt_dir(base: &Path, step_run_id: Uuid) -> std::io::Result<tempfile::TempDir> {
-    let d = tempfile::Builder::new()
-        .prefix(&format!("durable-{step_run_id}-"))
-        .tempdir_in(base)?;
+/// A new directory `durable-<step_run_id>-…` in `work_dir`, with an empty `out/`.
+fn fresh_attempt_dir(work: &WorkDir, step_run_id: Uuid) -> std::io::Result<tempfile::TempDir> {
+    let d = work.tempdir(&format!("durable-{step_run_id}-"))?;
     std::fs::create_dir(d.path().join("out"))?;
     Ok(d)
 }

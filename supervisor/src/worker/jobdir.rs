@@ -20,6 +20,8 @@ use std::sync::Mutex;
 
 use tempfile::TempDir;
 
+use super::workdir::WorkDir;
+
 /// The spare job directories of one persistent executor.
 #[derive(Debug)]
 pub(crate) struct JobDirs {
@@ -38,9 +40,9 @@ impl JobDirs {
         }
     }
 
-    /// A clean spare, or a new directory in `base` with an empty `out/`.
+    /// A clean spare, or a new directory in `work_dir` with an empty `out/`.
     /// A spare that is no longer clean is removed on the way.
-    pub fn take(&self, base: &Path) -> io::Result<TempDir> {
+    pub fn take(&self, work: &WorkDir) -> io::Result<TempDir> {
         loop {
             let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
             match spare {
@@ -49,9 +51,7 @@ impl JobDirs {
                 None => break,
             }
         }
-        let d = tempfile::Builder::new()
-            .prefix(&self.prefix)
-            .tempdir_in(base)?;
+        let d = work.tempdir(&self.prefix)?;
         std::fs::create_dir(d.path().join("out"))?;
         Ok(d)
     }
@@ -93,10 +93,11 @@ mod tests {
     #[test]
     fn a_clean_directory_is_reused_and_any_other_removed() {
         let base = tempfile::tempdir().expect("base");
+        let work = WorkDir::open(base.path().to_path_buf(), uuid::Uuid::new_v4()).expect("work");
         let dirs = JobDirs::new("py demo", 2);
 
         // new: an empty out/, named after the executor
-        let a = dirs.take(base.path()).expect("take");
+        let a = dirs.take(&work).expect("take");
         let a_path = a.path().to_path_buf();
         assert!(a_path.join("out").is_dir() && !a_path.join("in").exists());
         assert!(a_path
@@ -106,7 +107,7 @@ mod tests {
         // clean: kept and handed out again
         dirs.give_back(a);
         assert_eq!(dirs.spares(), 1);
-        let a = dirs.take(base.path()).expect("take");
+        let a = dirs.take(&work).expect("take");
         assert_eq!(a.path(), a_path);
 
         // for each way of not being clean: not kept, removed, the next is new
@@ -139,7 +140,7 @@ mod tests {
             dirs.give_back(d);
             assert_eq!(dirs.spares(), 0, "{what}: kept");
             assert!(!path.exists(), "{what}: not removed");
-            d = dirs.take(base.path()).expect("take");
+            d = dirs.take(&work).expect("take");
             assert_ne!(d.path(), path, "{what}: handed out again");
             assert!(is_clean(d.path()), "{what}: the new one is not clean");
         }
@@ -148,15 +149,12 @@ mod tests {
         let path = d.path().to_path_buf();
         dirs.give_back(d);
         std::fs::write(path.join("out/late.txt"), b"x").expect("write");
-        let e = dirs.take(base.path()).expect("take");
+        let e = dirs.take(&work).expect("take");
         assert_ne!(e.path(), path);
         assert!(!path.exists(), "the dirtied spare was not removed");
 
         // at most `cap` kept
-        let (x, y) = (
-            dirs.take(base.path()).expect("x"),
-            dirs.take(base.path()).expect("y"),
-        );
+        let (x, y) = (dirs.take(&work).expect("x"), dirs.take(&work).expect("y"));
         let y_path = y.path().to_path_buf();
         dirs.give_back(e);
         dirs.give_back(x);

@@ -9,6 +9,7 @@ mod ledger;
 pub mod routing;
 mod session;
 mod warm;
+mod workdir;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
@@ -120,6 +121,8 @@ pub(crate) struct Shared {
     /// Cancelled when the drain starts: no session goes back to a pool.
     pub draining: CancellationToken,
     leases: leases::LeaseSet,
+    /// This worker's share of `work_dir` (its tag and lock).
+    pub work: Arc<workdir::WorkDir>,
 }
 
 impl Shared {
@@ -311,6 +314,7 @@ impl Worker {
             Ok(r) => debug!(slot = %slot, report = ?r, "no leftovers of a previous incarnation"),
             Err(e) => warn!(error = %e, "the sweep of previous incarnations failed"),
         }
+        let work = open_work_dir(&cfg, id).await?;
         let mut executors = Vec::with_capacity(cfg.executors.len());
         for ecfg in &cfg.executors {
             let hello = probe(&spawner, ecfg, &cfg).await?;
@@ -361,6 +365,7 @@ impl Worker {
                 abort: CancellationToken::new(),
                 draining: CancellationToken::new(),
                 leases: leases::LeaseSet::default(),
+                work,
             }),
             executors,
             wake: Arc::new(Notify::new()),
@@ -536,6 +541,9 @@ impl Worker {
         if let Some(name) = died {
             return Err(WorkerError::LoopDied(name));
         }
+        // every attempt and session directory is gone with its attempt or
+        // process (the spare job directories go with the executors, below)
+        shared.work.release();
         // every attempt of this worker has reaped its child by now; the
         // process-wide safety net (kill_all_groups) belongs to the command's
         // exit path, since other workers may share this process
@@ -653,6 +661,28 @@ fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
             ))
         })?;
     Ok(())
+}
+
+/// Takes this worker's lock in `work_dir` and removes what dead workers left
+/// there (worker/workdir.rs).
+async fn open_work_dir(cfg: &WorkerConfig, id: Uuid) -> Result<Arc<workdir::WorkDir>, WorkerError> {
+    let base = cfg.work_base();
+    let work = workdir::WorkDir::open(base.clone(), id).map_err(|e| {
+        WorkerError::Setup(format!(
+            "cannot take this worker's lock file in work_dir {} ({e}). Fix its permissions or set work_dir",
+            base.display()
+        ))
+    })?;
+    let work = Arc::new(work);
+    let w = work.clone();
+    match tokio::task::spawn_blocking(move || w.sweep()).await {
+        Ok(s) if s.workers > 0 => {
+            info!(work_dir = %base.display(), workers = s.workers, removed = s.entries, "removed what dead workers left in work_dir")
+        }
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "the sweep of work_dir failed"),
+    }
+    Ok(work)
 }
 
 /// One batched statement per interval renews every lease this worker holds

@@ -19,6 +19,7 @@ use tokio::process::ChildStdin;
 use tokio_util::codec::FramedRead;
 use tracing::{debug, warn};
 
+use super::workdir::WorkDir;
 use crate::config::{ExecutorConfig, WorkerConfig};
 use crate::process::{Child, ProcessError, Spawner};
 use crate::wire::{self, Hello, ToExecutor};
@@ -63,20 +64,20 @@ impl Session {
     pub async fn start(
         spawner: &Spawner,
         cfg: &WorkerConfig,
+        work: &WorkDir,
         ecfg: &ExecutorConfig,
         attempt_dir: &Path,
     ) -> Result<Session, StartError> {
         let dir = if ecfg.persistent {
-            let base = cfg.work_base();
-            match tempfile::Builder::new()
-                .prefix(&format!(
-                    "durable-session-{}-",
-                    super::attempt::sanitize(&ecfg.name)
-                ))
-                .tempdir_in(&base)
-            {
+            let prefix = format!("durable-session-{}-", super::attempt::sanitize(&ecfg.name));
+            match work.tempdir(&prefix) {
                 Ok(d) => Some(d),
-                Err(source) => return Err(StartError::WorkDir { base, source }),
+                Err(source) => {
+                    return Err(StartError::WorkDir {
+                        base: work.base().to_owned(),
+                        source,
+                    })
+                }
             }
         } else {
             None

@@ -101,8 +101,9 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
     let mut session = Session::start(
         &shared.spawner,
         &shared.cfg,
+        &shared.work,
         &exec.cfg,
-        &shared.cfg.work_base(),
+        shared.work.base(),
     )
     .await
     .map_err(|e| e.to_string())?;
