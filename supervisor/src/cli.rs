@@ -111,30 +111,7 @@ pub enum Command {
     /// Remove finished runs older than an age, with their steps, events,
     /// transitions, artifacts and unreferenced artifact bytes (what each
     /// worker's retention does on its own), in short batches.
-    Gc {
-        /// Remove runs that finished longer ago than this: 30s, 10m, 2h, 7d, 1h30m.
-        #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
-        older_than: std::time::Duration,
-        /// Count what would be removed; remove nothing.
-        #[arg(long)]
-        dry_run: bool,
-        /// At most this many runs per transaction.
-        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-        batch_runs: u32,
-        /// At most this many steps per transaction.
-        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-        batch_steps: u32,
-        /// Leave the space to autovacuum: no VACUUM after the removal.
-        #[arg(long)]
-        no_vacuum: bool,
-        /// The artifact directory (the workers' `artifact_dir`), if they use
-        /// the directory store: files of removed blobs are deleted there.
-        #[arg(long, value_name = "DIR", env = "DURABLE_ARTIFACT_DIR")]
-        artifact_dir: Option<PathBuf>,
-        /// Print a JSON object instead of a line.
-        #[arg(long)]
-        json: bool,
-    },
+    Gc(GcArgs),
     /// Local development.
     Dev {
         /// Print the worker config (TOML) for the bundled demo executors, and exit.
@@ -186,6 +163,33 @@ pub enum Command {
 }
 
 /// `supervisor artifact …`.
+/// `supervisor gc`'s options.
+#[derive(Debug, clap::Args)]
+pub struct GcArgs {
+    /// Remove runs that finished longer ago than this: 30s, 10m, 2h, 7d, 1h30m.
+    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_duration)]
+    older_than: std::time::Duration,
+    /// Count what would be removed; remove nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// At most this many runs per transaction.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    batch_runs: u32,
+    /// At most this many steps per transaction.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    batch_steps: u32,
+    /// Leave the space to autovacuum: no VACUUM after the removal.
+    #[arg(long)]
+    no_vacuum: bool,
+    /// The artifact directory (the workers' `artifact_dir`), if they use
+    /// the directory store: files of removed blobs are deleted there.
+    #[arg(long, value_name = "DIR", env = "DURABLE_ARTIFACT_DIR")]
+    artifact_dir: Option<PathBuf>,
+    /// Print a JSON object instead of a line.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum ArtifactCommand {
     /// Write an artifact's bytes to a file (checked against its sha256).
@@ -474,49 +478,7 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                 .map_err(explain)?;
             Ok(end.exit_code())
         }
-        Command::Artifact { command } => {
-            let db = connect(&cli.database_url, 2, true).await?;
-            match command {
-                ArtifactCommand::Get {
-                    id,
-                    out,
-                    force,
-                    artifact_dir,
-                } => {
-                    let id = crate::artifact_cmd::parse_artifact_id(&id)?;
-                    let store = crate::artifacts::ArtifactStore::reader(db.clone(), artifact_dir);
-                    let a = crate::artifact_cmd::get(&db, &store, id, &out, force)
-                        .await
-                        .map_err(|e| match e {
-                            CliError::Db(e) => explain(e),
-                            e => e,
-                        })?;
-                    if out.as_os_str() != "-" {
-                        eprintln!(
-                            "wrote {} ({} bytes, sha256 {}) to {}",
-                            a.name,
-                            a.size,
-                            a.sha256,
-                            out.display()
-                        );
-                    }
-                }
-                ArtifactCommand::Lineage { id, json } => {
-                    let id = crate::artifact_cmd::parse_artifact_id(&id)?;
-                    let l = db.artifact_lineage(id).await.map_err(explain)?;
-                    if json {
-                        println!(
-                            "{}",
-                            serde_json::to_string_pretty(&crate::artifact_cmd::lineage_json(&l))
-                                .unwrap_or_default()
-                        );
-                    } else {
-                        print!("{}", crate::artifact_cmd::lineage_text(&l));
-                    }
-                }
-            }
-            Ok(0)
-        }
+        Command::Artifact { command } => artifact(&cli.database_url, command).await,
         Command::Cancel { run_id, step } => {
             let id = parse_run_id(&run_id)?;
             let db = connect(&cli.database_url, 2, true).await?;
@@ -524,109 +486,11 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             eprintln!("cancellation requested; run is {state}");
             Ok(0)
         }
-        Command::Gc {
-            older_than,
-            dry_run,
-            batch_runs,
-            batch_steps,
-            no_vacuum,
-            artifact_dir,
-            json,
-        } => {
-            let db = connect(&cli.database_url, 2, true).await?;
-            db.check_schema().await?;
-            if dry_run {
-                let p = db.retention_preview(older_than).await.map_err(explain)?;
-                if json {
-                    println!("{}", serde_json::to_string(&p).unwrap_or_default());
-                } else {
-                    println!(
-                        "would remove {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs no other run references)",
-                        p.runs,
-                        when(&p.cutoff),
-                        p.steps,
-                        p.artifacts,
-                        p.blobs
-                    );
-                }
-                return Ok(0);
-            }
-            let opts = crate::db::RetentionOptions {
-                older_than,
-                batch_runs,
-                batch_steps,
-                vacuum: !no_vacuum,
-            };
-            let stop = CancellationToken::new();
-            spawn_interrupt_handler(stop.clone());
-            let r = db.retention_pass(&opts, &stop).await.map_err(explain)?;
-            let files = match &artifact_dir {
-                Some(dir) => crate::artifacts::remove_deleted_files(&db, dir)
-                    .await
-                    .map_err(|e| {
-                        CliError::Other(format!(
-                            "cannot delete the files of removed artifact blobs in {}: {e}",
-                            dir.display()
-                        ))
-                    })?,
-                None => 0,
-            };
-            if json {
-                let mut v = serde_json::to_value(&r).unwrap_or_default();
-                v["files_deleted"] = serde_json::json!(files);
-                println!("{v}");
-            } else {
-                println!(
-                    "removed {} runs finished before {} ({} steps, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
-                    r.runs,
-                    r.cutoff.as_ref().map(when).unwrap_or_default(),
-                    r.steps,
-                    r.blobs,
-                    r.garbage_blobs,
-                    r.garbage_chunks,
-                    files,
-                    r.workers,
-                    r.batches,
-                    r.longest_batch.as_secs_f64() * 1000.0,
-                    if r.vacuumed {
-                        format!("; VACUUM {:.1} ms", r.vacuum_time.as_secs_f64() * 1000.0)
-                    } else {
-                        String::new()
-                    },
-                    if r.interrupted {
-                        "; interrupted: run it again to remove the rest"
-                    } else {
-                        ""
-                    }
-                );
-            }
-            Ok(0)
-        }
+        Command::Gc(args) => gc(&cli.database_url, args).await,
         Command::Worker {
             config,
             print_default_config,
-        } => {
-            if print_default_config {
-                print!("{}", WorkerConfig::default_config_toml());
-                return Ok(0);
-            }
-            let config = config.ok_or_else(|| {
-                CliError::Usage("supervisor worker needs --config FILE (`supervisor worker --print-default-config` prints one to start from)".into())
-            })?;
-            let cfg = WorkerConfig::load(&config)?;
-            let url = cli.database_url.clone().or(cfg.database_url.clone());
-            // SIGTERM during start-up (probes, the sweep) is a clean stop too
-            let shutdown = CancellationToken::new();
-            spawn_signal_handler(shutdown.clone());
-            let db = connect(&url, cfg.db_max_connections, false).await?;
-            serve_metrics(&cfg, &db).await?;
-            let worker = Worker::start(db, cfg).await?;
-            let res = worker.run(shutdown).await;
-            // the last line of defence: no child outlives the worker process
-            crate::process::kill_all_groups();
-            res?;
-            Ok(0)
-        }
+        } => worker(&cli.database_url, config, print_default_config).await,
         Command::Dev {
             print_config,
             submit,
@@ -677,64 +541,231 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             kind_effect,
             json,
         } => {
-            use crate::conformance::{self, ConformanceError};
-            let cfg = WorkerConfig::load(&config)?;
-            let kinds = conformance::Kinds {
+            let kinds = crate::conformance::Kinds {
                 echo: kind_echo,
                 sleep: kind_sleep,
                 artifact: kind_artifact,
                 effect: kind_effect,
             };
-            let reports = conformance::run(&cfg, executor.as_deref(), &kinds)
+            conformance(&config, executor.as_deref(), &kinds, json).await
+        }
+        Command::Executors { config } => executors(&config).await,
+    }
+}
+
+/// `supervisor artifact get|lineage`.
+async fn artifact(url: &Option<String>, command: ArtifactCommand) -> Result<u8, CliError> {
+    let db = connect(url, 2, true).await?;
+    match command {
+        ArtifactCommand::Get {
+            id,
+            out,
+            force,
+            artifact_dir,
+        } => {
+            let id = crate::artifact_cmd::parse_artifact_id(&id)?;
+            let store = crate::artifacts::ArtifactStore::reader(db.clone(), artifact_dir);
+            let a = crate::artifact_cmd::get(&db, &store, id, &out, force)
                 .await
                 .map_err(|e| match e {
-                    ConformanceError::Spawner(_) => CliError::Other(e.to_string()),
-                    _ => CliError::Usage(e.to_string()),
+                    CliError::Db(e) => explain(e),
+                    e => e,
                 })?;
-            if json {
-                println!("{}", conformance::render_json(&reports));
-            } else {
-                print!("{}", conformance::render(&reports));
+            if out.as_os_str() != "-" {
+                eprintln!(
+                    "wrote {} ({} bytes, sha256 {}) to {}",
+                    a.name,
+                    a.size,
+                    a.sha256,
+                    out.display()
+                );
             }
-            Ok(if reports.iter().all(|r| r.passed()) {
-                0
-            } else {
-                1
-            })
         }
-        Command::Executors { config } => {
-            let cfg = WorkerConfig::load(&config)?;
-            let spawner = crate::process::Spawner::start().map_err(WorkerError::Spawner)?;
-            let mut all_ok = true;
-            for e in &cfg.executors {
-                match crate::worker::probe(&spawner, e, &cfg).await {
-                    Ok(h) => {
-                        let routes = crate::worker::routing::routes(&h, e);
-                        println!(
-                            "{}",
-                            serde_json::json!({
-                                "executor": e.name,
-                                "executor_kind": h.executor_kind,
-                                "kinds": h.kinds,
-                                "labels": crate::worker::routing::effective_labels(&h, e),
-                                "sdk": format!("{} {}", h.sdk_name, h.sdk_version),
-                                "protocol_version": h.protocol_version,
-                                "protocol_versions": h.protocol_versions,
-                                "features": h.features,
-                                "max_frame_bytes": h.max_frame_bytes,
-                                "routes": routes.len(),
-                            })
-                        );
-                    }
-                    Err(err) => {
-                        all_ok = false;
-                        eprintln!("error: {err}");
-                    }
-                }
+        ArtifactCommand::Lineage { id, json } => {
+            let id = crate::artifact_cmd::parse_artifact_id(&id)?;
+            let l = db.artifact_lineage(id).await.map_err(explain)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&crate::artifact_cmd::lineage_json(&l))
+                        .unwrap_or_default()
+                );
+            } else {
+                print!("{}", crate::artifact_cmd::lineage_text(&l));
             }
-            Ok(if all_ok { 0 } else { 1 })
         }
     }
+    Ok(0)
+}
+
+/// `supervisor gc`: a retention pass now (or its preview).
+async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
+    let GcArgs {
+        older_than,
+        dry_run,
+        batch_runs,
+        batch_steps,
+        no_vacuum,
+        artifact_dir,
+        json,
+    } = args;
+    let db = connect(url, 2, true).await?;
+    db.check_schema().await?;
+    if dry_run {
+        let p = db.retention_preview(older_than).await.map_err(explain)?;
+        if json {
+            println!("{}", serde_json::to_string(&p).unwrap_or_default());
+        } else {
+            println!(
+                "would remove {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs no other run references)",
+                p.runs,
+                when(&p.cutoff),
+                p.steps,
+                p.artifacts,
+                p.blobs
+            );
+        }
+        return Ok(0);
+    }
+    let opts = crate::db::RetentionOptions {
+        older_than,
+        batch_runs,
+        batch_steps,
+        vacuum: !no_vacuum,
+    };
+    let stop = CancellationToken::new();
+    spawn_interrupt_handler(stop.clone());
+    let r = db.retention_pass(&opts, &stop).await.map_err(explain)?;
+    let files = match &artifact_dir {
+        Some(dir) => crate::artifacts::remove_deleted_files(&db, dir)
+            .await
+            .map_err(|e| {
+                CliError::Other(format!(
+                    "cannot delete the files of removed artifact blobs in {}: {e}",
+                    dir.display()
+                ))
+            })?,
+        None => 0,
+    };
+    if json {
+        let mut v = serde_json::to_value(&r).unwrap_or_default();
+        v["files_deleted"] = serde_json::json!(files);
+        println!("{v}");
+    } else {
+        println!(
+            "removed {} runs finished before {} ({} steps, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
+            r.runs,
+            r.cutoff.as_ref().map(when).unwrap_or_default(),
+            r.steps,
+            r.blobs,
+            r.garbage_blobs,
+            r.garbage_chunks,
+            files,
+            r.workers,
+            r.batches,
+            r.longest_batch.as_secs_f64() * 1000.0,
+            if r.vacuumed {
+                format!("; VACUUM {:.1} ms", r.vacuum_time.as_secs_f64() * 1000.0)
+            } else {
+                String::new()
+            },
+            if r.interrupted {
+                "; interrupted: run it again to remove the rest"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(0)
+}
+
+/// `supervisor worker`: runs a worker until SIGTERM or SIGINT.
+async fn worker(
+    url: &Option<String>,
+    config: Option<PathBuf>,
+    print_default_config: bool,
+) -> Result<u8, CliError> {
+    if print_default_config {
+        print!("{}", WorkerConfig::default_config_toml());
+        return Ok(0);
+    }
+    let config = config.ok_or_else(|| {
+        CliError::Usage("supervisor worker needs --config FILE (`supervisor worker --print-default-config` prints one to start from)".into())
+    })?;
+    let cfg = WorkerConfig::load(&config)?;
+    let url = url.clone().or(cfg.database_url.clone());
+    // SIGTERM during start-up (probes, the sweep) is a clean stop too
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let db = connect(&url, cfg.db_max_connections, false).await?;
+    serve_metrics(&cfg, &db).await?;
+    let worker = Worker::start(db, cfg).await?;
+    let res = worker.run(shutdown).await;
+    // the last line of defence: no child outlives the worker process
+    crate::process::kill_all_groups();
+    res?;
+    Ok(0)
+}
+
+/// `supervisor conformance`: the executor conformance suite.
+async fn conformance(
+    config: &std::path::Path,
+    executor: Option<&str>,
+    kinds: &crate::conformance::Kinds,
+    json: bool,
+) -> Result<u8, CliError> {
+    use crate::conformance::{self, ConformanceError};
+    let cfg = WorkerConfig::load(config)?;
+    let reports = conformance::run(&cfg, executor, kinds)
+        .await
+        .map_err(|e| match e {
+            ConformanceError::Spawner(_) => CliError::Other(e.to_string()),
+            _ => CliError::Usage(e.to_string()),
+        })?;
+    if json {
+        println!("{}", conformance::render_json(&reports));
+    } else {
+        print!("{}", conformance::render(&reports));
+    }
+    Ok(if reports.iter().all(|r| r.passed()) {
+        0
+    } else {
+        1
+    })
+}
+
+/// `supervisor executors`: probes every configured executor.
+async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
+    let cfg = WorkerConfig::load(config)?;
+    let spawner = crate::process::Spawner::start().map_err(WorkerError::Spawner)?;
+    let mut all_ok = true;
+    for e in &cfg.executors {
+        match crate::worker::probe(&spawner, e, &cfg).await {
+            Ok(h) => {
+                let routes = crate::worker::routing::routes(&h, e);
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "executor": e.name,
+                        "executor_kind": h.executor_kind,
+                        "kinds": h.kinds,
+                        "labels": crate::worker::routing::effective_labels(&h, e),
+                        "sdk": format!("{} {}", h.sdk_name, h.sdk_version),
+                        "protocol_version": h.protocol_version,
+                        "protocol_versions": h.protocol_versions,
+                        "features": h.features,
+                        "max_frame_bytes": h.max_frame_bytes,
+                        "routes": routes.len(),
+                    })
+                );
+            }
+            Err(err) => {
+                all_ok = false;
+                eprintln!("error: {err}");
+            }
+        }
+    }
+    Ok(if all_ok { 0 } else { 1 })
 }
 
 /// Runs a worker with the bundled executors; optionally submits a spec and

@@ -1567,27 +1567,7 @@ fn finish_result(
             "a result before accepted",
         ));
     }
-    let output = if r.output.is_empty() {
-        serde_json::Value::Null
-    } else {
-        match serde_json::from_slice(&r.output) {
-            Ok(v) => v,
-            Err(e) => {
-                return Err(Outcome::failed(
-                    "OUTPUT_INVALID",
-                    false,
-                    format!("the result's output is not JSON: {e}"),
-                ))
-            }
-        }
-    };
-    if has_nul(&output) {
-        return Err(Outcome::failed(
-            "OUTPUT_INVALID",
-            false,
-            "the result's output contains a NUL character (\\u0000), which cannot be stored",
-        ));
-    }
+    let output = result_output(&r.output)?;
     // all artifacts of one result together are capped (storage, not memory:
     // each streams to the artifact store)
     let declared: u64 = r
@@ -1604,79 +1584,16 @@ fn finish_result(
             ),
         ));
     }
-    let mut total: u64 = 0;
     let inputs: std::collections::HashMap<&str, &wire::InputArtifact> =
         input_artifacts.iter().map(|a| (a.id.as_str(), a)).collect();
+    let real_out = std::fs::canonicalize(out_dir).unwrap_or_else(|_| out_dir.to_owned());
+    let mut total: u64 = 0;
     let mut artifacts = Vec::with_capacity(r.artifacts.len());
     let mut files = Vec::with_capacity(r.artifacts.len());
     let mut names = std::collections::HashSet::new();
     for m in &r.artifacts {
-        let rel = Path::new(&m.path);
-        if [&m.name, &m.path, &m.media_type, &m.sha256]
-            .iter()
-            .any(|t| t.contains('\0'))
-        {
-            return Err(Outcome::failed(
-                "ARTIFACT_INVALID",
-                false,
-                format!(
-                    "artifact {:?}: a field contains a NUL character",
-                    m.name.replace('\0', "\u{fffd}")
-                ),
-            ));
-        }
-        if m.name.is_empty() || !names.insert(m.name.clone()) {
-            return Err(Outcome::failed(
-                "ARTIFACT_INVALID",
-                false,
-                format!("artifact name {:?} is empty or repeated", m.name),
-            ));
-        }
-        if m.path.is_empty()
-            || rel.is_absolute()
-            || rel.components().any(|c| !matches!(c, Component::Normal(_)))
-        {
-            return Err(Outcome::failed(
-                "ARTIFACT_INVALID",
-                false,
-                format!(
-                    "artifact {:?}: path {:?} must be relative to output_dir, without '..'",
-                    m.name, m.path
-                ),
-            ));
-        }
-        let full = out_dir.join(rel);
-        let real = match std::fs::canonicalize(&full) {
-            Ok(p) => p,
-            Err(e) => {
-                return Err(Outcome::failed(
-                    "ARTIFACT_INVALID",
-                    false,
-                    format!("artifact {:?}: {}: {e}", m.name, m.path),
-                ))
-            }
-        };
-        let real_out = std::fs::canonicalize(out_dir).unwrap_or_else(|_| out_dir.to_owned());
-        if !real.starts_with(&real_out) {
-            return Err(Outcome::failed(
-                "ARTIFACT_INVALID",
-                false,
-                format!("artifact {:?} escapes output_dir", m.name),
-            ));
-        }
-        // checked before reading: a cap on what one attempt may store
-        let on_disk = std::fs::metadata(&real).map(|m| m.len()).unwrap_or(0);
-        if on_disk > max_artifact_bytes || m.size > max_artifact_bytes {
-            return Err(Outcome::failed(
-                "ARTIFACT_INVALID",
-                false,
-                format!(
-                    "artifact {:?} has {} bytes; max_artifact_bytes is {max_artifact_bytes}",
-                    m.name,
-                    on_disk.max(m.size)
-                ),
-            ));
-        }
+        artifact_fields(m, &mut names)?;
+        let (real, on_disk) = artifact_file(out_dir, &real_out, m, max_artifact_bytes)?;
         total = total.saturating_add(on_disk);
         if total > max_result_bytes {
             return Err(Outcome::failed(
@@ -1701,15 +1618,15 @@ fn finish_result(
         }
         let mut derived = Vec::with_capacity(m.derived_from.len());
         for d in &m.derived_from {
-            match inputs.get(d.as_str()).and_then(|a| Uuid::parse_str(&a.id).ok()) {
+            match inputs
+                .get(d.as_str())
+                .and_then(|a| Uuid::parse_str(&a.id).ok())
+            {
                 Some(id) => derived.push(id),
-                None => {
-                    return Err(Outcome::failed(
-                        "ARTIFACT_INVALID",
-                        false,
-                        format!("artifact {:?} derives from {d:?}, which is not an input artifact of this step", m.name),
-                    ))
-                }
+                None => return Err(artifact_invalid(format!(
+                    "artifact {:?} derives from {d:?}, which is not an input artifact of this step",
+                    m.name
+                ))),
             }
         }
         files.push((real, m.sha256.clone()));
@@ -1731,6 +1648,95 @@ fn finish_result(
         files,
         sequence: r.sequence,
     })
+}
+
+fn artifact_invalid(message: String) -> Outcome {
+    Outcome::failed("ARTIFACT_INVALID", false, message)
+}
+
+/// The result's output: JSON (empty is null) that PostgreSQL can store.
+fn result_output(raw: &[u8]) -> Result<serde_json::Value, Outcome> {
+    let output = if raw.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(raw).map_err(|e| {
+            Outcome::failed(
+                "OUTPUT_INVALID",
+                false,
+                format!("the result's output is not JSON: {e}"),
+            )
+        })?
+    };
+    if has_nul(&output) {
+        return Err(Outcome::failed(
+            "OUTPUT_INVALID",
+            false,
+            "the result's output contains a NUL character (\\u0000), which cannot be stored",
+        ));
+    }
+    Ok(output)
+}
+
+/// A manifest entry's fields can be stored (no NUL) and its name is given
+/// and not one of an earlier entry (`names`).
+fn artifact_fields<'m>(
+    m: &'m wire::ManifestEntry,
+    names: &mut std::collections::HashSet<&'m str>,
+) -> Result<(), Outcome> {
+    if [&m.name, &m.path, &m.media_type, &m.sha256]
+        .iter()
+        .any(|t| t.contains('\0'))
+    {
+        return Err(artifact_invalid(format!(
+            "artifact {:?}: a field contains a NUL character",
+            m.name.replace('\0', "\u{fffd}")
+        )));
+    }
+    if m.name.is_empty() || !names.insert(m.name.as_str()) {
+        return Err(artifact_invalid(format!(
+            "artifact name {:?} is empty or repeated",
+            m.name
+        )));
+    }
+    Ok(())
+}
+
+/// A manifest entry's file, checked before a byte of it is read: a path
+/// inside `out_dir` (`real_out`, resolved) even through links, within
+/// `max_artifact_bytes`. Its resolved path and size on disk.
+fn artifact_file(
+    out_dir: &Path,
+    real_out: &Path,
+    m: &wire::ManifestEntry,
+    max_artifact_bytes: u64,
+) -> Result<(std::path::PathBuf, u64), Outcome> {
+    let rel = Path::new(&m.path);
+    if m.path.is_empty()
+        || rel.is_absolute()
+        || rel.components().any(|c| !matches!(c, Component::Normal(_)))
+    {
+        return Err(artifact_invalid(format!(
+            "artifact {:?}: path {:?} must be relative to output_dir, without '..'",
+            m.name, m.path
+        )));
+    }
+    let real = std::fs::canonicalize(out_dir.join(rel))
+        .map_err(|e| artifact_invalid(format!("artifact {:?}: {}: {e}", m.name, m.path)))?;
+    if !real.starts_with(real_out) {
+        return Err(artifact_invalid(format!(
+            "artifact {:?} escapes output_dir",
+            m.name
+        )));
+    }
+    let on_disk = std::fs::metadata(&real).map(|m| m.len()).unwrap_or(0);
+    if on_disk > max_artifact_bytes || m.size > max_artifact_bytes {
+        return Err(artifact_invalid(format!(
+            "artifact {:?} has {} bytes; max_artifact_bytes is {max_artifact_bytes}",
+            m.name,
+            on_disk.max(m.size)
+        )));
+    }
+    Ok((real, on_disk))
 }
 
 async fn wait_exit(child: &mut Child, grace: Duration) -> bool {
