@@ -5,7 +5,8 @@
 //! session's, a spare job directory) ends in `.<tag>`, the worker
 //! instance's tag (12 hex digits of its id). While the worker lives it holds
 //! an exclusive `flock` on `.durable-<tag>.lock` in the same place; the
-//! kernel lets go of it when the process dies, however it dies. At start a
+//! kernel lets go of it when the process dies, however it dies (the file is
+//! locked before it appears under that name). At start a
 //! worker tries that lock of every tag it finds: one it gets belongs to a
 //! dead worker, so everything of that tag is removed, then the lock file.
 //! One it cannot get belongs to a live worker (of any name, on this host or
@@ -49,16 +50,25 @@ impl WorkDir {
     pub fn open(base: PathBuf, instance: Uuid) -> io::Result<WorkDir> {
         let tag = instance.simple().to_string()[..TAG_LEN].to_string();
         let lock_path = base.join(format!("{LOCK_PREFIX}{tag}{LOCK_SUFFIX}"));
+        // locked under another name first, then renamed (atomically): a
+        // sweep never sees this worker's lock file unlocked, so it can
+        // never take a starting worker for a dead one
+        let staging = base.join(format!("{LOCK_PREFIX}{tag}.new"));
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .open(&lock_path)?;
+            .open(&staging)?;
         let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+            let _ = std::fs::remove_file(&staging);
             io::Error::other(format!(
                 "cannot lock {} ({e}); work_dir must support flock",
-                lock_path.display()
+                staging.display()
             ))
         })?;
+        if let Err(e) = std::fs::rename(&staging, &lock_path) {
+            let _ = std::fs::remove_file(&staging);
+            return Err(e);
+        }
         Ok(WorkDir {
             base,
             tag,
