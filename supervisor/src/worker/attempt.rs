@@ -1623,10 +1623,12 @@ fn finish_result(
                 .and_then(|a| Uuid::parse_str(&a.id).ok())
             {
                 Some(id) => derived.push(id),
-                None => return Err(artifact_invalid(format!(
+                None => {
+                    return Err(artifact_invalid(format!(
                     "artifact {:?} derives from {d:?}, which is not an input artifact of this step",
                     m.name
-                ))),
+                )))
+                }
             }
         }
         files.push((real, m.sha256.clone()));
