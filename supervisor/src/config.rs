@@ -458,6 +458,27 @@ impl WorkerConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_durations()?;
+        self.check_frames()?;
+        self.check_capacity()?;
+        self.check_artifacts()?;
+        self.check_paths()?;
+        let mut names = std::collections::BTreeSet::new();
+        for e in &self.executors {
+            if e.name.is_empty() || !names.insert(e.name.clone()) {
+                return Err(ConfigError::Invalid(format!(
+                    "executor names must be unique and non-empty: {:?}",
+                    e.name
+                )));
+            }
+            e.check().map_err(ConfigError::Invalid)?;
+        }
+        Ok(())
+    }
+
+    /// The intervals, timeouts and graces: milliseconds within a day, the
+    /// heartbeat within the lease, the loops' intervals positive.
+    fn check_durations(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         for (key, value) in [
             ("lease_ttl_ms", self.lease_ttl_ms),
@@ -505,6 +526,12 @@ impl WorkerConfig {
             }
         }
         self.retention_age().map_err(ConfigError::Invalid)?;
+        Ok(())
+    }
+
+    /// Frame and stderr-tail sizes.
+    fn check_frames(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.max_frame_bytes < 1024 || self.max_frame_bytes > MAX_FRAME_BYTES {
             return bad(format!(
                 "max_frame_bytes = {} must be at least 1024 and at most {MAX_FRAME_BYTES} (1 GiB)",
@@ -517,6 +544,13 @@ impl WorkerConfig {
                 self.stderr_tail_bytes
             ));
         }
+        Ok(())
+    }
+
+    /// At least one executor, a stop budget that fits in the lease, enough
+    /// connections, refusals bounded.
+    fn check_capacity(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.executors.is_empty() {
             return bad("no [[executors]]: a worker needs at least one".into());
         }
@@ -535,6 +569,12 @@ impl WorkerConfig {
         if self.max_refusals == 0 {
             return bad("max_refusals = 0 must be at least 1".into());
         }
+        Ok(())
+    }
+
+    /// Artifact sizes, chunks and the store.
+    fn check_artifacts(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.max_artifact_bytes > self.max_result_bytes {
             return bad(format!(
                 "max_artifact_bytes ({}) must be at most max_result_bytes ({}): one artifact cannot be larger than a whole result",
@@ -565,6 +605,12 @@ impl WorkerConfig {
             }
             _ => {}
         }
+        Ok(())
+    }
+
+    /// Directories that must exist, the metrics address, the stderr log rate.
+    fn check_paths(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         if let Some(dir) = &self.secrets_dir {
             if !dir.is_dir() {
                 return bad(format!(
@@ -584,47 +630,50 @@ impl WorkerConfig {
                 self.stderr_log_lines_per_sec
             ));
         }
-        let mut names = std::collections::BTreeSet::new();
-        for e in &self.executors {
-            if e.name.is_empty() || !names.insert(e.name.clone()) {
-                return bad(format!(
-                    "executor names must be unique and non-empty: {:?}",
-                    e.name
-                ));
-            }
-            if e.command.is_empty() {
-                return bad(format!("executor {:?} has no command", e.name));
-            }
-            if e.concurrency == 0 {
-                return bad(format!(
-                    "executor {:?}: concurrency = 0 must be at least 1",
-                    e.name
-                ));
-            }
-            if e.max_jobs_per_process == Some(0) {
-                return bad(format!(
-                    "executor {:?}: max_jobs_per_process = 0 must be at least 1 (or leave it out to follow the executor's hello)",
-                    e.name
-                ));
-            }
-            if e.warm_processes > 0 && !e.persistent {
-                return bad(format!(
-                    "executor {:?}: warm_processes = {} needs persistent = true (a one-shot process serves one job, so none can be kept warm): set persistent = true or remove warm_processes",
-                    e.name, e.warm_processes
-                ));
-            }
-            if e.warm_processes > e.concurrency {
-                return bad(format!(
-                    "executor {:?}: warm_processes = {} is more than its concurrency = {}: no more than {} of its processes are ever busy; lower warm_processes or raise concurrency",
-                    e.name, e.warm_processes, e.concurrency, e.concurrency
-                ));
-            }
-            if let Some(s) = e.secrets.iter().find(|s| !crate::secrets::is_valid_name(s)) {
-                return bad(format!(
-                    "executor {:?}: secrets entry {s:?} is not a secret name: use letters, digits and _, not starting with a digit, at most 128 characters (like REPORT_API_TOKEN)",
-                    e.name
-                ));
-            }
+        Ok(())
+    }
+}
+
+impl ExecutorConfig {
+    /// One executor entry on its own (names are checked across entries by
+    /// [`WorkerConfig::validate`]).
+    fn check(&self) -> Result<(), String> {
+        if self.command.is_empty() {
+            return Err(format!("executor {:?} has no command", self.name));
+        }
+        if self.concurrency == 0 {
+            return Err(format!(
+                "executor {:?}: concurrency = 0 must be at least 1",
+                self.name
+            ));
+        }
+        if self.max_jobs_per_process == Some(0) {
+            return Err(format!(
+                "executor {:?}: max_jobs_per_process = 0 must be at least 1 (or leave it out to follow the executor's hello)",
+                self.name
+            ));
+        }
+        if self.warm_processes > 0 && !self.persistent {
+            return Err(format!(
+                "executor {:?}: warm_processes = {} needs persistent = true (a one-shot process serves one job, so none can be kept warm): set persistent = true or remove warm_processes",
+                self.name, self.warm_processes
+            ));
+        }
+        if self.warm_processes > self.concurrency {
+            return Err(format!(
+                "executor {:?}: warm_processes = {} is more than its concurrency = {}: no more than {} of its processes are ever busy; lower warm_processes or raise concurrency",
+                self.name, self.warm_processes, self.concurrency, self.concurrency
+            ));
+        }
+        if let Some(s) = self
+            .secrets
+            .iter()
+            .find(|s| !crate::secrets::is_valid_name(s))
+        {
+            return Err(format!(
+                "executor {:?}: secrets entry {s:?} is not a secret name: use letters, digits and _, not starting with a digit, at most 128 characters (like REPORT_API_TOKEN)",
+                self.name
+            ));
         }
         Ok(())
     }
