@@ -911,3 +911,29 @@ async fn a_renewal_skips_the_guard_and_nothing_else_does() {
     );
     assert_eq!(t.status(run).await.state, "succeeded");
 }
+
+/// Run and step ids are time-ordered (UUID version 7): a run submitted later
+/// has larger run and step ids, so the indexes keyed by them take new entries
+/// on their newest leaves (the FIFO queue's next pages) instead of a random
+/// leaf each. (Within one millisecond the order is random.)
+#[tokio::test]
+async fn run_and_step_ids_are_time_ordered() {
+    let t = TestDb::new().await;
+    let mut ids: Vec<(Uuid, Uuid)> = Vec::new();
+    for i in 0..3 {
+        let run = t
+            .submit(tests::one_step(&format!("r{i}"), "go", "k", json!({})))
+            .await;
+        ids.push((run, tests::only_step_id(&t, run).await));
+        // the ids' time part counts milliseconds
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    for (run, step) in &ids {
+        assert_eq!(run.get_version_num(), 7, "run id {run}");
+        assert_eq!(step.get_version_num(), 7, "step id {step}");
+    }
+    for w in ids.windows(2) {
+        assert!(w[1].0 > w[0].0, "run ids in submission order: {ids:?}");
+        assert!(w[1].1 > w[0].1, "step ids in submission order: {ids:?}");
+    }
+}

@@ -402,7 +402,9 @@ async fn counts(url: &str, imp: Imp) -> Result<(i64, i64)> {
 /// generate_series per table and chunk. Triggers are bypassed
 /// (`session_replication_role = replica`) and the creation transitions they
 /// would write are inserted explicitly: same rows, no per-row plpgsql, no
-/// NOTIFY. `next_attempt_at` rises by 1 µs per row (FIFO order).
+/// NOTIFY. `next_attempt_at` rises by 1 µs per row (FIFO order), and the
+/// run and step ids are time-ordered like `durable.time_ordered_uuid()`'s
+/// (UUID version 7, from the same times), as if submitted at those times.
 async fn fill_runtime(db: &Db, count: u64, spr: u64) -> Result<()> {
     let tag = Uuid::new_v4().simple().to_string();
     let spec = serde_json::json!({
@@ -428,8 +430,16 @@ async fn fill_runtime(db: &Db, count: u64, spr: u64) -> Result<()> {
             .await?;
         sqlx::query(&format!(
             "CREATE TEMP TABLE bench_fill ON COMMIT DROP AS
-             SELECT g, md5('{tag}-' || (g / {spr}))::uuid AS run_id, (g % {spr})::int AS pos,
-                    gen_random_uuid() AS sid, '{t0}'::timestamptz + g * interval '1 microsecond' AS t
+             SELECT g,
+                    (lpad(to_hex(floor(extract(epoch FROM '{t0}'::timestamptz
+                                 + (g / {spr}) * {spr} * interval '1 microsecond') * 1000)::bigint), 12, '0')
+                     || '7' || substr(md5('{tag}-' || (g / {spr})), 14, 3)
+                     || '8' || substr(md5('{tag}-' || (g / {spr})), 18, 15))::uuid AS run_id,
+                    (g % {spr})::int AS pos,
+                    (lpad(to_hex(floor(extract(epoch FROM '{t0}'::timestamptz + g * interval '1 microsecond') * 1000)::bigint), 12, '0')
+                     || '7' || substr(md5(random()::text), 14, 3)
+                     || '8' || substr(md5(random()::text), 18, 15))::uuid AS sid,
+                    '{t0}'::timestamptz + g * interval '1 microsecond' AS t
                FROM generate_series({g0}::bigint, {end}::bigint) g",
             t0 = t0.to_rfc3339(),
             end = g0 + n - 1
