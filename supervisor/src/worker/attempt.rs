@@ -1584,6 +1584,15 @@ fn finish_result(
             ),
         ));
     }
+    if r.artifacts.is_empty() {
+        // most results: nothing on disk to check (no path to resolve)
+        return Ok(Checked {
+            output,
+            artifacts: Vec::new(),
+            files: Vec::new(),
+            sequence: r.sequence,
+        });
+    }
     let inputs: std::collections::HashMap<&str, &wire::InputArtifact> =
         input_artifacts.iter().map(|a| (a.id.as_str(), a)).collect();
     let real_out = std::fs::canonicalize(out_dir).unwrap_or_else(|_| out_dir.to_owned());

@@ -633,7 +633,8 @@ fn vital_loop_died(
 
 /// Checks at start what would otherwise surface as the steps' failures:
 /// the stop budget fits in the lease, the pool is not smaller than what the
-/// concurrency needs, the work directory is writable.
+/// concurrency needs (the work directory's check is taking this worker's lock
+/// there, [`open_work_dir`]).
 fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
     cfg.check_stop_budget().map_err(WorkerError::Setup)?;
     let conns = db.pool().options().get_max_connections();
@@ -650,26 +651,16 @@ fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
             "the database pool is smaller than the executors' total concurrency + 1: attempts will queue for connections"
         );
     }
-    let base = cfg.work_base();
-    tempfile::Builder::new()
-        .prefix("durable-check-")
-        .tempdir_in(&base)
-        .map_err(|e| {
-            WorkerError::Setup(format!(
-                "work_dir {} is not writable ({e}): attempts could not create their directories. Fix its permissions or set work_dir",
-                base.display()
-            ))
-        })?;
     Ok(())
 }
 
-/// Takes this worker's lock in `work_dir` and removes what dead workers left
-/// there (worker/workdir.rs).
+/// Takes this worker's lock in `work_dir` (which also shows the directory is
+/// writable) and removes what dead workers left there (worker/workdir.rs).
 async fn open_work_dir(cfg: &WorkerConfig, id: Uuid) -> Result<Arc<workdir::WorkDir>, WorkerError> {
     let base = cfg.work_base();
     let work = workdir::WorkDir::open(base.clone(), id).map_err(|e| {
         WorkerError::Setup(format!(
-            "cannot take this worker's lock file in work_dir {} ({e}). Fix its permissions or set work_dir",
+            "work_dir {} is not writable ({e}): attempts could not create their directories. Fix its permissions or set work_dir",
             base.display()
         ))
     })?;

@@ -93,14 +93,18 @@ impl WorkDir {
     /// Errors on single entries are logged and skipped.
     pub fn sweep(&self) -> Swept {
         let mut swept = Swept::default();
+        // one listing: a dead worker makes no new entries
         let Ok(entries) = std::fs::read_dir(&self.base) else {
             return swept;
         };
-        let tags: Vec<String> = entries
+        let names: Vec<String> = entries
             .flatten()
-            .filter_map(|e| lock_tag(&e.file_name().to_string_lossy()).map(str::to_owned))
-            .filter(|t| *t != self.tag)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
+        let tags = names
+            .iter()
+            .filter_map(|n| lock_tag(n))
+            .filter(|t| *t != self.tag);
         for tag in tags {
             let path = self.base.join(format!("{LOCK_PREFIX}{tag}{LOCK_SUFFIX}"));
             // a lock file only: never follow a link someone put in its place
@@ -114,7 +118,7 @@ impl WorkDir {
                 debug!(tag = %tag, "a live worker's directories in work_dir are left alone");
                 continue;
             };
-            let n = remove_tagged(&self.base, &tag);
+            let n = remove_tagged(&self.base, &names, tag);
             match std::fs::remove_file(&path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -167,17 +171,12 @@ fn is_tagged(name: &str, tag: &str) -> bool {
     name.starts_with("durable-") && name.ends_with(&format!(".{tag}"))
 }
 
-/// Removes every entry of `tag` in `base`; a link is removed, never followed.
-fn remove_tagged(base: &Path, tag: &str) -> usize {
-    let Ok(entries) = std::fs::read_dir(base) else {
-        return 0;
-    };
+/// Removes every entry of `tag` among `names` in `base`; a link is
+/// removed, never followed.
+fn remove_tagged(base: &Path, names: &[String], tag: &str) -> usize {
     let mut n = 0;
-    for e in entries.flatten() {
-        if !is_tagged(&e.file_name().to_string_lossy(), tag) {
-            continue;
-        }
-        let path = e.path();
+    for name in names.iter().filter(|n| is_tagged(n, tag)) {
+        let path = base.join(name);
         let res = match std::fs::symlink_metadata(&path) {
             Ok(m) if m.file_type().is_dir() => std::fs::remove_dir_all(&path),
             Ok(_) => std::fs::remove_file(&path),
