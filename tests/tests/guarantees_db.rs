@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use supervisor::db::{Db, DbError, Lease, LeasedStep};
+use supervisor::db::{Db, DbConn, DbError, Lease, LeasedStep};
 use tests::TestDb;
 use uuid::Uuid;
 
@@ -208,8 +208,9 @@ async fn a_lease_never_waits_on_a_run_lock() {
 }
 
 /// 3: the heartbeat skips a row a writer holds (it is neither renewed nor
-/// lost this time) instead of waiting on it — so the heartbeat, which locks
-/// many rows, can never close a wait cycle with a writer.
+/// lost this time) instead of waiting on it past a short lock timeout — so
+/// the heartbeat, which locks many rows, can never hold a writer in a wait
+/// cycle.
 #[tokio::test]
 async fn the_heartbeat_never_waits_on_a_step_writer() {
     let t = TestDb::new().await;
@@ -241,6 +242,158 @@ async fn the_heartbeat_never_waits_on_a_step_writer() {
         .await
         .expect("heartbeat");
     assert_eq!(hb.renewed, 2);
+}
+
+/// Seconds left on a step's lease.
+async fn lease_left_s(db: &Db, step: Uuid) -> f64 {
+    sqlx::query_scalar(
+        "SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(step)
+    .fetch_one(db.pool())
+    .await
+    .expect("lease expiry")
+}
+
+/// 3, every outcome at once: of four leases (each its own run) one is fine,
+/// one is held by a writer in flight, one was reclaimed, one's run has a
+/// cancel request. With nothing held the heartbeat renews in one pass; with
+/// a held row it gives way after a short wait and skips only that row. Either
+/// way each lease is reported for what it is, and only renewed rows move.
+#[tokio::test]
+async fn the_heartbeat_reports_each_lease_for_what_it_is() {
+    let t = TestDb::new().await;
+    let mut runs = Vec::new();
+    for i in 0..4 {
+        runs.push(
+            t.submit(json!({"name": format!("r{i}"), "steps": [
+                {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+                .await,
+        );
+    }
+    let wid = worker(&t.db, "w").await;
+    let mut leases: Vec<Lease> = lease_all(&t.db, wid, 4)
+        .await
+        .into_iter()
+        .map(|s| s.lease)
+        .collect();
+    leases.sort_by_key(|l| l.step_run_id());
+    let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id()).collect();
+    let (fine, held, lost, cancelling) = (ids[0], ids[1], ids[2], ids[3]);
+    sqlx::query(
+        "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+    )
+    .bind(lost)
+    .execute(t.db.pool())
+    .await
+    .expect("expire");
+    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 1);
+    let run_of = |step: Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query_scalar::<_, Uuid>("SELECT run_id FROM durable.step_runs WHERE id = $1")
+                .bind(step)
+                .fetch_one(db.pool())
+                .await
+                .expect("run of step")
+        }
+    };
+    sqlx::query("UPDATE durable.workflow_runs SET cancel_requested = true WHERE id = $1")
+        .bind(run_of(cancelling).await)
+        .execute(t.db.pool())
+        .await
+        .expect("flag the run only");
+
+    // nothing held: one pass
+    let hb =
+        t.db.heartbeat(wid, &leases, Duration::from_secs(300))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.renewed_ids, vec![fine, held, cancelling]);
+    assert_eq!(hb.renewed, 3);
+    assert_eq!(hb.lost, vec![lost]);
+    assert!(hb.busy.is_empty(), "{:?}", hb.busy);
+    assert_eq!(hb.cancel_requested, vec![cancelling]);
+    for id in [fine, held, cancelling] {
+        assert!(
+            lease_left_s(&t.db, id).await > 200.0,
+            "{id} was not renewed"
+        );
+    }
+
+    // one row held past the wait: skipped, the others renewed
+    let tx = hold_step_write(&t.db, &leases[1]).await;
+    let other = t.connect(1).await;
+    let hb = tokio::time::timeout(
+        Duration::from_secs(3),
+        other.heartbeat(wid, &leases, Duration::from_secs(600)),
+    )
+    .await
+    .expect("the heartbeat waited on a held row")
+    .expect("heartbeat");
+    assert_eq!(hb.renewed_ids, vec![fine, cancelling]);
+    assert_eq!(hb.busy, vec![held]);
+    assert_eq!(hb.lost, vec![lost]);
+    assert_eq!(hb.cancel_requested, vec![cancelling]);
+    tx.rollback().await.expect("rollback");
+    for id in [fine, cancelling] {
+        assert!(
+            lease_left_s(&t.db, id).await > 500.0,
+            "{id} was not renewed"
+        );
+    }
+    let left = lease_left_s(&t.db, held).await;
+    assert!(
+        left < 301.0,
+        "the held row was renewed after all ({left} s left)"
+    );
+}
+
+/// The heartbeat waits on held rows under a lock timeout of its own; run
+/// inside a caller's transaction it leaves the caller's setting as it was,
+/// on both of its paths.
+#[tokio::test]
+async fn the_heartbeat_leaves_the_callers_lock_timeout_alone() {
+    let t = TestDb::new().await;
+    t.submit(json!({"name": "r", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    t.submit(json!({"name": "q", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let leases: Vec<Lease> = lease_all(&t.db, wid, 2)
+        .await
+        .into_iter()
+        .map(|s| s.lease)
+        .collect();
+    let other = t.connect(1).await;
+    for hold in [false, true] {
+        let held = if hold {
+            Some(hold_step_write(&t.db, &leases[0]).await)
+        } else {
+            None
+        };
+        let mut tx = other.pool().begin().await.expect("begin");
+        sqlx::query("SET LOCAL lock_timeout = '1234ms'")
+            .execute(&mut *tx)
+            .await
+            .expect("set");
+        let hb = DbConn::new(&mut tx)
+            .heartbeat(wid, &leases, Duration::from_secs(30))
+            .await
+            .expect("heartbeat");
+        assert_eq!(hb.busy.len(), usize::from(hold), "{hb:?}");
+        let now: String = sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(&mut *tx)
+            .await
+            .expect("show");
+        assert_eq!(now, "1234ms", "held row: {hold}");
+        tx.commit().await.expect("commit");
+        if let Some(h) = held {
+            h.rollback().await.expect("rollback");
+        }
+    }
 }
 
 /// 3, raced: completions with cascades (terminal failures cancel siblings),

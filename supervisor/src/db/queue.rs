@@ -2,6 +2,13 @@
 //! expired leases, LISTEN.
 
 use super::*;
+use std::collections::HashSet;
+
+/// How long the heartbeat's renewal waits on a row a step writer holds
+/// before it gives way and skips what is held (see `durable.renew_leases`).
+/// A writer's batch commits within milliseconds; the deadlock detector only
+/// looks after a second, so a wait cycle with a writer ends here first.
+const HEARTBEAT_ROW_WAIT: &str = "20ms";
 
 impl Db {
     pub async fn register_worker(
@@ -217,54 +224,45 @@ impl DbConn<'_> {
         let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
         let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
-            "WITH w AS (
-                 UPDATE durable.workers SET last_heartbeat_at = now() WHERE id = $1
-             ), h AS (
-                 SELECT * FROM unnest($2::uuid[], $3::uuid[]) AS h(id, token)
-             ), locked AS (
-                 SELECT s.id FROM durable.step_runs s JOIN h ON h.id = s.id AND h.token = s.lease_token
-                  WHERE s.state IN ('leased', 'running')
-                  ORDER BY s.id
-                  FOR NO KEY UPDATE OF s SKIP LOCKED
-             ), renewed AS (
-                 UPDATE durable.step_runs s
-                    SET lease_expires_at = now() + make_interval(secs => $4::double precision / 1000.0)
-                   FROM locked
-                  WHERE s.id = locked.id
-              RETURNING s.id, s.run_id, s.cancel_requested
-             )
-             SELECT h.id,
-                    r.id IS NOT NULL AS renewed,
-                    coalesce(r.cancel_requested OR wr.cancel_requested, false) AS cancel_requested,
-                    (r.id IS NULL AND EXISTS (SELECT 1 FROM durable.step_runs s
-                                               WHERE s.id = h.id AND s.lease_token = h.token
-                                                 AND s.state IN ('leased', 'running'))) AS busy
-               FROM h
-               LEFT JOIN renewed r ON r.id = h.id
-               LEFT JOIN durable.workflow_runs wr ON wr.id = r.run_id",
+            "SELECT step_run_id, outcome FROM durable.renew_leases($1, $2, $3, $4, $5)",
         )
         .bind(worker_id)
         .bind(&ids)
         .bind(&tokens)
         .bind(ttl.as_millis() as f64)
+        .bind(HEARTBEAT_ROW_WAIT)
         .fetch_all(&mut *s)
         .await
         .ctx("renewing leases")?;
         s.done().await?;
         let mut report = HeartbeatReport::default();
+        let mut not_renewed = HashSet::new();
         for r in rows {
-            let id: Uuid = r.get("id");
-            if r.get::<bool, _>("renewed") {
-                report.renewed_ids.push(id);
-                if r.get::<bool, _>("cancel_requested") {
-                    report.cancel_requested.push(id);
+            let id: Uuid = r.get("step_run_id");
+            match r.get::<&str, _>("outcome") {
+                "cancel_requested" => report.cancel_requested.push(id),
+                "busy" => {
+                    not_renewed.insert(id);
+                    report.busy.push(id);
                 }
-            } else if r.get::<bool, _>("busy") {
-                report.busy.push(id);
-            } else {
-                report.lost.push(id);
+                "lost" => {
+                    not_renewed.insert(id);
+                    report.lost.push(id);
+                }
+                other => {
+                    return Err(DbError::Corrupt(format!(
+                        "renew_leases answered {other:?} for step {id}"
+                    )))
+                }
             }
         }
+        report.renewed_ids = if not_renewed.is_empty() {
+            ids
+        } else {
+            ids.into_iter()
+                .filter(|id| !not_renewed.contains(id))
+                .collect()
+        };
         report.renewed = report.renewed_ids.len();
         Ok(report)
     }

@@ -100,7 +100,8 @@ async fn statement_count(counter: Counter, reader: &Db, measured: &Db) -> Result
             "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements
               WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
                 AND (query LIKE '%UPDATE durable.workers SET last_heartbeat_at%'
-                     OR query LIKE '%lease_expires_at = now()%')",
+                     OR query LIKE '%lease_expires_at = now()%'
+                     OR query LIKE '%durable.renew_leases(%')",
         )
         .fetch_one(reader.pool())
         .await?),
