@@ -50,12 +50,37 @@ struct Args {
         default_value = "go,python,go-persistent,python-persistent"
     )]
     executors: Vec<String>,
+    /// Extra cells beyond the grid, EXECUTOR:CONCURRENCY (e.g.
+    /// go-persistent:64, where a persistent pool's batches are full): that
+    /// executor's bare and worker measurements and the plain-SQL baseline at
+    /// that concurrency, each with max(--steps, 64 × concurrency) runs. The
+    /// targets of (a)–(d) use each executor's largest concurrency measured.
+    #[arg(long, value_delimiter = ',', value_parser = parse_extra)]
+    extra: Vec<(String, u32)>,
     /// Give up on one worker measurement after this long.
     #[arg(long, default_value_t = 600)]
     timeout_secs: u64,
     /// Write this benchmark's part of the JSON summary here.
     #[arg(long)]
     json_out: Option<std::path::PathBuf>,
+}
+
+fn parse_extra(s: &str) -> Result<(String, u32), String> {
+    let (ex, c) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("--extra {s:?}: expected EXECUTOR:CONCURRENCY"))?;
+    let c: u32 = c
+        .parse()
+        .map_err(|_| format!("--extra {s:?}: {c:?} is not a concurrency"))?;
+    if c == 0 {
+        return Err(format!("--extra {s:?}: the concurrency must be positive"));
+    }
+    Ok((ex.to_string(), c))
+}
+
+/// Runs per worker measurement of an --extra cell at concurrency `c`.
+fn extra_steps(steps: u32, c: u32) -> u32 {
+    steps.max(64 * c)
 }
 
 const WARMUP_ROUNDS: u32 = 3;
@@ -545,11 +570,38 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     {
         bail!("--steps, --rounds and --concurrency must be positive");
     }
-    let configs: Vec<(String, ExecutorConfig)> = args
-        .executors
+    let mut names = args.executors.clone();
+    for (ex, _) in &args.extra {
+        if !names.contains(ex) {
+            names.push(ex.clone());
+        }
+    }
+    let configs: Vec<(String, ExecutorConfig)> = names
         .iter()
         .map(|w| executor_config(w).map(|c| (w.clone(), c)))
         .collect::<Result<_>>()?;
+    // (concurrency, runs) per executor: the grid for the executors asked
+    // for, then the extra cells
+    let cells = |which: &str| -> Vec<(u32, u32)> {
+        let mut v: Vec<(u32, u32)> = if args.executors.iter().any(|e| e == which) {
+            args.concurrency.iter().map(|&c| (c, args.steps)).collect()
+        } else {
+            Vec::new()
+        };
+        for (ex, c) in &args.extra {
+            if ex == which && !v.iter().any(|(have, _)| have == c) {
+                v.push((*c, extra_steps(args.steps, *c)));
+            }
+        }
+        v
+    };
+    let mut plain_cells: Vec<(u32, u32)> =
+        args.concurrency.iter().map(|&c| (c, args.steps)).collect();
+    for (_, c) in &args.extra {
+        if !plain_cells.iter().any(|(have, _)| have == c) {
+            plain_cells.push((*c, extra_steps(args.steps, *c)));
+        }
+    }
     let admin = Db::connect(&args.database_url, 1)
         .await
         .context("connecting to DATABASE_URL")?;
@@ -558,7 +610,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     report.set_setup(print_setup(&admin, &args.database_url).await?);
     report.set_params(
         serde_json::json!({"steps": args.steps, "rounds": args.rounds,
-        "concurrency": args.concurrency, "executors": args.executors}),
+        "concurrency": args.concurrency, "executors": args.executors,
+        "extra": args.extra.iter().map(|(e, c)| format!("{e}:{c}")).collect::<Vec<_>>()}),
     );
     for (w, c) in &configs {
         println!("executor    : {w}: {} {}", c.command, c.args.join(" "));
@@ -567,6 +620,12 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         "parameters  : {} runs per worker measurement, {} bare round trips per measurement, concurrency {:?}",
         args.steps, args.rounds, args.concurrency
     );
+    for (ex, c) in &args.extra {
+        println!(
+            "extra cell  : {ex} at concurrency {c}, {} runs",
+            extra_steps(args.steps, *c)
+        );
+    }
     println!(
         "method      : bare = spawn (Spawner, the worker's spawn spec, fresh directory with out/ and in/) → hello →\n\
          \x20             Job → events until the terminal → close stdin → stdout EOF → exit → reap; no database;\n\
@@ -598,8 +657,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         db.pool().close().await;
     }
     let mut plains = Vec::new();
-    for &c in &args.concurrency {
-        let p = plain_cycle(&url, c, args.steps).await?;
+    for &(c, steps) in &plain_cells {
+        let p = plain_cycle(&url, c, steps).await?;
         eprintln!(
             "[plain SQL] c={c}: {} jobs in {:.3} s = {:.0} jobs/s",
             p.jobs,
@@ -615,7 +674,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         for i in 0..WARMUP_ROUNDS {
             round_trip(&spawner, cfg, 1_000_000 + i as u64).await?;
         }
-        for &c in &args.concurrency {
+        for (c, _) in cells(which) {
             let b = bare(&spawner, cfg, which, c, args.rounds).await?;
             eprintln!(
                 "[{which}] bare c={c}: {} round trips in {:.2} s, mean {} ms",
@@ -625,12 +684,12 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             );
             bares.push(b);
         }
-        for &c in &args.concurrency {
+        for (c, steps) in cells(which) {
             let w = through_worker(
                 &url,
                 which,
                 c,
-                args.steps,
+                steps,
                 Duration::from_secs(args.timeout_secs),
             )
             .await?;
