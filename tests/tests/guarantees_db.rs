@@ -349,6 +349,88 @@ async fn the_heartbeat_reports_each_lease_for_what_it_is() {
     );
 }
 
+/// 3, many leases: from 640 on the renewal is planned for the call (the
+/// tokens hashed). Each row is still fenced by its own token: a step taken
+/// over by another worker is reported lost and its new lease left alone,
+/// and a run's cancel request is still told.
+#[tokio::test]
+async fn the_heartbeat_of_many_leases_fences_each_by_its_token() {
+    let t = TestDb::new().await;
+    sqlx::query("SELECT durable.submit_run($1) FROM generate_series(1, 700)")
+        .bind(json!({"name": "many", "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .execute(t.db.pool())
+        .await
+        .expect("submit");
+    let wid = worker(&t.db, "w").await;
+    let mut leases: Vec<Lease> = Vec::new();
+    while leases.len() < 700 {
+        let got = lease_all(&t.db, wid, 100).await;
+        assert!(!got.is_empty(), "only {} leased", leases.len());
+        leases.extend(got.into_iter().map(|s| s.lease));
+    }
+    let (taken, cancelling) = (leases[10].step_run_id(), leases[20].step_run_id());
+    // `taken` expires, is reclaimed, and another worker leases it again
+    sqlx::query(
+        "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+    )
+    .bind(taken)
+    .execute(t.db.pool())
+    .await
+    .expect("expire");
+    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 1);
+    sqlx::query("UPDATE durable.step_runs SET next_attempt_at = now() WHERE id = $1")
+        .bind(taken)
+        .execute(t.db.pool())
+        .await
+        .expect("retry now");
+    let other = worker(&t.db, "other").await;
+    let again =
+        t.db.lease(
+            other,
+            "other",
+            &tests::route_go_k(),
+            1,
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("lease again");
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].lease.step_run_id(), taken);
+    sqlx::query(
+        "UPDATE durable.workflow_runs SET cancel_requested = true
+          WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1)",
+    )
+    .bind(cancelling)
+    .execute(t.db.pool())
+    .await
+    .expect("flag the run only");
+
+    let hb =
+        t.db.heartbeat(wid, &leases, Duration::from_secs(300))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.lost, vec![taken]);
+    assert!(hb.busy.is_empty());
+    assert_eq!(hb.renewed, 699);
+    assert!(!hb.renewed_ids.contains(&taken));
+    assert_eq!(hb.cancel_requested, vec![cancelling]);
+    let left = lease_left_s(&t.db, taken).await;
+    assert!(
+        left < 10.0,
+        "the other worker's lease was renewed by this one ({left} s left)"
+    );
+    let renewed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM durable.step_runs
+          WHERE owner_worker_id = $1 AND lease_expires_at > now() + interval '200 seconds'",
+    )
+    .bind(wid)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("count");
+    assert_eq!(renewed, 699);
+}
+
 /// The heartbeat waits on held rows under a lock timeout of its own; run
 /// inside a caller's transaction it leaves the caller's setting as it was,
 /// on both of its paths.
