@@ -273,52 +273,17 @@ async fn execute(
     slot: super::ExecSlot,
 ) -> Outcome {
     crate::fault::maybe_panic(&step.kind);
-    let view = *control.borrow_and_update();
-    if step.cancel_requested || view.control == Control::Cancel {
-        return Outcome::Cancelled {
-            message: "cancellation was requested before the attempt started".into(),
-        };
-    }
-    if let Some(deadline) = step.deadline {
-        if deadline <= Utc::now() {
-            return Outcome::failed(
-                "DEADLINE_EXCEEDED",
-                false,
-                format!(
-                    "the step deadline {deadline} passed before attempt {} started",
-                    step.lease.attempt()
-                ),
-            );
-        }
+    if let Some(o) = too_late_to_start(step, &mut control) {
+        return o;
     }
     let secrets = match resolve_secrets(shared, exec, step) {
         Ok(s) => s,
         Err(o) => return o,
     };
     redactor.set(&secrets);
-
-    // the attempt's own directory: out/ for results, in/ for input artifacts
-    // (made only when there are any: most steps have none, and every
-    // directory made and removed costs the filesystem an inode). A one-shot
-    // process runs in it, so it is always fresh; a persistent executor's
-    // jobs reuse a clean one (worker/jobdir.rs). Failing to make it is "this
-    // worker can't", not the step's failure.
-    let workdir = if exec.cfg.persistent {
-        exec.job_dirs.take(&shared.work)
-    } else {
-        fresh_attempt_dir(&shared.work, step.lease.step_run_id())
-    };
-    let workdir = match workdir {
+    let workdir = match attempt_workdir(shared, exec, step) {
         Ok(d) => d,
-        Err(e) => {
-            return Outcome::Refused {
-                code: "WORK_DIR_UNAVAILABLE".into(),
-                message: format!(
-                    "cannot create a working directory in {}: {e}",
-                    shared.work.base().display()
-                ),
-            }
-        }
+        Err(o) => return o,
     };
     let out_dir = workdir.path().join("out");
     let in_dir = workdir.path().join("in");
@@ -326,61 +291,10 @@ async fn execute(
         Ok(v) => v,
         Err(o) => return o,
     };
-
-    let now_ms = Utc::now().timestamp_millis();
-    let job = wire::Job {
-        job_id: format!("{}:{}", step.lease.step_run_id(), step.lease.attempt()),
-        workflow_run_id: step.run_id.to_string(),
-        step_run_id: step.lease.step_run_id().to_string(),
-        idempotency_key: step.idempotency_key.clone(),
-        executor_kind: step.executor_kind.clone(),
-        kind: step.kind.clone(),
-        attempt: step.lease.attempt(),
-        deadline_unix_ms: step.deadline.map(|d| d.timestamp_millis()).unwrap_or(0),
-        attempt_deadline_unix_ms: step
-            .timeout_ms
-            .map(|t| now_ms.saturating_add(t))
-            .unwrap_or(0),
-        heartbeat_timeout_ms: step
-            .heartbeat_timeout_ms
-            .unwrap_or(0)
-            .clamp(0, u32::MAX as i64) as u32,
-        input: serde_json::to_vec(&step.input).unwrap_or_else(|_| b"null".to_vec()),
-        input_artifacts: inputs,
-        checkpoint: step.checkpoint.clone(),
-        output_dir: out_dir.to_string_lossy().into_owned(),
-        secrets,
-        labels: step.labels.clone(),
-        agreement: None,
-    };
-
-    // a warm process of a persistent executor, or a new one (a one-shot
-    // process runs in the attempt's directory; a persistent one in its own)
-    let reused = if exec.cfg.persistent {
-        exec.pool.take()
-    } else {
-        None
-    };
-    let mut session = match reused {
-        Some(s) => {
-            debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
-            s
-        }
-        None => match Session::start(
-            &shared.spawner,
-            &shared.cfg,
-            &shared.work,
-            &exec.cfg,
-            workdir.path(),
-        )
-        .await
-        {
-            Ok(s) => {
-                crate::metrics::executor_process_started(&exec.cfg.name, "job");
-                s
-            }
-            Err(e) => return start_failed(e),
-        },
+    let job = job_for(step, inputs, &out_dir, secrets);
+    let mut session = match session_for(shared, exec, &workdir).await {
+        Ok(s) => s,
+        Err(o) => return o,
     };
     let _stderr_log = session.child.log_stderr_here(redactor.clone());
     let conversed = converse(
@@ -405,6 +319,121 @@ async fn execute(
         exec.job_dirs.give_back(workdir);
     }
     outcome
+}
+
+/// An attempt that must not start: its step or run asked for a cancel, or
+/// its deadline passed while it was leased.
+fn too_late_to_start(
+    step: &LeasedStep,
+    control: &mut watch::Receiver<LeaseView>,
+) -> Option<Outcome> {
+    let view = *control.borrow_and_update();
+    if step.cancel_requested || view.control == Control::Cancel {
+        return Some(Outcome::Cancelled {
+            message: "cancellation was requested before the attempt started".into(),
+        });
+    }
+    match step.deadline {
+        Some(deadline) if deadline <= Utc::now() => Some(Outcome::failed(
+            "DEADLINE_EXCEEDED",
+            false,
+            format!(
+                "the step deadline {deadline} passed before attempt {} started",
+                step.lease.attempt()
+            ),
+        )),
+        _ => None,
+    }
+}
+
+/// The attempt's own directory: out/ for results, in/ for input artifacts
+/// (made only when there are any: most steps have none, and every directory
+/// made and removed costs the filesystem an inode). A one-shot process runs
+/// in it, so it is always fresh; a persistent executor's jobs reuse a clean
+/// one (worker/jobdir.rs). Failing to make it is "this worker can't", not
+/// the step's failure.
+fn attempt_workdir(
+    shared: &Arc<Shared>,
+    exec: &ExecutorRuntime,
+    step: &LeasedStep,
+) -> Result<tempfile::TempDir, Outcome> {
+    let workdir = if exec.cfg.persistent {
+        exec.job_dirs.take(&shared.work)
+    } else {
+        fresh_attempt_dir(&shared.work, step.lease.step_run_id())
+    };
+    workdir.map_err(|e| Outcome::Refused {
+        code: "WORK_DIR_UNAVAILABLE".into(),
+        message: format!(
+            "cannot create a working directory in {}: {e}",
+            shared.work.base().display()
+        ),
+    })
+}
+
+/// The job frame of this attempt (before protocol 1.1's agreement is added).
+fn job_for(
+    step: &LeasedStep,
+    inputs: Vec<wire::InputArtifact>,
+    out_dir: &Path,
+    secrets: BTreeMap<String, String>,
+) -> wire::Job {
+    let now_ms = Utc::now().timestamp_millis();
+    wire::Job {
+        job_id: format!("{}:{}", step.lease.step_run_id(), step.lease.attempt()),
+        workflow_run_id: step.run_id.to_string(),
+        step_run_id: step.lease.step_run_id().to_string(),
+        idempotency_key: step.idempotency_key.clone(),
+        executor_kind: step.executor_kind.clone(),
+        kind: step.kind.clone(),
+        attempt: step.lease.attempt(),
+        deadline_unix_ms: step.deadline.map(|d| d.timestamp_millis()).unwrap_or(0),
+        attempt_deadline_unix_ms: step
+            .timeout_ms
+            .map(|t| now_ms.saturating_add(t))
+            .unwrap_or(0),
+        heartbeat_timeout_ms: step
+            .heartbeat_timeout_ms
+            .unwrap_or(0)
+            .clamp(0, u32::MAX as i64) as u32,
+        input: serde_json::to_vec(&step.input).unwrap_or_else(|_| b"null".to_vec()),
+        input_artifacts: inputs,
+        checkpoint: step.checkpoint.clone(),
+        output_dir: out_dir.to_string_lossy().into_owned(),
+        secrets,
+        labels: step.labels.clone(),
+        agreement: None,
+    }
+}
+
+/// A warm process of a persistent executor, or a new one (a one-shot
+/// process runs in the attempt's directory; a persistent one in its own).
+async fn session_for(
+    shared: &Arc<Shared>,
+    exec: &ExecutorRuntime,
+    workdir: &tempfile::TempDir,
+) -> Result<Session, Outcome> {
+    if exec.cfg.persistent {
+        if let Some(s) = exec.pool.take() {
+            debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
+            return Ok(s);
+        }
+    }
+    match Session::start(
+        &shared.spawner,
+        &shared.cfg,
+        &shared.work,
+        &exec.cfg,
+        workdir.path(),
+    )
+    .await
+    {
+        Ok(s) => {
+            crate::metrics::executor_process_started(&exec.cfg.name, "job");
+            Ok(s)
+        }
+        Err(e) => Err(start_failed(e)),
+    }
 }
 
 /// A new directory `durable-<step_run_id>-…` in `work_dir`, with an empty `out/`.
@@ -677,6 +706,15 @@ impl Writer {
     }
 }
 
+/// One write of a queued run of intents, in order.
+enum Write {
+    Start(StartWrite),
+    Plain(EventsWrite),
+    /// A checkpoint rewrites the step row: a write of its own (in the
+    /// ledger's batch, after the set-based part).
+    Checkpointed(CheckpointWrite),
+}
+
 async fn write_loop(
     shared: Arc<Shared>,
     run_id: Uuid,
@@ -684,64 +722,9 @@ async fn write_loop(
     mut rx: mpsc::Receiver<Intent>,
     control: watch::Receiver<LeaseView>,
 ) {
-    /// One write of a queued run of intents, in order.
-    enum Write {
-        Start(StartWrite),
-        Plain(EventsWrite),
-        /// A checkpoint rewrites the step row: a write of its own (in the
-        /// ledger's batch, after the set-based part).
-        Checkpointed(CheckpointWrite),
-    }
     let mut buf = Vec::with_capacity(64);
     while rx.recv_many(&mut buf, 64).await > 0 {
-        let mut writes = Vec::new();
-        let mut i = 0;
-        while i < buf.len() {
-            match &buf[i] {
-                Intent::Start { pid, event } => {
-                    i += 1;
-                    writes.push(Write::Start(StartWrite {
-                        run_id,
-                        lease: lease.clone(),
-                        pid: *pid,
-                        event: owned_event(event),
-                    }));
-                }
-                Intent::Event(_) => {
-                    let end = buf[i..]
-                        .iter()
-                        .position(|x| matches!(x, Intent::Start { .. }))
-                        .map(|p| i + p)
-                        .unwrap_or(buf.len());
-                    let run: Vec<&wire::Event> = buf[i..end]
-                        .iter()
-                        .filter_map(|x| match x {
-                            Intent::Event(e) => Some(e),
-                            Intent::Start { .. } => None,
-                        })
-                        .collect();
-                    let kept = coalesce(&run);
-                    i = end;
-                    writes.push(if kept.iter().any(|e| e.checkpoint.is_some()) {
-                        Write::Checkpointed(CheckpointWrite {
-                            lease: lease.clone(),
-                            events: kept
-                                .into_iter()
-                                .map(|e| CheckpointEvent {
-                                    event: owned_event(e),
-                                    checkpoint: e.checkpoint.clone(),
-                                })
-                                .collect(),
-                        })
-                    } else {
-                        Write::Plain(EventsWrite {
-                            lease: lease.clone(),
-                            events: kept.into_iter().map(owned_event).collect(),
-                        })
-                    });
-                }
-            }
-        }
+        let writes = plan_writes(&buf, run_id, &lease);
         buf.clear();
         // the first try of every write of this run is handed to the ledger
         // at once, in order: a start and the events right behind it (the
@@ -759,31 +742,7 @@ async fn write_loop(
                 Ok(p) => p.answer().await,
                 Err(e) => Err(e),
             };
-            let res = match (w, first) {
-                (Write::Checkpointed(c), Err(e)) if e.is_transient() => {
-                    warn!(error = %e, "recording progress events failed; retrying");
-                    retrying(&control, "recording progress events", || {
-                        shared.ledger.checkpoint(c.clone())
-                    })
-                    .await
-                }
-                (Write::Start(s), Err(e)) if e.is_transient() => {
-                    warn!(error = %e, "recording the start failed; retrying");
-                    retrying(&control, "recording the start", || {
-                        shared.ledger.start(s.clone())
-                    })
-                    .await
-                }
-                (Write::Plain(ev), Err(e)) if e.is_transient() => {
-                    warn!(error = %e, "recording progress events failed; retrying");
-                    retrying(&control, "recording progress events", || {
-                        shared.ledger.events(ev.clone())
-                    })
-                    .await
-                }
-                (_, r) => r,
-            };
-            match res {
+            match retry_if_transient(&shared, &control, w, first).await {
                 Ok(()) => {}
                 Err(DbError::LeaseLost { .. }) => {
                     shared.lease_lost(&lease);
@@ -794,6 +753,95 @@ async fn write_loop(
                 }
             }
         }
+    }
+}
+
+/// The writes of a run of queued intents, in order: each start alone, and
+/// the events between two starts as one write (plain progress coalesced;
+/// with a checkpoint among them, a checkpoint write).
+fn plan_writes(buf: &[Intent], run_id: Uuid, lease: &Lease) -> Vec<Write> {
+    let mut writes = Vec::new();
+    let mut i = 0;
+    while i < buf.len() {
+        match &buf[i] {
+            Intent::Start { pid, event } => {
+                i += 1;
+                writes.push(Write::Start(StartWrite {
+                    run_id,
+                    lease: lease.clone(),
+                    pid: *pid,
+                    event: owned_event(event),
+                }));
+            }
+            Intent::Event(_) => {
+                let end = buf[i..]
+                    .iter()
+                    .position(|x| matches!(x, Intent::Start { .. }))
+                    .map(|p| i + p)
+                    .unwrap_or(buf.len());
+                let run: Vec<&wire::Event> = buf[i..end]
+                    .iter()
+                    .filter_map(|x| match x {
+                        Intent::Event(e) => Some(e),
+                        Intent::Start { .. } => None,
+                    })
+                    .collect();
+                let kept = coalesce(&run);
+                i = end;
+                writes.push(if kept.iter().any(|e| e.checkpoint.is_some()) {
+                    Write::Checkpointed(CheckpointWrite {
+                        lease: lease.clone(),
+                        events: kept
+                            .into_iter()
+                            .map(|e| CheckpointEvent {
+                                event: owned_event(e),
+                                checkpoint: e.checkpoint.clone(),
+                            })
+                            .collect(),
+                    })
+                } else {
+                    Write::Plain(EventsWrite {
+                        lease: lease.clone(),
+                        events: kept.into_iter().map(owned_event).collect(),
+                    })
+                });
+            }
+        }
+    }
+    writes
+}
+
+/// A write's first answer, or, when that failed for a passing reason, the
+/// answer of retrying it on its own while the lease allows.
+async fn retry_if_transient(
+    shared: &Arc<Shared>,
+    control: &watch::Receiver<LeaseView>,
+    w: Write,
+    first: Result<(), DbError>,
+) -> Result<(), DbError> {
+    match (w, first) {
+        (Write::Checkpointed(c), Err(e)) if e.is_transient() => {
+            warn!(error = %e, "recording progress events failed; retrying");
+            retrying(control, "recording progress events", || {
+                shared.ledger.checkpoint(c.clone())
+            })
+            .await
+        }
+        (Write::Start(s), Err(e)) if e.is_transient() => {
+            warn!(error = %e, "recording the start failed; retrying");
+            retrying(control, "recording the start", || {
+                shared.ledger.start(s.clone())
+            })
+            .await
+        }
+        (Write::Plain(ev), Err(e)) if e.is_transient() => {
+            warn!(error = %e, "recording progress events failed; retrying");
+            retrying(control, "recording progress events", || {
+                shared.ledger.events(ev.clone())
+            })
+            .await
+        }
+        (_, r) => r,
     }
 }
 
@@ -903,47 +951,10 @@ async fn converse(
     let child = &mut session.child;
     let frames = &mut session.frames;
 
-    if let Err(why) = super::routing::check(
-        &hello,
-        &exec.cfg,
-        &step.executor_kind,
-        &step.kind,
-        &step.labels,
-    ) {
-        // this hello is a fresh probe: lease only what it offers from now on
-        exec.set_routes(super::routing::routes(&hello, &exec.cfg));
-        warn!(%why, "executor refused before any job was sent; its routes are re-read from this hello");
-        let outcome = Outcome::Refused {
-            code: "EXECUTOR_REFUSED".into(),
-            message: why,
-        };
-        return Conversed::Decided(decline(child, stdin, cfg, outcome).await);
-    }
-    // protocol 1.1: the revision, features and frame limits agreed with this
-    // hello are stated in the job; a job over the executor's limit is not sent
-    let offer = wire::SupervisorOffer::new(cfg.max_frame_bytes);
-    let prepared = match wire::prepare_job(&hello, &offer, job) {
+    let prepared = match negotiate_job(shared, exec, step, &hello, job, control) {
         Ok(prepared) => prepared,
-        Err(e) => {
-            warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
-            if e.code() == "PROTOCOL_VERSION_MISMATCH" {
-                // the binary changed since its probe: nothing more is leased
-                // for it until the worker is restarted with a compatible one
-                exec.set_routes(Vec::new());
-            }
-            let outcome = Outcome::failed(e.code(), false, e.to_string());
-            return Conversed::Decided(decline(child, stdin, cfg, outcome).await);
-        }
+        Err(outcome) => return Conversed::Decided(decline(child, stdin, cfg, outcome).await),
     };
-
-    // a cancel or a lost lease that arrived during spawn and handshake: the
-    // step is still only leased, so the job is never sent
-    let before_job = control.borrow_and_update().control;
-    if before_job != Control::Run {
-        return Conversed::Decided(
-            decline(child, stdin, cfg, before_job_outcome(before_job)).await,
-        );
-    }
 
     // --- the job
     // the job sent carries the agreement; what follows needs only its id and
@@ -990,44 +1001,95 @@ async fn converse(
         job_id: &job.job_id,
     };
     let (machine, finish) = conv.drive(machine).await;
-    let Conversation {
-        stdin,
-        writer,
-        child,
-        ..
-    } = conv;
+    let Conversation { stdin, writer, .. } = conv;
 
     // --- keep the process, or make sure it is gone; then decide
     if machine.answered() {
         session.jobs += 1;
     }
-    let report = if finish.reusable {
-        session.stdin = stdin;
-        session.reusable = true;
-        None
-    } else {
-        drop(stdin);
-        if finish.wait_exit_first {
-            let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
-        }
-        // SIGTERM → grace → SIGKILL to the group if the leader still runs;
-        // always SIGKILL the group at the end (grandchildren), then reap.
-        stop_child(child, cfg).await
-    };
-    if let Some(r) = &report {
-        debug!(status = %r.status, escalated = r.escalated_to_kill, stderr_bytes = r.stderr_total_bytes, "executor reaped");
-    }
-    let exit_text = match (&report, finish.reusable) {
-        (Some(r), _) => r.status.to_string(),
-        (None, true) => "still serving".into(),
-        (None, false) => "unknown status".into(),
-    };
+    let (exit_text, stderr_tail) = release_process(session, stdin, &finish, cfg).await;
     Conversed::Ran(Box::new(Ran {
         machine,
         writer,
         exit_text,
-        stderr_tail: report.map(|r| r.stderr_tail).unwrap_or_default(),
+        stderr_tail,
     }))
+}
+
+/// Whether this executor may be sent this job, and the job as sent: its
+/// routes still offer the step, protocol 1.1's agreement with its hello
+/// holds (the revision, features and frame limits are stated in the job),
+/// and no cancel or lost lease arrived during spawn and handshake. The
+/// outcome otherwise, with no job sent.
+fn negotiate_job(
+    shared: &Arc<Shared>,
+    exec: &ExecutorRuntime,
+    step: &LeasedStep,
+    hello: &wire::Hello,
+    job: &wire::Job,
+    control: &mut watch::Receiver<LeaseView>,
+) -> Result<wire::Job, Outcome> {
+    if let Err(why) = super::routing::check(
+        hello,
+        &exec.cfg,
+        &step.executor_kind,
+        &step.kind,
+        &step.labels,
+    ) {
+        // this hello is a fresh probe: lease only what it offers from now on
+        exec.set_routes(super::routing::routes(hello, &exec.cfg));
+        warn!(%why, "executor refused before any job was sent; its routes are re-read from this hello");
+        return Err(Outcome::Refused {
+            code: "EXECUTOR_REFUSED".into(),
+            message: why,
+        });
+    }
+    // a job over the executor's limit is not sent
+    let offer = wire::SupervisorOffer::new(shared.cfg.max_frame_bytes);
+    let prepared = wire::prepare_job(hello, &offer, job).map_err(|e| {
+        warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
+        if e.code() == "PROTOCOL_VERSION_MISMATCH" {
+            // the binary changed since its probe: nothing more is leased
+            // for it until the worker is restarted with a compatible one
+            exec.set_routes(Vec::new());
+        }
+        Outcome::failed(e.code(), false, e.to_string())
+    })?;
+    // the step is still only leased, so a stop now means the job is never sent
+    let before_job = control.borrow_and_update().control;
+    if before_job != Control::Run {
+        return Err(before_job_outcome(before_job));
+    }
+    Ok(prepared)
+}
+
+/// After a job: keep the process for the next one (a clean end of a
+/// persistent session), or make sure it is gone — SIGTERM → grace → SIGKILL
+/// to the group if the leader still runs, always SIGKILL the group at the
+/// end (grandchildren), then reap. The exit as text, and the stderr tail.
+async fn release_process(
+    session: &mut Session,
+    stdin: Option<ChildStdin>,
+    finish: &Finish,
+    cfg: &crate::config::WorkerConfig,
+) -> (String, String) {
+    if finish.reusable {
+        session.stdin = stdin;
+        session.reusable = true;
+        return ("still serving".into(), String::new());
+    }
+    drop(stdin);
+    let child = &mut session.child;
+    if finish.wait_exit_first {
+        let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
+    }
+    match stop_child(child, cfg).await {
+        Some(r) => {
+            debug!(status = %r.status, escalated = r.escalated_to_kill, stderr_bytes = r.stderr_total_bytes, "executor reaped");
+            (r.status.to_string(), r.stderr_tail)
+        }
+        None => ("unknown status".into(), String::new()),
+    }
 }
 
 /// How a conversation with the executor ended: decided before any job ran

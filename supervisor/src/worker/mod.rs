@@ -390,31 +390,8 @@ impl Worker {
         let shared = self.shared.clone();
         let cfg = shared.cfg.clone();
         let loops_stop = CancellationToken::new();
-        // the loops a worker cannot run without: if one ends before it is
-        // told to, the worker stops its children and exits non-zero
-        let mut vital: JoinSet<&'static str> = JoinSet::new();
-        let (s1, n1, t1) = (
-            shared.clone(),
-            self.heartbeat_now.clone(),
-            loops_stop.clone(),
-        );
-        vital.spawn(async move {
-            heartbeat_loop(s1, n1, t1).await;
-            "heartbeat"
-        });
-        let (s2, t2) = (shared.clone(), loops_stop.clone());
-        vital.spawn(async move {
-            reclaim_loop(s2, t2).await;
-            "reclaim"
-        });
-        // the ledger writes until the attempts are done (it is stopped with
-        // the other loops, after the drain) and then empties its queue
-        let (db3, name3, t3) = (shared.db.clone(), shared.name.clone(), loops_stop.clone());
-        let queue = self.ledger_queue;
-        vital.spawn(async move {
-            ledger::run(db3, name3, queue, t3).await;
-            "ledger"
-        });
+        let mut vital =
+            spawn_vital_loops(&shared, &self.heartbeat_now, self.ledger_queue, &loops_stop);
         let mut background = JoinSet::new();
         spawn_retention_loop(&mut background, &shared, &loops_stop);
         background.spawn(listen_loop(
@@ -440,41 +417,8 @@ impl Worker {
                 died = Some(vital_loop_died(res, &shared));
                 break;
             }
-            let mut leased_any_full = false;
-            for exec in &self.executors {
-                let free = leasable(
-                    exec.cfg.concurrency,
-                    exec.running.load(Ordering::SeqCst),
-                    exec.held.load(Ordering::SeqCst),
-                );
-                let routes = exec.routes();
-                if free == 0 || routes.is_empty() {
-                    continue;
-                }
-                // the lease clock starts at the send time: the database's
-                // expiry (its now() + TTL) is never earlier than this + TTL
-                let sent = Instant::now();
-                let steps = match bounded(
-                    DB_CALL_TIMEOUT,
-                    "leasing steps",
-                    shared.db.lease(shared.id, &shared.name, &routes, free, ttl),
-                )
-                .await
-                {
-                    Ok(s) => s,
-                    Err(e) => {
-                        error!(error = %e, "lease failed; retrying after the poll interval");
-                        break;
-                    }
-                };
-                crate::metrics::leased(&exec.cfg.name, steps.len());
-                if steps.len() as u32 == free {
-                    leased_any_full = true;
-                }
-                for step in steps {
-                    start_attempt(&shared, exec, &slot_freed, &mut attempts, step, sent + ttl);
-                }
-            }
+            let leased_any_full =
+                lease_pass(&shared, &self.executors, &slot_freed, &mut attempts, ttl).await;
             // reap finished attempt tasks (a panic in one is logged, never fatal)
             while let Some(res) = attempts.try_join_next() {
                 if let Err(e) = res {
@@ -496,28 +440,7 @@ impl Worker {
             }
         }
 
-        // --- drain
-        shared.draining.cancel();
-        crate::metrics::worker_draining();
-        let running = attempts.len();
-        info!(running, drain_timeout_ms = cfg.drain_timeout_ms, "draining");
-        let drain_until = Instant::now() + Duration::from_millis(cfg.drain_timeout_ms);
-        loop {
-            tokio::select! {
-                next = attempts.join_next() => match next {
-                    None => break,
-                    Some(Err(e)) => error!(error = %e, "an attempt task panicked"),
-                    Some(Ok(())) => {}
-                },
-                _ = tokio::time::sleep_until(drain_until), if !shared.abort.is_cancelled() => {
-                    warn!(running = attempts.len(), "drain timeout: stopping running attempts");
-                    shared.abort.cancel();
-                }
-                Some(res) = vital.join_next(), if died.is_none() => {
-                    died = Some(vital_loop_died(res, &shared));
-                }
-            }
-        }
+        drain(&shared, &mut attempts, &mut vital, &mut died).await;
         // warm processes: Shutdown, EOF, their grace, then the usual stop
         // (the keepers stopped with the drain; none puts a process back now)
         while keepers.join_next().await.is_some() {}
@@ -549,6 +472,121 @@ impl Worker {
         // exit path, since other workers may share this process
         info!("worker stopped");
         Ok(())
+    }
+}
+
+/// Starts the loops a worker cannot run without: the heartbeat, the reclaim
+/// and the ledger (which writes until the attempts are done — it is stopped
+/// with the other loops, after the drain — and then empties its queue). If
+/// one ends before it is told to, the worker stops its children and exits
+/// non-zero.
+fn spawn_vital_loops(
+    shared: &Arc<Shared>,
+    heartbeat_now: &Arc<Notify>,
+    queue: ledger::LedgerQueue,
+    loops_stop: &CancellationToken,
+) -> JoinSet<&'static str> {
+    let mut vital: JoinSet<&'static str> = JoinSet::new();
+    let (s1, n1, t1) = (shared.clone(), heartbeat_now.clone(), loops_stop.clone());
+    vital.spawn(async move {
+        heartbeat_loop(s1, n1, t1).await;
+        "heartbeat"
+    });
+    let (s2, t2) = (shared.clone(), loops_stop.clone());
+    vital.spawn(async move {
+        reclaim_loop(s2, t2).await;
+        "reclaim"
+    });
+    let (db3, name3, t3) = (shared.db.clone(), shared.name.clone(), loops_stop.clone());
+    vital.spawn(async move {
+        ledger::run(db3, name3, queue, t3).await;
+        "ledger"
+    });
+    vital
+}
+
+/// One pass of the lease loop: each executor leases up to its free slots
+/// and its leased steps' attempts start. True when a lease filled every free
+/// slot it asked for (a backlog: lease again right away). A failed lease
+/// ends the pass; the loop tries again after the poll interval.
+async fn lease_pass(
+    shared: &Arc<Shared>,
+    executors: &[Arc<ExecutorRuntime>],
+    slot_freed: &Arc<Notify>,
+    attempts: &mut JoinSet<()>,
+    ttl: Duration,
+) -> bool {
+    let mut leased_any_full = false;
+    for exec in executors {
+        let free = leasable(
+            exec.cfg.concurrency,
+            exec.running.load(Ordering::SeqCst),
+            exec.held.load(Ordering::SeqCst),
+        );
+        let routes = exec.routes();
+        if free == 0 || routes.is_empty() {
+            continue;
+        }
+        // the lease clock starts at the send time: the database's expiry
+        // (its now() + TTL) is never earlier than this + TTL
+        let sent = Instant::now();
+        let steps = match bounded(
+            DB_CALL_TIMEOUT,
+            "leasing steps",
+            shared.db.lease(shared.id, &shared.name, &routes, free, ttl),
+        )
+        .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                error!(error = %e, "lease failed; retrying after the poll interval");
+                break;
+            }
+        };
+        crate::metrics::leased(&exec.cfg.name, steps.len());
+        if steps.len() as u32 == free {
+            leased_any_full = true;
+        }
+        for step in steps {
+            start_attempt(shared, exec, slot_freed, attempts, step, sent + ttl);
+        }
+    }
+    leased_any_full
+}
+
+/// The drain: nothing more is leased; running attempts get
+/// `drain_timeout_ms` to finish, then they are stopped. A vital loop that
+/// dies meanwhile is noted in `died`.
+async fn drain(
+    shared: &Arc<Shared>,
+    attempts: &mut JoinSet<()>,
+    vital: &mut JoinSet<&'static str>,
+    died: &mut Option<&'static str>,
+) {
+    shared.draining.cancel();
+    crate::metrics::worker_draining();
+    let drain_ms = shared.cfg.drain_timeout_ms;
+    info!(
+        running = attempts.len(),
+        drain_timeout_ms = drain_ms,
+        "draining"
+    );
+    let drain_until = Instant::now() + Duration::from_millis(drain_ms);
+    loop {
+        tokio::select! {
+            next = attempts.join_next() => match next {
+                None => break,
+                Some(Err(e)) => error!(error = %e, "an attempt task panicked"),
+                Some(Ok(())) => {}
+            },
+            _ = tokio::time::sleep_until(drain_until), if !shared.abort.is_cancelled() => {
+                warn!(running = attempts.len(), "drain timeout: stopping running attempts");
+                shared.abort.cancel();
+            }
+            Some(res) = vital.join_next(), if died.is_none() => {
+                *died = Some(vital_loop_died(res, shared));
+            }
+        }
     }
 }
 
