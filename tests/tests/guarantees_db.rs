@@ -255,6 +255,31 @@ async fn lease_left_s(db: &Db, step: Uuid) -> f64 {
     .expect("lease expiry")
 }
 
+/// Makes a step's lease expire now; the reclaimer moves it on.
+async fn expire_and_reclaim(db: &Db, step: Uuid) {
+    sqlx::query(
+        "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+    )
+    .bind(step)
+    .execute(db.pool())
+    .await
+    .expect("expire");
+    assert_eq!(db.reclaim_expired("r", 10).await.expect("reclaim"), 1);
+}
+
+/// Flags only the run of `step` for cancellation, not the step itself (as a
+/// cancel that raced the step's lease leaves them).
+async fn flag_run_of(db: &Db, step: Uuid) {
+    sqlx::query(
+        "UPDATE durable.workflow_runs SET cancel_requested = true
+          WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1)",
+    )
+    .bind(step)
+    .execute(db.pool())
+    .await
+    .expect("flag the run only");
+}
+
 /// 3, every outcome at once: of four leases (each its own run) one is fine,
 /// one is held by a writer in flight, one was reclaimed, one's run has a
 /// cancel request. With nothing held the heartbeat renews in one pass; with
@@ -263,13 +288,10 @@ async fn lease_left_s(db: &Db, step: Uuid) -> f64 {
 #[tokio::test]
 async fn the_heartbeat_reports_each_lease_for_what_it_is() {
     let t = TestDb::new().await;
-    let mut runs = Vec::new();
     for i in 0..4 {
-        runs.push(
-            t.submit(json!({"name": format!("r{i}"), "steps": [
-                {"name": "s", "executor_kind": "go", "kind": "k"}]}))
-                .await,
-        );
+        t.submit(json!({"name": format!("r{i}"), "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+            .await;
     }
     let wid = worker(&t.db, "w").await;
     let mut leases: Vec<Lease> = lease_all(&t.db, wid, 4)
@@ -280,29 +302,8 @@ async fn the_heartbeat_reports_each_lease_for_what_it_is() {
     leases.sort_by_key(|l| l.step_run_id());
     let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id()).collect();
     let (fine, held, lost, cancelling) = (ids[0], ids[1], ids[2], ids[3]);
-    sqlx::query(
-        "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
-    )
-    .bind(lost)
-    .execute(t.db.pool())
-    .await
-    .expect("expire");
-    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 1);
-    let run_of = |step: Uuid| {
-        let db = t.db.clone();
-        async move {
-            sqlx::query_scalar::<_, Uuid>("SELECT run_id FROM durable.step_runs WHERE id = $1")
-                .bind(step)
-                .fetch_one(db.pool())
-                .await
-                .expect("run of step")
-        }
-    };
-    sqlx::query("UPDATE durable.workflow_runs SET cancel_requested = true WHERE id = $1")
-        .bind(run_of(cancelling).await)
-        .execute(t.db.pool())
-        .await
-        .expect("flag the run only");
+    expire_and_reclaim(&t.db, lost).await;
+    flag_run_of(&t.db, cancelling).await;
 
     // nothing held: one pass
     let hb =
@@ -371,14 +372,7 @@ async fn the_heartbeat_of_many_leases_fences_each_by_its_token() {
     }
     let (taken, cancelling) = (leases[10].step_run_id(), leases[20].step_run_id());
     // `taken` expires, is reclaimed, and another worker leases it again
-    sqlx::query(
-        "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
-    )
-    .bind(taken)
-    .execute(t.db.pool())
-    .await
-    .expect("expire");
-    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 1);
+    expire_and_reclaim(&t.db, taken).await;
     sqlx::query("UPDATE durable.step_runs SET next_attempt_at = now() WHERE id = $1")
         .bind(taken)
         .execute(t.db.pool())
@@ -397,14 +391,7 @@ async fn the_heartbeat_of_many_leases_fences_each_by_its_token() {
         .expect("lease again");
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].lease.step_run_id(), taken);
-    sqlx::query(
-        "UPDATE durable.workflow_runs SET cancel_requested = true
-          WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1)",
-    )
-    .bind(cancelling)
-    .execute(t.db.pool())
-    .await
-    .expect("flag the run only");
+    flag_run_of(&t.db, cancelling).await;
 
     let hb =
         t.db.heartbeat(wid, &leases, Duration::from_secs(300))
