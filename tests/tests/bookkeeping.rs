@@ -937,3 +937,154 @@ async fn run_and_step_ids_are_time_ordered() {
         assert!(w[1].1 > w[0].1, "step ids in submission order: {ids:?}");
     }
 }
+
+/// Rows of the runs table updated so far by the transaction of `tx`.
+async fn run_rows_updated(tx: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(n_tup_upd, 0) FROM pg_stat_xact_user_tables
+          WHERE relid = 'durable.workflow_runs'::regclass",
+    )
+    .fetch_one(tx)
+    .await
+    .expect("updates of the runs table")
+}
+
+/// A start writes its run once, and only while the run is pending; a
+/// completion that cascades to nothing (a leaf's success) writes its run
+/// once, counters and state together; a batch writes each of its runs once.
+/// (Before, a completion wrote its run twice: the counters, then the state.)
+#[tokio::test]
+async fn each_transition_writes_its_run_once() {
+    use supervisor::db::{Batch, CompleteWrite, DbConn, OwnedEvent, StartWrite};
+    let t = TestDb::new().await;
+    let wid = worker(&t.db, "w").await;
+    let step = |name: &str| json!({"name": name, "executor_kind": "go", "kind": "k"});
+    let mut singles = Vec::new();
+    for i in 0..3 {
+        singles.push(
+            t.submit(json!({"name": format!("single-{i}"), "steps": [step("s")]}))
+                .await,
+        );
+    }
+    let pair = t
+        .submit(json!({"name": "pair", "steps": [step("a"), step("b")]}))
+        .await;
+    let leased =
+        t.db.lease(wid, "w", &tests::route_go_k(), 10, Duration::from_secs(30))
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 5);
+    let of =
+        |run: Uuid| -> Vec<&LeasedStep> { leased.iter().filter(|l| l.run_id == run).collect() };
+    let start = |l: &LeasedStep| StartWrite {
+        run_id: l.run_id,
+        lease: l.lease.clone(),
+        pid: 1,
+        event: OwnedEvent {
+            sequence: 1,
+            kind: "accepted",
+            message: String::new(),
+            fraction: None,
+            executor_at: None,
+        },
+    };
+    let complete = |l: &LeasedStep| CompleteWrite {
+        run_id: l.run_id,
+        lease: l.lease.clone(),
+        output: json!({"ok": l.name}),
+        sequence: Some(2),
+    };
+    // the batch in one transaction; the rows of the runs table it updated
+    let write = |mut b: Batch| {
+        let db = t.db.clone();
+        async move {
+            b.starts.sort_by_key(|s| (s.run_id, s.lease.step_run_id()));
+            b.completes
+                .sort_by_key(|c| (c.run_id, c.lease.step_run_id()));
+            let mut tx = db.pool().begin().await.expect("begin");
+            let n0 = run_rows_updated(&mut tx).await;
+            let out = DbConn::new(&mut tx)
+                .write_batch("w", &b)
+                .await
+                .expect("batch");
+            assert!(
+                out.starts
+                    .iter()
+                    .chain(&out.completes)
+                    .all(|o| *o == supervisor::db::RowOutcome::Ok),
+                "{out:?}"
+            );
+            let n = run_rows_updated(&mut tx).await - n0;
+            tx.commit().await.expect("commit");
+            n
+        }
+    };
+    let run_state = |run: Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query_as::<_, (String, i32)>(
+                "SELECT state, steps_succeeded FROM durable.workflow_runs WHERE id = $1",
+            )
+            .bind(run)
+            .fetch_one(db.pool())
+            .await
+            .expect("run")
+        }
+    };
+
+    let s0 = of(singles[0])[0];
+    let mut b = Batch::default();
+    b.starts.push(start(s0));
+    assert_eq!(write(b).await, 1, "the first start of a pending run");
+    assert_eq!(run_state(singles[0]).await, ("running".into(), 0));
+
+    let mut b = Batch::default();
+    b.starts.extend(of(pair).into_iter().map(start));
+    assert_eq!(write(b).await, 1, "two starts of one pending run");
+
+    let mut b = Batch::default();
+    b.starts.push(start(of(singles[1])[0]));
+    b.starts.push(start(of(singles[2])[0]));
+    assert_eq!(write(b).await, 2, "the starts of two pending runs");
+
+    let mut b = Batch::default();
+    b.completes.push(complete(s0));
+    assert_eq!(write(b).await, 1, "a run's last step succeeds");
+    assert_eq!(run_state(singles[0]).await, ("succeeded".into(), 1));
+
+    let pair_steps = of(pair);
+    let mut b = Batch::default();
+    b.completes.push(complete(pair_steps[0]));
+    assert_eq!(write(b).await, 1, "a step succeeds, its run goes on");
+    assert_eq!(run_state(pair).await, ("running".into(), 1));
+
+    let mut b = Batch::default();
+    b.completes.push(complete(pair_steps[1]));
+    b.completes.push(complete(of(singles[1])[0]));
+    b.completes.push(complete(of(singles[2])[0]));
+    assert_eq!(write(b).await, 3, "three runs' last steps in one batch");
+    for run in [pair, singles[1], singles[2]] {
+        assert_eq!(run_state(run).await.0, "succeeded");
+    }
+    let history: Vec<(Option<String>, String, String)> = sqlx::query_as(
+        "SELECT from_state, to_state, reason FROM durable.transitions
+          WHERE run_id = $1 AND step_run_id IS NULL ORDER BY id",
+    )
+    .bind(pair)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("run history");
+    let history: Vec<(Option<&str>, &str)> = history
+        .iter()
+        .map(|(f, to, _)| (f.as_deref(), to.as_str()))
+        .collect();
+    assert_eq!(
+        history,
+        vec![
+            (None, "pending"),
+            (Some("pending"), "running"),
+            (Some("running"), "succeeded")
+        ]
+    );
+    check_books(&t.db, "after the writes").await;
+}
