@@ -1095,3 +1095,141 @@ async fn a_flush_of_set_writes_is_one_statement() {
     tx.commit().await.expect("commit");
     assert_eq!(tests::event_count(&db, s[0].lease.step_run_id()).await, 3);
 }
+
+/// Calls of `durable.<name>` so far in the transaction of `tx` (with
+/// `track_functions` on for it).
+async fn function_calls(tx: &mut sqlx::PgConnection, name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions
+          WHERE schemaname = 'durable' AND funcname = $1",
+    )
+    .bind(name)
+    .fetch_one(tx)
+    .await
+    .expect("function calls")
+}
+
+/// A start's plain events in the same batch are written by the start: one
+/// INSERT under its fence, answered as the start is, no call of their own;
+/// the events of a lease whose start is elsewhere are written as before. A
+/// lost start writes none of its events. (Before, every events write was a
+/// `record_plain_events` call of its own, after the start had fenced the
+/// same row.)
+#[tokio::test]
+async fn a_starts_events_in_the_same_batch_go_with_the_start() {
+    use supervisor::db::DbConn;
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 4).await;
+    // s[3] is already running: its events have no start in the batch
+    t.db.write_batch(
+        "w",
+        &Batch {
+            starts: vec![start(&s[3])],
+            ..Batch::default()
+        },
+    )
+    .await
+    .expect("s[3] starts");
+    // s[2]'s lease was taken over: its start and events are lost
+    sqlx::query("UPDATE durable.step_runs SET lease_token = gen_random_uuid() WHERE id = $1")
+        .bind(s[2].lease.step_run_id())
+        .execute(t.db.pool())
+        .await
+        .expect("take over s[2]");
+    let events = |x: usize, seqs: &[u64]| EventsWrite {
+        lease: s[x].lease.clone(),
+        events: seqs.iter().map(|&q| ev(q, "progress")).collect(),
+    };
+    let batch = Batch {
+        starts: vec![start(&s[0]), start(&s[1]), start(&s[2])],
+        events: vec![
+            events(0, &[2, 3]),
+            events(3, &[2]),
+            events(2, &[2]),
+            events(1, &[2]),
+        ],
+        completes: vec![],
+    };
+    for (one, b) in [
+        (
+            true,
+            Batch {
+                starts: vec![start(&s[0])],
+                events: vec![events(0, &[2, 3])],
+                completes: vec![],
+            },
+        ),
+        (false, batch),
+    ] {
+        let mut tx = t.db.pool().begin().await.expect("begin");
+        sqlx::query("SET LOCAL track_functions = 'pl'")
+            .execute(&mut *tx)
+            .await
+            .expect("track functions");
+        let out = DbConn::new(&mut tx)
+            .write_batch("w", &b)
+            .await
+            .expect("the batch");
+        let plain_calls = function_calls(&mut tx, "record_plain_events").await;
+        tx.rollback().await.expect("rollback");
+        if one {
+            // one start (the intent-by-intent form) with its events
+            assert_eq!(out.starts, vec![RowOutcome::Ok]);
+            assert_eq!(out.events, vec![RowOutcome::Ok]);
+            assert_eq!(plain_calls, 0, "the start wrote its events");
+            continue;
+        }
+        assert_eq!(
+            out.starts,
+            vec![RowOutcome::Ok, RowOutcome::Ok, RowOutcome::Lost]
+        );
+        assert_eq!(
+            out.events,
+            vec![
+                RowOutcome::Ok,
+                RowOutcome::Ok,
+                RowOutcome::Lost,
+                RowOutcome::Ok
+            ],
+            "each events write answered as its start, or on its own"
+        );
+        assert_eq!(
+            plain_calls, 1,
+            "only s[3]'s events have a call of their own"
+        );
+    }
+    // the batch again, committed: the rows it wrote
+    let batch = Batch {
+        starts: vec![start(&s[0]), start(&s[1]), start(&s[2])],
+        events: vec![
+            events(0, &[2, 3]),
+            events(3, &[2]),
+            events(2, &[2]),
+            events(1, &[2]),
+        ],
+        completes: vec![],
+    };
+    t.db.write_batch("w", &batch).await.expect("the batch");
+    for (x, want) in [
+        (0, vec!["accepted", "progress", "progress"]),
+        (1, vec!["accepted", "progress"]),
+        (2, vec![]),
+        (3, vec!["accepted", "progress"]),
+    ] {
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT sequence, kind FROM durable.step_events WHERE step_run_id = $1 ORDER BY id",
+        )
+        .bind(s[x].lease.step_run_id())
+        .fetch_all(t.db.pool())
+        .await
+        .expect("events");
+        let kinds: Vec<&str> = rows.iter().map(|r| r.1.as_str()).collect();
+        assert_eq!(kinds, want, "step {x}");
+        let seqs: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        let mut sorted = seqs.clone();
+        sorted.sort_unstable();
+        assert_eq!(seqs, sorted, "step {x}: inserted in sequence order");
+    }
+    assert_eq!(state_of(&t.db, s[0].lease.step_run_id()).await, "running");
+    assert_eq!(state_of(&t.db, s[2].lease.step_run_id()).await, "leased");
+}

@@ -2,12 +2,15 @@
 //! by its lease (id, token, state) and answered on its own. Starts, plain
 //! events and completions without artifacts are written by one set-based
 //! statement per kind (`ok`, `lost`, or the error the database gave for that
-//! row alone: see migrations/20261202000002_ledger.sql and
-//! 20261204000001_hot_path.sql); every other write of a lease holder
+//! row alone: see migrations/20261202000002_ledger.sql,
+//! 20261204000001_hot_path.sql and 20261209000002_start_with_events.sql: a
+//! start writes the plain events of its lease in the same batch); every
+//! other write of a lease holder
 //! ([`LedgerWrite`]: checkpoints, completions with artifacts, failures,
 //! cancellations, refusals, releases) follows them in the same transaction,
 //! in the order given, each in a savepoint of its own (its `DbConn` form).
 
+use std::collections::HashMap;
 use std::time::Duration as StdDuration;
 
 use chrono::{DateTime, Utc};
@@ -405,8 +408,9 @@ fn steps_to_lock(b: &Batch, writes: &[LedgerWrite]) -> Vec<Uuid> {
 
 /// The set-based part of a batch in one statement (`durable.write_sets`):
 /// the runs of `lock` locked first, in id order (none when empty), then the
-/// starts, the plain events and the completions. No statement at all when
-/// there is nothing to write.
+/// starts (each with the plain events of its lease in the batch, answered
+/// as the start is), the other plain events and the completions. No
+/// statement at all when there is nothing to write.
 async fn write_sets(
     conn: &mut PgConnection,
     worker: &str,
@@ -425,11 +429,46 @@ async fn write_sets(
     let s_fracs: Vec<Option<f64>> = b.starts.iter().map(|s| s.event.fraction).collect();
     let s_ats: Vec<Option<DateTime<Utc>>> = b.starts.iter().map(|s| s.event.executor_at).collect();
 
-    let e_ids: Vec<Uuid> = b.events.iter().map(|e| e.lease.step_run_id).collect();
-    let e_tokens: Vec<Uuid> = b.events.iter().map(|e| e.lease.token).collect();
+    // A start's plain events in the same batch (the SDKs' RUNNING right
+    // behind ACCEPTED) go with the start: one INSERT under its fence, and
+    // the start's answer (migration 20261209000002). The rest as they are.
+    let start_of: HashMap<(Uuid, Uuid), usize> = b
+        .starts
+        .iter()
+        .enumerate()
+        .map(|(j, s)| ((s.lease.step_run_id, s.lease.token), j))
+        .collect();
+    let folded: Vec<Option<usize>> = b
+        .events
+        .iter()
+        .map(|w| start_of.get(&(w.lease.step_run_id, w.lease.token)).copied())
+        .collect();
+    let (mut x_start, mut x_seqs, mut x_kinds, mut x_msgs, mut x_fracs, mut x_ats) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for (w, j) in b.events.iter().zip(&folded) {
+        let Some(j) = j else { continue };
+        for e in &w.events {
+            x_start.push(*j as i32 + 1);
+            x_seqs.push(e.sequence as i64);
+            x_kinds.push(e.kind);
+            x_msgs.push(e.message.as_str());
+            x_fracs.push(e.fraction);
+            x_ats.push(e.executor_at);
+        }
+    }
+    let rest: Vec<&EventsWrite> = b
+        .events
+        .iter()
+        .zip(&folded)
+        .filter(|(_, j)| j.is_none())
+        .map(|(w, _)| w)
+        .collect();
+
+    let e_ids: Vec<Uuid> = rest.iter().map(|e| e.lease.step_run_id).collect();
+    let e_tokens: Vec<Uuid> = rest.iter().map(|e| e.lease.token).collect();
     let (mut e_lease, mut e_seqs, mut e_kinds, mut e_msgs, mut e_fracs, mut e_ats) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
-    for (n, w) in b.events.iter().enumerate() {
+    for (n, w) in rest.iter().enumerate() {
         for e in &w.events {
             e_lease.push(n as i32 + 1);
             e_seqs.push(e.sequence as i64);
@@ -452,8 +491,9 @@ async fn write_sets(
     let rows = sqlx::query(
         "SELECT part, idx, status, err_state, err_message
            FROM durable.write_sets($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-                                   $11, $12, $13, $14, $15, $16, $17, $18,
-                                   $19, $20, $21::jsonb[], $22)",
+                                   $11, $12, $13, $14, $15, $16,
+                                   $17, $18, $19, $20, $21, $22, $23, $24,
+                                   $25, $26, $27::jsonb[], $28)",
     )
     .bind(worker)
     .bind(lock)
@@ -465,6 +505,12 @@ async fn write_sets(
     .bind(&s_msgs)
     .bind(&s_fracs)
     .bind(&s_ats)
+    .bind(&x_start)
+    .bind(&x_seqs)
+    .bind(&x_kinds)
+    .bind(&x_msgs)
+    .bind(&x_fracs)
+    .bind(&x_ats)
     .bind(&e_ids)
     .bind(&e_tokens)
     .bind(&e_lease)
@@ -494,9 +540,21 @@ async fn write_sets(
             }
         }
     }
+    let starts = row_outcomes(starts, b.starts.len())?;
+    // a folded write has its start's answer; the rest theirs, in order
+    let mut rest_answers = row_outcomes(events, rest.len())?.into_iter();
+    let mut event_answers = Vec::with_capacity(b.events.len());
+    for j in folded {
+        event_answers.push(match j {
+            Some(j) => starts[j].clone(),
+            None => rest_answers.next().ok_or_else(|| {
+                DbError::Corrupt("ledger batch answered fewer events than it was given".into())
+            })?,
+        });
+    }
     Ok(BatchOutcome {
-        starts: row_outcomes(starts, b.starts.len())?,
-        events: row_outcomes(events, b.events.len())?,
+        starts,
+        events: event_answers,
         completes: row_outcomes(completes, b.completes.len())?,
     })
 }
