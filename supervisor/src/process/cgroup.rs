@@ -5,8 +5,8 @@
 //! cannot leave it without write access to the hierarchy. So where the host
 //! allows it, every child runs in its own cgroup
 //! `<our own cgroup>/durable-<slot tag>-<supervisor>-<seq>`; it joins it
-//! itself between fork and exec (writing `0` to `cgroup.procs` from the
-//! `pre_exec` hook, so nothing it forks can be outside), and the stop
+//! itself between clone and exec (writing `0` to `cgroup.procs`, see
+//! `vfork.rs`, so nothing it forks can be outside), and the stop
 //! sequence is: SIGKILL to the process group (as always), then `1` to
 //! `cgroup.kill` (escapees), reap the leader, then remove the cgroup once it
 //! is empty.
@@ -410,7 +410,7 @@ impl ChildCgroup {
         &self.dir
     }
 
-    /// `<dir>/cgroup.procs` as a C string, for the pre-exec hook.
+    /// `<dir>/cgroup.procs` as a C string, for the child's join before exec.
     pub(crate) fn procs_path(&self) -> io::Result<CString> {
         CString::new(self.dir.join("cgroup.procs").as_os_str().as_bytes())
             .map_err(|_| io::Error::other("cgroup path contains a NUL byte"))

@@ -10,6 +10,10 @@
 //!   when the *thread* that forked exits, so all forks happen on one
 //!   long-lived thread ([`Spawner`]); before exec the child arms
 //!   `PR_SET_PDEATHSIG=SIGKILL` and exits if its parent already changed.
+//! * **No copy of the worker.** The child is started with
+//!   `clone(CLONE_VM | CLONE_VFORK)`, as `posix_spawn` does, not `fork()`:
+//!   the worker's page tables are never copied nor its pages write-protected
+//!   (`vfork.rs` says what runs between clone and exec, and why).
 //! * **Signal before reap.** The leader's exit is detected *without* reaping it
 //!   (a pidfd, readable once the leader is a zombie; `waitid(WNOWAIT)` to
 //!   confirm). While the zombie pins the pid, the group id cannot be reused,
@@ -52,6 +56,7 @@ mod stderr;
 mod sweep;
 #[cfg(test)]
 mod tests;
+mod vfork;
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};

@@ -11,9 +11,9 @@
 //! environment and, in cgroup mode, creates each child's cgroup before the
 //! fork; the child joins it itself before exec.
 
+use std::ffi::OsString;
 use std::io;
-use std::os::unix::process::CommandExt;
-use std::process::{ChildStderr, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{ChildStderr, ChildStdin, ChildStdout};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 
@@ -22,6 +22,7 @@ use tokio::sync::oneshot;
 use super::cgroup::{self, ChildCgroup};
 use super::group::{self, GroupGuard};
 use super::marker::{self, Marker};
+use super::vfork;
 use super::{Child, ProcessError, SpawnSpec};
 
 pub(crate) enum Msg {
@@ -203,29 +204,25 @@ fn spawn_on_this_thread(
         stderr_tail_bytes,
     } = spec;
 
-    let mut cmd = Command::new(&program);
-    cmd.args(&args)
-        .current_dir(&cwd)
-        .env_clear()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    // The child's whole environment: the allowlisted variables of this
+    // process, then the spec's, then the marker's (later ones win).
+    let mut child_env: Vec<(OsString, OsString)> = Vec::new();
     for name in &env_allowlist {
         if let Some(value) = std::env::var_os(name) {
-            cmd.env(name, value);
+            child_env.push((name.into(), value));
         }
     }
     for (name, value) in &env {
-        cmd.env(name, value);
+        child_env.push((name.into(), value.into()));
     }
     if let Some(marker_env) = &ctx.marker_env {
         for (name, value) in marker_env.iter() {
-            cmd.env(name, value);
+            child_env.push((name.into(), value.into()));
         }
     }
 
-    // The child's own cgroup, created before the fork so that the child can
-    // join it before exec: nothing it forks is ever outside.
+    // The child's own cgroup, created before the clone so that the child
+    // can join it before exec: nothing it forks is ever outside.
     let cgroup = new_child_cgroup(ctx);
     let cgroup_procs = match cgroup.as_ref().map(|cg| cg.procs_path()).transpose() {
         Ok(path) => path,
@@ -241,64 +238,31 @@ fn spawn_on_this_thread(
         None
     };
 
-    // Captured before fork: the child compares its parent against it.
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs between fork and exec and only makes
-    // async-signal-safe system calls (setpgid, open, write, close, prctl,
-    // getppid, _exit) on data prepared before the fork, and builds an
-    // io::Error from errno (no allocation).
-    unsafe {
-        cmd.pre_exec(move || {
-            // Leader of its own group, so the whole tree can be signalled.
-            if libc::setpgid(0, 0) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // Join our own cgroup ("0" is the writing process). A failure is
-            // not fatal here: the parent notices and carries on without.
-            if let Some(path) = &cgroup_procs {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd >= 0 {
-                    let _ = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                }
-            }
-            // Die with the spawner thread (and so with the process).
-            if libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0 as libc::c_ulong,
-                0 as libc::c_ulong,
-                0 as libc::c_ulong,
-            ) != 0
-            {
-                return Err(io::Error::last_os_error());
-            }
-            // The parent died before PDEATHSIG was armed: nobody will kill us.
-            if libc::getppid() != parent {
-                libc::_exit(1);
-            }
-            Ok(())
-        });
-    }
-
-    // From before the fork until the pid is registered, the orphan reaper
+    let spawn_error = |source: io::Error, cgroup: Option<ChildCgroup>| {
+        discard_cgroup(cgroup);
+        ProcessError::Spawn {
+            program: program.clone(),
+            cwd: cwd.clone(),
+            source,
+        }
+    };
+    let prepared = match vfork::Prepared::new(&program, &args, &cwd, &child_env, cgroup_procs) {
+        Ok(p) => p,
+        Err(source) => return Err(spawn_error(source, cgroup)),
+    };
+    // From before the clone until the pid is registered, the orphan reaper
     // leaves unregistered group leaders alone (see reaper.rs).
     let ticket = group::begin_spawn();
-    // std waits for exec to succeed (or pre_exec/exec to fail) before
-    // returning, so setpgid has happened by the time we see the pid.
-    let mut child = match cmd.spawn() {
+    // returns once the child has exec'd (or failed to), so setpgid has
+    // happened by the time we see the pid
+    let child = match vfork::spawn(&prepared) {
         Ok(child) => child,
         Err(source) => {
             drop(ticket);
-            discard_cgroup(cgroup);
-            return Err(ProcessError::Spawn {
-                program: program.clone(),
-                cwd: cwd.clone(),
-                source,
-            });
+            return Err(spawn_error(source, cgroup));
         }
     };
-    let pid = child.id() as i32;
+    let pid = child.pid;
     // The exec has happened, so the pre-exec join has too. A child that
     // already exited cannot be checked; it keeps its (soon empty) cgroup.
     let cgroup = match cgroup {
@@ -317,11 +281,9 @@ fn spawn_on_this_thread(
     };
     // From here on, dropping `guard` kills and reaps the child.
     let guard = GroupGuard::new(pid, program, keepalive, cgroup, ticket);
-    let stdin = child.stdin.take();
-    let stdout = child.stdout.take();
-    let stderr = child.stderr.take();
-    // Dropping std's Child neither kills nor reaps; we never call its wait().
-    drop(child);
+    let stdin = Some(ChildStdin::from(child.stdin));
+    let stdout = Some(ChildStdout::from(child.stdout));
+    let stderr = Some(ChildStderr::from(child.stderr));
 
     let pidfd = match group::pidfd_open(pid) {
         Ok(fd) => Some(fd),

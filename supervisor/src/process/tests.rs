@@ -821,3 +821,71 @@ async fn cgroups_stay_on_with_many_spawners_at_once() {
         }
     }
 }
+
+/// What a child printed on stdout, once it has exited successfully.
+async fn output_of(spec: SpawnSpec) -> String {
+    let mut child = spawner().spawn(spec).await.expect("spawn");
+    let pid = child.pid;
+    let mut out = String::new();
+    child
+        .take_stdout()
+        .expect("stdout")
+        .read_to_string(&mut out)
+        .await
+        .expect("read stdout");
+    let report = child.finish().await.expect("finish");
+    assert!(report.status.success(), "{report:?}");
+    assert_group_empty(pid).await;
+    out
+}
+
+/// A bare program name is looked up along the child's `PATH`, entry by
+/// entry (an entry without it is skipped, as `execvp` does); with no entry
+/// holding it the spawn fails as not found, naming the program.
+#[tokio::test]
+async fn a_bare_program_name_is_found_along_the_childs_path() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let empty = tempfile::tempdir().expect("tempdir");
+    let mut spec = SpawnSpec::new("echo", "/");
+    spec.args = vec!["found".into()];
+    spec.env = vec![(
+        "PATH".into(),
+        format!("{}:/usr/bin:/bin", empty.path().display()),
+    )];
+    assert_eq!(output_of(spec).await, "found\n");
+
+    let mut spec = SpawnSpec::new("echo", "/");
+    spec.env = vec![("PATH".into(), empty.path().display().to_string())];
+    match spawner().spawn(spec).await {
+        Err(ProcessError::Spawn {
+            program, source, ..
+        }) => {
+            assert_eq!(program, PathBuf::from("echo"));
+            assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        }
+        other => panic!("expected a spawn error, got {other:?}"),
+    }
+}
+
+/// A child starts with no signal blocked and SIGPIPE at its default, whatever
+/// this process blocks, ignores or catches (the test harness ignores
+/// SIGPIPE, as every Rust program does): the spawner thread blocks every
+/// signal around the clone, and the child resets them before exec.
+#[tokio::test]
+async fn a_child_starts_with_no_signal_blocked_or_ignored() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let mut spec = SpawnSpec::new("/bin/cat", "/");
+    spec.args = vec!["/proc/self/status".into()];
+    let status = output_of(spec).await;
+    let mask = |name: &str| -> u64 {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} in {status}"));
+        u64::from_str_radix(line[name.len()..].trim(), 16).expect("hex mask")
+    };
+    assert_eq!(mask("SigBlk:"), 0, "blocked signals:\n{status}");
+    let sigpipe = 1u64 << (libc::SIGPIPE - 1);
+    assert_eq!(mask("SigIgn:") & sigpipe, 0, "SIGPIPE ignored:\n{status}");
+    assert_eq!(mask("SigCgt:"), 0, "caught signals:\n{status}");
+}
