@@ -172,6 +172,8 @@ struct ChildArgs {
     stdout: RawFd,
     stderr: RawFd,
     parent: libc::pid_t,
+    /// The highest signal number (`SIGRTMAX`), read before the clone.
+    sigmax: libc::c_int,
     /// 0 until the child fails before or at exec.
     errno: libc::c_int,
 }
@@ -203,6 +205,7 @@ pub(crate) fn spawn(p: &Prepared) -> io::Result<Spawned> {
         stderr: err_w.as_raw_fd(),
         // SAFETY: getpid has no preconditions.
         parent: unsafe { libc::getpid() },
+        sigmax: libc::SIGRTMAX(),
         errno: 0,
     };
     let mut stack = vec![0u8; CHILD_STACK];
@@ -285,7 +288,7 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         };
         // no handler of the worker's may run in here: caught signals back
         // to their default (exec would do that too), SIGPIPE as std leaves it
-        for sig in 1..libc::SIGRTMAX() {
+        for sig in 1..=a.sigmax {
             let mut sa: libc::sigaction = std::mem::zeroed();
             if libc::sigaction(sig, std::ptr::null(), &mut sa) == 0
                 && (sa.sa_sigaction != libc::SIG_DFL && sa.sa_sigaction != libc::SIG_IGN
