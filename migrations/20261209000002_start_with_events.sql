@@ -10,9 +10,10 @@
 -- that is lost writes none of them. Events of a lease whose start is not in
 -- the batch are written by record_plain_events, as before.
 --
--- The old forms stay (a worker of the previous version calls them during a
--- rolling upgrade); these take six more arrays: for each extra event the
--- index of its start in the batch (x_start), and its fields.
+-- The new forms take six more arrays: for each extra event the index of its
+-- start in the batch (x_start), and its fields. The old forms stay (a worker
+-- of the previous version calls them during a rolling upgrade) and become
+-- the new ones with no extra events (at the end of this file).
 
 CREATE FUNCTION durable.start_step(p_id uuid, p_token uuid, p_worker text, p_pid integer,
                                    p_sequence bigint, p_kind text, p_message text,
@@ -167,3 +168,46 @@ BEGIN
           FROM durable.complete_steps(p_worker, c_ids, c_tokens, c_outputs, c_sequences) r;
     END IF;
 END $$;
+
+-- One implementation: the forms without extra events are the forms above
+-- with none (the single start's caller, Db::start, and a worker of the
+-- previous version use them).
+CREATE OR REPLACE FUNCTION durable.start_step(p_id uuid, p_token uuid, p_worker text, p_pid integer,
+                                              p_sequence bigint, p_kind text, p_message text,
+                                              p_fraction double precision, p_executor_at timestamptz)
+RETURNS boolean LANGUAGE sql AS $$
+    SELECT durable.start_step(p_id, p_token, p_worker, p_pid, p_sequence, p_kind, p_message, p_fraction,
+                              p_executor_at, '{}', '{}', '{}', '{}', '{}')
+$$;
+
+CREATE OR REPLACE FUNCTION durable.start_steps_set(p_worker text, p_ids uuid[], p_tokens uuid[], p_pids integer[],
+                                                   p_sequences bigint[], p_kinds text[], p_messages text[],
+                                                   p_fractions double precision[], p_executor_at timestamptz[])
+RETURNS integer[] LANGUAGE sql AS $$
+    SELECT durable.start_steps_set(p_worker, p_ids, p_tokens, p_pids, p_sequences, p_kinds, p_messages,
+                                   p_fractions, p_executor_at, '{}', '{}', '{}', '{}', '{}', '{}')
+$$;
+
+CREATE OR REPLACE FUNCTION durable.start_steps(p_worker text, p_ids uuid[], p_tokens uuid[], p_pids integer[],
+                                               p_sequences bigint[], p_kinds text[], p_messages text[],
+                                               p_fractions double precision[], p_executor_at timestamptz[])
+RETURNS TABLE (idx integer, status text, err_state text, err_message text)
+LANGUAGE sql AS $$
+    SELECT * FROM durable.start_steps(p_worker, p_ids, p_tokens, p_pids, p_sequences, p_kinds, p_messages,
+                                      p_fractions, p_executor_at, '{}', '{}', '{}', '{}', '{}', '{}')
+$$;
+
+CREATE OR REPLACE FUNCTION durable.write_sets(
+    p_worker text, p_lock_steps uuid[],
+    s_ids uuid[], s_tokens uuid[], s_pids integer[], s_sequences bigint[], s_kinds text[],
+    s_messages text[], s_fractions double precision[], s_executor_at timestamptz[],
+    e_ids uuid[], e_tokens uuid[], e_event_lease integer[], e_sequences bigint[], e_kinds text[],
+    e_messages text[], e_fractions double precision[], e_executor_at timestamptz[],
+    c_ids uuid[], c_tokens uuid[], c_outputs jsonb[], c_sequences bigint[])
+RETURNS TABLE (part text, idx integer, status text, err_state text, err_message text)
+LANGUAGE sql AS $$
+    SELECT * FROM durable.write_sets(p_worker, p_lock_steps, s_ids, s_tokens, s_pids, s_sequences, s_kinds,
+                                     s_messages, s_fractions, s_executor_at, '{}', '{}', '{}', '{}', '{}', '{}',
+                                     e_ids, e_tokens, e_event_lease, e_sequences, e_kinds, e_messages,
+                                     e_fractions, e_executor_at, c_ids, c_tokens, c_outputs, c_sequences)
+$$;

@@ -406,6 +406,62 @@ fn steps_to_lock(b: &Batch, writes: &[LedgerWrite]) -> Vec<Uuid> {
     ids
 }
 
+/// A start's plain events in the same batch (the SDKs' RUNNING right behind
+/// ACCEPTED) go with the start: one INSERT under its fence, and the start's
+/// answer (migration 20261209000002). The other events writes as they are.
+struct StartEvents<'a> {
+    /// Per events write of the batch: the index of the start it goes with.
+    folded: Vec<Option<usize>>,
+    /// The events that go with a start, as `write_sets`' `x_*` arrays
+    /// (`x_start` is the start's 1-based index).
+    x_start: Vec<i32>,
+    x_seqs: Vec<i64>,
+    x_kinds: Vec<&'static str>,
+    x_msgs: Vec<&'a str>,
+    x_fracs: Vec<Option<f64>>,
+    x_ats: Vec<Option<DateTime<Utc>>>,
+    /// The events writes whose start is not in the batch, in order.
+    rest: Vec<&'a EventsWrite>,
+}
+
+impl<'a> StartEvents<'a> {
+    fn of(b: &'a Batch) -> Self {
+        let start_of: HashMap<(Uuid, Uuid), usize> = b
+            .starts
+            .iter()
+            .enumerate()
+            .map(|(j, s)| ((s.lease.step_run_id, s.lease.token), j))
+            .collect();
+        let mut out = StartEvents {
+            folded: Vec::with_capacity(b.events.len()),
+            x_start: vec![],
+            x_seqs: vec![],
+            x_kinds: vec![],
+            x_msgs: vec![],
+            x_fracs: vec![],
+            x_ats: vec![],
+            rest: vec![],
+        };
+        for w in &b.events {
+            let j = start_of.get(&(w.lease.step_run_id, w.lease.token)).copied();
+            out.folded.push(j);
+            let Some(j) = j else {
+                out.rest.push(w);
+                continue;
+            };
+            for e in &w.events {
+                out.x_start.push(j as i32 + 1);
+                out.x_seqs.push(e.sequence as i64);
+                out.x_kinds.push(e.kind);
+                out.x_msgs.push(e.message.as_str());
+                out.x_fracs.push(e.fraction);
+                out.x_ats.push(e.executor_at);
+            }
+        }
+        out
+    }
+}
+
 /// The set-based part of a batch in one statement (`durable.write_sets`):
 /// the runs of `lock` locked first, in id order (none when empty), then the
 /// starts (each with the plain events of its lease in the batch, answered
@@ -429,40 +485,16 @@ async fn write_sets(
     let s_fracs: Vec<Option<f64>> = b.starts.iter().map(|s| s.event.fraction).collect();
     let s_ats: Vec<Option<DateTime<Utc>>> = b.starts.iter().map(|s| s.event.executor_at).collect();
 
-    // A start's plain events in the same batch (the SDKs' RUNNING right
-    // behind ACCEPTED) go with the start: one INSERT under its fence, and
-    // the start's answer (migration 20261209000002). The rest as they are.
-    let start_of: HashMap<(Uuid, Uuid), usize> = b
-        .starts
-        .iter()
-        .enumerate()
-        .map(|(j, s)| ((s.lease.step_run_id, s.lease.token), j))
-        .collect();
-    let folded: Vec<Option<usize>> = b
-        .events
-        .iter()
-        .map(|w| start_of.get(&(w.lease.step_run_id, w.lease.token)).copied())
-        .collect();
-    let (mut x_start, mut x_seqs, mut x_kinds, mut x_msgs, mut x_fracs, mut x_ats) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
-    for (w, j) in b.events.iter().zip(&folded) {
-        let Some(j) = j else { continue };
-        for e in &w.events {
-            x_start.push(*j as i32 + 1);
-            x_seqs.push(e.sequence as i64);
-            x_kinds.push(e.kind);
-            x_msgs.push(e.message.as_str());
-            x_fracs.push(e.fraction);
-            x_ats.push(e.executor_at);
-        }
-    }
-    let rest: Vec<&EventsWrite> = b
-        .events
-        .iter()
-        .zip(&folded)
-        .filter(|(_, j)| j.is_none())
-        .map(|(w, _)| w)
-        .collect();
+    let StartEvents {
+        folded,
+        x_start,
+        x_seqs,
+        x_kinds,
+        x_msgs,
+        x_fracs,
+        x_ats,
+        rest,
+    } = StartEvents::of(b);
 
     let e_ids: Vec<Uuid> = rest.iter().map(|e| e.lease.step_run_id).collect();
     let e_tokens: Vec<Uuid> = rest.iter().map(|e| e.lease.token).collect();
