@@ -390,54 +390,13 @@ fn parse_run_id(s: &str) -> Result<Uuid, CliError> {
 
 async fn run(cli: Cli) -> Result<u8, CliError> {
     let watch_dev = dev_watches(&cli);
+    let url = cli.database_url;
     match cli.command {
-        Command::Migrate => {
-            let db = connect(&cli.database_url, 2, false).await?;
-            db.migrate().await?;
-            eprintln!("migrations applied");
-            Ok(0)
-        }
-        Command::Submit { file, json } => {
-            let text = read_input(&file)?;
-            let spec: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| CliError::NotJson(e.to_string()))?;
-            let db = connect(&cli.database_url, 2, true).await?;
-            // no DDL here: a submitter needs no schema rights, and an older
-            // CLI never migrates a newer schema; it only checks the version
-            db.check_schema().await?;
-            let id = db.submit(&spec).await?;
-            if json {
-                println!("{}", serde_json::json!({ "run_id": id }));
-            } else {
-                println!("{id}");
-            }
-            Ok(0)
-        }
-        Command::Status { run_id, json } => {
-            let id = parse_run_id(&run_id)?;
-            let db = connect(&cli.database_url, 2, true).await?;
-            let status = db.status(id).await.map_err(explain)?;
-            let progress = db.latest_progress(id).await.map_err(explain)?;
-            if json {
-                println!("{}", status_json(&status, &progress));
-            } else {
-                print!("{}", status_text(&status, &progress));
-            }
-            Ok(0)
-        }
+        Command::Migrate => migrate(&url).await,
+        Command::Submit { file, json } => submit(&url, &file, json).await,
+        Command::Status { run_id, json } => status(&url, &run_id, json).await,
         Command::Events { run_id, step, json } => {
-            let id = parse_run_id(&run_id)?;
-            let db = connect(&cli.database_url, 2, true).await?;
-            let events = db.events(id, step.as_deref()).await.map_err(explain)?;
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&events).unwrap_or_default()
-                );
-            } else {
-                print!("{}", events_text(&events));
-            }
-            Ok(0)
+            events(&url, &run_id, step.as_deref(), json).await
         }
         Command::Runs {
             state,
@@ -446,51 +405,26 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             limit,
             json,
         } => {
-            let db = connect(&cli.database_url, 2, true).await?;
             let filter = RunFilter {
                 state,
                 name,
                 since,
                 limit,
             };
-            let runs = db.runs(&filter).await.map_err(explain)?;
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&runs).unwrap_or_default()
-                );
-            } else {
-                print!("{}", runs_text(&runs));
-            }
-            Ok(0)
+            runs(&url, &filter, json).await
         }
         Command::Watch {
             run_id,
             plain,
             interval_ms,
-        } => {
-            let id = parse_run_id(&run_id)?;
-            let db = connect(&cli.database_url, 2, true).await?;
-            let mut opts = crate::watch::WatchOptions::for_stdout(plain);
-            opts.interval = std::time::Duration::from_millis(interval_ms);
-            let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts)
-                .await
-                .map_err(explain)?;
-            Ok(end.exit_code())
-        }
-        Command::Artifact { command } => artifact(&cli.database_url, command).await,
-        Command::Cancel { run_id, step } => {
-            let id = parse_run_id(&run_id)?;
-            let db = connect(&cli.database_url, 2, true).await?;
-            let state = db.cancel(id, step.as_deref()).await.map_err(explain)?;
-            eprintln!("cancellation requested; run is {state}");
-            Ok(0)
-        }
-        Command::Gc(args) => gc(&cli.database_url, args).await,
+        } => watch(&url, &run_id, plain, interval_ms).await,
+        Command::Artifact { command } => artifact(&url, command).await,
+        Command::Cancel { run_id, step } => cancel(&url, &run_id, step.as_deref()).await,
+        Command::Gc(args) => gc(&url, args).await,
         Command::Worker {
             config,
             print_default_config,
-        } => worker(&cli.database_url, config, print_default_config).await,
+        } => worker(&url, config, print_default_config).await,
         Command::Dev {
             print_config,
             submit,
@@ -498,39 +432,14 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             dev_port,
             verbose: _,
         } => {
-            let cfg = dev_config(&repo_root());
-            if print_config {
-                print!(
-                    "{}",
-                    toml::to_string_pretty(&cfg).map_err(|e| CliError::Other(e.to_string()))?
-                );
-                return Ok(0);
-            }
-            crate::dev::ensure_executors(&cfg, &repo_root())?;
-            let spec = submit
-                .as_deref()
-                .map(|f| {
-                    let text = read_input(f)?;
-                    serde_json::from_str::<serde_json::Value>(&text)
-                        .map_err(|e| CliError::NotJson(e.to_string()))
-                })
-                .transpose()?;
-            let cluster = match &cli.database_url {
-                Some(_) => None,
-                None => Some(crate::dev::DevCluster::ensure(
-                    &std::env::current_dir().unwrap_or_default().join(".dev"),
-                    dev_port,
-                )?),
+            let opts = DevOptions {
+                print_config,
+                submit,
+                exit_when_idle,
+                dev_port,
+                watch: watch_dev,
             };
-            let url = cli
-                .database_url
-                .clone()
-                .or_else(|| cluster.as_ref().map(|c| c.url.clone()));
-            let result = dev_session(url, cfg, spec, exit_when_idle, watch_dev).await;
-            if let Some(c) = cluster {
-                c.stop();
-            }
-            result
+            dev(url, opts).await
         }
         Command::Conformance {
             config,
@@ -551,6 +460,152 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
         }
         Command::Executors { config } => executors(&config).await,
     }
+}
+
+/// `supervisor migrate`.
+async fn migrate(url: &Option<String>) -> Result<u8, CliError> {
+    let db = connect(url, 2, false).await?;
+    db.migrate().await?;
+    eprintln!("migrations applied");
+    Ok(0)
+}
+
+/// `supervisor submit FILE|-`: the new run's id on stdout.
+async fn submit(url: &Option<String>, file: &str, json: bool) -> Result<u8, CliError> {
+    let text = read_input(file)?;
+    let spec: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| CliError::NotJson(e.to_string()))?;
+    let db = connect(url, 2, true).await?;
+    // no DDL here: a submitter needs no schema rights, and an older CLI never
+    // migrates a newer schema; it only checks the version
+    db.check_schema().await?;
+    let id = db.submit(&spec).await?;
+    if json {
+        println!("{}", serde_json::json!({ "run_id": id }));
+    } else {
+        println!("{id}");
+    }
+    Ok(0)
+}
+
+/// `supervisor status RUN`.
+async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, CliError> {
+    let id = parse_run_id(run_id)?;
+    let db = connect(url, 2, true).await?;
+    let status = db.status(id).await.map_err(explain)?;
+    let progress = db.latest_progress(id).await.map_err(explain)?;
+    if json {
+        println!("{}", status_json(&status, &progress));
+    } else {
+        print!("{}", status_text(&status, &progress));
+    }
+    Ok(0)
+}
+
+/// `supervisor events RUN [--step NAME]`.
+async fn events(
+    url: &Option<String>,
+    run_id: &str,
+    step: Option<&str>,
+    json: bool,
+) -> Result<u8, CliError> {
+    let id = parse_run_id(run_id)?;
+    let db = connect(url, 2, true).await?;
+    let events = db.events(id, step).await.map_err(explain)?;
+    if json {
+        println!("{}", pretty_json(&events)?);
+    } else {
+        print!("{}", events_text(&events));
+    }
+    Ok(0)
+}
+
+/// `supervisor runs [filters]`.
+async fn runs(url: &Option<String>, filter: &RunFilter, json: bool) -> Result<u8, CliError> {
+    let db = connect(url, 2, true).await?;
+    let runs = db.runs(filter).await.map_err(explain)?;
+    if json {
+        println!("{}", pretty_json(&runs)?);
+    } else {
+        print!("{}", runs_text(&runs));
+    }
+    Ok(0)
+}
+
+fn pretty_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
+    serde_json::to_string_pretty(v).map_err(|e| CliError::Other(format!("encoding JSON: {e}")))
+}
+
+/// `supervisor watch RUN`: the exit code says how the run ended.
+async fn watch(
+    url: &Option<String>,
+    run_id: &str,
+    plain: bool,
+    interval_ms: u64,
+) -> Result<u8, CliError> {
+    let id = parse_run_id(run_id)?;
+    let db = connect(url, 2, true).await?;
+    let mut opts = crate::watch::WatchOptions::for_stdout(plain);
+    opts.interval = std::time::Duration::from_millis(interval_ms);
+    let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts)
+        .await
+        .map_err(explain)?;
+    Ok(end.exit_code())
+}
+
+/// `supervisor cancel RUN [--step NAME]`.
+async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Result<u8, CliError> {
+    let id = parse_run_id(run_id)?;
+    let db = connect(url, 2, true).await?;
+    let state = db.cancel(id, step).await.map_err(explain)?;
+    eprintln!("cancellation requested; run is {state}");
+    Ok(0)
+}
+
+/// What `supervisor dev` was asked to do.
+struct DevOptions {
+    print_config: bool,
+    submit: Option<String>,
+    exit_when_idle: bool,
+    dev_port: u16,
+    /// The watch view of `--submit`'s run on the terminal.
+    watch: bool,
+}
+
+/// `supervisor dev`: the demo executors' worker, on DATABASE_URL or on a
+/// local cluster under ./.dev/ (stopped again at the end).
+async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
+    let cfg = dev_config(&repo_root());
+    if opts.print_config {
+        print!(
+            "{}",
+            toml::to_string_pretty(&cfg).map_err(|e| CliError::Other(e.to_string()))?
+        );
+        return Ok(0);
+    }
+    crate::dev::ensure_executors(&cfg, &repo_root())?;
+    let spec = opts
+        .submit
+        .as_deref()
+        .map(|f| {
+            let text = read_input(f)?;
+            serde_json::from_str::<serde_json::Value>(&text)
+                .map_err(|e| CliError::NotJson(e.to_string()))
+        })
+        .transpose()?;
+    let cluster = match &url {
+        Some(_) => None,
+        None => Some(crate::dev::DevCluster::ensure(
+            &std::env::current_dir().unwrap_or_default().join(".dev"),
+            opts.dev_port,
+        )?),
+    };
+    let url = url.or_else(|| cluster.as_ref().map(|c| c.url.clone()));
+    let result = dev_session(url, cfg, spec, opts.exit_when_idle, opts.watch).await;
+    if let Some(c) = cluster {
+        c.stop();
+    }
+    result
 }
 
 /// `supervisor artifact get|lineage`.
