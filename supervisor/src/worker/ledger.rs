@@ -423,97 +423,123 @@ async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
         db.write_ledger(worker, &s.batch, &s.writes),
     )
     .await;
-    let Shaped {
-        batch,
-        start_replies,
-        event_replies,
-        complete_replies,
-        writes,
-        write_replies,
-    } = s;
     match res {
-        Ok(out) => {
-            debug!(
-                size,
-                starts = batch.starts.len(),
-                events = batch.events.len(),
-                completes = batch.completes.len(),
-                writes = writes.len(),
-                "ledger batch committed"
-            );
-            let sets = out.batch;
-            for ((w, reply), o) in batch.starts.iter().zip(start_replies).zip(sets.starts) {
-                let _ = reply.send(o.into_result(w.lease.step_run_id()));
-            }
-            for ((w, replies), o) in batch.events.iter().zip(event_replies).zip(sets.events) {
-                for reply in replies {
-                    let _ = reply.send(o.clone().into_result(w.lease.step_run_id()));
-                }
-            }
-            for ((w, reply), o) in batch
-                .completes
-                .iter()
-                .zip(complete_replies)
-                .zip(sets.completes)
-            {
-                let _ = reply.send(o.into_result(w.lease.step_run_id()));
-            }
-            for ((w, reply), o) in writes.iter().zip(write_replies).zip(out.writes) {
-                if let Err(e) = &o {
-                    debug!(error = %e, write = w.kind(), step_run_id = %w.lease().step_run_id(), "a ledger write failed alone; the rest of its batch committed");
-                }
-                reply.send(o);
-            }
-        }
+        Ok(out) => s.answer(out),
         Err(e) if !e.is_transient() && size > 1 => {
             // one intent the database refuses must not take the others with
             // it: each is written on its own, and only its own error is its
             warn!(error = %e, size, "a ledger batch was refused as a whole; writing its intents one by one");
-            for (w, reply) in batch.starts.into_iter().zip(start_replies) {
-                let id = w.lease.step_run_id();
-                let one = Batch {
-                    starts: vec![w],
-                    ..Batch::default()
-                };
-                let _ = reply.send(single(db, worker, &one, id).await);
-            }
-            for (w, replies) in batch.events.into_iter().zip(event_replies) {
-                let id = w.lease.step_run_id();
-                let one = Batch {
-                    events: vec![w],
-                    ..Batch::default()
-                };
-                let res = single(db, worker, &one, id).await;
-                for reply in replies {
-                    let _ = reply.send(clone_result(&res));
-                }
-            }
-            for (w, reply) in batch.completes.into_iter().zip(complete_replies) {
-                let id = w.lease.step_run_id();
-                let one = Batch {
-                    completes: vec![w],
-                    ..Batch::default()
-                };
-                let _ = reply.send(single(db, worker, &one, id).await);
-            }
-            for (w, reply) in writes.iter().zip(write_replies) {
-                reply.send(single_write(db, worker, w).await);
-            }
+            s.write_one_by_one(db, worker).await;
         }
         Err(e) => {
             // the whole batch failed and nothing of it committed: every intent
             // gets the error; each caller retries a transient one while its
             // lease clock allows
             warn!(error = %e, size, "a ledger batch failed; its writers retry");
-            for r in start_replies.into_iter().chain(complete_replies) {
-                let _ = r.send(Err(as_each(&e)));
+            s.fail(&e);
+        }
+    }
+}
+
+impl Shaped {
+    /// The batch committed: each intent gets its own answer (written, or its
+    /// lease lost, or its own error).
+    fn answer(self, out: crate::db::LedgerOutcome) {
+        let size = self.size();
+        let Shaped {
+            batch,
+            start_replies,
+            event_replies,
+            complete_replies,
+            writes,
+            write_replies,
+        } = self;
+        debug!(
+            size,
+            starts = batch.starts.len(),
+            events = batch.events.len(),
+            completes = batch.completes.len(),
+            writes = writes.len(),
+            "ledger batch committed"
+        );
+        let sets = out.batch;
+        for ((w, reply), o) in batch.starts.iter().zip(start_replies).zip(sets.starts) {
+            let _ = reply.send(o.into_result(w.lease.step_run_id()));
+        }
+        for ((w, replies), o) in batch.events.iter().zip(event_replies).zip(sets.events) {
+            for reply in replies {
+                let _ = reply.send(o.clone().into_result(w.lease.step_run_id()));
             }
-            for r in event_replies.into_iter().flatten() {
-                let _ = r.send(Err(as_each(&e)));
+        }
+        for ((w, reply), o) in batch
+            .completes
+            .iter()
+            .zip(complete_replies)
+            .zip(sets.completes)
+        {
+            let _ = reply.send(o.into_result(w.lease.step_run_id()));
+        }
+        for ((w, reply), o) in writes.iter().zip(write_replies).zip(out.writes) {
+            if let Err(e) = &o {
+                debug!(error = %e, write = w.kind(), step_run_id = %w.lease().step_run_id(), "a ledger write failed alone; the rest of its batch committed");
             }
-            for r in write_replies {
-                r.fail(as_each(&e));
+            reply.send(o);
+        }
+    }
+
+    /// The batch was refused as a whole: each intent is written in a
+    /// transaction of its own, in the batch's order, and answered alone.
+    async fn write_one_by_one(self, db: &Db, worker: &str) {
+        let Shaped {
+            batch,
+            start_replies,
+            event_replies,
+            complete_replies,
+            writes,
+            write_replies,
+        } = self;
+        for (w, reply) in batch.starts.into_iter().zip(start_replies) {
+            let id = w.lease.step_run_id();
+            let one = Batch {
+                starts: vec![w],
+                ..Batch::default()
+            };
+            let _ = reply.send(single(db, worker, &one, id).await);
+        }
+        for (w, replies) in batch.events.into_iter().zip(event_replies) {
+            let id = w.lease.step_run_id();
+            let one = Batch {
+                events: vec![w],
+                ..Batch::default()
+            };
+            let res = single(db, worker, &one, id).await;
+            for reply in replies {
+                let _ = reply.send(clone_result(&res));
             }
+        }
+        for (w, reply) in batch.completes.into_iter().zip(complete_replies) {
+            let id = w.lease.step_run_id();
+            let one = Batch {
+                completes: vec![w],
+                ..Batch::default()
+            };
+            let _ = reply.send(single(db, worker, &one, id).await);
+        }
+        for (w, reply) in writes.iter().zip(write_replies) {
+            reply.send(single_write(db, worker, w).await);
+        }
+    }
+
+    /// Nothing of the batch committed: every intent gets the batch's error.
+    fn fail(self, e: &DbError) {
+        for r in self.start_replies.into_iter().chain(self.complete_replies) {
+            let _ = r.send(Err(as_each(e)));
+        }
+        for r in self.event_replies.into_iter().flatten() {
+            let _ = r.send(Err(as_each(e)));
+        }
+        for r in self.write_replies {
+            r.fail(as_each(e));
         }
     }
 }
