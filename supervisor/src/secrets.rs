@@ -605,20 +605,31 @@ fn redact_credentials(s: &str) -> Option<String> {
     if !s.contains("://") && !s.contains('=') {
         return None;
     }
-    let b = s.as_bytes();
-    let mut spans: Vec<(usize, usize)> = Vec::new();
-    let keep = |start: usize, end: usize, spans: &mut Vec<(usize, usize)>| {
-        let inner = s.get(start..end).unwrap_or_default();
-        let unquoted = inner
-            .strip_prefix(['\'', '"'])
-            .map(|i| i.strip_suffix(['\'', '"']).unwrap_or(i))
-            .unwrap_or(inner);
-        if start < end && !is_marker(unquoted) {
-            spans.push((start, end));
-        }
-    };
+    let mut spans = Vec::new();
+    url_password_spans(s, &mut spans);
+    key_value_spans(s, &mut spans);
+    if spans.is_empty() {
+        return None;
+    }
+    Some(replace_spans(s, spans))
+}
 
-    // URL userinfo: scheme://user:PASSWORD@host
+/// Keeps `start..end` of `s` as a span to redact, unless it is empty or
+/// (quotes aside) already a redaction marker.
+fn keep_span(s: &str, start: usize, end: usize, spans: &mut Vec<(usize, usize)>) {
+    let inner = s.get(start..end).unwrap_or_default();
+    let unquoted = inner
+        .strip_prefix(['\'', '"'])
+        .map(|i| i.strip_suffix(['\'', '"']).unwrap_or(i))
+        .unwrap_or(inner);
+    if start < end && !is_marker(unquoted) {
+        spans.push((start, end));
+    }
+}
+
+/// URL userinfo: the PASSWORD of scheme://user:PASSWORD@host.
+fn url_password_spans(s: &str, spans: &mut Vec<(usize, usize)>) {
+    let b = s.as_bytes();
     let mut from = 0;
     while let Some(p) = s.get(from..).and_then(|r| r.find("://")) {
         let auth = from + p + 3;
@@ -640,10 +651,13 @@ fn redact_credentials(s: &str) -> Option<String> {
         if userinfo[..colon].iter().any(|c| b"/?#".contains(c)) {
             continue; // the ':' is in a path, not in userinfo
         }
-        keep(auth + colon + 1, auth + at, &mut spans);
+        keep_span(s, auth + colon + 1, auth + at, spans);
     }
+}
 
-    // key=value: query parameters and DSN pairs
+/// key=value with a sensitive key: query parameters and DSN pairs.
+fn key_value_spans(s: &str, spans: &mut Vec<(usize, usize)>) {
+    let b = s.as_bytes();
     for (eq, _) in s.match_indices('=') {
         let mut key_end = eq;
         while key_end > 0 && matches!(b[key_end - 1], b' ' | b'\t') {
@@ -662,16 +676,7 @@ fn redact_credentials(s: &str) -> Option<String> {
             if key_end != eq {
                 continue; // no spaces in a query string
             }
-            let start = eq + 1;
-            let mut end = start;
-            while end < b.len()
-                && !matches!(b[end], b'&' | b'#')
-                && !b[end].is_ascii_whitespace()
-                && !is_quote_or_angle(b[end])
-            {
-                end += 1;
-            }
-            keep(start, end, &mut spans);
+            keep_span(s, eq + 1, query_value_end(b, eq + 1), spans);
             continue;
         }
         // libpq skips whitespace after '='
@@ -682,27 +687,44 @@ fn redact_credentials(s: &str) -> Option<String> {
         if start >= b.len() {
             continue;
         }
-        let end = if matches!(b[start], b'\'' | b'"') {
-            let quote = b[start];
-            let mut j = start + 1;
-            while j < b.len() && b[j] != quote {
-                j += if b[j] == b'\\' { 2 } else { 1 };
-            }
-            // an unterminated quote runs to the end
-            (j + 1).min(b.len())
-        } else {
-            let mut j = start;
-            while j < b.len() && !b[j].is_ascii_whitespace() {
-                j += 1;
-            }
-            j
-        };
-        keep(start, end, &mut spans);
+        keep_span(s, start, dsn_value_end(b, start), spans);
     }
+}
 
-    if spans.is_empty() {
-        return None;
+/// Where a query parameter's value that starts at `start` ends.
+fn query_value_end(b: &[u8], start: usize) -> usize {
+    let mut end = start;
+    while end < b.len()
+        && !matches!(b[end], b'&' | b'#')
+        && !b[end].is_ascii_whitespace()
+        && !is_quote_or_angle(b[end])
+    {
+        end += 1;
     }
+    end
+}
+
+/// Where a DSN value that starts at `start` ends: after its closing quote
+/// (an unterminated quote runs to the end), or at the next whitespace.
+fn dsn_value_end(b: &[u8], start: usize) -> usize {
+    if matches!(b[start], b'\'' | b'"') {
+        let quote = b[start];
+        let mut j = start + 1;
+        while j < b.len() && b[j] != quote {
+            j += if b[j] == b'\\' { 2 } else { 1 };
+        }
+        (j + 1).min(b.len())
+    } else {
+        let mut j = start;
+        while j < b.len() && !b[j].is_ascii_whitespace() {
+            j += 1;
+        }
+        j
+    }
+}
+
+/// `s` with each of `spans` (overlapping ones merged) replaced by the marker.
+fn replace_spans(s: &str, mut spans: Vec<(usize, usize)>) -> String {
     spans.sort_unstable();
     let mut out = String::with_capacity(s.len());
     let mut last = 0;
@@ -722,7 +744,7 @@ fn redact_credentials(s: &str) -> Option<String> {
         last = end;
     }
     out.push_str(s.get(last..).unwrap_or_default());
-    Some(out)
+    out
 }
 
 #[cfg(test)]
