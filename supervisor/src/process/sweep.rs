@@ -91,36 +91,79 @@ impl std::fmt::Display for SweepReport {
 /// supervisor is alive (pid + start time) or unverifiable (another pid
 /// namespace). Processes that are not readable (another user's) are not seen.
 pub fn sweep_previous_incarnations(slot: &str, my_instance: &str) -> SweepReport {
-    let my_pid = std::process::id() as i32;
-    // SAFETY: getpgrp never fails.
-    let my_pgid = unsafe { libc::getpgrp() };
-    let tag = marker::slot_tag(slot);
-    let hierarchy = cgroup::hierarchy();
-    let mut report = SweepReport::default();
-    let mut killed: HashSet<(i32, u64)> = HashSet::new();
-    let mut spared: HashSet<(i32, u64)> = HashSet::new();
-    let mut groups: BTreeSet<i32> = BTreeSet::new();
-    // cgroup dir -> whether cgroup.kill was written
-    let mut stale_cgroups: BTreeMap<PathBuf, bool> = BTreeMap::new();
+    let mut sweep = Sweep::new(slot, my_instance);
+    for pass in 1..=MAX_SWEEP_PASSES {
+        sweep.report.passes = pass;
+        let new = sweep.kill_stale_processes() + sweep.kill_stale_cgroups();
+        if new == 0 {
+            sweep.report.converged = true;
+            break;
+        }
+        std::thread::sleep(PASS_PAUSE);
+    }
+    sweep.finish()
+}
 
-    let is_stale = |m: &FoundMarker| {
-        m.slot == slot
-            && m.instance != my_instance
+/// One sweep's state across its passes.
+struct Sweep<'a> {
+    slot: &'a str,
+    my_instance: &'a str,
+    my_pid: i32,
+    my_pgid: i32,
+    tag: String,
+    hierarchy: Option<cgroup::Hierarchy>,
+    report: SweepReport,
+    /// (pid, start time) signalled in a pass, maybe still dying.
+    killed: HashSet<(i32, u64)>,
+    /// (pid, start time) left alone: their supervisor is alive or unknown.
+    spared: HashSet<(i32, u64)>,
+    /// Process groups a kill went to.
+    groups: BTreeSet<i32>,
+    /// Stale cgroup directory -> whether its cgroup.kill was written.
+    stale_cgroups: BTreeMap<PathBuf, bool>,
+}
+
+impl<'a> Sweep<'a> {
+    fn new(slot: &'a str, my_instance: &'a str) -> Sweep<'a> {
+        Sweep {
+            slot,
+            my_instance,
+            my_pid: std::process::id() as i32,
+            // SAFETY: getpgrp never fails.
+            my_pgid: unsafe { libc::getpgrp() },
+            tag: marker::slot_tag(slot),
+            hierarchy: cgroup::hierarchy(),
+            report: SweepReport::default(),
+            killed: HashSet::new(),
+            spared: HashSet::new(),
+            groups: BTreeSet::new(),
+            stale_cgroups: BTreeMap::new(),
+        }
+    }
+
+    /// A process of this slot whose supervisor is gone.
+    fn is_stale(&self, m: &FoundMarker) -> bool {
+        m.slot == self.slot
+            && m.instance != self.my_instance
             && !marker::is_our_instance(&m.instance)
             && m.supervisor.is_none_or(|s| s.liveness() == Liveness::Dead)
-    };
+    }
 
-    for pass in 1..=MAX_SWEEP_PASSES {
-        report.passes = pass;
+    /// One pass over `/proc`: each stale process not signalled before is
+    /// killed (with its group, where that is safe). How many were new.
+    fn kill_stale_processes(&mut self) -> usize {
         let mut new = 0usize;
         for pid in group::proc_pids() {
-            if pid == my_pid {
+            if pid == self.my_pid {
                 continue;
             }
             let Some(m) = marker::read_marker(pid) else {
                 continue;
             };
-            if m.slot != slot || m.instance == my_instance || marker::is_our_instance(&m.instance) {
+            if m.slot != self.slot
+                || m.instance == self.my_instance
+                || marker::is_our_instance(&m.instance)
+            {
                 continue;
             }
             let Some(st) = group::read_stat(pid) else {
@@ -130,76 +173,84 @@ pub fn sweep_previous_incarnations(slot: &str, my_instance: &str) -> SweepReport
                 continue;
             }
             let key = (pid, st.starttime);
-            if killed.contains(&key) {
+            if self.killed.contains(&key) {
                 continue; // signalled in an earlier pass, still dying
             }
-            if !is_stale(&m) {
-                if spared.insert(key) {
+            if !self.is_stale(&m) {
+                if self.spared.insert(key) {
                     tracing::debug!(pid, instance = %m.instance, supervisor = ?m.supervisor,
                         "spared: its supervisor is alive or in another pid namespace");
                 }
                 continue;
             }
             new += 1;
-            killed.insert(key);
-            if let Some(h) = &hierarchy {
-                if let Some(dir) = cgroup::stale_cgroup_of(h, pid, &tag) {
-                    stale_cgroups.entry(dir).or_insert(false);
+            self.killed.insert(key);
+            if let Some(h) = &self.hierarchy {
+                if let Some(dir) = cgroup::stale_cgroup_of(h, pid, &self.tag) {
+                    self.stale_cgroups.entry(dir).or_insert(false);
                 }
             }
-            if let Some(group_killed) = kill_verified(pid, &m, &is_stale, my_pid, my_pgid) {
-                report.processes_killed += 1;
+            let is_stale = |m: &FoundMarker| self.is_stale(m);
+            if let Some(group_killed) = kill_verified(pid, &m, &is_stale, self.my_pid, self.my_pgid)
+            {
+                self.report.processes_killed += 1;
                 if let Some(pgid) = group_killed {
-                    groups.insert(pgid);
+                    self.groups.insert(pgid);
                 }
                 tracing::debug!(pid, pgid = st.pgrp, instance = %m.instance, "killed a process of a previous incarnation");
             }
         }
-        if let Some(h) = &hierarchy {
-            for dir in cgroup::stale_children(h, &tag) {
-                stale_cgroups.entry(dir).or_insert(false);
+        new
+    }
+
+    /// Every stale cgroup of this slot found so far gets its cgroup.kill
+    /// written, once. How many were new.
+    fn kill_stale_cgroups(&mut self) -> usize {
+        if let Some(h) = &self.hierarchy {
+            for dir in cgroup::stale_children(h, &self.tag) {
+                self.stale_cgroups.entry(dir).or_insert(false);
             }
         }
-        for (dir, done) in stale_cgroups.iter_mut() {
+        let mut new = 0usize;
+        for (dir, done) in self.stale_cgroups.iter_mut() {
             if *done {
                 continue;
             }
             *done = true;
             new += 1;
             match ChildCgroup::existing(dir.clone()).kill() {
-                Ok(()) => report.cgroups_killed += 1,
+                Ok(()) => self.report.cgroups_killed += 1,
                 Err(e) => {
                     tracing::warn!(cgroup = %dir.display(), error = %e, "cannot write cgroup.kill of a previous incarnation")
                 }
             }
         }
-        if new == 0 {
-            report.converged = true;
-            break;
-        }
-        std::thread::sleep(PASS_PAUSE);
+        new
     }
 
-    let deadline = Instant::now() + CGROUP_REMOVE_BUDGET;
-    for dir in stale_cgroups.keys() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if ChildCgroup::existing(dir.clone()).remove_blocking_logged(left) {
-            report.cgroups_removed += 1;
+    /// The stale cgroups removed (within a budget), and the report.
+    fn finish(mut self) -> SweepReport {
+        let deadline = Instant::now() + CGROUP_REMOVE_BUDGET;
+        for dir in self.stale_cgroups.keys() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if ChildCgroup::existing(dir.clone()).remove_blocking_logged(left) {
+                self.report.cgroups_removed += 1;
+            }
         }
+        if let Some(h) = &self.hierarchy {
+            self.report.cgroups_removed += cgroup::collect_garbage(h);
+        }
+        self.report.groups_killed = self.groups.len();
+        self.report.spared_live = self.spared.len();
+        if self.report.spared_live > 0 {
+            tracing::warn!(
+                slot = self.slot,
+                processes = self.report.spared_live,
+                "processes of this worker's slot belong to a supervisor that is still alive (or in another pid namespace) and were left alone: is another worker on this host configured with the same name?"
+            );
+        }
+        self.report
     }
-    if let Some(h) = &hierarchy {
-        report.cgroups_removed += cgroup::collect_garbage(h);
-    }
-    report.groups_killed = groups.len();
-    report.spared_live = spared.len();
-    if report.spared_live > 0 {
-        tracing::warn!(
-            slot,
-            processes = report.spared_live,
-            "processes of this worker's slot belong to a supervisor that is still alive (or in another pid namespace) and were left alone: is another worker on this host configured with the same name?"
-        );
-    }
-    report
 }
 
 /// Pins `pid` (pidfd), re-verifies its marker and stat through `/proc` while
