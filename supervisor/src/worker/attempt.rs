@@ -1410,6 +1410,25 @@ async fn commit(
     }
 }
 
+/// An executor's retry delay (ms) as a duration, saturated.
+fn retry_delay(ms: u64) -> chrono::Duration {
+    chrono::Duration::try_milliseconds(ms.min(i64::MAX as u64) as i64)
+        .unwrap_or(chrono::Duration::MAX)
+}
+
+/// A refusal that ended its step says so (the usual one leaves it ready).
+fn log_refusal_end(state: &str, code: &str, max_refusals: u32) {
+    match state {
+        "terminal_failed" => {
+            warn!(code = %code, max_refusals, "refused too often: the step failed")
+        }
+        "cancelled" => {
+            info!(code = %code, "refused after a cancel request: the step is cancelled")
+        }
+        _ => {}
+    }
+}
+
 async fn write_outcome(
     shared: &Shared,
     step: &LeasedStep,
@@ -1458,10 +1477,7 @@ async fn write_outcome(
                 failure: Failure {
                     code: code.clone(),
                     retryable: *retryable,
-                    next_retry_delay: next_retry_delay_ms.map(|ms| {
-                        chrono::Duration::try_milliseconds(ms.min(i64::MAX as u64) as i64)
-                            .unwrap_or(chrono::Duration::MAX)
-                    }),
+                    next_retry_delay: next_retry_delay_ms.map(retry_delay),
                 },
                 message: message.clone(),
                 details: details.clone(),
@@ -1499,15 +1515,7 @@ async fn write_outcome(
                     max_refusals: shared.cfg.max_refusals,
                 })
                 .await?;
-            match state.as_str() {
-                "terminal_failed" => {
-                    warn!(code = %code, max_refusals = shared.cfg.max_refusals, "refused too often: the step failed")
-                }
-                "cancelled" => {
-                    info!(code = %code, "refused after a cancel request: the step is cancelled")
-                }
-                _ => {}
-            }
+            log_refusal_end(&state, code, shared.cfg.max_refusals);
             Ok(())
         }
         Outcome::Released { message } => {
@@ -1687,33 +1695,9 @@ fn finish_result(
                 ),
             ));
         }
-        let mut derived = Vec::with_capacity(m.derived_from.len());
-        for d in &m.derived_from {
-            match inputs
-                .get(d.as_str())
-                .and_then(|a| Uuid::parse_str(&a.id).ok())
-            {
-                Some(id) => derived.push(id),
-                None => {
-                    return Err(artifact_invalid(format!(
-                    "artifact {:?} derives from {d:?}, which is not an input artifact of this step",
-                    m.name
-                )))
-                }
-            }
-        }
+        let derived = derived_ids(m, &inputs)?;
         files.push((real, m.sha256.clone()));
-        artifacts.push(NewArtifact {
-            name: m.name.clone(),
-            sha256: m.sha256.to_ascii_lowercase(),
-            size: i64::try_from(m.size).unwrap_or(i64::MAX),
-            media_type: if m.media_type.is_empty() {
-                "application/octet-stream".into()
-            } else {
-                m.media_type.clone()
-            },
-            derived_from: derived,
-        });
+        artifacts.push(new_artifact(m, derived));
     }
     Ok(Checked {
         output,
@@ -1721,6 +1705,43 @@ fn finish_result(
         files,
         sequence: r.sequence,
     })
+}
+
+/// The ids of the input artifacts an artifact derives from; each name must
+/// be an input of this step.
+fn derived_ids(
+    m: &wire::ManifestEntry,
+    inputs: &std::collections::HashMap<&str, &wire::InputArtifact>,
+) -> Result<Vec<Uuid>, Outcome> {
+    m.derived_from
+        .iter()
+        .map(|d| {
+            inputs
+                .get(d.as_str())
+                .and_then(|a| Uuid::parse_str(&a.id).ok())
+                .ok_or_else(|| {
+                    artifact_invalid(format!(
+                        "artifact {:?} derives from {d:?}, which is not an input artifact of this step",
+                        m.name
+                    ))
+                })
+        })
+        .collect()
+}
+
+/// The artifact row of a checked manifest entry.
+fn new_artifact(m: &wire::ManifestEntry, derived_from: Vec<Uuid>) -> NewArtifact {
+    NewArtifact {
+        name: m.name.clone(),
+        sha256: m.sha256.to_ascii_lowercase(),
+        size: i64::try_from(m.size).unwrap_or(i64::MAX),
+        media_type: if m.media_type.is_empty() {
+            "application/octet-stream".into()
+        } else {
+            m.media_type.clone()
+        },
+        derived_from,
+    }
 }
 
 fn artifact_invalid(message: String) -> Outcome {

@@ -684,3 +684,41 @@ fn a_cancels_grace_reads_a_bounded_number_of_frames() {
     );
     assert!(matches!(m.phase(), Phase::Cancelling { .. }));
 }
+
+#[test]
+fn an_artifact_derives_only_from_this_steps_inputs() {
+    let input = wire::InputArtifact {
+        id: "0190f5c4-0000-7000-8000-000000000001".into(),
+        name: "raw".into(),
+        sha256: String::new(),
+        size: 0,
+        media_type: String::new(),
+        path: String::new(),
+        step_name: "fetch".into(),
+    };
+    let inputs: std::collections::HashMap<&str, &wire::InputArtifact> =
+        [(input.id.as_str(), &input)].into_iter().collect();
+    let entry = |derived: &[&str]| wire::ManifestEntry {
+        name: "clean".into(),
+        path: "clean.csv".into(),
+        sha256: "AB".into(),
+        size: 2,
+        media_type: String::new(),
+        derived_from: derived.iter().map(|d| d.to_string()).collect(),
+    };
+    let ok = derived_ids(&entry(&[input.id.as_str()]), &inputs).map_err(|o| o.label());
+    assert_eq!(ok, Ok(vec![Uuid::parse_str(&input.id).unwrap()]));
+    assert_eq!(
+        derived_ids(&entry(&[]), &inputs).map_err(|o| o.label()),
+        Ok(vec![])
+    );
+    // a name that is not one of this step's inputs (here: the input's name,
+    // not its id) fails the result
+    let bad = derived_ids(&entry(&["raw"]), &inputs).map_err(|o| o.label());
+    assert_eq!(bad, Err("failed (ARTIFACT_INVALID)".to_string()));
+    // the row: digest in lower case, the default media type
+    let row = new_artifact(&entry(&[]), vec![]);
+    assert_eq!(row.sha256, "ab");
+    assert_eq!(row.media_type, "application/octet-stream");
+    assert_eq!(row.size, 2);
+}
