@@ -406,6 +406,33 @@ fn steps_to_lock(b: &Batch, writes: &[LedgerWrite]) -> Vec<Uuid> {
     ids
 }
 
+/// Events as the parallel arrays `durable.write_sets` takes: per event the
+/// 1-based index of the write it belongs to (a start's, or an events
+/// write's), and its fields.
+#[derive(Default)]
+struct EventArrays<'a> {
+    of: Vec<i32>,
+    seqs: Vec<i64>,
+    kinds: Vec<&'static str>,
+    msgs: Vec<&'a str>,
+    fracs: Vec<Option<f64>>,
+    ats: Vec<Option<DateTime<Utc>>>,
+}
+
+impl<'a> EventArrays<'a> {
+    /// The events of `w`, which belong to the write at 0-based index `n`.
+    fn push(&mut self, n: usize, w: &'a EventsWrite) {
+        for e in &w.events {
+            self.of.push(n as i32 + 1);
+            self.seqs.push(e.sequence as i64);
+            self.kinds.push(e.kind);
+            self.msgs.push(e.message.as_str());
+            self.fracs.push(e.fraction);
+            self.ats.push(e.executor_at);
+        }
+    }
+}
+
 /// A start's plain events in the same batch (the SDKs' RUNNING right behind
 /// ACCEPTED) go with the start: one INSERT under its fence, and the start's
 /// answer (migration 20261209000002). The other events writes as they are.
@@ -414,12 +441,7 @@ struct StartEvents<'a> {
     folded: Vec<Option<usize>>,
     /// The events that go with a start, as `write_sets`' `x_*` arrays
     /// (`x_start` is the start's 1-based index).
-    x_start: Vec<i32>,
-    x_seqs: Vec<i64>,
-    x_kinds: Vec<&'static str>,
-    x_msgs: Vec<&'a str>,
-    x_fracs: Vec<Option<f64>>,
-    x_ats: Vec<Option<DateTime<Utc>>>,
+    with_starts: EventArrays<'a>,
     /// The events writes whose start is not in the batch, in order.
     rest: Vec<&'a EventsWrite>,
 }
@@ -434,31 +456,45 @@ impl<'a> StartEvents<'a> {
             .collect();
         let mut out = StartEvents {
             folded: Vec::with_capacity(b.events.len()),
-            x_start: vec![],
-            x_seqs: vec![],
-            x_kinds: vec![],
-            x_msgs: vec![],
-            x_fracs: vec![],
-            x_ats: vec![],
+            with_starts: EventArrays::default(),
             rest: vec![],
         };
         for w in &b.events {
             let j = start_of.get(&(w.lease.step_run_id, w.lease.token)).copied();
             out.folded.push(j);
-            let Some(j) = j else {
-                out.rest.push(w);
-                continue;
-            };
-            for e in &w.events {
-                out.x_start.push(j as i32 + 1);
-                out.x_seqs.push(e.sequence as i64);
-                out.x_kinds.push(e.kind);
-                out.x_msgs.push(e.message.as_str());
-                out.x_fracs.push(e.fraction);
-                out.x_ats.push(e.executor_at);
+            match j {
+                Some(j) => out.with_starts.push(j, w),
+                None => out.rest.push(w),
             }
         }
         out
+    }
+}
+
+/// The starts of a batch as `write_sets`' `s_*` arrays.
+struct StartArrays<'a> {
+    ids: Vec<Uuid>,
+    tokens: Vec<Uuid>,
+    pids: Vec<i32>,
+    seqs: Vec<i64>,
+    kinds: Vec<&'static str>,
+    msgs: Vec<&'a str>,
+    fracs: Vec<Option<f64>>,
+    ats: Vec<Option<DateTime<Utc>>>,
+}
+
+impl<'a> StartArrays<'a> {
+    fn of(starts: &'a [StartWrite]) -> Self {
+        StartArrays {
+            ids: starts.iter().map(|s| s.lease.step_run_id).collect(),
+            tokens: starts.iter().map(|s| s.lease.token).collect(),
+            pids: starts.iter().map(|s| s.pid).collect(),
+            seqs: starts.iter().map(|s| s.event.sequence as i64).collect(),
+            kinds: starts.iter().map(|s| s.event.kind).collect(),
+            msgs: starts.iter().map(|s| s.event.message.as_str()).collect(),
+            fracs: starts.iter().map(|s| s.event.fraction).collect(),
+            ats: starts.iter().map(|s| s.event.executor_at).collect(),
+        }
     }
 }
 
@@ -476,41 +512,18 @@ async fn write_sets(
     if lock.is_empty() && b.starts.is_empty() && b.events.is_empty() && b.completes.is_empty() {
         return Ok(BatchOutcome::default());
     }
-    let s_ids: Vec<Uuid> = b.starts.iter().map(|s| s.lease.step_run_id).collect();
-    let s_tokens: Vec<Uuid> = b.starts.iter().map(|s| s.lease.token).collect();
-    let s_pids: Vec<i32> = b.starts.iter().map(|s| s.pid).collect();
-    let s_seqs: Vec<i64> = b.starts.iter().map(|s| s.event.sequence as i64).collect();
-    let s_kinds: Vec<&str> = b.starts.iter().map(|s| s.event.kind).collect();
-    let s_msgs: Vec<&str> = b.starts.iter().map(|s| s.event.message.as_str()).collect();
-    let s_fracs: Vec<Option<f64>> = b.starts.iter().map(|s| s.event.fraction).collect();
-    let s_ats: Vec<Option<DateTime<Utc>>> = b.starts.iter().map(|s| s.event.executor_at).collect();
-
+    let s = StartArrays::of(&b.starts);
     let StartEvents {
         folded,
-        x_start,
-        x_seqs,
-        x_kinds,
-        x_msgs,
-        x_fracs,
-        x_ats,
+        with_starts: x,
         rest,
     } = StartEvents::of(b);
-
     let e_ids: Vec<Uuid> = rest.iter().map(|e| e.lease.step_run_id).collect();
     let e_tokens: Vec<Uuid> = rest.iter().map(|e| e.lease.token).collect();
-    let (mut e_lease, mut e_seqs, mut e_kinds, mut e_msgs, mut e_fracs, mut e_ats) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut e = EventArrays::default();
     for (n, w) in rest.iter().enumerate() {
-        for e in &w.events {
-            e_lease.push(n as i32 + 1);
-            e_seqs.push(e.sequence as i64);
-            e_kinds.push(e.kind);
-            e_msgs.push(e.message.as_str());
-            e_fracs.push(e.fraction);
-            e_ats.push(e.executor_at);
-        }
+        e.push(n, w);
     }
-
     let c_ids: Vec<Uuid> = b.completes.iter().map(|c| c.lease.step_run_id).collect();
     let c_tokens: Vec<Uuid> = b.completes.iter().map(|c| c.lease.token).collect();
     let c_outputs: Vec<&serde_json::Value> = b.completes.iter().map(|c| &c.output).collect();
@@ -529,28 +542,28 @@ async fn write_sets(
     )
     .bind(worker)
     .bind(lock)
-    .bind(&s_ids)
-    .bind(&s_tokens)
-    .bind(&s_pids)
-    .bind(&s_seqs)
-    .bind(&s_kinds)
-    .bind(&s_msgs)
-    .bind(&s_fracs)
-    .bind(&s_ats)
-    .bind(&x_start)
-    .bind(&x_seqs)
-    .bind(&x_kinds)
-    .bind(&x_msgs)
-    .bind(&x_fracs)
-    .bind(&x_ats)
+    .bind(&s.ids)
+    .bind(&s.tokens)
+    .bind(&s.pids)
+    .bind(&s.seqs)
+    .bind(&s.kinds)
+    .bind(&s.msgs)
+    .bind(&s.fracs)
+    .bind(&s.ats)
+    .bind(&x.of)
+    .bind(&x.seqs)
+    .bind(&x.kinds)
+    .bind(&x.msgs)
+    .bind(&x.fracs)
+    .bind(&x.ats)
     .bind(&e_ids)
     .bind(&e_tokens)
-    .bind(&e_lease)
-    .bind(&e_seqs)
-    .bind(&e_kinds)
-    .bind(&e_msgs)
-    .bind(&e_fracs)
-    .bind(&e_ats)
+    .bind(&e.of)
+    .bind(&e.seqs)
+    .bind(&e.kinds)
+    .bind(&e.msgs)
+    .bind(&e.fracs)
+    .bind(&e.ats)
     .bind(&c_ids)
     .bind(&c_tokens)
     .bind(&c_outputs)
@@ -558,6 +571,18 @@ async fn write_sets(
     .fetch_all(&mut *conn)
     .await
     .ctx("writing a ledger batch (starts, progress events, completions)")?;
+    batch_answers(rows, b, &folded, rest.len())
+}
+
+/// `write_sets`' rows as the batch's answers: each start and completion its
+/// own; an events write folded into a start that start's, the rest theirs,
+/// in order.
+fn batch_answers(
+    rows: Vec<sqlx::postgres::PgRow>,
+    b: &Batch,
+    folded: &[Option<usize>],
+    rest: usize,
+) -> Result<BatchOutcome, DbError> {
     let (mut starts, mut events, mut completes) = (vec![], vec![], vec![]);
     for r in rows {
         let part: String = r.get("part");
@@ -573,12 +598,11 @@ async fn write_sets(
         }
     }
     let starts = row_outcomes(starts, b.starts.len())?;
-    // a folded write has its start's answer; the rest theirs, in order
-    let mut rest_answers = row_outcomes(events, rest.len())?.into_iter();
+    let mut rest_answers = row_outcomes(events, rest)?.into_iter();
     let mut event_answers = Vec::with_capacity(b.events.len());
     for j in folded {
         event_answers.push(match j {
-            Some(j) => starts[j].clone(),
+            Some(j) => starts[*j].clone(),
             None => rest_answers.next().ok_or_else(|| {
                 DbError::Corrupt("ledger batch answered fewer events than it was given".into())
             })?,
