@@ -1,6 +1,9 @@
 //! Runs: submit, cancel, status (the CLI's writes and reads of a whole run).
 
 use super::*;
+use std::collections::HashMap;
+
+use sqlx::postgres::PgRow;
 
 impl Db {
     /// Validates and submits a spec through `durable.submit_run`. An invalid
@@ -122,50 +125,14 @@ impl DbConn<'_> {
         .await
         .ctx("reading a run's artifacts")?;
 
-        let mut steps = Vec::with_capacity(rows.len());
-        for r in rows {
-            let id: Uuid = r.get("id");
-            let state: String = r.get("state");
-            let code: Option<String> = r.get("error_code");
-            let error = code.map(|code| StepError {
-                code,
-                message: r
-                    .get::<Option<String>, _>("error_message")
-                    .unwrap_or_default(),
-                retryable: r.get::<Option<bool>, _>("error_retryable").unwrap_or(false),
-                details: r.get("error_details"),
-            });
-            let next: Option<DateTime<Utc>> = if state == "retryable_failed" {
-                r.get("next_attempt_at")
-            } else {
-                None
-            };
-            steps.push(StepStatus {
-                name: r.get("name"),
-                step_run_id: id,
-                state,
-                attempt: r.get("attempt"),
-                executor_kind: r.get("executor_kind"),
-                kind: r.get("kind"),
-                idempotency_key: r.get("idempotency_key"),
-                cancel_requested: r.get("cancel_requested"),
-                next_attempt_at: next,
-                output: r.get("output"),
-                error,
-                events: r.get("events"),
-                artifacts: arts
-                    .iter()
-                    .filter(|a| a.get::<Uuid, _>("step_run_id") == id)
-                    .map(|a| ArtifactSummary {
-                        id: a.get("id"),
-                        name: a.get("name"),
-                        sha256: a.get("sha256"),
-                        size: a.get("size"),
-                        media_type: a.get("media_type"),
-                    })
-                    .collect(),
-            });
-        }
+        let mut by_step = artifacts_by_step(&arts);
+        let steps = rows
+            .iter()
+            .map(|r| {
+                let id: Uuid = r.get("id");
+                step_status(r, by_step.remove(&id).unwrap_or_default())
+            })
+            .collect();
         let waiting = sqlx::query(
             "SELECT d.name, d.depends_on FROM durable.step_defs d
               WHERE d.run_id = $1
@@ -208,5 +175,58 @@ impl DbConn<'_> {
         .ctx("counting open runs")?;
         s.done().await?;
         Ok(n)
+    }
+}
+
+/// A run's artifacts, per step run (in the order read).
+fn artifacts_by_step(arts: &[PgRow]) -> HashMap<Uuid, Vec<ArtifactSummary>> {
+    let mut by_step: HashMap<Uuid, Vec<ArtifactSummary>> = HashMap::new();
+    for a in arts {
+        by_step
+            .entry(a.get("step_run_id"))
+            .or_default()
+            .push(ArtifactSummary {
+                id: a.get("id"),
+                name: a.get("name"),
+                sha256: a.get("sha256"),
+                size: a.get("size"),
+                media_type: a.get("media_type"),
+            });
+    }
+    by_step
+}
+
+/// One step of `status`' step query, with its artifacts.
+fn step_status(r: &PgRow, artifacts: Vec<ArtifactSummary>) -> StepStatus {
+    let state: String = r.get("state");
+    let code: Option<String> = r.get("error_code");
+    let error = code.map(|code| StepError {
+        code,
+        message: r
+            .get::<Option<String>, _>("error_message")
+            .unwrap_or_default(),
+        retryable: r.get::<Option<bool>, _>("error_retryable").unwrap_or(false),
+        details: r.get("error_details"),
+    });
+    // when it is retried next: only a step waiting for its retry has one
+    let next_attempt_at: Option<DateTime<Utc>> = if state == "retryable_failed" {
+        r.get("next_attempt_at")
+    } else {
+        None
+    };
+    StepStatus {
+        name: r.get("name"),
+        step_run_id: r.get("id"),
+        state,
+        attempt: r.get("attempt"),
+        executor_kind: r.get("executor_kind"),
+        kind: r.get("kind"),
+        idempotency_key: r.get("idempotency_key"),
+        cancel_requested: r.get("cancel_requested"),
+        next_attempt_at,
+        output: r.get("output"),
+        error,
+        events: r.get("events"),
+        artifacts,
     }
 }
