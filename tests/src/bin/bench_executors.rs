@@ -472,8 +472,39 @@ const PLAIN_START: &str = "UPDATE public.plain_jobs SET state = 'running'
   WHERE id = $1 AND lease_token = $2 AND state = 'leased'";
 const PLAIN_COMPLETE: &str = "UPDATE public.plain_jobs SET state = 'succeeded', output = input
   WHERE id = $1 AND lease_token = $2 AND state = 'running'";
+// set-based: the claimed jobs' starts in one statement, then their
+// completions in one, each row fenced by its token and state, as the
+// worker's ledger writes a batch over arrays
+const PLAIN_START_SET: &str = "UPDATE public.plain_jobs j SET state = 'running'
+   FROM unnest($1::uuid[], $2::uuid[]) AS x(id, token)
+  WHERE j.id = x.id AND j.lease_token = x.token AND j.state = 'leased'";
+const PLAIN_COMPLETE_SET: &str =
+    "UPDATE public.plain_jobs j SET state = 'succeeded', output = j.input
+   FROM unnest($1::uuid[], $2::uuid[]) AS x(id, token)
+  WHERE j.id = x.id AND j.lease_token = x.token AND j.state = 'running'";
+
+/// How the plain baseline writes its claimed jobs' starts and completions.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum PlainMode {
+    /// one statement per job and transition, `c` jobs at once on their own
+    /// connections
+    PerRow,
+    /// one statement per transition for all the claimed jobs, on one
+    /// connection (the database's limit for these transitions)
+    SetBased,
+}
+
+impl PlainMode {
+    fn label(self) -> &'static str {
+        match self {
+            PlainMode::PerRow => "per row",
+            PlainMode::SetBased => "set-based",
+        }
+    }
+}
 
 struct PlainCell {
+    mode: PlainMode,
     concurrency: u32,
     jobs: u32,
     insert_secs: f64,
@@ -483,9 +514,11 @@ struct PlainCell {
 
 /// K jobs inserted one statement each (as runs are submitted), then one loop
 /// claims up to `conc` pending jobs per statement (SKIP LOCKED, as the worker
-/// leases up to its free slots) and each claimed job is started and completed
-/// (fenced by its token and state) on its own connection, `conc` at once.
-async fn plain_cycle(url: &str, conc: u32, jobs: u32) -> Result<PlainCell> {
+/// leases up to its free slots) and the claimed jobs are started and
+/// completed, each row fenced by its token and state: per row, each job on
+/// its own connection, `conc` at once; set-based, one statement for all the
+/// claimed jobs' starts and one for their completions.
+async fn plain_cycle(url: &str, mode: PlainMode, conc: u32, jobs: u32) -> Result<PlainCell> {
     let db = plain_db(url, conc + 1).await?;
     sqlx::query(PLAIN_DDL).execute(db.pool()).await?;
     sqlx::query(PLAIN_INDEX).execute(db.pool()).await?;
@@ -501,7 +534,7 @@ async fn plain_cycle(url: &str, conc: u32, jobs: u32) -> Result<PlainCell> {
             .execute(db.pool())
             .await?;
     }
-    plain_drain(&db, conc).await?;
+    plain_drain(&db, mode, conc).await?;
     let t = Instant::now();
     for i in 0..jobs {
         sqlx::query(PLAIN_INSERT)
@@ -512,13 +545,14 @@ async fn plain_cycle(url: &str, conc: u32, jobs: u32) -> Result<PlainCell> {
     }
     let insert_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let (done, claims) = plain_drain(&db, conc).await?;
+    let (done, claims) = plain_drain(&db, mode, conc).await?;
     let secs = t.elapsed().as_secs_f64();
     db.pool().close().await;
     if done != jobs as u64 {
         bail!("plain baseline completed {done} of {jobs} jobs");
     }
     Ok(PlainCell {
+        mode,
         concurrency: conc,
         jobs,
         insert_secs,
@@ -528,7 +562,7 @@ async fn plain_cycle(url: &str, conc: u32, jobs: u32) -> Result<PlainCell> {
 }
 
 /// Claims, starts and completes jobs until none is pending: (jobs, claims).
-async fn plain_drain(db: &Db, conc: u32) -> Result<(u64, u32)> {
+async fn plain_drain(db: &Db, mode: PlainMode, conc: u32) -> Result<(u64, u32)> {
     let mut done = 0u64;
     let mut claims = 0u32;
     loop {
@@ -541,6 +575,22 @@ async fn plain_drain(db: &Db, conc: u32) -> Result<(u64, u32)> {
             return Ok((done, claims));
         }
         let n = rows.len() as u64;
+        if mode == PlainMode::SetBased {
+            let (ids, tokens): (Vec<Uuid>, Vec<Uuid>) = rows.into_iter().unzip();
+            for sql in [PLAIN_START_SET, PLAIN_COMPLETE_SET] {
+                let got = sqlx::query(sql)
+                    .bind(&ids)
+                    .bind(&tokens)
+                    .execute(db.pool())
+                    .await?
+                    .rows_affected();
+                if got != n {
+                    bail!("plain jobs: a fenced set write updated {got} of {n} rows");
+                }
+            }
+            done += n;
+            continue;
+        }
         futures::future::try_join_all(rows.into_iter().map(|(id, token)| async move {
             for sql in [PLAIN_START, PLAIN_COMPLETE] {
                 let n = sqlx::query(sql)
@@ -645,8 +695,11 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
          \x20             plain SQL = the same transitions on a plain table (no triggers, history, events): K jobs\n\
          \x20             inserted one statement each (untimed, reported), then one loop claims up to c pending jobs\n\
          \x20             per statement (UPDATE … IN (SELECT … LIMIT c FOR UPDATE SKIP LOCKED), as the worker leases\n\
-         \x20             up to its free slots) and starts and completes each (fenced by token and state) on its\n\
-         \x20             own connection, c at once; clock from the first claim until none is pending.\n\
+         \x20             up to its free slots) and starts and completes them, every row fenced by token and state:\n\
+         \x20             per row = each job on its own connection, c at once, a statement per transition; set-based\n\
+         \x20             = one statement over arrays for all the claimed jobs' starts, then one for their\n\
+         \x20             completions (as the ledger writes a batch; the database's limit, which target (a) uses);\n\
+         \x20             clock from the first claim until none is pending.\n\
          \x20             CPU: children = reaped executors (getrusage RUSAGE_CHILDREN), bench = this process (incl.\n\
          \x20             the in-process worker), db = backends connected to the bench database (/proc/<pid>/stat).",
         POLL.as_millis()
@@ -666,14 +719,17 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     }
     let mut plains = Vec::new();
     for &(c, steps) in &plain_cells {
-        let p = plain_cycle(&url, c, steps).await?;
-        eprintln!(
-            "[plain SQL] c={c}: {} jobs in {:.3} s = {:.0} jobs/s",
-            p.jobs,
-            p.secs,
-            p.jobs as f64 / p.secs
-        );
-        plains.push(p);
+        for mode in [PlainMode::PerRow, PlainMode::SetBased] {
+            let p = plain_cycle(&url, mode, c, steps).await?;
+            eprintln!(
+                "[plain SQL, {}] c={c}: {} jobs in {:.3} s = {:.0} jobs/s",
+                mode.label(),
+                p.jobs,
+                p.secs,
+                p.jobs as f64 / p.secs
+            );
+            plains.push(p);
+        }
     }
     let spawner = Spawner::start()?;
     let mut bares = Vec::new();
@@ -719,6 +775,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         .iter()
         .map(|p| {
             vec![
+                p.mode.label().to_string(),
                 p.concurrency.to_string(),
                 p.jobs.to_string(),
                 format!("{:.3}", p.secs),
@@ -730,6 +787,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         .collect();
     print_table(
         &[
+            "writes",
             "conc",
             "jobs",
             "secs",
@@ -737,7 +795,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             "jobs/claim",
             "insert ms/job",
         ],
-        0,
+        1,
         &rows,
     );
     println!();
@@ -746,7 +804,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             "plain SQL job cycle",
             p.jobs as f64 / p.secs,
             "steps/s",
-            serde_json::json!({"concurrency": p.concurrency, "jobs": p.jobs,
+            serde_json::json!({"writes": p.mode.label(), "concurrency": p.concurrency, "jobs": p.jobs,
                 "insert_ms_per_job": p.insert_secs * 1e3 / p.jobs.max(1) as f64}),
         );
     }
@@ -808,7 +866,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         let bare = bares
             .iter()
             .find(|b| b.executor == w.executor && b.concurrency == w.concurrency);
-        let plain = plains.iter().find(|p| p.concurrency == w.concurrency);
+        let plain = plain_at(&plains, PlainMode::PerRow, w.concurrency);
+        let set = plain_at(&plains, PlainMode::SetBased, w.concurrency);
         let rate = w.steps as f64 / w.secs;
         let n = w.steps.max(1) as f64;
         report.figure(
@@ -817,7 +876,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             "steps/s",
             serde_json::json!({"executor": w.executor, "concurrency": w.concurrency, "steps": w.steps,
                 "bare_trips_per_s": bare.map(|b| b.trips.len() as f64 / b.secs),
-                "plain_sql_steps_per_s": plain.map(|p| p.jobs as f64 / p.secs)}),
+                "plain_sql_steps_per_s": plain.map(|p| p.jobs as f64 / p.secs),
+                "plain_sql_set_based_steps_per_s": set.map(|p| p.jobs as f64 / p.secs)}),
         );
         rows.push(vec![
             w.executor.clone(),
@@ -835,6 +895,10 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
                 .unwrap_or_default(),
             plain
                 .map(|p| format!("{:.1}%", 100.0 * rate / (p.jobs as f64 / p.secs)))
+                .unwrap_or_default(),
+            set.map(|p| format!("{:.0}", p.jobs as f64 / p.secs))
+                .unwrap_or_default(),
+            set.map(|p| format!("{:.1}%", 100.0 * rate / (p.jobs as f64 / p.secs)))
                 .unwrap_or_default(),
             fmt_ms(mean(&w.lease_to_started)),
             fmt_ms(mean(&w.started_to_finished)),
@@ -867,8 +931,10 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             "wall ms/step",
             "bare trips/s",
             "worker/bare",
-            "plain SQL steps/s",
-            "worker/plain",
+            "plain SQL per row steps/s",
+            "worker/per row",
+            "plain SQL set-based steps/s",
+            "worker/set-based",
             "leased→started mean",
             "started→finished mean",
             "finished→next leased mean",
@@ -933,11 +999,11 @@ fn executor_targets(
             "steps/s",
             setup.clone(),
         );
-        if let Some(p) = plains.iter().find(|p| p.concurrency == w.concurrency) {
+        if let Some(p) = plain_at(plains, PlainMode::SetBased, w.concurrency) {
             report.target(
                 "a.persistent_go_vs_plain_sql",
                 &format!(
-                    "persistent Go ≥ 40% of the batched plain-SQL job cycle (concurrency {})",
+                    "persistent Go ≥ 40% of the set-based plain-SQL job cycle (concurrency {})",
                     w.concurrency
                 ),
                 100.0 * rate(w) / (p.jobs as f64 / p.secs),
@@ -983,6 +1049,12 @@ fn executor_targets(
             );
         }
     }
+}
+
+fn plain_at(plains: &[PlainCell], mode: PlainMode, concurrency: u32) -> Option<&PlainCell> {
+    plains
+        .iter()
+        .find(|p| p.mode == mode && p.concurrency == concurrency)
 }
 
 fn mean(v: &[Duration]) -> Duration {
