@@ -150,7 +150,9 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     let mut ecfg = go_demo("go", &[], Some(&["demo.echo"]));
     ecfg.persistent = true;
     ecfg.concurrency = args.concurrency;
-    let wcfg = fast_config(vec![ecfg]);
+    let mut wcfg = fast_config(vec![ecfg]);
+    // the pool a worker's config must have at this concurrency
+    wcfg.db_max_connections = wcfg.db_max_connections.max(args.concurrency + 1);
     let setup = json!({"executor": "go-persistent", "kind": "demo.echo", "concurrency": args.concurrency,
         "worker": "in-process RunningWorker, tests::fast_config", "poll_interval_ms": wcfg.poll_interval_ms,
         "steps": args.steps, "bulk_runs": args.bulk_runs, "sequential_runs": args.sequential_runs});
