@@ -953,6 +953,16 @@ fn spawn_interrupt_handler(token: CancellationToken) {
 }
 
 fn spawn_signal_handler(token: CancellationToken) {
+    // noted in the handler itself, before the task below runs: the lease
+    // loop stops at once (worker::note_stop_signal)
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the action is one atomic store, which is async-signal-safe
+        if let Err(e) =
+            unsafe { signal_hook_registry::register(sig, crate::worker::note_stop_signal) }
+        {
+            tracing::error!(signal = sig, error = %e, "cannot install the stop-signal flag");
+        }
+    }
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
         let (Ok(mut term), Ok(mut int)) = (

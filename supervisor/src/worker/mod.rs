@@ -11,7 +11,7 @@ mod session;
 mod warm;
 mod workdir;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -410,7 +410,7 @@ impl Worker {
         let mut keepers = warm::start(&shared, &self.executors, &shared.draining);
         let poll = Duration::from_millis(cfg.poll_interval_ms);
         let ttl = Duration::from_millis(cfg.lease_ttl_ms);
-        while !shutdown.is_cancelled() {
+        while !shutdown.is_cancelled() && !stop_signalled() {
             // a vital loop that ended is noticed on every pass, also while a
             // backlog keeps the loop from ever waiting below
             if let Some(res) = vital.try_join_next() {
@@ -505,6 +505,26 @@ fn spawn_vital_loops(
     vital
 }
 
+/// Set by the process's SIGTERM/SIGINT handler itself ([`note_stop_signal`]).
+/// The task that turns the signal into the shutdown token runs later, in
+/// whatever order the runtime polls it against a wake-up that arrived in the
+/// meantime (a NOTIFY for a step submitted after the signal was sent). The
+/// lease loop reads this flag right before every lease, so such a step is not
+/// leased in that gap. Process-wide, as a signal is: every worker of the
+/// process stops leasing.
+static STOP_SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+/// Notes that a stop signal arrived: from then on no worker of this process
+/// leases, and its loop goes on to the drain. One atomic store, so it is
+/// async-signal-safe: meant to be called from a signal handler.
+pub fn note_stop_signal() {
+    STOP_SIGNALLED.store(true, Ordering::SeqCst);
+}
+
+fn stop_signalled() -> bool {
+    STOP_SIGNALLED.load(Ordering::SeqCst)
+}
+
 /// One pass of the lease loop: each executor leases up to its free slots
 /// and its leased steps' attempts start. True when a lease filled every free
 /// slot it asked for (a backlog: lease again right away). A failed lease
@@ -518,6 +538,10 @@ async fn lease_pass(
 ) -> bool {
     let mut leased_any_full = false;
     for exec in executors {
+        if stop_signalled() {
+            // the drain is on its way: not one lease more
+            return false;
+        }
         let free = leasable(
             exec.cfg.concurrency,
             exec.running.load(Ordering::SeqCst),
