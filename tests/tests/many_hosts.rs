@@ -272,7 +272,10 @@ async fn two_hosts_share_one_database() {
                 .await
                 .expect("a");
         let running: Vec<(Uuid, Option<i32>)> = match a {
-            Some(a) => sqlx::query_as("SELECT id, executor_pid FROM durable.step_runs WHERE owner_worker_id = $1 AND state = 'running'")
+            // a step that has most of its 1.5 s still to run: it is held
+            // when the kill lands, not completing at that very moment
+            Some(a) => sqlx::query_as("SELECT id, executor_pid FROM durable.step_runs WHERE owner_worker_id = $1 AND state = 'running'
+                                         AND started_at > clock_timestamp() - interval '500 milliseconds'")
                 .bind(a).fetch_all(t.db.pool()).await.expect("running"),
             None => Vec::new(),
         };
@@ -336,6 +339,28 @@ async fn two_hosts_share_one_database() {
         .expect("now");
     workers[0].signal(nix::sys::signal::Signal::SIGKILL);
     workers[0].wait(Duration::from_secs(10)).await;
+    // a statement it sent before it died may still be running on the server,
+    // and commit (it holds its lease): what it held is read once its backends
+    // are gone (a completion of its own in flight at the kill is legitimate)
+    let gone_by = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+        )
+        .bind(&t.name)
+        .bind(&hosts[0].worker)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("pg_stat_activity");
+        if left == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < gone_by,
+            "{left} backend(s) of the killed worker still there 10 s after its death"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // what it held when it died (its leases are still unexpired now)
     let a_running: Vec<(Uuid, Option<i32>)> = sqlx::query_as(
         "SELECT id, executor_pid FROM durable.step_runs WHERE owner_worker_id = $1 AND state IN ('leased', 'running')")
