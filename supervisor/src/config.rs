@@ -355,6 +355,19 @@ impl ExecutorConfig {
 }
 
 impl WorkerConfig {
+    /// The executors' total concurrency.
+    pub fn total_concurrency(&self) -> u32 {
+        self.executors
+            .iter()
+            .fold(0u32, |n, e| n.saturating_add(e.concurrency))
+    }
+
+    /// The smallest `db_max_connections` this config is valid with: one
+    /// connection per concurrent attempt (its artifacts) plus one for leasing.
+    pub fn min_db_connections(&self) -> u32 {
+        self.total_concurrency().saturating_add(1)
+    }
+
     /// Reads, overrides from the environment (`DURABLE_<KEY>`, see
     /// [`WorkerConfig::apply_env`]), resolves and validates a worker config.
     pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
@@ -555,15 +568,12 @@ impl WorkerConfig {
             return bad("no [[executors]]: a worker needs at least one".into());
         }
         self.check_stop_budget().map_err(ConfigError::Invalid)?;
-        let concurrency: u32 = self
-            .executors
-            .iter()
-            .fold(0u32, |n, e| n.saturating_add(e.concurrency));
-        if self.db_max_connections < concurrency.saturating_add(1) {
+        if self.db_max_connections < self.min_db_connections() {
             return bad(format!(
-                "db_max_connections = {} is smaller than the executors' total concurrency ({concurrency}) + 1: every running attempt may need a connection for its writes, plus one for leasing. Raise db_max_connections to at least {}",
+                "db_max_connections = {} is smaller than the executors' total concurrency ({}) + 1: every running attempt may need a connection for its writes, plus one for leasing. Raise db_max_connections to at least {}",
                 self.db_max_connections,
-                concurrency.saturating_add(1)
+                self.total_concurrency(),
+                self.min_db_connections()
             ));
         }
         if self.max_refusals == 0 {

@@ -700,16 +700,15 @@ fn vital_loop_died(
 fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
     cfg.check_stop_budget().map_err(WorkerError::Setup)?;
     let conns = db.pool().options().get_max_connections();
-    let concurrency: u32 = cfg.executors.iter().map(|e| e.concurrency).sum();
     if conns < 2 {
         return Err(WorkerError::Setup(format!(
             "the database pool has {conns} connection(s); a worker needs at least 2 (lease and reclaim, writes). Raise db_max_connections"
         )));
     }
-    if conns < concurrency + 1 {
+    if conns < cfg.min_db_connections() {
         warn!(
             pool = conns,
-            concurrency,
+            concurrency = cfg.total_concurrency(),
             "the database pool is smaller than the executors' total concurrency + 1: attempts will queue for connections"
         );
     }

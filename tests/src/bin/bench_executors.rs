@@ -347,7 +347,7 @@ async fn through_worker(
     let mut wcfg = fast_config(vec![ecfg]);
     // the pool a worker's config must have at this concurrency (the config
     // refuses less); connections open only when used: a no-op step uses none
-    wcfg.db_max_connections = wcfg.db_max_connections.max(conc + 1);
+    wcfg.db_max_connections = wcfg.db_max_connections.max(wcfg.min_db_connections());
     let wdb = Db::connect(url, wcfg.db_max_connections).await?;
     let worker = RunningWorker::start(wdb, wcfg).await;
     all_ids.extend(ids.iter().copied());

@@ -152,7 +152,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     ecfg.concurrency = args.concurrency;
     let mut wcfg = fast_config(vec![ecfg]);
     // the pool a worker's config must have at this concurrency
-    wcfg.db_max_connections = wcfg.db_max_connections.max(args.concurrency + 1);
+    wcfg.db_max_connections = wcfg.db_max_connections.max(wcfg.min_db_connections());
     let setup = json!({"executor": "go-persistent", "kind": "demo.echo", "concurrency": args.concurrency,
         "worker": "in-process RunningWorker, tests::fast_config", "poll_interval_ms": wcfg.poll_interval_ms,
         "steps": args.steps, "bulk_runs": args.bulk_runs, "sequential_runs": args.sequential_runs});
