@@ -121,8 +121,15 @@ struct Metrics {
 
 impl Metrics {
     fn new() -> Metrics {
+        let m = Metrics::unregistered();
         let mut registry = Registry::with_prefix("durable");
-        let m = Metrics {
+        m.register(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// Every metric, zero, with an empty registry.
+    fn unregistered() -> Metrics {
+        Metrics {
             leases: Capped::new(Family::new_with_constructor(Counter::default)),
             completions: Family::default(),
             failures: Capped::new(Family::new_with_constructor(Counter::default)),
@@ -145,8 +152,12 @@ impl Metrics {
             queue_depth_keys: Mutex::new(HashSet::new()),
             stderr_suppressed: Counter::default(),
             registry: Registry::default(),
-        };
-        let r = &mut registry;
+        }
+    }
+
+    /// Registers every metric, with its help text, in `r`.
+    fn register(&self, r: &mut Registry) {
+        let m = self;
         r.register(
             "leases",
             "Steps leased by this worker, by executor (its config name)",
@@ -237,7 +248,6 @@ impl Metrics {
             "Executor stderr lines not logged because of stderr_log_lines_per_sec",
             m.stderr_suppressed.clone(),
         );
-        Metrics { registry, ..m }
     }
 }
 

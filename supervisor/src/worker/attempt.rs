@@ -1483,17 +1483,7 @@ async fn write_outcome(
                 details: details.clone(),
                 sequence: *sequence,
             };
-            let d = shared
-                .ledger
-                .fail(FailWrite {
-                    lease: lease.clone(),
-                    report,
-                    jitter: rand::random(),
-                })
-                .await?;
-            crate::metrics::failure_decided(d.to.as_str());
-            info!(to = %d.to, reason = %d.reason, "failure committed");
-            Ok(())
+            write_failure(shared, lease, report).await
         }
         Outcome::Cancelled { message } => {
             shared
@@ -1532,6 +1522,27 @@ async fn write_outcome(
             Ok(())
         }
     }
+}
+
+/// A failure's write: the database decides retry or terminal (the state
+/// machine's decision, applied under the lease), and the metrics and the log
+/// say which.
+async fn write_failure(
+    shared: &Shared,
+    lease: &Lease,
+    report: FailureReport,
+) -> Result<(), DbError> {
+    let d = shared
+        .ledger
+        .fail(FailWrite {
+            lease: lease.clone(),
+            report,
+            jitter: rand::random(),
+        })
+        .await?;
+    crate::metrics::failure_decided(d.to.as_str());
+    info!(to = %d.to, reason = %d.reason, "failure committed");
+    Ok(())
 }
 
 fn owned_event(e: &wire::Event) -> OwnedEvent {
