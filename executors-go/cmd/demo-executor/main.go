@@ -6,6 +6,7 @@
 //
 //	DEMO_LABELS  labels offered in Hello, "k=v,k2=v2" (default none)
 //	DEMO_KINDS   kinds to register, comma separated (default all)
+//	GOMAXPROCS   as for any Go program; unset, the demo runs with 1 (see run)
 //
 // Exit status: 0 after a clean end, 1 after a broken frame stream, 2 for a bad
 // environment, 3 when a demo kind crashes on purpose.
@@ -14,6 +15,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"sort"
 	"strings"
 
@@ -37,6 +39,15 @@ func main() {
 }
 
 func run() int {
+	// The demo's handlers do no parallel work, and a persistent pool keeps
+	// many of these processes warm on few cores (64 on two in the benchmark):
+	// with a P per core each job's frames are handed between OS threads, and
+	// a warm process spent ~40 % more CPU per no-op job (perf, issue 7). One
+	// P keeps a job's goroutines on one thread. A GOMAXPROCS in the
+	// environment still wins.
+	if os.Getenv("GOMAXPROCS") == "" {
+		runtime.GOMAXPROCS(1)
+	}
 	labels, err := parseLabels(os.Getenv("DEMO_LABELS"))
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "demo-executor: DEMO_LABELS: %v\n", err)
