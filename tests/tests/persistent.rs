@@ -378,6 +378,104 @@ async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
     w.shutdown().await;
 }
 
+/// A success without artifacts is handed to the ledger right behind its
+/// start, not after the start's answer: a no-op job's start and completion
+/// go in one flush. The first `accepted` insert sleeps 3 s, so the ledger is
+/// busy while the second job (one slot) starts and ends; its start and its
+/// completion then wait in the same batch, and commit in one transaction
+/// (its `started_at` and `finished_at` are that transaction's `now()`).
+/// Before, the completion was handed only once the start was answered: a
+/// transaction of its own, later. Its history and events keep their order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_rides_in_the_flush_of_its_start() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE TABLE public.slowed (at timestamptz NOT NULL DEFAULT now());
+         CREATE FUNCTION public.slow_first_start() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.kind = 'accepted' AND NOT EXISTS (SELECT 1 FROM public.slowed) THEN
+                 INSERT INTO public.slowed DEFAULT VALUES;
+                 PERFORM pg_sleep(3);
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER slow_first_start BEFORE INSERT ON durable.step_events
+             FOR EACH ROW EXECUTE FUNCTION public.slow_first_start();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("slow trigger");
+    let mut runs = Vec::new();
+    for i in 0..2 {
+        runs.push(
+            t.submit(
+                json!({"name": "pair", "steps": [{"name": "s", "executor_kind": "go",
+                     "kind": "demo.echo", "input": {"i": i}, "retry": {"max_attempts": 1}}]}),
+            )
+            .await,
+        );
+    }
+    let mut e = demo("go", "go", &[], None);
+    e.persistent = true;
+    e.concurrency = 1;
+    let mut cfg = fast_config(vec![e]);
+    cfg.lease_ttl_ms = 20_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let mut ids = Vec::new();
+    for run in &runs {
+        let st = t.wait_terminal(*run, LONG).await;
+        let s = step(&st, "s");
+        assert_eq!(s.state, "succeeded", "{st:?}");
+        assert_eq!(s.output, Some(json!({"i": ids.len()})), "{st:?}");
+        ids.push(s.step_run_id);
+    }
+    w.shutdown().await;
+    let slowed: i64 = t.scalar_i64("SELECT count(*) FROM public.slowed").await;
+    assert_eq!(slowed, 1, "the first start was written slowly");
+    let (started, finished): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT started_at, finished_at FROM durable.step_runs WHERE id = $1")
+            .bind(ids[1])
+            .fetch_one(t.db.pool())
+            .await
+            .expect("times");
+    assert_eq!(
+        started, finished,
+        "the second job's completion was not written in its start's transaction"
+    );
+    for id in &ids {
+        let hist: Vec<(Option<String>, String)> = sqlx::query_as(
+            "SELECT from_state, to_state FROM durable.transitions WHERE step_run_id = $1 ORDER BY id",
+        )
+        .bind(id)
+        .fetch_all(t.db.pool())
+        .await
+        .expect("history");
+        let hist: Vec<String> = hist
+            .into_iter()
+            .map(|(f, to)| format!("{}>{to}", f.unwrap_or_default()))
+            .collect();
+        assert_eq!(
+            hist,
+            [
+                ">pending",
+                "pending>leased",
+                "leased>running",
+                "running>succeeded"
+            ],
+            "{id}"
+        );
+        let kinds: Vec<String> = sqlx::query_scalar(
+            "SELECT kind FROM durable.step_events WHERE step_run_id = $1 ORDER BY sequence",
+        )
+        .bind(id)
+        .fetch_all(t.db.pool())
+        .await
+        .expect("events");
+        assert_eq!(kinds, ["accepted", "running", "succeeded"], "{id}");
+    }
+}
+
 /// A persistent executor's jobs reuse clean job directories: artifacts and
 /// input artifacts still come out right job after job (nothing of an earlier
 /// job's `out/` or `in/` reaches a later one), and what stays in `work_dir`

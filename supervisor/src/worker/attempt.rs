@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::path::{Component, Path};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -128,6 +129,7 @@ pub(crate) async fn run(
 ) {
     let started = Instant::now();
     let redactor = Arc::new(Redact::default());
+    let mut handed = None;
     let outcome = match AssertUnwindSafe(execute(
         &shared,
         &exec,
@@ -135,6 +137,7 @@ pub(crate) async fn run(
         control.clone(),
         redactor.clone(),
         slot,
+        &mut handed,
     ))
     .catch_unwind()
     .await
@@ -162,7 +165,7 @@ pub(crate) async fn run(
     // lease held: a heartbeat that no longer finds the step leased has most
     // likely raced this commit
     shared.committing(&step.lease);
-    commit(&shared, &step, outcome, control, &redactor).await;
+    commit(&shared, &step, outcome, handed, control, &redactor).await;
     crate::metrics::attempt_finished(&step.kind, &label, started.elapsed());
     info!(outcome = %label, elapsed_ms = started.elapsed().as_millis() as u64, "attempt finished");
 }
@@ -271,6 +274,7 @@ async fn execute(
     mut control: watch::Receiver<LeaseView>,
     redactor: Arc<Redact>,
     slot: super::ExecSlot,
+    handed: &mut Option<Handed>,
 ) -> Outcome {
     crate::fault::maybe_panic(&step.kind);
     if let Some(o) = too_late_to_start(step, &mut control) {
@@ -313,7 +317,11 @@ async fn execute(
     drop(slot);
     let outcome = match conversed {
         Conversed::Decided(o) => o,
-        Conversed::Ran(ran) => conclude(shared, step, &job, *ran, &control, &redactor).await,
+        Conversed::Ran(ran) => {
+            let (o, h) = conclude(shared, step, &job, *ran, &control, &redactor).await;
+            *handed = Some(h);
+            o
+        }
     };
     if exec.cfg.persistent {
         exec.job_dirs.give_back(workdir);
@@ -655,6 +663,39 @@ fn instant_in(ms: i64) -> Option<Instant> {
 struct Writer {
     tx: mpsc::Sender<Intent>,
     task: tokio::task::JoinHandle<()>,
+    /// intents queued (sent) so far
+    pushed: AtomicU64,
+    /// some queued intent carries a checkpoint (a write the ledger puts
+    /// after a batch's completions: nothing may be handed behind it)
+    checkpointed: AtomicBool,
+    /// intents the task has handed to the ledger (first tries, in order)
+    handed: watch::Receiver<u64>,
+}
+
+/// A writer whose queue is closed and whose intents are all handed to the
+/// ledger (their answers may still be on their way).
+struct Handed {
+    task: tokio::task::JoinHandle<()>,
+    until: Instant,
+    /// a success may be handed right behind these writes: the ledger
+    /// writes a lease's start, its events and its completion in that order,
+    /// in one batch or in batches one after the other
+    completion_may_follow: bool,
+}
+
+impl Handed {
+    /// Lets the writer persist what is queued (bounded by `until`), so events
+    /// are stored before the terminal that follows them.
+    async fn finish(self) {
+        let mut task = self.task;
+        if tokio::time::timeout_at(self.until, &mut task)
+            .await
+            .is_err()
+        {
+            warn!("progress writes did not finish before the lease clock ran out; the rest is dropped");
+            task.abort();
+        }
+    }
 }
 
 impl Writer {
@@ -665,8 +706,25 @@ impl Writer {
         control: watch::Receiver<LeaseView>,
     ) -> Writer {
         let (tx, rx) = mpsc::channel(WRITER_QUEUE);
-        let task = tokio::spawn(write_loop(shared, run_id, lease, rx, control).in_current_span());
-        Writer { tx, task }
+        let (handed_tx, handed) = watch::channel(0);
+        let task = tokio::spawn(
+            write_loop(shared, run_id, lease, rx, control, handed_tx).in_current_span(),
+        );
+        Writer {
+            tx,
+            task,
+            pushed: AtomicU64::new(0),
+            checkpointed: AtomicBool::new(false),
+            handed,
+        }
+    }
+
+    /// One intent more was queued (`checkpoint`: it carries one).
+    fn count(&self, checkpoint: bool) {
+        if checkpoint {
+            self.checkpointed.store(true, Ordering::Relaxed);
+        }
+        self.pushed.fetch_add(1, Ordering::Relaxed);
     }
 
     fn has_room(&self) -> bool {
@@ -683,26 +741,50 @@ impl Writer {
 
     /// Queues an intent; the caller checked `has_room` (only this attempt sends).
     fn push(&self, intent: Intent) {
-        if let Err(e) = self.tx.try_send(intent) {
-            debug!(error = %e, "the writer is gone (lease lost); intent dropped");
+        let checkpoint = carries_checkpoint(&intent);
+        match self.tx.try_send(intent) {
+            Ok(()) => self.count(checkpoint),
+            Err(e) => debug!(error = %e, "the writer is gone (lease lost); intent dropped"),
         }
     }
 
     /// Queues an intent, waiting for room (after the child exited: nothing
     /// else needs the loop then).
     async fn push_wait(&self, intent: Intent) {
-        let _ = self.tx.send(intent).await;
+        let checkpoint = carries_checkpoint(&intent);
+        if self.tx.send(intent).await.is_ok() {
+            self.count(checkpoint);
+        }
     }
 
-    /// Lets the writer persist what is queued (bounded by `until`), so events
-    /// are stored before the terminal that follows them.
-    async fn finish(self, until: Instant) {
-        drop(self.tx);
-        let mut task = self.task;
-        if tokio::time::timeout_at(until, &mut task).await.is_err() {
-            warn!("progress writes did not finish before the lease clock ran out; the rest is dropped");
-            task.abort();
+    /// Closes the queue and waits (bounded by `until`) until every queued
+    /// intent is handed to the ledger, not until it is answered: what is
+    /// handed next is written after them. A writer that ended early (a lost
+    /// lease) hands nothing more; nothing may follow it then.
+    async fn hand_off(self, until: Instant) -> Handed {
+        let Writer {
+            tx,
+            task,
+            pushed,
+            checkpointed,
+            mut handed,
+        } = self;
+        drop(tx);
+        let pushed = pushed.into_inner();
+        let all = tokio::time::timeout_at(until, handed.wait_for(|h| *h >= pushed))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        Handed {
+            task,
+            until,
+            completion_may_follow: all && !checkpointed.into_inner(),
         }
+    }
+}
+
+fn carries_checkpoint(intent: &Intent) -> bool {
+    match intent {
+        Intent::Start { event, .. } | Intent::Event(event) => event.checkpoint.is_some(),
     }
 }
 
@@ -721,10 +803,12 @@ async fn write_loop(
     lease: Lease,
     mut rx: mpsc::Receiver<Intent>,
     control: watch::Receiver<LeaseView>,
+    handed_count: watch::Sender<u64>,
 ) {
     let mut buf = Vec::with_capacity(64);
     while rx.recv_many(&mut buf, 64).await > 0 {
         let writes = plan_writes(&buf, run_id, &lease);
+        let intents = buf.len() as u64;
         buf.clear();
         // the first try of every write of this run is handed to the ledger
         // at once, in order: a start and the events right behind it (the
@@ -737,6 +821,7 @@ async fn write_loop(
                 Write::Checkpointed(c) => shared.ledger.submit_checkpoint(c.clone()).await,
             });
         }
+        handed_count.send_modify(|h| *h += intents);
         for (w, first) in writes.into_iter().zip(handed) {
             let first = match first {
                 Ok(p) => p.answer().await,
@@ -1119,7 +1204,7 @@ async fn conclude(
     ran: Ran,
     control: &watch::Receiver<LeaseView>,
     redactor: &Redact,
-) -> Outcome {
+) -> (Outcome, Handed) {
     let cfg = &shared.cfg;
     let Ran {
         machine,
@@ -1127,10 +1212,11 @@ async fn conclude(
         exit_text,
         stderr_tail,
     } = ran;
-    // the writer persists what it has (the terminal comes after its events)
+    // the writer hands the ledger what it has; the terminal is committed
+    // after those writes (handed behind them, or once they are answered)
     let valid_until = control.borrow().valid_until;
-    writer
-        .finish(valid_until.min(Instant::now() + DB_CALL_TIMEOUT))
+    let handed = writer
+        .hand_off(valid_until.min(Instant::now() + DB_CALL_TIMEOUT))
         .await;
 
     let own_cancel = step.cancel_requested || control.borrow().control == Control::Cancel;
@@ -1139,7 +1225,7 @@ async fn conclude(
               "executor ended without a terminal");
     }
     let accepted = machine.accepted();
-    match machine.verdict(own_cancel, &exit_text) {
+    let outcome = match machine.verdict(own_cancel, &exit_text) {
         Verdict::Outcome(o) => o,
         Verdict::Verify(r) => {
             verify_result(
@@ -1152,7 +1238,8 @@ async fn conclude(
             )
             .await
         }
-    }
+    };
+    (outcome, handed)
 }
 
 /// The timers of a running job.
@@ -1351,9 +1438,15 @@ async fn commit(
     shared: &Shared,
     step: &LeasedStep,
     outcome: Outcome,
+    handed: Option<Handed>,
     control: watch::Receiver<LeaseView>,
     redactor: &Redact,
 ) {
+    if let Some(h) = handed {
+        if behind_progress(shared, step, &outcome, h).await {
+            return crate::metrics::committed(&outcome.label());
+        }
+    }
     let mut outcome = outcome;
     let mut delay = Duration::from_millis(50);
     loop {
@@ -1407,6 +1500,48 @@ async fn commit(
                 );
             }
         }
+    }
+}
+
+/// The first try of a success without artifacts, handed to the ledger right
+/// behind the attempt's progress writes instead of after their answers: a
+/// no-op job's start and completion then go in one flush, not two in a row.
+/// That is safe because the ledger writes a lease's start, events and
+/// completion in that order (one batch, or batches one after the other) and
+/// a completion is fenced on a running step (`leased → succeeded` is not a
+/// transition): it cannot commit unless its start did. Every other outcome,
+/// and this one after any failure of its first try, waits for the progress
+/// writes' answers and goes through the retrying commit, as before. True
+/// when the success is committed.
+async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, h: Handed) -> bool {
+    let first = match outcome {
+        Outcome::Succeeded {
+            output,
+            artifacts,
+            sequence,
+        } if artifacts.is_empty() && h.completion_may_follow => Some(
+            shared
+                .ledger
+                .submit_complete(CompleteWrite {
+                    run_id: step.run_id,
+                    lease: step.lease.clone(),
+                    output: output.clone(),
+                    sequence: Some(*sequence),
+                })
+                .await,
+        ),
+        _ => None,
+    };
+    h.finish().await;
+    match first {
+        Some(Ok(pending)) => match pending.answer().await {
+            Ok(()) => true,
+            Err(e) => {
+                debug!(error = %e, "the success handed behind the progress writes was not taken; committing it again");
+                false
+            }
+        },
+        _ => false,
     }
 }
 

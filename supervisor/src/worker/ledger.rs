@@ -212,10 +212,13 @@ impl Ledger {
 
     /// A success without artifacts.
     pub(crate) async fn complete(&self, w: CompleteWrite) -> Result<(), DbError> {
-        self.submit(|r| Request::Complete(w, r))
-            .await?
-            .answer()
-            .await
+        self.submit_complete(w).await?.answer().await
+    }
+
+    /// Hands a success without artifacts to the ledger without waiting for
+    /// its commit.
+    pub(crate) async fn submit_complete(&self, w: CompleteWrite) -> Result<Pending, DbError> {
+        self.submit(|r| Request::Complete(w, r)).await
     }
 
     /// A success with artifacts (their blobs already stored): their ids.
