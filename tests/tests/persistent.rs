@@ -312,17 +312,10 @@ async fn warm_processes_are_started_ahead_and_replaced(lang: &str) {
 
 tests::for_each_lang!(warm_processes_are_started_ahead_and_replaced);
 
-/// The executor is free as soon as its job ended: the next job does not wait
-/// for the previous one's writes. The first `accepted` event's insert sleeps
-/// 3 s (a slow database); with one slot, the second step is leased while the
-/// first one's start is still being written. Before the fix the slot came
-/// back only after the attempt's writer had finished, so the second lease
-/// waited the whole 3 s (and every persistent job waited for the one before
-/// it to be written).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
-    let _serial = tests::exclusive().await;
-    let t = TestDb::new().await;
+/// Two one-step `demo.echo` runs and a worker with one persistent Go slot,
+/// the first `accepted` event's insert sleeping 3 s (a slow database): the
+/// second job starts and ends while the first one's start is being written.
+async fn slow_first_start_pair(t: &TestDb) -> (Vec<uuid::Uuid>, RunningWorker) {
     sqlx::raw_sql(
         "CREATE TABLE public.slowed (at timestamptz NOT NULL DEFAULT now());
          CREATE FUNCTION public.slow_first_start() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -356,7 +349,21 @@ async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
     // a row under a slow write cannot be renewed (the heartbeat skips locked
     // rows): the lease must outlast the 3 s
     cfg.lease_ttl_ms = 20_000;
-    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    (runs, RunningWorker::start(t.connect(10).await, cfg).await)
+}
+
+/// The executor is free as soon as its job ended: the next job does not wait
+/// for the previous one's writes. The first `accepted` event's insert sleeps
+/// 3 s (a slow database); with one slot, the second step is leased while the
+/// first one's start is still being written. Before the fix the slot came
+/// back only after the attempt's writer had finished, so the second lease
+/// waited the whole 3 s (and every persistent job waited for the one before
+/// it to be written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let (runs, w) = slow_first_start_pair(&t).await;
     for run in &runs {
         let st = t.wait_terminal(*run, LONG).await;
         assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
@@ -390,38 +397,7 @@ async fn the_next_job_does_not_wait_for_the_previous_ones_writes() {
 async fn a_success_rides_in_the_flush_of_its_start() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    sqlx::raw_sql(
-        "CREATE TABLE public.slowed (at timestamptz NOT NULL DEFAULT now());
-         CREATE FUNCTION public.slow_first_start() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.kind = 'accepted' AND NOT EXISTS (SELECT 1 FROM public.slowed) THEN
-                 INSERT INTO public.slowed DEFAULT VALUES;
-                 PERFORM pg_sleep(3);
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER slow_first_start BEFORE INSERT ON durable.step_events
-             FOR EACH ROW EXECUTE FUNCTION public.slow_first_start();",
-    )
-    .execute(t.db.pool())
-    .await
-    .expect("slow trigger");
-    let mut runs = Vec::new();
-    for i in 0..2 {
-        runs.push(
-            t.submit(
-                json!({"name": "pair", "steps": [{"name": "s", "executor_kind": "go",
-                     "kind": "demo.echo", "input": {"i": i}, "retry": {"max_attempts": 1}}]}),
-            )
-            .await,
-        );
-    }
-    let mut e = demo("go", "go", &[], None);
-    e.persistent = true;
-    e.concurrency = 1;
-    let mut cfg = fast_config(vec![e]);
-    cfg.lease_ttl_ms = 20_000;
-    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let (runs, w) = slow_first_start_pair(&t).await;
     let mut ids = Vec::new();
     for run in &runs {
         let st = t.wait_terminal(*run, LONG).await;

@@ -13,7 +13,7 @@
 //! the outcome committed, fenced by the lease token, while the lease is still
 //! in the worker's renewal set.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::path::{Component, Path};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -34,6 +34,7 @@ mod machine;
 
 use machine::*;
 
+use super::ledger::Pending;
 use super::workdir::WorkDir;
 use super::{Control, ExecutorRuntime, LeaseView, Shared, DB_CALL_TIMEOUT};
 use crate::artifacts::{ArtifactStore, StoreError};
@@ -806,39 +807,112 @@ async fn write_loop(
     handed_count: watch::Sender<u64>,
 ) {
     let mut buf = Vec::with_capacity(64);
-    while rx.recv_many(&mut buf, 64).await > 0 {
-        let writes = plan_writes(&buf, run_id, &lease);
-        let intents = buf.len() as u64;
-        buf.clear();
-        // the first try of every write of this run is handed to the ledger
-        // at once, in order: a start and the events right behind it (the
-        // SDKs' RUNNING) land in one batch, with no round trip of their own
-        let mut handed = Vec::with_capacity(writes.len());
-        for w in &writes {
-            handed.push(match w {
-                Write::Start(s) => shared.ledger.submit_start(s.clone()).await,
-                Write::Plain(e) => shared.ledger.submit_events(e.clone()).await,
-                Write::Checkpointed(c) => shared.ledger.submit_checkpoint(c.clone()).await,
-            });
+    // first tries handed to the ledger, answered in order
+    let mut pending: VecDeque<(Write, Result<Pending, DbError>)> = VecDeque::new();
+    let mut open = true;
+    loop {
+        if pending.is_empty() {
+            if !open || rx.recv_many(&mut buf, 64).await == 0 {
+                return;
+            }
+            hand(
+                &shared,
+                &mut buf,
+                run_id,
+                &lease,
+                &mut pending,
+                &handed_count,
+            )
+            .await;
+            continue;
         }
-        handed_count.send_modify(|h| *h += intents);
-        for (w, first) in writes.into_iter().zip(handed) {
-            let first = match first {
-                Ok(p) => p.answer().await,
-                Err(e) => Err(e),
-            };
-            match retry_if_transient(&shared, &control, w, first).await {
-                Ok(()) => {}
-                Err(DbError::LeaseLost { .. }) => {
-                    shared.lease_lost(&lease);
-                    return;
+        // While a start's first try is in flight, what queues behind it (the
+        // SDKs' RUNNING, early progress) is handed too: it lands in that
+        // start's batch or the next one, and a success may follow it at once
+        // (`Writer::hand_off`). Starts and plain events are idempotent and
+        // fenced on a live lease, so their retries may land in any order;
+        // nothing is handed behind a checkpoint (its retry must not land
+        // after a later write), and after the start, what queues during a
+        // write waits for it and is coalesced, as before.
+        let more = open
+            && pending.iter().any(|(w, _)| matches!(w, Write::Start(_)))
+            && !pending
+                .iter()
+                .any(|(w, _)| matches!(w, Write::Checkpointed(_)));
+        let next = match pending.front_mut().map(|(_, first)| first) {
+            Some(Ok(p)) => {
+                tokio::select! {
+                    biased;
+                    n = rx.recv_many(&mut buf, 64), if more => Next::Queued(n),
+                    answer = p.answer_mut() => Next::Answered(answer),
                 }
-                Err(e) => {
-                    error!(error = %e, "a progress write failed for good; it is dropped (the outcome still commits)")
+            }
+            // a first try that could not be handed: its error is its answer
+            Some(Err(_)) | None => Next::Answered(Ok(())),
+        };
+        match next {
+            Next::Queued(0) => open = false,
+            Next::Queued(_) => {
+                hand(
+                    &shared,
+                    &mut buf,
+                    run_id,
+                    &lease,
+                    &mut pending,
+                    &handed_count,
+                )
+                .await
+            }
+            Next::Answered(answer) => {
+                let Some((w, first)) = pending.pop_front() else {
+                    continue;
+                };
+                let first = first.and(answer);
+                match retry_if_transient(&shared, &control, w, first).await {
+                    Ok(()) => {}
+                    Err(DbError::LeaseLost { .. }) => {
+                        shared.lease_lost(&lease);
+                        return;
+                    }
+                    Err(e) => {
+                        error!(error = %e, "a progress write failed for good; it is dropped (the outcome still commits)")
+                    }
                 }
             }
         }
     }
+}
+
+/// What the writer waited for: more intents (0: the queue is closed), or
+/// the answer of its oldest write in flight.
+enum Next {
+    Queued(usize),
+    Answered(Result<(), DbError>),
+}
+
+/// Hands the first try of every write of `buf` to the ledger, in order: a
+/// start and the events right behind it (the SDKs' RUNNING) land in one
+/// batch, with no round trip of their own.
+async fn hand(
+    shared: &Shared,
+    buf: &mut Vec<Intent>,
+    run_id: Uuid,
+    lease: &Lease,
+    pending: &mut VecDeque<(Write, Result<Pending, DbError>)>,
+    handed_count: &watch::Sender<u64>,
+) {
+    let writes = plan_writes(buf, run_id, lease);
+    let intents = buf.len() as u64;
+    buf.clear();
+    for w in writes {
+        let first = match &w {
+            Write::Start(s) => shared.ledger.submit_start(s.clone()).await,
+            Write::Plain(e) => shared.ledger.submit_events(e.clone()).await,
+            Write::Checkpointed(c) => shared.ledger.submit_checkpoint(c.clone()).await,
+        };
+        pending.push_back((w, first));
+    }
+    handed_count.send_modify(|h| *h += intents);
 }
 
 /// The writes of a run of queued intents, in order: each start alone, and

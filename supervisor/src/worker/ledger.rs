@@ -170,6 +170,12 @@ impl<T> Pending<T> {
     pub(crate) async fn answer(self) -> Result<T, DbError> {
         self.0.await.map_err(|_| gone())?
     }
+
+    /// The answer, without giving the handle up (cancel-safe: in a
+    /// `select!`); not to be awaited again once it resolved.
+    pub(crate) async fn answer_mut(&mut self) -> Result<T, DbError> {
+        (&mut self.0).await.map_err(|_| gone())?
+    }
 }
 
 impl Ledger {
