@@ -812,7 +812,8 @@ async fn write_loop(
     let mut open = true;
     loop {
         if pending.is_empty() {
-            if !open || rx.recv_many(&mut buf, 64).await == 0 {
+            // what was held back behind the start (below) goes first
+            if buf.is_empty() && (!open || rx.recv_many(&mut buf, 64).await == 0) {
                 return;
             }
             hand(
@@ -833,12 +834,11 @@ async fn write_loop(
         // fenced on a live lease, so their retries may land in any order;
         // nothing is handed behind a checkpoint (its retry must not land
         // after a later write), and after the start, what queues during a
-        // write waits for it and is coalesced, as before.
-        let more = open
-            && pending.iter().any(|(w, _)| matches!(w, Write::Start(_)))
-            && !pending
-                .iter()
-                .any(|(w, _)| matches!(w, Write::Checkpointed(_)));
+        // write waits for it and is coalesced, as before. (A checkpoint
+        // that arrives then is held back until the start is answered: its
+        // fence needs the start, and nothing is received behind it.)
+        let more =
+            open && buf.is_empty() && pending.iter().any(|(w, _)| matches!(w, Write::Start(_)));
         let next = match pending.front_mut().map(|(_, first)| first) {
             Some(Ok(p)) => {
                 tokio::select! {
@@ -852,6 +852,7 @@ async fn write_loop(
         };
         match next {
             Next::Queued(0) => open = false,
+            Next::Queued(_) if buf.iter().any(carries_checkpoint) => {}
             Next::Queued(_) => {
                 hand(
                     &shared,
