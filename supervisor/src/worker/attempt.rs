@@ -807,24 +807,21 @@ async fn write_loop(
     handed_count: watch::Sender<u64>,
 ) {
     let mut buf = Vec::with_capacity(64);
-    // first tries handed to the ledger, answered in order
-    let mut pending: VecDeque<(Write, Result<Pending, DbError>)> = VecDeque::new();
+    let mut h = Handing {
+        shared: &shared,
+        run_id,
+        lease: &lease,
+        pending: VecDeque::new(),
+        count: handed_count,
+    };
     let mut open = true;
     loop {
-        if pending.is_empty() {
+        if h.pending.is_empty() {
             // what was held back behind the start (below) goes first
             if buf.is_empty() && (!open || rx.recv_many(&mut buf, 64).await == 0) {
                 return;
             }
-            hand(
-                &shared,
-                &mut buf,
-                run_id,
-                &lease,
-                &mut pending,
-                &handed_count,
-            )
-            .await;
+            h.hand(&mut buf).await;
             continue;
         }
         // While a start's first try is in flight, what queues behind it (the
@@ -838,8 +835,8 @@ async fn write_loop(
         // that arrives then is held back until the start is answered: its
         // fence needs the start, and nothing is received behind it.)
         let more =
-            open && buf.is_empty() && pending.iter().any(|(w, _)| matches!(w, Write::Start(_)));
-        let next = match pending.front_mut().map(|(_, first)| first) {
+            open && buf.is_empty() && h.pending.iter().any(|(w, _)| matches!(w, Write::Start(_)));
+        let next = match h.pending.front_mut().map(|(_, first)| first) {
             Some(Ok(p)) => {
                 tokio::select! {
                     biased;
@@ -853,19 +850,9 @@ async fn write_loop(
         match next {
             Next::Queued(0) => open = false,
             Next::Queued(_) if buf.iter().any(carries_checkpoint) => {}
-            Next::Queued(_) => {
-                hand(
-                    &shared,
-                    &mut buf,
-                    run_id,
-                    &lease,
-                    &mut pending,
-                    &handed_count,
-                )
-                .await
-            }
+            Next::Queued(_) => h.hand(&mut buf).await,
             Next::Answered(answer) => {
-                let Some((w, first)) = pending.pop_front() else {
+                let Some((w, first)) = h.pending.pop_front() else {
                     continue;
                 };
                 let first = first.and(answer);
@@ -891,29 +878,35 @@ enum Next {
     Answered(Result<(), DbError>),
 }
 
-/// Hands the first try of every write of `buf` to the ledger, in order: a
-/// start and the events right behind it (the SDKs' RUNNING) land in one
-/// batch, with no round trip of their own.
-async fn hand(
-    shared: &Shared,
-    buf: &mut Vec<Intent>,
+/// The writer's first tries in flight: handed to the ledger, answered in
+/// order.
+struct Handing<'a> {
+    shared: &'a Shared,
     run_id: Uuid,
-    lease: &Lease,
-    pending: &mut VecDeque<(Write, Result<Pending, DbError>)>,
-    handed_count: &watch::Sender<u64>,
-) {
-    let writes = plan_writes(buf, run_id, lease);
-    let intents = buf.len() as u64;
-    buf.clear();
-    for w in writes {
-        let first = match &w {
-            Write::Start(s) => shared.ledger.submit_start(s.clone()).await,
-            Write::Plain(e) => shared.ledger.submit_events(e.clone()).await,
-            Write::Checkpointed(c) => shared.ledger.submit_checkpoint(c.clone()).await,
-        };
-        pending.push_back((w, first));
+    lease: &'a Lease,
+    pending: VecDeque<(Write, Result<Pending, DbError>)>,
+    /// intents handed so far (`Writer::hand_off` waits on it)
+    count: watch::Sender<u64>,
+}
+
+impl Handing<'_> {
+    /// Hands the first try of every write of `buf` to the ledger, in order:
+    /// a start and the events right behind it (the SDKs' RUNNING) land in
+    /// one batch, with no round trip of their own.
+    async fn hand(&mut self, buf: &mut Vec<Intent>) {
+        let writes = plan_writes(buf, self.run_id, self.lease);
+        let intents = buf.len() as u64;
+        buf.clear();
+        for w in writes {
+            let first = match &w {
+                Write::Start(s) => self.shared.ledger.submit_start(s.clone()).await,
+                Write::Plain(e) => self.shared.ledger.submit_events(e.clone()).await,
+                Write::Checkpointed(c) => self.shared.ledger.submit_checkpoint(c.clone()).await,
+            };
+            self.pending.push_back((w, first));
+        }
+        self.count.send_modify(|h| *h += intents);
     }
-    handed_count.send_modify(|h| *h += intents);
 }
 
 /// The writes of a run of queued intents, in order: each start alone, and
