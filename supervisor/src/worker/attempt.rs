@@ -16,7 +16,6 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::path::{Component, Path};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -665,12 +664,18 @@ struct Writer {
     tx: mpsc::Sender<Intent>,
     task: tokio::task::JoinHandle<()>,
     /// intents queued (sent) so far
-    pushed: AtomicU64,
-    /// some queued intent carries a checkpoint (a write the ledger puts
-    /// after a batch's completions: nothing may be handed behind it)
-    checkpointed: AtomicBool,
-    /// intents the task has handed to the ledger (first tries, in order)
-    handed: watch::Receiver<u64>,
+    pushed: u64,
+    /// what the task has handed to the ledger (first tries, in order)
+    handed: watch::Receiver<HandedSoFar>,
+}
+
+/// What a writer task has handed to the ledger so far.
+#[derive(Clone, Copy, Default)]
+struct HandedSoFar {
+    intents: u64,
+    /// one of them carried a checkpoint (a write the ledger puts after a
+    /// batch's completions: nothing may be handed behind it)
+    checkpoint: bool,
 }
 
 /// A writer whose queue is closed and whose intents are all handed to the
@@ -707,25 +712,16 @@ impl Writer {
         control: watch::Receiver<LeaseView>,
     ) -> Writer {
         let (tx, rx) = mpsc::channel(WRITER_QUEUE);
-        let (handed_tx, handed) = watch::channel(0);
+        let (handed_tx, handed) = watch::channel(HandedSoFar::default());
         let task = tokio::spawn(
             write_loop(shared, run_id, lease, rx, control, handed_tx).in_current_span(),
         );
         Writer {
             tx,
             task,
-            pushed: AtomicU64::new(0),
-            checkpointed: AtomicBool::new(false),
+            pushed: 0,
             handed,
         }
-    }
-
-    /// One intent more was queued (`checkpoint`: it carries one).
-    fn count(&self, checkpoint: bool) {
-        if checkpoint {
-            self.checkpointed.store(true, Ordering::Relaxed);
-        }
-        self.pushed.fetch_add(1, Ordering::Relaxed);
     }
 
     fn has_room(&self) -> bool {
@@ -741,20 +737,18 @@ impl Writer {
     }
 
     /// Queues an intent; the caller checked `has_room` (only this attempt sends).
-    fn push(&self, intent: Intent) {
-        let checkpoint = carries_checkpoint(&intent);
+    fn push(&mut self, intent: Intent) {
         match self.tx.try_send(intent) {
-            Ok(()) => self.count(checkpoint),
+            Ok(()) => self.pushed += 1,
             Err(e) => debug!(error = %e, "the writer is gone (lease lost); intent dropped"),
         }
     }
 
     /// Queues an intent, waiting for room (after the child exited: nothing
     /// else needs the loop then).
-    async fn push_wait(&self, intent: Intent) {
-        let checkpoint = carries_checkpoint(&intent);
+    async fn push_wait(&mut self, intent: Intent) {
         if self.tx.send(intent).await.is_ok() {
-            self.count(checkpoint);
+            self.pushed += 1;
         }
     }
 
@@ -767,18 +761,17 @@ impl Writer {
             tx,
             task,
             pushed,
-            checkpointed,
             mut handed,
         } = self;
         drop(tx);
-        let pushed = pushed.into_inner();
-        let all = tokio::time::timeout_at(until, handed.wait_for(|h| *h >= pushed))
+        let all = tokio::time::timeout_at(until, handed.wait_for(|h| h.intents >= pushed))
             .await
-            .is_ok_and(|r| r.is_ok());
+            .ok()
+            .and_then(|r| r.ok().map(|h| *h));
         Handed {
             task,
             until,
-            completion_may_follow: all && !checkpointed.into_inner(),
+            completion_may_follow: all.is_some_and(|h| !h.checkpoint),
         }
     }
 }
@@ -804,7 +797,7 @@ async fn write_loop(
     lease: Lease,
     mut rx: mpsc::Receiver<Intent>,
     control: watch::Receiver<LeaseView>,
-    handed_count: watch::Sender<u64>,
+    handed_count: watch::Sender<HandedSoFar>,
 ) {
     let mut buf = Vec::with_capacity(64);
     let mut h = Handing {
@@ -885,8 +878,8 @@ struct Handing<'a> {
     run_id: Uuid,
     lease: &'a Lease,
     pending: VecDeque<(Write, Result<Pending, DbError>)>,
-    /// intents handed so far (`Writer::hand_off` waits on it)
-    count: watch::Sender<u64>,
+    /// what is handed so far (`Writer::hand_off` waits on it)
+    count: watch::Sender<HandedSoFar>,
 }
 
 impl Handing<'_> {
@@ -896,6 +889,7 @@ impl Handing<'_> {
     async fn hand(&mut self, buf: &mut Vec<Intent>) {
         let writes = plan_writes(buf, self.run_id, self.lease);
         let intents = buf.len() as u64;
+        let checkpoint = buf.iter().any(carries_checkpoint);
         buf.clear();
         for w in writes {
             let first = match &w {
@@ -905,7 +899,10 @@ impl Handing<'_> {
             };
             self.pending.push_back((w, first));
         }
-        self.count.send_modify(|h| *h += intents);
+        self.count.send_modify(|h| {
+            h.intents += intents;
+            h.checkpoint |= checkpoint;
+        });
     }
 }
 
@@ -1590,12 +1587,7 @@ async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, 
         } if artifacts.is_empty() && h.completion_may_follow => Some(
             shared
                 .ledger
-                .submit_complete(CompleteWrite {
-                    run_id: step.run_id,
-                    lease: step.lease.clone(),
-                    output: output.clone(),
-                    sequence: Some(*sequence),
-                })
+                .submit_complete(complete_write(step, output, *sequence))
                 .await,
         ),
         _ => None,
@@ -1610,6 +1602,16 @@ async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, 
             }
         },
         _ => false,
+    }
+}
+
+/// The write of a success without artifacts.
+fn complete_write(step: &LeasedStep, output: &serde_json::Value, sequence: u64) -> CompleteWrite {
+    CompleteWrite {
+        run_id: step.run_id,
+        lease: step.lease.clone(),
+        output: output.clone(),
+        sequence: Some(sequence),
     }
 }
 
@@ -1646,12 +1648,7 @@ async fn write_outcome(
         } if artifacts.is_empty() => {
             shared
                 .ledger
-                .complete(CompleteWrite {
-                    run_id: step.run_id,
-                    lease: lease.clone(),
-                    output: output.clone(),
-                    sequence: Some(*sequence),
-                })
+                .complete(complete_write(step, output, *sequence))
                 .await
         }
         Outcome::Succeeded {

@@ -167,8 +167,8 @@ fn gone() -> DbError {
 pub(crate) struct Pending<T = ()>(oneshot::Receiver<Result<T, DbError>>);
 
 impl<T> Pending<T> {
-    pub(crate) async fn answer(self) -> Result<T, DbError> {
-        self.0.await.map_err(|_| gone())?
+    pub(crate) async fn answer(mut self) -> Result<T, DbError> {
+        self.answer_mut().await
     }
 
     /// The answer, without giving the handle up (cancel-safe: in a
