@@ -1088,3 +1088,249 @@ async fn each_transition_writes_its_run_once() {
     );
     check_books(&t.db, "after the writes").await;
 }
+
+/// Rows of `table` updated so far by the transaction of `tx`.
+async fn rows_updated(tx: &mut sqlx::PgConnection, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(n_tup_upd, 0) FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_one(tx)
+    .await
+    .expect("updates of the table")
+}
+
+/// A start and the completion of the same lease in one batch (a no-op job
+/// ends before its start's flush is sent) are one write of the step, from
+/// leased through running to succeeded, and one write of its run, from
+/// pending through running to succeeded. The history still has a row per
+/// hop, in order, with the start's reason; the start's fields are written.
+/// (Before, the pair was two writes of the step and, for a one-step run,
+/// two of the run.) A run with more to do goes running in that one write.
+#[tokio::test]
+async fn a_start_and_its_completion_in_one_batch_are_one_write() {
+    use supervisor::db::{Batch, CompleteWrite, DbConn, OwnedEvent, RowOutcome, StartWrite};
+    let t = TestDb::new().await;
+    let wid = worker(&t.db, "w").await;
+    let step = |name: &str| json!({"name": name, "executor_kind": "go", "kind": "k"});
+    let single = t
+        .submit(json!({"name": "single", "steps": [step("s")]}))
+        .await;
+    let pair = t
+        .submit(json!({"name": "pair", "steps": [step("a"), step("b")]}))
+        .await;
+    let leased =
+        t.db.lease(wid, "w", &tests::route_go_k(), 10, Duration::from_secs(30))
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 3);
+    let start = |l: &LeasedStep| StartWrite {
+        run_id: l.run_id,
+        lease: l.lease.clone(),
+        pid: 4242,
+        event: OwnedEvent {
+            sequence: 1,
+            kind: "accepted",
+            message: String::new(),
+            fraction: None,
+            executor_at: None,
+        },
+    };
+    let complete = |l: &LeasedStep| CompleteWrite {
+        run_id: l.run_id,
+        lease: l.lease.clone(),
+        output: json!({"ok": l.name}),
+        sequence: Some(2),
+    };
+    // a one-step run's pair, and the pair of the first step of a two-step run
+    let s = leased.iter().find(|l| l.run_id == single).expect("s");
+    let a = leased
+        .iter()
+        .find(|l| l.run_id == pair && l.name == "a")
+        .expect("a");
+    let mut b = Batch::default();
+    b.starts = vec![start(s), start(a)];
+    b.completes = vec![complete(s), complete(a)];
+    b.starts.sort_by_key(|s| (s.run_id, s.lease.step_run_id()));
+    b.completes
+        .sort_by_key(|c| (c.run_id, c.lease.step_run_id()));
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    let steps0 = rows_updated(&mut tx, "durable.step_runs").await;
+    let runs0 = rows_updated(&mut tx, "durable.workflow_runs").await;
+    let out = DbConn::new(&mut tx)
+        .write_batch("w", &b)
+        .await
+        .expect("batch");
+    assert!(
+        out.starts
+            .iter()
+            .chain(&out.completes)
+            .all(|o| *o == RowOutcome::Ok),
+        "{out:?}"
+    );
+    let steps = rows_updated(&mut tx, "durable.step_runs").await - steps0;
+    let runs = rows_updated(&mut tx, "durable.workflow_runs").await - runs0;
+    tx.commit().await.expect("commit");
+    assert_eq!(steps, 2, "one write of each step");
+    assert_eq!(runs, 2, "one write of each run");
+
+    for l in [s, a] {
+        let row = sqlx::query(
+            "SELECT state, executor_pid, started_at = finished_at AS one_write, output
+               FROM durable.step_runs WHERE id = $1",
+        )
+        .bind(l.lease.step_run_id())
+        .fetch_one(t.db.pool())
+        .await
+        .expect("step");
+        assert_eq!(row.get::<String, _>("state"), "succeeded");
+        assert_eq!(row.get::<Option<i32>, _>("executor_pid"), Some(4242));
+        assert!(row.get::<bool, _>("one_write"));
+        assert_eq!(
+            row.get::<serde_json::Value, _>("output"),
+            json!({"ok": l.name})
+        );
+        let history: Vec<(Option<String>, String, Option<String>, Option<String>)> =
+            sqlx::query_as(
+                "SELECT from_state, to_state, reason, worker FROM durable.transitions
+                  WHERE step_run_id = $1 ORDER BY id",
+            )
+            .bind(l.lease.step_run_id())
+            .fetch_all(t.db.pool())
+            .await
+            .expect("step history");
+        let history: Vec<(Option<&str>, &str, Option<&str>, Option<&str>)> = history
+            .iter()
+            .map(|(f, to, r, w)| (f.as_deref(), to.as_str(), r.as_deref(), w.as_deref()))
+            .collect();
+        assert_eq!(
+            &history[history.len() - 2..],
+            &[
+                (Some("leased"), "running", Some("ACCEPTED"), Some("w")),
+                (Some("running"), "succeeded", Some("SUCCEEDED"), Some("w")),
+            ],
+            "{history:?}"
+        );
+        let kinds: Vec<String> = sqlx::query_scalar(
+            "SELECT kind FROM durable.step_events WHERE step_run_id = $1 ORDER BY sequence",
+        )
+        .bind(l.lease.step_run_id())
+        .fetch_all(t.db.pool())
+        .await
+        .expect("events");
+        assert_eq!(kinds, ["accepted", "succeeded"]);
+    }
+    let run_history = |run: Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query_as::<_, (Option<String>, String, Option<String>)>(
+                "SELECT from_state, to_state, reason FROM durable.transitions
+                  WHERE run_id = $1 AND step_run_id IS NULL ORDER BY id",
+            )
+            .bind(run)
+            .fetch_all(db.pool())
+            .await
+            .expect("run history")
+        }
+    };
+    let h = run_history(single).await;
+    let h: Vec<(Option<&str>, &str, Option<&str>)> = h
+        .iter()
+        .map(|(f, to, r)| (f.as_deref(), to.as_str(), r.as_deref()))
+        .collect();
+    assert_eq!(
+        &h[1..],
+        &[
+            (Some("pending"), "running", Some("step s running")),
+            (Some("running"), "succeeded", Some("step s succeeded")),
+        ],
+        "{h:?}"
+    );
+    let h = run_history(pair).await;
+    let h: Vec<(Option<&str>, &str, Option<&str>)> = h
+        .iter()
+        .map(|(f, to, r)| (f.as_deref(), to.as_str(), r.as_deref()))
+        .collect();
+    assert_eq!(
+        &h[1..],
+        &[(Some("pending"), "running", Some("step a running"))],
+        "{h:?}"
+    );
+    let (state, succeeded): (String, i32) =
+        sqlx::query_as("SELECT state, steps_succeeded FROM durable.workflow_runs WHERE id = $1")
+            .bind(pair)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("pair");
+    assert_eq!((state.as_str(), succeeded), ("running", 1));
+    check_books(&t.db, "after the fused writes").await;
+}
+
+/// The database refuses a write through a state when either hop is
+/// illegal, as it refuses the hop itself, and a pass-through that does not
+/// end in a terminal state: `via_state` is no way around the transition
+/// table, for steps and for runs.
+#[tokio::test]
+async fn a_write_through_a_state_is_refused_when_either_hop_is_illegal() {
+    let t = TestDb::new().await;
+    let wid = worker(&t.db, "w").await;
+    let run = t
+        .submit(json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let leased =
+        t.db.lease(wid, "w", &tests::route_go_k(), 10, Duration::from_secs(30))
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 1);
+    let step = leased[0].lease.step_run_id();
+    let refused = |sql: &'static str, id: Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query(sql)
+                .bind(id)
+                .execute(db.pool())
+                .await
+                .expect_err(sql)
+                .to_string()
+        }
+    };
+    // leased -> leased is no transition
+    let err = refused(
+        "UPDATE durable.step_runs SET state = 'succeeded', via_state = 'leased' WHERE id = $1",
+        step,
+    )
+    .await;
+    assert!(
+        err.contains("illegal step transition leased -> leased -> succeeded"),
+        "{err}"
+    );
+    // both hops legal, but the write would not end the step
+    let err = refused(
+        "UPDATE durable.step_runs SET state = 'retryable_failed', via_state = 'running' WHERE id = $1",
+        step,
+    )
+    .await;
+    assert!(err.contains("step_runs_via_state_check"), "{err}");
+    // pending -> pending is no run transition
+    let err = refused(
+        "UPDATE durable.workflow_runs SET state = 'succeeded', via_state = 'pending' WHERE id = $1",
+        run,
+    )
+    .await;
+    assert!(
+        err.contains("illegal run transition pending -> pending -> succeeded"),
+        "{err}"
+    );
+    let state: String = sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE id = $1")
+        .bind(step)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("state");
+    assert_eq!(state, "leased");
+    let state: String = sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
+        .bind(run)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("state");
+    assert_eq!(state, "pending");
+}
