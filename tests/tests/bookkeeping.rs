@@ -1100,6 +1100,10 @@ async fn rows_updated(tx: &mut sqlx::PgConnection, table: &str) -> i64 {
     .expect("updates of the table")
 }
 
+/// One history row: from, to, reason, worker.
+type HopRow = (Option<String>, String, Option<String>, Option<String>);
+type HopRef<'a> = (Option<&'a str>, &'a str, Option<&'a str>, Option<&'a str>);
+
 /// A start and the completion of the same lease in one batch (a no-op job
 /// ends before its start's flush is sent) are one write of the step, from
 /// leased through running to succeeded, and one write of its run, from
@@ -1148,9 +1152,11 @@ async fn a_start_and_its_completion_in_one_batch_are_one_write() {
         .iter()
         .find(|l| l.run_id == pair && l.name == "a")
         .expect("a");
-    let mut b = Batch::default();
-    b.starts = vec![start(s), start(a)];
-    b.completes = vec![complete(s), complete(a)];
+    let mut b = Batch {
+        starts: vec![start(s), start(a)],
+        completes: vec![complete(s), complete(a)],
+        ..Default::default()
+    };
     b.starts.sort_by_key(|s| (s.run_id, s.lease.step_run_id()));
     b.completes
         .sort_by_key(|c| (c.run_id, c.lease.step_run_id()));
@@ -1190,16 +1196,15 @@ async fn a_start_and_its_completion_in_one_batch_are_one_write() {
             row.get::<serde_json::Value, _>("output"),
             json!({"ok": l.name})
         );
-        let history: Vec<(Option<String>, String, Option<String>, Option<String>)> =
-            sqlx::query_as(
-                "SELECT from_state, to_state, reason, worker FROM durable.transitions
+        let history: Vec<HopRow> = sqlx::query_as(
+            "SELECT from_state, to_state, reason, worker FROM durable.transitions
                   WHERE step_run_id = $1 ORDER BY id",
-            )
-            .bind(l.lease.step_run_id())
-            .fetch_all(t.db.pool())
-            .await
-            .expect("step history");
-        let history: Vec<(Option<&str>, &str, Option<&str>, Option<&str>)> = history
+        )
+        .bind(l.lease.step_run_id())
+        .fetch_all(t.db.pool())
+        .await
+        .expect("step history");
+        let history: Vec<HopRef> = history
             .iter()
             .map(|(f, to, r, w)| (f.as_deref(), to.as_str(), r.as_deref(), w.as_deref()))
             .collect();
