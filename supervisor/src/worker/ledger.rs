@@ -40,8 +40,17 @@ use crate::db::{
 };
 use crate::state::FailureDecision;
 
-/// Intents per batch at most (a subtransaction each; PostgreSQL caches 64).
-pub(crate) const MAX_BATCH: usize = 64;
+/// Requests per batch at most. The set writes (starts, events, plain
+/// completions) are written by one set form per kind, a subtransaction
+/// each, so they may fill a batch: at 64 concurrent no-op steps a batch of
+/// 64 requests held ~21 steps (start, the SDK's running, completion), and a
+/// write_sets call of 21 steps cost ~1.5–1.7× per step what one of 64 does.
+pub(crate) const MAX_BATCH: usize = 256;
+/// The other writes (checkpoints, failures, cancels, refusals, releases,
+/// completions with artifacts) per batch at most: each takes a
+/// subtransaction of its own, and PostgreSQL caches 64 per transaction
+/// (past that, every snapshot taken meanwhile looks them up in pg_subtrans).
+pub(crate) const MAX_SINGLES: usize = 64;
 /// Requests queued at most: a full queue back-pressures the attempts.
 const QUEUE: usize = 4096;
 
@@ -299,10 +308,12 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
 /// lease's writes land in the order they came: the set-based part is written
 /// before the other writes, so a set write (start, events, plain completion)
 /// of a step that arrived after another write of that step waits for the
-/// next batch, and so does everything behind it. Never 0 for a non-empty
-/// slice.
+/// next batch, and so does everything behind it. A batch also ends before
+/// its `MAX_SINGLES + 1`-th write of its own (a subtransaction each). Never
+/// 0 for a non-empty slice.
 fn batch_end(requests: &[Request]) -> usize {
     let mut singles: HashSet<Uuid> = HashSet::new();
+    let mut n_singles = 0;
     for (i, r) in requests.iter().enumerate() {
         if let Some(id) = r.set_step() {
             if singles.contains(&id) {
@@ -310,6 +321,10 @@ fn batch_end(requests: &[Request]) -> usize {
             }
         }
         if let Some(id) = r.single_step() {
+            if n_singles == MAX_SINGLES {
+                return i;
+            }
+            n_singles += 1;
             singles.insert(id);
         }
     }
@@ -699,6 +714,17 @@ mod tests {
             ["release", "checkpoint"],
             "the other writes keep their order"
         );
+    }
+
+    #[test]
+    fn a_batch_holds_at_most_max_singles_writes_of_their_own() {
+        // at most MAX_SINGLES writes of their own, set writes around them
+        // do not count
+        let mut many = vec![events(1000)];
+        many.extend((0..MAX_SINGLES as u128 + 5).map(release));
+        assert_eq!(batch_end(&many), MAX_SINGLES + 1);
+        let sets: Vec<_> = (0..MAX_BATCH as u128).map(events).collect();
+        assert_eq!(batch_end(&sets), MAX_BATCH);
     }
 
     #[test]
