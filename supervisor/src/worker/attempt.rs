@@ -1571,13 +1571,16 @@ async fn commit(
 /// The first try of a success without artifacts, handed to the ledger right
 /// behind the attempt's progress writes instead of after their answers: a
 /// no-op job's start and completion then go in one flush, not two in a row.
-/// That is safe because the ledger writes a lease's start, events and
-/// completion in that order (one batch, or batches one after the other) and
-/// a completion is fenced on a running step (`leased → succeeded` is not a
-/// transition): it cannot commit unless its start did. Every other outcome,
-/// and this one after any failure of its first try, waits for the progress
-/// writes' answers and goes through the retrying commit, as before. True
-/// when the success is committed.
+/// The ledger writes a lease's start, events and completion in that order
+/// (one batch, or batches one after the other), and a completion that finds
+/// its step still leased writes the start with it (leased → running →
+/// succeeded, one write), so the step's history is whole either way. One gap
+/// is left: should the start's batch fail as a whole (a transient error)
+/// and the completion's, the next, commit, the start's retry finds the step
+/// finished and its events (accepted, the SDK's running) are dropped. Every
+/// other outcome, and this one after any failure of its first try, waits for
+/// the progress writes' answers and goes through the retrying commit, as
+/// before. True when the success is committed.
 async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, h: Handed) -> bool {
     let first = match outcome {
         Outcome::Succeeded {
