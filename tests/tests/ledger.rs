@@ -1233,3 +1233,82 @@ async fn a_starts_events_in_the_same_batch_go_with_the_start() {
     assert_eq!(state_of(&t.db, s[0].lease.step_run_id()).await, "running");
     assert_eq!(state_of(&t.db, s[2].lease.step_run_id()).await, "leased");
 }
+
+/// Through a running worker: a no-op job's start is written in a batch of
+/// its own, and that batch loses its connection half a second in (a site
+/// trigger sleeps, then ends its own backend), while the job's success,
+/// handed right behind the start, waits in the ledger's queue. The start's
+/// batch fails as a whole; the success must not commit ahead of the start's
+/// retry: it would write the start with it (leased → running → succeeded)
+/// and the retry would find the step finished, dropping the start's events.
+/// The step's history and events are whole: accepted, then succeeded.
+#[tokio::test]
+async fn a_success_handed_behind_a_start_whose_batch_failed_waits_for_its_retry() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE SEQUENCE public.cut_seq;
+         CREATE FUNCTION public.cut_connection() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF OLD.state = 'leased' AND NEW.state = 'running'
+                AND nextval('public.cut_seq') = 1 THEN
+                 PERFORM pg_sleep(0.5);
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER cut_connection BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.cut_connection();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("trigger");
+    let w = tests::RunningWorker::start(
+        t.connect(5).await,
+        tests::fast_config(vec![tests::demo("go", "go", &[], None)]),
+    )
+    .await;
+    let run = t
+        .submit(tests::one_step(
+            "behind",
+            "go",
+            "demo.echo",
+            json!({"x": 1}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "succeeded", "{st:?}");
+    let id = st.steps[0].step_run_id;
+    assert_eq!(
+        t.scalar_i64("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM public.cut_seq")
+            .await,
+        2,
+        "the start was written on its own twice: its batch cut, then its retry"
+    );
+    let h = history(&t.db, id).await;
+    assert_eq!(
+        changes(&h),
+        [
+            (None, "pending"),
+            (Some("pending"), "leased"),
+            (Some("leased"), "running"),
+            (Some("running"), "succeeded"),
+        ],
+        "{h:?}"
+    );
+    let kinds: Vec<String> = events_of(&t.db, id)
+        .await
+        .into_iter()
+        .map(|(_, k, _)| k)
+        .collect();
+    assert_eq!(
+        kinds.first().map(String::as_str),
+        Some("accepted"),
+        "the start's event survived its batch's failure: {kinds:?}"
+    );
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("succeeded"),
+        "{kinds:?}"
+    );
+}

@@ -1574,13 +1574,13 @@ async fn commit(
 /// The ledger writes a lease's start, events and completion in that order
 /// (one batch, or batches one after the other), and a completion that finds
 /// its step still leased writes the start with it (leased → running →
-/// succeeded, one write), so the step's history is whole either way. One gap
-/// is left: should the start's batch fail as a whole (a transient error)
-/// and the completion's, the next, commit, the start's retry finds the step
-/// finished and its events (accepted, the SDK's running) are dropped. Every
-/// other outcome, and this one after any failure of its first try, waits for
-/// the progress writes' answers and goes through the retrying commit, as
-/// before. True when the success is committed.
+/// succeeded, one write), so the step's history is whole either way. Should
+/// the start or events fail in a batch, the ledger does not write this
+/// success but answers it with a transient error (it must not land ahead of
+/// their retries, which would find the step finished and drop their events).
+/// Every other outcome, and this one after any failure of its first try,
+/// waits for the progress writes' answers and goes through the retrying
+/// commit, as before. True when the success is committed.
 async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, h: Handed) -> bool {
     let first = match outcome {
         Outcome::Succeeded {
@@ -1590,7 +1590,7 @@ async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, 
         } if artifacts.is_empty() && h.completion_may_follow => Some(
             shared
                 .ledger
-                .submit_complete(complete_write(step, output, *sequence))
+                .submit_complete_behind(complete_write(step, output, *sequence))
                 .await,
         ),
         _ => None,

@@ -27,6 +27,7 @@
 //! lease clock out.
 
 use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -35,7 +36,7 @@ use uuid::Uuid;
 
 use crate::db::{
     Batch, CancelWrite, CheckpointWrite, CompleteStoredWrite, CompleteWrite, Db, DbError,
-    EventsWrite, FailWrite, LedgerWrite, OwnedEvent, RefuseWrite, ReleaseWrite, StartWrite,
+    EventsWrite, FailWrite, Lease, LedgerWrite, OwnedEvent, RefuseWrite, ReleaseWrite, StartWrite,
     Written,
 };
 use crate::state::FailureDecision;
@@ -59,7 +60,13 @@ type Reply<T = ()> = oneshot::Sender<Result<T, DbError>>;
 enum Request {
     Start(StartWrite, Reply),
     Events(EventsWrite, Reply),
-    Complete(CompleteWrite, Reply),
+    /// A success without artifacts; `behind`: handed right behind its
+    /// lease's start and events, before their answers came.
+    Complete {
+        write: CompleteWrite,
+        behind: bool,
+        reply: Reply,
+    },
     Checkpoint(CheckpointWrite, Reply),
     CompleteStored(CompleteStoredWrite, Reply<Vec<Uuid>>),
     Fail(FailWrite, Reply<FailureDecision>),
@@ -72,7 +79,7 @@ impl Request {
     /// The step of a write that is not one of the set forms'.
     fn single_step(&self) -> Option<Uuid> {
         match self {
-            Request::Start(..) | Request::Events(..) | Request::Complete(..) => None,
+            Request::Start(..) | Request::Events(..) | Request::Complete { .. } => None,
             Request::Checkpoint(w, _) => Some(w.lease.step_run_id()),
             Request::CompleteStored(w, _) => Some(w.lease.step_run_id()),
             Request::Fail(w, _) => Some(w.lease.step_run_id()),
@@ -87,9 +94,98 @@ impl Request {
         match self {
             Request::Start(w, _) => Some(w.lease.step_run_id()),
             Request::Events(w, _) => Some(w.lease.step_run_id()),
-            Request::Complete(w, _) => Some(w.lease.step_run_id()),
+            Request::Complete { write, .. } => Some(write.lease.step_run_id()),
             _ => None,
         }
+    }
+
+    /// The lease of a terminal write that waited for its lease's progress
+    /// answers (every terminal write but a success handed behind them).
+    fn answered_terminal(&self) -> Option<&Lease> {
+        match self {
+            Request::Start(..) | Request::Events(..) | Request::Checkpoint(..) => None,
+            Request::Complete { behind: true, .. } => None,
+            Request::Complete { write, .. } => Some(&write.lease),
+            Request::CompleteStored(w, _) => Some(&w.lease),
+            Request::Fail(w, _) => Some(&w.lease),
+            Request::Cancel(w, _) => Some(&w.lease),
+            Request::Refuse(w, _) => Some(&w.lease),
+            Request::Release(w, _) => Some(&w.lease),
+        }
+    }
+}
+
+/// Leases whose start or events failed in a batch (their writers retry
+/// them), each with when it last failed. A success handed behind such a
+/// lease's progress writes must not commit ahead of their retries: it would
+/// write the start with it (leased → running → succeeded) and the retries
+/// would find the step finished, their events dropped. It is answered with a
+/// transient error instead, and the attempt commits it again once its
+/// progress writes are answered. A lease leaves the set when one of its
+/// terminal writes that waited for those answers arrives, or an hour on
+/// (its retries ended with its lease clock long before).
+#[derive(Default)]
+struct Tainted {
+    leases: HashMap<(Uuid, Uuid), Instant>,
+    prune_at: usize,
+}
+
+impl Tainted {
+    const KEEP: Duration = Duration::from_secs(3600);
+    const PRUNE_AT: usize = 4096;
+
+    fn key(lease: &Lease) -> (Uuid, Uuid) {
+        (lease.step_run_id(), lease.token())
+    }
+
+    fn mark(&mut self, lease: &Lease) {
+        if self.leases.len() >= self.prune_at.max(Self::PRUNE_AT) {
+            let now = Instant::now();
+            self.leases
+                .retain(|_, at| now.duration_since(*at) < Self::KEEP);
+            self.prune_at = (2 * self.leases.len()).max(Self::PRUNE_AT);
+        }
+        self.leases.insert(Self::key(lease), Instant::now());
+    }
+
+    fn holds(&self, lease: &Lease) -> bool {
+        !self.leases.is_empty() && self.leases.contains_key(&Self::key(lease))
+    }
+
+    /// Answers, and takes out of `buf`, each success handed behind the
+    /// progress writes of a tainted lease; clears the leases whose answered
+    /// terminal writes arrived.
+    fn admit(&mut self, buf: &mut Vec<Request>) {
+        if self.leases.is_empty() {
+            return;
+        }
+        let mut kept = Vec::with_capacity(buf.len());
+        for r in buf.drain(..) {
+            match r {
+                Request::Complete {
+                    write,
+                    behind: true,
+                    reply,
+                } if self.holds(&write.lease) => {
+                    debug!(step_run_id = %write.lease.step_run_id(), "a success handed behind progress writes that failed waits for their retries");
+                    let _ = reply.send(Err(behind_failed()));
+                }
+                r => {
+                    if let Some(lease) = r.answered_terminal() {
+                        self.leases.remove(&Self::key(lease));
+                    }
+                    kept.push(r);
+                }
+            }
+        }
+        *buf = kept;
+    }
+}
+
+/// The answer of a success handed behind progress writes that failed.
+fn behind_failed() -> DbError {
+    DbError::Retry {
+        context: "the start or events this success was handed behind failed; it is committed after their retries",
     }
 }
 
@@ -227,13 +323,31 @@ impl Ledger {
 
     /// A success without artifacts.
     pub(crate) async fn complete(&self, w: CompleteWrite) -> Result<(), DbError> {
-        self.submit_complete(w).await?.answer().await
+        self.submit(|reply| Request::Complete {
+            write: w,
+            behind: false,
+            reply,
+        })
+        .await?
+        .answer()
+        .await
     }
 
-    /// Hands a success without artifacts to the ledger without waiting for
-    /// its commit.
-    pub(crate) async fn submit_complete(&self, w: CompleteWrite) -> Result<Pending, DbError> {
-        self.submit(|r| Request::Complete(w, r)).await
+    /// Hands a success without artifacts to the ledger right behind its
+    /// lease's start and events, before their answers: should one of those
+    /// fail, the success is not written and its answer is a transient error
+    /// (to be committed again once they are answered), so that it never
+    /// lands ahead of their retries.
+    pub(crate) async fn submit_complete_behind(
+        &self,
+        w: CompleteWrite,
+    ) -> Result<Pending, DbError> {
+        self.submit(|reply| Request::Complete {
+            write: w,
+            behind: true,
+            reply,
+        })
+        .await
     }
 
     /// A success with artifacts (their blobs already stored): their ids.
@@ -273,6 +387,7 @@ impl Ledger {
 pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: CancellationToken) {
     // what a batch's end left behind goes first in the next one
     let mut carried: Vec<Request> = Vec::new();
+    let mut tainted = Tainted::default();
     loop {
         let mut buf = std::mem::take(&mut carried);
         if buf.is_empty() {
@@ -298,9 +413,13 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
                 }
             }
         }
+        tainted.admit(&mut buf);
+        if buf.is_empty() {
+            continue;
+        }
         let end = batch_end(&buf);
         carried = buf.split_off(end);
-        flush(&db, &worker, buf).await;
+        flush(&db, &worker, buf, &mut tainted).await;
     }
 }
 
@@ -351,6 +470,8 @@ struct Shaped {
     start_replies: Vec<Reply>,
     event_replies: Vec<Vec<Reply>>,
     complete_replies: Vec<Reply>,
+    /// per completion: handed behind its lease's progress writes
+    complete_behind: Vec<bool>,
     writes: Vec<LedgerWrite>,
     write_replies: Vec<WriteReply>,
 }
@@ -366,7 +487,7 @@ impl Shaped {
 
 fn shape(requests: Vec<Request>) -> Shaped {
     let mut starts: Vec<(StartWrite, Reply)> = Vec::new();
-    let mut completes: Vec<(CompleteWrite, Reply)> = Vec::new();
+    let mut completes: Vec<(CompleteWrite, bool, Reply)> = Vec::new();
     let mut events: Vec<(EventsWrite, Vec<Reply>)> = Vec::new();
     let mut by_lease: HashMap<(Uuid, Uuid), usize> = HashMap::new();
     let mut writes = Vec::new();
@@ -374,7 +495,11 @@ fn shape(requests: Vec<Request>) -> Shaped {
     for r in requests {
         match r {
             Request::Start(w, reply) => starts.push((w, reply)),
-            Request::Complete(w, reply) => completes.push((w, reply)),
+            Request::Complete {
+                write,
+                behind,
+                reply,
+            } => completes.push((write, behind, reply)),
             Request::Events(w, reply) => {
                 let key = (w.lease.step_run_id(), w.lease.token());
                 match by_lease.get(&key) {
@@ -415,9 +540,16 @@ fn shape(requests: Vec<Request>) -> Shaped {
         }
     }
     starts.sort_by_key(|(w, _)| (w.run_id, w.lease.step_run_id()));
-    completes.sort_by_key(|(w, _)| (w.run_id, w.lease.step_run_id()));
+    completes.sort_by_key(|(w, _, _)| (w.run_id, w.lease.step_run_id()));
     let (starts, start_replies): (Vec<_>, Vec<_>) = starts.into_iter().unzip();
-    let (completes, complete_replies): (Vec<_>, Vec<_>) = completes.into_iter().unzip();
+    let mut complete_behind = Vec::with_capacity(completes.len());
+    let (completes, complete_replies): (Vec<_>, Vec<_>) = completes
+        .into_iter()
+        .map(|(w, behind, reply)| {
+            complete_behind.push(behind);
+            (w, reply)
+        })
+        .unzip();
     let (mut events, event_replies): (Vec<_>, Vec<_>) = events.into_iter().unzip();
     for e in &mut events {
         let evs = std::mem::take(&mut e.events);
@@ -432,12 +564,13 @@ fn shape(requests: Vec<Request>) -> Shaped {
         start_replies,
         event_replies,
         complete_replies,
+        complete_behind,
         writes,
         write_replies,
     }
 }
 
-async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
+async fn flush(db: &Db, worker: &str, requests: Vec<Request>, tainted: &mut Tainted) {
     let s = shape(requests);
     let size = s.size();
     crate::metrics::ledger_batch(size);
@@ -448,19 +581,19 @@ async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
     )
     .await;
     match res {
-        Ok(out) => s.answer(out),
+        Ok(out) => s.answer(out, tainted),
         Err(e) if !e.is_transient() && size > 1 => {
             // one intent the database refuses must not take the others with
             // it: each is written on its own, and only its own error is its
             warn!(error = %e, size, "a ledger batch was refused as a whole; writing its intents one by one");
-            s.write_one_by_one(db, worker).await;
+            s.write_one_by_one(db, worker, tainted).await;
         }
         Err(e) => {
             // the whole batch failed and nothing of it committed: every intent
             // gets the error; each caller retries a transient one while its
             // lease clock allows
             warn!(error = %e, size, "a ledger batch failed; its writers retry");
-            s.fail(&e);
+            s.fail(&e, tainted);
         }
     }
 }
@@ -468,13 +601,14 @@ async fn flush(db: &Db, worker: &str, requests: Vec<Request>) {
 impl Shaped {
     /// The batch committed: each intent gets its own answer (written, or its
     /// lease lost, or its own error).
-    fn answer(self, out: crate::db::LedgerOutcome) {
+    fn answer(self, out: crate::db::LedgerOutcome, tainted: &mut Tainted) {
         let size = self.size();
         let Shaped {
             batch,
             start_replies,
             event_replies,
             complete_replies,
+            complete_behind: _,
             writes,
             write_replies,
         } = self;
@@ -488,11 +622,19 @@ impl Shaped {
         );
         let sets = out.batch;
         for ((w, reply), o) in batch.starts.iter().zip(start_replies).zip(sets.starts) {
-            let _ = reply.send(o.into_result(w.lease.step_run_id()));
+            let res = o.into_result(w.lease.step_run_id());
+            if res.is_err() {
+                tainted.mark(&w.lease);
+            }
+            let _ = reply.send(res);
         }
         for ((w, replies), o) in batch.events.iter().zip(event_replies).zip(sets.events) {
             for reply in replies {
-                let _ = reply.send(o.clone().into_result(w.lease.step_run_id()));
+                let res = o.clone().into_result(w.lease.step_run_id());
+                if res.is_err() {
+                    tainted.mark(&w.lease);
+                }
+                let _ = reply.send(res);
             }
         }
         for ((w, reply), o) in batch
@@ -513,35 +655,56 @@ impl Shaped {
 
     /// The batch was refused as a whole: each intent is written in a
     /// transaction of its own, in the batch's order, and answered alone.
-    async fn write_one_by_one(self, db: &Db, worker: &str) {
+    /// A success handed behind a lease's progress writes is not written
+    /// when one of them failed here.
+    async fn write_one_by_one(self, db: &Db, worker: &str, tainted: &mut Tainted) {
         let Shaped {
             batch,
             start_replies,
             event_replies,
             complete_replies,
+            complete_behind,
             writes,
             write_replies,
         } = self;
         for (w, reply) in batch.starts.into_iter().zip(start_replies) {
             let id = w.lease.step_run_id();
+            let lease = w.lease.clone();
             let one = Batch {
                 starts: vec![w],
                 ..Batch::default()
             };
-            let _ = reply.send(single(db, worker, &one, id).await);
+            let res = single(db, worker, &one, id).await;
+            if res.is_err() {
+                tainted.mark(&lease);
+            }
+            let _ = reply.send(res);
         }
         for (w, replies) in batch.events.into_iter().zip(event_replies) {
             let id = w.lease.step_run_id();
+            let lease = w.lease.clone();
             let one = Batch {
                 events: vec![w],
                 ..Batch::default()
             };
             let res = single(db, worker, &one, id).await;
+            if res.is_err() {
+                tainted.mark(&lease);
+            }
             for reply in replies {
                 let _ = reply.send(clone_result(&res));
             }
         }
-        for (w, reply) in batch.completes.into_iter().zip(complete_replies) {
+        for ((w, reply), behind) in batch
+            .completes
+            .into_iter()
+            .zip(complete_replies)
+            .zip(complete_behind)
+        {
+            if behind && tainted.holds(&w.lease) {
+                let _ = reply.send(Err(behind_failed()));
+                continue;
+            }
             let id = w.lease.step_run_id();
             let one = Batch {
                 completes: vec![w],
@@ -555,7 +718,13 @@ impl Shaped {
     }
 
     /// Nothing of the batch committed: every intent gets the batch's error.
-    fn fail(self, e: &DbError) {
+    fn fail(self, e: &DbError, tainted: &mut Tainted) {
+        for w in &self.batch.starts {
+            tainted.mark(&w.lease);
+        }
+        for w in &self.batch.events {
+            tainted.mark(&w.lease);
+        }
         for r in self.start_replies.into_iter().chain(self.complete_replies) {
             let _ = r.send(Err(as_each(e)));
         }
@@ -676,17 +845,71 @@ mod tests {
         )
     }
 
-    fn complete(n: u128) -> Request {
-        let (r, _) = oneshot::channel();
-        Request::Complete(
-            CompleteWrite {
+    fn complete_as(n: u128, behind: bool) -> (Request, oneshot::Receiver<Result<(), DbError>>) {
+        let (reply, answer) = oneshot::channel();
+        let r = Request::Complete {
+            write: CompleteWrite {
                 run_id: Uuid::from_u128(n + 2000),
                 lease: lease(n),
                 output: serde_json::Value::Null,
                 sequence: None,
             },
-            r,
-        )
+            behind,
+            reply,
+        };
+        (r, answer)
+    }
+
+    fn complete(n: u128) -> Request {
+        complete_as(n, false).0
+    }
+
+    /// A success handed behind progress writes that failed is answered with
+    /// a transient error and not written; every other write goes on, and a
+    /// lease's answered terminal write takes it out of the set.
+    #[test]
+    fn a_success_behind_failed_progress_writes_is_held_back() {
+        let mut t = Tainted::default();
+        let (behind1, mut a1) = complete_as(1, true);
+        let mut buf = vec![events(1), behind1];
+        t.admit(&mut buf);
+        assert_eq!(buf.len(), 2, "nothing failed: nothing held back");
+        assert!(a1.try_recv().is_err(), "not answered yet");
+
+        t.mark(&lease(1));
+        let (behind1, mut a1) = complete_as(1, true);
+        let (behind2, mut a2) = complete_as(2, true);
+        let mut buf = vec![events(1), behind1, behind2, release(3)];
+        t.admit(&mut buf);
+        let kinds: Vec<Option<Uuid>> = buf
+            .iter()
+            .map(|r| r.set_step().or(r.single_step()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                Some(lease(1).step_run_id()),
+                Some(lease(2).step_run_id()),
+                Some(lease(3).step_run_id())
+            ],
+            "only the success behind the failed lease is taken out"
+        );
+        match a1.try_recv() {
+            Ok(Err(e)) => assert!(e.is_transient(), "{e}"),
+            other => panic!("the held-back success is answered with a transient error: {other:?}"),
+        }
+        assert!(a2.try_recv().is_err(), "another lease's success goes on");
+
+        // the retrying commit (not behind) goes through, and clears the lease
+        let (again, _) = complete_as(1, false);
+        let mut buf = vec![again];
+        t.admit(&mut buf);
+        assert_eq!(buf.len(), 1);
+        assert!(!t.holds(&lease(1)));
+        let (behind1, _) = complete_as(1, true);
+        let mut buf = vec![behind1];
+        t.admit(&mut buf);
+        assert_eq!(buf.len(), 1);
     }
 
     /// The set-based part is written before the other writes: a set write of
