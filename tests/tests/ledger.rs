@@ -1296,11 +1296,12 @@ async fn a_success_handed_behind_a_start_whose_batch_failed_waits_for_its_retry(
         ],
         "{h:?}"
     );
-    let kinds: Vec<String> = events_of(&t.db, id)
-        .await
-        .into_iter()
-        .map(|(_, k, _)| k)
-        .collect();
+    // in the order a reader sees them (`supervisor events`: by sequence);
+    // the SDK's running event, written in a batch of its own, may be
+    // inserted before the start's retry
+    let mut evs = events_of(&t.db, id).await;
+    evs.sort_by_key(|(seq, _, _)| *seq);
+    let kinds: Vec<String> = evs.into_iter().map(|(_, k, _)| k).collect();
     assert_eq!(
         kinds.first().map(String::as_str),
         Some("accepted"),
