@@ -419,6 +419,29 @@ fn changes(h: &[(Option<String>, String, Option<String>)]) -> Vec<(Option<&str>,
         .collect()
 }
 
+/// A site trigger that, the first time a step row's update matches `when`
+/// (SQL over OLD and NEW), pauses `pause_s` seconds and then ends its own
+/// backend: the ledger's batch loses its connection in the middle. How many
+/// times the condition matched is `public.cut_seq` (nextval is not undone by
+/// the rollback, so the connection is cut once).
+async fn cut_connection_once(t: &TestDb, when: &str, pause_s: f64) {
+    sqlx::raw_sql(&format!(
+        "CREATE SEQUENCE public.cut_seq;
+         CREATE FUNCTION public.cut_connection() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF {when} AND nextval('public.cut_seq') = 1 THEN
+                 PERFORM pg_sleep({pause_s});
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER cut_connection BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.cut_connection();"
+    ))
+    .execute(t.db.pool())
+    .await
+    .expect("trigger");
+}
+
 async fn events_of(db: &Db, id: Uuid) -> Vec<(i64, String, bool)> {
     sqlx::query_as(
         "SELECT sequence, kind, checkpoint FROM durable.step_events WHERE step_run_id = $1 ORDER BY id",
@@ -945,22 +968,12 @@ async fn a_batch_error_is_every_writes_and_nothing_commits() {
 async fn a_failure_whose_batch_lost_its_connection_is_written_again_once() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    // nextval is not undone by the rollback: the connection is cut once
-    sqlx::raw_sql(
-        "CREATE SEQUENCE public.cut_seq;
-         CREATE FUNCTION public.cut_connection() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.state = 'retryable_failed' AND OLD.state = 'running'
-                AND nextval('public.cut_seq') = 1 THEN
-                 PERFORM pg_terminate_backend(pg_backend_pid());
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER cut_connection BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.cut_connection();",
+    cut_connection_once(
+        &t,
+        "OLD.state = 'running' AND NEW.state = 'retryable_failed'",
+        0.0,
     )
-    .execute(t.db.pool())
-    .await
-    .expect("trigger");
+    .await;
     let w = tests::RunningWorker::start(
         t.connect(5).await,
         tests::fast_config(vec![tests::demo("go", "go", &[], None)]),
@@ -1246,22 +1259,7 @@ async fn a_starts_events_in_the_same_batch_go_with_the_start() {
 async fn a_success_handed_behind_a_start_whose_batch_failed_waits_for_its_retry() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    sqlx::raw_sql(
-        "CREATE SEQUENCE public.cut_seq;
-         CREATE FUNCTION public.cut_connection() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF OLD.state = 'leased' AND NEW.state = 'running'
-                AND nextval('public.cut_seq') = 1 THEN
-                 PERFORM pg_sleep(0.5);
-                 PERFORM pg_terminate_backend(pg_backend_pid());
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER cut_connection BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.cut_connection();",
-    )
-    .execute(t.db.pool())
-    .await
-    .expect("trigger");
+    cut_connection_once(&t, "OLD.state = 'leased' AND NEW.state = 'running'", 0.5).await;
     let w = tests::RunningWorker::start(
         t.connect(5).await,
         tests::fast_config(vec![tests::demo("go", "go", &[], None)]),
