@@ -4,9 +4,11 @@
 //! — such an escapee survives the group SIGKILL. A cgroup does: a process
 //! cannot leave it without write access to the hierarchy. So where the host
 //! allows it, every child runs in its own cgroup
-//! `<our own cgroup>/durable-<slot tag>-<supervisor>-<seq>`; it joins it
-//! itself between clone and exec (writing `0` to `cgroup.procs`, see
-//! `vfork.rs`, so nothing it forks can be outside), and the stop
+//! `<our own cgroup>/durable-<slot tag>-<supervisor>-<seq>`; it starts in
+//! it (`clone3` with `CLONE_INTO_CGROUP`), or, where `clone3` is refused,
+//! joins it itself between clone and exec (writing `0` to `cgroup.procs`):
+//! either way before exec, so nothing it forks can be outside (see
+//! `vfork.rs`, also for why the write is only the fallback), and the stop
 //! sequence is: SIGKILL to the process group (as always), then `1` to
 //! `cgroup.kill` (escapees), reap the leader, then remove the cgroup once it
 //! is empty.

@@ -774,6 +774,63 @@ async fn sweep_ends_a_stale_cgroup_of_the_slot_even_without_a_marker() {
     let _ = bystander.try_wait();
 }
 
+/// Where the kernel allows `clone3`, a child starts in its cgroup through
+/// `CLONE_INTO_CGROUP` instead of writing its own `cgroup.procs` before exec
+/// (a write that waits for an RCU grace period: ~10 ms of an idle worker's
+/// submit → accepted), and it is in that cgroup from its first instruction.
+#[tokio::test]
+async fn a_child_is_cloned_into_its_cgroup_where_clone3_is_allowed() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let CgroupMode::PerChild { .. } = cgroup_mode() else {
+        eprintln!("skipped: no cgroup per child on this host");
+        return;
+    };
+    if !super::vfork::clone3_exists() {
+        eprintln!("skipped: clone3 is not available here");
+        return;
+    }
+    let before = super::vfork::clone3_joins();
+    let out = output_of(sh("cat /proc/self/cgroup")).await;
+    assert!(
+        super::vfork::clone3_joins() > before,
+        "the child was not started by clone3 into its cgroup"
+    );
+    let rel = cgroup::v2_path(&out).expect("a v2 cgroup line");
+    let name = rel.rsplit('/').next().unwrap_or_default();
+    assert!(name.starts_with("durable-anon-"), "{out}");
+    assert_eq!(
+        cgroup_mode(),
+        cgroup::detected_mode(),
+        "cgroups were switched off"
+    );
+}
+
+/// Where `clone3` is refused (an older kernel, a seccomp filter), the child
+/// joins its cgroup by writing `cgroup.procs` before exec, and is in it all
+/// the same.
+#[tokio::test]
+async fn without_clone3_a_child_joins_its_cgroup_before_exec() {
+    let _exclusive = KILL_ALL_LOCK.write().await;
+    let CgroupMode::PerChild { .. } = cgroup_mode() else {
+        eprintln!("skipped: no cgroup per child on this host");
+        return;
+    };
+    let was = super::vfork::set_clone3_usable(false);
+    let before = super::vfork::clone3_joins();
+    let out = output_of(sh("cat /proc/self/cgroup")).await;
+    let joins = super::vfork::clone3_joins();
+    super::vfork::set_clone3_usable(was);
+    assert_eq!(joins, before, "clone3 was used while switched off");
+    let rel = cgroup::v2_path(&out).expect("a v2 cgroup line");
+    let name = rel.rsplit('/').next().unwrap_or_default();
+    assert!(name.starts_with("durable-anon-"), "{out}");
+    assert_eq!(
+        cgroup_mode(),
+        cgroup::detected_mode(),
+        "cgroups were switched off"
+    );
+}
+
 #[tokio::test]
 async fn cgroups_stay_on_with_many_spawners_at_once() {
     let _shared = KILL_ALL_LOCK.read().await;
