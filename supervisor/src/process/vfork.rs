@@ -372,18 +372,21 @@ fn clone3_usable() -> bool {
     cfg!(target_arch = "x86_64") && CLONE3_USABLE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Notes why `clone3` failed: a missing system call is not tried again; a
-/// refusal of this cgroup (EBUSY, EACCES, EOPNOTSUPP, …) is this spawn's
-/// alone, and the write to `cgroup.procs` will say the same or succeed.
+/// Notes why `clone3` failed: a missing system call or flag (ENOSYS, E2BIG,
+/// EPERM from a filter, EINVAL from a kernel before 5.7 that has `clone3`
+/// but not `CLONE_INTO_CGROUP`) is not tried again; a refusal of this
+/// cgroup (EBUSY, EBADF, EACCES, EOPNOTSUPP, …) is this spawn's alone, and
+/// the write to `cgroup.procs` will say the same or succeed.
 fn clone3_refused(e: &io::Error) {
     let missing = matches!(
         e.raw_os_error(),
-        Some(libc::ENOSYS) | Some(libc::E2BIG) | Some(libc::EPERM)
+        Some(libc::ENOSYS) | Some(libc::E2BIG) | Some(libc::EPERM) | Some(libc::EINVAL)
     );
-    if missing {
-        CLONE3_USABLE.store(false, std::sync::atomic::Ordering::Relaxed);
+    if missing && CLONE3_USABLE.swap(false, std::sync::atomic::Ordering::Relaxed) {
+        tracing::info!(error = %e, "clone3 into a cgroup is not available here: children join their cgroup by writing cgroup.procs (each start may wait ~10 ms for the kernel)");
+    } else {
+        tracing::debug!(error = %e, missing, "clone3 into a cgroup refused; the child joins it by cgroup.procs");
     }
-    tracing::debug!(error = %e, missing, "clone3 into a cgroup refused; the child joins it by cgroup.procs");
 }
 
 /// `clone3(CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP)`: the child starts
