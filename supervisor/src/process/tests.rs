@@ -774,6 +774,19 @@ async fn sweep_ends_a_stale_cgroup_of_the_slot_even_without_a_marker() {
     let _ = bystander.try_wait();
 }
 
+/// `proc_cgroup` (a child's `/proc/self/cgroup`) names a cgroup of its own,
+/// and cgroups are still on.
+fn assert_in_a_cgroup_of_its_own(proc_cgroup: &str) {
+    let rel = cgroup::v2_path(proc_cgroup).expect("a v2 cgroup line");
+    let name = rel.rsplit('/').next().unwrap_or_default();
+    assert!(name.starts_with("durable-anon-"), "{proc_cgroup}");
+    assert_eq!(
+        cgroup_mode(),
+        cgroup::detected_mode(),
+        "cgroups were switched off"
+    );
+}
+
 /// Where the kernel allows `clone3`, a child starts in its cgroup through
 /// `CLONE_INTO_CGROUP` instead of writing its own `cgroup.procs` before exec
 /// (a write that waits for an RCU grace period: ~10 ms of an idle worker's
@@ -795,14 +808,7 @@ async fn a_child_is_cloned_into_its_cgroup_where_clone3_is_allowed() {
         super::vfork::clone3_joins() > before,
         "the child was not started by clone3 into its cgroup"
     );
-    let rel = cgroup::v2_path(&out).expect("a v2 cgroup line");
-    let name = rel.rsplit('/').next().unwrap_or_default();
-    assert!(name.starts_with("durable-anon-"), "{out}");
-    assert_eq!(
-        cgroup_mode(),
-        cgroup::detected_mode(),
-        "cgroups were switched off"
-    );
+    assert_in_a_cgroup_of_its_own(&out);
 }
 
 /// Where `clone3` is refused (an older kernel, a seccomp filter), the child
@@ -821,14 +827,7 @@ async fn without_clone3_a_child_joins_its_cgroup_before_exec() {
     let joins = super::vfork::clone3_joins();
     super::vfork::set_clone3_usable(was);
     assert_eq!(joins, before, "clone3 was used while switched off");
-    let rel = cgroup::v2_path(&out).expect("a v2 cgroup line");
-    let name = rel.rsplit('/').next().unwrap_or_default();
-    assert!(name.starts_with("durable-anon-"), "{out}");
-    assert_eq!(
-        cgroup_mode(),
-        cgroup::detected_mode(),
-        "cgroups were switched off"
-    );
+    assert_in_a_cgroup_of_its_own(&out);
 }
 
 #[tokio::test]
