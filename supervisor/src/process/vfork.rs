@@ -223,28 +223,6 @@ pub(crate) fn spawn(p: &Prepared) -> io::Result<Spawned> {
         sigmax: libc::SIGRTMAX(),
         errno: 0,
     };
-    let mut stack = vec![0u8; CHILD_STACK];
-    // SAFETY: the stack grows down on every Linux target this runs on; the
-    // top, rounded down to 16 bytes, is inside the allocation.
-    let top = unsafe { stack.as_mut_ptr().add(CHILD_STACK) };
-    let top = (top as usize & !15) as *mut libc::c_void;
-    // the cgroup's directory, for a clone straight into it
-    let cgroup_fd = p
-        .cgroup_dir
-        .as_ref()
-        .filter(|_| clone3_usable())
-        .and_then(|dir| {
-            // SAFETY: a valid C string; the fd returned is ours alone.
-            let fd = unsafe {
-                libc::open(
-                    dir.as_ptr(),
-                    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-                )
-            };
-            // SAFETY: open just returned this fd, owned by nobody else.
-            (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
-        });
-
     // SAFETY: sigset_t is plain old data; sigfillset/pthread_sigmask get
     // valid pointers to sets we own.
     let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
@@ -253,49 +231,12 @@ pub(crate) fn spawn(p: &Prepared) -> io::Result<Spawned> {
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
     }
-    // Into the cgroup at the clone, where the kernel takes it; else the
-    // child joins by writing `cgroup.procs` (`args.cgroup_procs`).
-    let mut pid = -1;
-    let mut clone_err = io::Error::from_raw_os_error(libc::ENOSYS);
-    if let Some(fd) = &cgroup_fd {
-        let procs = std::mem::replace(&mut args.cgroup_procs, std::ptr::null());
-        // SAFETY: as for the clone below; `fd` is an open cgroup directory
-        // and `stack`..`top` the child's stack.
-        match unsafe { clone3_into_cgroup(&mut args, stack.as_mut_ptr(), top, fd.as_raw_fd()) } {
-            Ok(child) => {
-                pid = child;
-                CLONE3_JOINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            Err(e) => {
-                clone3_refused(&e);
-                args.cgroup_procs = procs;
-            }
-        }
-    }
-    if pid < 0 {
-        // SAFETY: CLONE_VM | CLONE_VFORK: this thread is suspended until the
-        // child execs or exits, so `args`, `p` and `stack` outlive every use
-        // the child makes of them; the child runs `child_main`, which only
-        // makes async-signal-safe system calls on that prepared data.
-        pid = unsafe {
-            libc::clone(
-                child_main,
-                top,
-                libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-                (&mut args as *mut ChildArgs).cast(),
-            )
-        };
-        clone_err = io::Error::last_os_error();
-    }
-    drop(cgroup_fd);
+    let cloned = clone_child(p, &mut args);
     // SAFETY: restores the mask saved above.
     unsafe {
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
     }
-    drop(stack);
-    if pid < 0 {
-        return Err(clone_err);
-    }
+    let pid = cloned?;
     // SAFETY: the child wrote `errno` (if at all) before it exec'd or
     // exited, and this thread resumed only after that: no concurrent access.
     let errno = unsafe { std::ptr::read_volatile(&args.errno) };
@@ -314,6 +255,60 @@ pub(crate) fn spawn(p: &Prepared) -> io::Result<Spawned> {
         stdout: out_r,
         stderr: err_r,
     })
+}
+
+/// Clones the child (every signal blocked on this thread): into its cgroup
+/// with `clone3` where the kernel takes it, else with `clone`, and the child
+/// joins by writing `cgroup.procs` (`args.cgroup_procs`). Returns once the
+/// child has exec'd or exited (`CLONE_VFORK`); its pid.
+fn clone_child(p: &Prepared, args: &mut ChildArgs) -> io::Result<libc::pid_t> {
+    let mut stack = vec![0u8; CHILD_STACK];
+    // SAFETY: the stack grows down on every Linux target this runs on; the
+    // top, rounded down to 16 bytes, is inside the allocation.
+    let top = unsafe { stack.as_mut_ptr().add(CHILD_STACK) };
+    let top = (top as usize & !15) as *mut libc::c_void;
+    if let Some(dir) = p.cgroup_dir.as_ref().filter(|_| clone3_usable()) {
+        // SAFETY: a valid C string; the fd returned is ours alone.
+        let fd = unsafe {
+            libc::open(
+                dir.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd >= 0 {
+            // SAFETY: open just returned this fd, owned by nobody else.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let procs = std::mem::replace(&mut args.cgroup_procs, std::ptr::null());
+            // SAFETY: as for the clone below; `fd` is an open cgroup
+            // directory and `stack`..`top` the child's stack.
+            match unsafe { clone3_into_cgroup(args, stack.as_mut_ptr(), top, fd.as_raw_fd()) } {
+                Ok(pid) => {
+                    CLONE3_JOINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return Ok(pid);
+                }
+                Err(e) => {
+                    clone3_refused(&e);
+                    args.cgroup_procs = procs;
+                }
+            }
+        }
+    }
+    // SAFETY: CLONE_VM | CLONE_VFORK: this thread is suspended until the
+    // child execs or exits, so `args`, `p` and `stack` outlive every use the
+    // child makes of them; the child runs `child_main`, which only makes
+    // async-signal-safe system calls on that prepared data.
+    let pid = unsafe {
+        libc::clone(
+            child_main,
+            top,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (args as *mut ChildArgs).cast(),
+        )
+    };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(pid)
 }
 
 /// `struct clone_args` of `clone3(2)` up to `cgroup` (`CLONE_ARGS_SIZE_VER2`).

@@ -149,7 +149,7 @@ impl Tainted {
     }
 
     fn holds(&self, lease: &Lease) -> bool {
-        !self.leases.is_empty() && self.leases.contains_key(&Self::key(lease))
+        self.leases.contains_key(&Self::key(lease))
     }
 
     /// Answers, and takes out of `buf`, each success handed behind the
