@@ -11,6 +11,14 @@
 //! starts its process) beside `warm_processes = 1` (the worker started one
 //! ahead), the two interleaved.
 //!
+//! Each one-shot executor (`go`, `python`) is also measured *prestarted*
+//! (`<x>-prestarted`): `persistent = true`, `max_jobs_per_process = 1`,
+//! `warm_processes = 1`, so every job still gets a fresh process of its own
+//! but the worker starts and handshakes it ahead of the job. There "idle"
+//! means the worker has its next process ready (the pool's idle gauge is 1)
+//! before a run is submitted. The cold one-shot figure stays beside it: it is
+//! what a job waits when no process was started ahead.
+//!
 //!   cargo run --release -p tests --bin bench_latency -- --runs 200 --executors go-persistent,go
 
 use std::time::Duration;
@@ -33,6 +41,10 @@ struct Args {
         default_value = "go-persistent,python-persistent,go,python"
     )]
     executors: Vec<String>,
+    /// Also measure each one-shot executor of --executors prestarted
+    /// (`<x>-prestarted`: one job per process, one process started ahead).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    prestarted: bool,
     /// Fresh workers per persistent executor and warm_processes setting for
     /// the first-job figure (0: skip it).
     #[arg(long, default_value_t = 10)]
@@ -74,7 +86,16 @@ async fn main() -> Result<()> {
         "{:<18} {:>5} {:>8} {:>8} {:>8} {:>8}",
         "executor", "runs", "p50 ms", "p95 ms", "p99 ms", "max ms"
     );
-    for which in &args.executors {
+    let mut cells = args.executors.clone();
+    if args.prestarted {
+        cells.extend(
+            args.executors
+                .iter()
+                .filter(|w| matches!(w.as_str(), "go" | "python"))
+                .map(|w| format!("{w}-prestarted")),
+        );
+    }
+    for which in &cells {
         let name = format!("bench_l_{}", uuid::Uuid::new_v4().simple());
         sqlx::query(&format!("CREATE DATABASE {name}"))
             .execute(admin.pool())
@@ -95,8 +116,16 @@ async fn main() -> Result<()> {
             pct(&lat, 99.0),
             lat.last().copied().unwrap_or(f64::NAN)
         );
+        let process = if which.ends_with("-prestarted") {
+            "a fresh process per job, started ahead (persistent = true, max_jobs_per_process = 1, warm_processes = 1)"
+        } else if which.ends_with("-persistent") {
+            "a warm process serves every job (persistent = true)"
+        } else {
+            "a fresh process per job, started by the job (one-shot)"
+        };
         let setup = serde_json::json!({"executor": which, "runs": lat.len(), "concurrency": 1,
-            "worker": "tests::fast_config (poll 100 ms, LISTEN wake-up)", "idle": true});
+            "worker": "tests::fast_config (poll 100 ms, LISTEN wake-up)", "idle": true,
+            "process": process});
         for (p, limit) in [(50.0, 5.0), (99.0, 25.0)] {
             report.figure(
                 &format!("submit→accepted p{p}"),
@@ -200,8 +229,7 @@ async fn first_job(url: &str, which: &str, warm: u32) -> Result<f64> {
 async fn start(url: &str, which: &str, warm: u32) -> Result<(Db, RunningWorker)> {
     let db = Db::connect(url, 4).await?;
     db.migrate().await?;
-    let base = which.trim_end_matches("-persistent");
-    let mut e = match base {
+    let mut e = match base_of(which) {
         "go" => go_demo("go", &[], Some(&["demo.echo"])),
         "python" => python_demo("python", &[], Some(&["demo.echo"])),
         other => bail!("unknown executor {other}"),
@@ -209,6 +237,12 @@ async fn start(url: &str, which: &str, warm: u32) -> Result<(Db, RunningWorker)>
     e.persistent = which.ends_with("-persistent");
     e.concurrency = 1;
     e.warm_processes = warm;
+    if which.ends_with("-prestarted") {
+        // a fresh process per job, started ahead of it
+        e.persistent = true;
+        e.max_jobs_per_process = Some(1);
+        e.warm_processes = 1;
+    }
     let w = RunningWorker::start(Db::connect(url, 4).await?, fast_config(vec![e])).await;
     Ok((db, w))
 }
@@ -243,11 +277,38 @@ async fn accepted_after_submit(db: &Db, run: uuid::Uuid) -> Result<f64> {
     .await?)
 }
 
+/// The demo executor of a cell: `go` or `python`.
+fn base_of(which: &str) -> &str {
+    which
+        .trim_end_matches("-persistent")
+        .trim_end_matches("-prestarted")
+}
+
+/// Waits (at most 5 s) until a prestarted cell's next process is ready.
+async fn next_process_ready(which: &str) -> Result<()> {
+    if !which.ends_with("-prestarted") {
+        return Ok(());
+    }
+    let gauge = format!(
+        "durable_executor_idle_processes{{executor=\"{}\"}}",
+        base_of(which)
+    );
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while tests::metric(&supervisor::metrics::render(), &gauge).unwrap_or(0.0) < 1.0 {
+        if std::time::Instant::now() > until {
+            bail!("{which}: no process was started ahead within 5 s");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(())
+}
+
 async fn measure(url: &str, which: &str, runs: u32) -> Result<Vec<f64>> {
     let (db, w) = start(url, which, 0).await?;
-    let base = which.trim_end_matches("-persistent");
+    let base = base_of(which);
     let mut out = Vec::with_capacity(runs as usize);
     for i in 0..runs + 5 {
+        next_process_ready(which).await?;
         let spec = tests::one_step(&format!("l{i}"), base, "demo.echo", serde_json::json!(i));
         let run = db.submit(&spec).await?;
         // wait until it is done, so the worker is idle again
