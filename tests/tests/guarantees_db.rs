@@ -280,6 +280,75 @@ async fn flag_run_of(db: &Db, step: Uuid) {
     .expect("flag the run only");
 }
 
+/// Flags one step itself for cancellation (as `cancel_run` does for a step
+/// that is leased or running).
+async fn flag_step(db: &Db, step: Uuid) {
+    sqlx::query("UPDATE durable.step_runs SET cancel_requested = true WHERE id = $1")
+        .bind(step)
+        .execute(db.pool())
+        .await
+        .expect("flag the step");
+}
+
+/// 3, the step's own cancel flag: the heartbeat tells each lease whose step
+/// (or run) is being cancelled, with few leases (the cached plan) and with
+/// many (planned for the call), and only this worker's leases: another
+/// worker's flagged step is not told here, and every lease is still renewed.
+#[tokio::test]
+async fn the_heartbeat_tells_a_steps_own_cancel_flag_with_few_and_many_leases() {
+    for n in [3usize, 700] {
+        let t = TestDb::new().await;
+        sqlx::query("SELECT durable.submit_run($1) FROM generate_series(1, $2)")
+            .bind(json!({"name": "many", "steps": [
+                {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+            .bind(n as i32 + 1)
+            .execute(t.db.pool())
+            .await
+            .expect("submit");
+        let wid = worker(&t.db, "w").await;
+        let mut leases: Vec<Lease> = Vec::new();
+        while leases.len() < n {
+            let want = u32::try_from((n - leases.len()).min(100)).expect("small");
+            let got = lease_all(&t.db, wid, want).await;
+            assert!(!got.is_empty(), "only {} leased", leases.len());
+            leases.extend(got.into_iter().map(|s| s.lease));
+        }
+        let other = worker(&t.db, "other").await;
+        let theirs = lease_all(&t.db, other, 1).await.remove(0).lease;
+        let (own, by_run) = (leases[1].step_run_id(), leases[2].step_run_id());
+        flag_step(&t.db, own).await;
+        flag_run_of(&t.db, by_run).await;
+        flag_step(&t.db, theirs.step_run_id()).await;
+
+        let hb =
+            t.db.heartbeat(wid, &leases, Duration::from_secs(300))
+                .await
+                .expect("heartbeat");
+        let mut told = hb.cancel_requested.clone();
+        told.sort();
+        let mut want = vec![own, by_run];
+        want.sort();
+        assert_eq!(told, want, "{n} leases: told {told:?}");
+        assert_eq!(hb.renewed, n, "{n} leases");
+        assert!(hb.lost.is_empty() && hb.busy.is_empty(), "{n} leases");
+        for id in [own, by_run, leases[0].step_run_id()] {
+            assert!(
+                lease_left_s(&t.db, id).await > 200.0,
+                "{n} leases: {id} was not renewed"
+            );
+        }
+        let hb =
+            t.db.heartbeat(
+                other,
+                std::slice::from_ref(&theirs),
+                Duration::from_secs(300),
+            )
+            .await
+            .expect("the other worker's heartbeat");
+        assert_eq!(hb.cancel_requested, vec![theirs.step_run_id()]);
+    }
+}
+
 /// 3, every outcome at once: of four leases (each its own run) one is fine,
 /// one is held by a writer in flight, one was reclaimed, one's run has a
 /// cancel request. With nothing held the heartbeat renews in one pass; with
