@@ -152,6 +152,12 @@ impl Tainted {
         self.leases.contains_key(&Self::key(lease))
     }
 
+    /// Whether a success must not be written now: it was handed behind its
+    /// lease's progress writes and one of them failed.
+    fn holds_back(&self, write: &CompleteWrite, behind: bool) -> bool {
+        behind && self.holds(&write.lease)
+    }
+
     /// Answers, and takes out of `buf`, each success handed behind the
     /// progress writes of a tainted lease; clears the leases whose answered
     /// terminal writes arrived.
@@ -164,9 +170,9 @@ impl Tainted {
             match r {
                 Request::Complete {
                     write,
-                    behind: true,
+                    behind,
                     reply,
-                } if self.holds(&write.lease) => {
+                } if self.holds_back(&write, behind) => {
                     debug!(step_run_id = %write.lease.step_run_id(), "a success handed behind progress writes that failed waits for their retries");
                     let _ = reply.send(Err(behind_failed()));
                 }
@@ -542,14 +548,18 @@ fn shape(requests: Vec<Request>) -> Shaped {
     starts.sort_by_key(|(w, _)| (w.run_id, w.lease.step_run_id()));
     completes.sort_by_key(|(w, _, _)| (w.run_id, w.lease.step_run_id()));
     let (starts, start_replies): (Vec<_>, Vec<_>) = starts.into_iter().unzip();
-    let mut complete_behind = Vec::with_capacity(completes.len());
-    let (completes, complete_replies): (Vec<_>, Vec<_>) = completes
-        .into_iter()
-        .map(|(w, behind, reply)| {
-            complete_behind.push(behind);
-            (w, reply)
-        })
-        .unzip();
+    let n = completes.len();
+    let (mut complete_writes, mut complete_behind, mut complete_replies) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for (w, behind, reply) in completes {
+        complete_writes.push(w);
+        complete_behind.push(behind);
+        complete_replies.push(reply);
+    }
+    let completes = complete_writes;
     let (mut events, event_replies): (Vec<_>, Vec<_>) = events.into_iter().unzip();
     for e in &mut events {
         let evs = std::mem::take(&mut e.events);
@@ -701,7 +711,7 @@ impl Shaped {
             .zip(complete_replies)
             .zip(complete_behind)
         {
-            if behind && tainted.holds(&w.lease) {
+            if tainted.holds_back(&w, behind) {
                 let _ = reply.send(Err(behind_failed()));
                 continue;
             }
