@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -101,4 +102,69 @@ func TestRunKeepsStrayStdoutOffTheFrameStream(t *testing.T) {
 			t.Errorf("stderr lacks %q: %q", line, stderr.String())
 		}
 	}
+}
+
+// Run polls a pipe on stdin (non-blocking, through the runtime's poller) but
+// leaves any other stdin as it found it: O_NONBLOCK belongs to the open file
+// description, which a terminal or a file shares with whoever started the
+// executor. The helper starts on each kind of stdin, sees EOF at once and
+// exits 0; the flags are then read back through the parent's descriptor of
+// the same description.
+func TestRunMakesOnlyAPipeStdinNonBlocking(t *testing.T) {
+	file, err := os.CreateTemp(t.TempDir(), "stdin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer file.Close()
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pr.Close()
+	pw.Close() // EOF for the executor at once
+	for _, tc := range []struct {
+		name        string
+		stdin       *os.File
+		nonBlocking bool
+	}{
+		{"regular file", file, false},
+		{"pipe", pr, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), helperEnv+"=run")
+			cmd.Stdin = tc.stdin
+			var stderr bytes.Buffer
+			cmd.Stderr = &stderr
+			if err := cmd.Run(); err != nil {
+				t.Fatalf("executor exit: %v (stderr: %s)", err, stderr.String())
+			}
+			flags, err := fcntlGetFlags(tc.stdin)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := flags&syscall.O_NONBLOCK != 0; got != tc.nonBlocking {
+				t.Fatalf("O_NONBLOCK on the %s after the executor ran = %v, want %v", tc.name, got, tc.nonBlocking)
+			}
+		})
+	}
+}
+
+func fcntlGetFlags(f *os.File) (int, error) {
+	raw, err := f.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var flags int
+	var ferr error
+	if err := raw.Control(func(fd uintptr) {
+		r, _, errno := syscall.Syscall(syscall.SYS_FCNTL, fd, syscall.F_GETFL, 0)
+		flags, ferr = int(r), nil
+		if errno != 0 {
+			ferr = errno
+		}
+	}); err != nil {
+		return 0, err
+	}
+	return flags, ferr
 }
