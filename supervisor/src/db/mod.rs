@@ -281,6 +281,23 @@ impl DbTransaction {
     }
 }
 
+/// A connection of the pool that its owner keeps across operations (from
+/// [`Db::connection`]; the ledger's). The pool checks every connection given
+/// back with a round trip (sqlx sends a Sync and waits for its
+/// ReadyForQuery), so an owner that writes every few milliseconds keeps one
+/// instead of taking and giving back one per write. Give it back (drop it)
+/// after an error or a timeout: an operation cut off midway may leave
+/// answers unread, which the pool's check on return then clears.
+#[derive(Debug)]
+pub struct DbConnection(sqlx::pool::PoolConnection<sqlx::Postgres>);
+
+impl DbConnection {
+    /// The operations, on this connection.
+    pub fn conn(&mut self) -> DbConn<'_> {
+        DbConn::new(&mut self.0)
+    }
+}
+
 /// A pooled connection taken by one `Db` wrapper for one operation.
 struct Pooled(sqlx::pool::PoolConnection<sqlx::Postgres>);
 
@@ -607,6 +624,12 @@ impl Db {
             .db()
             .check_schema()
             .await
+    }
+
+    /// A connection of the pool to keep across operations (see
+    /// [`DbConnection`]); `context` names what it is for.
+    pub async fn connection(&self, context: &'static str) -> Result<DbConnection, DbError> {
+        Ok(DbConnection(self.pool.acquire().await.ctx(context)?))
     }
 
     /// A connection of the pool for one operation; `context` names the

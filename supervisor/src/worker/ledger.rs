@@ -35,9 +35,9 @@ use tracing::{debug, warn};
 use uuid::Uuid;
 
 use crate::db::{
-    Batch, CancelWrite, CheckpointWrite, CompleteStoredWrite, CompleteWrite, Db, DbError,
-    EventsWrite, FailWrite, Lease, LedgerWrite, OwnedEvent, RefuseWrite, ReleaseWrite, StartWrite,
-    Written,
+    Batch, CancelWrite, CheckpointWrite, CompleteStoredWrite, CompleteWrite, Db, DbConnection,
+    DbError, EventsWrite, FailWrite, Lease, LedgerWrite, OwnedEvent, RefuseWrite, ReleaseWrite,
+    StartWrite, Written,
 };
 use crate::state::FailureDecision;
 
@@ -54,6 +54,10 @@ pub(crate) const MAX_BATCH: usize = 256;
 pub(crate) const MAX_SINGLES: usize = 64;
 /// Requests queued at most: a full queue back-pressures the attempts.
 const QUEUE: usize = 4096;
+/// The ledger keeps its connection between batches (the pool checks every
+/// connection given back with a round trip) until it has had nothing to
+/// write for this long.
+const KEEP_CONNECTION_IDLE: Duration = Duration::from_secs(10);
 
 type Reply<T = ()> = oneshot::Sender<Result<T, DbError>>;
 
@@ -394,6 +398,9 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
     // what a batch's end left behind goes first in the next one
     let mut carried: Vec<Request> = Vec::new();
     let mut tainted = Tainted::default();
+    // the connection batches are written on, kept between them while the
+    // ledger is busy (given back after an error, or once idle)
+    let mut held: Option<DbConnection> = None;
     loop {
         let mut buf = std::mem::take(&mut carried);
         if buf.is_empty() {
@@ -405,6 +412,10 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
                     // what is still queued is written before the ledger ends
                     queue.rx.close();
                     queue.rx.recv_many(&mut buf, MAX_BATCH).await
+                }
+                _ = tokio::time::sleep(KEEP_CONNECTION_IDLE), if held.is_some() => {
+                    held = None;
+                    continue;
                 }
             };
             if n == 0 {
@@ -425,7 +436,7 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
         }
         let end = batch_end(&buf);
         carried = buf.split_off(end);
-        flush(&db, &worker, buf, &mut tainted).await;
+        flush(&db, &mut held, &worker, buf, &mut tainted).await;
     }
 }
 
@@ -580,16 +591,33 @@ fn shape(requests: Vec<Request>) -> Shaped {
     }
 }
 
-async fn flush(db: &Db, worker: &str, requests: Vec<Request>, tainted: &mut Tainted) {
+async fn flush(
+    db: &Db,
+    held: &mut Option<DbConnection>,
+    worker: &str,
+    requests: Vec<Request>,
+    tainted: &mut Tainted,
+) {
     let s = shape(requests);
     let size = s.size();
     crate::metrics::ledger_batch(size);
-    let res = crate::db::bounded(
-        super::DB_CALL_TIMEOUT,
-        "writing a ledger batch",
-        db.write_ledger(worker, &s.batch, &s.writes),
-    )
+    let res = crate::db::bounded(super::DB_CALL_TIMEOUT, "writing a ledger batch", async {
+        let conn = match held {
+            Some(c) => c,
+            None => held.insert(db.connection("beginning a ledger batch").await?),
+        };
+        conn.conn().write_ledger(worker, &s.batch, &s.writes).await
+    })
     .await;
+    // a failed call, or a write of it that failed alone (each is a few
+    // statements of its own: the connection may have broken in one of
+    // them): back to the pool, whose check clears or closes it
+    if res
+        .as_ref()
+        .map_or(true, |out| out.writes.iter().any(Result::is_err))
+    {
+        *held = None;
+    }
     match res {
         Ok(out) => s.answer(out, tainted),
         Err(e) if !e.is_transient() && size > 1 => {
