@@ -1311,3 +1311,40 @@ async fn a_success_handed_behind_a_start_whose_batch_failed_waits_for_its_retry(
         "{kinds:?}"
     );
 }
+
+/// The ledger keeps its pool connection while it writes (the pool would
+/// check each one given back with a round trip), but never the pool's last
+/// free one: with the smallest pool a config allows (concurrency + 1, of
+/// which LISTEN holds one) the lease of the next step would wait for it.
+/// Here a chain runs on such a pool, and right after it ends the pool has a
+/// connection free (the ledger keeps one otherwise for 1 s after its last
+/// write).
+#[tokio::test]
+async fn the_ledger_never_keeps_the_pools_last_free_connection() {
+    let t = TestDb::new().await;
+    let mut cfg = tests::fast_config(vec![tests::demo("go", "go", &[], None)]);
+    cfg.executors[0].concurrency = 1;
+    cfg.db_max_connections = cfg.min_db_connections();
+    let db = t.connect(cfg.db_max_connections).await;
+    let w = tests::RunningWorker::start(db.clone(), cfg).await;
+    let run = t
+        .submit(json!({"name": "tight", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"n": 1}},
+            {"name": "b", "executor_kind": "go", "kind": "demo.echo", "input": {"n": 2}, "depends_on": ["a"]},
+            {"name": "c", "executor_kind": "go", "kind": "demo.echo", "input": {"n": 3}, "depends_on": ["b"]}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(30)).await;
+    assert_eq!(st.state, "succeeded", "{st:?}");
+    let until = std::time::Instant::now() + Duration::from_millis(600);
+    let mut spare = false;
+    while !spare && std::time::Instant::now() < until {
+        spare = db.has_spare_connection();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (size, idle) = (db.pool().size(), db.pool().num_idle());
+    w.shutdown().await;
+    assert!(
+        spare,
+        "no connection of the pool's {size} was free after the run ({idle} idle)"
+    );
+}

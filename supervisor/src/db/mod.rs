@@ -632,6 +632,12 @@ impl Db {
         Ok(DbConnection(self.pool.acquire().await.ctx(context)?))
     }
 
+    /// Whether another user of the pool would get a connection now without
+    /// waiting: one is idle, or the pool may still open one.
+    pub fn has_spare_connection(&self) -> bool {
+        self.pool.num_idle() > 0 || self.pool.size() < self.pool.options().get_max_connections()
+    }
+
     /// A connection of the pool for one operation; `context` names the
     /// operation, as the error of its first statement would have.
     async fn acquire(&self, context: &'static str) -> Result<Pooled, DbError> {

@@ -56,8 +56,10 @@ pub(crate) const MAX_SINGLES: usize = 64;
 const QUEUE: usize = 4096;
 /// The ledger keeps its connection between batches (the pool checks every
 /// connection given back with a round trip) until it has had nothing to
-/// write for this long.
-const KEEP_CONNECTION_IDLE: Duration = Duration::from_secs(10);
+/// write for this long. Short, so that a small pool's other users (the
+/// lease, the reclaim, artifact transfers) find it free while the ledger
+/// idles: a busy ledger writes every few milliseconds.
+const KEEP_CONNECTION_IDLE: Duration = Duration::from_secs(1);
 
 type Reply<T = ()> = oneshot::Sender<Result<T, DbError>>;
 
@@ -616,6 +618,12 @@ async fn flush(
         .as_ref()
         .map_or(true, |out| out.writes.iter().any(Result::is_err))
     {
+        *held = None;
+    }
+    // nor is the pool's last free connection kept: the lease and the
+    // reclaim would wait for it (a pool of concurrency + 1, whose LISTEN
+    // holds one, has one to share)
+    if held.is_some() && !db.has_spare_connection() {
         *held = None;
     }
     match res {
