@@ -1314,19 +1314,20 @@ async fn a_success_handed_behind_a_start_whose_batch_failed_waits_for_its_retry(
 
 /// The ledger keeps its pool connection while it writes (the pool would
 /// check each one given back with a round trip), but never the pool's last
-/// free one: with the smallest pool a config allows (concurrency + 1, of
-/// which LISTEN holds one) the lease of the next step would wait for it.
-/// Here a chain runs on such a pool, and right after it ends the pool has a
-/// connection free (the ledger keeps one otherwise for 1 s after its last
-/// write).
+/// free one: the lease of the next step would wait for it. Here the worker's
+/// pool has two connections and the test holds one (as an artifact transfer
+/// would), so the ledger, the lease and the reclaim share the other; a chain
+/// runs, and right after it ends that connection is free (the ledger keeps
+/// one otherwise for 1 s after its last write, and each lease of the chain
+/// waits for that).
 #[tokio::test]
 async fn the_ledger_never_keeps_the_pools_last_free_connection() {
     let t = TestDb::new().await;
     let mut cfg = tests::fast_config(vec![tests::demo("go", "go", &[], None)]);
     cfg.executors[0].concurrency = 1;
-    cfg.db_max_connections = cfg.min_db_connections();
-    let db = t.connect(cfg.db_max_connections).await;
+    let db = t.connect(2).await;
     let w = tests::RunningWorker::start(db.clone(), cfg).await;
+    let held = db.pool().acquire().await.expect("a connection of the pool");
     let run = t
         .submit(json!({"name": "tight", "steps": [
             {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"n": 1}},
@@ -1342,6 +1343,7 @@ async fn the_ledger_never_keeps_the_pools_last_free_connection() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (size, idle) = (db.pool().size(), db.pool().num_idle());
+    drop(held);
     w.shutdown().await;
     assert!(
         spare,

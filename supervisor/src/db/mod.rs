@@ -594,8 +594,9 @@ impl Db {
 
     /// A separate pool of one connection to the same database, with
     /// `statement_timeout` and `lock_timeout` of `timeout`: the heartbeat's
-    /// own, so a busy pool never delays a renewal. Connects lazily, so a
-    /// database that is away at this moment is not an error here.
+    /// own, so a busy pool never delays a renewal, and LISTEN's, which holds
+    /// its connection for good. Connects lazily, so a database that is away
+    /// at this moment is not an error here.
     pub fn dedicated(&self, timeout: StdDuration) -> Db {
         let ms = timeout.as_millis().max(1).to_string();
         let opts = (*self.pool.connect_options()).clone().options([

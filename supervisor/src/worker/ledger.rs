@@ -620,9 +620,8 @@ async fn flush(
     {
         *held = None;
     }
-    // nor is the pool's last free connection kept: the lease and the
-    // reclaim would wait for it (a pool of concurrency + 1, whose LISTEN
-    // holds one, has one to share)
+    // nor is the pool's last free connection kept: the lease, the reclaim
+    // and the attempts' artifact transfers would wait for it
     if held.is_some() && !db.has_spare_connection() {
         *held = None;
     }

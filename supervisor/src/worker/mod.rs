@@ -894,9 +894,13 @@ async fn listen_loop(
     heartbeat_now: Arc<Notify>,
     stop: CancellationToken,
 ) {
+    // LISTEN holds its connection for as long as it listens: one of its
+    // own, as the heartbeat's, not one of the pool's (which the config sizes
+    // for the attempts, the lease and the ledger)
+    let listen_db = shared.db.dedicated(DB_CALL_TIMEOUT);
     let mut backoff = Duration::from_millis(200);
     loop {
-        let mut listener = match shared.db.listener().await {
+        let mut listener = match listen_db.listener().await {
             Ok(l) => l,
             Err(e) => {
                 warn!(error = %e, "LISTEN unavailable; polling only");
