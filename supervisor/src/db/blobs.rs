@@ -80,9 +80,9 @@ impl Db {
     /// garbage collection leaves it alone until the commit references it);
     /// its size, or `None` when no such blob exists.
     pub async fn claim_blob(&self, sha256: &str) -> Result<Option<i64>, DbError> {
-        self.acquire("claiming an artifact blob")
+        self.connection("claiming an artifact blob")
             .await?
-            .db()
+            .conn()
             .claim_blob(sha256)
             .await
     }
@@ -90,9 +90,9 @@ impl Db {
     /// Stores a blob that fits in one chunk as one value (inline). An
     /// existing blob of that sha256 is claimed instead.
     pub async fn record_inline_blob(&self, sha256: &str, content: &[u8]) -> Result<(), DbError> {
-        self.acquire("storing an artifact blob")
+        self.connection("storing an artifact blob")
             .await?
-            .db()
+            .conn()
             .record_inline_blob(sha256, content)
             .await
     }
@@ -100,9 +100,9 @@ impl Db {
     /// Writes chunk `n` of upload `upload_id` (its own statement: staged, not
     /// yet part of any blob).
     pub async fn put_chunk(&self, upload_id: Uuid, n: i32, data: &[u8]) -> Result<(), DbError> {
-        self.acquire("storing an artifact chunk")
+        self.connection("storing an artifact chunk")
             .await?
-            .db()
+            .conn()
             .put_chunk(upload_id, n, data)
             .await
     }
@@ -117,9 +117,9 @@ impl Db {
         upload_id: Uuid,
         chunks: i32,
     ) -> Result<Recorded, DbError> {
-        self.acquire("storing an artifact blob")
+        self.connection("storing an artifact blob")
             .await?
-            .db()
+            .conn()
             .record_chunked_blob(sha256, size, upload_id, chunks)
             .await
     }
@@ -127,9 +127,9 @@ impl Db {
     /// Records a blob whose file is in the shared directory (or claims the
     /// existing blob of that sha256).
     pub async fn record_directory_blob(&self, sha256: &str, size: i64) -> Result<(), DbError> {
-        self.acquire("storing an artifact blob")
+        self.connection("storing an artifact blob")
             .await?
-            .db()
+            .conn()
             .record_directory_blob(sha256, size)
             .await
     }
@@ -137,18 +137,18 @@ impl Db {
     /// Deletes the chunks of an upload that did not become (or did not need
     /// to become) a blob. Never touches a promoted upload's chunks.
     pub async fn drop_upload(&self, upload_id: Uuid) -> Result<u64, DbError> {
-        self.acquire("deleting an unfinished upload")
+        self.connection("deleting an unfinished upload")
             .await?
-            .db()
+            .conn()
             .drop_upload(upload_id)
             .await
     }
 
     /// Chunk `n` of a chunked blob; `None` when it is missing.
     pub async fn blob_chunk(&self, upload_id: Uuid, n: i32) -> Result<Option<Vec<u8>>, DbError> {
-        self.acquire("reading an artifact chunk")
+        self.connection("reading an artifact chunk")
             .await?
-            .db()
+            .conn()
             .blob_chunk(upload_id, n)
             .await
     }
@@ -161,9 +161,9 @@ impl Db {
         offset: i64,
         len: i64,
     ) -> Result<Option<Vec<u8>>, DbError> {
-        self.acquire("reading an artifact's bytes")
+        self.connection("reading an artifact's bytes")
             .await?
-            .db()
+            .conn()
             .inline_slice(sha256, offset, len)
             .await
     }
@@ -175,9 +175,9 @@ impl Db {
         run_id: Uuid,
         step_name: &str,
     ) -> Result<Vec<InputArtifact>, DbError> {
-        self.acquire("reading input artifacts")
+        self.connection("reading input artifacts")
             .await?
-            .db()
+            .conn()
             .input_artifacts(run_id, step_name)
             .await
     }

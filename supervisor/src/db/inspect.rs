@@ -125,9 +125,9 @@ impl Db {
     /// (step, attempt, sequence); steps in their spec order. `NotFound`
     /// names an unknown run or step.
     pub async fn events(&self, run_id: Uuid, step: Option<&str>) -> Result<Vec<EventRow>, DbError> {
-        self.acquire("reading a run")
+        self.connection("reading a run")
             .await?
-            .db()
+            .conn()
             .events(run_id, step)
             .await
     }
@@ -135,16 +135,20 @@ impl Db {
     /// Each step's latest `progress` event (of its newest attempt that sent
     /// one), by step_run_id. Steps that never reported progress are absent.
     pub async fn latest_progress(&self, run_id: Uuid) -> Result<BTreeMap<Uuid, Progress>, DbError> {
-        self.acquire("reading a run's latest progress")
+        self.connection("reading a run's latest progress")
             .await?
-            .db()
+            .conn()
             .latest_progress(run_id)
             .await
     }
 
     /// Runs, newest first, with their step counts by state.
     pub async fn runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, DbError> {
-        self.acquire("listing runs").await?.db().runs(filter).await
+        self.connection("listing runs")
+            .await?
+            .conn()
+            .runs(filter)
+            .await
     }
 }
 
@@ -381,9 +385,9 @@ impl Db {
     /// A snapshot of a run for `watch`, in one read-only transaction (so the
     /// run's state and its steps agree). `NotFound` for an unknown run.
     pub async fn watch_snapshot(&self, run_id: Uuid) -> Result<WatchRun, DbError> {
-        self.acquire("starting a read")
+        self.connection("starting a read")
             .await?
-            .db()
+            .conn()
             .watch_snapshot(run_id)
             .await
     }
@@ -539,9 +543,9 @@ impl Db {
     /// An artifact and where its blob's bytes are (read them with
     /// `crate::artifacts::ArtifactStore`); `NotFound` for an unknown id.
     pub async fn artifact_blob(&self, id: Uuid) -> Result<(ArtifactInfo, BlobRef), DbError> {
-        self.acquire("reading an artifact")
+        self.connection("reading an artifact")
             .await?
-            .db()
+            .conn()
             .artifact_blob(id)
             .await
     }
@@ -550,9 +554,9 @@ impl Db {
     /// every step and attempt (`durable.artifact_lineage`, recursively).
     /// `NotFound` for an unknown id.
     pub async fn artifact_lineage(&self, id: Uuid) -> Result<Lineage, DbError> {
-        self.acquire("starting a read")
+        self.connection("starting a read")
             .await?
-            .db()
+            .conn()
             .artifact_lineage(id)
             .await
     }

@@ -245,9 +245,9 @@ impl Db {
     /// connection, the commit) is returned as such; a row's own refusal is in
     /// its `RowOutcome`. Nothing is acknowledged before the commit.
     pub async fn write_batch(&self, worker: &str, b: &Batch) -> Result<BatchOutcome, DbError> {
-        self.acquire("beginning a ledger batch")
+        self.connection("beginning a ledger batch")
             .await?
-            .db()
+            .conn()
             .write_batch(worker, b)
             .await
     }
@@ -265,9 +265,9 @@ impl Db {
         b: &Batch,
         writes: &[LedgerWrite],
     ) -> Result<LedgerOutcome, DbError> {
-        self.acquire("beginning a ledger batch")
+        self.connection("beginning a ledger batch")
             .await?
-            .db()
+            .conn()
             .write_ledger(worker, b, writes)
             .await
     }

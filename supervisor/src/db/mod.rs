@@ -281,8 +281,9 @@ impl DbTransaction {
     }
 }
 
-/// A connection of the pool that its owner keeps across operations (from
-/// [`Db::connection`]; the ledger's). The pool checks every connection given
+/// A connection of the pool: taken by one `Db` wrapper for one operation,
+/// or kept by its owner across operations (from [`Db::connection`]; the
+/// ledger's). The pool checks every connection given
 /// back with a round trip (sqlx sends a Sync and waits for its
 /// ReadyForQuery), so an owner that writes every few milliseconds keeps one
 /// instead of taking and giving back one per write. Give it back (drop it)
@@ -294,15 +295,6 @@ pub struct DbConnection(sqlx::pool::PoolConnection<sqlx::Postgres>);
 impl DbConnection {
     /// The operations, on this connection.
     pub fn conn(&mut self) -> DbConn<'_> {
-        DbConn::new(&mut self.0)
-    }
-}
-
-/// A pooled connection taken by one `Db` wrapper for one operation.
-struct Pooled(sqlx::pool::PoolConnection<sqlx::Postgres>);
-
-impl Pooled {
-    fn db(&mut self) -> DbConn<'_> {
         DbConn::new(&mut self.0)
     }
 }
@@ -620,15 +612,16 @@ impl Db {
     /// newer schema is accepted (migrations are additive: rolling upgrades run
     /// new workers and old ones against one database). Returns the version found.
     pub async fn check_schema(&self) -> Result<i64, DbError> {
-        self.acquire("reading the schema version")
+        self.connection("reading the schema version")
             .await?
-            .db()
+            .conn()
             .check_schema()
             .await
     }
 
     /// A connection of the pool to keep across operations (see
-    /// [`DbConnection`]); `context` names what it is for.
+    /// [`DbConnection`]); `context` names what it is for, as the error of
+    /// its first statement would have.
     pub async fn connection(&self, context: &'static str) -> Result<DbConnection, DbError> {
         Ok(DbConnection(self.pool.acquire().await.ctx(context)?))
     }
@@ -637,12 +630,6 @@ impl Db {
     /// waiting: one is idle, or the pool may still open one.
     pub fn has_spare_connection(&self) -> bool {
         self.pool.num_idle() > 0 || self.pool.size() < self.pool.options().get_max_connections()
-    }
-
-    /// A connection of the pool for one operation; `context` names the
-    /// operation, as the error of its first statement would have.
-    async fn acquire(&self, context: &'static str) -> Result<Pooled, DbError> {
-        Ok(Pooled(self.pool.acquire().await.ctx(context)?))
     }
 
     /// Begins a transaction: run operations on it with

@@ -17,9 +17,9 @@ pub struct QueueDepth {
 impl Db {
     /// Whether the database answers at all (readiness).
     pub async fn ping(&self) -> Result<(), DbError> {
-        self.acquire("checking that the database answers")
+        self.connection("checking that the database answers")
             .await?
-            .db()
+            .conn()
             .ping()
             .await
     }
@@ -27,9 +27,9 @@ impl Db {
     /// Ready steps per (executor_kind, kind), whoever can run them: see
     /// [`DbConn::queue_depth`].
     pub async fn queue_depth(&self, max_kinds: u32, cap: u32) -> Result<Vec<QueueDepth>, DbError> {
-        self.acquire("counting ready steps per kind")
+        self.connection("counting ready steps per kind")
             .await?
-            .db()
+            .conn()
             .queue_depth(max_kinds, cap)
             .await
     }

@@ -18,17 +18,17 @@ impl Db {
         host: &str,
         capabilities: &serde_json::Value,
     ) -> Result<(), DbError> {
-        self.acquire("registering the worker")
+        self.connection("registering the worker")
             .await?
-            .db()
+            .conn()
             .register_worker(id, name, host, capabilities)
             .await
     }
 
     pub async fn worker_stopped(&self, id: Uuid) -> Result<(), DbError> {
-        self.acquire("marking the worker stopped")
+        self.connection("marking the worker stopped")
             .await?
-            .db()
+            .conn()
             .worker_stopped(id)
             .await
     }
@@ -48,9 +48,9 @@ impl Db {
         if routes.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
-        self.acquire("leasing steps")
+        self.connection("leasing steps")
             .await?
-            .db()
+            .conn()
             .lease(worker_id, worker_name, routes, limit, ttl)
             .await
     }
@@ -68,9 +68,9 @@ impl Db {
         leases: &[Lease],
         ttl: StdDuration,
     ) -> Result<HeartbeatReport, DbError> {
-        self.acquire("renewing leases")
+        self.connection("renewing leases")
             .await?
-            .db()
+            .conn()
             .heartbeat(worker_id, leases, ttl)
             .await
     }
@@ -80,9 +80,9 @@ impl Db {
     /// when cancellation was requested — reason `LEASE_EXPIRED`. Returns how
     /// many were reclaimed. Each reclaim is its own transaction.
     pub async fn reclaim_expired(&self, worker_name: &str, limit: u32) -> Result<usize, DbError> {
-        self.acquire("finding expired leases")
+        self.connection("finding expired leases")
             .await?
-            .db()
+            .conn()
             .reclaim_expired(worker_name, limit)
             .await
     }

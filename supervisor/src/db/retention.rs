@@ -117,9 +117,9 @@ impl Db {
     /// `now() - older_than` on the database clock: lease and finish times
     /// are the database's, so is the cutoff.
     pub async fn retention_cutoff(&self, older_than: Duration) -> Result<DateTime<Utc>, DbError> {
-        self.acquire("computing the retention cutoff")
+        self.connection("computing the retention cutoff")
             .await?
-            .db()
+            .conn()
             .retention_cutoff(older_than)
             .await
     }
@@ -134,9 +134,9 @@ impl Db {
         max_runs: u32,
         max_steps: u32,
     ) -> Result<RetentionBatch, DbError> {
-        self.acquire("beginning a retention batch")
+        self.connection("beginning a retention batch")
             .await?
-            .db()
+            .conn()
             .retention_batch(cutoff, max_runs, max_steps)
             .await
     }
@@ -230,9 +230,9 @@ impl Db {
         age: Duration,
         limit: u32,
     ) -> Result<(u64, u64), DbError> {
-        self.acquire("collecting unreferenced artifact blobs")
+        self.connection("collecting unreferenced artifact blobs")
             .await?
-            .db()
+            .conn()
             .collect_blob_garbage(age, limit)
             .await
     }
@@ -243,18 +243,18 @@ impl Db {
         &self,
         limit: u32,
     ) -> Result<Vec<(String, DateTime<Utc>)>, DbError> {
-        self.acquire("reading removed blob files")
+        self.connection("reading removed blob files")
             .await?
-            .db()
+            .conn()
             .removed_blob_files(limit)
             .await
     }
 
     /// The removed files are dealt with (deleted, or kept as a re-upload).
     pub async fn forget_removed_blob_files(&self, shas: &[String]) -> Result<(), DbError> {
-        self.acquire("dequeuing removed blob files")
+        self.connection("dequeuing removed blob files")
             .await?
-            .db()
+            .conn()
             .forget_removed_blob_files(shas)
             .await
     }
@@ -264,9 +264,9 @@ impl Db {
         &self,
         older_than: Duration,
     ) -> Result<RetentionPreview, DbError> {
-        self.acquire("computing the retention cutoff")
+        self.connection("computing the retention cutoff")
             .await?
-            .db()
+            .conn()
             .retention_preview(older_than)
             .await
     }

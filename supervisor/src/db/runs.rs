@@ -10,9 +10,9 @@ impl Db {
     /// spec is `DbError::InvalidSpec` with a message that names the field;
     /// nothing is written then.
     pub async fn submit(&self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
-        self.acquire("submitting a run")
+        self.connection("submitting a run")
             .await?
-            .db()
+            .conn()
             .submit(spec)
             .await
     }
@@ -20,27 +20,27 @@ impl Db {
     /// Requests cancellation of a run or one of its steps; returns the run's
     /// state afterwards.
     pub async fn cancel(&self, run_id: Uuid, step: Option<&str>) -> Result<RunState, DbError> {
-        self.acquire("cancelling")
+        self.connection("cancelling")
             .await?
-            .db()
+            .conn()
             .cancel(run_id, step)
             .await
     }
 
     /// The run and its steps, or `NotFound`.
     pub async fn status(&self, run_id: Uuid) -> Result<RunStatus, DbError> {
-        self.acquire("reading a run")
+        self.connection("reading a run")
             .await?
-            .db()
+            .conn()
             .status(run_id)
             .await
     }
 
     /// How many runs are pending or running.
     pub async fn open_runs(&self) -> Result<i64, DbError> {
-        self.acquire("counting open runs")
+        self.connection("counting open runs")
             .await?
-            .db()
+            .conn()
             .open_runs()
             .await
     }

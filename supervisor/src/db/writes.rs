@@ -16,9 +16,9 @@ impl Db {
         executor_pid: i32,
         event: &NewEvent<'_>,
     ) -> Result<(), DbError> {
-        self.acquire("marking a step running")
+        self.connection("marking a step running")
             .await?
-            .db()
+            .conn()
             .mark_running(lease, worker_name, executor_pid, event)
             .await
     }
@@ -40,9 +40,9 @@ impl Db {
         if events.is_empty() {
             return Ok(());
         }
-        self.acquire("recording progress events")
+        self.connection("recording progress events")
             .await?
-            .db()
+            .conn()
             .record_events(lease, events)
             .await
     }
@@ -60,9 +60,9 @@ impl Db {
         artifacts: &[NewArtifact],
         sequence: Option<u64>,
     ) -> Result<Vec<Uuid>, DbError> {
-        self.acquire("completing a step")
+        self.connection("completing a step")
             .await?
-            .db()
+            .conn()
             .complete(lease, worker_name, output, artifacts, sequence)
             .await
     }
@@ -76,9 +76,9 @@ impl Db {
         report: &FailureReport,
         jitter: f64,
     ) -> Result<FailureDecision, DbError> {
-        self.acquire("beginning a step write")
+        self.connection("beginning a step write")
             .await?
-            .db()
+            .conn()
             .fail(lease, worker_name, report, jitter)
             .await
     }
@@ -90,9 +90,9 @@ impl Db {
         worker_name: &str,
         message: &str,
     ) -> Result<(), DbError> {
-        self.acquire("beginning a step write")
+        self.connection("beginning a step write")
             .await?
-            .db()
+            .conn()
             .confirm_cancelled(lease, worker_name, message)
             .await
     }
@@ -113,9 +113,9 @@ impl Db {
         delay: StdDuration,
         max_refusals: u32,
     ) -> Result<String, DbError> {
-        self.acquire("beginning a step write")
+        self.connection("beginning a step write")
             .await?
-            .db()
+            .conn()
             .refuse(lease, worker_name, code, message, delay, max_refusals)
             .await
     }
@@ -130,9 +130,9 @@ impl Db {
         worker_name: &str,
         message: &str,
     ) -> Result<(), DbError> {
-        self.acquire("beginning a step write")
+        self.connection("beginning a step write")
             .await?
-            .db()
+            .conn()
             .release(lease, worker_name, message)
             .await
     }

@@ -1764,11 +1764,11 @@ fn owned_event(e: &wire::Event) -> OwnedEvent {
 const INLINE_RESULT_CHECK_BYTES: usize = 64 * 1024;
 
 /// Turns a result into an outcome: the output must be JSON and every artifact
-/// must be where the manifest says (`finish_result`, off the runtime
-/// threads unless there is no artifact and the output is small), then each artifact streams into the artifact store, its size and
-/// sha256 checked against the manifest on the way (`ARTIFACT_DIGEST_MISMATCH`
-/// otherwise; nothing of it stays stored). The commit then only references
-/// the stored blobs.
+/// must be where the manifest says (`finish_result`, off the runtime threads
+/// unless there is no artifact and the output is small), then each artifact
+/// streams into the artifact store, its size and sha256 checked against the
+/// manifest on the way (`ARTIFACT_DIGEST_MISMATCH` otherwise; nothing of it
+/// stays stored). The commit then only references the stored blobs.
 async fn verify_result(
     store: &ArtifactStore,
     job: &wire::Job,
