@@ -1,0 +1,74 @@
+-- cancel_run creates the steps of a run's waiting definitions in one
+-- statement.
+--
+-- A run cancelled while definitions wait for their dependencies gets their
+-- steps, created cancelled, so that every step of the run is listed with its
+-- state. Before, each was an INSERT of its own (durable.materialize_step in a
+-- loop), each firing the insert trigger (history, wake-up, an UPDATE of the
+-- run's counters): cancelling a run of one step and 999 dependents took
+-- ~190 ms. Now they are one INSERT … SELECT, whose trigger runs once.
+-- cancel_run is otherwise unchanged from 20261201000001_guarantees.
+
+CREATE OR REPLACE FUNCTION durable.cancel_run(rid uuid, step_name text DEFAULT NULL, reason text DEFAULT 'CANCEL_REQUESTED')
+RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    cur text; run_key text; d durable.step_defs;
+BEGIN
+    SELECT state, coalesce(idempotency_key, id::text) INTO cur, run_key
+      FROM durable.workflow_runs WHERE id = rid FOR NO KEY UPDATE;
+    IF cur IS NULL THEN
+        RAISE EXCEPTION 'unknown run %', rid USING ERRCODE = 'P0D04';
+    END IF;
+    IF durable.run_state_is_terminal(cur) THEN
+        RETURN cur;
+    END IF;
+    IF step_name IS NULL THEN
+        -- the run's flag first: from its commit on, no step of this run is
+        -- leased and the heartbeat reports every lease of it as cancelled
+        UPDATE durable.workflow_runs SET cancel_requested = true WHERE id = rid AND NOT cancel_requested;
+        -- steps not created yet will now never run: create them cancelled
+        -- (in one statement: materialize_step's row for each definition)
+        INSERT INTO durable.step_runs (id, run_id, name, position, executor_kind, kind, labels, input,
+                                       idempotency_key, retry, timeout_ms, heartbeat_timeout_ms, deadline,
+                                       secrets, transition_reason)
+        SELECT durable.time_ordered_uuid(), sd.run_id, sd.name, sd.position, sd.executor_kind, sd.kind,
+               sd.labels, sd.input, run_key || '/' || sd.name, sd.retry, sd.timeout_ms,
+               sd.heartbeat_timeout_ms, sd.deadline, sd.secrets,
+               CASE WHEN cardinality(sd.depends_on) = 0 THEN 'SUBMITTED' ELSE 'DEPENDENCIES_SUCCEEDED' END
+          FROM durable.step_defs sd
+         WHERE sd.run_id = rid
+           AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = rid AND s.name = sd.name)
+         ORDER BY sd.position;
+        -- one statement over every open step, locked in id order: a step that
+        -- is leased between the lock and the write is re-checked on its new
+        -- version and flagged instead of cancelled, never missed
+        WITH open_steps AS (
+            SELECT id FROM durable.step_runs
+             WHERE run_id = rid AND state IN ('pending', 'retryable_failed', 'leased', 'running')
+             ORDER BY id FOR NO KEY UPDATE
+        )
+        UPDATE durable.step_runs s
+           SET state = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN 'cancelled' ELSE s.state END,
+               transition_reason = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN reason ELSE s.transition_reason END,
+               transition_by = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN NULL ELSE s.transition_by END,
+               cancel_requested = true
+          FROM open_steps o WHERE s.id = o.id;
+    ELSE
+        IF NOT EXISTS (SELECT 1 FROM durable.step_defs WHERE run_id = rid AND name = step_name) THEN
+            RAISE EXCEPTION 'run % has no step named "%"', rid, step_name USING ERRCODE = 'P0D04';
+        END IF;
+        IF NOT EXISTS (SELECT 1 FROM durable.step_runs WHERE run_id = rid AND name = step_name) THEN
+            SELECT * INTO d FROM durable.step_defs WHERE run_id = rid AND name = step_name;
+            PERFORM durable.materialize_step(d, run_key);
+        END IF;
+        UPDATE durable.step_runs s
+           SET state = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN 'cancelled' ELSE s.state END,
+               transition_reason = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN reason ELSE s.transition_reason END,
+               transition_by = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN NULL ELSE s.transition_by END,
+               cancel_requested = true
+         WHERE s.run_id = rid AND s.name = step_name
+           AND s.state IN ('pending', 'retryable_failed', 'leased', 'running');
+    END IF;
+    PERFORM pg_notify('durable_cancel', rid::text);
+    RETURN durable.recompute_run(rid, 'cancel requested');
+END $$;
