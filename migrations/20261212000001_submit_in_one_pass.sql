@@ -15,7 +15,7 @@
 -- Now the run is inserted with the counters its submit gives it (its roots
 -- are its steps, its other definitions wait), the definitions are collected
 -- into an array of step_defs rows as they are validated and written by one
--- INSERT, and the roots by one INSERT … SELECT. While
+-- INSERT, and the roots by one INSERT (durable.create_steps, below). While
 -- submit_run runs, the transaction-local setting durable.submitting_run names
 -- the run, and the two statement triggers that count leave that run's
 -- counters alone (everything else they do is unchanged). The setting is
@@ -74,6 +74,29 @@ CREATE TRIGGER step_runs_guard_insert BEFORE INSERT ON durable.step_runs
 DROP TRIGGER workflow_runs_guard_insert ON durable.workflow_runs;
 CREATE TRIGGER workflow_runs_guard_insert BEFORE INSERT ON durable.workflow_runs
     FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM 'pending') EXECUTE FUNCTION durable.guard_run_insert();
+
+-- A pending step for each definition (what materialize_step wrote for one),
+-- in one INSERT: submit_run's roots, a success's ready dependents and the
+-- waiting definitions of a cancelled run all come through here, so their
+-- insert trigger runs once per statement, not once per step. Returns the ids.
+CREATE FUNCTION durable.create_steps(p_defs durable.step_defs[], p_run_key text) RETURNS SETOF uuid
+LANGUAGE sql AS $$
+    INSERT INTO durable.step_runs (id, run_id, name, position, executor_kind, kind, labels, input,
+                                   idempotency_key, retry, timeout_ms, heartbeat_timeout_ms, deadline,
+                                   secrets, transition_reason)
+    SELECT durable.time_ordered_uuid(), d.run_id, d.name, d.position, d.executor_kind, d.kind, d.labels,
+           d.input, p_run_key || '/' || d.name, d.retry, d.timeout_ms, d.heartbeat_timeout_ms, d.deadline,
+           d.secrets, CASE WHEN cardinality(d.depends_on) = 0 THEN 'SUBMITTED' ELSE 'DEPENDENCIES_SUCCEEDED' END
+      FROM unnest(p_defs) AS d
+     ORDER BY d.position
+    RETURNING id
+$$;
+
+CREATE OR REPLACE FUNCTION durable.materialize_step(d durable.step_defs, run_key text) RETURNS uuid
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN (SELECT durable.create_steps(ARRAY[d], run_key));
+END $$;
 
 CREATE OR REPLACE FUNCTION durable.submit_run(spec jsonb) RETURNS uuid LANGUAGE plpgsql AS $$
 DECLARE
@@ -291,16 +314,9 @@ BEGIN
     END IF;
 
     INSERT INTO durable.transitions (run_id, from_state, to_state, reason) VALUES (new_id, NULL, 'pending', 'SUBMITTED');
-    -- the roots' steps, in one statement (materialize_step's row, for each)
-    INSERT INTO durable.step_runs (id, run_id, name, position, executor_kind, kind, labels, input,
-                                   idempotency_key, retry, timeout_ms, heartbeat_timeout_ms, deadline,
-                                   secrets, transition_reason)
-    SELECT durable.time_ordered_uuid(), sd.run_id, sd.name, sd.position, sd.executor_kind, sd.kind, sd.labels,
-           sd.input, coalesce(run_key, new_id::text) || '/' || sd.name, sd.retry, sd.timeout_ms,
-           sd.heartbeat_timeout_ms, sd.deadline, sd.secrets, 'SUBMITTED'
-      FROM durable.step_defs sd
-     WHERE sd.run_id = new_id AND cardinality(sd.depends_on) = 0
-     ORDER BY sd.position;
+    -- the roots' steps, in one statement
+    PERFORM durable.create_steps(ARRAY(SELECT rd FROM unnest(defs) AS rd WHERE cardinality(rd.depends_on) = 0),
+                                 coalesce(run_key, new_id::text));
     PERFORM set_config('durable.submitting_run', '', true);
     RETURN new_id;
 END $$;

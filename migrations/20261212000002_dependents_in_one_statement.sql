@@ -6,9 +6,9 @@
 -- UPDATE of the run's counters. A fan-out of 1,000 steps behind one step was
 -- 1,000 such statements inside the completion's flush, and the worker's one
 -- writer (the ledger) waited for all of them. Now the decrement of the
--- dependents' counters and the creation of those that reach 0 are one
--- statement (an UPDATE … RETURNING feeding an INSERT … SELECT), whose insert
--- trigger writes the history, the wake-up and the counters once.
+-- dependents' counters is one statement, and those that reach 0 are created
+-- by one INSERT (durable.create_steps), whose insert trigger writes the
+-- history, the wake-up and the counters once.
 -- on_step_transition is otherwise unchanged from 20261210000001_fused_start.
 
 CREATE OR REPLACE FUNCTION durable.on_step_transition()
@@ -16,7 +16,7 @@ RETURNS trigger
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    n_changed bigint; c record; run_key text; run_cancel boolean; run_failed int;
+    n_changed bigint; c record; ready_defs durable.step_defs[]; run_key text; run_cancel boolean; run_failed int;
     f_wake boolean; f_terminal boolean; f_cascade boolean; f_running boolean;
     r_ids uuid[]; r_cur text[]; r_next text[]; r_why text[]; c_ids uuid[]; c_why text[];
     d_s integer[]; d_f integer[]; d_c integer[]; has_cascade boolean := false;
@@ -231,18 +231,16 @@ BEGIN
                       FROM durable.step_dependents e
                      WHERE e.run_id = c.run_id AND e.dependency = c.name
                        AND sd.run_id = e.run_id AND sd.name = e.dependent
-                 RETURNING sd.*
+                 RETURNING sd
                 )
-                INSERT INTO durable.step_runs (id, run_id, name, position, executor_kind, kind, labels, input,
-                                               idempotency_key, retry, timeout_ms, heartbeat_timeout_ms, deadline,
-                                               secrets, transition_reason)
-                SELECT durable.time_ordered_uuid(), r.run_id, r.name, r.position, r.executor_kind, r.kind,
-                       r.labels, r.input, run_key || '/' || r.name, r.retry, r.timeout_ms,
-                       r.heartbeat_timeout_ms, r.deadline, r.secrets, 'DEPENDENCIES_SUCCEEDED'
+                SELECT array_agg(r.sd ORDER BY (r.sd).position) INTO ready_defs
                   FROM ready r
-                 WHERE r.deps_remaining = 0 AND NOT run_cancel AND run_failed = 0
-                   AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = r.run_id AND s.name = r.name)
-                 ORDER BY r.position;
+                 WHERE (r.sd).deps_remaining = 0
+                   AND NOT EXISTS (SELECT 1 FROM durable.step_runs s
+                                    WHERE s.run_id = (r.sd).run_id AND s.name = (r.sd).name);
+                IF ready_defs IS NOT NULL AND NOT run_cancel AND run_failed = 0 THEN
+                    PERFORM durable.create_steps(ready_defs, run_key);
+                END IF;
             ELSE
                 -- the first failure ends the run: open siblings are locked in id order,
                 -- pending ones cancelled at once, leased and running ones get a durable

@@ -6,7 +6,8 @@
 -- state. Before, each was an INSERT of its own (durable.materialize_step in a
 -- loop), each firing the insert trigger (history, wake-up, an UPDATE of the
 -- run's counters): cancelling a run of one step and 999 dependents took
--- ~190 ms. Now they are one INSERT … SELECT, whose trigger runs once.
+-- ~190 ms. Now they are one INSERT (durable.create_steps), whose trigger runs
+-- once.
 -- cancel_run is otherwise unchanged from 20261201000001_guarantees.
 
 CREATE OR REPLACE FUNCTION durable.cancel_run(rid uuid, step_name text DEFAULT NULL, reason text DEFAULT 'CANCEL_REQUESTED')
@@ -27,18 +28,13 @@ BEGIN
         -- leased and the heartbeat reports every lease of it as cancelled
         UPDATE durable.workflow_runs SET cancel_requested = true WHERE id = rid AND NOT cancel_requested;
         -- steps not created yet will now never run: create them cancelled
-        -- (in one statement: materialize_step's row for each definition)
-        INSERT INTO durable.step_runs (id, run_id, name, position, executor_kind, kind, labels, input,
-                                       idempotency_key, retry, timeout_ms, heartbeat_timeout_ms, deadline,
-                                       secrets, transition_reason)
-        SELECT durable.time_ordered_uuid(), sd.run_id, sd.name, sd.position, sd.executor_kind, sd.kind,
-               sd.labels, sd.input, run_key || '/' || sd.name, sd.retry, sd.timeout_ms,
-               sd.heartbeat_timeout_ms, sd.deadline, sd.secrets,
-               CASE WHEN cardinality(sd.depends_on) = 0 THEN 'SUBMITTED' ELSE 'DEPENDENCIES_SUCCEEDED' END
-          FROM durable.step_defs sd
-         WHERE sd.run_id = rid
-           AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = rid AND s.name = sd.name)
-         ORDER BY sd.position;
+        -- (in one statement)
+        PERFORM durable.create_steps(
+            ARRAY(SELECT sd FROM durable.step_defs sd
+                   WHERE sd.run_id = rid
+                     AND NOT EXISTS (SELECT 1 FROM durable.step_runs s WHERE s.run_id = rid AND s.name = sd.name)
+                   ORDER BY sd.position),
+            run_key);
         -- one statement over every open step, locked in id order: a step that
         -- is leased between the lock and the write is re-checked on its new
         -- version and flagged instead of cancelled, never missed
