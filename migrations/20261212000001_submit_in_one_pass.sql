@@ -78,14 +78,19 @@ CREATE TRIGGER workflow_runs_guard_insert BEFORE INSERT ON durable.workflow_runs
 -- A pending step for each definition (what materialize_step wrote for one),
 -- in one INSERT: submit_run's roots, a success's ready dependents and the
 -- waiting definitions of a cancelled run all come through here, so their
--- insert trigger runs once per statement, not once per step. Returns the ids.
-CREATE FUNCTION durable.create_steps(p_defs durable.step_defs[], p_run_key text) RETURNS SETOF uuid
+-- insert trigger runs once per statement, not once per step. A step's
+-- idempotency key is its run's key (or id) and its name; p_run_key, when
+-- given, is that of every definition's run. Returns the ids.
+CREATE FUNCTION durable.create_steps(p_defs durable.step_defs[], p_run_key text DEFAULT NULL) RETURNS SETOF uuid
 LANGUAGE sql AS $$
     INSERT INTO durable.step_runs (id, run_id, name, position, executor_kind, kind, labels, input,
                                    idempotency_key, retry, timeout_ms, heartbeat_timeout_ms, deadline,
                                    secrets, transition_reason)
     SELECT durable.time_ordered_uuid(), d.run_id, d.name, d.position, d.executor_kind, d.kind, d.labels,
-           d.input, p_run_key || '/' || d.name, d.retry, d.timeout_ms, d.heartbeat_timeout_ms, d.deadline,
+           d.input,
+           coalesce(p_run_key, (SELECT coalesce(w.idempotency_key, w.id::text)
+                                  FROM durable.workflow_runs w WHERE w.id = d.run_id)) || '/' || d.name,
+           d.retry, d.timeout_ms, d.heartbeat_timeout_ms, d.deadline,
            d.secrets, CASE WHEN cardinality(d.depends_on) = 0 THEN 'SUBMITTED' ELSE 'DEPENDENCIES_SUCCEEDED' END
       FROM unnest(p_defs) AS d
      ORDER BY d.position

@@ -1,22 +1,31 @@
--- A success creates its ready dependents in one statement.
+-- The successes of a statement create their ready dependents in one
+-- statement.
 --
--- Before, the transition trigger created each dependent whose last
--- dependency had just succeeded by its own INSERT (durable.materialize_step in
--- a loop), each firing the insert trigger: its history row, a wake-up and an
--- UPDATE of the run's counters. A fan-out of 1,000 steps behind one step was
--- 1,000 such statements inside the completion's flush, and the worker's one
--- writer (the ledger) waited for all of them. Now the decrement of the
--- dependents' counters is one statement, and those that reach 0 are created
--- by one INSERT (durable.create_steps), whose insert trigger writes the
--- history, the wake-up and the counters once.
--- on_step_transition is otherwise unchanged from 20261210000001_fused_start.
+-- Before, the transition trigger took each success with dependents in turn
+-- (a loop over the statement's rows): it read its run, decremented its
+-- dependents' counters (one UPDATE), and created each dependent that reached
+-- 0 by its own INSERT (durable.materialize_step in a loop), each firing the
+-- insert trigger: its history row, a wake-up and an UPDATE of the run's
+-- counters. A fan-out of 1,000 steps behind one step was 1,000 such
+-- statements inside the completion's flush, and the worker's one writer (the
+-- ledger) waited for all of them; a flush of 50 completions of multi-step
+-- runs was ~150 statements, and a fan-in's counter was written once per
+-- dependency that succeeded. Now all the statement's successes are one read
+-- of the reverse edges, one UPDATE of the dependents' counters (each
+-- decremented once, by the number of its dependencies that succeeded) and
+-- one INSERT of those that reach 0 (durable.create_steps), whose insert
+-- trigger writes the history, the wake-ups and the counters once. Terminal
+-- failures still cancel their runs' open steps one failure at a time, in id
+-- order. on_step_transition is otherwise unchanged from
+-- 20261210000001_fused_start.
 
 CREATE OR REPLACE FUNCTION durable.on_step_transition()
 RETURNS trigger
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    n_changed bigint; c record; ready_defs durable.step_defs[]; run_key text; run_cancel boolean; run_failed int;
+    n_changed bigint; c record; ready_defs durable.step_defs[];
+    dep_runs uuid[]; dep_names text[]; dep_counts integer[];
     f_wake boolean; f_terminal boolean; f_cascade boolean; f_running boolean;
     r_ids uuid[]; r_cur text[]; r_next text[]; r_why text[]; c_ids uuid[]; c_why text[];
     d_s integer[]; d_f integer[]; d_c integer[]; has_cascade boolean := false;
@@ -202,62 +211,66 @@ BEGIN
          WHERE w.id = l.id;
     END IF;
 
-    -- cascades, in id order: a success with dependents (a probe per row),
-    -- a terminal failure
+    -- cascades: the successes' dependents, then the terminal failures
     IF f_cascade THEN
+        -- the successes' dependents have as many dependencies fewer to wait
+        -- for as their dependencies that succeeded in this statement (a probe
+        -- of the reverse edges per row: as a join the planner may hash a scan
+        -- of every run's); all in one UPDATE, under the runs' locks (taken
+        -- above), in (run, name) order
+        SELECT array_agg(x.run_id ORDER BY x.run_id, x.dependent),
+               array_agg(x.dependent ORDER BY x.run_id, x.dependent),
+               array_agg(x.k ORDER BY x.run_id, x.dependent)
+          INTO dep_runs, dep_names, dep_counts
+          FROM (SELECT n.run_id, e.dependent, count(*)::int AS k
+                  FROM new_rows n
+                 CROSS JOIN LATERAL (SELECT e.dependent FROM durable.step_dependents e
+                                      WHERE e.run_id = n.run_id AND e.dependency = n.name) e
+                 WHERE n.prev_state IS NOT NULL AND n.state = 'succeeded'
+                 GROUP BY n.run_id, e.dependent) x;
+        IF dep_runs IS NOT NULL THEN
+            -- those that reach 0 are created in one INSERT (their insert
+            -- trigger counts them on their runs); as before, no new step in a
+            -- run that failed (its counters above count this statement's
+            -- failures) or whose cancel was requested, and a definition
+            -- cancel_run already created stays as it is
+            WITH ready AS (
+                UPDATE durable.step_defs sd SET deps_remaining = sd.deps_remaining - x.k
+                  FROM unnest(dep_runs, dep_names, dep_counts) AS x(run_id, name, k)
+                 WHERE sd.run_id = x.run_id AND sd.name = x.name
+             RETURNING sd
+            )
+            SELECT array_agg(r.sd ORDER BY (r.sd).run_id, (r.sd).position) INTO ready_defs
+              FROM ready r
+             WHERE (r.sd).deps_remaining = 0
+               AND (SELECT NOT w.cancel_requested AND w.steps_failed = 0
+                      FROM durable.workflow_runs w WHERE w.id = (r.sd).run_id)
+               AND NOT EXISTS (SELECT 1 FROM durable.step_runs s
+                                WHERE s.run_id = (r.sd).run_id AND s.name = (r.sd).name);
+            IF ready_defs IS NOT NULL THEN
+                PERFORM durable.create_steps(ready_defs);
+            END IF;
+        END IF;
+        -- the first failure ends the run: open siblings are locked in id
+        -- order, pending ones cancelled at once, leased and running ones get
+        -- a durable cancel request (failures in id order)
         FOR c IN
-            SELECT n.id, n.run_id, n.name, n.state
-              FROM new_rows n
-             WHERE n.prev_state IS NOT NULL
-               AND (n.state = 'terminal_failed'
-                    OR (n.state = 'succeeded'
-                        AND coalesce((SELECT true FROM durable.step_dependents e
-                                       WHERE e.run_id = n.run_id AND e.dependency = n.name
-                                       LIMIT 1), false)))
+            SELECT n.id, n.run_id FROM new_rows n
+             WHERE n.prev_state IS NOT NULL AND n.state = 'terminal_failed'
              ORDER BY n.id
         LOOP
-            IF c.state = 'succeeded' THEN
-                -- this step's dependents have one dependency fewer to wait for;
-                -- the definitions are written under the run's lock (taken above)
-                SELECT coalesce(r.idempotency_key, r.id::text), r.cancel_requested, r.steps_failed
-                  INTO run_key, run_cancel, run_failed
-                  FROM durable.workflow_runs r WHERE r.id = c.run_id;
-                -- the ready ones are created in one statement (their insert
-                -- trigger counts them on the run); as before, no new step once
-                -- the run failed or a cancel was requested, and a definition
-                -- cancel_run already created stays as it is
-                WITH ready AS (
-                    UPDATE durable.step_defs sd SET deps_remaining = sd.deps_remaining - 1
-                      FROM durable.step_dependents e
-                     WHERE e.run_id = c.run_id AND e.dependency = c.name
-                       AND sd.run_id = e.run_id AND sd.name = e.dependent
-                 RETURNING sd
-                )
-                SELECT array_agg(r.sd ORDER BY (r.sd).position) INTO ready_defs
-                  FROM ready r
-                 WHERE (r.sd).deps_remaining = 0
-                   AND NOT EXISTS (SELECT 1 FROM durable.step_runs s
-                                    WHERE s.run_id = (r.sd).run_id AND s.name = (r.sd).name);
-                IF ready_defs IS NOT NULL AND NOT run_cancel AND run_failed = 0 THEN
-                    PERFORM durable.create_steps(ready_defs, run_key);
-                END IF;
-            ELSE
-                -- the first failure ends the run: open siblings are locked in id order,
-                -- pending ones cancelled at once, leased and running ones get a durable
-                -- cancel request
-                WITH sib AS (
-                    SELECT id FROM durable.step_runs
-                     WHERE run_id = c.run_id AND id <> c.id
-                       AND state IN ('pending', 'retryable_failed', 'leased', 'running')
-                     ORDER BY id FOR NO KEY UPDATE
-                )
-                UPDATE durable.step_runs s
-                   SET state = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN 'cancelled' ELSE s.state END,
-                       transition_reason = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN 'RUN_FAILED' ELSE s.transition_reason END,
-                       transition_by = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN NULL ELSE s.transition_by END,
-                       cancel_requested = true
-                  FROM sib WHERE s.id = sib.id;
-            END IF;
+            WITH sib AS (
+                SELECT id FROM durable.step_runs
+                 WHERE run_id = c.run_id AND id <> c.id
+                   AND state IN ('pending', 'retryable_failed', 'leased', 'running')
+                 ORDER BY id FOR NO KEY UPDATE
+            )
+            UPDATE durable.step_runs s
+               SET state = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN 'cancelled' ELSE s.state END,
+                   transition_reason = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN 'RUN_FAILED' ELSE s.transition_reason END,
+                   transition_by = CASE WHEN s.state IN ('pending', 'retryable_failed') THEN NULL ELSE s.transition_by END,
+                   cancel_requested = true
+              FROM sib WHERE s.id = sib.id;
         END LOOP;
     END IF;
 

@@ -1602,3 +1602,76 @@ async fn a_cancel_creates_the_waiting_steps_in_one_statement() {
     tx.commit().await.expect("commit");
     check_books(&t.db, "after a cancel").await;
 }
+
+/// The successes of one statement create their ready dependents together:
+/// twenty dependencies of a fan-in and the first steps of two chains succeed
+/// in one statement, and the fan-in's counter is written once (not once per
+/// dependency), each dependent once, and the three new steps are one INSERT
+/// (one insert-trigger call, not one per success). (Before, each success was
+/// its own read of the run, UPDATE of its dependents and INSERT.)
+#[tokio::test]
+async fn the_successes_of_a_statement_create_their_dependents_together() {
+    let t = TestDb::new().await;
+    let step = |name: &str, deps: &[&str]| json!({"name": name, "executor_kind": "go", "kind": "k", "depends_on": deps});
+    let roots: Vec<String> = (0..20).map(|i| format!("in-{i}")).collect();
+    let mut fan: Vec<_> = roots.iter().map(|r| step(r, &[])).collect();
+    let deps: Vec<&str> = roots.iter().map(String::as_str).collect();
+    fan.push(step("join", &deps));
+    let mut runs = vec![t.submit(json!({"name": "fan-in", "steps": fan})).await];
+    for name in ["chain-a", "chain-b"] {
+        runs.push(
+            t.submit(
+                json!({"name": name, "steps": [step("first", &[]), step("second", &["first"])]}),
+            )
+            .await,
+        );
+    }
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    for (state, token) in [("leased", "gen_random_uuid()"), ("running", "lease_token")] {
+        sqlx::query(&format!(
+            "UPDATE durable.step_runs SET state = '{state}', lease_token = {token}
+              WHERE run_id = ANY ($1)"
+        ))
+        .bind(&runs)
+        .execute(&mut *tx)
+        .await
+        .expect("move the first steps on");
+    }
+    sqlx::query("SET LOCAL track_functions = 'pl'")
+        .execute(&mut *tx)
+        .await
+        .expect("track functions");
+    let before = rows_updated(&mut tx, "durable.step_defs").await;
+    let done =
+        sqlx::query("UPDATE durable.step_runs SET state = 'succeeded' WHERE run_id = ANY ($1)")
+            .bind(&runs)
+            .execute(&mut *tx)
+            .await
+            .expect("the first steps succeed");
+    assert_eq!(done.rows_affected(), 22);
+    assert_eq!(
+        rows_updated(&mut tx, "durable.step_defs").await - before,
+        3,
+        "each dependent's counter written once"
+    );
+    let calls = function_calls(&mut tx).await;
+    let called = |f: &str| calls.get(f).copied().unwrap_or(0);
+    assert_eq!(
+        called("on_steps_created"),
+        1,
+        "one INSERT of the dependents: {calls:?}"
+    );
+    let created: Vec<(String,)> = sqlx::query_as(
+        "SELECT name FROM durable.step_runs WHERE run_id = ANY ($1) AND state = 'pending' ORDER BY name",
+    )
+    .bind(&runs)
+    .fetch_all(&mut *tx)
+    .await
+    .expect("dependents");
+    assert_eq!(
+        created,
+        vec![("join".into(),), ("second".into(),), ("second".into(),)]
+    );
+    tx.commit().await.expect("commit");
+    check_books(&t.db, "after successes with dependents").await;
+}
