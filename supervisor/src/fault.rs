@@ -63,3 +63,32 @@ pub(crate) fn release_delay(kind: &str, attempt: u32) -> Option<std::time::Durat
         _ => None,
     }
 }
+
+static SLOW_LEASE: Mutex<Option<(String, std::time::Duration)>> = Mutex::new(None);
+static SLOW_LEASES_ENTERED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Makes every lease of the worker named `worker` wait `delay` after its
+/// connection is acquired and the stop flag checked, before the statement is
+/// sent (None: off): a lease on its way while a stop signal is noted.
+pub fn delay_leases_of(fault: Option<(&str, std::time::Duration)>) {
+    *SLOW_LEASE.lock().unwrap_or_else(|p| p.into_inner()) = fault.map(|(w, d)| (w.to_owned(), d));
+}
+
+/// How many leases have entered the delay of [`delay_leases_of`] so far.
+pub fn delayed_leases() -> u64 {
+    SLOW_LEASES_ENTERED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Waits as long as a test asked the leases of `worker` to.
+pub(crate) async fn maybe_delay_lease(worker: &str) {
+    let delay = SLOW_LEASE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .filter(|(w, _)| w == worker)
+        .map(|(_, d)| *d);
+    if let Some(d) = delay {
+        SLOW_LEASES_ENTERED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(d).await;
+    }
+}

@@ -551,23 +551,42 @@ async fn lease_pass(
         if free == 0 || routes.is_empty() {
             continue;
         }
-        // the lease clock starts at the send time: the database's expiry
-        // (its now() + TTL) is never earlier than this + TTL
-        let sent = Instant::now();
-        let steps = match bounded(
-            DB_CALL_TIMEOUT,
-            "leasing steps",
-            shared.db.lease(shared.id, &shared.name, &routes, free, ttl),
-        )
-        .await
-        {
-            Ok(s) => s,
+        let leased = bounded(DB_CALL_TIMEOUT, "leasing steps", async {
+            let mut conn = shared.db.connection("leasing steps").await?;
+            // the flag again once the connection is here (acquiring it is a
+            // round trip of its own): a step submitted after the signal was
+            // noted must not be leased by a lease decided before it
+            if stop_signalled() {
+                return Ok(None);
+            }
+            crate::fault::maybe_delay_lease(&shared.name).await;
+            // the lease clock starts at the send time: the database's expiry
+            // (its now() + TTL) is never earlier than this + TTL
+            let sent = Instant::now();
+            let steps = conn
+                .conn()
+                .lease(shared.id, &shared.name, &routes, free, ttl)
+                .await?;
+            Ok(Some((steps, sent)))
+        })
+        .await;
+        let (steps, sent) = match leased {
+            Ok(Some(leased)) => leased,
+            Ok(None) => return false,
             Err(e) => {
                 error!(error = %e, "lease failed; retrying after the poll interval");
                 break;
             }
         };
         crate::metrics::leased(&exec.cfg.name, steps.len());
+        if stop_signalled() {
+            // the signal was noted while this lease was on its way: its
+            // steps may have been submitted after it, and the drain starts
+            // no attempt. They go back to the queue at once, uncounted, for
+            // another worker (as a drain gives back what it stops)
+            give_back(shared, steps).await;
+            return false;
+        }
         if steps.len() as u32 == free {
             leased_any_full = true;
         }
@@ -576,6 +595,28 @@ async fn lease_pass(
         }
     }
     leased_any_full
+}
+
+/// Gives back steps leased as the stop signal arrived, before any attempt
+/// of theirs started: released at once and uncounted (`Db::release`). One
+/// that cannot be given back now is reclaimed when its lease expires.
+async fn give_back(shared: &Arc<Shared>, steps: Vec<crate::db::LeasedStep>) {
+    for step in steps {
+        let lease = &step.lease;
+        if let Err(e) = bounded(
+            DB_CALL_TIMEOUT,
+            "giving back a step leased as the worker stopped",
+            shared.db.release(
+                lease,
+                &shared.name,
+                "leased as the worker got its stop signal; given back before it started",
+            ),
+        )
+        .await
+        {
+            warn!(error = %e, step_run_id = %lease.step_run_id(), "cannot give back a step leased as the worker stopped; it is reclaimed when its lease expires");
+        }
+    }
 }
 
 /// The drain: nothing more is leased; running attempts get
