@@ -1340,8 +1340,25 @@ async fn a_write_through_a_state_is_refused_when_either_hop_is_illegal() {
     assert_eq!(state, "pending");
 }
 
+/// Counts the PL/pgSQL functions called in the transaction of `tx` from now on.
+async fn track_functions(tx: &mut sqlx::PgConnection) {
+    sqlx::query("SET LOCAL track_functions = 'pl'")
+        .execute(tx)
+        .await
+        .expect("track functions");
+}
+
+/// A run's `steps_total` and `defs_waiting`, as the transaction of `tx` sees them.
+async fn run_counters(tx: &mut sqlx::PgConnection, run: Uuid) -> (i32, i32) {
+    sqlx::query_as("SELECT steps_total, defs_waiting FROM durable.workflow_runs WHERE id = $1")
+        .bind(run)
+        .fetch_one(tx)
+        .await
+        .expect("counters")
+}
+
 /// Calls of each PL/pgSQL function so far in the transaction of `tx`
-/// (`track_functions = 'pl'` must be set in it).
+/// (after [`track_functions`]).
 async fn function_calls(tx: &mut sqlx::PgConnection) -> BTreeMap<String, i64> {
     sqlx::query_as::<_, (String, i64)>(
         "SELECT funcname::text, calls FROM pg_stat_xact_user_functions WHERE schemaname = 'durable'",
@@ -1367,10 +1384,7 @@ async fn a_submit_writes_its_run_once_and_each_kind_of_row_in_one_statement() {
     let t = TestDb::new().await;
     let step = |name: &str, deps: &[&str]| json!({"name": name, "executor_kind": "go", "kind": "k", "depends_on": deps});
     let mut tx = t.db.pool().begin().await.expect("begin");
-    sqlx::query("SET LOCAL track_functions = 'pl'")
-        .execute(&mut *tx)
-        .await
-        .expect("track functions");
+    track_functions(&mut tx).await;
     let mut steps: Vec<_> = (0..40).map(|i| step(&format!("root-{i}"), &[])).collect();
     steps.push(step("join", &["root-0", "root-1"]));
     steps.push(step("last", &["join"]));
@@ -1385,12 +1399,7 @@ async fn a_submit_writes_its_run_once_and_each_kind_of_row_in_one_statement() {
         0,
         "the run row is written once"
     );
-    let (total, waiting): (i32, i32) =
-        sqlx::query_as("SELECT steps_total, defs_waiting FROM durable.workflow_runs WHERE id = $1")
-            .bind(run)
-            .fetch_one(&mut *tx)
-            .await
-            .expect("counters");
+    let (total, waiting) = run_counters(&mut tx, run).await;
     assert_eq!(
         (total, waiting),
         (40, 2),
@@ -1455,12 +1464,7 @@ async fn a_submit_writes_its_run_once_and_each_kind_of_row_in_one_statement() {
     .fetch_one(&mut *tx)
     .await
     .expect("materialize");
-    let (total, waiting): (i32, i32) =
-        sqlx::query_as("SELECT steps_total, defs_waiting FROM durable.workflow_runs WHERE id = $1")
-            .bind(run)
-            .fetch_one(&mut *tx)
-            .await
-            .expect("counters");
+    let (total, waiting) = run_counters(&mut tx, run).await;
     assert_eq!(
         (total, waiting),
         (41, 1),
@@ -1505,10 +1509,7 @@ async fn a_success_creates_its_ready_dependents_in_one_statement() {
         .await
         .expect("move the root on");
     }
-    sqlx::query("SET LOCAL track_functions = 'pl'")
-        .execute(&mut *tx)
-        .await
-        .expect("track functions");
+    track_functions(&mut tx).await;
     sqlx::query(
         "UPDATE durable.step_runs SET state = 'succeeded' WHERE run_id = $1 AND name = 'root'",
     )
@@ -1528,12 +1529,7 @@ async fn a_success_creates_its_ready_dependents_in_one_statement() {
         0,
         "no INSERT per dependent: {calls:?}"
     );
-    let (total, waiting): (i32, i32) =
-        sqlx::query_as("SELECT steps_total, defs_waiting FROM durable.workflow_runs WHERE id = $1")
-            .bind(run)
-            .fetch_one(&mut *tx)
-            .await
-            .expect("counters");
+    let (total, waiting) = run_counters(&mut tx, run).await;
     assert_eq!(
         (total, waiting),
         (302, 1),
@@ -1569,10 +1565,7 @@ async fn a_cancel_creates_the_waiting_steps_in_one_statement() {
     }));
     let run = t.submit(json!({"name": "cancel", "steps": steps})).await;
     let mut tx = t.db.pool().begin().await.expect("begin");
-    sqlx::query("SET LOCAL track_functions = 'pl'")
-        .execute(&mut *tx)
-        .await
-        .expect("track functions");
+    track_functions(&mut tx).await;
     let state: String = sqlx::query_scalar("SELECT durable.cancel_run($1)")
         .bind(run)
         .fetch_one(&mut *tx)
@@ -1637,10 +1630,7 @@ async fn the_successes_of_a_statement_create_their_dependents_together() {
         .await
         .expect("move the first steps on");
     }
-    sqlx::query("SET LOCAL track_functions = 'pl'")
-        .execute(&mut *tx)
-        .await
-        .expect("track functions");
+    track_functions(&mut tx).await;
     let before = rows_updated(&mut tx, "durable.step_defs").await;
     let done =
         sqlx::query("UPDATE durable.step_runs SET state = 'succeeded' WHERE run_id = ANY ($1)")
