@@ -16,7 +16,9 @@
 -- one INSERT of those that reach 0 (durable.create_steps), whose insert
 -- trigger writes the history, the wake-ups and the counters once. Terminal
 -- failures still cancel their runs' open steps one failure at a time, in id
--- order. on_step_transition is otherwise unchanged from
+-- order. on_step_transition now serves only the UPDATE trigger (the INSERT
+-- one calls on_steps_created since 20261212000001_submit_in_one_pass, so its
+-- INSERT branch is gone); it is otherwise unchanged from
 -- 20261210000001_fused_start.
 
 CREATE OR REPLACE FUNCTION durable.on_step_transition()
@@ -31,21 +33,6 @@ DECLARE
     d_s integer[]; d_f integer[]; d_c integer[]; has_cascade boolean := false;
     r_why_start text[]; c_why_start text[];
 BEGIN
-    IF TG_OP = 'INSERT' THEN
-        -- history, wake-ups, and the run's counters: one row more, one definition less waiting
-        INSERT INTO durable.transitions (run_id, step_run_id, from_state, to_state, attempt, worker, reason)
-        SELECT n.run_id, n.id, NULL, n.state, n.attempt, n.transition_by, n.transition_reason
-          FROM new_rows n ORDER BY n.run_id, n.position;
-        PERFORM pg_notify('durable_steps', k.executor_kind)
-           FROM (SELECT DISTINCT executor_kind FROM new_rows) k;
-        FOR c IN SELECT run_id, count(*)::int AS n FROM new_rows GROUP BY run_id ORDER BY run_id LOOP
-            UPDATE durable.workflow_runs
-               SET steps_total = steps_total + c.n, defs_waiting = greatest(defs_waiting - c.n, 0)
-             WHERE id = c.run_id;
-        END LOOP;
-        RETURN NULL;
-    END IF;
-
     -- UPDATE: only rows whose state changed count (a heartbeat, a flag or a
     -- checkpoint changes none and ends here). The history rows are written
     -- and, in the same statement, what the changes call for: a wake-up, the
