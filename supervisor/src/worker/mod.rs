@@ -598,25 +598,23 @@ async fn lease_pass(
 }
 
 /// Gives back steps leased as the stop signal arrived, before any attempt
-/// of theirs started: released at once and uncounted (`Db::release`). One
-/// that cannot be given back now is reclaimed when its lease expires.
+/// of theirs started: released at once and uncounted, through the ledger as
+/// every step write of the worker (the releases of one lease share a
+/// flush). One that cannot be given back now is reclaimed when its lease
+/// expires.
 async fn give_back(shared: &Arc<Shared>, steps: Vec<crate::db::LeasedStep>) {
-    for step in steps {
-        let lease = &step.lease;
-        if let Err(e) = bounded(
-            DB_CALL_TIMEOUT,
-            "giving back a step leased as the worker stopped",
-            shared.db.release(
-                lease,
-                &shared.name,
-                "leased as the worker got its stop signal; given back before it started",
-            ),
-        )
-        .await
-        {
-            warn!(error = %e, step_run_id = %lease.step_run_id(), "cannot give back a step leased as the worker stopped; it is reclaimed when its lease expires");
+    let releases = steps.into_iter().map(|step| async move {
+        let id = step.lease.step_run_id();
+        let w = crate::db::ReleaseWrite {
+            lease: step.lease,
+            message: "leased as the worker got its stop signal; given back before it started"
+                .to_owned(),
+        };
+        if let Err(e) = shared.ledger.release(w).await {
+            warn!(error = %e, step_run_id = %id, "cannot give back a step leased as the worker stopped; it is reclaimed when its lease expires");
         }
-    }
+    });
+    futures::future::join_all(releases).await;
 }
 
 /// The drain: nothing more is leased; running attempts get
