@@ -1665,3 +1665,223 @@ async fn the_successes_of_a_statement_create_their_dependents_together() {
     tx.commit().await.expect("commit");
     check_books(&t.db, "after successes with dependents").await;
 }
+
+/// Reads of the two rules tables (sequential and index scans) so far in the
+/// transaction of `tx`.
+async fn rules_reads(tx: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(coalesce(seq_scan, 0) + coalesce(idx_scan, 0)), 0)::int8
+           FROM pg_stat_xact_user_tables
+          WHERE relid IN ('durable.step_transition_rules'::regclass,
+                          'durable.run_transition_rules'::regclass)",
+    )
+    .fetch_one(tx)
+    .await
+    .expect("reads of the rules tables")
+}
+
+/// The leases of `n` one-step runs, and a batch of their starts and
+/// completions (as a busy persistent pool's flush carries them), in the
+/// order the ledger sends them.
+async fn start_and_complete_batch(t: &TestDb, n: usize) -> supervisor::db::Batch {
+    use supervisor::db::{Batch, CompleteWrite, OwnedEvent, StartWrite};
+    let wid = worker(&t.db, "w").await;
+    for i in 0..n {
+        t.submit(json!({"name": format!("r{i}"), "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+            .await;
+    }
+    let leased =
+        t.db.lease(
+            wid,
+            "w",
+            &tests::route_go_k(),
+            n as u32,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("lease");
+    assert_eq!(leased.len(), n);
+    let mut b = Batch {
+        starts: leased
+            .iter()
+            .map(|l| StartWrite {
+                run_id: l.run_id,
+                lease: l.lease.clone(),
+                pid: 4242,
+                event: OwnedEvent {
+                    sequence: 1,
+                    kind: "accepted",
+                    message: String::new(),
+                    fraction: None,
+                    executor_at: None,
+                },
+            })
+            .collect(),
+        completes: leased
+            .iter()
+            .map(|l| CompleteWrite {
+                run_id: l.run_id,
+                lease: l.lease.clone(),
+                output: json!({}),
+                sequence: Some(2),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    b.starts.sort_by_key(|s| (s.run_id, s.lease.step_run_id()));
+    b.completes
+        .sort_by_key(|c| (c.run_id, c.lease.step_run_id()));
+    b
+}
+
+/// The guards judge each state change by an expression, not a query: a
+/// batch that moves 20 steps (leased -> running -> succeeded) and their 20
+/// runs (pending -> running -> succeeded) reads neither rules table.
+/// (Before, each of those 40 row writes read the rules table once per hop,
+/// a query through the executor each: 80 reads.) The database still refuses
+/// every illegal transition (the S01 matrix, and the test above).
+#[tokio::test]
+async fn the_guards_judge_a_transition_without_reading_the_rules_tables() {
+    use supervisor::db::{DbConn, RowOutcome};
+    let t = TestDb::new().await;
+    let b = start_and_complete_batch(&t, 20).await;
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    let reads0 = rules_reads(&mut tx).await;
+    let out = DbConn::new(&mut tx)
+        .write_batch("w", &b)
+        .await
+        .expect("batch");
+    assert!(
+        out.starts
+            .iter()
+            .chain(&out.completes)
+            .all(|o| *o == RowOutcome::Ok),
+        "{out:?}"
+    );
+    let reads = rules_reads(&mut tx).await - reads0;
+    let succeeded: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM durable.workflow_runs WHERE state = 'succeeded'")
+            .fetch_one(&mut *tx)
+            .await
+            .expect("runs");
+    tx.commit().await.expect("commit");
+    assert_eq!(succeeded, 20);
+    assert_eq!(reads, 0, "reads of the rules tables by the guards");
+    check_books(&t.db, "after the batch").await;
+}
+
+/// The rules tables stay the source of what the guards allow: a rule taken
+/// out of a table is refused from the next statement on, and allowed again
+/// once it is put back (the checks are regenerated from the tables).
+#[tokio::test]
+async fn a_change_to_the_rules_tables_changes_what_the_guards_allow() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let step: Uuid = sqlx::query_scalar("SELECT id FROM durable.step_runs WHERE run_id = $1")
+        .bind(run)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("step");
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    sqlx::query(
+        "DELETE FROM durable.step_transition_rules WHERE from_state = 'pending' AND to_state = 'cancelled'",
+    )
+    .execute(&mut *tx)
+    .await
+    .expect("take the rule out");
+    sqlx::query("SAVEPOINT s")
+        .execute(&mut *tx)
+        .await
+        .expect("savepoint");
+    let err = sqlx::query("UPDATE durable.step_runs SET state = 'cancelled' WHERE id = $1")
+        .bind(step)
+        .execute(&mut *tx)
+        .await
+        .expect_err("a transition no rule allows")
+        .to_string();
+    assert!(
+        err.contains("illegal step transition pending -> cancelled"),
+        "{err}"
+    );
+    sqlx::query("ROLLBACK TO SAVEPOINT s")
+        .execute(&mut *tx)
+        .await
+        .expect("rollback to savepoint");
+    sqlx::query(
+        "INSERT INTO durable.step_transition_rules (from_state, to_state) VALUES ('pending', 'cancelled')",
+    )
+    .execute(&mut *tx)
+    .await
+    .expect("put the rule back");
+    let n = sqlx::query("UPDATE durable.step_runs SET state = 'cancelled' WHERE id = $1")
+        .bind(step)
+        .execute(&mut *tx)
+        .await
+        .expect("allowed again")
+        .rows_affected();
+    assert_eq!(n, 1);
+    tx.rollback().await.expect("rollback");
+    // the same for the runs' table; nothing of the above stayed
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    sqlx::query("TRUNCATE durable.run_transition_rules")
+        .execute(&mut *tx)
+        .await
+        .expect("empty the run rules");
+    let err = sqlx::query("UPDATE durable.workflow_runs SET state = 'running' WHERE id = $1")
+        .bind(run)
+        .execute(&mut *tx)
+        .await
+        .expect_err("no run transition is allowed by an empty table")
+        .to_string();
+    assert!(
+        err.contains("illegal run transition pending -> running"),
+        "{err}"
+    );
+    tx.rollback().await.expect("rollback");
+    let n = sqlx::query("UPDATE durable.workflow_runs SET state = 'running' WHERE id = $1")
+        .bind(run)
+        .execute(t.db.pool())
+        .await
+        .expect("allowed by the table as it is")
+        .rows_affected();
+    assert_eq!(n, 1);
+}
+
+/// A batch of starts and completions locks its runs once, up front, in id
+/// order: the set forms do not lock them again. (Before, durable.lock_runs_of
+/// ran three times per batch, the same runs each time.) The setting that
+/// tells them is gone when the batch returns, so a later lock in the same
+/// transaction locks.
+#[tokio::test]
+async fn a_batch_of_starts_and_completions_locks_its_runs_once() {
+    use supervisor::db::{DbConn, RowOutcome};
+    let t = TestDb::new().await;
+    let b = start_and_complete_batch(&t, 5).await;
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    track_functions(&mut tx).await;
+    let out = DbConn::new(&mut tx)
+        .write_batch("w", &b)
+        .await
+        .expect("batch");
+    assert!(
+        out.starts
+            .iter()
+            .chain(&out.completes)
+            .all(|o| *o == RowOutcome::Ok),
+        "{out:?}"
+    );
+    let calls = function_calls(&mut tx).await;
+    assert_eq!(calls.get("lock_runs_of"), Some(&1), "{calls:?}");
+    let flag: String = sqlx::query_scalar(
+        "SELECT coalesce(current_setting('durable.batch_runs_locked', true), '')",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .expect("setting");
+    assert_eq!(flag, "", "the setting outlived the batch");
+    tx.commit().await.expect("commit");
+    check_books(&t.db, "after the batch").await;
+}
