@@ -1100,6 +1100,49 @@ async fn rows_updated(tx: &mut sqlx::PgConnection, table: &str) -> i64 {
     .expect("updates of the table")
 }
 
+/// The start of a lease as the ledger writes it: executor 4242, its
+/// ACCEPTED event (sequence 1).
+fn start_write(l: &LeasedStep) -> supervisor::db::StartWrite {
+    supervisor::db::StartWrite {
+        run_id: l.run_id,
+        lease: l.lease.clone(),
+        pid: 4242,
+        event: supervisor::db::OwnedEvent {
+            sequence: 1,
+            kind: "accepted",
+            message: String::new(),
+            fraction: None,
+            executor_at: None,
+        },
+    }
+}
+
+/// The success of a lease with `output`, its terminal event sequence 2.
+fn complete_write(l: &LeasedStep, output: serde_json::Value) -> supervisor::db::CompleteWrite {
+    supervisor::db::CompleteWrite {
+        run_id: l.run_id,
+        lease: l.lease.clone(),
+        output,
+        sequence: Some(2),
+    }
+}
+
+/// Writes `b` as worker "w" in the transaction of `tx`; every start and
+/// completion of it must be written.
+async fn write_batch_ok(tx: &mut sqlx::PgConnection, b: &supervisor::db::Batch) {
+    let out = supervisor::db::DbConn::new(tx)
+        .write_batch("w", b)
+        .await
+        .expect("batch");
+    assert!(
+        out.starts
+            .iter()
+            .chain(&out.completes)
+            .all(|o| *o == supervisor::db::RowOutcome::Ok),
+        "{out:?}"
+    );
+}
+
 /// One history row: from, to, reason, worker.
 type HopRow = (Option<String>, String, Option<String>, Option<String>);
 type HopRef<'a> = (Option<&'a str>, &'a str, Option<&'a str>, Option<&'a str>);
@@ -1113,7 +1156,7 @@ type HopRef<'a> = (Option<&'a str>, &'a str, Option<&'a str>, Option<&'a str>);
 /// two of the run.) A run with more to do goes running in that one write.
 #[tokio::test]
 async fn a_start_and_its_completion_in_one_batch_are_one_write() {
-    use supervisor::db::{Batch, CompleteWrite, DbConn, OwnedEvent, RowOutcome, StartWrite};
+    use supervisor::db::Batch;
     let t = TestDb::new().await;
     let wid = worker(&t.db, "w").await;
     let step = |name: &str| json!({"name": name, "executor_kind": "go", "kind": "k"});
@@ -1128,24 +1171,8 @@ async fn a_start_and_its_completion_in_one_batch_are_one_write() {
             .await
             .expect("lease");
     assert_eq!(leased.len(), 3);
-    let start = |l: &LeasedStep| StartWrite {
-        run_id: l.run_id,
-        lease: l.lease.clone(),
-        pid: 4242,
-        event: OwnedEvent {
-            sequence: 1,
-            kind: "accepted",
-            message: String::new(),
-            fraction: None,
-            executor_at: None,
-        },
-    };
-    let complete = |l: &LeasedStep| CompleteWrite {
-        run_id: l.run_id,
-        lease: l.lease.clone(),
-        output: json!({"ok": l.name}),
-        sequence: Some(2),
-    };
+    let start = start_write;
+    let complete = |l: &LeasedStep| complete_write(l, json!({"ok": l.name}));
     // a one-step run's pair, and the pair of the first step of a two-step run
     let s = leased.iter().find(|l| l.run_id == single).expect("s");
     let a = leased
@@ -1163,17 +1190,7 @@ async fn a_start_and_its_completion_in_one_batch_are_one_write() {
     let mut tx = t.db.pool().begin().await.expect("begin");
     let steps0 = rows_updated(&mut tx, "durable.step_runs").await;
     let runs0 = rows_updated(&mut tx, "durable.workflow_runs").await;
-    let out = DbConn::new(&mut tx)
-        .write_batch("w", &b)
-        .await
-        .expect("batch");
-    assert!(
-        out.starts
-            .iter()
-            .chain(&out.completes)
-            .all(|o| *o == RowOutcome::Ok),
-        "{out:?}"
-    );
+    write_batch_ok(&mut tx, &b).await;
     let steps = rows_updated(&mut tx, "durable.step_runs").await - steps0;
     let runs = rows_updated(&mut tx, "durable.workflow_runs").await - runs0;
     tx.commit().await.expect("commit");
@@ -1684,7 +1701,7 @@ async fn rules_reads(tx: &mut sqlx::PgConnection) -> i64 {
 /// completions (as a busy persistent pool's flush carries them), in the
 /// order the ledger sends them.
 async fn start_and_complete_batch(t: &TestDb, n: usize) -> supervisor::db::Batch {
-    use supervisor::db::{Batch, CompleteWrite, OwnedEvent, StartWrite};
+    use supervisor::db::Batch;
     let wid = worker(&t.db, "w").await;
     for i in 0..n {
         t.submit(json!({"name": format!("r{i}"), "steps": [
@@ -1703,29 +1720,10 @@ async fn start_and_complete_batch(t: &TestDb, n: usize) -> supervisor::db::Batch
         .expect("lease");
     assert_eq!(leased.len(), n);
     let mut b = Batch {
-        starts: leased
-            .iter()
-            .map(|l| StartWrite {
-                run_id: l.run_id,
-                lease: l.lease.clone(),
-                pid: 4242,
-                event: OwnedEvent {
-                    sequence: 1,
-                    kind: "accepted",
-                    message: String::new(),
-                    fraction: None,
-                    executor_at: None,
-                },
-            })
-            .collect(),
+        starts: leased.iter().map(start_write).collect(),
         completes: leased
             .iter()
-            .map(|l| CompleteWrite {
-                run_id: l.run_id,
-                lease: l.lease.clone(),
-                output: json!({}),
-                sequence: Some(2),
-            })
+            .map(|l| complete_write(l, json!({})))
             .collect(),
         ..Default::default()
     };
@@ -1743,22 +1741,11 @@ async fn start_and_complete_batch(t: &TestDb, n: usize) -> supervisor::db::Batch
 /// every illegal transition (the S01 matrix, and the test above).
 #[tokio::test]
 async fn the_guards_judge_a_transition_without_reading_the_rules_tables() {
-    use supervisor::db::{DbConn, RowOutcome};
     let t = TestDb::new().await;
     let b = start_and_complete_batch(&t, 20).await;
     let mut tx = t.db.pool().begin().await.expect("begin");
     let reads0 = rules_reads(&mut tx).await;
-    let out = DbConn::new(&mut tx)
-        .write_batch("w", &b)
-        .await
-        .expect("batch");
-    assert!(
-        out.starts
-            .iter()
-            .chain(&out.completes)
-            .all(|o| *o == RowOutcome::Ok),
-        "{out:?}"
-    );
+    write_batch_ok(&mut tx, &b).await;
     let reads = rules_reads(&mut tx).await - reads0;
     let succeeded: i64 =
         sqlx::query_scalar("SELECT count(*) FROM durable.workflow_runs WHERE state = 'succeeded'")
@@ -1785,69 +1772,61 @@ async fn a_change_to_the_rules_tables_changes_what_the_guards_allow() {
         .fetch_one(t.db.pool())
         .await
         .expect("step");
+    let cancel = "UPDATE durable.step_runs SET state = 'cancelled' WHERE id = $1";
+    let start = "UPDATE durable.workflow_runs SET state = 'running' WHERE id = $1";
     let mut tx = t.db.pool().begin().await.expect("begin");
-    sqlx::query(
+    run_sql(
+        &mut tx,
         "DELETE FROM durable.step_transition_rules WHERE from_state = 'pending' AND to_state = 'cancelled'",
     )
-    .execute(&mut *tx)
-    .await
-    .expect("take the rule out");
-    sqlx::query("SAVEPOINT s")
-        .execute(&mut *tx)
+    .await;
+    run_sql(&mut tx, "SAVEPOINT s").await;
+    let err = write_one_row(&mut tx, cancel, step)
         .await
-        .expect("savepoint");
-    let err = sqlx::query("UPDATE durable.step_runs SET state = 'cancelled' WHERE id = $1")
-        .bind(step)
-        .execute(&mut *tx)
-        .await
-        .expect_err("a transition no rule allows")
-        .to_string();
+        .expect_err("a transition no rule allows");
     assert!(
         err.contains("illegal step transition pending -> cancelled"),
         "{err}"
     );
-    sqlx::query("ROLLBACK TO SAVEPOINT s")
-        .execute(&mut *tx)
-        .await
-        .expect("rollback to savepoint");
-    sqlx::query(
+    run_sql(&mut tx, "ROLLBACK TO SAVEPOINT s").await;
+    run_sql(
+        &mut tx,
         "INSERT INTO durable.step_transition_rules (from_state, to_state) VALUES ('pending', 'cancelled')",
     )
-    .execute(&mut *tx)
-    .await
-    .expect("put the rule back");
-    let n = sqlx::query("UPDATE durable.step_runs SET state = 'cancelled' WHERE id = $1")
-        .bind(step)
-        .execute(&mut *tx)
-        .await
-        .expect("allowed again")
-        .rows_affected();
-    assert_eq!(n, 1);
+    .await;
+    assert_eq!(write_one_row(&mut tx, cancel, step).await, Ok(1));
     tx.rollback().await.expect("rollback");
     // the same for the runs' table; nothing of the above stayed
     let mut tx = t.db.pool().begin().await.expect("begin");
-    sqlx::query("TRUNCATE durable.run_transition_rules")
-        .execute(&mut *tx)
+    run_sql(&mut tx, "TRUNCATE durable.run_transition_rules").await;
+    let err = write_one_row(&mut tx, start, run)
         .await
-        .expect("empty the run rules");
-    let err = sqlx::query("UPDATE durable.workflow_runs SET state = 'running' WHERE id = $1")
-        .bind(run)
-        .execute(&mut *tx)
-        .await
-        .expect_err("no run transition is allowed by an empty table")
-        .to_string();
+        .expect_err("no run transition is allowed by an empty table");
     assert!(
         err.contains("illegal run transition pending -> running"),
         "{err}"
     );
     tx.rollback().await.expect("rollback");
-    let n = sqlx::query("UPDATE durable.workflow_runs SET state = 'running' WHERE id = $1")
-        .bind(run)
-        .execute(t.db.pool())
+    let mut conn = t.db.pool().acquire().await.expect("connection");
+    assert_eq!(write_one_row(&mut conn, start, run).await, Ok(1));
+}
+
+/// Runs one statement without parameters.
+async fn run_sql(conn: &mut sqlx::PgConnection, sql: &str) {
+    sqlx::query(sql)
+        .execute(conn)
         .await
-        .expect("allowed by the table as it is")
-        .rows_affected();
-    assert_eq!(n, 1);
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// Runs `sql` with `id` as `$1`: the rows it changed, or the error's text.
+async fn write_one_row(conn: &mut sqlx::PgConnection, sql: &str, id: Uuid) -> Result<u64, String> {
+    sqlx::query(sql)
+        .bind(id)
+        .execute(conn)
+        .await
+        .map(|r| r.rows_affected())
+        .map_err(|e| e.to_string())
 }
 
 /// A batch of starts and completions locks its runs once, up front, in id
@@ -1857,22 +1836,11 @@ async fn a_change_to_the_rules_tables_changes_what_the_guards_allow() {
 /// transaction locks.
 #[tokio::test]
 async fn a_batch_of_starts_and_completions_locks_its_runs_once() {
-    use supervisor::db::{DbConn, RowOutcome};
     let t = TestDb::new().await;
     let b = start_and_complete_batch(&t, 5).await;
     let mut tx = t.db.pool().begin().await.expect("begin");
     track_functions(&mut tx).await;
-    let out = DbConn::new(&mut tx)
-        .write_batch("w", &b)
-        .await
-        .expect("batch");
-    assert!(
-        out.starts
-            .iter()
-            .chain(&out.completes)
-            .all(|o| *o == RowOutcome::Ok),
-        "{out:?}"
-    );
+    write_batch_ok(&mut tx, &b).await;
     let calls = function_calls(&mut tx).await;
     assert_eq!(calls.get("lock_runs_of"), Some(&1), "{calls:?}");
     let flag: String = sqlx::query_scalar(
