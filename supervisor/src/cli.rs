@@ -48,18 +48,25 @@ pub enum Command {
     },
     /// Validate and submit a workflow spec (a file, or - for stdin).
     Submit {
+        /// The spec (JSON, CONTRACT §3): a file, or - for stdin.
+        #[arg(value_name = "FILE")]
         file: String,
+        /// Print {"run_id": "<uuid>"} instead of the bare id.
         #[arg(long)]
         json: bool,
     },
     /// Show a run and its steps, with each step's latest progress.
     Status {
+        /// The run's id (as `submit` printed it; `runs` lists them).
         run_id: String,
+        /// Print the run as JSON (run_id, name, state, steps with their
+        /// state, attempt, error, events and artifacts) instead of a table.
         #[arg(long)]
         json: bool,
     },
     /// List a run's progress events, in order per step, attempt and sequence.
     Events {
+        /// The run's id.
         run_id: String,
         /// Only the events of this step.
         #[arg(long)]
@@ -89,6 +96,7 @@ pub enum Command {
     /// Follow a run until it is terminal: live progress bars on a terminal,
     /// plain lines otherwise. Exit 0 succeeded, 1 failed, 3 cancelled.
     Watch {
+        /// The run's id.
         run_id: String,
         /// Plain lines even on a terminal.
         #[arg(long)]
@@ -104,15 +112,20 @@ pub enum Command {
     },
     /// Request cancellation of a run, or of one step (durable).
     Cancel {
+        /// The run's id.
         run_id: String,
-        #[arg(long)]
+        /// Cancel only this step (by its name in the spec); steps that
+        /// depend on it then never run.
+        #[arg(long, value_name = "NAME")]
         step: Option<String>,
     },
     /// Remove finished runs older than an age, with their steps, events,
     /// transitions, artifacts and unreferenced artifact bytes (what each
     /// worker's retention does on its own), in short batches.
     Gc(GcArgs),
-    /// Local development.
+    /// Local development: with no DATABASE_URL, starts its own PostgreSQL
+    /// cluster under ./.dev/ (kept between runs), migrates, and runs a worker
+    /// with the bundled Go and Python demo executors.
     Dev {
         /// Print the worker config (TOML) for the bundled demo executors, and exit.
         #[arg(long)]
@@ -133,6 +146,7 @@ pub enum Command {
     },
     /// Start each configured executor, handshake, print its capabilities, stop it.
     Executors {
+        /// The worker config (TOML) whose [[executors]] to start.
         #[arg(long)]
         config: PathBuf,
     },
@@ -194,6 +208,7 @@ pub struct GcArgs {
 pub enum ArtifactCommand {
     /// Write an artifact's bytes to a file (checked against its sha256).
     Get {
+        /// The artifact's id (`status RUN_ID --json` lists each step's).
         id: String,
         /// Where to write (- for stdout); an existing file only with --force.
         #[arg(long)]
@@ -208,6 +223,7 @@ pub enum ArtifactCommand {
     },
     /// The artifacts it was derived from, through every step and attempt.
     Lineage {
+        /// The artifact's id.
         id: String,
         /// A JSON tree instead of text.
         #[arg(long)]
@@ -239,6 +255,8 @@ pub enum CliError {
     },
     #[error("invalid spec: not JSON: {0}")]
     NotJson(String),
+    #[error("invalid spec: {0}")]
+    BadSpec(String),
     #[error("{0:?} is not a run id (a UUID)")]
     BadRunId(String),
     #[error("{0}")]
@@ -250,7 +268,9 @@ pub enum CliError {
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Db(DbError::InvalidSpec(_)) | CliError::NotJson(_) => 2,
+            CliError::Db(DbError::InvalidSpec(_)) | CliError::NotJson(_) | CliError::BadSpec(_) => {
+                2
+            }
             CliError::Config(_) | CliError::NoDatabase | CliError::Read { .. } => 2,
             CliError::Usage(_) => 2,
             CliError::Connect(e) if e.is_bad_input() => 2,
@@ -473,8 +493,7 @@ async fn migrate(url: &Option<String>) -> Result<u8, CliError> {
 /// `supervisor submit FILE|-`: the new run's id on stdout.
 async fn submit(url: &Option<String>, file: &str, json: bool) -> Result<u8, CliError> {
     let text = read_input(file)?;
-    let spec: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| CliError::NotJson(e.to_string()))?;
+    let spec: serde_json::Value = parse_spec(&text)?;
     let db = connect(url, 2, true).await?;
     // no DDL here: a submitter needs no schema rights, and an older CLI never
     // migrates a newer schema; it only checks the version
@@ -557,8 +576,18 @@ async fn watch(
 async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Result<u8, CliError> {
     let id = parse_run_id(run_id)?;
     let db = connect(url, 2, true).await?;
+    // read first only to word the answer: cancel_run itself decides, under
+    // the run's lock
+    let before = db.status(id).await.map_err(explain)?.state;
     let state = db.cancel(id, step).await.map_err(explain)?;
-    eprintln!("cancellation requested; run is {state}");
+    let was_terminal = before
+        .parse::<crate::state::RunState>()
+        .is_ok_and(|s| s.is_terminal());
+    if was_terminal {
+        eprintln!("run {id} already {state}; nothing to cancel");
+    } else {
+        eprintln!("cancellation requested; run is {state}");
+    }
     Ok(0)
 }
 
@@ -577,9 +606,16 @@ struct DevOptions {
 async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
     let cfg = dev_config(&repo_root());
     if opts.print_config {
+        // not dev's own name: a worker's name is its process slot, and a
+        // plain worker started from this beside `dev` must not share it
+        let printed = WorkerConfig {
+            name: Some("demo-worker-1".into()),
+            ..cfg.clone()
+        };
         print!(
-            "{}",
-            toml::to_string_pretty(&cfg).map_err(|e| CliError::Other(e.to_string()))?
+            "# `name` is the worker's process slot: give every worker its own (a restart under the\n\
+             # same name ends what its previous incarnation left behind).\n{}",
+            toml::to_string_pretty(&printed).map_err(|e| CliError::Other(e.to_string()))?
         );
         return Ok(0);
     }
@@ -589,8 +625,7 @@ async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
         .as_deref()
         .map(|f| {
             let text = read_input(f)?;
-            serde_json::from_str::<serde_json::Value>(&text)
-                .map_err(|e| CliError::NotJson(e.to_string()))
+            parse_spec(&text)
         })
         .transpose()?;
     let cluster = match &url {
@@ -914,7 +949,31 @@ async fn serve_metrics(cfg: &WorkerConfig, db: &Db) -> Result<(), CliError> {
     Ok(())
 }
 
+/// A spec's text as JSON; the error says where it is not.
+fn parse_spec(text: &str) -> Result<serde_json::Value, CliError> {
+    serde_json::from_str(text).map_err(|e| {
+        if e.to_string().starts_with("recursion limit exceeded") {
+            CliError::BadSpec(format!(
+                "nested more than 127 levels deep (at line {} column {}); flatten it, or pass \
+                 deeply structured data as an artifact",
+                e.line(),
+                e.column()
+            ))
+        } else {
+            CliError::NotJson(e.to_string())
+        }
+    })
+}
+
 fn read_input(file: &str) -> Result<String, CliError> {
+    // a UTF-8 byte-order mark (some editors write one) is not part of the JSON
+    read_raw_input(file).map(|s| match s.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_owned(),
+        None => s,
+    })
+}
+
+fn read_raw_input(file: &str) -> Result<String, CliError> {
     if file == "-" {
         let mut s = String::new();
         std::io::stdin()

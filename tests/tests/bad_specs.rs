@@ -201,7 +201,205 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             v(json!({"name": "x", "steps": ["a"]})),
             "steps[0]: must be an object",
         ),
+        (
+            "camelCase api key",
+            v(with_step(|m| {
+                m.insert("input".into(), json!({"auth": {"apiKey": "sk-1"}}));
+            })),
+            "steps[0].input.auth.apiKey: looks like a secret",
+        ),
+        (
+            "dashed api key header",
+            v(with_step(|m| {
+                m.insert("input".into(), json!({"headers": {"X-Api-Key": "k"}}));
+            })),
+            "steps[0].input.headers.X-Api-Key: looks like a secret",
+        ),
+        (
+            "camelCase private key",
+            v(with_step(|m| {
+                m.insert("input".into(), json!({"privateKey": "-----BEGIN"}));
+            })),
+            "steps[0].input.privateKey: looks like a secret",
+        ),
+        (
+            "blank kind",
+            v(with_step(|m| {
+                m.insert("kind".into(), json!("   "));
+            })),
+            "steps[0].kind: must not be blank",
+        ),
+        (
+            "empty label name",
+            v(with_step(|m| {
+                m.insert("labels".into(), json!({"": "a"}));
+            })),
+            "steps[0].labels: a label name must not be empty",
+        ),
+        (
+            "NUL in an input string",
+            v(with_step(|m| {
+                m.insert("input".into(), json!({"s": "a\u{0}b"}));
+            })),
+            "steps[0].input.s: contains a NUL character",
+        ),
+        (
+            "hour 24 in a deadline",
+            v(with_step(|m| {
+                m.insert("deadline".into(), json!("2030-01-01T24:00:00Z"));
+            })),
+            "steps[0].deadline: must be an RFC 3339 timestamp",
+        ),
+        (
+            "fractional timeout",
+            v(with_step(|m| {
+                m.insert("timeout_ms".into(), json!(1000.5));
+            })),
+            "steps[0].timeout_ms: must be an integer",
+        ),
+        (
+            "input nested too deeply for the CLI",
+            format!(
+                r#"{{"name": "deep", "steps": [{{"name": "a", "executor_kind": "go", "kind": "k", "input": {}{}}}]}}"#,
+                "[".repeat(200),
+                "]".repeat(200)
+            ),
+            "nested more than 127 levels deep",
+        ),
     ]
+}
+
+/// `[[[…]]]`, `depth` arrays deep (built without a parser's recursion limit).
+fn nested(depth: usize) -> Value {
+    (0..depth).fold(json!([]), |inner, _| Value::Array(vec![inner]))
+}
+
+#[tokio::test]
+async fn input_nested_deeper_than_the_limit_is_a_spec_error_through_sql() {
+    let t = TestDb::new().await;
+    for depth in [129, 1000] {
+        let spec = json!({"name": "deep", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k", "input": {"x": nested(depth)}}]});
+        match t.db.submit(&spec).await {
+            Err(DbError::InvalidSpec(msg)) => assert!(
+                msg.contains("is nested more than 128 levels deep")
+                    && msg.starts_with("steps[0].input.x"),
+                "depth {depth}: {msg}"
+            ),
+            other => panic!("depth {depth}: {other:?}"),
+        }
+    }
+    // 100 levels are fine
+    let spec = json!({"name": "deep", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k", "input": nested(100)}]});
+    t.db.submit(&spec).await.expect("100 levels deep");
+}
+
+/// What the contract allows is accepted, in the form it was written: a whole
+/// number written as a float, RFC 3339's lowercase `t` and `z`, a UTF-8 byte
+/// order mark before the JSON.
+#[tokio::test]
+async fn integral_floats_lowercase_timestamps_and_a_bom_are_accepted() {
+    let t = TestDb::new().await;
+    let bin = tests::supervisor_bin();
+    let text =
+        "\u{feff}{\"name\": \"ok\", \"steps\": [{\"name\": \"a\", \"executor_kind\": \"go\", \
+                \"kind\": \"k\", \"timeout_ms\": 1000.0, \"heartbeat_timeout_ms\": 5e3, \
+                \"retry\": {\"max_attempts\": 3.0, \"max_interval_ms\": 1e4}, \
+                \"deadline\": \"2030-01-01t00:00:00z\"}]}";
+    let mut child = Command::new(&bin)
+        .args(["submit", "-", "--json"])
+        .env("DATABASE_URL", &t.url)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn supervisor");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write spec");
+    let out = child.wait_with_output().expect("submit");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (timeout, hb, attempts, max_interval, deadline): (i64, i64, i64, i64, String) =
+        sqlx::query_as(
+            "SELECT timeout_ms, heartbeat_timeout_ms, (retry->>'max_attempts')::bigint,
+                    (retry->>'max_interval_ms')::bigint,
+                    to_char(deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI')
+               FROM durable.step_runs",
+        )
+        .fetch_one(t.db.pool())
+        .await
+        .expect("the step");
+    assert_eq!(
+        (timeout, hb, attempts, max_interval, deadline.as_str()),
+        (1000, 5000, 3, 10_000, "2030-01-01 00:00")
+    );
+}
+
+#[tokio::test]
+async fn a_url_that_is_not_postgres_is_refused_with_exit_2() {
+    let bin = tests::supervisor_bin();
+    for url in ["mysql://u@localhost/db", "http://localhost/db"] {
+        let out = Command::new(&bin)
+            .args(["runs"])
+            .env("DATABASE_URL", url)
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{url}: {stderr}");
+        assert!(
+            stderr.contains("postgres://"),
+            "{url}: the message should say what a URL looks like: {stderr}"
+        );
+    }
+}
+
+/// Cancelling a finished run says so (and still exits 0); a step the run does
+/// not have is exit 4 whatever the run's state.
+#[tokio::test]
+async fn cancel_of_a_finished_run_says_so_and_refuses_an_unknown_step() {
+    let t = TestDb::new().await;
+    let bin = tests::supervisor_bin();
+    let run = t
+        .submit(tests::one_step("c", "go", "demo.echo", json!({})))
+        .await
+        .to_string();
+    let cancel = |extra: &[&str]| {
+        let mut args = vec!["cancel", run.as_str()];
+        args.extend_from_slice(extra);
+        let out = Command::new(&bin)
+            .args(&args)
+            .env("DATABASE_URL", &t.url)
+            .output()
+            .expect("cancel");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, msg) = cancel(&[]);
+    assert_eq!(code, Some(0), "{msg}");
+    assert!(
+        msg.contains("cancellation requested; run is cancelled"),
+        "{msg}"
+    );
+    let (code, msg) = cancel(&[]);
+    assert_eq!(code, Some(0), "{msg}");
+    assert!(
+        msg.contains("already cancelled; nothing to cancel"),
+        "{msg}"
+    );
+    let (code, msg) = cancel(&["--step", "nope"]);
+    assert_eq!(code, Some(4), "{msg}");
+    assert!(msg.contains("has no step named \"nope\""), "{msg}");
 }
 
 #[tokio::test]
@@ -340,9 +538,11 @@ async fn status_and_cancel_of_an_unknown_run_exit_4() {
         "kind",
         "events",
         "artifacts",
+        "error",
     ] {
         assert!(st["steps"][0].get(key).is_some(), "status lacks {key}");
     }
+    assert_eq!(st["steps"][0]["error"], Value::Null, "no error yet: null");
     let out = Command::new(&bin)
         .args(["cancel", &run])
         .env("DATABASE_URL", &t.url)

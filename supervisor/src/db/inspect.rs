@@ -103,6 +103,16 @@ impl Db {
         max_connections: u32,
         fail_fast: bool,
     ) -> Result<Db, ConnectError> {
+        if let Some((scheme, _)) = url.split_once("://") {
+            if !matches!(scheme, "postgres" | "postgresql") {
+                return Err(ConnectError::BadUrl {
+                    url: redact_url(url),
+                    message: format!(
+                        "the scheme is {scheme:?}: a PostgreSQL URL starts with postgres:// or postgresql://"
+                    ),
+                });
+            }
+        }
         let opts: PgConnectOptions =
             url.parse().map_err(|e: sqlx::Error| ConnectError::BadUrl {
                 url: redact_url(url),

@@ -498,7 +498,7 @@ pub struct StepStatus {
     pub next_attempt_at: Option<DateTime<Utc>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub output: Option<serde_json::Value>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// `null` when the step has no error (always present, as in CONTRACT §4).
     pub error: Option<StepError>,
     pub events: i64,
     pub artifacts: Vec<ArtifactSummary>,
