@@ -1,0 +1,171 @@
+//! Steps that will never run are created cancelled, so that a run that has
+//! ended lists every step of its spec with a terminal state (CONTRACT §4:
+//! "failed when any step is terminal_failed (the others are then
+//! cancelled)"). Before, a run failed by one step kept its dependents as
+//! definitions "waiting" forever, and so did the dependents of a step
+//! cancelled on its own.
+
+use std::time::Duration;
+
+use serde_json::json;
+use tests::TestDb;
+use uuid::Uuid;
+
+/// (name, state, transition_reason) of every step of a run, in spec order.
+async fn steps(t: &TestDb, run: Uuid) -> Vec<(String, String, Option<String>)> {
+    sqlx::query_as(
+        "SELECT name, state, transition_reason FROM durable.step_runs WHERE run_id = $1 ORDER BY position",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("steps")
+}
+
+/// a -> c -> d and b -> d, with b a root of its own.
+fn diamond() -> serde_json::Value {
+    json!({"name": "never", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"},
+        {"name": "b", "executor_kind": "go", "kind": "k"},
+        {"name": "c", "executor_kind": "go", "kind": "k", "depends_on": ["a"]},
+        {"name": "d", "executor_kind": "go", "kind": "k", "depends_on": ["c", "b"]}]})
+}
+
+async fn sql(t: &TestDb, q: &str, run: Uuid) {
+    sqlx::query(q)
+        .bind(run)
+        .execute(t.db.pool())
+        .await
+        .unwrap_or_else(|e| panic!("{q}: {e}"));
+}
+
+#[tokio::test]
+async fn a_cancelled_step_cancels_its_waiting_dependents_and_theirs() {
+    let t = TestDb::new().await;
+    let run = t.submit(diamond()).await;
+    t.db.cancel(run, Some("a")).await.expect("cancel a");
+    let got = steps(&t, run).await;
+    let want = |n: &str, s: &str, r: &str| (n.to_owned(), s.to_owned(), Some(r.to_owned()));
+    assert_eq!(
+        got,
+        vec![
+            want("a", "cancelled", "CANCEL_REQUESTED"),
+            want("b", "pending", "SUBMITTED"),
+            want("c", "cancelled", "DEPENDENCY_CANCELLED"),
+            want("d", "cancelled", "DEPENDENCY_CANCELLED"),
+        ]
+    );
+    let st = t.status(run).await;
+    assert!(st.waiting.is_empty(), "{:?}", st.waiting);
+    assert_eq!(st.state, "pending", "b is still to run");
+    // their creation does not claim that their dependencies succeeded
+    let created: Vec<String> = sqlx::query_scalar(
+        "SELECT t.reason FROM durable.transitions t JOIN durable.step_runs s ON s.id = t.step_run_id
+          WHERE s.run_id = $1 AND s.name IN ('c', 'd') AND t.from_state IS NULL ORDER BY s.position",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("history");
+    assert_eq!(created, ["DEPENDENCY_NOT_SUCCEEDED"; 2]);
+    // the counters agree with the rows
+    let (total, cancelled, waiting): (i32, i32, i32) = sqlx::query_as(
+        "SELECT steps_total, steps_cancelled, defs_waiting FROM durable.workflow_runs WHERE id = $1",
+    )
+    .bind(run)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("run");
+    assert_eq!((total, cancelled, waiting), (4, 3, 0));
+}
+
+#[tokio::test]
+async fn a_step_whose_cancel_is_only_requested_keeps_its_dependents_waiting() {
+    let t = TestDb::new().await;
+    let run = t.submit(diamond()).await;
+    // a is running: its cancel is a request, and it may still succeed
+    sql(
+        &t,
+        "UPDATE durable.step_runs SET state = 'leased', lease_token = gen_random_uuid(),
+                lease_expires_at = now() + interval '1 minute', attempt = 1
+          WHERE run_id = $1 AND name = 'a'",
+        run,
+    )
+    .await;
+    t.db.cancel(run, Some("a")).await.expect("cancel a");
+    let st = t.status(run).await;
+    let waiting: Vec<&str> = st.waiting.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(waiting, ["c", "d"]);
+}
+
+#[tokio::test]
+async fn a_terminal_failure_creates_the_waiting_steps_cancelled() {
+    let t = TestDb::new().await;
+    let run = t.submit(diamond()).await;
+    sql(
+        &t,
+        "UPDATE durable.step_runs SET state = 'leased', lease_token = gen_random_uuid(),
+                lease_expires_at = now() + interval '1 minute', attempt = 1
+          WHERE run_id = $1 AND name = 'a'",
+        run,
+    )
+    .await;
+    sql(
+        &t,
+        "UPDATE durable.step_runs SET state = 'terminal_failed', error_code = 'BAD_INPUT'
+          WHERE run_id = $1 AND name = 'a'",
+        run,
+    )
+    .await;
+    let got = steps(&t, run).await;
+    let states: Vec<(&str, &str)> = got
+        .iter()
+        .map(|(n, s, _)| (n.as_str(), s.as_str()))
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("a", "terminal_failed"),
+            ("b", "cancelled"),
+            ("c", "cancelled"),
+            ("d", "cancelled")
+        ]
+    );
+    let st = t.status(run).await;
+    assert_eq!(st.state, "failed");
+    assert!(st.waiting.is_empty(), "{:?}", st.waiting);
+}
+
+/// Through a real worker and the CLI's view: a failing step's dependents are
+/// listed as cancelled steps of the failed run, nothing is left waiting.
+#[tokio::test]
+async fn a_failed_run_lists_every_step_terminal() {
+    let t = TestDb::new().await;
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let w = tests::RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "fails", "steps": [
+            {"name": "boom", "executor_kind": "go", "kind": "demo.fail",
+             "input": {"code": "BAD_INPUT", "retryable": false}},
+            {"name": "after", "executor_kind": "go", "kind": "demo.echo", "depends_on": ["boom"]},
+            {"name": "after2", "executor_kind": "go", "kind": "demo.echo", "depends_on": ["after"]}
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "failed");
+    assert!(st.waiting.is_empty(), "{:?}", st.waiting);
+    let states: Vec<(&str, &str)> = st
+        .steps
+        .iter()
+        .map(|s| (s.name.as_str(), s.state.as_str()))
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("boom", "terminal_failed"),
+            ("after", "cancelled"),
+            ("after2", "cancelled")
+        ]
+    );
+}
