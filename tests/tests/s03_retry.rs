@@ -229,3 +229,40 @@ async fn a_dependent_step_is_created_when_its_last_dependency_succeeds() {
     assert_eq!(st.state, "succeeded");
     assert!(st.waiting.is_empty());
 }
+
+/// A retry is leased when it comes due, not at the worker's next poll: the
+/// worker that wrote the retryable failure wakes its lease loop at the
+/// retry's time (no NOTIFY marks a retry coming due). With a 30 s poll the
+/// second attempt used to start ~30 s after the first failed.
+#[tokio::test]
+async fn a_retry_is_leased_when_it_comes_due_not_at_the_next_poll() {
+    let t = TestDb::new().await;
+    let mut cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    cfg.poll_interval_ms = 30_000;
+    let w = tests::RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "due", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.fail",
+            "input": {"code": "FLAKY", "retryable": true, "fail_attempts": 1},
+            "retry": {"max_attempts": 2, "initial_interval_ms": 300, "backoff_coefficient": 1.0}}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(20)).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "succeeded", "{st:?}");
+    // the second lease against the first failure's retry time
+    let (due, leased): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as(
+            "SELECT (SELECT t.at FROM durable.transitions t WHERE t.run_id = $1
+                       AND t.to_state = 'retryable_failed') + interval '300 milliseconds',
+                    (SELECT t.at FROM durable.transitions t WHERE t.run_id = $1
+                       AND t.to_state = 'leased' AND t.attempt = 2)",
+        )
+        .bind(run)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("history");
+    let late = (leased - due).num_milliseconds();
+    assert!(
+        late < 10_000,
+        "the retry was leased {late} ms after it came due: it waited for the 30 s poll"
+    );
+}

@@ -1745,6 +1745,9 @@ async fn write_failure(
         .await?;
     crate::metrics::failure_decided(d.to.as_str());
     info!(to = %d.to, reason = %d.reason, "failure committed");
+    if let Some(at) = d.next_attempt_at {
+        shared.wake_at(at);
+    }
     Ok(())
 }
 

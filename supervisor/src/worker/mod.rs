@@ -123,6 +123,8 @@ pub(crate) struct Shared {
     leases: leases::LeaseSet,
     /// This worker's share of `work_dir` (its tag and lock).
     pub work: Arc<workdir::WorkDir>,
+    /// Wakes the lease loop (NOTIFY, a freed slot, a retry coming due).
+    wake: Arc<Notify>,
 }
 
 impl Shared {
@@ -131,6 +133,31 @@ impl Shared {
     /// commit that waits on a busy database does not lose a valid lease.
     fn forget(&self, lease: &Lease) {
         self.leases.forget(lease);
+    }
+
+    /// A step this worker wrote back for a later attempt comes due at `at`:
+    /// the lease loop is woken then. A NOTIFY goes out when a step becomes
+    /// leasable by its state, not when its retry time comes, so without
+    /// this the retry waited for the next poll (up to `poll_interval_ms`
+    /// late). Another worker that can run the step still finds it on its own
+    /// poll; retries further off than a minute are left to the polls.
+    pub(crate) fn wake_at(&self, at: chrono::DateTime<chrono::Utc>) {
+        let Ok(delay) = (at - chrono::Utc::now()).to_std() else {
+            self.wake.notify_one();
+            return;
+        };
+        if delay > Duration::from_secs(60) {
+            return;
+        }
+        let wake = self.wake.clone();
+        let stop = self.draining.clone();
+        tokio::spawn(async move {
+            // a few milliseconds late: the database's clock decides `<= now()`
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep(delay + Duration::from_millis(5)) => wake.notify_one(),
+            }
+        });
     }
 
     /// The attempt decided its outcome and commits it now (see
@@ -353,6 +380,7 @@ impl Worker {
         info!(schema_version = version, "schema checked");
         let hb_db = db.dedicated(heartbeat_timeout(&cfg));
         let (ledger, ledger_queue) = ledger::channel();
+        let wake = Arc::new(Notify::new());
         Ok(Worker {
             shared: Arc::new(Shared {
                 db,
@@ -366,9 +394,10 @@ impl Worker {
                 draining: CancellationToken::new(),
                 leases: leases::LeaseSet::default(),
                 work,
+                wake: wake.clone(),
             }),
             executors,
-            wake: Arc::new(Notify::new()),
+            wake,
             heartbeat_now: Arc::new(Notify::new()),
             ledger_queue,
         })
