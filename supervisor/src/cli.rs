@@ -133,7 +133,9 @@ pub enum Command {
         /// Submit this spec (a file, or -) once the worker runs.
         #[arg(long)]
         submit: Option<String>,
-        /// Stop (after draining) once no run is pending or running.
+        /// Stop (after draining) once nothing is running and no step this
+        /// worker can run is left (steps only other executors could run are
+        /// named on stderr, not waited for).
         #[arg(long)]
         exit_when_idle: bool,
         /// Port of the local cluster started under ./.dev/ when DATABASE_URL is unset.
@@ -895,18 +897,28 @@ async fn dev_session(
         None => None,
     };
     if exit_when_idle {
-        let (db2, stop) = (db.clone(), shutdown.clone());
+        let (db2, stop, worker_id) = (db.clone(), shutdown.clone(), worker.id());
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-                match db2.open_runs().await {
-                    Ok(0) => {
-                        tracing::info!("no run is pending or running: stopping");
+                match db2.work_for(worker_id).await {
+                    Ok(w) if w.steps == 0 => {
+                        // idle: nothing runs and nothing this worker can run
+                        // is left; steps only other executors can run would
+                        // keep it waiting for ever
+                        for s in &w.stuck {
+                            eprintln!(
+                                "left open: run {} step {:?} (executor_kind {:?}, kind {:?}, labels {}): \
+                                 no executor of this worker runs it",
+                                s.run_id, s.step, s.executor_kind, s.kind, s.labels
+                            );
+                        }
+                        tracing::info!("nothing left to run: stopping");
                         stop.cancel();
                         return;
                     }
                     Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "cannot count open runs"),
+                    Err(e) => tracing::warn!(error = %e, "cannot count the work left"),
                 }
             }
         });

@@ -375,3 +375,52 @@ async fn ignore_cancel_escalates_to_sigkill(lang: &str) {
     println!("{lang}: cancel → cancelled in {took:?}; {}", escalated[0]);
     w.shutdown().await;
 }
+
+/// A deadline bounds the whole step also when no worker can run it: a step
+/// of a label no worker offers, and one of an executor kind nobody runs, fail
+/// `DEADLINE_EXCEEDED` once their deadline passed (any worker's reclaim pass
+/// ends them), and their runs fail; a step whose deadline is still ahead is
+/// left pending. Before, such a step stayed `pending` for ever.
+#[tokio::test]
+async fn a_step_no_worker_can_run_fails_by_its_deadline() {
+    let t = TestDb::new().await;
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let soon = (chrono::Utc::now() + chrono::Duration::milliseconds(800)).to_rfc3339();
+    let later = (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc3339();
+    let gpu = t
+        .submit(json!({"name": "gpu", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.echo",
+            "labels": {"gpu": "yes"}, "deadline": soon}]}))
+        .await;
+    let rust = t
+        .submit(
+            json!({"name": "rust", "steps": [{"name": "s", "executor_kind": "rust", "kind": "x",
+            "deadline": soon}, {"name": "after", "executor_kind": "go", "kind": "demo.echo",
+            "depends_on": ["s"]}]}),
+        )
+        .await;
+    let ahead = t
+        .submit(
+            json!({"name": "ahead", "steps": [{"name": "s", "executor_kind": "rust", "kind": "x",
+            "deadline": later}]}),
+        )
+        .await;
+    for run in [gpu, rust] {
+        let st = t.wait_terminal(run, Duration::from_secs(30)).await;
+        assert_eq!(st.state, "failed", "{st:?}");
+        let s = tests::step(&st, "s");
+        assert_eq!(s.state, "terminal_failed");
+        let err = s.error.as_ref().expect("error");
+        assert_eq!(err.code, "DEADLINE_EXCEEDED", "{}", err.message);
+        assert!(!err.retryable);
+        assert!(
+            err.message.contains("before a worker could start it"),
+            "{}",
+            err.message
+        );
+        assert!(st.waiting.is_empty(), "{:?}", st.waiting);
+    }
+    let st = t.status(ahead).await;
+    assert_eq!(st.steps[0].state, "pending");
+    w.shutdown().await;
+}

@@ -425,3 +425,60 @@ async fn dev_submit_on_a_terminal_shows_the_watch_view_and_logs_to_a_file() {
         "the worker's log went to the file: {log}"
     );
 }
+
+/// `dev --exit-when-idle` stops once nothing it can run is left, even when
+/// the database holds an open run that only another executor could run (the
+/// cluster under ./.dev/ is kept between runs): it names that run's step
+/// instead of waiting for it for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_exit_when_idle_does_not_wait_for_steps_it_cannot_run() {
+    let _serial = tests::exclusive().await;
+    tests::go_executor(); // dev runs the bundled build of it
+    let t = TestDb::new().await;
+    let stuck = t
+        .submit(json!({"name": "elsewhere", "steps": [
+            {"name": "gpu", "executor_kind": "go", "kind": "demo.echo", "labels": {"gpu": "a100"}}]}))
+        .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        tests::one_step("mine", "go", "demo.echo", json!({"a": 1})).to_string(),
+    )
+    .expect("write spec");
+    let child = tokio::process::Command::new(tests::supervisor_bin())
+        .arg("dev")
+        .arg("--submit")
+        .arg(&spec)
+        .arg("--exit-when-idle")
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "warn")
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn dev");
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("dev did not stop although nothing it can run is left")
+        .expect("wait dev");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains(&format!("left open: run {stuck} step \"gpu\"")),
+        "the step it cannot run is named: {stderr}"
+    );
+    let runs: Vec<(String, String)> =
+        sqlx::query_as("SELECT name, state FROM durable.workflow_runs ORDER BY name")
+            .fetch_all(t.db.pool())
+            .await
+            .expect("runs");
+    assert_eq!(
+        runs,
+        [
+            ("elsewhere".to_owned(), "pending".to_owned()),
+            ("mine".to_owned(), "succeeded".to_owned())
+        ]
+    );
+}

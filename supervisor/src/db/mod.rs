@@ -94,6 +94,7 @@ pub use retention::{
     RetentionBatch, RetentionOptions, RetentionPreview, RetentionReport, BLOB_GARBAGE_AGE,
     RETENTION_TABLES,
 };
+pub use runs::{StuckStep, WorkFor};
 use writes::{begin_step_write, write_failure};
 
 use std::collections::BTreeMap;

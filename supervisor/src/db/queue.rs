@@ -87,6 +87,27 @@ impl Db {
             .await
     }
 
+    /// Ends the steps whose deadline passed while they waited to be leased
+    /// (`pending`, or `retryable_failed` waiting for a retry): each is taken
+    /// by this worker (a lease, reason `DEADLINE_EXCEEDED`) and failed
+    /// terminally with `DEADLINE_EXCEEDED` in the same transaction, the legal
+    /// way out of `pending` besides a cancel. Any worker does it, whether or
+    /// not it could run the step: a step that no live worker can run (a label
+    /// or kind nobody offers) still ends by its deadline, and its run with
+    /// it. Returns how many were ended; each is its own transaction.
+    pub async fn fail_overdue(
+        &self,
+        worker_id: Uuid,
+        worker_name: &str,
+        limit: u32,
+    ) -> Result<usize, DbError> {
+        self.connection("finding overdue steps")
+            .await?
+            .conn()
+            .fail_overdue(worker_id, worker_name, limit)
+            .await
+    }
+
     /// A dedicated listener for the wake-up channels. Pool-only: LISTEN
     /// needs a connection of its own (see the module documentation).
     pub async fn listener(&self) -> Result<sqlx::postgres::PgListener, DbError> {
@@ -335,6 +356,100 @@ impl DbConn<'_> {
         }
         s.done().await?;
         Ok(reclaimed)
+    }
+}
+
+impl DbConn<'_> {
+    /// See [`Db::fail_overdue`]. Inside a caller's transaction the whole
+    /// call is one savepoint and each step a savepoint within it.
+    pub async fn fail_overdue(
+        &mut self,
+        worker_id: Uuid,
+        worker_name: &str,
+        limit: u32,
+    ) -> Result<usize, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        // the partial index step_runs_overdue holds exactly these rows
+        let candidates: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM durable.step_runs
+              WHERE state IN ('pending', 'retryable_failed') AND deadline IS NOT NULL
+                AND deadline < now()
+              ORDER BY deadline
+              LIMIT $1",
+        )
+        .bind(limit as i64)
+        .fetch_all(&mut *s)
+        .await
+        .ctx("finding overdue steps")?;
+        let mut ended = 0;
+        for id in candidates {
+            // run lock first, like every step write; a step being leased or
+            // cancelled right now is skipped (the lease fails it at once, a
+            // cancel ends it anyway)
+            let mut tx = begin_step_write(&mut s, id).await?;
+            let row = sqlx::query(
+                "UPDATE durable.step_runs s
+                    SET state = 'leased', owner_worker_id = $2, lease_token = gen_random_uuid(),
+                        lease_expires_at = now() + interval '1 minute', leased_at = now(),
+                        started_at = NULL, attempt = s.attempt + 1,
+                        transition_reason = 'DEADLINE_EXCEEDED', transition_by = $3
+                  WHERE s.id = (SELECT c.id FROM durable.step_runs c
+                                 WHERE c.id = $1 AND c.state IN ('pending', 'retryable_failed')
+                                   AND c.deadline < now() AND NOT c.cancel_requested
+                                   AND NOT coalesce((SELECT wr.cancel_requested FROM durable.workflow_runs wr
+                                                      WHERE wr.id = c.run_id), false)
+                                   FOR NO KEY UPDATE SKIP LOCKED)
+              RETURNING s.lease_token, s.attempt, s.attempt - s.uncounted_attempts AS counted,
+                        s.retry, s.deadline, now() AS db_now",
+            )
+            .bind(id)
+            .bind(worker_id)
+            .bind(worker_name)
+            .fetch_optional(&mut *tx)
+            .await
+            .ctx("taking an overdue step")?;
+            let Some(row) = row else {
+                continue;
+            };
+            let lease = Lease {
+                step_run_id: id,
+                token: row.get("lease_token"),
+                attempt: row.get::<i32, _>("attempt").max(0) as u32,
+            };
+            let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
+                .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+            let deadline: Option<DateTime<Utc>> = row.get("deadline");
+            let facts = StepFacts {
+                attempt: row.get::<i32, _>("counted").max(0) as u32,
+                policy: &policy,
+                deadline,
+                cancel_requested: false,
+            };
+            let report = FailureReport {
+                failure: Failure {
+                    code: "DEADLINE_EXCEEDED".into(),
+                    retryable: false,
+                    next_retry_delay: None,
+                },
+                message: match deadline {
+                    Some(d) => {
+                        format!("the step deadline {d} passed before a worker could start it")
+                    }
+                    None => "the step deadline passed before a worker could start it".into(),
+                },
+                details: None,
+                sequence: None,
+            };
+            let decision =
+                state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
+            write_failure(&mut tx, &lease, worker_name, &report, &decision).await?;
+            tx.commit()
+                .await
+                .ctx("committing an overdue step's failure")?;
+            ended += 1;
+        }
+        s.done().await?;
+        Ok(ended)
     }
 }
 

@@ -36,6 +36,18 @@ impl Db {
             .await
     }
 
+    /// What is left for the worker `worker_id` (by the routes it registered):
+    /// steps leased or running anywhere, and steps ready or waiting for a
+    /// retry that it can run. Open steps it cannot run are no work of its;
+    /// a few of them are returned so that the caller can name them.
+    pub async fn work_for(&self, worker_id: Uuid) -> Result<WorkFor, DbError> {
+        self.connection("counting the work left")
+            .await?
+            .conn()
+            .work_for(worker_id)
+            .await
+    }
+
     /// How many runs are pending or running.
     pub async fn open_runs(&self) -> Result<i64, DbError> {
         self.connection("counting open runs")
@@ -44,6 +56,26 @@ impl Db {
             .open_runs()
             .await
     }
+}
+
+/// See [`Db::work_for`].
+#[derive(Debug, Clone)]
+pub struct WorkFor {
+    /// Steps leased or running, and steps this worker could lease now or
+    /// after their retry delay.
+    pub steps: i64,
+    /// Up to five open steps no executor of this worker offers a route for.
+    pub stuck: Vec<StuckStep>,
+}
+
+/// An open step that a given worker cannot run.
+#[derive(Debug, Clone)]
+pub struct StuckStep {
+    pub run_id: Uuid,
+    pub step: String,
+    pub executor_kind: String,
+    pub kind: String,
+    pub labels: serde_json::Value,
 }
 
 /// The path of the first string or key in `v` that holds a NUL character
@@ -195,6 +227,56 @@ impl DbConn<'_> {
             steps,
             waiting,
         })
+    }
+
+    /// See [`Db::work_for`].
+    pub async fn work_for(&mut self, worker_id: Uuid) -> Result<WorkFor, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        const ROUTES: &str = "SELECT r->>'executor_kind' AS executor_kind, r->>'kind' AS kind,
+                                     coalesce(r->'labels', '{}'::jsonb) AS labels
+                                FROM durable.workers w
+                               CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
+                               CROSS JOIN LATERAL jsonb_array_elements(e->'routes') r
+                               WHERE w.id = $1";
+        let steps: i64 = sqlx::query_scalar(&format!(
+            "WITH routes AS ({ROUTES})
+             SELECT (SELECT count(*) FROM durable.step_runs WHERE state IN ('leased', 'running'))
+                  + (SELECT count(*) FROM durable.step_runs s
+                      WHERE s.state IN ('pending', 'retryable_failed')
+                        AND EXISTS (SELECT 1 FROM routes r
+                                     WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
+                                       AND r.labels @> s.labels))"
+        ))
+        .bind(worker_id)
+        .fetch_one(&mut *s)
+        .await
+        .ctx("counting the work left")?;
+        let stuck =
+            sqlx::query_as::<_, (Uuid, String, String, String, serde_json::Value)>(&format!(
+                "WITH routes AS ({ROUTES})
+             SELECT s.run_id, s.name, s.executor_kind, s.kind, s.labels FROM durable.step_runs s
+              WHERE s.state IN ('pending', 'retryable_failed')
+                AND NOT EXISTS (SELECT 1 FROM routes r
+                                 WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
+                                   AND r.labels @> s.labels)
+              ORDER BY s.created_at
+              LIMIT 5"
+            ))
+            .bind(worker_id)
+            .fetch_all(&mut *s)
+            .await
+            .ctx("finding steps no executor of this worker runs")?
+            .into_iter()
+            .map(|(run_id, step, executor_kind, kind, labels)| StuckStep {
+                run_id,
+                step,
+                executor_kind,
+                kind,
+                labels,
+            })
+            .collect();
+        s.done().await?;
+        Ok(WorkFor { steps, stuck })
     }
 
     /// See [`Db::open_runs`].

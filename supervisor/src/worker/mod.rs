@@ -879,6 +879,20 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
             }
             Err(e) => error!(error = %e, "reclaim failed"),
         }
+        match bounded(
+            DB_CALL_TIMEOUT,
+            "failing overdue steps",
+            shared.db.fail_overdue(shared.id, &shared.name, 100),
+        )
+        .await
+        {
+            Ok(0) => {}
+            Ok(n) => info!(
+                failed = n,
+                "failed steps whose deadline passed before any attempt"
+            ),
+            Err(e) => error!(error = %e, "failing overdue steps failed"),
+        }
     }
 }
 
