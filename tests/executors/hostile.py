@@ -20,7 +20,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
 
 Environment: HOSTILE_SPAWN_LOG (a file: one line appended per process start),
-HOSTILE_PROTOCOL_VERSION (the hello's version, default 1), HOSTILE_KINDS
+HOSTILE_PROTOCOL_VERSION (the hello's version, default 1; a file named by
+HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
 (comma separated kinds offered; default every mode above). Protocol 1.1:
 HOSTILE_VERSIONS_FILE (a file read at each start: its comma separated content
 is the hello's protocol_versions; absent file or variable: none, a 1.0 hello),
@@ -68,9 +69,14 @@ def main() -> int:
     if versions_file and os.path.exists(versions_file):
         with open(versions_file) as f:
             versions = [v for v in f.read().strip().split(",") if v]
+    protocol_version = int(os.environ.get("HOSTILE_PROTOCOL_VERSION", "1"))
+    version_file = os.environ.get("HOSTILE_PROTOCOL_VERSION_FILE")
+    if version_file and os.path.exists(version_file):
+        with open(version_file) as f:
+            protocol_version = int(f.read().strip())
     hello = pb.ExecutorFrame(
         hello=pb.Hello(
-            protocol_version=int(os.environ.get("HOSTILE_PROTOCOL_VERSION", "1")),
+            protocol_version=protocol_version,
             executor_kind="hostile",
             kinds=kinds.split(",") if kinds else ["hostile." + m for m in MODES],
             sdk_name="hostile",

@@ -161,3 +161,65 @@ async fn a_job_over_the_executors_frame_limit_is_never_sent() {
     assert_eq!(jobs_seen(&jobs).len(), 1);
     w.shutdown().await;
 }
+
+/// A binary replaced after its probe whose hello says another protocol
+/// version is not a refusal (those are re-queued without an attempt, five
+/// times, and end EXECUTOR_REFUSED): with no revision in common it is
+/// PROTOCOL_VERSION_MISMATCH on the first attempt, not retried; a hello
+/// whose version contradicts its own revisions is HANDSHAKE_FAILED
+/// (retryable, PROTOCOL.md). No job is sent either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_hello_of_another_protocol_version_is_not_a_refusal() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let (dir, versions, jobs) = paths();
+    let version = dir.path().join("protocol_version");
+    std::fs::write(&version, "1").expect("version");
+    let cfg = fast_config(vec![hostile(
+        &versions,
+        &jobs,
+        &[(
+            "HOSTILE_PROTOCOL_VERSION_FILE",
+            version.to_str().expect("utf-8 path"),
+        )],
+    )]);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+
+    // version 2 and only revision 2.0: nothing in common
+    std::fs::write(&version, "2").expect("version");
+    std::fs::write(&versions, "2.0").expect("versions");
+    let st = t
+        .wait_terminal(t.submit(echo(json!({"n": 1}))).await, LONG)
+        .await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed", "{s:?}");
+    assert_eq!(s.attempt, 1, "not retried: {s:?}");
+    let e = s.error.as_ref().expect("an error");
+    assert_eq!(e.code, "PROTOCOL_VERSION_MISMATCH", "{e:?}");
+    w.shutdown().await;
+
+    // version 2 but revisions 1.0 and 1.1: the hello is wrong, retryable
+    std::fs::write(&version, "1").expect("version");
+    std::fs::write(&versions, "1.0,1.1").expect("versions");
+    let cfg = fast_config(vec![hostile(
+        &versions,
+        &jobs,
+        &[(
+            "HOSTILE_PROTOCOL_VERSION_FILE",
+            version.to_str().expect("utf-8 path"),
+        )],
+    )]);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    std::fs::write(&version, "2").expect("version");
+    let st = t
+        .wait_terminal(t.submit(echo(json!({"n": 2}))).await, LONG)
+        .await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed", "{s:?}");
+    assert_eq!(s.attempt, 3, "retried to the policy's end: {s:?}");
+    let e = s.error.as_ref().expect("an error");
+    assert_eq!(e.code, "HANDSHAKE_FAILED", "{e:?}");
+    assert!(e.message.contains("protocol version 2"), "{e:?}");
+    assert!(jobs_seen(&jobs).is_empty(), "no job was sent");
+    w.shutdown().await;
+}

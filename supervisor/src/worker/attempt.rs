@@ -1179,6 +1179,29 @@ fn negotiate_job(
     job: &wire::Job,
     control: &mut watch::Receiver<LeaseView>,
 ) -> Result<wire::Job, Outcome> {
+    let offer = wire::SupervisorOffer::new(shared.cfg.max_frame_bytes);
+    if hello.protocol_version != wire::PROTOCOL_VERSION {
+        // not a refusal (those are re-queued as no attempt): the binary
+        // changed since its probe. No revision in common fails as below;
+        // otherwise the hello itself is wrong (PROTOCOL.md: HANDSHAKE_FAILED)
+        let out = match wire::prepare_job(hello, &offer, job) {
+            Err(e) if e.code() == "PROTOCOL_VERSION_MISMATCH" => {
+                exec.set_routes(Vec::new());
+                Outcome::failed(e.code(), false, e.to_string())
+            }
+            _ => Outcome::failed(
+                "HANDSHAKE_FAILED",
+                true,
+                format!(
+                    "the hello says protocol version {}, the supervisor speaks {}",
+                    hello.protocol_version,
+                    wire::PROTOCOL_VERSION
+                ),
+            ),
+        };
+        warn!("the executor's hello has another protocol version; no job was sent");
+        return Err(out);
+    }
     if let Err(why) = super::routing::check(
         hello,
         &exec.cfg,
@@ -1195,7 +1218,6 @@ fn negotiate_job(
         });
     }
     // a job over the executor's limit is not sent
-    let offer = wire::SupervisorOffer::new(shared.cfg.max_frame_bytes);
     let prepared = wire::prepare_job(hello, &offer, job).map_err(|e| {
         warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
         if e.code() == "PROTOCOL_VERSION_MISMATCH" {
