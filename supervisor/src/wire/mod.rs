@@ -240,7 +240,12 @@ impl From<pb::ExecutorFrame> for FromExecutor {
                 job_id: e.job_id,
                 sequence: e.sequence,
                 message: e.message,
-                fraction: e.fraction,
+                // a fraction is of [0, 1] (the SDKs clamp it too); one that
+                // is not a number is none
+                fraction: e
+                    .fraction
+                    .filter(|f| f.is_finite())
+                    .map(|f| f.clamp(0.0, 1.0)),
                 checkpoint: e.checkpoint,
                 at_unix_ms: e.at_unix_ms,
             }),
@@ -440,5 +445,38 @@ pub fn text_problem(frame: &FromExecutor) -> Option<&'static str> {
         FromExecutor::Error(e) if nul(&e.message) => Some("error message"),
         FromExecutor::Result(r) if nul(&r.job_id) => Some("result job_id"),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod fraction_tests {
+    use super::*;
+
+    fn fraction_of(f: Option<f64>) -> Option<f64> {
+        let frame = pb::ExecutorFrame {
+            frame: Some(pb::executor_frame::Frame::Event(pb::ProgressEvent {
+                job_id: "j".into(),
+                sequence: 2,
+                kind: pb::EventKind::Progress as i32,
+                fraction: f,
+                ..Default::default()
+            })),
+        };
+        match FromExecutor::from(frame) {
+            FromExecutor::Event(e) => e.fraction,
+            other => panic!("not an event: {other:?}"),
+        }
+    }
+
+    /// An executor's fraction is stored within [0, 1]: 7.0 and -3.0 were
+    /// stored as sent (events --json showed 7.0, the text view 100%).
+    #[test]
+    fn a_fraction_is_clamped_to_0_1_and_a_non_number_is_none() {
+        assert_eq!(fraction_of(Some(0.25)), Some(0.25));
+        assert_eq!(fraction_of(Some(7.0)), Some(1.0));
+        assert_eq!(fraction_of(Some(-3.0)), Some(0.0));
+        assert_eq!(fraction_of(Some(f64::NAN)), None);
+        assert_eq!(fraction_of(Some(f64::INFINITY)), None);
+        assert_eq!(fraction_of(None), None);
     }
 }

@@ -1069,7 +1069,7 @@ async fn hello_of(
             Ok(h)
         }
         Err(e) => {
-            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %redactor.text(&child.stderr().tail_string()), "handshake failed");
+            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %one_line(&redactor.text(&child.stderr().tail_string())), "handshake failed");
             // the raw evidence stays in the log; the stored message describes it
             let msg = match &e {
                 HandshakeError::Wire(w) => wire_failure(w).1,
@@ -1308,7 +1308,7 @@ async fn conclude(
 
     let own_cancel = step.cancel_requested || control.borrow().control == Control::Cancel;
     if machine.ended_without_terminal() {
-        warn!(status = %exit_text, stderr_tail = %redactor.text(&stderr_tail),
+        warn!(status = %exit_text, stderr_tail = %one_line(&redactor.text(&stderr_tail)),
               "executor ended without a terminal");
     }
     let accepted = machine.accepted();
@@ -1449,7 +1449,7 @@ impl Conversation<'_> {
             Some(Ok(f)) => Input::Frame(FromExecutor::from(f)),
             Some(Err(e)) => {
                 let (code, message) = wire_failure(&e);
-                warn!(error = %self.redactor.text(&e.to_string()), stderr_tail = %self.redactor.text(&self.child.stderr().tail_string()), code, "protocol violation");
+                warn!(error = %self.redactor.text(&e.to_string()), stderr_tail = %one_line(&self.redactor.text(&self.child.stderr().tail_string())), code, "protocol violation");
                 Input::StreamError { code, message }
             }
         }
@@ -1771,6 +1771,21 @@ async fn write_failure(
         shared.wake_at(at);
     }
     Ok(())
+}
+
+/// An executor's text as one log line: line breaks and other control
+/// characters escaped (`\n`, `\u{1b}`), so that a child's stderr cannot
+/// forge log lines of its own or drive the terminal of whoever reads them.
+fn one_line(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_control() && c != '\t' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn owned_event(e: &wire::Event) -> OwnedEvent {

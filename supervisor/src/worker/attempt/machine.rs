@@ -312,9 +312,15 @@ pub(crate) fn parse_details(bytes: &[u8]) -> Option<serde_json::Value> {
     if bytes.is_empty() {
         return None;
     }
-    let v = serde_json::from_slice(bytes).unwrap_or_else(|_| {
-        serde_json::json!({"unparsed": String::from_utf8_lossy(&bytes[..bytes.len().min(4096)])})
-    });
+    let v = match serde_json::from_slice(bytes) {
+        Ok(v @ serde_json::Value::Object(_)) => v,
+        // details are an object (PROTOCOL.md): other JSON is kept under a key
+        Ok(serde_json::Value::Null) => return None,
+        Ok(other) => serde_json::json!({ "value": other }),
+        Err(_) => serde_json::json!({
+            "unparsed": String::from_utf8_lossy(&bytes[..bytes.len().min(4096)])
+        }),
+    };
     // jsonb cannot hold a NUL: details are evidence, so they are kept, cleaned
     Some(without_nul(v))
 }

@@ -722,3 +722,34 @@ fn an_artifact_derives_only_from_this_steps_inputs() {
     assert_eq!(row.media_type, "application/octet-stream");
     assert_eq!(row.size, 2);
 }
+
+/// A child's stderr logged as one line: a traceback's line breaks and a
+/// terminal escape are escaped, so it cannot forge log lines of its own.
+#[test]
+fn an_executors_text_is_logged_as_one_line() {
+    use super::one_line;
+    assert_eq!(one_line("plain\ttext"), "plain\ttext");
+    assert_eq!(
+        one_line("Traceback:\n  File x\r\n2026-12-04T00:00:00Z  INFO forged"),
+        "Traceback:\\n  File x\\r\\n2026-12-04T00:00:00Z  INFO forged"
+    );
+    assert_eq!(one_line("\u{1b}[2Jgone"), "\\u{1b}[2Jgone");
+    assert_eq!(one_line("héllo ✓"), "héllo ✓");
+}
+
+/// Details are a JSON object: other JSON is kept under "value", text that
+/// is not JSON under "unparsed", and a JSON null is no details at all.
+#[test]
+fn error_details_are_always_an_object() {
+    use super::machine::parse_details;
+    use serde_json::json;
+    assert_eq!(parse_details(b""), None);
+    assert_eq!(parse_details(b"null"), None);
+    assert_eq!(parse_details(br#"{"a":1}"#), Some(json!({"a": 1})));
+    assert_eq!(parse_details(b"[1,2,3]"), Some(json!({"value": [1, 2, 3]})));
+    assert_eq!(parse_details(b"\"text\""), Some(json!({"value": "text"})));
+    assert_eq!(
+        parse_details(b"not json"),
+        Some(json!({"unparsed": "not json"}))
+    );
+}
