@@ -406,8 +406,8 @@ func (s *session) refuse(j *pb.Job, code, message string) error {
 	err := s.w.write(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
 		JobId:     j.GetJobId(),
 		Sequence:  1,
-		Code:      code,
-		Message:   message,
+		Code:      wireText(code),
+		Message:   wireText(message),
 		Retryable: false,
 	}}})
 	if errors.Is(err, errOutputBroken) {
@@ -508,8 +508,8 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 			return &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
 				JobId:            job.ID,
 				Sequence:         seq,
-				Code:             code,
-				Message:          job.redact(message),
+				Code:             wireText(code),
+				Message:          wireText(job.redact(message)),
 				Retryable:        retryable,
 				Details:          details,
 				NextRetryDelayMs: retryDelay,
@@ -594,6 +594,9 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 		if !filepath.IsLocal(filepath.FromSlash(a.Path)) {
 			return jobErr(CodeArtifactInvalid, fmt.Sprintf("artifact %q: path %q is not a relative path inside the output directory", a.Name, a.Path), false, nil, nil)
 		}
+		if err := checkArtifactText(a); err != nil {
+			return jobErr(CodeArtifactInvalid, fmt.Sprintf("artifact %q: %v", a.Name, err), false, nil, nil)
+		}
 		entries = append(entries, &pb.ArtifactManifestEntry{
 			Name:        a.Name,
 			Path:        a.Path,
@@ -621,7 +624,7 @@ func (s *session) shrink(job *Job) func(seq uint64, tooLarge error) *pb.Executor
 			JobId:     job.ID,
 			Sequence:  seq,
 			Code:      CodeResultTooLarge,
-			Message:   truncateUTF8(tooLarge.Error()+"; write large outputs as artifacts", 1024),
+			Message:   truncateUTF8(wireText(tooLarge.Error()+"; write large outputs as artifacts"), 1024),
 			Retryable: false,
 		}}}
 	}

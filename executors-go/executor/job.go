@@ -198,7 +198,8 @@ var NoFraction = math.NaN()
 
 // Progress sends a PROGRESS event: a message and the fraction done. A
 // fraction outside 0..1 is clamped into it (a computation that overshoots is
-// not worth failing a job for); NaN (NoFraction) sends no fraction.
+// not worth failing a job for); NaN (NoFraction) sends no fraction. Invalid
+// UTF-8 and NUL in message are sent as U+FFFD (see wireText).
 func (j *Job) Progress(message string, fraction float64) error {
 	return j.send(pb.EventKind_EVENT_KIND_PROGRESS, message, fraction, nil)
 }
@@ -263,7 +264,7 @@ func (j *Job) send(kind pb.EventKind, message string, fraction float64, checkpoi
 	ev := &pb.ProgressEvent{
 		JobId:      j.ID,
 		Kind:       kind,
-		Message:    j.redact(message),
+		Message:    wireText(j.redact(message)),
 		Checkpoint: checkpoint,
 	}
 	if !math.IsNaN(fraction) {
@@ -333,9 +334,18 @@ func (r *jobRun) sendTerminal(build func(seq uint64) *pb.ExecutorFrame, shrink f
 	}
 	r.finished = true
 	r.seq++
-	err := r.w.writeMax(build(r.seq), r.max)
+	f := build(r.seq)
+	err := r.w.writeMax(f, r.max)
 	if errors.Is(err, ErrFrameTooLarge) && shrink != nil {
-		err = r.w.writeMax(shrink(r.seq, err), r.max)
+		f = shrink(r.seq, err)
+		err = r.w.writeMax(f, r.max)
+	}
+	if err != nil && !errors.Is(err, errOutputBroken) && !errors.Is(err, ErrFrameTooLarge) {
+		// The frame does not encode (a string field that is not UTF-8): send
+		// one that does rather than no terminal at all.
+		fallback := unencodableTerminal(r.job.ID, r.seq, f, err)
+		r.job.Logger().Error("the terminal frame does not encode; sending a replacement", "err", err, "replacement", fallback.GetError().GetMessage())
+		err = r.w.writeMax(fallback, r.max)
 	}
 	return err
 }

@@ -9,6 +9,7 @@ import (
 	"os"
 	pathpkg "path"
 	"path/filepath"
+	"unicode/utf8"
 )
 
 // Result is a handler's successful outcome.
@@ -98,6 +99,11 @@ func (j *Job) FileArtifact(path string, opts *ArtifactOptions) (Artifact, error)
 	rel, err := filepath.Rel(base, real)
 	if err != nil || !filepath.IsLocal(rel) {
 		return invalid("not below the output directory %s", j.OutputDir)
+	}
+	if !utf8.ValidString(rel) {
+		// A manifest is protobuf text: the name cannot be sent as it is, and
+		// a replaced byte would name another file.
+		return invalid("the file name is not valid UTF-8 (rename the file)")
 	}
 	f, err := os.Open(real)
 	if err != nil {
