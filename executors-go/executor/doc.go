@@ -9,7 +9,8 @@
 // context that a Cancel frame cancels and that carries the job's deadline,
 // and sends exactly one terminal (JobResult or JobError) per job. Failures
 // are retryable unless they say otherwise (Error.NonRetryable), as in the
-// Python SDK. Run keeps stray writes to stdout off the frame stream; Serve
+// Python SDK. Run keeps stray writes to stdout off the frame stream (a
+// program that may print before Run calls ClaimStdio first in main); Serve
 // runs the same protocol on any reader and writer, and package executortest
 // plays the supervisor against it in tests.
 package executor

@@ -13,6 +13,7 @@ import (
 // ExampleHandleJSON are the README's examples: README_test.go checks that the
 // README shows this very code.)
 func Example() {
+	executor.ClaimStdio() // first: what prints before Run goes to stderr, not ahead of the hello
 	ex := executor.New(executor.Options{
 		ExecutorKind: "go",
 		Labels:       map[string]string{"gpu": "a100"},

@@ -185,9 +185,10 @@ func (e *Executor) Kinds() []string {
 // Before anything else it moves stdout to a private descriptor used only for
 // frames and points fd 1 (and so os.Stdout, fmt.Println and child processes
 // inheriting fd 1) at stderr; stdin likewise moves to a private descriptor and
-// fd 0 reads /dev/null, so no child process can consume frames.
+// fd 0 reads /dev/null, so no child process can consume frames (ClaimStdio;
+// when main already called it, Run serves on the streams it took).
 func (e *Executor) Run() int {
-	in, out, err := takeStdio()
+	in, out, err := ClaimStdio()
 	if err != nil {
 		e.log.Error("cannot set up the frame streams", "err", err)
 		return 2

@@ -22,8 +22,11 @@ import (
 const helperEnv = "DURABLE_EXECUTOR_TEST_HELPER"
 
 func TestMain(m *testing.M) {
-	if os.Getenv(helperEnv) == "run" {
+	switch os.Getenv(helperEnv) {
+	case "run":
 		os.Exit(helperMain())
+	case "claim":
+		os.Exit(claimingMain())
 	}
 	os.Exit(m.Run())
 }
@@ -44,6 +47,78 @@ func helperMain() int {
 		return executor.NewResult("quiet frames")
 	})
 	return ex.Run()
+}
+
+// claimingMain is the README's advice: ClaimStdio first thing in main, so
+// that what the program prints while it starts, before Run, goes to stderr
+// instead of ahead of the hello. Run then serves on the claimed streams.
+func claimingMain() int {
+	in, out, err := executor.ClaimStdio()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "ClaimStdio:", err)
+		return 9
+	}
+	fmt.Println("starting up: printed before Run")
+	if in2, out2, err := executor.ClaimStdio(); err != nil || in2 != in || out2 != out {
+		fmt.Fprintln(os.Stderr, "a second ClaimStdio returned other streams:", err)
+		return 9
+	}
+	ex := executor.New(executor.Options{ExecutorKind: "go"})
+	ex.Handle("echo", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
+		fmt.Println("printed by the handler")
+		return &executor.Result{Output: j.Input}, nil
+	})
+	return ex.Run()
+}
+
+func TestClaimStdioBeforeRunKeepsStartupOutputOffTheFrameStream(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), helperEnv+"=claim")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	deadline := time.AfterFunc(waitTimeout, func() { cmd.Process.Kill() })
+	defer deadline.Stop()
+
+	b, _ := executor.MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: job("j", "echo", `"hi"`)}})
+	if _, err := stdin.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	fr := executor.NewFrameReader(stdout, 0)
+	var frames []*pb.ExecutorFrame
+	for len(frames) < 4 {
+		f := &pb.ExecutorFrame{}
+		if err := fr.Read(f); err != nil {
+			t.Fatalf("frame %d: %v (stderr: %s)", len(frames), err, stderr.String())
+		}
+		frames = append(frames, f)
+	}
+	stdin.Close()
+	if rest, err := io.ReadAll(stdout); err != nil || len(rest) != 0 {
+		t.Fatalf("bytes after the terminal: %q, %v", rest, err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("executor exit: %v (stderr: %s)", err, stderr.String())
+	}
+	if frames[0].GetHello() == nil || string(frames[3].GetResult().GetOutput()) != `"hi"` {
+		t.Fatalf("frames = %v", frames)
+	}
+	for _, line := range []string{"starting up: printed before Run", "printed by the handler"} {
+		if !strings.Contains(stderr.String(), line+"\n") {
+			t.Errorf("stderr lacks %q: %q", line, stderr.String())
+		}
+	}
 }
 
 func TestRunKeepsStrayStdoutOffTheFrameStream(t *testing.T) {
