@@ -122,18 +122,59 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _encode_json(value: object, what: str) -> bytes:
+def _json_text(value: object, what: str) -> str:
     import json
 
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} is not JSON-serializable: {e}") from None
-    return text.encode("utf-8")
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{what} is not JSON-serializable: {e}") from None
+
+
+def _encode_json(value: object, what: str) -> bytes:
+    """``value`` as compact UTF-8 JSON. ValueError when it is not JSON-serializable,
+    or when a string in it holds a lone surrogate (how Python keeps a byte it could
+    not decode, as in a file name from ``os.listdir``): UTF-8 cannot encode it, and
+    the output is data, which the SDK does not alter."""
+    text = _json_text(value, what)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = _escape_surrogates(text[e.start : e.end])
+        raise ValueError(
+            f"{what} is not valid UTF-8: a string in it holds the lone surrogate {bad} "
+            "(a byte Python could not decode, as in a file name from os.listdir; "
+            "decode such text with errors='replace' or send it as bytes in an artifact)"
+        ) from None
+
+
+def _encode_details(value: object, what: str) -> bytes:
+    """``value`` as compact UTF-8 JSON, a lone surrogate in a string (or a key) written
+    as the text of its backslash escape, as :func:`_clean_text` does in messages:
+    details are evidence, sent as well as they can be. ValueError when ``value`` is not
+    JSON-serializable."""
+    text = _json_text(value, what)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate can stand only inside a JSON string, where json.dumps leaves
+        # it raw: written as an escaped backslash then "udcff", the string holds the
+        # text a message would.
+        return "".join(
+            f"\\\\u{ord(c):04x}" if "\ud800" <= c <= "\udfff" else c for c in text
+        ).encode("utf-8")
+
+
+def _escape_surrogates(text: str) -> str:
+    """Lone surrogates as backslash escapes (``'\\udcff'``); other text unchanged."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _exception_text(e: BaseException) -> str:
-    text = str(e)
+    try:
+        text = str(e)
+    except Exception:  # a broken __str__ must not cost the job its terminal
+        text = "<str() of the exception failed>"
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -145,7 +186,7 @@ def _clean_text(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+        text = _escape_surrogates(text)
     return text
 
 
@@ -353,6 +394,20 @@ def _artifact_to_proto(item: object) -> wire.ArtifactManifestEntry:
     else:
         kind = type(item).__name__
         raise _TerminalError(ARTIFACT_INVALID, f"an artifact must be an Artifact or a dict: {kind}")
+    texts = [("name", entry.name), ("path", entry.path), ("sha256", entry.sha256)]
+    texts += [("media_type", entry.media_type)]
+    texts += [(f"derived_from[{i}]", d) for i, d in enumerate(entry.derived_from)]
+    for field, value in texts:
+        if isinstance(value, str) and value != _escape_surrogates(value):
+            raise _TerminalError(
+                ARTIFACT_INVALID,
+                f"artifact {entry.name!r}: its {field} {value!r} is not valid UTF-8 (a byte "
+                "Python could not decode, as in a file name from os.listdir)",
+            )
+    try:
+        entry.encode()  # wrong types, a size out of range
+    except (TypeError, ValueError) as e:
+        raise _TerminalError(ARTIFACT_INVALID, f"artifact {entry.name!r}: {e}") from None
     path = entry.path
     if not path or path.startswith("/") or "\0" in path or ".." in path.split("/"):
         raise _TerminalError(
@@ -761,7 +816,14 @@ class Job:
                 return
             self._seq += 1
             msg.sequence = self._seq
-            data = wire.encode_executor_frame(msg)
+            try:
+                data = wire.encode_executor_frame(msg)
+            except (TypeError, ValueError) as e:
+                # Not encodable (a field of the wrong type or out of range, text that is
+                # not UTF-8): send a JobError that is rather than no terminal at all.
+                replacement = self._unencodable(msg, e)
+                _log(f"job {self.job_id}: the terminal does not encode; {replacement.message}")
+                data = wire.encode_executor_frame(replacement)
             if len(data) > self._max_frame_bytes:
                 text = (
                     f"the terminal frame of {len(data)} bytes exceeds the frame cap of "
@@ -782,6 +844,25 @@ class Job:
             session.deactivate(self)
             session.write_locked(encode_frame(data))
 
+    def _unencodable(self, msg: wire.JobResult | wire.JobError, e: Exception) -> wire.JobError:
+        """The JobError sent instead of a terminal that does not encode (the Go SDK's
+        rule): a result becomes OUTPUT_INVALID (not retryable: it would fail the same
+        way), an error HANDLER_ERROR, retryable as the handler said. Its every field
+        encodes."""
+        if isinstance(msg, wire.JobError):
+            code, retryable = HANDLER_ERROR, bool(msg.retryable)
+            what = f"error (code {_clean_text(str(msg.code))})"
+        else:
+            code, retryable, what = OUTPUT_INVALID, False, "result"
+        text = _clean_text(f"the job's {what} could not be encoded as a frame: {e}")
+        return wire.JobError(
+            job_id=self.job_id,
+            sequence=msg.sequence,
+            code=code,
+            message=text[:1024],
+            retryable=retryable,
+        )
+
     def _finish_error(
         self,
         code: str,
@@ -792,15 +873,15 @@ class Job:
     ) -> None:
         err = wire.JobError(
             job_id=self.job_id,
-            code=_clean_text(code),
-            message=_clean_text(self._scrub(message)),
-            retryable=retryable,
+            code=_clean_text(str(code)),
+            message=_clean_text(self._scrub(str(message))),
+            retryable=bool(retryable),
         )
         if details:
             try:
-                err.details = _encode_json(self._scrub_value(details), "the error details")
-            except TypeError as e:
-                _log(f"job {self.job_id}: dropping error details: {e}")
+                err.details = _encode_details(self._scrub_value(details), "the error details")
+            except ValueError as e:
+                _log(f"job {self.job_id}: dropping error details: {_clean_text(str(e))}")
         if next_retry_delay_ms is not None:
             err.next_retry_delay_ms = next_retry_delay_ms
         self._send_terminal(err)
@@ -818,6 +899,9 @@ class Job:
             if result.output_json is not None:
                 import json
 
+                if not isinstance(result.output_json, (bytes, bytearray, memoryview)):
+                    kind = type(result.output_json).__name__
+                    raise _TerminalError(OUTPUT_INVALID, f"output_json must be bytes, not {kind}")
                 output = bytes(result.output_json)
                 try:
                     json.loads(output)
@@ -829,7 +913,7 @@ class Job:
             else:
                 try:
                     output = _encode_json(result.output, "the handler's output")
-                except TypeError as e:
+                except ValueError as e:
                     raise _TerminalError(OUTPUT_INVALID, str(e)) from None
             artifacts = [_artifact_to_proto(a) for a in result.artifacts]
         except _TerminalError as e:
@@ -911,6 +995,10 @@ class Job:
         if not stat.S_ISREG(mode):  # checked before open: opening a FIFO would block
             raise invalid("not a regular file")
         rel = os.path.relpath(full, base).replace(os.sep, "/")
+        if rel != _escape_surrogates(rel):
+            # A manifest is UTF-8 text: the name cannot be sent, and a replaced byte
+            # would name another file.
+            raise invalid("the file name is not valid UTF-8 (rename the file)")
         digest = hashlib.sha256()
         size = 0
         with open(full, "rb") as f:
@@ -1249,7 +1337,7 @@ class _Session:
         """Answer a job with a JobError before ACCEPTED: it was not run."""
         err = wire.JobError(job_id=job_id, sequence=1, code=code, message=message, retryable=False)
         if details:
-            err.details = _encode_json(details, "refusal details")
+            err.details = _encode_details(details, "refusal details")
         with self.write_lock:
             self.write_locked(encode_frame(wire.encode_executor_frame(err)))
 

@@ -295,7 +295,10 @@ class Message:
 def _utf8(value: object, msg: Message, attr: str) -> bytes:
     if not isinstance(value, str):
         raise TypeError(f"{type(msg).__name__}.{attr}: expected str, got {type(value).__name__}")
-    return value.encode("utf-8")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{type(msg).__name__}.{attr}: not valid UTF-8 text ({e})") from None
 
 
 def _bytes(value: object, msg: Message, attr: str) -> bytes:
