@@ -1552,9 +1552,9 @@ class _Session:
         job._emit(wire.EVENT_KIND_RUNNING, "", None, None)
         try:
             value = self.call_handler(job, handler)
-        except (KeyboardInterrupt, SystemExit):
+        except KeyboardInterrupt:
             raise
-        except BaseException as e:
+        except BaseException as e:  # SystemExit included: sys.exit() ends the job, not us
             if job._terminal_sent:
                 return
             if job.cancelled:
@@ -1568,7 +1568,15 @@ class _Session:
 
                 trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
                 _log(f"handler for {job.kind!r} raised (job {job.job_id}):\n{job._scrub(trace)}")
-                job._finish_error(HANDLER_ERROR, _exception_text(e), True)
+                message = _exception_text(e)
+                if isinstance(e, SystemExit):
+                    # The process serves on (a persistent one: the next job); the job
+                    # failed, as with any exception. (Go: runtime.Goexit is HANDLER_PANIC.)
+                    message = (
+                        f"the handler raised SystemExit (exit code {e.code!r}): sys.exit() "
+                        "in a handler fails the job, the executor keeps serving"
+                    )
+                job._finish_error(HANDLER_ERROR, message, True)
             return
         if job._terminal_sent:
             return

@@ -363,6 +363,46 @@ def test_executor_error_maps_to_job_error(session_factory):
     assert err.next_retry_delay_ms == 2500
 
 
+def test_sys_exit_in_a_handler_is_its_error_and_serving_goes_on(session_factory):
+    """sys.exit() (or a library's) in a handler used to end the process with status 0
+    and no terminal; it is the handler's failure (Go: runtime.Goexit is HANDLER_PANIC)."""
+    import asyncio
+
+    async def async_exit(job: Job):
+        await asyncio.sleep(0)
+        sys.exit("bye")
+
+    def exit_after_cancel(job: Job):
+        job.progress("waiting")
+        job.cancel_event.wait(10)
+        sys.exit(0)
+
+    ex = Executor("python")
+    ex.handler("exit3")(lambda job: sys.exit(3))
+    ex.handler("exit")(lambda job: sys.exit())
+    ex.handler("async-exit")(async_exit)
+    ex.handler("exit-after-cancel")(exit_after_cancel)
+    ex.handler("echo")(lambda job: job.input)
+    s = session_factory(ex)
+    s.hello()
+    for i, (kind, code) in enumerate([("exit3", "3"), ("exit", "None"), ("async-exit", "'bye'")]):
+        s.send(job_frame(kind, job_id=f"job-{i}"))
+        err = s.frames.until_terminal()[-1].error
+        assert err.code == "HANDLER_ERROR" and err.retryable, (kind, err)
+        assert "SystemExit" in err.message and f"exit code {code}" in err.message, (kind, err)
+    s.send(job_frame("exit-after-cancel", job_id="job-c"))
+    assert s.frames.next().event.kind == pb.EVENT_KIND_ACCEPTED
+    assert s.frames.next().event.kind == pb.EVENT_KIND_RUNNING
+    assert s.frames.next().event.message == "waiting"
+    s.send(cancel_frame("job-c"))
+    err = s.frames.until_terminal()[-1].error
+    assert err.code == "CANCELLED" and "SystemExit" in err.message
+    s.send(job_frame("echo", "still serving", job_id="job-e"))
+    assert s.frames.until_terminal()[-1].result.output == b'"still serving"'
+    s.close_input()
+    assert s.wait() == 0
+
+
 def test_executor_error_validates_its_arguments():
     with pytest.raises(ValueError, match="UPPER_SNAKE_CASE"):
         ExecutorError("not-upper")
