@@ -726,7 +726,10 @@ class Job:
         self._emit(wire.EVENT_KIND_PROGRESS, message, fraction, checkpoint)
 
     def heartbeat(self, checkpoint: bytes | None = None) -> None:
-        """Send a HEARTBEAT event (liveness only, optionally with a checkpoint)."""
+        """Send a HEARTBEAT event (liveness only, optionally with a checkpoint).
+
+        The SDK sends none of its own: when ``heartbeat_timeout_ms`` is set, a handler
+        silent for longer (a long :meth:`sleep` included) ends ``HEARTBEAT_TIMEOUT``."""
         self._emit(wire.EVENT_KIND_HEARTBEAT, "", None, checkpoint)
 
     def checkpoint_json(self, default: Any = None) -> Any:
@@ -796,15 +799,23 @@ class Job:
                 event.at_unix_ms = _now_ms()
                 data = wire.encode_executor_frame(event)
                 if len(data) > self._max_frame_bytes:
-                    raise ValueError(
-                        f"event frame of {len(data)} bytes exceeds the frame cap of "
-                        f"{self._max_frame_bytes} bytes (checkpoint too large?)"
-                    )
+                    raise ValueError(self._oversize_event_text(event, len(data)))
                 self._seq += 1
                 session.write_locked(encode_frame(data))
             finally:
                 session.writer = 0
         self._raise_deferred_interrupt()
+
+    def _oversize_event_text(self, event: wire.ProgressEvent, size: int) -> str:
+        parts = []
+        if event.checkpoint:
+            parts.append(f"its checkpoint of {len(event.checkpoint)} bytes")
+        if event.message:
+            parts.append(f"its message of {len(event.message.encode('utf-8'))} bytes")
+        text = f"event frame of {size} bytes exceeds the frame cap of {self._max_frame_bytes} bytes"
+        if parts:
+            text += f" ({' and '.join(parts)})"
+        return text + "; it was not sent"
 
     # -- terminal ----------------------------------------------------------
 

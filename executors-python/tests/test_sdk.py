@@ -752,7 +752,34 @@ def test_oversize_event_raises_in_the_handler_without_using_a_sequence(session_f
     s.send(job_frame("cp"))
     frames = s.frames.until_terminal()
     assert "exceeds the frame cap" in seen[0]
+    assert "its checkpoint of 10000 bytes" in seen[0]
     assert [sequence_of(f) for f in frames] == [1, 2, 3, 4]
+
+
+def test_the_oversize_event_error_says_what_is_large(session_factory):
+    """The error names what the event carries (it said "checkpoint too large?" for an
+    event without any checkpoint)."""
+    seen = []
+    ex = Executor("python", max_frame_bytes=4096)
+
+    @ex.handler("chatty")
+    def chatty(job: Job):
+        for kwargs in ({}, {"checkpoint": b"c" * 3000}):
+            try:
+                job.progress("m" * 5000, **kwargs)
+            except ValueError as e:
+                seen.append(str(e))
+        return "ok"
+
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("chatty"))
+    s.frames.until_terminal()
+    no_checkpoint, both = seen
+    assert "exceeds the frame cap of 4096 bytes" in no_checkpoint
+    assert "its message of 5000 bytes" in no_checkpoint
+    assert "checkpoint" not in no_checkpoint
+    assert "its checkpoint of 3000 bytes and its message of 5000 bytes" in both
 
 
 def test_invalid_artifact_entries_are_artifact_invalid(session_factory):
