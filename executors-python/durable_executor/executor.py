@@ -865,7 +865,7 @@ class Job:
             what = f"error (code {_clean_text(str(msg.code))})"
         else:
             code, retryable, what = OUTPUT_INVALID, False, "result"
-        text = _clean_text(f"the job's {what} could not be encoded as a frame: {e}")
+        text = _clean_text(self._scrub(f"the job's {what} could not be encoded as a frame: {e}"))
         return wire.JobError(
             job_id=self.job_id,
             sequence=msg.sequence,
