@@ -92,3 +92,22 @@ pub(crate) async fn maybe_delay_lease(worker: &str) {
         tokio::time::sleep(d).await;
     }
 }
+
+static LATE_LISTEN: Mutex<Option<(String, std::time::Duration)>> = Mutex::new(None);
+
+/// Makes the LISTEN connection of the worker named `worker` start `delay`
+/// late (None: off): the window in which a step becomes leasable while its
+/// NOTIFY reaches nobody.
+pub fn delay_listen_of(fault: Option<(&str, std::time::Duration)>) {
+    *LATE_LISTEN.lock().unwrap_or_else(|p| p.into_inner()) = fault.map(|(w, d)| (w.to_owned(), d));
+}
+
+/// How long a test asked this worker's LISTEN to wait before it starts.
+pub(crate) fn listen_delay(worker: &str) -> Option<std::time::Duration> {
+    LATE_LISTEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .filter(|(w, _)| w == worker)
+        .map(|(_, d)| *d)
+}

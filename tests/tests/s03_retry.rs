@@ -266,3 +266,26 @@ async fn a_retry_is_leased_when_it_comes_due_not_at_the_next_poll() {
         "the retry was leased {late} ms after it came due: it waited for the 30 s poll"
     );
 }
+
+/// A run submitted while the worker starts is leased at once, not at the
+/// worker's first poll: once LISTEN is in place the worker makes a lease
+/// pass, since a NOTIFY sent before that reached nobody. Here LISTEN starts
+/// a second late (a fault injected for this worker) and the run is
+/// submitted after the worker's first lease pass, with a 30 s poll.
+#[tokio::test]
+async fn a_run_submitted_before_listen_took_effect_is_not_left_to_the_poll() {
+    let t = TestDb::new().await;
+    let mut cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    cfg.poll_interval_ms = 30_000;
+    cfg.name = Some("late-listen".into());
+    supervisor::fault::delay_listen_of(Some(("late-listen", Duration::from_secs(1))));
+    let w = tests::RunningWorker::start(t.connect(10).await, cfg).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let run = t
+        .submit(tests::one_step("early", "go", "demo.echo", json!({"a": 1})))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(15)).await;
+    w.shutdown().await;
+    supervisor::fault::delay_listen_of(None);
+    assert_eq!(st.state, "succeeded", "{st:?}");
+}

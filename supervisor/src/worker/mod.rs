@@ -980,6 +980,12 @@ async fn listen_loop(
     // own, as the heartbeat's, not one of the pool's (which the config sizes
     // for the attempts, the lease and the ledger)
     let listen_db = shared.db.dedicated(DB_CALL_TIMEOUT);
+    if let Some(delay) = crate::fault::listen_delay(&shared.name) {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
     let mut backoff = Duration::from_millis(200);
     loop {
         let mut listener = match listen_db.listener().await {
@@ -995,6 +1001,10 @@ async fn listen_loop(
             }
         };
         backoff = Duration::from_millis(200);
+        // a step that became leasable before LISTEN took effect (the worker
+        // was starting, or the connection was being replaced) sent its
+        // NOTIFY to nobody: one lease pass now finds it, instead of the poll
+        wake.notify_one();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
