@@ -382,8 +382,20 @@ pub enum HandshakeError {
     Wire(#[from] WireError),
     #[error("the executor exited or closed stdout before its hello")]
     Eof,
-    #[error("no hello within {} ms", .0.as_millis())]
-    Timeout(Duration),
+    #[error("no hello within {} ms{}", .0.as_millis(), received(*.1, .2))]
+    Timeout(Duration, usize, Vec<u8>),
+}
+
+/// What arrived of an incomplete first frame, for the timeout's message.
+fn received(n: usize, first: &[u8]) -> String {
+    if n == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({n} bytes of an incomplete frame arrived; first bytes: {})",
+            first_bytes(first, 64)
+        )
+    }
 }
 
 /// Frames from an executor's stdout.
@@ -395,7 +407,11 @@ pub async fn read_hello<R: AsyncRead + Unpin>(
     timeout: Duration,
 ) -> Result<Hello, HandshakeError> {
     match tokio::time::timeout(timeout, frames.next()).await {
-        Err(_) => Err(HandshakeError::Timeout(timeout)),
+        Err(_) => Err(HandshakeError::Timeout(
+            timeout,
+            frames.read_buffer().len(),
+            frames.read_buffer().iter().take(65).copied().collect(),
+        )),
         Ok(None) => Err(HandshakeError::Eof),
         Ok(Some(Err(e))) => Err(HandshakeError::Wire(e)),
         Ok(Some(Ok(f))) => match FromExecutor::from(f) {
@@ -478,5 +494,39 @@ mod fraction_tests {
         assert_eq!(fraction_of(Some(f64::NAN)), None);
         assert_eq!(fraction_of(Some(f64::INFINITY)), None);
         assert_eq!(fraction_of(None), None);
+    }
+}
+
+#[cfg(test)]
+mod handshake_tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A first frame announced but never completed: the timeout says how
+    /// much arrived and shows its first bytes (before, only "no hello
+    /// within 10000 ms").
+    #[tokio::test]
+    async fn a_hello_timeout_shows_the_incomplete_frame() {
+        let (mut w, r) = tokio::io::duplex(1024);
+        // a length prefix of 300 bytes, then 10 of them
+        w.write_all(&[0xac, 0x02]).await.expect("write");
+        w.write_all(b"garbage!!!").await.expect("write");
+        let mut frames = FramedRead::new(r, executor_decoder(1 << 20));
+        let err = read_hello(&mut frames, Duration::from_millis(100))
+            .await
+            .expect_err("no hello");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("no hello within 100 ms (12 bytes of an incomplete frame arrived; first bytes: \\xac\\x02garbage!!!)"),
+            "{msg}"
+        );
+        // nothing at all: the plain message
+        let (_w2, r2) = tokio::io::duplex(1024);
+        let mut frames = FramedRead::new(r2, executor_decoder(1 << 20));
+        let err = read_hello(&mut frames, Duration::from_millis(50))
+            .await
+            .expect_err("no hello");
+        assert_eq!(err.to_string(), "no hello within 50 ms");
+        drop(w);
     }
 }
