@@ -478,12 +478,14 @@ func (s *session) execute(ctx context.Context, run *jobRun, h HandlerFunc) {
 	defer close(run.done)
 	defer run.cancel(context.Canceled) // release the context once the terminal is out
 
-	for _, kind := range []pb.EventKind{pb.EventKind_EVENT_KIND_ACCEPTED, pb.EventKind_EVENT_KIND_RUNNING} {
-		if err := run.sendEvent(&pb.ProgressEvent{JobId: job.ID, Kind: kind}); err != nil {
-			// Without ACCEPTED the job must not run; the stream is broken anyway.
-			job.logger.Error("cannot start the job; not running it", "err", err)
-			return
-		}
+	// ACCEPTED and RUNNING in one write
+	if err := run.sendEvents(
+		&pb.ProgressEvent{JobId: job.ID, Kind: pb.EventKind_EVENT_KIND_ACCEPTED},
+		&pb.ProgressEvent{JobId: job.ID, Kind: pb.EventKind_EVENT_KIND_RUNNING},
+	); err != nil {
+		// Without ACCEPTED the job must not run; the stream is broken anyway.
+		job.logger.Error("cannot start the job; not running it", "err", err)
+		return
 	}
 
 	// The terminal goes out from a deferred call so that a handler calling

@@ -1,6 +1,7 @@
 package executor_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -825,7 +826,7 @@ func TestBrokenOutput(t *testing.T) {
 		})
 		in, inW := pipeWithJob(t, job("j", "talk", ""))
 		defer inW.Close()
-		err := ex.Serve(in, &failingWriter{n: 3}) // hello, ACCEPTED, RUNNING
+		err := ex.Serve(in, &failingWriter{n: 2}) // hello, ACCEPTED and RUNNING (one write)
 		if err == nil || !strings.Contains(err.Error(), "broken pipe") {
 			t.Fatalf("Serve = %v", err)
 		}
@@ -921,4 +922,60 @@ func TestRawTerminalSuppressesTheSDKTerminal(t *testing.T) {
 	h.SendJob(job("k", "demo.echo", `1`))
 	h.Started("k")
 	h.Result("k", 3)
+}
+
+// recordingWriter keeps each Write's bytes apart.
+type recordingWriter struct {
+	mu     sync.Mutex
+	writes [][]byte
+}
+
+func (w *recordingWriter) Write(b []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.writes = append(w.writes, append([]byte(nil), b...))
+	return len(b), nil
+}
+
+// The job's automatic ACCEPTED and RUNNING go out in one write: one system
+// call, and one wake-up of the supervisor's reader, fewer per job.
+func TestAcceptedAndRunningAreOneWrite(t *testing.T) {
+	ex := newExecutor(executor.Options{})
+	ex.Handle("quick", func(ctx context.Context, j *executor.Job) (*executor.Result, error) {
+		return executor.NewResult(map[string]int{"ok": 1})
+	})
+	in, inW := pipeWithJob(t, job("j", "quick", ""))
+	w := &recordingWriter{}
+	done := make(chan error, 1)
+	go func() { done <- ex.Serve(in, w) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		w.mu.Lock()
+		n := len(w.writes)
+		w.mu.Unlock()
+		if n >= 3 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	inW.Close()
+	<-done
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.writes) != 3 {
+		t.Fatalf("writes = %d, want 3 (hello; ACCEPTED and RUNNING; the result)", len(w.writes))
+	}
+	fr := executor.NewFrameReader(bytes.NewReader(w.writes[1]), 0)
+	var kinds []pb.EventKind
+	for {
+		var f pb.ExecutorFrame
+		if err := fr.Read(&f); err != nil {
+			break
+		}
+		kinds = append(kinds, f.GetEvent().GetKind())
+	}
+	want := []pb.EventKind{pb.EventKind_EVENT_KIND_ACCEPTED, pb.EventKind_EVENT_KIND_RUNNING}
+	if len(kinds) != 2 || kinds[0] != want[0] || kinds[1] != want[1] {
+		t.Fatalf("second write holds %v, want %v", kinds, want)
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -298,21 +299,38 @@ type jobRun struct {
 
 // sendEvent numbers and writes an event, unless the terminal has been sent.
 func (r *jobRun) sendEvent(ev *pb.ProgressEvent) error {
+	return r.sendEvents(ev)
+}
+
+// sendEvents numbers events and writes them in one Write, unless the terminal
+// has been sent: one system call, and one wake-up of the supervisor's reader,
+// for the job's automatic ACCEPTED and RUNNING.
+func (r *jobRun) sendEvents(evs ...*pb.ProgressEvent) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.finished {
 		return ErrJobFinished
 	}
-	ev.Sequence = r.seq + 1
-	ev.AtUnixMs = time.Now().UnixMilli()
-	err := r.w.writeMax(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: ev}}, r.max)
-	if err != nil {
+	now := time.Now().UnixMilli()
+	var buf []byte
+	kinds := make([]string, 0, len(evs))
+	for i, ev := range evs {
+		ev.Sequence = r.seq + uint64(i) + 1
+		ev.AtUnixMs = now
+		kinds = append(kinds, ev.Kind.String())
+		b, err := appendFrame(buf, &pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Event{Event: ev}}, r.max)
+		if err != nil {
+			return fmt.Errorf("executor: sending %s event: %w", ev.Kind, err)
+		}
+		buf = b
+	}
+	if err := r.w.writeRaw(buf); err != nil {
 		if errors.Is(err, errOutputBroken) {
 			r.cancel(&Cancellation{Reason: ReasonOutputBroken, Message: err.Error()})
 		}
-		return fmt.Errorf("executor: sending %s event: %w", ev.Kind, err)
+		return fmt.Errorf("executor: sending %s event: %w", strings.Join(kinds, " and "), err)
 	}
-	r.seq++
+	r.seq += uint64(len(evs))
 	return nil
 }
 
