@@ -97,3 +97,111 @@ async fn out_of_order_and_duplicated_events_are_stored_once_in_order_terminal_la
         .collect();
     assert_eq!(listed, seqs);
 }
+
+/// The kinds and messages of a step's events, in order, for one attempt.
+async fn events_of(t: &TestDb, step: Uuid, attempt: i32) -> Vec<(String, String)> {
+    sqlx::query_as(
+        "SELECT kind, message FROM durable.step_events
+          WHERE step_run_id = $1 AND attempt = $2 ORDER BY sequence",
+    )
+    .bind(step)
+    .bind(attempt)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("events")
+}
+
+/// An attempt the supervisor ends still ends with a terminal event (the
+/// seed design's evidence for `cancelled` and `terminal_failed`): a cancel
+/// and an attempt timeout are recorded after the executor's own events, with
+/// the state the attempt ended in and why. Before, only an executor's own
+/// result or error left one, and `events` of a cancelled step stopped at its
+/// last progress.
+#[tokio::test]
+async fn an_attempt_the_supervisor_ended_has_a_terminal_event() {
+    let t = TestDb::new().await;
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let w = tests::RunningWorker::start(t.connect(10).await, cfg).await;
+
+    // cancelled while it runs
+    let run = t
+        .submit(tests::one_step(
+            "cancel-me",
+            "go",
+            "demo.sleep",
+            json!({"ms": 60000, "steps": 600}),
+        ))
+        .await;
+    let st = t
+        .wait_run(run, Duration::from_secs(30), |s| {
+            s.steps
+                .first()
+                .is_some_and(|x| x.state == "running" && x.events >= 3)
+        })
+        .await;
+    let step = st.steps[0].step_run_id;
+    t.db.cancel(run, None).await.expect("cancel");
+    let st = t.wait_terminal(run, Duration::from_secs(30)).await;
+    assert_eq!(st.steps[0].state, "cancelled");
+    let ev = events_of(&t, step, 1).await;
+    let (kind, message) = ev.last().expect("events");
+    assert_eq!(kind, "cancelled", "{ev:?}");
+    assert!(message.contains("cancel"), "{ev:?}");
+    assert_eq!(ev[0].0, "accepted", "{ev:?}");
+
+    // an executor that goes silent, ended by the attempt's timeout
+    let run = t
+        .submit(
+            json!({"name": "timeout", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.misbehave", "input": {"mode": "hang"}, "timeout_ms": 1000,
+            "retry": {"max_attempts": 1}}]}),
+        )
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(30)).await;
+    let s = &st.steps[0];
+    assert_eq!(s.state, "terminal_failed");
+    assert_eq!(s.error.as_ref().expect("error").code, "ATTEMPT_TIMEOUT");
+    let ev = events_of(&t, s.step_run_id, 1).await;
+    let (kind, message) = ev.last().expect("events");
+    assert_eq!(kind, "terminal_failed", "{ev:?}");
+    assert!(message.starts_with("ATTEMPT_TIMEOUT: "), "{ev:?}");
+    w.shutdown().await;
+}
+
+/// A reclaimed attempt (its worker stopped renewing) ends with a terminal
+/// event too, written by the worker that reclaims it; an attempt that never
+/// started gets none.
+#[tokio::test]
+async fn a_reclaimed_attempt_ends_with_a_terminal_event() {
+    let t = TestDb::new().await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    for name in ["started", "leased-only"] {
+        t.submit(tests::one_step(name, "go", "k", json!({}))).await;
+    }
+    let leased =
+        t.db.lease(w, "w", &tests::route_go_k(), 2, Duration::from_secs(30))
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 2);
+    t.db.mark_running(&leased[0].lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    sqlx::query("UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 second'")
+        .execute(t.db.pool())
+        .await
+        .expect("expire");
+    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 2);
+    let ev = events_of(&t, leased[0].lease.step_run_id(), 1).await;
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert_eq!(ev[1].0, "retryable_failed", "{ev:?}");
+    assert!(ev[1].1.starts_with("LEASE_EXPIRED: "), "{ev:?}");
+    assert!(
+        events_of(&t, leased[1].lease.step_run_id(), 1)
+            .await
+            .is_empty(),
+        "an attempt that never started has no events"
+    );
+}

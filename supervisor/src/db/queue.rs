@@ -350,6 +350,8 @@ impl DbConn<'_> {
             };
             let decision =
                 state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
+            let message = format!("{}: {}", report.failure.code, report.message);
+            insert_ending_event(&mut tx, &lease, decision.to.as_str(), &message).await?;
             write_failure(&mut tx, &lease, worker_name, &report, &decision).await?;
             tx.commit().await.ctx("committing a reclaim")?;
             reclaimed += 1;

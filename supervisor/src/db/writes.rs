@@ -314,9 +314,15 @@ impl DbConn<'_> {
             cancel_requested: row.get("cancel_requested"),
         };
         let decision = state::decide_failure(&facts, &report.failure, row.get("db_now"), jitter);
-        if let Some(seq) = report.sequence {
-            insert_terminal_event(&mut tx, lease, seq, decision.to.as_str(), &report.message)
-                .await?;
+        match report.sequence {
+            Some(seq) => {
+                insert_terminal_event(&mut tx, lease, seq, decision.to.as_str(), &report.message)
+                    .await?
+            }
+            None => {
+                let message = format!("{}: {}", report.failure.code, report.message);
+                insert_ending_event(&mut tx, lease, decision.to.as_str(), &message).await?
+            }
         }
         write_failure(&mut tx, lease, worker_name, report, &decision).await?;
         tx.commit().await.ctx("committing a failure")?;
@@ -346,6 +352,7 @@ impl DbConn<'_> {
         .ctx("confirming a cancellation")?
         .rows_affected();
         fenced(n, lease)?;
+        insert_ending_event(&mut tx, lease, "cancelled", message).await?;
         tx.commit().await.ctx("committing a cancellation")
     }
 
@@ -500,6 +507,35 @@ pub(super) async fn insert_terminal_event(
     .execute(&mut **tx)
     .await
     .ctx("recording a terminal event")?;
+    Ok(())
+}
+
+/// The terminal event of an attempt the supervisor ended without the
+/// executor's own terminal (a cancel, a timeout, a deadline, a silent
+/// executor, an expired lease): the attempt's next sequence, the state it
+/// ended in as the kind, why as the message. Only for an attempt that
+/// started (its executor's events are there): one that never ran has no
+/// events at all.
+pub(super) async fn insert_ending_event(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    lease: &Lease,
+    kind: &str,
+    message: &str,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message)
+         SELECT $1, $2, max(e.sequence) + 1, $3, $4 FROM durable.step_events e
+          WHERE e.step_run_id = $1 AND e.attempt = $2
+         HAVING count(*) > 0
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(lease.step_run_id)
+    .bind(lease.attempt as i32)
+    .bind(kind)
+    .bind(message)
+    .execute(&mut **tx)
+    .await
+    .ctx("recording how the supervisor ended an attempt")?;
     Ok(())
 }
 
