@@ -134,6 +134,17 @@ async fn a_terminal_failure_creates_the_waiting_steps_cancelled() {
     let st = t.status(run).await;
     assert_eq!(st.state, "failed");
     assert!(st.waiting.is_empty(), "{:?}", st.waiting);
+    // the run's hop to failed names the step that failed it, not the
+    // sibling whose cancellation closed the run
+    let why: String = sqlx::query_scalar(
+        "SELECT reason FROM durable.transitions
+          WHERE run_id = $1 AND step_run_id IS NULL AND to_state = 'failed'",
+    )
+    .bind(run)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("the run's hop to failed");
+    assert_eq!(why, "step a terminal_failed");
 }
 
 /// Through a real worker and the CLI's view: a failing step's dependents are
