@@ -785,6 +785,14 @@ async fn worker(
         CliError::Usage("supervisor worker needs --config FILE (`supervisor worker --print-default-config` prints one to start from)".into())
     })?;
     let cfg = WorkerConfig::load(&config)?;
+    for (var, near) in crate::config::unknown_env_settings(std::env::vars_os()) {
+        match near {
+            Some(k) => {
+                tracing::warn!("{var} is not a worker setting and is ignored; did you mean {k}?")
+            }
+            None => tracing::warn!("{var} is not a worker setting and is ignored"),
+        }
+    }
     let url = url.clone().or(cfg.database_url.clone());
     // SIGTERM during start-up (probes, the sweep) is a clean stop too
     let shutdown = CancellationToken::new();

@@ -420,7 +420,58 @@ impl WorkerConfig {
             )),
             other => other,
         })?;
+        cfg.check_commands()
+            .map_err(|m| ConfigError::Invalid(format!("{m} (in {})", path.display())))?;
         Ok(cfg)
+    }
+
+    /// Every executor's command names a program that exists and may be run:
+    /// a path (absolute, or relative to the working directory, as
+    /// `resolve_paths` made it), or a name found on PATH. Checked when a
+    /// config file is loaded, so a wrong command is a config error (exit 2,
+    /// naming the key) rather than a handshake that fails at start.
+    pub fn check_commands(&self) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt;
+        let runnable = |p: &Path| {
+            std::fs::metadata(p)
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        };
+        for e in &self.executors {
+            let what = format!("[[executors]] {:?}: command = {:?}", e.name, e.command);
+            if e.command.contains('/') {
+                let p = Path::new(&e.command);
+                match std::fs::metadata(p) {
+                    Err(err) => {
+                        return Err(format!(
+                            "{what} cannot be run: {err}. Give the executor's program: an absolute path, a path relative to the worker's working directory, or a name on PATH"
+                        ))
+                    }
+                    Ok(m) if !m.is_file() => {
+                        return Err(format!("{what} is not a file"))
+                    }
+                    Ok(_) if !runnable(p) => {
+                        return Err(format!(
+                            "{what} is not executable: chmod +x it, or run it through its interpreter (command = \"/usr/bin/python3\", args = [\"{}\"])",
+                            e.command
+                        ))
+                    }
+                    Ok(_) => {}
+                }
+            } else {
+                let found = std::env::var_os("PATH")
+                    .map(|paths| {
+                        std::env::split_paths(&paths).any(|d| runnable(&d.join(&e.command)))
+                    })
+                    .unwrap_or(false);
+                if !found {
+                    return Err(format!(
+                        "{what} is not found on PATH: give the program's absolute path, or install it"
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn resolve_paths(&mut self, base: &Path) {
@@ -1041,6 +1092,62 @@ fn whole_number(text: &str) -> Option<i64> {
 /// top-level setting is left alone (other `DURABLE_*` variables exist); one
 /// that names a setting but does not parse is an error naming the variable.
 /// An empty value is ignored.
+/// `DURABLE_*` variables the runtime reads that are not worker settings.
+const OTHER_ENV: &[&str] = &[
+    "DURABLE_LOG_FORMAT",
+    "DURABLE_CGROUPS",
+    "DURABLE_ARTIFACT_DIR",
+    "DURABLE_SUPERVISOR_SLOT",
+    "DURABLE_SUPERVISOR_PROCESS",
+    "DURABLE_SUPERVISOR_INSTANCE",
+];
+
+/// The `DURABLE_*` variables of `vars` that name no worker setting (nor
+/// another variable the runtime reads), each with the setting it most likely
+/// meant: a misspelt override (`DURABLE_LEASE_TLL_MS`) is otherwise ignored
+/// without a word, while the same typo in the file is refused.
+pub fn unknown_env_settings(
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Vec<(String, Option<String>)> {
+    let mut out: Vec<(String, Option<String>)> = vars
+        .into_iter()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| k.starts_with(ENV_PREFIX) && !OTHER_ENV.contains(&k.as_str()))
+        .filter(|k| !k.starts_with("DURABLE_CHAOS_") && !k.starts_with("DURABLE_TEST_"))
+        .filter_map(|var| {
+            let key = var[ENV_PREFIX.len()..].to_ascii_lowercase();
+            if key == "executors" || WORKER_KEYS.iter().any(|(k, _, _)| *k == key) {
+                return None;
+            }
+            let near = WORKER_KEYS
+                .iter()
+                .map(|(k, _, _)| (edit_distance(&key, k), *k))
+                .min()
+                .filter(|(d, _)| *d <= 3)
+                .map(|(_, k)| format!("{ENV_PREFIX}{}", k.to_ascii_uppercase()));
+            Some((var, near))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Levenshtein distance (a misspelt setting's nearest key).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
 pub fn apply_env(
     table: &mut toml::Table,
     vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,

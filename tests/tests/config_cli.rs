@@ -422,3 +422,79 @@ async fn a_worker_runs_with_the_overridden_settings() {
         .expect("wait");
     assert_eq!(status.code(), Some(0));
 }
+
+/// An executor command that cannot be run is a config error (exit 2, naming
+/// the executor and the key) when the file is loaded: before, the worker got
+/// as far as the executor's handshake and exited 1 ("did not answer the
+/// handshake: failed to spawn").
+#[test]
+fn an_executor_command_that_cannot_be_run_is_a_config_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plain = dir.path().join("not-executable.sh");
+    std::fs::write(&plain, "#!/bin/sh\n").expect("write");
+    for (what, command, fragments) in [
+        (
+            "missing file",
+            "/nonexistent/bin/executor".to_owned(),
+            vec!["[[executors]] \"x\"", "cannot be run", "No such file"],
+        ),
+        (
+            "not executable",
+            plain.to_string_lossy().into_owned(),
+            vec!["[[executors]] \"x\"", "is not executable", "chmod +x"],
+        ),
+        (
+            "a directory",
+            dir.path().to_string_lossy().into_owned(),
+            vec!["is not a file"],
+        ),
+        (
+            "a name not on PATH",
+            "no-such-executor-anywhere".to_owned(),
+            vec!["is not found on PATH"],
+        ),
+    ] {
+        let text = format!("[[executors]]\nname = \"x\"\ncommand = {command:?}\n");
+        let file = write(dir.path(), "bad.toml", &text);
+        let mut fragments = fragments;
+        fragments.push("bad.toml");
+        assert_invalid(&start(&file, &[]), &fragments, what);
+    }
+    // a name on PATH is fine
+    let file = write(
+        dir.path(),
+        "ok.toml",
+        "[[executors]]\nname = \"x\"\ncommand = \"true\"\n",
+    );
+    assert_valid(&start(&file, &[]), "a name on PATH");
+}
+
+/// A misspelt `DURABLE_*` override is named at start with the setting it most
+/// likely meant (it is still ignored: other programs may use the prefix);
+/// before, it was ignored without a word while the same typo in the file is
+/// refused.
+#[test]
+fn a_misspelt_environment_override_is_named_with_its_nearest_setting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ok = write(dir.path(), "ok.toml", EXEC);
+    let o = start(
+        &ok,
+        &[
+            ("RUST_LOG", "warn"),
+            ("DURABLE_LEASE_TLL_MS", "3000"),
+            ("DURABLE_LOG_FORMAT", "text"),
+        ],
+    );
+    assert_valid(&o, "a misspelt override does not stop the worker");
+    let err = stderr(&o);
+    assert!(
+        err.contains(
+            "DURABLE_LEASE_TLL_MS is not a worker setting and is ignored; did you mean DURABLE_LEASE_TTL_MS?"
+        ),
+        "{err}"
+    );
+    assert!(
+        !err.contains("DURABLE_LOG_FORMAT is not"),
+        "a variable the runtime reads is not named: {err}"
+    );
+}
