@@ -522,20 +522,14 @@ pub(super) async fn insert_ending_event(
     kind: &str,
     message: &str,
 ) -> Result<(), DbError> {
-    sqlx::query(
-        "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message)
-         SELECT $1, $2, max(e.sequence) + 1, $3, $4 FROM durable.step_events e
-          WHERE e.step_run_id = $1 AND e.attempt = $2
-         HAVING count(*) > 0
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(lease.step_run_id)
-    .bind(lease.attempt as i32)
-    .bind(kind)
-    .bind(message)
-    .execute(&mut **tx)
-    .await
-    .ctx("recording how the supervisor ended an attempt")?;
+    sqlx::query("SELECT durable.record_ending_event($1, $2, $3, $4)")
+        .bind(lease.step_run_id)
+        .bind(lease.attempt as i32)
+        .bind(kind)
+        .bind(message)
+        .execute(&mut **tx)
+        .await
+        .ctx("recording how the supervisor ended an attempt")?;
     Ok(())
 }
 
