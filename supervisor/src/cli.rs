@@ -1031,6 +1031,11 @@ fn spawn_interrupt_handler(token: CancellationToken) {
     });
 }
 
+/// How long a forced stop (a second signal) may take to give the steps back
+/// before the process kills every executor and exits 1 (a third signal does
+/// that at once).
+const FORCED_EXIT_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
 fn spawn_signal_handler(token: CancellationToken) {
     // noted in the handler itself, before the task below runs: the lease
     // loop stops at once (worker::note_stop_signal)
@@ -1061,7 +1066,17 @@ fn spawn_signal_handler(token: CancellationToken) {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
+        // the drain stops every attempt now, without graces, and gives the
+        // steps back (uncounted); if that cannot finish (a database that does
+        // not answer), the last resort after a few seconds
         tracing::warn!("second signal: stopping all executors now");
+        crate::worker::force_stop();
+        tokio::select! {
+            _ = tokio::time::sleep(FORCED_EXIT_AFTER) => {}
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::warn!("the forced stop did not finish: killing every executor and exiting");
         crate::process::kill_all_groups();
         std::process::exit(1);
     });

@@ -78,3 +78,47 @@ async fn drain_timeout_stops_the_child_and_the_step_goes_back_to_the_queue() {
     );
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
 }
+
+/// A second SIGTERM stops running attempts at once, without the graces, and
+/// still gives their steps back (uncounted, WORKER_SHUTDOWN) before the
+/// worker exits 0; no child survives. Before, the second signal SIGKILLed
+/// every child and exited 1, leaving the steps `running` until their leases
+/// expired, each then counted as a failed attempt (LEASE_EXPIRED).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_stops_attempts_at_once_and_gives_their_steps_back() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.drain_timeout_ms = 60_000;
+    cfg.lease_ttl_ms = 60_000;
+    cfg.cancel_grace_ms = 20_000;
+    cfg.term_grace_ms = 20_000;
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(
+            json!({"name": "long", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.misbehave", "input": {"mode": "ignore_cancel"},
+            "retry": {"max_attempts": 1}}]}),
+        )
+        .await;
+    let step = wait_running(&t, run).await;
+    let pgid = tests::executor_pid(&t.db, step).await;
+    let asked = std::time::Instant::now();
+    w.signal(Signal::SIGTERM);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.signal(Signal::SIGTERM);
+    let code = w.wait(Duration::from_secs(30)).await;
+    let took = asked.elapsed();
+    assert_eq!(code, Some(0), "stderr: {}", w.stderr());
+    assert!(
+        took < Duration::from_secs(15),
+        "stopped without waiting out the 20 s graces: {took:?}"
+    );
+    let st = t.status(run).await;
+    let s = &st.steps[0];
+    assert_eq!(s.state, "retryable_failed", "given back, not failed: {s:?}");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("WORKER_SHUTDOWN")
+    );
+    tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
+}

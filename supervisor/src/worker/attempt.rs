@@ -1485,7 +1485,13 @@ impl Conversation<'_> {
             }
             Action::CloseStdin => drop(self.stdin.take()),
             Action::ArmGrace => {
-                self.clocks.grace_until = Instant::now().checked_add(self.clocks.grace)
+                // a second stop signal: no grace
+                let grace = if super::forced() {
+                    Duration::ZERO
+                } else {
+                    self.clocks.grace
+                };
+                self.clocks.grace_until = Instant::now().checked_add(grace)
             }
             Action::StartDrain => {
                 self.clocks.drain = Some((Instant::now() + EXIT_DRAIN_MAX, 0));
@@ -2151,7 +2157,11 @@ pub(crate) async fn stop_child(
             debug!(error = %e, "SIGTERM to the group failed");
         }
         crate::metrics::executor_signal("SIGTERM");
-        let grace = Duration::from_millis(cfg.term_grace_ms);
+        let grace = if super::forced() {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(cfg.term_grace_ms)
+        };
         if tokio::time::timeout(grace, child.exited()).await.is_err() {
             crate::metrics::executor_signal("SIGKILL");
             warn!(

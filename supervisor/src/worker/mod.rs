@@ -554,6 +554,31 @@ fn stop_signalled() -> bool {
     STOP_SIGNALLED.load(Ordering::SeqCst)
 }
 
+/// Set by a second stop signal: the drain stops running attempts at once
+/// and their children get no grace (the cancel frame, then SIGTERM and
+/// SIGKILL to the group straight away). Their steps are still given back
+/// through the ledger, uncounted (`WORKER_SHUTDOWN`), as at the drain
+/// timeout: before, a second signal SIGKILLed every child and exited, and
+/// the steps stayed `running` until their leases expired, each counted as a
+/// failed attempt (`LEASE_EXPIRED`). Process-wide, as a signal is.
+static FORCED: AtomicBool = AtomicBool::new(false);
+static FORCE: std::sync::OnceLock<tokio::sync::watch::Sender<bool>> = std::sync::OnceLock::new();
+
+fn force_channel() -> &'static tokio::sync::watch::Sender<bool> {
+    FORCE.get_or_init(|| tokio::sync::watch::channel(false).0)
+}
+
+/// A second stop signal: stop every running attempt now (see [`FORCED`]).
+pub fn force_stop() {
+    FORCED.store(true, Ordering::SeqCst);
+    force_channel().send_replace(true);
+}
+
+/// Whether a second stop signal asked for children to be stopped without grace.
+pub(crate) fn forced() -> bool {
+    FORCED.load(Ordering::SeqCst)
+}
+
 /// One pass of the lease loop: each executor leases up to its free slots
 /// and its leased steps' attempts start. True when a lease filled every free
 /// slot it asked for (a backlog: lease again right away). A failed lease
@@ -664,8 +689,16 @@ async fn drain(
         "draining"
     );
     let drain_until = Instant::now() + Duration::from_millis(drain_ms);
+    let mut force = force_channel().subscribe();
     loop {
         tokio::select! {
+            _ = force.wait_for(|forced| *forced), if !shared.abort.is_cancelled() => {
+                warn!(
+                    running = attempts.len(),
+                    "second stop signal: stopping running attempts now"
+                );
+                shared.abort.cancel();
+            }
             next = attempts.join_next() => match next {
                 None => break,
                 Some(Err(e)) => error!(error = %e, "an attempt task panicked"),
