@@ -270,6 +270,15 @@ pub struct ExecutorConfig {
     /// start when a job needs one.
     #[serde(default)]
     pub warm_processes: u32,
+    /// Persistent executors: an idle process beyond `warm_processes` is
+    /// retired after this long without a job, so a burst does not leave
+    /// `concurrency` processes running for ever. 0: idle processes are kept.
+    #[serde(default = "d_idle_timeout")]
+    pub idle_timeout_ms: u64,
+}
+
+fn d_idle_timeout() -> u64 {
+    60_000
 }
 
 impl Default for WorkerConfig {
@@ -324,6 +333,7 @@ impl Default for ExecutorConfig {
             persistent: false,
             max_jobs_per_process: None,
             warm_processes: 0,
+            idle_timeout_ms: d_idle_timeout(),
         }
     }
 }
@@ -971,6 +981,11 @@ const EXECUTOR_KEYS: &[(&str, &str, Option<&str>)] = &[
     (
         "warm_processes",
         "Persistent executors: processes kept started and handshaken ahead of jobs, at most concurrency; started with the worker, and each one retired or killed is replaced. 0: a process starts when a job needs one.",
+        None,
+    ),
+    (
+        "idle_timeout_ms",
+        "Persistent executors: an idle process beyond warm_processes is retired after this long without a job (default 60 s), so a burst does not leave concurrency processes running for ever. 0: idle processes are kept.",
         None,
     ),
 ];

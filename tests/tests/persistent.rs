@@ -526,3 +526,44 @@ async fn persistent_jobs_get_clean_job_directories(lang: &str) {
 }
 
 tests::for_each_lang!(persistent_jobs_get_clean_job_directories);
+
+/// `idle_timeout_ms`: after a burst, the processes idle that long beyond
+/// `warm_processes` are retired, so the pool shrinks back instead of keeping
+/// `concurrency` processes for ever; the warm one stays and serves the next
+/// job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_processes_beyond_the_warm_ones_are_retired() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    let mut e = demo("go", "shrink-go", &[], None);
+    e.persistent = true;
+    e.concurrency = 3;
+    e.warm_processes = 1;
+    e.idle_timeout_ms = 500;
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+
+    // a burst of three at once: three processes
+    let mut runs = Vec::new();
+    for name in ["a", "b", "c"] {
+        runs.push(
+            t.submit(
+                json!({"name": name, "steps": [{"name": "s", "executor_kind": "go",
+                "kind": "demo.sleep", "input": {"ms": 1500, "steps": 3}}]}),
+            )
+            .await,
+        );
+    }
+    wait_sessions(work.path(), 3, |_| true, "three processes for the burst").await;
+    for run in &runs {
+        assert_eq!(t.wait_terminal(*run, LONG).await.state, "succeeded");
+    }
+    // then back to the one kept warm
+    let left = wait_sessions(work.path(), 1, |_| true, "the idle surplus retired").await;
+    let (state, pid) = run_one(&t, "go", "demo.echo", json!({"after": "burst"})).await;
+    assert_eq!(state, "succeeded");
+    assert_eq!(pid, Some(left[0]), "the warm process served the next job");
+    w.shutdown().await;
+}

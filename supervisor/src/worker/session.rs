@@ -174,7 +174,8 @@ pub(crate) struct Pool {
     /// The most idle sessions kept: the executor's concurrency (a warm start
     /// and an attempt's own start can race, and more never serve).
     cap: usize,
-    idle: Mutex<Vec<Session>>,
+    /// Idle sessions with the time each was put back, the most recent last.
+    idle: Mutex<Vec<(Session, std::time::Instant)>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -196,7 +197,9 @@ impl Pool {
     /// `Child`'s drop kills and reaps their group).
     pub fn take(&self) -> Option<Session> {
         loop {
-            let mut s = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+            // the most recently used: the others age, and retire when idle
+            // long enough (`expired`)
+            let (mut s, _) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
             crate::metrics::idle_processes(&self.executor, -1);
             if s.healthy() {
                 return Some(s);
@@ -211,7 +214,7 @@ impl Pool {
             if idle.len() >= self.cap {
                 Some(s)
             } else {
-                idle.push(s);
+                idle.push((s, std::time::Instant::now()));
                 crate::metrics::idle_processes(&self.executor, 1);
                 None
             }
@@ -226,7 +229,23 @@ impl Pool {
     pub fn drain(&self) -> Vec<Session> {
         let all = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
         crate::metrics::idle_processes(&self.executor, -(all.len() as i64));
-        all
+        all.into_iter().map(|(s, _)| s).collect()
+    }
+
+    /// The idle sessions that have had no job for `idle_for`, oldest first,
+    /// leaving at least `keep` idle (the warm ones): for retirement.
+    pub fn expired(&self, keep: usize, idle_for: std::time::Duration) -> Vec<Session> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        // oldest first: the front of the list
+        let n = idle
+            .iter()
+            .take(idle.len().saturating_sub(keep))
+            .take_while(|(_, since)| now.duration_since(*since) >= idle_for)
+            .count();
+        let out: Vec<Session> = idle.drain(..n).map(|(s, _)| s).collect();
+        crate::metrics::idle_processes(&self.executor, -(out.len() as i64));
+        out
     }
 
     pub fn idle(&self) -> usize {

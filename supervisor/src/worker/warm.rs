@@ -15,6 +15,9 @@
 //! (they start their own process and fail or refuse as they would anyway).
 //! When the worker starts draining, the keeper stops; a process it was
 //! starting is stopped, the idle ones are retired with the rest of the pool.
+//!
+//! A second task per persistent executor with `idle_timeout_ms > 0` retires
+//! the processes idle that long beyond the `warm_processes` kept warm.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -48,7 +51,33 @@ pub(crate) fn start(
         let span = info_span!("warm_pool", executor = %exec.cfg.name);
         keepers.spawn(keep_warm(shared.clone(), exec.clone(), stop.clone()).instrument(span));
     }
+    for exec in executors
+        .iter()
+        .filter(|e| e.cfg.persistent && e.cfg.idle_timeout_ms > 0)
+    {
+        let span = info_span!("idle_pool", executor = %exec.cfg.name);
+        keepers.spawn(retire_idle(shared.clone(), exec.clone(), stop.clone()).instrument(span));
+    }
     keepers
+}
+
+/// Retires the processes idle for `idle_timeout_ms` beyond the
+/// `warm_processes` kept warm: after a burst the pool shrinks back instead
+/// of keeping `concurrency` processes (and their memory) for ever.
+async fn retire_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
+    let idle_for = Duration::from_millis(exec.cfg.idle_timeout_ms);
+    let every = (idle_for / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let keep = exec.cfg.warm_processes as usize;
+        for s in exec.pool.expired(keep, idle_for) {
+            debug!(pid = s.child.pid, "retiring an idle executor process");
+            s.retire(&shared.cfg, "idle for idle_timeout_ms").await;
+        }
+    }
 }
 
 /// Processes to start now: `want` minus the idle ones and the slots in use.
