@@ -269,6 +269,26 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
     ]
 }
 
+/// `supervisor submit - --json` with `text` on its stdin.
+fn submit_stdin(url: &str, text: &str) -> std::process::Output {
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["submit", "-", "--json"])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn supervisor");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write spec");
+    child.wait_with_output().expect("supervisor submit")
+}
+
 /// `[[[…]]]`, `depth` arrays deep (built without a parser's recursion limit).
 fn nested(depth: usize) -> Value {
     (0..depth).fold(json!([]), |inner, _| Value::Array(vec![inner]))
@@ -301,27 +321,12 @@ async fn input_nested_deeper_than_the_limit_is_a_spec_error_through_sql() {
 #[tokio::test]
 async fn integral_floats_lowercase_timestamps_and_a_bom_are_accepted() {
     let t = TestDb::new().await;
-    let bin = tests::supervisor_bin();
     let text =
         "\u{feff}{\"name\": \"ok\", \"steps\": [{\"name\": \"a\", \"executor_kind\": \"go\", \
                 \"kind\": \"k\", \"timeout_ms\": 1000.0, \"heartbeat_timeout_ms\": 5e3, \
                 \"retry\": {\"max_attempts\": 3.0, \"max_interval_ms\": 1e4}, \
                 \"deadline\": \"2030-01-01t00:00:00z\"}]}";
-    let mut child = Command::new(&bin)
-        .args(["submit", "-", "--json"])
-        .env("DATABASE_URL", &t.url)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn supervisor");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write spec");
-    let out = child.wait_with_output().expect("submit");
+    let out = submit_stdin(&t.url, text);
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -405,27 +410,11 @@ async fn cancel_of_a_finished_run_says_so_and_refuses_an_unknown_step() {
 #[tokio::test]
 async fn every_malformed_spec_is_rejected_with_a_message_naming_it_and_nothing_is_written() {
     let t = TestDb::new().await;
-    let bin = tests::supervisor_bin();
     let cases = cases();
     assert!(cases.len() >= 15);
     for (what, text, fragment) in &cases {
         // through the CLI, from stdin
-        let mut child = Command::new(&bin)
-            .args(["submit", "-", "--json"])
-            .env("DATABASE_URL", &t.url)
-            .env("RUST_LOG", "error")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn supervisor");
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(text.as_bytes())
-            .expect("write spec");
-        let out = child.wait_with_output().expect("supervisor submit");
+        let out = submit_stdin(&t.url, text);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(
             out.status.code(),

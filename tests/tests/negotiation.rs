@@ -175,15 +175,19 @@ async fn a_later_hello_of_another_protocol_version_is_not_a_refusal() {
     let (dir, versions, jobs) = paths();
     let version = dir.path().join("protocol_version");
     std::fs::write(&version, "1").expect("version");
-    let cfg = fast_config(vec![hostile(
-        &versions,
-        &jobs,
-        &[(
-            "HOSTILE_PROTOCOL_VERSION_FILE",
-            version.to_str().expect("utf-8 path"),
-        )],
-    )]);
-    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    // the hello's version is read from `version` at each start
+    let start = || async {
+        let cfg = fast_config(vec![hostile(
+            &versions,
+            &jobs,
+            &[(
+                "HOSTILE_PROTOCOL_VERSION_FILE",
+                version.to_str().expect("utf-8 path"),
+            )],
+        )]);
+        RunningWorker::start(t.connect(10).await, cfg).await
+    };
+    let w = start().await;
 
     // version 2 and only revision 2.0: nothing in common
     std::fs::write(&version, "2").expect("version");
@@ -201,15 +205,7 @@ async fn a_later_hello_of_another_protocol_version_is_not_a_refusal() {
     // version 2 but revisions 1.0 and 1.1: the hello is wrong, retryable
     std::fs::write(&version, "1").expect("version");
     std::fs::write(&versions, "1.0,1.1").expect("versions");
-    let cfg = fast_config(vec![hostile(
-        &versions,
-        &jobs,
-        &[(
-            "HOSTILE_PROTOCOL_VERSION_FILE",
-            version.to_str().expect("utf-8 path"),
-        )],
-    )]);
-    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let w = start().await;
     std::fs::write(&version, "2").expect("version");
     let st = t
         .wait_terminal(t.submit(echo(json!({"n": 2}))).await, LONG)

@@ -39,6 +39,18 @@ async fn sql(t: &TestDb, q: &str, run: Uuid) {
         .unwrap_or_else(|e| panic!("{q}: {e}"));
 }
 
+/// Step a leased (by SQL, as a worker's lease would).
+async fn lease_a(t: &TestDb, run: Uuid) {
+    sql(
+        t,
+        "UPDATE durable.step_runs SET state = 'leased', lease_token = gen_random_uuid(),
+                lease_expires_at = now() + interval '1 minute', attempt = 1
+          WHERE run_id = $1 AND name = 'a'",
+        run,
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_cancelled_step_cancels_its_waiting_dependents_and_theirs() {
     let t = TestDb::new().await;
@@ -84,14 +96,7 @@ async fn a_step_whose_cancel_is_only_requested_keeps_its_dependents_waiting() {
     let t = TestDb::new().await;
     let run = t.submit(diamond()).await;
     // a is running: its cancel is a request, and it may still succeed
-    sql(
-        &t,
-        "UPDATE durable.step_runs SET state = 'leased', lease_token = gen_random_uuid(),
-                lease_expires_at = now() + interval '1 minute', attempt = 1
-          WHERE run_id = $1 AND name = 'a'",
-        run,
-    )
-    .await;
+    lease_a(&t, run).await;
     t.db.cancel(run, Some("a")).await.expect("cancel a");
     let st = t.status(run).await;
     let waiting: Vec<&str> = st.waiting.iter().map(|w| w.name.as_str()).collect();
@@ -102,14 +107,7 @@ async fn a_step_whose_cancel_is_only_requested_keeps_its_dependents_waiting() {
 async fn a_terminal_failure_creates_the_waiting_steps_cancelled() {
     let t = TestDb::new().await;
     let run = t.submit(diamond()).await;
-    sql(
-        &t,
-        "UPDATE durable.step_runs SET state = 'leased', lease_token = gen_random_uuid(),
-                lease_expires_at = now() + interval '1 minute', attempt = 1
-          WHERE run_id = $1 AND name = 'a'",
-        run,
-    )
-    .await;
+    lease_a(&t, run).await;
     sql(
         &t,
         "UPDATE durable.step_runs SET state = 'terminal_failed', error_code = 'BAD_INPUT'

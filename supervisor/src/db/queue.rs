@@ -325,34 +325,13 @@ impl DbConn<'_> {
             let Some(row) = row else {
                 continue;
             };
-            let lease = Lease {
-                step_run_id: row.get("id"),
-                token: row.get("lease_token"),
-                attempt: row.get::<i32, _>("attempt").max(0) as u32,
+            let failure = Failure {
+                code: "LEASE_EXPIRED".into(),
+                retryable: true,
+                next_retry_delay: None,
             };
-            let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
-                .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
-            let facts = StepFacts {
-                attempt: row.get::<i32, _>("counted").max(0) as u32,
-                policy: &policy,
-                deadline: row.get("deadline"),
-                cancel_requested: row.get("cancel_requested"),
-            };
-            let report = FailureReport {
-                failure: Failure {
-                    code: "LEASE_EXPIRED".into(),
-                    retryable: true,
-                    next_retry_delay: None,
-                },
-                message: "the owning worker stopped renewing its lease".into(),
-                details: None,
-                sequence: None,
-            };
-            let decision =
-                state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
-            let message = format!("{}: {}", report.failure.code, report.message);
-            insert_ending_event(&mut tx, &lease, decision.to.as_str(), &message).await?;
-            write_failure(&mut tx, &lease, worker_name, &report, &decision).await?;
+            let why = "the owning worker stopped renewing its lease".to_owned();
+            fail_locked_row(&mut tx, id, &row, worker_name, failure, why).await?;
             tx.commit().await.ctx("committing a reclaim")?;
             reclaimed += 1;
         }
@@ -402,7 +381,7 @@ impl DbConn<'_> {
                                                       WHERE wr.id = c.run_id), false)
                                    FOR NO KEY UPDATE SKIP LOCKED)
               RETURNING s.lease_token, s.attempt, s.attempt - s.uncounted_attempts AS counted,
-                        s.retry, s.deadline, now() AS db_now",
+                        s.retry, s.deadline, false AS cancel_requested, now() AS db_now",
             )
             .bind(id)
             .bind(worker_id)
@@ -413,38 +392,16 @@ impl DbConn<'_> {
             let Some(row) = row else {
                 continue;
             };
-            let lease = Lease {
-                step_run_id: id,
-                token: row.get("lease_token"),
-                attempt: row.get::<i32, _>("attempt").max(0) as u32,
+            let failure = Failure {
+                code: "DEADLINE_EXCEEDED".into(),
+                retryable: false,
+                next_retry_delay: None,
             };
-            let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
-                .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
-            let deadline: Option<DateTime<Utc>> = row.get("deadline");
-            let facts = StepFacts {
-                attempt: row.get::<i32, _>("counted").max(0) as u32,
-                policy: &policy,
-                deadline,
-                cancel_requested: false,
+            let why = match row.get::<Option<DateTime<Utc>>, _>("deadline") {
+                Some(d) => format!("the step deadline {d} passed before a worker could start it"),
+                None => "the step deadline passed before a worker could start it".into(),
             };
-            let report = FailureReport {
-                failure: Failure {
-                    code: "DEADLINE_EXCEEDED".into(),
-                    retryable: false,
-                    next_retry_delay: None,
-                },
-                message: match deadline {
-                    Some(d) => {
-                        format!("the step deadline {d} passed before a worker could start it")
-                    }
-                    None => "the step deadline passed before a worker could start it".into(),
-                },
-                details: None,
-                sequence: None,
-            };
-            let decision =
-                state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
-            write_failure(&mut tx, &lease, worker_name, &report, &decision).await?;
+            fail_locked_row(&mut tx, id, &row, worker_name, failure, why).await?;
             tx.commit()
                 .await
                 .ctx("committing an overdue step's failure")?;
@@ -453,6 +410,45 @@ impl DbConn<'_> {
         s.done().await?;
         Ok(ended)
     }
+}
+
+/// Fails the attempt of a step this transaction locked (or just took), read
+/// as `row` (its lease token, attempt, counted attempts, retry policy,
+/// deadline, cancel flag and the database's now), with `failure`: the state
+/// machine decides retry or terminal, the attempt's ending event (if it
+/// started) and the fenced write follow. The reclaim and the overdue steps.
+async fn fail_locked_row(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    step_run_id: Uuid,
+    row: &sqlx::postgres::PgRow,
+    worker_name: &str,
+    failure: Failure,
+    message: String,
+) -> Result<(), DbError> {
+    let lease = Lease {
+        step_run_id,
+        token: row.get("lease_token"),
+        attempt: row.get::<i32, _>("attempt").max(0) as u32,
+    };
+    let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
+        .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+    let facts = StepFacts {
+        attempt: row.get::<i32, _>("counted").max(0) as u32,
+        policy: &policy,
+        deadline: row.get("deadline"),
+        cancel_requested: row.get("cancel_requested"),
+    };
+    let report = FailureReport {
+        failure,
+        message,
+        details: None,
+        sequence: None,
+    };
+    let decision =
+        state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
+    let ending = format!("{}: {}", report.failure.code, report.message);
+    insert_ending_event(tx, &lease, decision.to.as_str(), &ending).await?;
+    write_failure(tx, &lease, worker_name, &report, &decision).await
 }
 
 pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
