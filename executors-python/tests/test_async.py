@@ -7,25 +7,10 @@ import json
 import threading
 import time
 
-import pytest
 from _harness import PipeSession, cancel_frame, job_frame, which
 
 from durable_executor import Cancelled, Executor, ExecutorError, Job
 from durable_executor._gen.durable.executor.v1 import executor_pb2 as pb
-
-
-@pytest.fixture
-def session_factory():
-    sessions = []
-
-    def make(executor: Executor) -> PipeSession:
-        s = PipeSession(executor)
-        sessions.append(s)
-        return s
-
-    yield make
-    for s in sessions:
-        s.close()
 
 
 def start(s: PipeSession, kind: str, **fields) -> None:

@@ -12,26 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from _harness import PipeSession, job_frame, which
+from _harness import job_frame, which
 
 import durable_executor
 from durable_executor import DEFAULT_MEDIA_TYPE, Executor, ExecutorError, Job
 
 PROTOCOL_MD = Path(__file__).resolve().parents[2] / "proto" / "PROTOCOL.md"
-
-
-@pytest.fixture
-def session_factory():
-    sessions = []
-
-    def make(executor: Executor) -> PipeSession:
-        s = PipeSession(executor)
-        sessions.append(s)
-        return s
-
-    yield make
-    for s in sessions:
-        s.close()
 
 
 @pytest.mark.parametrize("value", [0, -1, -7])

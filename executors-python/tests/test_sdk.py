@@ -17,7 +17,6 @@ import pytest
 from _harness import (
     ByteCollector,
     FrameStream,
-    PipeSession,
     cancel_frame,
     is_terminal,
     job_frame,
@@ -40,20 +39,6 @@ from durable_executor import (
 from durable_executor._gen.durable.executor.v1 import executor_pb2 as pb
 
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def session_factory():
-    sessions = []
-
-    def make(executor: Executor) -> PipeSession:
-        s = PipeSession(executor)
-        sessions.append(s)
-        return s
-
-    yield make
-    for s in sessions:
-        s.close()
 
 
 def events(frames, kind=None):

@@ -12,27 +12,12 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-from _harness import PipeSession, job_frame, which
+from _harness import job_frame, which
 
 from durable_executor import Executor, ExecutorError, Job, Result, wire
 
 SURROGATE = "\udcff"  # what os.listdir gives for the byte 0xff of a file name
 ESCAPED = "\\udcff"  # how the SDK writes it in text: a backslash escape
-
-
-@pytest.fixture
-def session_factory():
-    sessions = []
-
-    def make(executor: Executor) -> PipeSession:
-        s = PipeSession(executor)
-        sessions.append(s)
-        return s
-
-    yield make
-    for s in sessions:
-        s.close()
 
 
 def test_output_that_is_not_utf8_is_output_invalid_and_serving_goes_on(session_factory, tmp_path):
