@@ -71,11 +71,14 @@ func claimingMain() int {
 	return ex.Run()
 }
 
-func TestClaimStdioBeforeRunKeepsStartupOutputOffTheFrameStream(t *testing.T) {
+// startHelper runs this test binary as the helper executor `mode`, with its
+// stdin and stdout as pipes and its stderr collected.
+func startHelper(t *testing.T, mode string) (*exec.Cmd, io.WriteCloser, io.ReadCloser, *bytes.Buffer) {
+	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), helperEnv+"=claim")
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
+	cmd.Env = append(os.Environ(), helperEnv+"="+mode)
+	stderr := &bytes.Buffer{}
+	cmd.Stderr = stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -87,6 +90,11 @@ func TestClaimStdioBeforeRunKeepsStartupOutputOffTheFrameStream(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	return cmd, stdin, stdout, stderr
+}
+
+func TestClaimStdioBeforeRunKeepsStartupOutputOffTheFrameStream(t *testing.T) {
+	cmd, stdin, stdout, stderr := startHelper(t, "claim")
 	defer cmd.Process.Kill()
 	deadline := time.AfterFunc(waitTimeout, func() { cmd.Process.Kill() })
 	defer deadline.Stop()
@@ -122,21 +130,7 @@ func TestClaimStdioBeforeRunKeepsStartupOutputOffTheFrameStream(t *testing.T) {
 }
 
 func TestRunKeepsStrayStdoutOffTheFrameStream(t *testing.T) {
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), helperEnv+"=run")
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	cmd, stdin, stdout, stderr := startHelper(t, "run")
 	defer cmd.Process.Kill()
 
 	b, _ := executor.MarshalFrame(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: job("j", "noisy", "")}})
