@@ -519,6 +519,20 @@ async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, Cl
         println!("{}", status_json(&status, &progress));
     } else {
         print!("{}", status_text(&status, &progress));
+        // why a step waits: no live worker offers what it needs
+        for s in db.unroutable_steps(id).await.map_err(explain)? {
+            println!(
+                "{}: no live worker offers executor_kind {:?}, kind {:?}{}: it waits for one",
+                cell(&s.step, 40),
+                s.executor_kind,
+                s.kind,
+                if s.labels.as_object().is_some_and(|m| !m.is_empty()) {
+                    format!(", labels {}", s.labels)
+                } else {
+                    String::new()
+                }
+            );
+        }
     }
     Ok(0)
 }

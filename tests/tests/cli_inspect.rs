@@ -666,3 +666,53 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
         );
     }
 }
+
+/// `status` says why a step waits when no live worker offers what it needs
+/// (its executor_kind, kind and labels), and says nothing of a step a live
+/// worker could lease: before, such a step showed `pending 0` and nothing
+/// else, for ever.
+#[tokio::test]
+async fn status_names_the_steps_no_live_worker_offers() {
+    let t = TestDb::new().await;
+    let w = uuid::Uuid::new_v4();
+    t.db.register_worker(
+        w,
+        "w",
+        "test",
+        &json!([{"executor": "go", "routes": [
+            {"executor_kind": "go", "kind": "demo.echo", "labels": {"zone": "a"}}]}]),
+    )
+    .await
+    .expect("register");
+    let run = t
+        .submit(json!({"name": "routes", "steps": [
+            {"name": "ok", "executor_kind": "go", "kind": "demo.echo"},
+            {"name": "zoned", "executor_kind": "go", "kind": "demo.echo", "labels": {"zone": "a"}},
+            {"name": "gpu", "executor_kind": "go", "kind": "demo.echo", "labels": {"gpu": "a100"}},
+            {"name": "rust", "executor_kind": "rust", "kind": "x"}]}))
+        .await
+        .to_string();
+    let o = cli(Some(&t.url), &["status", &run]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains(
+            "gpu: no live worker offers executor_kind \"go\", kind \"demo.echo\", labels {\"gpu\":\"a100\"}: it waits for one"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "rust: no live worker offers executor_kind \"rust\", kind \"x\": it waits for one"
+        ),
+        "{out}"
+    );
+    assert!(
+        !out.contains("ok: no live worker") && !out.contains("zoned: no live worker"),
+        "a step a live worker offers: {out}"
+    );
+    // a worker that stopped offers nothing
+    t.db.worker_stopped(w).await.expect("stopped");
+    let out = stdout(&cli(Some(&t.url), &["status", &run]));
+    assert!(out.contains("ok: no live worker offers"), "{out}");
+}

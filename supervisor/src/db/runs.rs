@@ -48,6 +48,19 @@ impl Db {
             .await
     }
 
+    /// The run's steps waiting to be leased (pending, or retrying) whose
+    /// executor_kind, kind and labels no live worker offers (by the routes
+    /// the workers registered; live: not stopped, a heartbeat within the
+    /// last 30 s), in spec order: a step that waits for a worker, not for
+    /// its turn.
+    pub async fn unroutable_steps(&self, run_id: Uuid) -> Result<Vec<StuckStep>, DbError> {
+        self.connection("finding steps no worker offers")
+            .await?
+            .conn()
+            .unroutable_steps(run_id)
+            .await
+    }
+
     /// How many runs are pending or running.
     pub async fn open_runs(&self) -> Result<i64, DbError> {
         self.connection("counting open runs")
@@ -277,6 +290,38 @@ impl DbConn<'_> {
             .collect();
         s.done().await?;
         Ok(WorkFor { steps, stuck })
+    }
+
+    /// See [`Db::unroutable_steps`].
+    pub async fn unroutable_steps(&mut self, run_id: Uuid) -> Result<Vec<StuckStep>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let rows = sqlx::query_as::<_, (Uuid, String, String, String, serde_json::Value)>(
+            "SELECT s.run_id, s.name, s.executor_kind, s.kind, s.labels FROM durable.step_runs s
+              WHERE s.run_id = $1 AND s.state IN ('pending', 'retryable_failed')
+                AND NOT EXISTS (
+                    SELECT 1 FROM durable.workers w
+                     CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
+                     CROSS JOIN LATERAL jsonb_array_elements(e->'routes') r
+                     WHERE w.stopped_at IS NULL AND w.last_heartbeat_at > now() - interval '30 seconds'
+                       AND r->>'executor_kind' = s.executor_kind AND r->>'kind' = s.kind
+                       AND coalesce(r->'labels', '{}'::jsonb) @> s.labels)
+              ORDER BY s.position",
+        )
+        .bind(run_id)
+        .fetch_all(&mut *s)
+        .await
+        .ctx("finding steps no worker offers")?;
+        s.done().await?;
+        Ok(rows
+            .into_iter()
+            .map(|(run_id, step, executor_kind, kind, labels)| StuckStep {
+                run_id,
+                step,
+                executor_kind,
+                kind,
+                labels,
+            })
+            .collect())
     }
 
     /// See [`Db::open_runs`].
