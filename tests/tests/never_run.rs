@@ -178,3 +178,39 @@ async fn a_failed_run_lists_every_step_terminal() {
         ]
     );
 }
+
+/// A running sibling cancelled because a step failed the run says so (the
+/// step that failed and its code), in its error and its ending event: it
+/// said "cancelled on request", as if someone had asked.
+#[tokio::test]
+async fn a_sibling_cancelled_by_a_failure_says_which_step_failed_the_run() {
+    let t = TestDb::new().await;
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let w = tests::RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "fails-late", "steps": [
+            {"name": "boom", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 60000, "steps": 600}, "timeout_ms": 1500, "retry": {"max_attempts": 1}},
+            {"name": "sibling", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 60000, "steps": 600}}
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "failed");
+    let sibling = tests::step(&st, "sibling");
+    assert_eq!(sibling.state, "cancelled");
+    let e = sibling.error.as_ref().expect("the cancellation's error");
+    assert_eq!(
+        e.message, "cancelled because the run failed: step boom ended ATTEMPT_TIMEOUT",
+        "{e:?}"
+    );
+    let last: String = sqlx::query_scalar(
+        "SELECT message FROM durable.step_events WHERE step_run_id = $1 ORDER BY attempt DESC, sequence DESC LIMIT 1",
+    )
+    .bind(sibling.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("ending event");
+    assert_eq!(last, e.message);
+}

@@ -337,22 +337,38 @@ impl DbConn<'_> {
         message: &str,
     ) -> Result<(), DbError> {
         let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
-        let n = sqlx::query(
-            "UPDATE durable.step_runs
-                SET state = 'cancelled', error_code = 'CANCELLED', error_message = $4,
+        // a step whose run failed was cancelled because of it, not on
+        // anyone's request (the worker only learns that a cancel was asked):
+        // the message names the step that failed the run
+        let stored: Option<String> = sqlx::query_scalar(
+            "UPDATE durable.step_runs s
+                SET state = 'cancelled', error_code = 'CANCELLED',
+                    error_message = coalesce(
+                        (SELECT 'cancelled because the run failed: step ' || f.name || ' ended '
+                                || coalesce(f.error_code, 'terminal_failed')
+                           FROM durable.step_runs f
+                          WHERE f.run_id = s.run_id AND f.state = 'terminal_failed'
+                            AND NOT (SELECT wr.cancel_requested FROM durable.workflow_runs wr
+                                      WHERE wr.id = s.run_id)
+                          ORDER BY f.finished_at, f.id LIMIT 1),
+                        $4),
                     error_retryable = false, transition_reason = 'CANCELLED', transition_by = $3
-              WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')",
+              WHERE s.id = $1 AND s.lease_token = $2 AND s.state IN ('leased', 'running')
+          RETURNING s.error_message",
         )
         .bind(lease.step_run_id)
         .bind(lease.token)
         .bind(worker_name)
         .bind(message)
-        .execute(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await
-        .ctx("confirming a cancellation")?
-        .rows_affected();
-        fenced(n, lease)?;
-        insert_ending_event(&mut tx, lease, "cancelled", message).await?;
+        .ctx("confirming a cancellation")?;
+        let Some(stored) = stored else {
+            return Err(DbError::LeaseLost {
+                step_run_id: lease.step_run_id,
+            });
+        };
+        insert_ending_event(&mut tx, lease, "cancelled", &stored).await?;
         tx.commit().await.ctx("committing a cancellation")
     }
 
