@@ -304,7 +304,6 @@ pub(crate) fn usable_hello(h: Hello, max_frame_bytes: usize) -> Result<Hello, St
 pub struct Worker {
     shared: Arc<Shared>,
     executors: Vec<Arc<ExecutorRuntime>>,
-    wake: Arc<Notify>,
     heartbeat_now: Arc<Notify>,
     ledger_queue: ledger::LedgerQueue,
 }
@@ -380,7 +379,6 @@ impl Worker {
         info!(schema_version = version, "schema checked");
         let hb_db = db.dedicated(heartbeat_timeout(&cfg));
         let (ledger, ledger_queue) = ledger::channel();
-        let wake = Arc::new(Notify::new());
         Ok(Worker {
             shared: Arc::new(Shared {
                 db,
@@ -394,10 +392,9 @@ impl Worker {
                 draining: CancellationToken::new(),
                 leases: leases::LeaseSet::default(),
                 work,
-                wake: wake.clone(),
+                wake: Arc::new(Notify::new()),
             }),
             executors,
-            wake,
             heartbeat_now: Arc::new(Notify::new()),
             ledger_queue,
         })
@@ -425,7 +422,6 @@ impl Worker {
         spawn_retention_loop(&mut background, &shared, &loops_stop);
         background.spawn(listen_loop(
             shared.clone(),
-            self.wake.clone(),
             self.heartbeat_now.clone(),
             loops_stop.clone(),
         ));
@@ -459,7 +455,7 @@ impl Worker {
             }
             tokio::select! {
                 _ = shutdown.cancelled() => {}
-                _ = self.wake.notified() => {}
+                _ = shared.wake.notified() => {}
                 _ = slot_freed.notified() => {}
                 _ = tokio::time::sleep(poll) => {}
                 Some(res) = vital.join_next() => {
@@ -561,22 +557,20 @@ fn stop_signalled() -> bool {
 /// timeout: before, a second signal SIGKILLed every child and exited, and
 /// the steps stayed `running` until their leases expired, each counted as a
 /// failed attempt (`LEASE_EXPIRED`). Process-wide, as a signal is.
-static FORCED: AtomicBool = AtomicBool::new(false);
 static FORCE: std::sync::OnceLock<tokio::sync::watch::Sender<bool>> = std::sync::OnceLock::new();
 
 fn force_channel() -> &'static tokio::sync::watch::Sender<bool> {
     FORCE.get_or_init(|| tokio::sync::watch::channel(false).0)
 }
 
-/// A second stop signal: stop every running attempt now (see [`FORCED`]).
+/// A second stop signal: stop every running attempt now (see [`FORCE`]).
 pub fn force_stop() {
-    FORCED.store(true, Ordering::SeqCst);
     force_channel().send_replace(true);
 }
 
 /// Whether a second stop signal asked for children to be stopped without grace.
 pub(crate) fn forced() -> bool {
-    FORCED.load(Ordering::SeqCst)
+    *force_channel().borrow()
 }
 
 /// One pass of the lease loop: each executor leases up to its free slots
@@ -1003,12 +997,7 @@ const RETENTION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// LISTEN/NOTIFY is only a wake-up hint; polling and the heartbeat remain the
 /// paths that always work, so a lost notification costs latency, never a cancel.
-async fn listen_loop(
-    shared: Arc<Shared>,
-    wake: Arc<Notify>,
-    heartbeat_now: Arc<Notify>,
-    stop: CancellationToken,
-) {
+async fn listen_loop(shared: Arc<Shared>, heartbeat_now: Arc<Notify>, stop: CancellationToken) {
     // LISTEN holds its connection for as long as it listens: one of its
     // own, as the heartbeat's, not one of the pool's (which the config sizes
     // for the attempts, the lease and the ledger)
@@ -1037,13 +1026,13 @@ async fn listen_loop(
         // a step that became leasable before LISTEN took effect (the worker
         // was starting, or the connection was being replaced) sent its
         // NOTIFY to nobody: one lease pass now finds it, instead of the poll
-        wake.notify_one();
+        shared.wake.notify_one();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 n = listener.recv() => match n {
                     Ok(n) if n.channel() == crate::db::CHANNEL_CANCEL => heartbeat_now.notify_one(),
-                    Ok(_) => wake.notify_one(),
+                    Ok(_) => shared.wake.notify_one(),
                     Err(e) => { warn!(error = %e, "LISTEN connection lost; reconnecting"); break; }
                 }
             }
