@@ -522,15 +522,9 @@ async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, Cl
         // why a step waits: no live worker offers what it needs
         for s in db.unroutable_steps(id).await.map_err(explain)? {
             println!(
-                "{}: no live worker offers executor_kind {:?}, kind {:?}{}: it waits for one",
+                "{}: no live worker offers {}: it waits for one",
                 cell(&s.step, 40),
-                s.executor_kind,
-                s.kind,
-                if s.labels.as_object().is_some_and(|m| !m.is_empty()) {
-                    format!(", labels {}", s.labels)
-                } else {
-                    String::new()
-                }
+                s.needs()
             );
         }
     }
@@ -594,12 +588,9 @@ async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Resul
     let db = connect(url, 2, true).await?;
     // read first only to word the answer: cancel_run itself decides, under
     // the run's lock
-    let before = db.status(id).await.map_err(explain)?.state;
+    let before = db.run_state(id).await.map_err(explain)?;
     let state = db.cancel(id, step).await.map_err(explain)?;
-    let was_terminal = before
-        .parse::<crate::state::RunState>()
-        .is_ok_and(|s| s.is_terminal());
-    if was_terminal {
+    if before.is_terminal() {
         eprintln!("run {id} already {state}; nothing to cancel");
     } else {
         eprintln!("cancellation requested; run is {state}");
@@ -930,9 +921,10 @@ async fn dev_session(
                         // keep it waiting for ever
                         for s in &w.stuck {
                             eprintln!(
-                                "left open: run {} step {:?} (executor_kind {:?}, kind {:?}, labels {}): \
-                                 no executor of this worker runs it",
-                                s.run_id, s.step, s.executor_kind, s.kind, s.labels
+                                "left open: run {} step {:?} ({}): no executor of this worker runs it",
+                                s.run_id,
+                                s.step,
+                                s.needs()
                             );
                         }
                         tracing::info!("nothing left to run: stopping");

@@ -61,6 +61,15 @@ impl Db {
             .await
     }
 
+    /// A run's state alone, or `NotFound`.
+    pub async fn run_state(&self, run_id: Uuid) -> Result<RunState, DbError> {
+        self.connection("reading a run's state")
+            .await?
+            .conn()
+            .run_state(run_id)
+            .await
+    }
+
     /// How many runs are pending or running.
     pub async fn open_runs(&self) -> Result<i64, DbError> {
         self.connection("counting open runs")
@@ -81,14 +90,50 @@ pub struct WorkFor {
     pub stuck: Vec<StuckStep>,
 }
 
+/// The routes the workers `which` selects (a condition on `w`, a row of
+/// `durable.workers`) registered: rows of (executor_kind, kind, labels).
+fn routes_of(which: &str) -> String {
+    format!(
+        "SELECT r->>'executor_kind' AS executor_kind, r->>'kind' AS kind,
+                coalesce(r->'labels', '{{}}'::jsonb) AS labels
+           FROM durable.workers w
+          CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
+          CROSS JOIN LATERAL jsonb_array_elements(e->'routes') r
+          WHERE {which}"
+    )
+}
+
+/// Whether one of the CTE `routes` ([`routes_of`]) can run the step `s`.
+const OFFERED: &str = "EXISTS (SELECT 1 FROM routes r
+                                WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
+                                  AND r.labels @> s.labels)";
+
+/// The columns of a [`StuckStep`] from the step `s`.
+const STUCK_COLUMNS: &str = "s.run_id, s.name AS step, s.executor_kind, s.kind, s.labels";
+
 /// An open step that a given worker cannot run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct StuckStep {
     pub run_id: Uuid,
     pub step: String,
     pub executor_kind: String,
     pub kind: String,
     pub labels: serde_json::Value,
+}
+
+impl StuckStep {
+    /// What the step needs of a worker, for a message:
+    /// `executor_kind "go", kind "demo.echo", labels {"gpu":"a100"}` (no labels part when it has none).
+    pub fn needs(&self) -> String {
+        let labels = match self.labels.as_object() {
+            Some(m) if !m.is_empty() => format!(", labels {}", self.labels),
+            _ => String::new(),
+        };
+        format!(
+            "executor_kind {:?}, kind {:?}{labels}",
+            self.executor_kind, self.kind
+        )
+    }
 }
 
 /// The path of the first string or key in `v` that holds a NUL character
@@ -245,49 +290,28 @@ impl DbConn<'_> {
     /// See [`Db::work_for`].
     pub async fn work_for(&mut self, worker_id: Uuid) -> Result<WorkFor, DbError> {
         let mut s = Scope::enter(self.conn).await?;
-        const ROUTES: &str = "SELECT r->>'executor_kind' AS executor_kind, r->>'kind' AS kind,
-                                     coalesce(r->'labels', '{}'::jsonb) AS labels
-                                FROM durable.workers w
-                               CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
-                               CROSS JOIN LATERAL jsonb_array_elements(e->'routes') r
-                               WHERE w.id = $1";
+        let routes = routes_of("w.id = $1");
         let steps: i64 = sqlx::query_scalar(&format!(
-            "WITH routes AS ({ROUTES})
+            "WITH routes AS ({routes})
              SELECT (SELECT count(*) FROM durable.step_runs WHERE state IN ('leased', 'running'))
                   + (SELECT count(*) FROM durable.step_runs s
-                      WHERE s.state IN ('pending', 'retryable_failed')
-                        AND EXISTS (SELECT 1 FROM routes r
-                                     WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
-                                       AND r.labels @> s.labels))"
+                      WHERE s.state IN ('pending', 'retryable_failed') AND {OFFERED})"
         ))
         .bind(worker_id)
         .fetch_one(&mut *s)
         .await
         .ctx("counting the work left")?;
-        let stuck =
-            sqlx::query_as::<_, (Uuid, String, String, String, serde_json::Value)>(&format!(
-                "WITH routes AS ({ROUTES})
-             SELECT s.run_id, s.name, s.executor_kind, s.kind, s.labels FROM durable.step_runs s
-              WHERE s.state IN ('pending', 'retryable_failed')
-                AND NOT EXISTS (SELECT 1 FROM routes r
-                                 WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
-                                   AND r.labels @> s.labels)
+        let stuck = sqlx::query_as::<_, StuckStep>(&format!(
+            "WITH routes AS ({routes})
+             SELECT {STUCK_COLUMNS} FROM durable.step_runs s
+              WHERE s.state IN ('pending', 'retryable_failed') AND NOT {OFFERED}
               ORDER BY s.created_at
               LIMIT 5"
-            ))
-            .bind(worker_id)
-            .fetch_all(&mut *s)
-            .await
-            .ctx("finding steps no executor of this worker runs")?
-            .into_iter()
-            .map(|(run_id, step, executor_kind, kind, labels)| StuckStep {
-                run_id,
-                step,
-                executor_kind,
-                kind,
-                labels,
-            })
-            .collect();
+        ))
+        .bind(worker_id)
+        .fetch_all(&mut *s)
+        .await
+        .ctx("finding steps no executor of this worker runs")?;
         s.done().await?;
         Ok(WorkFor { steps, stuck })
     }
@@ -295,33 +319,37 @@ impl DbConn<'_> {
     /// See [`Db::unroutable_steps`].
     pub async fn unroutable_steps(&mut self, run_id: Uuid) -> Result<Vec<StuckStep>, DbError> {
         let mut s = Scope::enter(self.conn).await?;
-        let rows = sqlx::query_as::<_, (Uuid, String, String, String, serde_json::Value)>(
-            "SELECT s.run_id, s.name, s.executor_kind, s.kind, s.labels FROM durable.step_runs s
-              WHERE s.run_id = $1 AND s.state IN ('pending', 'retryable_failed')
-                AND NOT EXISTS (
-                    SELECT 1 FROM durable.workers w
-                     CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
-                     CROSS JOIN LATERAL jsonb_array_elements(e->'routes') r
-                     WHERE w.stopped_at IS NULL AND w.last_heartbeat_at > now() - interval '30 seconds'
-                       AND r->>'executor_kind' = s.executor_kind AND r->>'kind' = s.kind
-                       AND coalesce(r->'labels', '{}'::jsonb) @> s.labels)
-              ORDER BY s.position",
-        )
+        let routes = routes_of(
+            "w.stopped_at IS NULL AND w.last_heartbeat_at > now() - interval '30 seconds'",
+        );
+        let rows = sqlx::query_as::<_, StuckStep>(&format!(
+            "WITH routes AS ({routes})
+             SELECT {STUCK_COLUMNS} FROM durable.step_runs s
+              WHERE s.run_id = $1 AND s.state IN ('pending', 'retryable_failed') AND NOT {OFFERED}
+              ORDER BY s.position"
+        ))
         .bind(run_id)
         .fetch_all(&mut *s)
         .await
         .ctx("finding steps no worker offers")?;
         s.done().await?;
-        Ok(rows
-            .into_iter()
-            .map(|(run_id, step, executor_kind, kind, labels)| StuckStep {
-                run_id,
-                step,
-                executor_kind,
-                kind,
-                labels,
-            })
-            .collect())
+        Ok(rows)
+    }
+
+    /// See [`Db::run_state`].
+    pub async fn run_state(&mut self, run_id: Uuid) -> Result<RunState, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
+                .bind(run_id)
+                .fetch_optional(&mut *s)
+                .await
+                .ctx("reading a run's state")?;
+        s.done().await?;
+        state
+            .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?
+            .parse()
+            .map_err(|e| DbError::Corrupt(format!("run state: {e}")))
     }
 
     /// See [`Db::open_runs`].
