@@ -455,6 +455,71 @@ pub fn proc_cpu(pid: i32) -> Option<f64> {
     Some((ut + st) / clk_tck())
 }
 
+/// CPU seconds of one live process, all its threads, from each thread's
+/// `/proc/<pid>/task/<tid>/schedstat` (nanoseconds on the CPU: exact, where
+/// `/proc/<pid>/stat` counts 10 ms ticks, too coarse for many short-lived
+/// measurements of dozens of processes). `None` once the process is gone.
+pub fn process_cpu_exact(pid: i32) -> Option<f64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut ns: u64 = 0;
+    for t in tasks.flatten() {
+        let path = t.path().join("schedstat");
+        if let Ok(s) = std::fs::read_to_string(path) {
+            ns += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Some(ns as f64 / 1e9)
+}
+
+/// This process's live children (direct ones: the spawner's process groups
+/// are its children) with their CPU seconds so far. Persistent executors
+/// are not reaped while a measurement runs, so `RUSAGE_CHILDREN` alone
+/// misses them; see [`children_cpu_between`].
+pub fn live_children_cpu() -> Vec<(i32, f64)> {
+    let me = std::process::id().to_string();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // fields after the command: state ppid …
+        let ppid = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 2..].split_whitespace().nth(1));
+        if ppid == Some(me.as_str()) {
+            if let Some(cpu) = process_cpu_exact(pid) {
+                out.push((pid, cpu));
+            }
+        }
+    }
+    out
+}
+
+/// CPU seconds the children used between two points: what the reaped ones
+/// added to `RUSAGE_CHILDREN`, plus what the live ones used (a child live
+/// at the first point counts from there, whether it is reaped by the
+/// second or still live).
+pub fn children_cpu_between(
+    rusage_before: f64,
+    live_before: &[(i32, f64)],
+    rusage_after: f64,
+    live_after: &[(i32, f64)],
+) -> f64 {
+    let earlier: f64 = live_before.iter().map(|(_, c)| c).sum();
+    let later: f64 = live_after.iter().map(|(_, c)| c).sum();
+    (rusage_after - rusage_before) + later - earlier
+}
+
 pub fn rusage(who: i32) -> f64 {
     // SAFETY: getrusage writes into the zeroed struct we own.
     unsafe {

@@ -140,13 +140,55 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
             )
         })?;
     let t_hello = t0.elapsed();
+    exchange(&mut stdin, &mut frames, &hello.executor_kind, n, &out_dir).await?;
+    let t_term = t0.elapsed();
+    // as the worker does: close stdin, the executor exits; stdout EOF, exit, reap
+    drop(stdin);
+    if let Some(f) = frames.next().await {
+        bail!(
+            "a frame after the terminal: {:?}",
+            f.map(|f| FromExecutor::from(f).name())
+        );
+    }
+    child.exited().await?;
+    let report = child.finish().await?;
+    if !report.status.success() {
+        bail!(
+            "the executor {}; stderr: {}",
+            report.status,
+            report.stderr_tail
+        );
+    }
+    drop(dir);
+    let total = t0.elapsed();
+    Ok(Trip {
+        total,
+        startup: t_hello,
+        job: t_term - t_hello,
+        exit: total - t_term,
+    })
+}
+
+/// One `demo.echo` job on an executor whose hello was read: the Job, then
+/// its frames until the terminal (an ACCEPTED first, the input echoed back).
+async fn exchange<W, R>(
+    stdin: &mut W,
+    frames: &mut wire::ExecutorFrames<R>,
+    executor_kind: &str,
+    n: u64,
+    out_dir: &std::path::Path,
+) -> Result<()>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+    R: tokio::io::AsyncRead + Unpin,
+{
     let input = format!("{{\"i\": {n}}}").into_bytes();
     let job = wire::Job {
         job_id: format!("bench-{n}:1"),
         workflow_run_id: Uuid::new_v4().to_string(),
         step_run_id: Uuid::new_v4().to_string(),
         idempotency_key: format!("bench/{n}"),
-        executor_kind: hello.executor_kind.clone(),
+        executor_kind: executor_kind.to_string(),
         kind: "demo.echo".into(),
         attempt: 1,
         deadline_unix_ms: 0,
@@ -178,7 +220,7 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
                     if got != want {
                         bail!("echo returned {got}, expected {want}");
                     }
-                    break;
+                    return Ok(());
                 }
                 FromExecutor::Error(e) => bail!("job failed: {} {}", e.code, e.message),
                 other => bail!("unexpected {} during the job", other.name()),
@@ -187,32 +229,6 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
             None => bail!("stdout closed without a terminal"),
         }
     }
-    let t_term = t0.elapsed();
-    // as the worker does: close stdin, the executor exits; stdout EOF, exit, reap
-    drop(stdin);
-    if let Some(f) = frames.next().await {
-        bail!(
-            "a frame after the terminal: {:?}",
-            f.map(|f| FromExecutor::from(f).name())
-        );
-    }
-    child.exited().await?;
-    let report = child.finish().await?;
-    if !report.status.success() {
-        bail!(
-            "the executor {}; stderr: {}",
-            report.status,
-            report.stderr_tail
-        );
-    }
-    drop(dir);
-    let total = t0.elapsed();
-    Ok(Trip {
-        total,
-        startup: t_hello,
-        job: t_term - t_hello,
-        exit: total - t_term,
-    })
 }
 
 struct BareCell {
@@ -261,6 +277,138 @@ async fn bare(
         child_cpu: rusage(libc::RUSAGE_CHILDREN) - cpu_c0,
         bench_cpu: self_cpu() - cpu_s0,
         busy: stat0.zip(machine_cpu()).map(|(a, b)| busy_fraction(a, b)),
+    })
+}
+
+/// The executors' own limit for a persistent pool (no database): `conc`
+/// processes started and handshaken first, as a persistent pool holds them
+/// (untimed), then each fed its share of `jobs` back to back, one at a
+/// time, as a persistent session serves them; the clock runs from the first
+/// job to the last terminal. What a worker over the same pool could reach if
+/// the database cost nothing.
+struct ExchangeCell {
+    executor: String,
+    concurrency: u32,
+    jobs: Vec<Duration>,
+    secs: f64,
+    child_cpu: f64,
+    bench_cpu: f64,
+    busy: Option<f64>,
+}
+
+async fn bare_exchange(
+    spawner: &Spawner,
+    cfg: &ExecutorConfig,
+    which: &str,
+    conc: u32,
+    jobs: u32,
+) -> Result<ExchangeCell> {
+    let wcfg = WorkerConfig::default();
+    let dir = tempfile::Builder::new()
+        .prefix("durable-bench-")
+        .tempdir()?;
+    let out_dir = dir.path().join("out");
+    std::fs::create_dir(&out_dir)?;
+    let mut children = Vec::new();
+    let mut ends = Vec::new();
+    for _ in 0..conc {
+        let mut child = spawner
+            .spawn(cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes))
+            .await?;
+        let stdout = child.take_stdout().context("no stdout pipe")?;
+        let stdin = child.take_stdin().context("no stdin pipe")?;
+        let mut frames = FramedRead::new(stdout, wire::executor_decoder(wcfg.max_frame_bytes));
+        let hello = wire::read_hello(&mut frames, Duration::from_secs(30))
+            .await
+            .with_context(|| {
+                format!(
+                    "reading the hello; stderr: {}",
+                    child.stderr().tail_string()
+                )
+            })?;
+        children.push(child);
+        ends.push((stdin, frames, hello.executor_kind));
+    }
+    // a few untimed jobs per process first (the first job of a process
+    // pays for its lazy initialisation)
+    for (w, (stdin, frames, ek)) in ends.iter_mut().enumerate() {
+        for i in 0..WARMUP_ROUNDS {
+            exchange(
+                stdin,
+                frames,
+                ek,
+                ((2_000_000 + w as u64) << 32) | i as u64,
+                &out_dir,
+            )
+            .await?;
+        }
+    }
+    let live0 = live_children_cpu();
+    let cpu_c0 = rusage(libc::RUSAGE_CHILDREN);
+    let cpu_s0 = self_cpu();
+    let stat0 = machine_cpu();
+    let t0 = Instant::now();
+    let mut handles = Vec::new();
+    for (w, (mut stdin, mut frames, ek)) in ends.into_iter().enumerate() {
+        let n = jobs / conc + u32::from((w as u32) < jobs % conc);
+        let out_dir = out_dir.clone();
+        handles.push(tokio::spawn(async move {
+            let mut lat = Vec::with_capacity(n as usize);
+            for i in 0..n {
+                let t = Instant::now();
+                exchange(
+                    &mut stdin,
+                    &mut frames,
+                    &ek,
+                    (w as u64) << 32 | i as u64,
+                    &out_dir,
+                )
+                .await?;
+                lat.push(t.elapsed());
+            }
+            anyhow::Ok((lat, stdin, frames))
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut ends = Vec::new();
+    for h in handles {
+        let (l, stdin, frames) = h.await??;
+        lat.extend(l);
+        ends.push((stdin, frames));
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let live1 = live_children_cpu();
+    let child_cpu = children_cpu_between(cpu_c0, &live0, rusage(libc::RUSAGE_CHILDREN), &live1);
+    let bench_cpu = self_cpu() - cpu_s0;
+    let busy = stat0.zip(machine_cpu()).map(|(a, b)| busy_fraction(a, b));
+    // as the worker retires a process: close stdin, stdout EOF, exit, reap
+    for ((stdin, mut frames), mut child) in ends.into_iter().zip(children) {
+        drop(stdin);
+        if let Some(f) = frames.next().await {
+            bail!(
+                "a frame after the last terminal: {:?}",
+                f.map(|f| FromExecutor::from(f).name())
+            );
+        }
+        child.exited().await?;
+        let report = child.finish().await?;
+        if !report.status.success() {
+            bail!(
+                "the executor {}; stderr: {}",
+                report.status,
+                report.stderr_tail
+            );
+        }
+    }
+    drop(dir);
+    Ok(ExchangeCell {
+        executor: which.into(),
+        concurrency: conc,
+        jobs: lat,
+        secs,
+        child_cpu,
+        bench_cpu,
+        busy,
     })
 }
 
@@ -368,6 +516,7 @@ async fn through_worker(
         tokio::time::sleep(POLL).await;
     }
     let db_cpu0 = db_backends(&db).await?;
+    let live0 = live_children_cpu();
     let cpu_c0 = rusage(libc::RUSAGE_CHILDREN);
     let cpu_s0 = self_cpu();
     let stat0 = machine_cpu();
@@ -399,7 +548,13 @@ async fn through_worker(
     }
     let secs = t0.elapsed().as_secs_f64();
     let db_cpu1 = db_backends(&db).await?;
-    let child_cpu = rusage(libc::RUSAGE_CHILDREN) - cpu_c0;
+    // reaped executors, and the persistent ones still live
+    let child_cpu = children_cpu_between(
+        cpu_c0,
+        &live0,
+        rusage(libc::RUSAGE_CHILDREN),
+        &live_children_cpu(),
+    );
     let bench_cpu = self_cpu() - cpu_s0;
     let stat1 = machine_cpu();
     worker.shutdown().await;
@@ -709,7 +864,10 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
          \x20             = one statement over arrays for all the claimed jobs' starts, then one for their\n\
          \x20             completions (as the ledger writes a batch; the database's limit, which target (a) uses);\n\
          \x20             clock from the first claim until none is pending.\n\
-         \x20             CPU: children = reaped executors (getrusage RUSAGE_CHILDREN), bench = this process (incl.\n\
+         \x20             bare exchange (persistent executors) = c processes started and handshaken (untimed), then\n\
+         \x20             each fed its share of K jobs back to back; no database.\n\
+         \x20             CPU: children = executors (reaped: getrusage RUSAGE_CHILDREN; live persistent ones: their\n\
+         \x20             threads' /proc/<pid>/task/*/schedstat), bench = this process (incl.\n\
          \x20             the in-process worker), db = backends connected to the bench database (/proc/<pid>/stat).",
         POLL.as_millis()
     );
@@ -742,6 +900,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     }
     let spawner = Spawner::start()?;
     let mut bares = Vec::new();
+    let mut exchanges: Vec<ExchangeCell> = Vec::new();
     let mut workers = Vec::new();
     for (which, cfg) in &configs {
         for i in 0..WARMUP_ROUNDS {
@@ -756,6 +915,18 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
                 fmt_ms(mean(&b.trips.iter().map(|t| t.total).collect::<Vec<_>>()))
             );
             bares.push(b);
+        }
+        if cfg.persistent {
+            for (c, steps) in cells(which) {
+                let x = bare_exchange(&spawner, cfg, which, c, steps).await?;
+                eprintln!(
+                    "[{which}] bare exchange c={c}: {} jobs in {:.2} s = {:.0} jobs/s",
+                    x.jobs.len(),
+                    x.secs,
+                    x.jobs.len() as f64 / x.secs
+                );
+                exchanges.push(x);
+            }
         }
         for (c, steps) in cells(which) {
             let w = through_worker(
@@ -869,12 +1040,66 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     println!("   max trips/s per core = 1 / (child + bench CPU per trip): the CPU-bound ceiling of one core.");
     println!();
 
+    if !exchanges.is_empty() {
+        println!("-- bare persistent exchange, no database: c processes started and handshaken first (untimed),");
+        println!("   then each fed its share of the jobs back to back (the executors' own limit for a persistent pool)");
+        let mut rows = Vec::new();
+        for x in &exchanges {
+            let n = x.jobs.len().max(1) as f64;
+            rows.push(vec![
+                x.executor.clone(),
+                x.concurrency.to_string(),
+                x.jobs.len().to_string(),
+                format!("{:.2}", x.secs),
+                format!("{:.0}", n / x.secs),
+                fmt_ms(pct(&x.jobs, 50.0)),
+                fmt_ms(pct(&x.jobs, 99.0)),
+                format!("{:.1}", x.child_cpu * 1e6 / n),
+                format!("{:.1}", x.bench_cpu * 1e6 / n),
+                format!("{:.0}", n / (x.child_cpu + x.bench_cpu)),
+                x.busy
+                    .map(|b| format!("{:.0}%", b * 100.0))
+                    .unwrap_or("n/a".into()),
+            ]);
+            report.figure(
+                "bare persistent exchange",
+                n / x.secs,
+                "jobs/s",
+                serde_json::json!({"executor": x.executor, "concurrency": x.concurrency, "jobs": x.jobs.len(),
+                    "child_cpu_us_per_job": x.child_cpu * 1e6 / n, "bench_cpu_us_per_job": x.bench_cpu * 1e6 / n}),
+            );
+        }
+        print_table(
+            &[
+                "executor",
+                "conc",
+                "jobs",
+                "secs",
+                "jobs/s",
+                "job p50",
+                "job p99",
+                "child CPU µs/job",
+                "bench CPU µs/job",
+                "max jobs/s per core",
+                "machine busy",
+            ],
+            1,
+            &rows,
+        );
+        println!("   child CPU: every thread of the live executors (/proc/<pid>/task/*/schedstat); bench = this process.");
+        println!();
+    }
+
     println!("-- demo.echo through the whole worker (PostgreSQL, lease → spawn → … → complete)");
     let mut rows = Vec::new();
     for w in &workers {
         let bare = bares
             .iter()
             .find(|b| b.executor == w.executor && b.concurrency == w.concurrency);
+        let exch = exchanges
+            .iter()
+            .find(|x| x.executor == w.executor && x.concurrency == w.concurrency)
+            .map(|x| x.jobs.len() as f64 / x.secs);
         let plain = plain_at(&plains, PlainMode::PerRow, w.concurrency);
         let set = plain_at(&plains, PlainMode::SetBased, w.concurrency);
         let rate = w.steps as f64 / w.secs;
@@ -885,6 +1110,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             "steps/s",
             serde_json::json!({"executor": w.executor, "concurrency": w.concurrency, "steps": w.steps,
                 "bare_trips_per_s": bare.map(|b| b.trips.len() as f64 / b.secs),
+                "bare_exchange_jobs_per_s": exch,
                 "plain_sql_steps_per_s": plain.map(|p| p.jobs as f64 / p.secs),
                 "plain_sql_set_based_steps_per_s": set.map(|p| p.jobs as f64 / p.secs)}),
         );
@@ -899,6 +1125,9 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
                 .unwrap_or_default(),
             bare.map(|b| format!("{:.0}%", 100.0 * rate / (b.trips.len() as f64 / b.secs)))
                 .unwrap_or_default(),
+            exch.map(|x| format!("{x:.0}")).unwrap_or("-".into()),
+            exch.map(|x| format!("{:.1}%", 100.0 * rate / x))
+                .unwrap_or("-".into()),
             plain
                 .map(|p| format!("{:.0}", p.jobs as f64 / p.secs))
                 .unwrap_or_default(),
@@ -940,6 +1169,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
             "wall ms/step",
             "bare trips/s",
             "worker/bare",
+            "bare exchange jobs/s",
+            "worker/exchange",
             "plain SQL per row steps/s",
             "worker/per row",
             "plain SQL set-based steps/s",
