@@ -402,3 +402,120 @@ async fn the_hot_statements_are_planned_once_per_connection() {
         .expect("jit");
     assert_eq!(jit, "off");
 }
+
+/// A fenced write names its steps by id and token, and reads those steps
+/// alone, however many entries the index of live steps holds. The write's
+/// condition (`state IN ('leased', 'running')`) was the predicate of that
+/// partial index, so the planner could read the whole index instead of
+/// probing the primary key: after an ANALYZE taken while few steps were
+/// live the index looks nearly empty, and a generic plan made then scanned
+/// all of it on every call (live entries, and the dead ones every finished
+/// step leaves until vacuum). Here 300 steps are leased after such an
+/// ANALYZE (with 2,000 other runs waiting), and a batch of starts, a batch of completions and a heartbeat
+/// for two of them must each read a handful of step rows, not 300.
+#[tokio::test]
+async fn fenced_writes_probe_their_own_steps_whatever_the_live_index_holds() {
+    const LIVE: i64 = 300;
+    let t = TestDb::new().await;
+    let wid = Uuid::new_v4();
+    t.db.register_worker(wid, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    // the queue is large enough that reading a whole table costs more than
+    // a probe per step (on a small one the planner rightly scans it)
+    backlog(&t.db, 2_000).await;
+    sqlx::query(
+        "SELECT count(durable.submit_run(jsonb_build_object('name', 'live', 'steps', jsonb_build_array(
+                    jsonb_build_object('name', 'x', 'executor_kind', 'go', 'kind', 'k')))))
+           FROM generate_series(1, $1)",
+    )
+    .bind(LIVE)
+    .execute(t.db.pool())
+    .await
+    .expect("runs");
+    // the statistics say no step is live
+    sqlx::query("ANALYZE")
+        .execute(t.db.pool())
+        .await
+        .expect("analyze");
+    let leased =
+        t.db.lease(wid, "w", &tests::route_go_k(), LIVE as u32, TTL)
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), LIVE as usize);
+    let two: Vec<&LeasedStep> = leased.iter().take(2).collect();
+    // a connection of its own: its plans are made now, with those statistics
+    let db = t.connect(1).await;
+    let mut read = Reads::new();
+
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    c.heartbeat(
+        wid,
+        &two.iter().map(|l| l.lease.clone()).collect::<Vec<_>>(),
+        TTL,
+    )
+    .await
+    .expect("heartbeat");
+    read.insert("heartbeat", since(&r0, reads(&mut tx).await));
+    tx.commit().await.expect("commit");
+
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    let starts = Batch {
+        starts: two
+            .iter()
+            .map(|l| StartWrite {
+                run_id: l.run_id,
+                lease: l.lease.clone(),
+                pid: 1,
+                event: ev(1, "accepted"),
+            })
+            .collect(),
+        ..Batch::default()
+    };
+    let o = c.write_batch("w", &starts).await.expect("starts");
+    assert!(
+        o.starts
+            .iter()
+            .all(|r| *r == supervisor::db::RowOutcome::Ok),
+        "{o:?}"
+    );
+    read.insert("start batch", since(&r0, reads(&mut tx).await));
+    tx.commit().await.expect("commit");
+
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    let completes = Batch {
+        completes: two
+            .iter()
+            .map(|l| CompleteWrite {
+                run_id: l.run_id,
+                lease: l.lease.clone(),
+                output: json!({"ok": true}),
+                sequence: Some(2),
+            })
+            .collect(),
+        ..Batch::default()
+    };
+    let o = c.write_batch("w", &completes).await.expect("completes");
+    assert!(o
+        .completes
+        .iter()
+        .all(|r| *r == supervisor::db::RowOutcome::Ok));
+    read.insert("complete batch", since(&r0, reads(&mut tx).await));
+    tx.commit().await.expect("commit");
+    db.pool().close().await;
+
+    for (op, tables) in &read {
+        let steps = tables.get("step_runs").copied().unwrap_or(0);
+        assert!(
+            steps <= 12,
+            "{op} for 2 steps read {steps} step rows with {LIVE} live: it scanned the \
+             index of live steps instead of probing its own\n{read:#?}"
+        );
+    }
+}

@@ -298,7 +298,7 @@ impl DbConn<'_> {
         let mut s = Scope::enter(self.conn).await?;
         let candidates: Vec<Uuid> = sqlx::query_scalar(
             "SELECT id FROM durable.step_runs
-              WHERE state IN ('leased', 'running') AND lease_expires_at < now()
+              WHERE durable.step_is_live(state) AND lease_expires_at < now()
               ORDER BY lease_expires_at
               LIMIT $1",
         )

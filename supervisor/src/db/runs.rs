@@ -293,7 +293,7 @@ impl DbConn<'_> {
         let routes = routes_of("w.id = $1");
         let steps: i64 = sqlx::query_scalar(&format!(
             "WITH routes AS ({routes})
-             SELECT (SELECT count(*) FROM durable.step_runs WHERE state IN ('leased', 'running'))
+             SELECT (SELECT count(*) FROM durable.step_runs WHERE durable.step_is_live(state))
                   + (SELECT count(*) FROM durable.step_runs s
                       WHERE s.state IN ('pending', 'retryable_failed') AND {OFFERED})"
         ))
