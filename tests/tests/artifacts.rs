@@ -108,3 +108,72 @@ async fn an_artifact_over_the_cap_fails_the_attempt_before_it_is_read() {
     );
     w.shutdown().await;
 }
+
+/// A step's artifacts whose names sanitize alike (`x/y` and `x_y` are both
+/// `x_y` on disk) each reach the next step as a file of its own: the second
+/// was refused `WORK_DIR_UNAVAILABLE` ("File exists") on every worker, so
+/// the dependent step could never start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inputs_whose_names_sanitize_alike_both_arrive() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("alike.py");
+    std::fs::write(
+        &script,
+        r#"
+import json, sys
+from durable_executor import Executor, Result
+
+def make(job):
+    entries = []
+    for file, name, text in (("a.txt", "x/y", "one;"), ("b.txt", "x_y", "two;"), ("c.txt", "x?y", "three;")):
+        with open(job.output_path(file), "w") as f:
+            f.write(text)
+        entries.append(job.artifact(file, name=name, media_type="text/plain"))
+    return Result({}, entries)
+
+def read(job):
+    got = {}
+    for ref in job.input_artifacts:
+        with open(ref.path) as f:
+            got[ref.name] = [ref.path.rsplit("/", 1)[-1], f.read()]
+    return got
+
+ex = Executor("python", {})
+ex.add_handler("t.make", make)
+ex.add_handler("t.read", read)
+sys.exit(ex.run())
+"#,
+    )
+    .expect("script");
+    let mut cfg = python_demo("alike", &[], None);
+    cfg.args = vec![script.to_string_lossy().into_owned()];
+    cfg.kinds = None;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, fast_config(vec![cfg])).await;
+    let run = t
+        .submit(json!({"name": "alike", "steps": [
+            {"name": "make", "executor_kind": "python", "kind": "t.make"},
+            {"name": "read", "executor_kind": "python", "kind": "t.read", "depends_on": ["make"]}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(
+        st.state,
+        "succeeded",
+        "{}",
+        serde_json::to_string_pretty(&st).unwrap_or_default()
+    );
+    let got = tests::step(&st, "read").output.clone().expect("output");
+    let mut files = Vec::new();
+    for (name, text) in [("x/y", "one;"), ("x_y", "two;"), ("x?y", "three;")] {
+        assert_eq!(got[name][1], text, "{name}: its own bytes; all: {got}");
+        files.push(got[name][0].as_str().unwrap_or_default().to_string());
+    }
+    files.sort();
+    assert_eq!(
+        files,
+        ["x_y", "x_y~2", "x_y~3"],
+        "each input in a file of its own: {got}"
+    );
+    w.shutdown().await;
+}

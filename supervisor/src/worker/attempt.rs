@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
-use std::path::{Component, Path};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -534,9 +534,10 @@ async fn materialize_inputs(
     })?;
     let store = ArtifactStore::new(shared.db.clone(), &shared.cfg);
     let mut out = Vec::with_capacity(arts.len());
+    let mut taken = std::collections::HashSet::new();
     for a in arts {
-        let dir = in_dir.join(sanitize(&a.step_name));
-        let path = dir.join(sanitize(&a.name));
+        let path = input_path(in_dir, &mut taken, &a.step_name, &a.name);
+        let dir = path.parent().unwrap_or(in_dir).to_path_buf();
         if let Err(e) = tokio::fs::create_dir_all(&dir).await {
             return Err(Outcome::Refused {
                 code: "WORK_DIR_UNAVAILABLE".into(),
@@ -564,6 +565,33 @@ async fn materialize_inputs(
         });
     }
     Ok(out)
+}
+
+/// Where an input artifact is written: `in/<step>/<name>`, both sanitized
+/// (see [`sanitize`]). Distinct names can sanitize alike (`x/y` and `x_y`,
+/// `ü` and `é`), and so can step names; a path already `taken` by an
+/// earlier input gets `~2`, `~3`… before its extension, so every input has
+/// a file of its own (the job names each one's path).
+pub(super) fn input_path(
+    in_dir: &Path,
+    taken: &mut std::collections::HashSet<PathBuf>,
+    step_name: &str,
+    name: &str,
+) -> PathBuf {
+    let dir = in_dir.join(sanitize(step_name));
+    let file = sanitize(name);
+    let mut path = dir.join(&file);
+    let mut n = 1;
+    while taken.contains(&path) {
+        n += 1;
+        let (stem, ext) = match file.rfind('.') {
+            Some(i) if i > 0 => file.split_at(i),
+            _ => (file.as_str(), ""),
+        };
+        path = dir.join(format!("{stem}~{n}{ext}"));
+    }
+    taken.insert(path.clone());
+    path
 }
 
 pub(super) fn sanitize(name: &str) -> String {

@@ -315,6 +315,28 @@ fn redaction_of_outcomes() {
 }
 
 #[test]
+fn inputs_whose_names_sanitize_alike_get_files_of_their_own() {
+    let in_dir = std::path::Path::new("/w/in");
+    let mut taken = std::collections::HashSet::new();
+    let mut p = |step: &str, name: &str| {
+        input_path(in_dir, &mut taken, step, name)
+            .to_string_lossy()
+            .into_owned()
+    };
+    assert_eq!(p("a", "x/y"), "/w/in/a/x_y");
+    assert_eq!(p("a", "x_y"), "/w/in/a/x_y~2");
+    assert_eq!(p("a", "x?y"), "/w/in/a/x_y~3");
+    assert_eq!(p("a", "ü.csv"), "/w/in/a/_.csv");
+    assert_eq!(p("a", "é.csv"), "/w/in/a/_~2.csv");
+    assert_eq!(p("a", ".hidden"), "/w/in/a/_.hidden");
+    assert_eq!(p("a", "_.hidden"), "/w/in/a/_~2.hidden");
+    // steps whose names sanitize alike share a directory, not a file
+    assert_eq!(p("b/c", "out"), "/w/in/b_c/out");
+    assert_eq!(p("b_c", "out"), "/w/in/b_c/out~2");
+    assert_eq!(p("b_c", "other"), "/w/in/b_c/other");
+}
+
+#[test]
 fn sanitizes_names() {
     assert_eq!(sanitize("report.csv"), "report.csv");
     assert_eq!(sanitize("../etc/passwd"), "_.._etc_passwd");
