@@ -624,6 +624,30 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
             );
         }
     }
+    // nor in a query parameter, nor in a key=value DSN (a bad URL here)
+    for (url, code, says) in [
+        (
+            format!(
+                "postgres://nobody@127.0.0.1:{}/db?password=secret-pw",
+                closed_port()
+            ),
+            1,
+            "cannot reach the database",
+        ),
+        (
+            "host=127.0.0.1 port=1 user=bob password=secret-pw dbname=x".to_string(),
+            2,
+            "not a valid PostgreSQL URL",
+        ),
+    ] {
+        let o = cli(Some(&url), &["runs"]);
+        expect_exit(&o, code, &[says, "[REDACTED]"], &format!("{url}"));
+        assert!(
+            !stderr(&o).contains("secret-pw"),
+            "the password is printed: {}",
+            stderr(&o)
+        );
+    }
     let spec_ok = tempfile::NamedTempFile::new().expect("tmp");
     std::fs::write(
         spec_ok.path(),

@@ -722,6 +722,10 @@ impl DbConn<'_> {
 
 /// A database URL with its password replaced, for messages and logs.
 pub fn redact_url(url: &str) -> String {
+    // every form of credential a connection string carries (a `password=`
+    // query parameter, a `key=value` DSN's), then the userinfo's as `***`
+    let url = crate::secrets::Redactor::none().redact_string(url.to_owned());
+    let url = url.as_str();
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
             let creds = &url[s + 3..at];
@@ -743,5 +747,17 @@ mod tests {
             "postgres://u:***@h:5432/db"
         );
         assert_eq!(super::redact_url("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(
+            super::redact_url("postgres://u@h:1/x?password=hunter2pw&sslmode=off"),
+            "postgres://u@h:1/x?password=[REDACTED]&sslmode=off"
+        );
+        assert_eq!(
+            super::redact_url("postgres://bob:TopSecret77@h/x?password=TopSecret77"),
+            "postgres://bob:***@h/x?password=[REDACTED]"
+        );
+        assert_eq!(
+            super::redact_url("host=h port=1 user=bob password=TopSecret77 dbname=x"),
+            "host=h port=1 user=bob password=[REDACTED] dbname=x"
+        );
     }
 }
