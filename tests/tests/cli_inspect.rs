@@ -641,7 +641,7 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
         ),
     ] {
         let o = cli(Some(&url), &["runs"]);
-        expect_exit(&o, code, &[says, "[REDACTED]"], &format!("{url}"));
+        expect_exit(&o, code, &[says, "[REDACTED]"], &url);
         assert!(
             !stderr(&o).contains("secret-pw"),
             "the password is printed: {}",
