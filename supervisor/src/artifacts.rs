@@ -106,9 +106,44 @@ fn is_sha256_hex(s: &str) -> bool {
 /// the margin covers clock skew between the database and the volume's hosts.
 const FILE_REMOVAL_MARGIN: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// How long a file written near or after its blob's removal (within
+/// [`FILE_REMOVAL_MARGIN`] of it) stays before it is taken for an orphan:
+/// an upload renames its file into place and records its blob row at once,
+/// so a file that long without a row is nobody's.
+const ORPHAN_FILE_AGE: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// What a pass does with one removed blob's file.
+#[derive(Debug, PartialEq, Eq)]
+enum FileFate {
+    /// Written before the removal, or unclaimed for [`ORPHAN_FILE_AGE`]: deleted.
+    Delete,
+    /// Written near or after the removal, recently: a re-upload whose row is
+    /// on its way, or the removed blob's own file if the blob lived less
+    /// than the margin. Kept, and the entry stays queued for a later pass.
+    Wait,
+}
+
+fn file_fate(
+    modified: std::time::SystemTime,
+    removed_at: std::time::SystemTime,
+    now: std::time::SystemTime,
+) -> FileFate {
+    let cutoff = removed_at
+        .checked_sub(FILE_REMOVAL_MARGIN)
+        .unwrap_or(std::time::UNIX_EPOCH);
+    let idle = now.duration_since(modified).unwrap_or_default();
+    if modified < cutoff || idle > ORPHAN_FILE_AGE {
+        FileFate::Delete
+    } else {
+        FileFate::Wait
+    }
+}
+
 /// Deletes the files of removed directory-store blobs (queued by the
-/// database when their rows went): each one no blob row names again and
-/// whose file is older than its removal. Returns how many were deleted.
+/// database when their rows went), each one no blob row names again: a file
+/// older than its removal at once, a newer one once nobody has claimed it
+/// for [`ORPHAN_FILE_AGE`] (its entry stays queued until then; before, it
+/// was dropped and the file stayed for good). Returns how many were deleted.
 pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError> {
     let mut deleted = 0;
     loop {
@@ -117,33 +152,46 @@ pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError
             return Ok(deleted);
         }
         let mut done = Vec::with_capacity(queued.len());
+        let mut waiting = 0;
         for (sha, removed_at) in queued {
             if !is_sha256_hex(&sha) {
                 done.push(sha);
                 continue;
             }
             let path = blob_path(dir, &sha);
-            let cutoff = std::time::SystemTime::from(removed_at)
-                .checked_sub(FILE_REMOVAL_MARGIN)
-                .unwrap_or(std::time::UNIX_EPOCH);
+            let removed_at = std::time::SystemTime::from(removed_at);
+            // Some(true): deleted; Some(false): not there; None: wait
             let res = blocking(move || match std::fs::metadata(&path) {
-                Ok(m) if m.modified().map(|t| t < cutoff).unwrap_or(false) => {
-                    std::fs::remove_file(&path).map(|_| true)
+                Ok(m) => {
+                    let modified = m.modified()?;
+                    match file_fate(modified, removed_at, std::time::SystemTime::now()) {
+                        FileFate::Delete => std::fs::remove_file(&path).map(|_| Some(true)),
+                        FileFate::Wait => Ok(None),
+                    }
                 }
-                Ok(_) => Ok(false),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Some(false)),
                 Err(e) => Err(e),
             })
             .await;
             match res {
-                Ok(true) => deleted += 1,
-                Ok(false) => {}
+                Ok(Some(true)) => deleted += 1,
+                Ok(Some(false)) => {}
+                Ok(None) => {
+                    waiting += 1;
+                    continue;
+                }
                 Err(e) => {
                     tracing::warn!(sha256 = %sha, error = %e, "cannot delete a removed blob's file; kept for the next pass");
                     continue;
                 }
             }
             done.push(sha);
+        }
+        if waiting > 0 {
+            tracing::debug!(
+                files = waiting,
+                "removed blobs' files written near their removal are kept for a later pass"
+            );
         }
         if done.is_empty() {
             return Ok(deleted);
@@ -691,5 +739,47 @@ impl BlobReader {
         .map_err(|e| self.corrupt(e.to_string()))?;
         self.hasher = Some(h);
         Ok(Some(bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn a_removed_blobs_file_is_deleted_when_it_predates_the_removal_or_nobody_claims_it() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let ago = |s: u64| now - Duration::from_secs(s);
+        // (modified, removed_at, fate)
+        let table = [
+            // written long before the removal: the removed blob's own file
+            (ago(7_200), ago(10), FileFate::Delete),
+            (ago(70), ago(5), FileFate::Delete),
+            // written within the margin of the removal, or after it: kept
+            // while a re-upload's row may be on its way…
+            (ago(40), ago(5), FileFate::Wait),
+            (ago(2), ago(5), FileFate::Wait),
+            (
+                ago(ORPHAN_FILE_AGE.as_secs()),
+                ago(ORPHAN_FILE_AGE.as_secs() - 10),
+                FileFate::Wait,
+            ),
+            // …and deleted once nobody claimed it for ORPHAN_FILE_AGE
+            (
+                ago(ORPHAN_FILE_AGE.as_secs() + 1),
+                ago(ORPHAN_FILE_AGE.as_secs() - 30),
+                FileFate::Delete,
+            ),
+            // a clock ahead of ours (a file "from the future") waits
+            (now + Duration::from_secs(30), ago(5), FileFate::Wait),
+        ];
+        for (modified, removed_at, want) in table {
+            assert_eq!(
+                file_fate(modified, removed_at, now),
+                want,
+                "modified {modified:?}, removed {removed_at:?}"
+            );
+        }
     }
 }
