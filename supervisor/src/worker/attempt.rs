@@ -438,9 +438,16 @@ async fn session_for(
     {
         Ok(s) => {
             crate::metrics::executor_process_started(&exec.cfg.name, "job");
+            exec.process_started();
             Ok(s)
         }
-        Err(e) => Err(start_failed(e)),
+        Err(e) => {
+            if matches!(e, StartError::Spawn(_) | StartError::NoPipes) {
+                let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
+                exec.process_failed(base, &e.to_string());
+            }
+            Err(start_failed(e))
+        }
     }
 }
 
@@ -451,18 +458,19 @@ fn fresh_attempt_dir(work: &WorkDir, step_run_id: Uuid) -> std::io::Result<tempf
     Ok(d)
 }
 
-/// A process that could not be started: a session directory this worker
-/// cannot create is "this worker can't" (a refusal, another worker may run
-/// the step), anything else a retryable failure.
+/// A process that could not be started is "this worker can't": a refusal
+/// (not an attempt), so another worker may run the step, or this one once
+/// it can. A session directory it cannot create is `WORK_DIR_UNAVAILABLE`;
+/// a command it cannot start `SPAWN_FAILED` (and the executor's breaker
+/// opens: see `breaker.rs`).
 fn start_failed(e: StartError) -> Outcome {
-    match e {
-        StartError::WorkDir { .. } => Outcome::Refused {
-            code: "WORK_DIR_UNAVAILABLE".into(),
-            message: e.to_string(),
-        },
-        StartError::Spawn(_) | StartError::NoPipes => {
-            Outcome::failed("SPAWN_FAILED", true, e.to_string())
-        }
+    let code = match e {
+        StartError::WorkDir { .. } => "WORK_DIR_UNAVAILABLE",
+        StartError::Spawn(_) | StartError::NoPipes => "SPAWN_FAILED",
+    };
+    Outcome::Refused {
+        code: code.into(),
+        message: e.to_string(),
     }
 }
 

@@ -3,6 +3,7 @@
 //! drains on shutdown (detect → tell → wait).
 
 mod attempt;
+mod breaker;
 mod jobdir;
 mod leases;
 mod ledger;
@@ -86,6 +87,9 @@ pub struct ExecutorRuntime {
     /// Told whenever a slot is given back: the warm pool's keeper then
     /// replaces a process that was retired or killed (`warm_processes`).
     slot_back: Notify,
+    /// Open while this executor's processes cannot be started: nothing is
+    /// leased for it (see `breaker.rs`).
+    breaker: std::sync::Mutex<breaker::SpawnBreaker>,
 }
 
 impl ExecutorRuntime {
@@ -101,6 +105,33 @@ impl ExecutorRuntime {
     /// that no longer offers what its probe did is re-probed by its own hello).
     pub(crate) fn set_routes(&self, routes: Vec<Route>) {
         *self.routes.write().unwrap_or_else(|p| p.into_inner()) = routes;
+    }
+
+    /// A process of this executor started: it is leased for as usual.
+    pub(crate) fn process_started(&self) {
+        self.breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .started();
+    }
+
+    /// A process of this executor could not be started: nothing more is
+    /// leased for it until a pause has passed and a probe process starts.
+    pub(crate) fn process_failed(&self, base: Duration, why: &str) {
+        let pause = self
+            .breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failed(Instant::now(), base);
+        warn!(executor = %self.cfg.name, error = %why, retry_in_ms = pause.as_millis() as u64,
+              "the executor cannot be started here: no step is leased for it until a probe process starts");
+    }
+
+    fn lease_now(&self) -> breaker::Lease {
+        self.breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .lease(Instant::now())
     }
 }
 
@@ -357,6 +388,7 @@ impl Worker {
                 // committed, and up to twice the concurrency hold a lease
                 job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
                 slot_back: Notify::new(),
+                breaker: Default::default(),
             }));
         }
         let name = cfg
@@ -598,6 +630,23 @@ async fn lease_pass(
         let routes = exec.routes();
         if free == 0 || routes.is_empty() {
             continue;
+        }
+        match exec.lease_now() {
+            breaker::Lease::Yes => {}
+            breaker::Lease::NotYet => continue,
+            breaker::Lease::ProbeFirst => {
+                let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
+                match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
+                    Ok(_) => {
+                        info!(executor = %exec.cfg.name, "the executor starts again: leasing for it");
+                        exec.process_started();
+                    }
+                    Err(e) => {
+                        exec.process_failed(base, &e.to_string());
+                        continue;
+                    }
+                }
+            }
         }
         let leased = bounded(DB_CALL_TIMEOUT, "leasing steps", async {
             let mut conn = shared.db.connection("leasing steps").await?;

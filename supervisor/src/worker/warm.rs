@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info_span, warn, Instrument};
 
-use super::session::Session;
+use super::session::{Session, StartError};
 use super::{ExecutorRuntime, Shared};
 use crate::wire;
 
@@ -135,8 +135,17 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
         shared.work.base(),
     )
     .await
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| {
+        if matches!(e, StartError::Spawn(_) | StartError::NoPipes) {
+            exec.process_failed(
+                Duration::from_millis(shared.cfg.refusal_delay_ms),
+                &e.to_string(),
+            );
+        }
+        e.to_string()
+    })?;
     crate::metrics::executor_process_started(&exec.cfg.name, "warm");
+    exec.process_started();
     let read = wire::read_hello(
         &mut session.frames,
         Duration::from_millis(shared.cfg.handshake_timeout_ms),
