@@ -76,6 +76,18 @@ async fn drain_timeout_stops_the_child_and_the_step_goes_back_to_the_queue() {
         st.steps[0].error.as_ref().map(|e| e.code.as_str()),
         Some("WORKER_SHUTDOWN")
     );
+    // the released attempt ends with its event, as every attempt the
+    // supervisor ends (it stopped at its last progress before)
+    let last: (String, String) = sqlx::query_as(
+        "SELECT kind, message FROM durable.step_events
+          WHERE step_run_id = $1 AND attempt = 1 ORDER BY sequence DESC LIMIT 1",
+    )
+    .bind(step)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(last.0, "retryable_failed", "{last:?}");
+    assert!(last.1.starts_with("WORKER_SHUTDOWN: "), "{last:?}");
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
 }
 

@@ -445,7 +445,7 @@ impl DbConn<'_> {
         message: &str,
     ) -> Result<(), DbError> {
         let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
-        let n = sqlx::query(
+        let ended: Option<(String, String)> = sqlx::query_as(
             "UPDATE durable.step_runs s
                 SET state = CASE WHEN c.cancel THEN 'cancelled' ELSE 'retryable_failed' END,
                     uncounted_attempts = s.uncounted_attempts + CASE WHEN c.cancel THEN 0 ELSE 1 END,
@@ -459,17 +459,24 @@ impl DbConn<'_> {
                FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
                        FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
                       WHERE s2.id = $1) c
-              WHERE s.id = c.id AND s.lease_token = $2 AND s.state IN ('leased', 'running')",
+              WHERE s.id = c.id AND s.lease_token = $2 AND s.state IN ('leased', 'running')
+          RETURNING s.state, s.error_code",
         )
         .bind(lease.step_run_id)
         .bind(lease.token)
         .bind(worker_name)
         .bind(message)
-        .execute(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await
-        .ctx("releasing a step")?
-        .rows_affected();
-        fenced(n, lease)?;
+        .ctx("releasing a step")?;
+        let Some((state, code)) = ended else {
+            return Err(DbError::LeaseLost {
+                step_run_id: lease.step_run_id,
+            });
+        };
+        // an attempt that started ends with its event, as every other
+        // attempt the supervisor ends (none for one that never ran)
+        insert_ending_event(&mut tx, lease, &state, &format!("{code}: {message}")).await?;
         tx.commit().await.ctx("committing a release")
     }
 }
