@@ -19,11 +19,39 @@ use crate::artifacts::{ArtifactStore, StoreError};
 use crate::cli::CliError;
 use crate::db::{ArtifactInfo, Db, DbError, Lineage};
 
-fn store_error(e: StoreError) -> CliError {
+/// What a failed `get` left behind, said after its error.
+fn left_behind(to_stdout: bool) -> &'static str {
+    if to_stdout {
+        "(what was already written to standard output is not the artifact: discard it)"
+    } else {
+        "(nothing was written to the file)"
+    }
+}
+
+fn store_error(e: StoreError, to_stdout: bool) -> CliError {
     match e {
         StoreError::Db(e) => CliError::Db(e),
-        StoreError::NoDirectory { .. } => CliError::Usage(e.to_string()),
-        e => CliError::Other(format!("{e} (nothing was written to the file)")),
+        StoreError::NoDirectory { .. } | StoreError::DirectoryMissing { .. } => {
+            CliError::Usage(e.to_string())
+        }
+        e => CliError::Other(format!("{e} {}", left_behind(to_stdout))),
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM (never, if the handlers cannot be set).
+async fn interrupted() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
     }
 }
 
@@ -46,6 +74,12 @@ pub async fn get(
     force: bool,
 ) -> Result<ArtifactInfo, CliError> {
     let to_stdout = out.as_os_str() == "-";
+    if !to_stdout && (out.is_dir() || out.as_os_str().to_string_lossy().ends_with('/')) {
+        return Err(CliError::Usage(format!(
+            "--out {} names a directory: give the path of the file to write",
+            out.display()
+        )));
+    }
     if !to_stdout && !force && out.symlink_metadata().is_ok() {
         return Err(CliError::Usage(format!(
             "{} exists: pass --force to overwrite it, or choose another --out",
@@ -59,7 +93,10 @@ pub async fn get(
             blob.size, info.size
         )));
     }
-    let mut reader = store.open(&blob).await.map_err(store_error)?;
+    let mut reader = store
+        .open(&blob)
+        .await
+        .map_err(|e| store_error(e, to_stdout))?;
     let io = |what: &str, e: std::io::Error| {
         CliError::Other(format!("cannot {what} {}: {e}", out.display()))
     };
@@ -68,13 +105,17 @@ pub async fn get(
     if to_stdout {
         let stdout = std::io::stdout();
         let mut w = stdout.lock();
-        while let Some(chunk) = reader.next_chunk().await.map_err(store_error)? {
+        while let Some(chunk) = reader
+            .next_chunk()
+            .await
+            .map_err(|e| store_error(e, true))?
+        {
             hasher.update(&chunk);
             written += chunk.len() as i64;
             w.write_all(&chunk).map_err(|e| io("write", e))?;
         }
         w.flush().map_err(|e| io("write", e))?;
-        check(&info, written, &hex::encode(hasher.finalize()))?;
+        check(&info, written, &hex::encode(hasher.finalize()), true)?;
         return Ok(info);
     }
     let dir = match out.parent() {
@@ -86,13 +127,29 @@ pub async fn get(
         .suffix(".part")
         .tempfile_in(&dir)
         .map_err(|e| io("create a file beside", e))?;
-    while let Some(chunk) = reader.next_chunk().await.map_err(store_error)? {
-        hasher.update(&chunk);
-        written += chunk.len() as i64;
-        tmp.write_all(&chunk).map_err(|e| io("write", e))?;
-    }
+    // a signal drops `tmp` (which removes it) before the process ends: an
+    // interrupted get leaves no partial file behind
+    let copied = tokio::select! {
+        r = async {
+            while let Some(chunk) = reader
+                .next_chunk()
+                .await
+                .map_err(|e| store_error(e, false))?
+            {
+                hasher.update(&chunk);
+                written += chunk.len() as i64;
+                tmp.write_all(&chunk).map_err(|e| io("write", e))?;
+            }
+            Ok::<(), CliError>(())
+        } => r,
+        _ = interrupted() => Err(CliError::Other(format!(
+            "interrupted by a signal: nothing was written to {}",
+            out.display()
+        ))),
+    };
+    copied?;
     // a mismatch drops `tmp`, which removes it: no wrong bytes under FILE
-    check(&info, written, &hex::encode(hasher.finalize()))?;
+    check(&info, written, &hex::encode(hasher.finalize()), false)?;
     tmp.as_file().sync_all().map_err(|e| io("write", e))?;
     {
         use std::os::unix::fs::PermissionsExt;
@@ -119,11 +176,14 @@ pub async fn get(
     Ok(info)
 }
 
-fn check(info: &ArtifactInfo, size: i64, sha256: &str) -> Result<(), CliError> {
+fn check(info: &ArtifactInfo, size: i64, sha256: &str, to_stdout: bool) -> Result<(), CliError> {
     if size != info.size || sha256 != info.sha256 {
         return Err(CliError::Other(format!(
-            "artifact {}: read {size} bytes with sha256 {sha256}, but it is {} bytes with sha256 {}; the stored bytes are damaged (nothing was written to the file)",
-            info.id, info.size, info.sha256
+            "artifact {}: read {size} bytes with sha256 {sha256}, but it is {} bytes with sha256 {}; the stored bytes are damaged {}",
+            info.id,
+            info.size,
+            info.sha256,
+            left_behind(to_stdout)
         )));
     }
     Ok(())

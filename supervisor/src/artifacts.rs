@@ -70,6 +70,8 @@ pub enum StoreError {
     },
     #[error("blob {sha256} is stored in a directory store and this process has no artifact_dir: set artifact_dir (worker config), --artifact-dir or DURABLE_ARTIFACT_DIR to the shared directory")]
     NoDirectory { sha256: String },
+    #[error("blob {sha256} is stored in a directory store, and the artifact directory {} does not exist here: point artifact_dir (worker config), --artifact-dir or DURABLE_ARTIFACT_DIR at the shared directory", dir.display())]
+    DirectoryMissing { sha256: String, dir: PathBuf },
     #[error("blob {sha256}: {problem}; the stored bytes are damaged")]
     Corrupt { sha256: String, problem: String },
     #[error(transparent)]
@@ -563,6 +565,12 @@ impl ArtifactStore {
                         problem: "its sha256 is not 64 hex digits".into(),
                     });
                 }
+                if !dir.is_dir() {
+                    return Err(StoreError::DirectoryMissing {
+                        sha256: blob.sha256.clone(),
+                        dir: dir.clone(),
+                    });
+                }
                 let path = blob_path(dir, &blob.sha256);
                 let p = path.clone();
                 let f = blocking(move || std::fs::File::open(p))
@@ -717,8 +725,8 @@ impl BlobReader {
             let sha = hex::encode(self.hasher.take().unwrap_or_default().finalize());
             if self.read != self.blob.size || sha != self.blob.sha256 {
                 return Err(self.corrupt(format!(
-                    "read {} bytes with sha256 {sha}, but it is {} bytes",
-                    self.read, self.blob.size
+                    "read {} bytes with sha256 {sha}, but it is {} bytes with sha256 {}",
+                    self.read, self.blob.size, self.blob.sha256
                 )));
             }
             return Ok(None);

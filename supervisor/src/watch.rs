@@ -425,7 +425,9 @@ fn elapsed(ms: i64) -> String {
     let ms = ms.max(0);
     let s = ms / 1000;
     if s < 60 {
-        format!("{}.{}s", s, (ms % 1000) / 100)
+        // tenths rounded, not cut (88 ms is 0.1s, not 0.0s), short of a minute
+        let tenths = ((ms + 50) / 100).min(599);
+        format!("{}.{}s", tenths / 10, tenths % 10)
     } else if s < 3600 {
         format!("{}m{:02}s", s / 60, s % 60)
     } else {
@@ -595,6 +597,9 @@ mod tests {
         assert_eq!(fit("\x1b[32mabcdef\x1b[0m", 3), "\x1b[32mabc\x1b[0m");
         assert_eq!(clean("a\x1b[2Jb\nc", 10), "a [2Jb c");
         assert_eq!(elapsed(59_999), "59.9s");
+        assert_eq!(elapsed(88), "0.1s");
+        assert_eq!(elapsed(49), "0.0s");
+        assert_eq!(elapsed(4_250), "4.3s");
         assert_eq!(elapsed(7_260_000), "2h01m");
         assert_eq!(WatchEnd::Terminal("failed".into()).exit_code(), 1);
         assert_eq!(WatchEnd::Terminal("cancelled".into()).exit_code(), 3);

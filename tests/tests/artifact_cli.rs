@@ -187,5 +187,56 @@ async fn a_three_step_chain_shows_its_whole_lineage_and_get_writes_the_exact_byt
         assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
     }
     assert!(!missing.exists());
+
+    // --out naming a directory: a usage error that says so
+    let as_dir = format!("{}/", dir.path().join("nodir").display());
+    for target in [dir.path().to_string_lossy().into_owned(), as_dir] {
+        let out = cli(
+            &t.url,
+            &["artifact", "get", &b.id.to_string(), "--out", &target],
+        );
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("names a directory"),
+            "{target}: {}",
+            text(&out.stderr)
+        );
+    }
+
+    // damaged bytes: the error names the hash read and the one expected,
+    // and what was left behind (nothing in a file; stdout's bytes are not
+    // the artifact)
+    sqlx::query(
+        "UPDATE durable.artifact_chunks SET data = 'zz'
+          WHERE n = 0 AND upload_id = (SELECT upload_id FROM durable.artifact_blobs WHERE sha256 = $1)",
+    )
+        .bind(&b.sha256)
+        .execute(t.db.pool())
+        .await
+        .expect("damage b");
+    let damaged = dir.path().join("b.txt");
+    let damaged_s = damaged.to_string_lossy().into_owned();
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &b.id.to_string(), "--out", &damaged_s],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("but it is") && err.contains(&format!("with sha256 {}", b.sha256)),
+        "{err}"
+    );
+    assert!(err.contains("nothing was written to the file"), "{err}");
+    assert!(!damaged.exists());
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &b.id.to_string(), "--out", "-"],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("standard output is not the artifact") && !err.contains("nothing was written"),
+        "{err}"
+    );
     w.shutdown().await;
 }

@@ -2131,7 +2131,15 @@ fn artifact_file(
             m.name
         )));
     }
-    let on_disk = std::fs::metadata(&real).map(|m| m.len()).unwrap_or(0);
+    let meta = std::fs::metadata(&real)
+        .map_err(|e| artifact_invalid(format!("artifact {:?}: {}: {e}", m.name, m.path)))?;
+    if !meta.is_file() {
+        return Err(artifact_invalid(format!(
+            "artifact {:?}: {} is not a regular file",
+            m.name, m.path
+        )));
+    }
+    let on_disk = meta.len();
     if on_disk > max_artifact_bytes || m.size > max_artifact_bytes {
         return Err(artifact_invalid(format!(
             "artifact {:?} has {} bytes; max_artifact_bytes is {max_artifact_bytes}",

@@ -775,3 +775,29 @@ fn error_details_are_always_an_object() {
         Some(json!({"unparsed": "not json"}))
     );
 }
+
+#[test]
+fn an_artifact_path_that_is_not_a_regular_file_is_invalid_whatever_its_declared_size() {
+    let out = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(out.path().join("sub")).expect("sub");
+    std::fs::write(out.path().join("f.txt"), b"abc").expect("file");
+    let real_out = std::fs::canonicalize(out.path()).expect("canonical");
+    let entry = |path: &str, size: u64| wire::ManifestEntry {
+        name: path.into(),
+        path: path.into(),
+        sha256: String::new(),
+        size,
+        media_type: String::new(),
+        derived_from: vec![],
+    };
+    for size in [1, 4096] {
+        let got = artifact_file(out.path(), &real_out, &entry("sub", size), 1 << 20)
+            .map(|(_, n)| n)
+            .map_err(|o| o.label());
+        assert_eq!(got, Err("failed (ARTIFACT_INVALID)".to_string()), "size {size}");
+    }
+    let got = artifact_file(out.path(), &real_out, &entry("f.txt", 3), 1 << 20)
+        .map(|(_, n)| n)
+        .map_err(|o| o.label());
+    assert_eq!(got, Ok(3));
+}
