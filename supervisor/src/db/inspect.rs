@@ -69,7 +69,7 @@ pub struct RunSummary {
 /// operator needs: what is wrong and what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
-    #[error("the database URL {url:?} is not a valid PostgreSQL URL ({message}). Fix DATABASE_URL (or --database-url); the form is postgres://user[:password]@host[:port]/database")]
+    #[error("the database URL {url:?} is not a valid PostgreSQL URL ({message}). Fix DATABASE_URL (or --database-url, or a worker config's database_url and its DURABLE_DATABASE_URL override); the form is postgres://user[:password]@host[:port]/database")]
     BadUrl { url: String, message: String },
     #[error("cannot reach the database at {url}: {cause}. Is PostgreSQL running and accepting connections there? Check DATABASE_URL (or --database-url)")]
     Unreachable { url: String, cause: String },
