@@ -519,3 +519,79 @@ async fn fenced_writes_probe_their_own_steps_whatever_the_live_index_holds() {
         );
     }
 }
+
+/// A start locks its own run, however many entries the index of open runs
+/// holds. The lock's condition (`w.state = 'pending'`) implied that partial
+/// index's predicate (`state IN ('pending', 'running')`), so after an
+/// ANALYZE taken while few runs were open (a drained queue, its finished
+/// runs kept) a generic plan read every open run's entry for each run a
+/// batch started. Here 2,000 finished runs are analyzed, 300 runs are then
+/// submitted and leased, and a batch starting two of them must read a
+/// handful of run rows, not 300.
+#[tokio::test]
+async fn a_start_locks_its_own_run_whatever_the_open_runs_index_holds() {
+    const OPEN: i64 = 300;
+    let t = TestDb::new().await;
+    let wid = Uuid::new_v4();
+    t.db.register_worker(wid, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    backlog(&t.db, 2_000).await;
+    sqlx::query("SELECT count(durable.cancel_run(id)) FROM durable.workflow_runs")
+        .execute(t.db.pool())
+        .await
+        .expect("finish them");
+    // the statistics say no run is open
+    sqlx::query("ANALYZE")
+        .execute(t.db.pool())
+        .await
+        .expect("analyze");
+    sqlx::query(
+        "SELECT count(durable.submit_run(jsonb_build_object('name', 'open', 'steps', jsonb_build_array(
+                    jsonb_build_object('name', 'x', 'executor_kind', 'go', 'kind', 'k')))))
+           FROM generate_series(1, $1)",
+    )
+    .bind(OPEN)
+    .execute(t.db.pool())
+    .await
+    .expect("runs");
+    let leased =
+        t.db.lease(wid, "w", &tests::route_go_k(), OPEN as u32, TTL)
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), OPEN as usize);
+    // a connection of its own: its plans are made now, with those statistics
+    let db = t.connect(1).await;
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    let mut c = DbConn::new(&mut tx);
+    let starts = Batch {
+        starts: leased
+            .iter()
+            .take(2)
+            .map(|l| StartWrite {
+                run_id: l.run_id,
+                lease: l.lease.clone(),
+                pid: 1,
+                event: ev(1, "accepted"),
+            })
+            .collect(),
+        ..Batch::default()
+    };
+    let o = c.write_batch("w", &starts).await.expect("starts");
+    assert!(
+        o.starts
+            .iter()
+            .all(|r| *r == supervisor::db::RowOutcome::Ok),
+        "{o:?}"
+    );
+    let read = since(&r0, reads(&mut tx).await);
+    tx.commit().await.expect("commit");
+    db.pool().close().await;
+    let runs = read.get("workflow_runs").copied().unwrap_or(0);
+    assert!(
+        runs <= 12,
+        "a start batch of 2 read {runs} run rows with {OPEN} open: it scanned the index \
+         of open runs instead of probing its own\n{read:#?}"
+    );
+}

@@ -356,7 +356,7 @@ impl DbConn<'_> {
     pub async fn open_runs(&mut self) -> Result<i64, DbError> {
         let mut s = Scope::enter(self.conn).await?;
         let n = sqlx::query_scalar(
-            "SELECT count(*) FROM durable.workflow_runs WHERE state IN ('pending', 'running')",
+            "SELECT count(*) FROM durable.workflow_runs WHERE durable.run_is_open(state)",
         )
         .fetch_one(&mut *s)
         .await
