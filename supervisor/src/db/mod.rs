@@ -407,6 +407,11 @@ pub struct LeasedStep {
     /// Whether the step's definition names dependencies (only then can it
     /// have input artifacts to fetch).
     pub has_dependencies: bool,
+    /// Why `input` could not be decoded (it is `null` then): nested deeper
+    /// than the JSON decoder takes, stored before submit refused that. The
+    /// attempt fails the step (`INPUT_UNDECODABLE`) instead of the worker dying
+    /// on the row, again at every lease.
+    pub input_error: Option<String>,
 }
 
 /// What one batched heartbeat learned.

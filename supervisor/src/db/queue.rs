@@ -213,7 +213,7 @@ impl DbConn<'_> {
                     transition_reason = 'LEASED', transition_by = $2
                FROM candidates c
               WHERE s.id = c.id
-          RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input, s.idempotency_key,
+          RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input::text AS input, s.idempotency_key,
                     s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
                     s.secrets, s.checkpoint, s.cancel_requested,
                     EXISTS (SELECT 1 FROM durable.step_defs d
@@ -451,9 +451,72 @@ async fn fail_locked_row(
     write_failure(tx, &lease, worker_name, &report, &decision).await
 }
 
+/// The deepest input the worker decodes. Submit refuses input nested more
+/// than 128 levels (`durable.check_secret_keys`), one more than serde_json's
+/// default recursion limit takes, and a step submitted through SQL at that
+/// depth made the worker panic on the row, at every lease. Input is decoded
+/// without that limit once a scan has bounded its depth (so the stack is
+/// safe); a deeper row (stored before submit checked) fails its step.
+const MAX_INPUT_DEPTH: usize = 256;
+
+/// A step's input from its `jsonb` text.
+fn decode_input(text: &str) -> Result<serde_json::Value, String> {
+    let depth = json_depth(text);
+    if depth > MAX_INPUT_DEPTH {
+        return Err(format!(
+            "it is nested {depth} levels deep; at most {MAX_INPUT_DEPTH} are decoded"
+        ));
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    de.disable_recursion_limit();
+    let v = <serde_json::Value as serde::Deserialize>::deserialize(&mut de)
+        .map_err(|e| e.to_string())?;
+    de.end().map_err(|e| e.to_string())?;
+    Ok(v)
+}
+
+/// How deeply arrays and objects nest in JSON `text` (brackets inside
+/// strings do not count).
+fn json_depth(text: &str) -> usize {
+    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
+    for b in text.bytes() {
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
 pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
     let retry: RetryPolicy = serde_json::from_value(r.get("retry"))
         .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+    // never a panic on a row the decoder refuses: the step fails instead
+    let (input, input_error) = match r
+        .try_get::<String, _>("input")
+        .map_err(|e| e.to_string())
+        .and_then(|t| decode_input(&t))
+    {
+        Ok(v) => (v, None),
+        Err(e) => (
+            serde_json::Value::Null,
+            Some(format!("the step's input cannot be decoded: {e}")),
+        ),
+    };
     Ok(LeasedStep {
         lease: Lease {
             step_run_id: r.get("id"),
@@ -465,7 +528,7 @@ pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, Db
         executor_kind: r.get("executor_kind"),
         kind: r.get("kind"),
         labels: parse_labels(r.get("labels"))?,
-        input: r.get("input"),
+        input,
         idempotency_key: r.get("idempotency_key"),
         retry,
         timeout_ms: r.get("timeout_ms"),
@@ -475,5 +538,45 @@ pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, Db
         checkpoint: r.get("checkpoint"),
         cancel_requested: r.get("cancel_requested"),
         has_dependencies: r.get("has_dependencies"),
+        input_error,
     })
+}
+
+#[cfg(test)]
+mod input_tests {
+    use super::{decode_input, json_depth, MAX_INPUT_DEPTH};
+
+    fn nested(depth: usize) -> String {
+        format!("{}{}", "[".repeat(depth), "]".repeat(depth))
+    }
+
+    #[test]
+    fn json_depth_counts_brackets_outside_strings() {
+        let table = [
+            ("1", 0),
+            ("[]", 1),
+            (r#"{"a": [1, {"b": []}]}"#, 4),
+            (r#"["[[[", "\"[[", {"k]": "}}}"}]"#, 2),
+            (r#"["\\", [[]]]"#, 3),
+        ];
+        for (text, want) in table {
+            assert_eq!(json_depth(text), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn input_as_deep_as_submit_allows_is_decoded_and_deeper_is_an_error_not_a_panic() {
+        // 128 levels: what durable.submit_run accepts; serde_json's default
+        // limit refuses it
+        assert!(serde_json::from_str::<serde_json::Value>(&nested(128)).is_err());
+        assert!(decode_input(&nested(128)).is_ok());
+        assert!(decode_input(&nested(MAX_INPUT_DEPTH)).is_ok());
+        let err = decode_input(&nested(MAX_INPUT_DEPTH + 1)).expect_err("too deep");
+        assert!(err.contains("levels deep"), "{err}");
+        assert!(decode_input("{\"a\": 1} x").is_err(), "trailing text");
+        assert_eq!(
+            decode_input(r#"{"a": [1, 2]}"#).expect("plain"),
+            serde_json::json!({"a": [1, 2]})
+        );
+    }
 }

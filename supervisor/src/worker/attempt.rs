@@ -280,6 +280,9 @@ async fn execute(
     if let Some(o) = too_late_to_start(step, &mut control) {
         return o;
     }
+    if let Some(why) = &step.input_error {
+        return Outcome::failed("INPUT_UNDECODABLE", false, why.clone());
+    }
     let secrets = match resolve_secrets(shared, exec, step) {
         Ok(s) => s,
         Err(o) => return o,

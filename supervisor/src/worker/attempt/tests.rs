@@ -794,7 +794,11 @@ fn an_artifact_path_that_is_not_a_regular_file_is_invalid_whatever_its_declared_
         let got = artifact_file(out.path(), &real_out, &entry("sub", size), 1 << 20)
             .map(|(_, n)| n)
             .map_err(|o| o.label());
-        assert_eq!(got, Err("failed (ARTIFACT_INVALID)".to_string()), "size {size}");
+        assert_eq!(
+            got,
+            Err("failed (ARTIFACT_INVALID)".to_string()),
+            "size {size}"
+        );
     }
     let got = artifact_file(out.path(), &real_out, &entry("f.txt", 3), 1 << 20)
         .map(|(_, n)| n)
