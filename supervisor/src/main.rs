@@ -9,6 +9,18 @@ async fn main() -> ExitCode {
     if runs_executors(&cli.command) {
         start_reaping();
     }
+    if only_prints(&cli.command) {
+        // a closed pipe ends a printing command quietly, as it does `cat`
+        // (`supervisor status ID | head -1`): Rust's runtime ignores
+        // SIGPIPE, and println! then panicked on the write (exit 101, a
+        // backtrace). Commands with executor children keep ignoring it: a
+        // write to a child that died must be an error, not the end.
+        // SAFETY: signal() only sets the process's disposition of SIGPIPE
+        // back to the default; no handler (no Rust code) is installed.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     supervisor::cli::main_with(cli).await
 }
 
@@ -22,6 +34,17 @@ fn runs_executors(command: &Command) -> bool {
         Command::Dev { print_config, .. } => !print_config,
         _ => false,
     }
+}
+
+/// The commands that start no executor: they read the database and print.
+fn only_prints(command: &Command) -> bool {
+    !matches!(
+        command,
+        Command::Worker { .. }
+            | Command::Dev { .. }
+            | Command::Executors { .. }
+            | Command::Conformance { .. }
+    )
 }
 
 /// Before anything is spawned: orphaned grandchildren of executors are

@@ -740,3 +740,41 @@ async fn status_names_the_steps_no_live_worker_offers() {
     let out = stdout(&cli(Some(&t.url), &["status", &run]));
     assert!(out.contains("ok: no live worker offers"), "{out}");
 }
+
+/// A printing command whose reader went away ends quietly, as `cat` does
+/// (`supervisor status ID | head -1`): it panicked on the write, printed a
+/// backtrace and exited 101 (an outside audit).
+#[tokio::test]
+async fn a_closed_pipe_ends_a_printing_command_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "pipe", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k", "labels": {"gpu": "a100"}}]}))
+        .await;
+    for args in [vec!["status", &run.to_string()[..]], vec!["runs"]] {
+        let mut child = Command::new(tests::supervisor_bin())
+            .args(&args)
+            .env("DATABASE_URL", &t.url)
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn supervisor");
+        // the reader is gone before anything is written
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("wait");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !err.contains("panicked") && out.status.code() != Some(101),
+            "{args:?}: {:?}\n{err}",
+            out.status
+        );
+        assert!(
+            out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+            "{args:?}: {:?}\n{err}",
+            out.status
+        );
+    }
+}
