@@ -771,7 +771,7 @@ pub const MAX_FRAME_BYTES: usize = 1024 * 1024 * 1024;
 pub const MAX_STDERR_TAIL_BYTES: usize = 64 * 1024 * 1024;
 
 /// The prefix of the environment variables that override top-level keys of
-/// the worker config: `DURABLE_LEASE_TTL_MS=5000` sets `lease_ttl_ms`.
+/// the worker config: `DURABLE_LEASE_TTL_MS=30000` sets `lease_ttl_ms`.
 pub const ENV_PREFIX: &str = "DURABLE_";
 
 /// The top-level settings, in the order `--print-default-config` prints them,
@@ -1068,7 +1068,7 @@ impl WorkerConfig {
             &mut out,
             "The durable worker's configuration (TOML): every setting with its default. \
              `supervisor worker --config FILE` reads it. An environment variable DURABLE_<KEY> \
-             overrides a top-level key (DURABLE_LEASE_TTL_MS=5000 sets lease_ttl_ms; an empty one \
+             overrides a top-level key (DURABLE_LEASE_TTL_MS=30000 sets lease_ttl_ms; an empty one \
              is ignored). Unknown keys are refused. Lines `#key = value` are settings left at their \
              default; remove the # to set them.",
             "",
