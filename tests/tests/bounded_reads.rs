@@ -403,6 +403,94 @@ async fn the_hot_statements_are_planned_once_per_connection() {
     assert_eq!(jit, "off");
 }
 
+/// `n` one-step runs of `go`/`k` (what `tests::route_go_k` leases).
+async fn leasable_runs(db: &Db, n: i64) {
+    sqlx::query(
+        "SELECT count(durable.submit_run(jsonb_build_object('name', 'k', 'steps', jsonb_build_array(
+                    jsonb_build_object('name', 'x', 'executor_kind', 'go', 'kind', 'k')))))
+           FROM generate_series(1, $1)",
+    )
+    .bind(n)
+    .execute(db.pool())
+    .await
+    .expect("runs");
+}
+
+async fn analyze(db: &Db) {
+    sqlx::query("ANALYZE")
+        .execute(db.pool())
+        .await
+        .expect("analyze");
+}
+
+/// Leases all `n` leasable steps.
+async fn lease_all(db: &Db, wid: Uuid, n: i64) -> Vec<LeasedStep> {
+    let leased = db
+        .lease(wid, "w", &tests::route_go_k(), n as u32, TTL)
+        .await
+        .expect("lease");
+    assert_eq!(leased.len(), n as usize);
+    leased
+}
+
+/// Runs `write` in a transaction of its own on `db` and returns the rows it
+/// read per table.
+async fn measured<F>(db: &Db, write: F) -> BTreeMap<String, i64>
+where
+    F: for<'c> FnOnce(
+        DbConn<'c>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'c>>,
+{
+    let mut tx = db.pool().begin().await.expect("begin");
+    let r0 = reads(&mut tx).await;
+    write(DbConn::new(&mut tx)).await;
+    let read = since(&r0, reads(&mut tx).await);
+    tx.commit().await.expect("commit");
+    read
+}
+
+fn starts_of(steps: &[&LeasedStep]) -> Batch {
+    Batch {
+        starts: steps
+            .iter()
+            .map(|l| StartWrite {
+                run_id: l.run_id,
+                lease: l.lease.clone(),
+                pid: 1,
+                event: ev(1, "accepted"),
+            })
+            .collect(),
+        ..Batch::default()
+    }
+}
+
+fn completes_of(steps: &[&LeasedStep]) -> Batch {
+    Batch {
+        completes: steps
+            .iter()
+            .map(|l| CompleteWrite {
+                run_id: l.run_id,
+                lease: l.lease.clone(),
+                output: json!({"ok": true}),
+                sequence: Some(2),
+            })
+            .collect(),
+        ..Batch::default()
+    }
+}
+
+/// Writes `batch` and checks that every intent of it was written.
+async fn write_all(mut c: DbConn<'_>, batch: Batch) {
+    let o = c.write_batch("w", &batch).await.expect("batch");
+    assert!(
+        o.starts
+            .iter()
+            .chain(o.completes.iter())
+            .all(|r| *r == supervisor::db::RowOutcome::Ok),
+        "{o:?}"
+    );
+}
+
 /// A fenced write names its steps by id and token, and reads those steps
 /// alone, however many entries the index of live steps holds. The write's
 /// condition (`state IN ('leased', 'running')`) was the predicate of that
@@ -411,8 +499,9 @@ async fn the_hot_statements_are_planned_once_per_connection() {
 /// live the index looks nearly empty, and a generic plan made then scanned
 /// all of it on every call (live entries, and the dead ones every finished
 /// step leaves until vacuum). Here 300 steps are leased after such an
-/// ANALYZE (with 2,000 other runs waiting), and a batch of starts, a batch of completions and a heartbeat
-/// for two of them must each read a handful of step rows, not 300.
+/// ANALYZE (with 2,000 other runs waiting), and a batch of starts, a batch
+/// of completions and a heartbeat for two of them must each read a handful
+/// of step rows, not 300.
 #[tokio::test]
 async fn fenced_writes_probe_their_own_steps_whatever_the_live_index_holds() {
     const LIVE: i64 = 300;
@@ -424,90 +513,34 @@ async fn fenced_writes_probe_their_own_steps_whatever_the_live_index_holds() {
     // the queue is large enough that reading a whole table costs more than
     // a probe per step (on a small one the planner rightly scans it)
     backlog(&t.db, 2_000).await;
-    sqlx::query(
-        "SELECT count(durable.submit_run(jsonb_build_object('name', 'live', 'steps', jsonb_build_array(
-                    jsonb_build_object('name', 'x', 'executor_kind', 'go', 'kind', 'k')))))
-           FROM generate_series(1, $1)",
-    )
-    .bind(LIVE)
-    .execute(t.db.pool())
-    .await
-    .expect("runs");
+    leasable_runs(&t.db, LIVE).await;
     // the statistics say no step is live
-    sqlx::query("ANALYZE")
-        .execute(t.db.pool())
-        .await
-        .expect("analyze");
-    let leased =
-        t.db.lease(wid, "w", &tests::route_go_k(), LIVE as u32, TTL)
-            .await
-            .expect("lease");
-    assert_eq!(leased.len(), LIVE as usize);
+    analyze(&t.db).await;
+    let leased = lease_all(&t.db, wid, LIVE).await;
     let two: Vec<&LeasedStep> = leased.iter().take(2).collect();
+    let leases: Vec<_> = two.iter().map(|l| l.lease.clone()).collect();
     // a connection of its own: its plans are made now, with those statistics
     let db = t.connect(1).await;
     let mut read = Reads::new();
-
-    let mut tx = db.pool().begin().await.expect("begin");
-    let r0 = reads(&mut tx).await;
-    let mut c = DbConn::new(&mut tx);
-    c.heartbeat(
-        wid,
-        &two.iter().map(|l| l.lease.clone()).collect::<Vec<_>>(),
-        TTL,
-    )
-    .await
-    .expect("heartbeat");
-    read.insert("heartbeat", since(&r0, reads(&mut tx).await));
-    tx.commit().await.expect("commit");
-
-    let mut tx = db.pool().begin().await.expect("begin");
-    let r0 = reads(&mut tx).await;
-    let mut c = DbConn::new(&mut tx);
-    let starts = Batch {
-        starts: two
-            .iter()
-            .map(|l| StartWrite {
-                run_id: l.run_id,
-                lease: l.lease.clone(),
-                pid: 1,
-                event: ev(1, "accepted"),
+    read.insert(
+        "heartbeat",
+        measured(&db, |mut c| {
+            Box::pin(async move {
+                c.heartbeat(wid, &leases, TTL).await.expect("heartbeat");
             })
-            .collect(),
-        ..Batch::default()
-    };
-    let o = c.write_batch("w", &starts).await.expect("starts");
-    assert!(
-        o.starts
-            .iter()
-            .all(|r| *r == supervisor::db::RowOutcome::Ok),
-        "{o:?}"
+        })
+        .await,
     );
-    read.insert("start batch", since(&r0, reads(&mut tx).await));
-    tx.commit().await.expect("commit");
-
-    let mut tx = db.pool().begin().await.expect("begin");
-    let r0 = reads(&mut tx).await;
-    let mut c = DbConn::new(&mut tx);
-    let completes = Batch {
-        completes: two
-            .iter()
-            .map(|l| CompleteWrite {
-                run_id: l.run_id,
-                lease: l.lease.clone(),
-                output: json!({"ok": true}),
-                sequence: Some(2),
-            })
-            .collect(),
-        ..Batch::default()
-    };
-    let o = c.write_batch("w", &completes).await.expect("completes");
-    assert!(o
-        .completes
-        .iter()
-        .all(|r| *r == supervisor::db::RowOutcome::Ok));
-    read.insert("complete batch", since(&r0, reads(&mut tx).await));
-    tx.commit().await.expect("commit");
+    let starts = starts_of(&two);
+    read.insert(
+        "start batch",
+        measured(&db, |c| Box::pin(write_all(c, starts))).await,
+    );
+    let completes = completes_of(&two);
+    read.insert(
+        "complete batch",
+        measured(&db, |c| Box::pin(write_all(c, completes))).await,
+    );
     db.pool().close().await;
 
     for (op, tables) in &read {
@@ -542,51 +575,14 @@ async fn a_start_locks_its_own_run_whatever_the_open_runs_index_holds() {
         .await
         .expect("finish them");
     // the statistics say no run is open
-    sqlx::query("ANALYZE")
-        .execute(t.db.pool())
-        .await
-        .expect("analyze");
-    sqlx::query(
-        "SELECT count(durable.submit_run(jsonb_build_object('name', 'open', 'steps', jsonb_build_array(
-                    jsonb_build_object('name', 'x', 'executor_kind', 'go', 'kind', 'k')))))
-           FROM generate_series(1, $1)",
-    )
-    .bind(OPEN)
-    .execute(t.db.pool())
-    .await
-    .expect("runs");
-    let leased =
-        t.db.lease(wid, "w", &tests::route_go_k(), OPEN as u32, TTL)
-            .await
-            .expect("lease");
-    assert_eq!(leased.len(), OPEN as usize);
+    analyze(&t.db).await;
+    leasable_runs(&t.db, OPEN).await;
+    let leased = lease_all(&t.db, wid, OPEN).await;
+    let two: Vec<&LeasedStep> = leased.iter().take(2).collect();
     // a connection of its own: its plans are made now, with those statistics
     let db = t.connect(1).await;
-    let mut tx = db.pool().begin().await.expect("begin");
-    let r0 = reads(&mut tx).await;
-    let mut c = DbConn::new(&mut tx);
-    let starts = Batch {
-        starts: leased
-            .iter()
-            .take(2)
-            .map(|l| StartWrite {
-                run_id: l.run_id,
-                lease: l.lease.clone(),
-                pid: 1,
-                event: ev(1, "accepted"),
-            })
-            .collect(),
-        ..Batch::default()
-    };
-    let o = c.write_batch("w", &starts).await.expect("starts");
-    assert!(
-        o.starts
-            .iter()
-            .all(|r| *r == supervisor::db::RowOutcome::Ok),
-        "{o:?}"
-    );
-    let read = since(&r0, reads(&mut tx).await);
-    tx.commit().await.expect("commit");
+    let starts = starts_of(&two);
+    let read = measured(&db, |c| Box::pin(write_all(c, starts))).await;
     db.pool().close().await;
     let runs = read.get("workflow_runs").copied().unwrap_or(0);
     assert!(
