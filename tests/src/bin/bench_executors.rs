@@ -118,7 +118,6 @@ struct Trip {
 }
 
 async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<Trip> {
-    let wcfg = WorkerConfig::default();
     let t0 = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("durable-bench-")
@@ -126,10 +125,43 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
     let out_dir = dir.path().join("out");
     std::fs::create_dir(&out_dir)?;
     std::fs::create_dir(dir.path().join("in"))?;
-    let spec = cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes);
-    let mut child = spawner.spawn(spec).await?;
+    let Started {
+        child,
+        mut stdin,
+        mut frames,
+        executor_kind,
+    } = start(spawner, cfg, dir.path()).await?;
+    let t_hello = t0.elapsed();
+    exchange(&mut stdin, &mut frames, &executor_kind, n, &out_dir).await?;
+    let t_term = t0.elapsed();
+    // as the worker does: close stdin, the executor exits; stdout EOF, exit, reap
+    end(child, stdin, frames).await?;
+    drop(dir);
+    let total = t0.elapsed();
+    Ok(Trip {
+        total,
+        startup: t_hello,
+        job: t_term - t_hello,
+        exit: total - t_term,
+    })
+}
+
+/// A started executor process whose hello was read.
+struct Started {
+    child: supervisor::process::Child,
+    stdin: tokio::process::ChildStdin,
+    frames: wire::ExecutorFrames<tokio::process::ChildStdout>,
+    executor_kind: String,
+}
+
+/// Spawns `cfg` in `dir` with the worker's spawn spec and reads its hello.
+async fn start(spawner: &Spawner, cfg: &ExecutorConfig, dir: &std::path::Path) -> Result<Started> {
+    let wcfg = WorkerConfig::default();
+    let mut child = spawner
+        .spawn(cfg.spawn_spec(dir, wcfg.stderr_tail_bytes))
+        .await?;
     let stdout = child.take_stdout().context("no stdout pipe")?;
-    let mut stdin = child.take_stdin().context("no stdin pipe")?;
+    let stdin = child.take_stdin().context("no stdin pipe")?;
     let mut frames = FramedRead::new(stdout, wire::executor_decoder(wcfg.max_frame_bytes));
     let hello = wire::read_hello(&mut frames, Duration::from_secs(30))
         .await
@@ -139,10 +171,21 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
                 child.stderr().tail_string()
             )
         })?;
-    let t_hello = t0.elapsed();
-    exchange(&mut stdin, &mut frames, &hello.executor_kind, n, &out_dir).await?;
-    let t_term = t0.elapsed();
-    // as the worker does: close stdin, the executor exits; stdout EOF, exit, reap
+    Ok(Started {
+        child,
+        stdin,
+        frames,
+        executor_kind: hello.executor_kind,
+    })
+}
+
+/// Ends a process as the worker does: close stdin, the executor exits;
+/// stdout EOF (no frame after the last terminal), exit, reap.
+async fn end(
+    mut child: supervisor::process::Child,
+    stdin: tokio::process::ChildStdin,
+    mut frames: wire::ExecutorFrames<tokio::process::ChildStdout>,
+) -> Result<()> {
     drop(stdin);
     if let Some(f) = frames.next().await {
         bail!(
@@ -159,14 +202,7 @@ async fn round_trip(spawner: &Spawner, cfg: &ExecutorConfig, n: u64) -> Result<T
             report.stderr_tail
         );
     }
-    drop(dir);
-    let total = t0.elapsed();
-    Ok(Trip {
-        total,
-        startup: t_hello,
-        job: t_term - t_hello,
-        exit: total - t_term,
-    })
+    Ok(())
 }
 
 /// One `demo.echo` job on an executor whose hello was read: the Job, then
@@ -303,7 +339,6 @@ async fn bare_exchange(
     conc: u32,
     jobs: u32,
 ) -> Result<ExchangeCell> {
-    let wcfg = WorkerConfig::default();
     let dir = tempfile::Builder::new()
         .prefix("durable-bench-")
         .tempdir()?;
@@ -312,22 +347,9 @@ async fn bare_exchange(
     let mut children = Vec::new();
     let mut ends = Vec::new();
     for _ in 0..conc {
-        let mut child = spawner
-            .spawn(cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes))
-            .await?;
-        let stdout = child.take_stdout().context("no stdout pipe")?;
-        let stdin = child.take_stdin().context("no stdin pipe")?;
-        let mut frames = FramedRead::new(stdout, wire::executor_decoder(wcfg.max_frame_bytes));
-        let hello = wire::read_hello(&mut frames, Duration::from_secs(30))
-            .await
-            .with_context(|| {
-                format!(
-                    "reading the hello; stderr: {}",
-                    child.stderr().tail_string()
-                )
-            })?;
-        children.push(child);
-        ends.push((stdin, frames, hello.executor_kind));
+        let p = start(spawner, cfg, dir.path()).await?;
+        children.push(p.child);
+        ends.push((p.stdin, p.frames, p.executor_kind));
     }
     // a few untimed jobs per process first (the first job of a process
     // pays for its lazy initialisation)
@@ -382,23 +404,8 @@ async fn bare_exchange(
     let bench_cpu = self_cpu() - cpu_s0;
     let busy = stat0.zip(machine_cpu()).map(|(a, b)| busy_fraction(a, b));
     // as the worker retires a process: close stdin, stdout EOF, exit, reap
-    for ((stdin, mut frames), mut child) in ends.into_iter().zip(children) {
-        drop(stdin);
-        if let Some(f) = frames.next().await {
-            bail!(
-                "a frame after the last terminal: {:?}",
-                f.map(|f| FromExecutor::from(f).name())
-            );
-        }
-        child.exited().await?;
-        let report = child.finish().await?;
-        if !report.status.success() {
-            bail!(
-                "the executor {}; stderr: {}",
-                report.status,
-                report.stderr_tail
-            );
-        }
+    for ((stdin, frames), child) in ends.into_iter().zip(children) {
+        end(child, stdin, frames).await?;
     }
     drop(dir);
     Ok(ExchangeCell {
