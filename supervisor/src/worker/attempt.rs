@@ -430,28 +430,9 @@ async fn session_for(
             return Ok(s);
         }
     }
-    match Session::start(
-        &shared.spawner,
-        &shared.cfg,
-        &shared.work,
-        &exec.cfg,
-        workdir.path(),
-    )
-    .await
-    {
-        Ok(s) => {
-            crate::metrics::executor_process_started(&exec.cfg.name, "job");
-            exec.process_started();
-            Ok(s)
-        }
-        Err(e) => {
-            if matches!(e, StartError::Spawn(_) | StartError::NoPipes) {
-                let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
-                exec.process_failed(base, &e.to_string());
-            }
-            Err(start_failed(e))
-        }
-    }
+    exec.start_process(shared, workdir.path(), "job")
+        .await
+        .map_err(start_failed)
 }
 
 /// A new directory `durable-<step_run_id>-…` in `work_dir`, with an empty `out/`.

@@ -107,8 +107,35 @@ impl ExecutorRuntime {
         *self.routes.write().unwrap_or_else(|p| p.into_inner()) = routes;
     }
 
+    /// Starts a process of this executor in `dir` ([`session::Session::start`]),
+    /// counted under `metric_kind` (`job`, `warm`), and tells the breaker
+    /// how it went: a command that cannot be started opens it (a session
+    /// directory that cannot be made is not the executor's fault).
+    pub(crate) async fn start_process(
+        &self,
+        shared: &Shared,
+        dir: &std::path::Path,
+        metric_kind: &'static str,
+    ) -> Result<session::Session, session::StartError> {
+        let res =
+            session::Session::start(&shared.spawner, &shared.cfg, &shared.work, &self.cfg, dir)
+                .await;
+        match &res {
+            Ok(_) => {
+                crate::metrics::executor_process_started(&self.cfg.name, metric_kind);
+                self.process_started();
+            }
+            Err(e @ (session::StartError::Spawn(_) | session::StartError::NoPipes)) => {
+                let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
+                self.process_failed(base, &e.to_string());
+            }
+            Err(session::StartError::WorkDir { .. }) => {}
+        }
+        res
+    }
+
     /// A process of this executor started: it is leased for as usual.
-    pub(crate) fn process_started(&self) {
+    fn process_started(&self) {
         self.breaker
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -117,7 +144,7 @@ impl ExecutorRuntime {
 
     /// A process of this executor could not be started: nothing more is
     /// leased for it until a pause has passed and a probe process starts.
-    pub(crate) fn process_failed(&self, base: Duration, why: &str) {
+    fn process_failed(&self, base: Duration, why: &str) {
         let pause = self
             .breaker
             .lock()

@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info_span, warn, Instrument};
 
-use super::session::{Session, StartError};
+use super::session::Session;
 use super::{ExecutorRuntime, Shared};
 use crate::wire;
 
@@ -127,25 +127,10 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
 async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, String> {
     // a persistent process runs in a session directory of its own: no
     // attempt directory to give it
-    let mut session = Session::start(
-        &shared.spawner,
-        &shared.cfg,
-        &shared.work,
-        &exec.cfg,
-        shared.work.base(),
-    )
-    .await
-    .map_err(|e| {
-        if matches!(e, StartError::Spawn(_) | StartError::NoPipes) {
-            exec.process_failed(
-                Duration::from_millis(shared.cfg.refusal_delay_ms),
-                &e.to_string(),
-            );
-        }
-        e.to_string()
-    })?;
-    crate::metrics::executor_process_started(&exec.cfg.name, "warm");
-    exec.process_started();
+    let mut session = exec
+        .start_process(shared, shared.work.base(), "warm")
+        .await
+        .map_err(|e| e.to_string())?;
     let read = wire::read_hello(
         &mut session.frames,
         Duration::from_millis(shared.cfg.handshake_timeout_ms),
