@@ -97,25 +97,9 @@ pub async fn get(
         .open(&blob)
         .await
         .map_err(|e| store_error(e, to_stdout))?;
-    let io = |what: &str, e: std::io::Error| {
-        CliError::Other(format!("cannot {what} {}: {e}", out.display()))
-    };
-    let mut hasher = Sha256::new();
-    let mut written: i64 = 0;
     if to_stdout {
         let stdout = std::io::stdout();
-        let mut w = stdout.lock();
-        while let Some(chunk) = reader
-            .next_chunk()
-            .await
-            .map_err(|e| store_error(e, true))?
-        {
-            hasher.update(&chunk);
-            written += chunk.len() as i64;
-            w.write_all(&chunk).map_err(|e| io("write", e))?;
-        }
-        w.flush().map_err(|e| io("write", e))?;
-        check(&info, written, &hex::encode(hasher.finalize()), true)?;
+        copy_checked(&mut reader, &mut stdout.lock(), &info, out, true).await?;
         return Ok(info);
     }
     let dir = match out.parent() {
@@ -126,41 +110,63 @@ pub async fn get(
         .prefix(".artifact-")
         .suffix(".part")
         .tempfile_in(&dir)
-        .map_err(|e| io("create a file beside", e))?;
-    // a signal drops `tmp` (which removes it) before the process ends: an
-    // interrupted get leaves no partial file behind
-    let copied = tokio::select! {
-        r = async {
-            while let Some(chunk) = reader
-                .next_chunk()
-                .await
-                .map_err(|e| store_error(e, false))?
-            {
-                hasher.update(&chunk);
-                written += chunk.len() as i64;
-                tmp.write_all(&chunk).map_err(|e| io("write", e))?;
-            }
-            Ok::<(), CliError>(())
-        } => r,
+        .map_err(|e| io_error(out, "create a file beside", e))?;
+    // a signal, a read error or a mismatch drops `tmp`, which removes it:
+    // no partial or wrong bytes are left beside FILE or under its name
+    tokio::select! {
+        r = copy_checked(&mut reader, &mut tmp, &info, out, false) => r,
         _ = interrupted() => Err(CliError::Other(format!(
             "interrupted by a signal: nothing was written to {}",
             out.display()
         ))),
-    };
-    copied?;
-    // a mismatch drops `tmp`, which removes it: no wrong bytes under FILE
-    check(&info, written, &hex::encode(hasher.finalize()), false)?;
-    tmp.as_file().sync_all().map_err(|e| io("write", e))?;
+    }?;
+    place(tmp, out, force)?;
+    Ok(info)
+}
+
+fn io_error(out: &Path, what: &str, e: std::io::Error) -> CliError {
+    CliError::Other(format!("cannot {what} {}: {e}", out.display()))
+}
+
+/// Streams the blob into `w` chunk by chunk, hashing as it goes, then
+/// checks size and sha256 against the artifact row.
+async fn copy_checked(
+    reader: &mut crate::artifacts::BlobReader,
+    w: &mut impl Write,
+    info: &ArtifactInfo,
+    out: &Path,
+    to_stdout: bool,
+) -> Result<(), CliError> {
+    let mut hasher = Sha256::new();
+    let mut written: i64 = 0;
+    while let Some(chunk) = reader
+        .next_chunk()
+        .await
+        .map_err(|e| store_error(e, to_stdout))?
     {
-        use std::os::unix::fs::PermissionsExt;
-        tmp.as_file()
-            .set_permissions(std::fs::Permissions::from_mode(0o644))
-            .map_err(|e| io("write", e))?;
+        hasher.update(&chunk);
+        written += chunk.len() as i64;
+        w.write_all(&chunk).map_err(|e| io_error(out, "write", e))?;
     }
+    w.flush().map_err(|e| io_error(out, "write", e))?;
+    check(info, written, &hex::encode(hasher.finalize()), to_stdout)
+}
+
+/// Moves the verified temporary file to `out`: durable, mode 0644, and
+/// never over an existing file without `force`.
+fn place(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> Result<(), CliError> {
+    use std::os::unix::fs::PermissionsExt;
+    tmp.as_file()
+        .sync_all()
+        .map_err(|e| io_error(out, "write", e))?;
+    tmp.as_file()
+        .set_permissions(std::fs::Permissions::from_mode(0o644))
+        .map_err(|e| io_error(out, "write", e))?;
     let placed = if force {
         tmp.persist(out).map(|_| ())
     } else {
-        // the check above raced with another writer: still never clobber
+        // the check before the download raced with another writer: still
+        // never clobber
         tmp.persist_noclobber(out).map(|_| ())
     };
     placed.map_err(|e| {
@@ -170,10 +176,9 @@ pub async fn get(
                 out.display()
             ))
         } else {
-            io("write", e.error)
+            io_error(out, "write", e.error)
         }
-    })?;
-    Ok(info)
+    })
 }
 
 fn check(info: &ArtifactInfo, size: i64, sha256: &str, to_stdout: bool) -> Result<(), CliError> {
