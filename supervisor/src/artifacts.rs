@@ -125,6 +125,15 @@ enum FileFate {
     Wait,
 }
 
+/// What a pass did with one removed blob's file.
+enum Removal {
+    Deleted,
+    /// Not there (deleted by another pass, or never written here).
+    Missing,
+    /// Kept, its entry queued for a later pass ([`FileFate::Wait`]).
+    Waits,
+}
+
 fn file_fate(
     modified: std::time::SystemTime,
     removed_at: std::time::SystemTime,
@@ -162,23 +171,22 @@ pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError
             }
             let path = blob_path(dir, &sha);
             let removed_at = std::time::SystemTime::from(removed_at);
-            // Some(true): deleted; Some(false): not there; None: wait
             let res = blocking(move || match std::fs::metadata(&path) {
                 Ok(m) => {
                     let modified = m.modified()?;
                     match file_fate(modified, removed_at, std::time::SystemTime::now()) {
-                        FileFate::Delete => std::fs::remove_file(&path).map(|_| Some(true)),
-                        FileFate::Wait => Ok(None),
+                        FileFate::Delete => std::fs::remove_file(&path).map(|_| Removal::Deleted),
+                        FileFate::Wait => Ok(Removal::Waits),
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Some(false)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Removal::Missing),
                 Err(e) => Err(e),
             })
             .await;
             match res {
-                Ok(Some(true)) => deleted += 1,
-                Ok(Some(false)) => {}
-                Ok(None) => {
+                Ok(Removal::Deleted) => deleted += 1,
+                Ok(Removal::Missing) => {}
+                Ok(Removal::Waits) => {
                     waiting += 1;
                     continue;
                 }
