@@ -20,6 +20,7 @@ use uuid::Uuid;
 pub use supervisor;
 
 pub mod bench;
+pub mod blackhole;
 pub mod chaos;
 
 /// The repository root.

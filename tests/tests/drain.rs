@@ -1,6 +1,7 @@
 //! `supervisor worker` runs until SIGTERM/SIGINT, then drains: no new leases,
 //! running attempts may finish within drain_timeout_ms, then they are stopped
-//! (WORKER_SHUTDOWN, retryable) — exit 0 either way, and no child survives.
+//! (WORKER_SHUTDOWN, retryable) — exit 0 either way, and no child survives;
+//! exit 1 when an outcome could not be recorded during the drain.
 
 use std::time::Duration;
 
@@ -131,6 +132,49 @@ async fn a_second_sigterm_stops_attempts_at_once_and_gives_their_steps_back() {
     assert_eq!(
         s.error.as_ref().map(|e| e.code.as_str()),
         Some("WORKER_SHUTDOWN")
+    );
+    tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
+}
+
+/// A drain whose outcomes the database cannot take is not a clean drain: the
+/// network to PostgreSQL is cut while a step runs, then the worker is told
+/// to stop. Its step's outcome cannot be recorded, so the step will run
+/// again elsewhere (its side effects may repeat): the worker exits non-zero
+/// with a message that says so, instead of 0 as after a clean drain (which
+/// is what it did before). Once the database is back, the step is still
+/// the queue's (nothing recorded it as done), and no child survives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_cannot_record_an_outcome_exits_non_zero_and_says_so() {
+    let t = TestDb::new().await;
+    let hole = tests::blackhole::Blackhole::start(&t.url).await;
+    let mut w = WorkerProcess::spawn(
+        &hole.url(&t.url),
+        &fast_config(vec![go_demo("go", &[], None)]),
+    );
+    let run = t
+        .submit(tests::one_step(
+            "cut",
+            "go",
+            "demo.sleep",
+            json!({"ms": 1000, "steps": 2}),
+        ))
+        .await;
+    let step = wait_running(&t, run).await;
+    let pgid = tests::executor_pid(&t.db, step).await;
+    hole.cut();
+    w.signal(Signal::SIGTERM);
+    let code = w.wait(Duration::from_secs(60)).await;
+    let stderr = w.stderr();
+    assert_eq!(code, Some(1), "an unclean drain exits 1; stderr: {stderr}");
+    assert!(
+        stderr.contains("1 step outcome(s) not recorded"),
+        "the message says what was lost: {stderr}"
+    );
+    hole.heal();
+    let st = t.status(run).await;
+    assert_eq!(
+        st.steps[0].state, "running",
+        "nothing recorded the step as done; its lease expires and it runs again"
     );
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
 }

@@ -5,15 +5,13 @@
 //! level, the way an executor written from PROTOCOL.md alone might.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use supervisor::config::{ExecutorConfig, WorkerConfig};
 use supervisor::worker::Worker;
+use tests::blackhole::Blackhole;
 use tests::{fast_config, go_demo, step, RunningWorker, TestDb};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -355,59 +353,6 @@ async fn executor_values_and_panics_cannot_take_the_worker_down() {
     w.shutdown().await;
 }
 
-/// A TCP proxy in front of PostgreSQL that can blackhole its connections
-/// (stop forwarding, keep them open), as a partitioned network does.
-struct Blackhole {
-    port: u16,
-    paused: Arc<AtomicBool>,
-}
-
-impl Blackhole {
-    async fn start(upstream: String) -> Blackhole {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let paused = Arc::new(AtomicBool::new(false));
-        let p = paused.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                    continue;
-                };
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, p.clone()));
-                tokio::spawn(pipe(sr, cw, p.clone()));
-            }
-        });
-        Blackhole { port, paused }
-    }
-}
-
-async fn pipe(
-    mut r: tokio::net::tcp::OwnedReadHalf,
-    mut w: tokio::net::tcp::OwnedWriteHalf,
-    paused: Arc<AtomicBool>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        while paused.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let n = match r.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        while paused.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        if w.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
 /// 9: the worker's network to PostgreSQL is blackholed mid-step. Its lease
 /// clock stops advancing, so it stops its child before the lease can have
 /// expired; only then does another worker reclaim and run the step — never
@@ -417,14 +362,8 @@ async fn pipe(
 async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let upstream = {
-        let u = url_host_port(&t.url);
-        u.to_string()
-    };
-    let hole = Blackhole::start(upstream.clone()).await;
-    let via_proxy = t
-        .url
-        .replacen(&upstream, &format!("127.0.0.1:{}", hole.port), 1);
+    let hole = Blackhole::start(&t.url).await;
+    let via_proxy = hole.url(&t.url);
     let proxied = supervisor::db::Db::connect(&via_proxy, 10)
         .await
         .expect("connect via proxy");
@@ -442,7 +381,7 @@ async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
         .await;
     let pid = tests::executor_pid(&t.db, sid).await.expect("pid");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    hole.paused.store(true, Ordering::SeqCst);
+    hole.cut();
     let cut = Instant::now();
     // the other worker, with a direct connection, can reclaim the step
     let mut cfg_b = cfg.clone();
@@ -483,17 +422,9 @@ async fn a_cut_off_worker_stops_its_child_before_its_lease_can_expire() {
         .iter()
         .all(|h| h.worker.as_deref() != Some("cut-off")));
     println!("cut off: child stopped {stopped:?} after the cut (TTL {ttl:?}); reclaimed and completed by the rescuer");
-    hole.paused.store(false, Ordering::SeqCst);
+    hole.heal();
     b.shutdown().await;
     a.shutdown().await;
-}
-
-fn url_host_port(url: &str) -> &str {
-    let rest = &url[url
-        .find('@')
-        .map(|i| i + 1)
-        .unwrap_or(url.find("://").map(|i| i + 3).unwrap_or(0))..];
-    &rest[..rest.find('/').unwrap_or(rest.len())]
 }
 
 /// 9: the stop budget must fit in the lease, checked at start; and a vital

@@ -165,9 +165,14 @@ pub(crate) async fn run(
     // lease held: a heartbeat that no longer finds the step leased has most
     // likely raced this commit
     shared.committing(&step.lease);
-    commit(&shared, &step, outcome, handed, control, &redactor).await;
+    let recorded = commit(&shared, &step, outcome, handed, control, &redactor).await;
+    if recorded == Recorded::GaveUp {
+        shared
+            .unrecorded
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     crate::metrics::attempt_finished(&step.kind, &label, started.elapsed());
-    info!(outcome = %label, elapsed_ms = started.elapsed().as_millis() as u64, "attempt finished");
+    info!(outcome = %label, recorded = recorded.as_str(), elapsed_ms = started.elapsed().as_millis() as u64, "attempt finished");
 }
 
 /// The executor's stderr lines are logged through the attempt's redactor.
@@ -1541,6 +1546,31 @@ fn redact_intent(r: &Redact, i: Intent) -> Intent {
 // ---------------------------------------------------------------------------
 // commit
 
+/// What became of an attempt's outcome at its commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recorded {
+    /// The database took it.
+    Yes,
+    /// Another owner or the reclaimer had moved the step on: not this
+    /// attempt's to record.
+    LeaseLost,
+    /// The database did not take it while the lease was valid, or the lease
+    /// could not be renewed in time (the attempt stopped on its own lease
+    /// clock), or the database refused even the COMMIT_REJECTED failure:
+    /// the step runs again elsewhere once its lease expires.
+    GaveUp,
+}
+
+impl Recorded {
+    fn as_str(self) -> &'static str {
+        match self {
+            Recorded::Yes => "yes",
+            Recorded::LeaseLost => "no (lease lost)",
+            Recorded::GaveUp => "no (gave up)",
+        }
+    }
+}
+
 /// Commits an outcome, fenced by the lease (which stays in the renewal set
 /// until this returns). Transient database errors are retried while the lease
 /// clock says the lease can be valid; a lost lease discards the outcome; a
@@ -1554,10 +1584,24 @@ async fn commit(
     handed: Option<Handed>,
     control: watch::Receiver<LeaseView>,
     redactor: &Redact,
-) {
+) -> Recorded {
+    if let Outcome::Abandoned { why } = &outcome {
+        warn!(%why, "outcome discarded: this worker no longer owns the step");
+        crate::metrics::committed(&outcome.label());
+        // the database said the lease is gone (a renewal or a write found it
+        // moved on), or else this attempt stopped on its own lease clock:
+        // the database could not be reached to renew it, and the step is
+        // left running until its lease expires
+        return if control.borrow().control == Control::LeaseLost {
+            Recorded::LeaseLost
+        } else {
+            Recorded::GaveUp
+        };
+    }
     if let Some(h) = handed {
         if behind_progress(shared, step, &outcome, h).await {
-            return crate::metrics::committed(&outcome.label());
+            crate::metrics::committed(&outcome.label());
+            return Recorded::Yes;
         }
     }
     let mut outcome = outcome;
@@ -1574,17 +1618,20 @@ async fn commit(
         )
         .await;
         match res {
-            Ok(()) => return crate::metrics::committed(&outcome.label()),
+            Ok(()) => {
+                crate::metrics::committed(&outcome.label());
+                return Recorded::Yes;
+            }
             Err(DbError::LeaseLost { .. }) => {
                 crate::metrics::committed("abandoned (lease lost)");
                 warn!(outcome = %outcome.label(), "lease lost before commit; the outcome is discarded (another owner or the reclaimer moved the step on)");
-                return;
+                return Recorded::LeaseLost;
             }
             Err(e) if e.is_transient() => {
                 if Instant::now() + delay >= valid_until {
                     crate::metrics::committed("abandoned (lease clock ran out)");
                     error!(error = %e, outcome = %outcome.label(), "commit failed and the lease clock ran out; the step will be reclaimed");
-                    return;
+                    return Recorded::GaveUp;
                 }
                 warn!(error = %e, "commit failed; retrying");
                 tokio::time::sleep(delay).await;
@@ -1595,7 +1642,8 @@ async fn commit(
                     matches!(&outcome, Outcome::Failed { code, .. } if code == "COMMIT_REJECTED");
                 error!(error = %redactor.text(&e.to_string()), sqlstate = ?e.sqlstate(), outcome = %outcome.label(), "the database refused the outcome for good");
                 if rejected {
-                    return crate::metrics::committed("abandoned (commit rejected)");
+                    crate::metrics::committed("abandoned (commit rejected)");
+                    return Recorded::GaveUp;
                 }
                 let cause: String = redactor
                     .text(&e.to_string())
@@ -1768,10 +1816,8 @@ async fn write_outcome(
                 })
                 .await
         }
-        Outcome::Abandoned { why } => {
-            warn!(%why, "outcome discarded: this worker no longer owns the step");
-            Ok(())
-        }
+        // commit() never writes it (nothing may be written without the lease)
+        Outcome::Abandoned { .. } => Ok(()),
     }
 }
 

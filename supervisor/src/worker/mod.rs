@@ -12,7 +12,8 @@ mod session;
 mod warm;
 mod workdir;
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -47,11 +48,16 @@ pub enum WorkerError {
     Setup(String),
     #[error("the worker's {0} loop stopped unexpectedly; its children were stopped and the worker exits so that no step runs without a renewed lease")]
     LoopDied(&'static str),
+    #[error("the drain ended with {0} step outcome(s) not recorded: the database did not take them before their leases ran out (is it reachable?). Those steps are run again once their leases expire, so their side effects may repeat; the worker's log names each one")]
+    Unrecorded(u64),
 }
 
 /// How long any single database call of the worker may take (the heartbeat
 /// has its own bound: see `heartbeat_timeout`).
 pub(crate) const DB_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the last write of a stopping worker (its `stopped_at`) may take.
+const STOPPED_MARK_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// What the heartbeat tells a running attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,6 +189,10 @@ pub(crate) struct Shared {
     pub work: Arc<workdir::WorkDir>,
     /// Wakes the lease loop (NOTIFY, a freed slot, a retry coming due).
     wake: Arc<Notify>,
+    /// Outcomes (results, failures, releases) this worker gave up on because
+    /// the database did not take them while their leases were valid: those
+    /// steps run again elsewhere. A drain that adds to it is not clean.
+    unrecorded: AtomicU64,
 }
 
 impl Shared {
@@ -452,6 +462,7 @@ impl Worker {
                 leases: leases::LeaseSet::default(),
                 work,
                 wake: Arc::new(Notify::new()),
+                unrecorded: AtomicU64::new(0),
             }),
             executors,
             heartbeat_now: Arc::new(Notify::new()),
@@ -524,6 +535,7 @@ impl Worker {
             }
         }
 
+        let unrecorded_before = shared.unrecorded.load(Ordering::Relaxed);
         drain(&shared, &mut attempts, &mut vital, &mut died).await;
         // warm processes: Shutdown, EOF, their grace, then the usual stop
         // (the keepers stopped with the drain; none puts a process back now)
@@ -536,8 +548,11 @@ impl Worker {
         loops_stop.cancel();
         while vital.join_next().await.is_some() {}
         while background.join_next().await.is_some() {}
+        // a database that did not answer the drain's writes will most likely
+        // not answer this one either: the worker's exit is not held up by
+        // a full DB_CALL_TIMEOUT for a row no lease depends on
         if let Err(e) = bounded(
-            DB_CALL_TIMEOUT,
+            STOPPED_MARK_TIMEOUT,
             "marking the worker stopped",
             shared.db.worker_stopped(shared.id),
         )
@@ -547,6 +562,12 @@ impl Worker {
         }
         if let Some(name) = died {
             return Err(WorkerError::LoopDied(name));
+        }
+        let unrecorded = shared.unrecorded.load(Ordering::Relaxed) - unrecorded_before;
+        if unrecorded > 0 {
+            shared.work.release();
+            error!(unrecorded, "worker stopped; the drain was not clean");
+            return Err(WorkerError::Unrecorded(unrecorded));
         }
         // every attempt and session directory is gone with its attempt or
         // process (the spare job directories go with the executors, below)
@@ -929,13 +950,17 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
         let leases: Vec<Lease> = shared.leases.snapshot();
         let sent = Instant::now();
         next = sent + interval;
-        match bounded(
+        // at the stop every attempt has ended (and left the renewal set):
+        // a renewal still in flight is not waited for
+        let renewal = bounded(
             heartbeat_timeout(&shared.cfg),
             "renewing leases",
             shared.hb_db.heartbeat(shared.id, &leases, ttl),
-        )
-        .await
-        {
+        );
+        let Some(res) = unless_stopped(&stop, renewal).await else {
+            return;
+        };
+        match res {
             Ok(report) => {
                 crate::metrics::heartbeat_renewed(sent.elapsed());
                 let applied = shared.leases.apply(&leases, &report, sent, ttl);
@@ -961,6 +986,14 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
     }
 }
 
+/// `f`'s output, or None once `stop` is cancelled (`f` is then dropped).
+async fn unless_stopped<T>(stop: &CancellationToken, f: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        _ = stop.cancelled() => None,
+        out = f => Some(out),
+    }
+}
+
 async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
     let interval = Duration::from_millis(shared.cfg.reclaim_interval_ms);
     loop {
@@ -968,13 +1001,18 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
-        match bounded(
+        // at the stop, a pass in flight is dropped: the next worker's does
+        // the same, and a database that does not answer does not hold up
+        // this one's exit
+        let reclaim = bounded(
             DB_CALL_TIMEOUT,
             "reclaiming expired leases",
             shared.db.reclaim_expired(&shared.name, 100),
-        )
-        .await
-        {
+        );
+        let Some(res) = unless_stopped(&stop, reclaim).await else {
+            return;
+        };
+        match res {
             Ok(0) => {}
             Ok(n) => {
                 crate::metrics::reclaimed(n);
@@ -982,13 +1020,15 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
             }
             Err(e) => error!(error = %e, "reclaim failed"),
         }
-        match bounded(
+        let overdue = bounded(
             DB_CALL_TIMEOUT,
             "failing overdue steps",
             shared.db.fail_overdue(shared.id, &shared.name, 100),
-        )
-        .await
-        {
+        );
+        let Some(res) = unless_stopped(&stop, overdue).await else {
+            return;
+        };
+        match res {
             Ok(0) => {}
             Ok(n) => info!(
                 failed = n,
