@@ -803,3 +803,38 @@ async fn a_refusal_after_a_cancel_request_cancels_the_step() {
     assert_eq!(st.state, "cancelled", "{st:?}");
     assert_eq!(tests::step(&st, "s").state, "cancelled");
 }
+
+/// An attempt whose last event has the largest sequence a bigint holds (an
+/// executor may send any uint64; older workers stored it) is still reclaimed
+/// when its lease expires. Before the fix the ending event's `sequence + 1`
+/// overflowed, so the reclaim batch failed (`bigint out of range`) every time,
+/// and no expired lease of any worker was reclaimed again.
+#[tokio::test]
+async fn a_step_whose_last_sequence_is_at_the_limit_is_still_reclaimed() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(
+            json!({"name": "max", "steps": [{"name": "a", "executor_kind": "go", "kind": "k"}]}),
+        )
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let a = lease_all(&t.db, wid, 10).await.remove(0);
+    t.db.mark_running(&a.lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    sqlx::query(
+        "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message)
+         VALUES ($1, 1, 9223372036854775807, 'progress', 'at the limit')",
+    )
+    .bind(a.lease.step_run_id())
+    .execute(t.db.pool())
+    .await
+    .expect("event at the limit");
+    expire_and_reclaim(&t.db, a.lease.step_run_id()).await;
+    let st = t.status(run).await;
+    assert_eq!(
+        tests::step(&st, "a").state,
+        "retryable_failed",
+        "the expired lease was reclaimed: {st:?}"
+    );
+}

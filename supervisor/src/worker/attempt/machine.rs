@@ -89,6 +89,11 @@ pub(crate) fn violation(code: &str, msg: String) -> FrameVerdict {
     FrameVerdict::Impose(Outcome::failed(code, false, msg))
 }
 
+/// The largest sequence a frame may carry: exact in every JSON reader, and
+/// far from the database's bigint limit, so the ending event the supervisor
+/// writes after an attempt's last frame always fits.
+pub(crate) const MAX_SEQUENCE: u64 = (1 << 53) - 1;
+
 /// Checks one frame of a running job. Pure: what to write is returned, not done.
 pub(crate) fn on_frame(
     st: &mut FrameState,
@@ -117,6 +122,15 @@ pub(crate) fn on_frame(
         return violation(
             "PROTOCOL_SEQUENCE_REGRESSION",
             format!("sequence {seq} after {}", st.last_seq),
+        );
+    }
+    // the database stores sequences as bigint and the supervisor writes an
+    // ending event after the last one: a sequence near 2^63 overflowed there
+    // (and above it was stored negative)
+    if seq > MAX_SEQUENCE {
+        return violation(
+            "PROTOCOL_SEQUENCE_OUT_OF_RANGE",
+            format!("sequence {seq} is above {MAX_SEQUENCE} (2^53 - 1); an attempt's frames count from 1"),
         );
     }
     // text the database cannot store (a NUL) is refused here, at the wire,
@@ -262,6 +276,7 @@ pub(crate) const RESERVED_CODES: &[&str] = &[
     "PROTOCOL_MALFORMED_FRAME",
     "PROTOCOL_FRAME_TOO_LARGE",
     "PROTOCOL_SEQUENCE_REGRESSION",
+    "PROTOCOL_SEQUENCE_OUT_OF_RANGE",
     "PROTOCOL_FRAME_AFTER_TERMINAL",
     "PROTOCOL_UNEXPECTED_FRAME",
     "PROTOCOL_INVALID_TEXT",

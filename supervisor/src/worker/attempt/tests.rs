@@ -90,6 +90,18 @@ fn frame_sequences() {
             vec!["start", "PROTOCOL_SEQUENCE_REGRESSION"],
         ),
         (
+            vec![ev(1, Accepted, ""), ev((1 << 53) - 1, Progress, "")],
+            vec!["start", "event"],
+        ),
+        (
+            vec![ev(1, Accepted, ""), ev(1 << 53, Progress, "")],
+            vec!["start", "PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
+        ),
+        (
+            vec![ev(1, Accepted, ""), FromExecutor::Result(res(u64::MAX))],
+            vec!["start", "PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
+        ),
+        (
             vec![ev(1, Accepted, ""), ev(2, Accepted, "")],
             vec!["start", "PROTOCOL_UNEXPECTED_FRAME"],
         ),
