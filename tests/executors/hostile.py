@@ -22,7 +22,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 Environment: HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1; a file named by
 HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
-(comma separated kinds offered; default every mode above). Protocol 1.1:
+(comma separated kinds offered; default every mode above; a file named by
+HOSTILE_KINDS_FILE, read at each start, overrides it: empty, no kinds). Protocol 1.1:
 HOSTILE_VERSIONS_FILE (a file read at each start: its comma separated content
 is the hello's protocol_versions; absent file or variable: none, a 1.0 hello),
 HOSTILE_MAX_FRAME_BYTES (the hello's max_frame_bytes), HOSTILE_JOB_LOG (a file:
@@ -64,6 +65,10 @@ def main() -> int:
     os.dup2(2, 1)
     inp = sys.stdin.buffer
     kinds = os.environ.get("HOSTILE_KINDS")
+    kinds_file = os.environ.get("HOSTILE_KINDS_FILE")
+    if kinds_file and os.path.exists(kinds_file):
+        with open(kinds_file) as f:
+            kinds = f.read().strip() or ","  # empty: a hello with no kinds
     versions: list[str] = []
     versions_file = os.environ.get("HOSTILE_VERSIONS_FILE")
     if versions_file and os.path.exists(versions_file):
@@ -78,7 +83,7 @@ def main() -> int:
         hello=pb.Hello(
             protocol_version=protocol_version,
             executor_kind="hostile",
-            kinds=kinds.split(",") if kinds else ["hostile." + m for m in MODES],
+            kinds=[k for k in kinds.split(",") if k] if kinds else ["hostile." + m for m in MODES],
             sdk_name="hostile",
             sdk_version="0",
             max_jobs_per_process=1,

@@ -658,3 +658,51 @@ async fn a_retry_leased_while_the_last_attempt_winds_down_keeps_its_lease() {
     );
     w.shutdown().await;
 }
+
+/// Processes whose hello offers no kinds (a broken build, a bad deploy) are
+/// refusals; once the executor's processes offer its kinds again, its steps
+/// run again, without a restart of the worker. Before the fix one such hello
+/// replaced the executor's routes with its own (none), so nothing was ever
+/// leased for it again: the step stayed pending for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_whose_processes_offered_no_kinds_is_leased_for_once_they_do() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kinds = dir.path().join("kinds");
+    let log = dir.path().join("spawns");
+    let cfg = fast_config(vec![hostile(
+        "hostile",
+        Some(&log),
+        &[("HOSTILE_KINDS_FILE", kinds.to_str().expect("utf-8 path"))],
+    )]);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    // from now on every process's hello offers nothing
+    std::fs::write(&kinds, "").expect("kinds");
+    let first = t.submit(spec("hostile.echo", json!({}))).await;
+    let started = spawns(&log);
+    let until = Instant::now() + Duration::from_secs(20);
+    while spawns(&log) < started + 2 {
+        assert!(
+            Instant::now() < until,
+            "the executor was not tried again after a hello with no kinds"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let waiting = t.status(first).await.steps[0].state.clone();
+    assert!(
+        waiting == "pending" || waiting == "retryable_failed",
+        "refused, given back to the queue: {waiting}"
+    );
+    // the executor offers its kinds again
+    std::fs::remove_file(&kinds).expect("heal");
+    let st = t.wait_terminal(first, Duration::from_secs(30)).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    let st = t
+        .wait_terminal(
+            t.submit(spec("hostile.echo", json!({}))).await,
+            Duration::from_secs(30),
+        )
+        .await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    w.shutdown().await;
+}

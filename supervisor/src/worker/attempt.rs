@@ -1211,7 +1211,7 @@ fn negotiate_job(
         // otherwise the hello itself is wrong (PROTOCOL.md: HANDSHAKE_FAILED)
         let out = match wire::prepare_job(hello, &offer, job) {
             Err(e) if e.code() == "PROTOCOL_VERSION_MISMATCH" => {
-                exec.set_routes(Vec::new());
+                exec.hello_changed(shared, "a process's hello says another protocol version");
                 Outcome::failed(e.code(), false, e.to_string())
             }
             _ => Outcome::failed(
@@ -1234,9 +1234,12 @@ fn negotiate_job(
         &step.kind,
         &step.labels,
     ) {
-        // this hello is a fresh probe: lease only what it offers from now on
-        exec.set_routes(super::routing::routes(hello, &exec.cfg));
-        warn!(%why, "executor refused before any job was sent; its routes are re-read from this hello");
+        // the executor's binary may have changed since its probe, or this
+        // one process is broken: a probe process says which, and its hello
+        // gives the routes from then on (one process's hello never does:
+        // one saying no kinds left the executor unleased for good)
+        exec.hello_changed(shared, &why);
+        warn!(%why, "executor refused before any job was sent; it is probed again before more is leased for it");
         return Err(Outcome::Refused {
             code: "EXECUTOR_REFUSED".into(),
             message: why,
@@ -1247,8 +1250,11 @@ fn negotiate_job(
         warn!(error = %e, "protocol negotiation refused this executor; no job was sent");
         if e.code() == "PROTOCOL_VERSION_MISMATCH" {
             // the binary changed since its probe: nothing more is leased
-            // for it until the worker is restarted with a compatible one
-            exec.set_routes(Vec::new());
+            // for it until a probe process speaks a compatible version
+            exec.hello_changed(
+                shared,
+                "a process's hello has no protocol revision in common",
+            );
         }
         Outcome::failed(e.code(), false, e.to_string())
     })?;

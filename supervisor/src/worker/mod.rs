@@ -107,8 +107,8 @@ impl ExecutorRuntime {
             .clone()
     }
 
-    /// Replaces the routes with those of a fresh hello (a spawned executor
-    /// that no longer offers what its probe did is re-probed by its own hello).
+    /// Replaces the routes with those of a probe process's hello (after a
+    /// process's hello differed from them: [`Self::hello_changed`]).
     pub(crate) fn set_routes(&self, routes: Vec<Route>) {
         *self.routes.write().unwrap_or_else(|p| p.into_inner()) = routes;
     }
@@ -146,6 +146,21 @@ impl ExecutorRuntime {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .started();
+    }
+
+    /// A process's hello no longer matches what this executor's routes say
+    /// (another protocol version, other kinds, none): nothing more is leased
+    /// for it until a pause has passed and a probe process's hello gives the
+    /// routes again, whatever one process said.
+    pub(crate) fn hello_changed(&self, shared: &Shared, why: &str) {
+        let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
+        let pause = self
+            .breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failed(Instant::now(), base);
+        warn!(executor = %self.cfg.name, why, retry_in_ms = pause.as_millis() as u64,
+              "a process's hello differs from the executor's probe: nothing is leased for it until a probe process's hello says what it offers");
     }
 
     /// A process of this executor could not be started: nothing more is
@@ -675,8 +690,7 @@ async fn lease_pass(
             exec.running.load(Ordering::SeqCst),
             exec.held.load(Ordering::SeqCst),
         );
-        let routes = exec.routes();
-        if free == 0 || routes.is_empty() {
+        if free == 0 {
             continue;
         }
         match exec.lease_now() {
@@ -685,8 +699,10 @@ async fn lease_pass(
             breaker::Lease::ProbeFirst => {
                 let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
                 match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
-                    Ok(_) => {
-                        info!(executor = %exec.cfg.name, "the executor starts again: leasing for it");
+                    Ok(hello) => {
+                        // the probe's hello says what the executor offers now
+                        exec.set_routes(routing::routes(&hello, &exec.cfg));
+                        info!(executor = %exec.cfg.name, routes = exec.routes().len(), "the executor starts again: leasing for it");
                         exec.process_started();
                     }
                     Err(e) => {
@@ -695,6 +711,15 @@ async fn lease_pass(
                     }
                 }
             }
+        }
+        let routes = exec.routes();
+        if routes.is_empty() {
+            // nothing to lease with; probed again after a pause (backing off)
+            exec.hello_changed(
+                shared,
+                "its last probe offers nothing this worker can lease",
+            );
+            continue;
         }
         let leased = bounded(DB_CALL_TIMEOUT, "leasing steps", async {
             let mut conn = shared.db.connection("leasing steps").await?;
