@@ -546,3 +546,51 @@ async fn status_and_cancel_of_an_unknown_run_exit_4() {
     let st: Value = serde_json::from_slice(&out.stdout).expect("status json");
     assert_eq!(st["state"], "cancelled");
 }
+
+/// A spec whose idempotency key names an existing run is validated as a whole
+/// all the same: an invalid one is refused with the field it names (exit 2,
+/// and through SQL), and nothing is written. Before the fix the known key
+/// returned the first run's id at once, so `"steps": "notanarray"` (or a step
+/// with a bad field) was accepted with exit 0. A valid spec with that key
+/// still returns the first run's id.
+#[tokio::test]
+async fn a_known_idempotency_key_does_not_let_an_invalid_spec_through() {
+    let t = TestDb::new().await;
+    let good = json!({"name": "once", "idempotency_key": "k1", "steps": [step()]});
+    let first = t.submit(good.clone()).await;
+    let bad_specs = [
+        (
+            json!({"name": "once", "idempotency_key": "k1", "steps": "notanarray"}),
+            "steps",
+        ),
+        (
+            json!({"name": "once", "idempotency_key": "k1",
+                   "steps": [{"name": "a", "executor_kind": "go", "kind": "k", "timeout_ms": "soon"}]}),
+            "steps[0].timeout_ms",
+        ),
+        (
+            json!({"name": "once", "idempotency_key": "k1",
+                   "steps": [{"name": "a", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]}),
+            "steps[0].depends_on[0]",
+        ),
+    ];
+    for (spec, field) in &bad_specs {
+        let out = submit_stdin(&t.url, &spec.to_string());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{spec}: stderr {stderr}");
+        assert!(stderr.contains(field), "{spec}: {stderr}");
+        match t.db.submit(spec).await {
+            Err(DbError::InvalidSpec(msg)) => assert!(msg.contains(field), "{msg}"),
+            other => panic!("{spec}: SQL submit returned {other:?}"),
+        }
+    }
+    assert_eq!(t.submit(good).await, first, "the same key: the same run");
+    for (table, want) in [("workflow_runs", 1), ("step_defs", 1), ("step_runs", 1)] {
+        assert_eq!(
+            t.scalar_i64(&format!("SELECT count(*) FROM durable.{table}"))
+                .await,
+            want,
+            "{table}: nothing more was written"
+        );
+    }
+}
