@@ -9,9 +9,11 @@ and a job's sequence numbers are assigned under that same lock, so frames leave
 in sequence order whatever thread emits them.
 
 Imports are kept minimal on purpose: executors are spawned per attempt and the
-start-up cost is on every step's critical path. Before the Hello is written only
-builtin modules are needed (``_thread``, not ``threading``); ``threading`` is
-imported right after it, ``json``, ``asyncio``, ``signal``, ``hashlib`` and
+start-up cost is on every step's critical path. A job's whole path (the Hello,
+the reader thread, the cancel flag, the inbox) runs on the builtin ``_thread``:
+``threading`` costs ~3 ms of imports (``functools``, ``collections``), so it is
+imported only when a handler asks for ``cancel_event`` or a cancelled handler
+needs its watchdog timer; ``json``, ``asyncio``, ``signal``, ``hashlib`` and
 ``traceback`` when first needed. Nothing here imports ``typing`` or
 ``google.protobuf`` at run time.
 """
@@ -24,7 +26,7 @@ import os
 import sys
 import time
 
-from . import wire
+from . import _fastjson, wire
 from ._version import SDK_NAME, __version__
 from .framing import DEFAULT_MAX_FRAME_BYTES, FrameError, encode_frame, read_frame, write_all
 
@@ -123,10 +125,8 @@ def _now_ms() -> int:
 
 
 def _json_text(value: object, what: str) -> str:
-    import json
-
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return _fastjson.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"{what} is not JSON-serializable: {e}") from None
 
@@ -515,9 +515,7 @@ class _Redactor:
 def _redaction_forms(value: str) -> list[str]:
     """The forms a value is looked for in: as it is, JSON-escaped (inside JSON text),
     percent-encoded (in a URL); those of at least MIN_REDACT_BYTES bytes."""
-    import json
-
-    forms = [value, json.dumps(value, ensure_ascii=False)[1:-1]]
+    forms = [value, _fastjson.dumps(value, ensure_ascii=False)[1:-1]]
     raw = value.encode("utf-8", "surrogatepass")
     keep = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~"
     forms.append("".join(chr(c) if c in keep else f"%{c:02X}" for c in raw))
@@ -571,10 +569,10 @@ class Job:
         if 0 < msg.max_frame_bytes < self._max_frame_bytes:
             self._max_frame_bytes = msg.max_frame_bytes
         self._input: Any = _UNSET
-        import threading  # imported after the Hello (see the module's docstring)
-
         self._lock = _thread.allocate_lock()  # cancel state vs the async task binding
-        self._cancel = threading.Event()
+        self._cancel = _Flag()
+        # the threading.Event handed out by cancel_event, made on first use
+        self._cancel_event: threading.Event | None = None
         self._cancel_reason: str | None = None
         self._cancel_message = ""
         self._cancel_grace_ms = 0
@@ -605,10 +603,8 @@ class Job:
             if not self.input_bytes.strip():
                 self._input = None
             else:
-                import json
-
                 try:
-                    self._input = json.loads(self.input_bytes)
+                    self._input = _fastjson.loads(self.input_bytes)
                 except ValueError as e:
                     raise ExecutorError(
                         BAD_INPUT, f"job input is not valid JSON: {e}", retryable=False
@@ -630,7 +626,14 @@ class Job:
     @property
     def cancel_event(self) -> threading.Event:
         """The event set on cancel, to wait on or hand to other threads."""
-        return self._cancel
+        with self._lock:
+            if self._cancel_event is None:
+                import threading  # only a handler that asks for it pays the import
+
+                self._cancel_event = threading.Event()
+                if self._cancel.is_set():
+                    self._cancel_event.set()
+            return self._cancel_event
 
     @property
     def cancel_reason(self) -> str | None:
@@ -675,6 +678,8 @@ class Job:
             self._cancel_message = message
             self._cancel_grace_ms = grace_ms
             self._cancel.set()
+            if self._cancel_event is not None:
+                self._cancel_event.set()
             loop = self._loop
         if loop is not None:
             try:  # noqa: SIM105 - contextlib is an import on the start-up path
@@ -739,10 +744,8 @@ class Job:
         (not retryable). The counterpart of :meth:`save_checkpoint_json`."""
         if self.checkpoint is None or not self.checkpoint.strip():
             return default
-        import json
-
         try:
-            return json.loads(self.checkpoint)
+            return _fastjson.loads(self.checkpoint)
         except ValueError as e:
             raise ExecutorError(
                 BAD_CHECKPOINT,
@@ -756,9 +759,7 @@ class Job:
         """Report resume state as JSON on a PROGRESS event (with a message and a
         fraction, as :meth:`progress`); the next attempt reads it back with
         :meth:`checkpoint_json`."""
-        import json
-
-        data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+        data = _fastjson.dumps(value, separators=(",", ":"), allow_nan=False).encode()
         self._emit(wire.EVENT_KIND_PROGRESS, message, fraction, data)
 
     def save_checkpoint(self, data: bytes) -> None:
@@ -908,14 +909,12 @@ class Job:
         result = value if isinstance(value, Result) else Result(value)
         try:
             if result.output_json is not None:
-                import json
-
                 if not isinstance(result.output_json, (bytes, bytearray, memoryview)):
                     kind = type(result.output_json).__name__
                     raise _TerminalError(OUTPUT_INVALID, f"output_json must be bytes, not {kind}")
                 output = bytes(result.output_json)
                 try:
-                    json.loads(output)
+                    _fastjson.loads(output)
                 except ValueError as e:
                     raise _TerminalError(
                         OUTPUT_INVALID,
@@ -1269,25 +1268,66 @@ def _on_main_thread() -> bool:
     return bool(threading.current_thread() is threading.main_thread())
 
 
-class _Inbox:
-    """A minimal blocking FIFO (``queue`` costs an import on the start-up path)."""
+class _Flag:
+    """``threading.Event``'s ``is_set``/``set``/``wait`` on a bare ``_thread`` lock.
+
+    The gate is held until the flag is set; ``set`` releases it once, and every
+    waiter that gets through passes it on (releases it again)."""
+
+    __slots__ = ("_gate", "_set")
 
     def __init__(self) -> None:
-        import threading
+        self._set = False
+        self._gate = _thread.allocate_lock()
+        self._gate.acquire()
 
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        """Set the flag; callers serialize their calls (the job's ``_lock``)."""
+        if not self._set:
+            self._set = True
+            self._gate.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if timeout is None:
+            got = self._gate.acquire()
+        else:
+            got = self._gate.acquire(True, max(timeout, 0.0))
+        if got:
+            self._gate.release()
+        return self._set
+
+
+class _Inbox:
+    """A minimal blocking FIFO for one consumer (``queue`` and ``threading`` cost
+    imports on the start-up path)."""
+
+    def __init__(self) -> None:
         self._items: list[object] = []  # a few items at most
-        self._ready = threading.Condition(_thread.allocate_lock())
+        self._mutex = _thread.allocate_lock()
+        # the consumer's gate while it waits for an item (held: it blocks)
+        self._waiter: Any = None
 
     def put(self, item: object) -> None:
-        with self._ready:
+        with self._mutex:
             self._items.append(item)
-            self._ready.notify()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.release()
 
     def get(self) -> object:
-        with self._ready:
-            while not self._items:
-                self._ready.wait()
-            return self._items.pop(0)
+        while True:
+            with self._mutex:
+                if self._items:
+                    return self._items.pop(0)
+                waiter = _thread.allocate_lock()
+                waiter.acquire()
+                self._waiter = waiter
+            waiter.acquire()
 
 
 class _Session:
@@ -1315,7 +1355,7 @@ class _Session:
         self.output_broken = False
         self.input_broken = False
         self.shutting_down = False
-        self.queue: _Inbox  # created after the Hello (it needs threading)
+        self.queue = _Inbox()
         # Jobs received and not finished (terminal not sent or handler still running).
         self.jobs: dict[str, Job] = {}
         self.jobs_lock = _thread.allocate_lock()
@@ -1507,15 +1547,11 @@ class _Session:
                 self.write_locked(encode_frame(wire.encode_executor_frame(self.ex.hello())))
             if self.output_broken:
                 return 1
-            import threading  # after the Hello: it costs milliseconds of imports
-
-            self.queue = _Inbox()
             if self.ex.interrupt_on_cancel:  # after the Hello: `signal` costs an import
                 previous_handler = self.install_interrupt()
-            reader = threading.Thread(
-                target=self.read_loop, name="durable-frame-reader", daemon=True
-            )
-            reader.start()
+            # a bare thread (as a daemon: it never holds up the exit); `threading`
+            # would cost milliseconds of imports on every one-shot job's path
+            _thread.start_new_thread(self.read_loop, ())
 
             limit = self.ex.max_jobs_per_process
             served = 0
@@ -1614,10 +1650,13 @@ class _Session:
                 self.interrupt_job = None
         else:
             value = handler(job)
-        from collections.abc import Coroutine
+        # only an awaitable can be a coroutine: a plain value does not pay for
+        # importing collections (~2 ms on a one-shot job's path)
+        if hasattr(value, "__await__"):
+            from collections.abc import Coroutine
 
-        if isinstance(value, Coroutine):
-            return self.run_coroutine(job, value)
+            if isinstance(value, Coroutine):
+                return self.run_coroutine(job, value)
         return value
 
     def run_coroutine(self, job: Job, coro: Coroutine[Any, Any, object]) -> object:
