@@ -214,3 +214,39 @@ async fn a_sibling_cancelled_by_a_failure_says_which_step_failed_the_run() {
     .expect("ending event");
     assert_eq!(last, e.message);
 }
+
+/// The steps a cancel creates only to cancel them (still waiting on their
+/// dependencies) are created with DEPENDENCY_NOT_SUCCEEDED, whether the whole
+/// run is cancelled or one waiting step by name. Before the fix their history
+/// began `NULL → pending` with DEPENDENCIES_SUCCEEDED while their dependencies
+/// were still pending.
+#[tokio::test]
+async fn the_steps_a_cancel_creates_do_not_claim_their_dependencies_succeeded() {
+    let t = TestDb::new().await;
+    let created = |run: Uuid, names: &'static [&'static str]| {
+        let pool = t.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT t.reason FROM durable.transitions t JOIN durable.step_runs s ON s.id = t.step_run_id
+                  WHERE s.run_id = $1 AND s.name = ANY ($2) AND t.from_state IS NULL ORDER BY s.position",
+            )
+            .bind(run)
+            .bind(names)
+            .fetch_all(&pool)
+            .await
+            .expect("history")
+        }
+    };
+    // the whole run: c and d were waiting on a (pending)
+    let run = t.submit(diamond()).await;
+    t.db.cancel(run, None).await.expect("cancel run");
+    assert_eq!(
+        created(run, &["c", "d"]).await,
+        ["DEPENDENCY_NOT_SUCCEEDED"; 2]
+    );
+    // one waiting step by name (d waits on b and c)
+    let run = t.submit(diamond()).await;
+    t.db.cancel(run, Some("d")).await.expect("cancel d");
+    assert_eq!(created(run, &["d"]).await, ["DEPENDENCY_NOT_SUCCEEDED"]);
+    assert_eq!(tests::step(&t.status(run).await, "d").state, "cancelled");
+}
