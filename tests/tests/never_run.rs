@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use serde_json::json;
+use supervisor::db::{Batch, CompleteWrite, OwnedEvent, StartWrite};
 use tests::TestDb;
 use uuid::Uuid;
 
@@ -249,4 +250,72 @@ async fn the_steps_a_cancel_creates_do_not_claim_their_dependencies_succeeded() 
     t.db.cancel(run, Some("d")).await.expect("cancel d");
     assert_eq!(created(run, &["d"]).await, ["DEPENDENCY_NOT_SUCCEEDED"]);
     assert_eq!(tests::step(&t.status(run).await, "d").state, "cancelled");
+}
+
+/// A run whose only runnable step starts and ends in one write (the worker's
+/// fused start and completion) while its other steps were cancelled by name
+/// passes through running: its history is pending → running → cancelled, as
+/// the step's is leased → running → succeeded. Before the fix the run went
+/// pending → cancelled, as if nothing had run.
+#[tokio::test]
+async fn a_run_whose_step_ran_in_one_write_passes_through_running() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "chain", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]},
+            {"name": "c", "executor_kind": "go", "kind": "k", "depends_on": ["b"]}]}))
+        .await;
+    t.db.cancel(run, Some("b")).await.expect("cancel b");
+    let wid = Uuid::new_v4();
+    t.db.register_worker(wid, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let a =
+        t.db.lease(wid, "w", &tests::route_go_k(), 1, Duration::from_secs(30))
+            .await
+            .expect("lease")
+            .remove(0);
+    // the start and the completion in one ledger batch: one write of the
+    // step (leased -> running -> succeeded)
+    let batch = Batch {
+        starts: vec![StartWrite {
+            run_id: run,
+            lease: a.lease.clone(),
+            pid: 1,
+            event: OwnedEvent {
+                sequence: 1,
+                kind: "accepted",
+                message: String::new(),
+                fraction: None,
+                executor_at: None,
+            },
+        }],
+        events: vec![],
+        completes: vec![CompleteWrite {
+            run_id: run,
+            lease: a.lease.clone(),
+            output: json!({}),
+            sequence: Some(2),
+        }],
+    };
+    t.db.write_batch("w", &batch).await.expect("batch");
+    let hops: Vec<(Option<String>, String)> = sqlx::query_as(
+        "SELECT from_state, to_state FROM durable.transitions
+          WHERE run_id = $1 AND step_run_id IS NULL ORDER BY id",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("history");
+    let hop = |f: Option<&str>, to: &str| (f.map(str::to_owned), to.to_owned());
+    assert_eq!(
+        hops,
+        vec![
+            hop(None, "pending"),
+            hop(Some("pending"), "running"),
+            hop(Some("running"), "cancelled"),
+        ]
+    );
+    assert_eq!(t.status(run).await.state, "cancelled");
 }
