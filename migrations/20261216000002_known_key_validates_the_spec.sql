@@ -5,7 +5,9 @@
 -- refused with the field it names, as for a new run. The check is a submit of
 -- the spec without its key in a subtransaction that is always rolled back
 -- (its rows, its NOTIFY): one validator, the one that writes, never a second
--- copy of its rules. Otherwise unchanged from 20261214000001_spec_edge_cases.
+-- copy of its rules. A key of only whitespace is refused as an empty one is
+-- (it named a run no one could tell apart from another blank key). Otherwise
+-- unchanged from 20261214000001_spec_edge_cases.
 
 -- Validates `spec` as submit_run does for a new run, writing nothing: raises
 -- its error for an invalid spec.
@@ -47,7 +49,9 @@ BEGIN
     PERFORM durable.check_keys(spec, 'spec', ARRAY['name', 'idempotency_key', 'steps']);
     run_name := durable.check_string(spec -> 'name', 'name', true, 200);
     run_key := durable.check_string(spec -> 'idempotency_key', 'idempotency_key', false, 200);
-    IF run_key = '' THEN PERFORM durable.spec_error('idempotency_key', 'must not be empty (omit it instead)'); END IF;
+    IF btrim(run_key, E' \t\n\r') = '' THEN
+        PERFORM durable.spec_error('idempotency_key', 'must not be empty or blank (omit it instead)');
+    END IF;
 
     IF run_key IS NOT NULL THEN
         SELECT id INTO existing FROM durable.workflow_runs WHERE idempotency_key = run_key;

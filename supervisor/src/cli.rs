@@ -589,11 +589,28 @@ async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Resul
     // read first only to word the answer: cancel_run itself decides, under
     // the run's lock
     let before = db.run_state(id).await.map_err(explain)?;
+    // the named step's state before, likewise only for the wording
+    let step_before = match step {
+        Some(name) if !before.is_terminal() => db
+            .status(id)
+            .await
+            .map_err(explain)?
+            .steps
+            .into_iter()
+            .find(|s| s.name == name)
+            .map(|s| s.state),
+        _ => None,
+    };
     let state = db.cancel(id, step).await.map_err(explain)?;
-    if before.is_terminal() {
-        eprintln!("run {id} already {state}; nothing to cancel");
-    } else {
-        eprintln!("cancellation requested; run is {state}");
+    match (step, step_before) {
+        _ if before.is_terminal() => eprintln!("run {id} already {state}; nothing to cancel"),
+        (Some(name), Some(s))
+            if s.parse::<crate::state::StepState>()
+                .is_ok_and(|s| s.is_terminal()) =>
+        {
+            eprintln!("step {name} already {s}; nothing to cancel (run is {state})")
+        }
+        _ => eprintln!("cancellation requested; run is {state}"),
     }
     Ok(0)
 }

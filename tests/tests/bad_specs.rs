@@ -37,6 +37,11 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             "name: is required",
         ),
         (
+            "blank idempotency key",
+            v(json!({"name": "r", "idempotency_key": " \t ", "steps": [step()]})),
+            "idempotency_key: must not be empty or blank",
+        ),
+        (
             "name of the wrong type",
             v(json!({"name": 7, "steps": [step()]})),
             "name: must be a string",
@@ -593,4 +598,58 @@ async fn a_known_idempotency_key_does_not_let_an_invalid_spec_through() {
             "{table}: nothing more was written"
         );
     }
+}
+
+/// `cancel RUN --step NAME` of a step that already ended says so, and the run
+/// goes on: before, it answered "cancellation requested; run is running" as
+/// if the finished step had been cancelled.
+#[tokio::test]
+async fn cancel_of_a_finished_step_says_nothing_was_cancelled() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "two", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = uuid::Uuid::new_v4();
+    t.db.register_worker(wid, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let leased =
+        t.db.lease(
+            wid,
+            "w",
+            &tests::route_go_k(),
+            1,
+            std::time::Duration::from_secs(30),
+        )
+        .await
+        .expect("lease");
+    let a = &leased[0];
+    t.db.complete(&a.lease, "w", &json!({}), &[], Some(2))
+        .await
+        .expect("complete");
+    let st = t.status(run).await;
+    let done = st
+        .steps
+        .iter()
+        .find(|s| s.state == "succeeded")
+        .expect("a step succeeded");
+    let (name, other) = (done.name.clone(), if done.name == "a" { "b" } else { "a" });
+    let out = Command::new(tests::supervisor_bin())
+        .args(["cancel", &run.to_string(), "--step", &name])
+        .env("DATABASE_URL", &t.url)
+        .output()
+        .expect("cancel");
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{msg}");
+    assert!(
+        msg.contains(&format!(
+            "step {name} already succeeded; nothing to cancel (run is running)"
+        )),
+        "{msg}"
+    );
+    let st = t.status(run).await;
+    assert_eq!(st.state, "running");
+    assert_eq!(tests::step(&st, other).state, "pending");
 }

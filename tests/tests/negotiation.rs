@@ -139,18 +139,18 @@ async fn a_job_over_the_executors_frame_limit_is_never_sent() {
     let cfg = fast_config(vec![hostile(
         &versions,
         &jobs,
-        &[("HOSTILE_MAX_FRAME_BYTES", "4096")],
+        &[("HOSTILE_MAX_FRAME_BYTES", "65536")],
     )]);
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
 
-    let big = json!({"pad": "x".repeat(8192)});
+    let big = json!({"pad": "x".repeat(70_000)});
     let st = t.wait_terminal(t.submit(echo(big)).await, LONG).await;
     let s = step(&st, "s");
     assert_eq!(s.state, "terminal_failed", "{s:?}");
     assert_eq!(s.attempt, 1, "not retried: {s:?}");
     let e = s.error.as_ref().expect("an error");
     assert_eq!(e.code, "JOB_TOO_LARGE", "{e:?}");
-    assert!(e.message.contains("4096"), "{e:?}");
+    assert!(e.message.contains("65536"), "{e:?}");
     assert!(jobs_seen(&jobs).is_empty(), "the big job was sent");
 
     // a job within the limit goes

@@ -367,6 +367,9 @@ pub async fn probe(
     }
 }
 
+/// The smallest frame limit an executor's hello may announce (PROTOCOL.md).
+const MIN_EXECUTOR_FRAME_BYTES: u64 = 64 * 1024;
+
 /// `h` if this supervisor can speak to the executor that said it: its
 /// protocol version, and an agreement on revision, features and frame limits.
 pub(crate) fn usable_hello(h: Hello, max_frame_bytes: usize) -> Result<Hello, String> {
@@ -375,6 +378,15 @@ pub(crate) fn usable_hello(h: Hello, max_frame_bytes: usize) -> Result<Hello, St
             "it speaks protocol version {}; this supervisor speaks {}. Upgrade the executor's SDK or the supervisor",
             h.protocol_version,
             wire::PROTOCOL_VERSION
+        ));
+    }
+    // PROTOCOL.md: announce at least 64 KiB. Below it no job would fit (a
+    // job with its identity, deadlines and input is hundreds of bytes at
+    // least), so every attempt would fail JOB_TOO_LARGE, not retried
+    if h.max_frame_bytes != 0 && h.max_frame_bytes < MIN_EXECUTOR_FRAME_BYTES {
+        return Err(format!(
+            "its hello announces max_frame_bytes = {}; PROTOCOL.md asks for at least {MIN_EXECUTOR_FRAME_BYTES} (64 KiB), or 0 for the default 8 MiB",
+            h.max_frame_bytes
         ));
     }
     match wire::negotiate(&h, &wire::SupervisorOffer::new(max_frame_bytes)) {
@@ -1190,7 +1202,39 @@ fn hostname() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::leasable;
+    use super::{leasable, usable_hello};
+    use crate::wire::{Hello, PROTOCOL_VERSION};
+
+    /// A hello's frame limit: 0 (the default) or at least 64 KiB.
+    #[test]
+    fn a_hello_must_announce_a_frame_limit_a_job_fits_in() {
+        for (announced, usable) in [
+            (0, true),
+            (10, false),
+            (65_535, false),
+            (65_536, true),
+            (8 << 20, true),
+        ] {
+            let h = Hello {
+                protocol_version: PROTOCOL_VERSION,
+                executor_kind: "go".into(),
+                kinds: vec!["k".into()],
+                labels: Default::default(),
+                sdk_name: "t".into(),
+                sdk_version: "0".into(),
+                max_jobs_per_process: 1,
+                pid: 1,
+                protocol_versions: Vec::new(),
+                features: Vec::new(),
+                max_frame_bytes: announced,
+            };
+            let got = usable_hello(h, 8 << 20);
+            assert_eq!(got.is_ok(), usable, "{announced}: {got:?}");
+            if let Err(why) = got {
+                assert!(why.contains("at least 65536"), "{why}");
+            }
+        }
+    }
 
     /// (concurrency, running, held) → how many steps may be leased now.
     #[test]
