@@ -56,6 +56,10 @@ pub enum WorkerError {
 /// has its own bound: see `heartbeat_timeout`).
 pub(crate) const DB_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a lease call in flight when the stop signal arrives may still
+/// take before the drain starts without it.
+const LEASE_GRACE_AT_STOP: Duration = Duration::from_secs(1);
+
 /// How long the last write of a stopping worker (its `stopped_at`) may take.
 const STOPPED_MARK_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -208,6 +212,8 @@ pub(crate) struct Shared {
     /// the database did not take them while their leases were valid: those
     /// steps run again elsewhere. A drain that adds to it is not clean.
     unrecorded: AtomicU64,
+    /// `unrecorded` when the stop signal arrived (u64::MAX until then).
+    unrecorded_at_stop: AtomicU64,
 }
 
 impl Shared {
@@ -490,6 +496,7 @@ impl Worker {
                 work,
                 wake: Arc::new(Notify::new()),
                 unrecorded: AtomicU64::new(0),
+                unrecorded_at_stop: AtomicU64::new(u64::MAX),
             }),
             executors,
             heartbeat_now: Arc::new(Notify::new()),
@@ -525,6 +532,17 @@ impl Worker {
 
         let mut attempts: JoinSet<()> = JoinSet::new();
         let slot_freed = Arc::new(Notify::new());
+        // what had gone unrecorded when the stop came (see the drain's end)
+        let (s0, stop0, end0) = (shared.clone(), shutdown.clone(), loops_stop.clone());
+        background.spawn(async move {
+            tokio::select! {
+                _ = stop0.cancelled() => {
+                    let n = s0.unrecorded.load(Ordering::Relaxed);
+                    s0.unrecorded_at_stop.store(n, Ordering::Relaxed);
+                }
+                _ = end0.cancelled() => {}
+            }
+        });
         let mut died: Option<&'static str> = None;
         info!(executors = self.executors.len(), "worker running");
         crate::metrics::worker_running(&cfg);
@@ -539,8 +557,25 @@ impl Worker {
                 died = Some(vital_loop_died(res, &shared));
                 break;
             }
-            let leased_any_full =
-                lease_pass(&shared, &self.executors, &slot_freed, &mut attempts, ttl).await;
+            let leased_any_full = {
+                let pass = lease_pass(&shared, &self.executors, &slot_freed, &mut attempts, ttl);
+                tokio::pin!(pass);
+                tokio::select! {
+                    full = &mut pass => full,
+                    _ = shutdown.cancelled() => {
+                        // a lease in flight gets a moment to land (its steps
+                        // then run and drain as usual); a database that does
+                        // not answer does not hold up the drain
+                        match tokio::time::timeout(LEASE_GRACE_AT_STOP, &mut pass).await {
+                            Ok(full) => full,
+                            Err(_) => {
+                                warn!("a lease in flight did not return within {} ms of the stop signal; the drain starts without it (steps it leased come back when their leases expire)", LEASE_GRACE_AT_STOP.as_millis());
+                                false
+                            }
+                        }
+                    }
+                }
+            };
             // reap finished attempt tasks (a panic in one is logged, never fatal)
             while let Some(res) = attempts.try_join_next() {
                 if let Err(e) = res {
@@ -562,7 +597,12 @@ impl Worker {
             }
         }
 
-        let unrecorded_before = shared.unrecorded.load(Ordering::Relaxed);
+        // outcomes given up on between the stop signal and the drain's start
+        // belong to this stop as well
+        let unrecorded_before = shared
+            .unrecorded
+            .load(Ordering::Relaxed)
+            .min(shared.unrecorded_at_stop.load(Ordering::Relaxed));
         drain(&shared, &mut attempts, &mut vital, &mut died).await;
         // warm processes: Shutdown, EOF, their grace, then the usual stop
         // (the keepers stopped with the drain; none puts a process back now)
