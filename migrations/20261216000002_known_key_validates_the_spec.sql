@@ -6,7 +6,9 @@
 -- the spec without its key in a subtransaction that is always rolled back
 -- (its rows, its NOTIFY): one validator, the one that writes, never a second
 -- copy of its rules. A key of only whitespace is refused as an empty one is
--- (it named a run no one could tell apart from another blank key). Otherwise
+-- (it named a run no one could tell apart from another blank key), and so is
+-- a key that is the id of a run submitted without one (both runs' steps would
+-- have had the same idempotency keys, `<id>/<step>`). Otherwise
 -- unchanged from 20261214000001_spec_edge_cases.
 
 -- Validates `spec` as submit_run does for a new run, writing nothing: raises
@@ -51,6 +53,15 @@ BEGIN
     run_key := durable.check_string(spec -> 'idempotency_key', 'idempotency_key', false, 200);
     IF btrim(run_key, E' \t\n\r') = '' THEN
         PERFORM durable.spec_error('idempotency_key', 'must not be empty or blank (omit it instead)');
+    END IF;
+    -- a step's key is `<run key or run id>/<step>`: a run key that is the id
+    -- of a run submitted without a key would give both runs' steps one key
+    -- (a side effect of one skipped as a duplicate of the other's)
+    IF run_key ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+       AND EXISTS (SELECT 1 FROM durable.workflow_runs w
+                    WHERE w.id = run_key::uuid AND w.idempotency_key IS NULL) THEN
+        PERFORM durable.spec_error('idempotency_key', 'is the id of another run (' || run_key
+            || '), which has no key of its own: their steps would share idempotency keys; choose another key');
     END IF;
 
     IF run_key IS NOT NULL THEN

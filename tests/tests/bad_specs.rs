@@ -653,3 +653,34 @@ async fn cancel_of_a_finished_step_says_nothing_was_cancelled() {
     assert_eq!(st.state, "running");
     assert_eq!(tests::step(&st, other).state, "pending");
 }
+
+/// A run key that is the id of a run submitted without a key is refused:
+/// each step's idempotency key is `<run key or run id>/<step>`, so both runs'
+/// steps would have had the same keys, and a side effect keyed on them done
+/// for one would be skipped as a duplicate for the other.
+#[tokio::test]
+async fn a_run_key_that_is_another_runs_id_is_refused() {
+    let t = TestDb::new().await;
+    let first = t
+        .submit(json!({"name": "a", "steps": [step()]}))
+        .await
+        .to_string();
+    let spec = json!({"name": "b", "idempotency_key": first, "steps": [step()]});
+    let out = submit_stdin(&t.url, &spec.to_string());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("idempotency_key: is the id of another run"),
+        "{stderr}"
+    );
+    match t.db.submit(&spec).await {
+        Err(DbError::InvalidSpec(msg)) => {
+            assert!(msg.contains("is the id of another run"), "{msg}")
+        }
+        other => panic!("SQL submit returned {other:?}"),
+    }
+    // any other UUID is a key like any other
+    let other = json!({"name": "c", "idempotency_key": uuid::Uuid::new_v4().to_string(), "steps": [step()]});
+    let run = t.submit(other.clone()).await;
+    assert_eq!(t.submit(other).await, run);
+}
