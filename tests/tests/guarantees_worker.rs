@@ -706,3 +706,99 @@ async fn an_executor_whose_processes_offered_no_kinds_is_leased_for_once_they_do
     assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
     w.shutdown().await;
 }
+
+/// A step's input reaches its executor with its numbers as they were
+/// written, and the executor's output is stored and shown the same way:
+/// integers beyond 64 bits and decimals with more digits than a double holds
+/// are not rounded, whether the spec came through `supervisor submit` or SQL.
+/// Before, the CLI and the worker read JSON numbers as 64-bit floats, so
+/// 123456789012345678901234567890 arrived as 123456789012345680000000000000
+/// (and `max_attempts: 3.0000000000000001` passed the CLI as 3 while SQL
+/// refused it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_pass_through_unchanged() {
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![hostile("hostile", None, &[])]),
+    )
+    .await;
+    let input = r#"{"big": 123456789012345678901234567890, "dec": 12345678901234567.890123456789, "small": 1e-30}"#;
+    let spec = format!(
+        r#"{{"name": "numbers", "steps": [{{"name": "s", "executor_kind": "hostile", "kind": "hostile.echo", "input": {input}}}]}}"#
+    );
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .args(["submit", "-", "--json"])
+        .env("DATABASE_URL", &t.url)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(spec.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("submit");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run: Uuid = serde_json::from_slice::<Value>(&out.stdout).expect("json")["run_id"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .expect("run id");
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    let (stored_in, stored_out): (String, String) =
+        sqlx::query_as("SELECT input::text, output::text FROM durable.step_runs WHERE run_id = $1")
+            .bind(run)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("row");
+    for text in [&stored_in, &stored_out] {
+        assert!(text.contains("123456789012345678901234567890"), "{text}");
+        assert!(text.contains("12345678901234567.890123456789"), "{text}");
+    }
+    // and `status --json` shows the output as stored
+    let shown = std::process::Command::new(tests::supervisor_bin())
+        .args(["status", &run.to_string(), "--json"])
+        .env("DATABASE_URL", &t.url)
+        .output()
+        .expect("status");
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains("123456789012345678901234567890"), "{shown}");
+    assert!(shown.contains("12345678901234567.890123456789"), "{shown}");
+    w.shutdown().await;
+}
+
+/// An integral field written with more digits than a double holds is the
+/// same spec error through the CLI as through SQL.
+#[tokio::test]
+async fn a_near_integer_is_refused_alike_by_the_cli_and_sql() {
+    let t = TestDb::new().await;
+    let spec = r#"{"name": "n", "steps": [{"name": "s", "executor_kind": "go", "kind": "k", "retry": {"max_attempts": 3.0000000000000001}}]}"#;
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .args(["submit", "-"])
+        .env("DATABASE_URL", &t.url)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(spec.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("submit");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("steps[0].retry.max_attempts"), "{stderr}");
+    let sql: Result<Uuid, _> = sqlx::query_scalar("SELECT durable.submit_run($1::text::jsonb)")
+        .bind(spec)
+        .fetch_one(t.db.pool())
+        .await;
+    let err = sql.expect_err("SQL refuses it too").to_string();
+    assert!(err.contains("steps[0].retry.max_attempts"), "{err}");
+}
