@@ -19,7 +19,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
 
-Environment: HOSTILE_SPAWN_LOG (a file: one line appended per process start),
+Environment: HOSTILE_DEAF (set: after the hello the process never reads its stdin, and
+sleeps), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1; a file named by
 HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
 (comma separated kinds offered; default every mode above; a file named by
@@ -93,6 +94,9 @@ def main() -> int:
         )
     )
     write_frame(out, hello.SerializeToString())
+    if os.environ.get("HOSTILE_DEAF"):
+        time.sleep(3600)  # never reads its stdin
+        return 0
     raw = read_frame(inp)
     if raw is None:
         return 0

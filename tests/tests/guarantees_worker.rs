@@ -802,3 +802,45 @@ async fn a_near_integer_is_refused_alike_by_the_cli_and_sql() {
     let err = sql.expect_err("SQL refuses it too").to_string();
     assert!(err.contains("steps[0].retry.max_attempts"), "{err}");
 }
+
+/// An executor that never reads its stdin does not stretch its step's
+/// timeout: the job frame (larger than a pipe holds) is given up on when the
+/// timeout passes, and the attempt ends within timeout + cancel grace + term
+/// grace. Before the fix the job's write waited its own 5 s first, and only
+/// then did the attempt's clocks start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_that_does_not_read_its_job_does_not_stretch_the_timeout() {
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![hostile("hostile", None, &[("HOSTILE_DEAF", "1")])]);
+    let (timeout_ms, graces_ms) = (1_000, cfg.cancel_grace_ms + cfg.term_grace_ms);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "hostile.echo",
+            json!({"timeout_ms": timeout_ms, "input": {"pad": "x".repeat(600_000)}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("ATTEMPT_TIMEOUT"),
+        "{s:?}"
+    );
+    let took_ms: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM finished_at - leased_at)::float8 * 1000
+           FROM durable.step_runs WHERE run_id = $1",
+    )
+    .bind(run)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("times");
+    // timeout + both graces, with 2.5 s for spawning and scheduling; the
+    // stall alone was 5 s before
+    let bound = (timeout_ms + graces_ms + 2_500) as f64;
+    assert!(
+        took_ms < bound,
+        "the attempt took {took_ms} ms (bound {bound})"
+    );
+    w.shutdown().await;
+}

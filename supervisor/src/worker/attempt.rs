@@ -615,6 +615,39 @@ use super::session::{Frames, Session, StartError};
 /// does not read its stdin must not block the attempt's event loop.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Writes the job frame like [`write_frame`], but gives up (and closes
+/// stdin) as soon as the attempt must stop: its timeout or deadline passes
+/// (`until`), or a cancel or a lost lease arrives. The conversation then ends
+/// the attempt as usual, within its graces.
+async fn write_job(
+    stdin: &mut Option<ChildStdin>,
+    m: &ToExecutor,
+    until: Option<Instant>,
+    mut control: watch::Receiver<LeaseView>,
+) {
+    let stop = async {
+        loop {
+            if control.borrow_and_update().control != Control::Run {
+                return;
+            }
+            if control.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = write_frame(stdin, m) => {}
+        _ = sleep_opt(until) => {
+            warn!("the job was not taken from the executor's stdin before the attempt's time ran out; closing it");
+            *stdin = None;
+        }
+        _ = stop => {
+            warn!("the job was not taken from the executor's stdin before the attempt was told to stop; closing it");
+            *stdin = None;
+        }
+    }
+}
+
 async fn write_frame(stdin: &mut Option<ChildStdin>, m: &ToExecutor) {
     if let Some(w) = stdin.as_mut() {
         let bytes = wire::encode_to_executor(m);
@@ -1134,8 +1167,9 @@ async fn converse(
     // --- the job
     // the job sent carries the agreement; what follows needs only its id and
     // directories, the same in `job`
-    write_frame(&mut stdin, &ToExecutor::Job(Box::new(prepared))).await;
     let silence = step.heartbeat_timeout_ms.filter(|&ms| ms > 0);
+    // the attempt's clocks start as the job is sent, not once it is written:
+    // a child that does not read its stdin must not stretch them
     let clocks = Clocks {
         attempt_end: step.timeout_ms.and_then(instant_in),
         deadline_at: step
@@ -1147,6 +1181,22 @@ async fn converse(
         grace_until: None,
         drain: None,
     };
+    let lease_stop = control
+        .borrow()
+        .valid_until
+        .checked_sub(budget)
+        .unwrap_or_else(Instant::now);
+    let write_until = [clocks.attempt_end, clocks.deadline_at, Some(lease_stop)]
+        .into_iter()
+        .flatten()
+        .min();
+    write_job(
+        &mut stdin,
+        &ToExecutor::Job(Box::new(prepared)),
+        write_until,
+        control.clone(),
+    )
+    .await;
     let machine = Machine::new(
         &job.job_id,
         child.pid,
