@@ -1158,6 +1158,7 @@ async fn converse(
     let mut stdin = session.stdin.take();
     let child = &mut session.child;
     let frames = &mut session.frames;
+    let reused = session.jobs > 0;
 
     let prepared = match negotiate_job(shared, exec, step, &hello, job, control) {
         Ok(prepared) => prepared,
@@ -1205,7 +1206,8 @@ async fn converse(
             timeout_ms: step.timeout_ms,
             silence_ms: silence,
         },
-    );
+    )
+    .reused(reused);
     let writer = Writer::spawn(
         shared.clone(),
         step.run_id,

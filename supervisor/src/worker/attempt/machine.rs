@@ -473,6 +473,8 @@ pub(crate) struct Machine {
     after_terminal_violation: bool,
     exited: bool,
     grace_frames: usize,
+    /// A warm process that served jobs before this one.
+    reused: bool,
 }
 
 impl Machine {
@@ -489,7 +491,14 @@ impl Machine {
             after_terminal_violation: false,
             exited: false,
             grace_frames: 0,
+            reused: false,
         }
+    }
+
+    /// The job runs on a warm process that served jobs before it.
+    pub(crate) fn reused(mut self, reused: bool) -> Machine {
+        self.reused = reused;
+        self
     }
 
     pub(crate) fn phase(&self) -> Phase {
@@ -785,6 +794,23 @@ impl Machine {
 
     /// The attempt's verdict once the child is gone (or kept).
     pub(crate) fn verdict(self, own_cancel: bool, exit_text: &str) -> Verdict {
+        // a warm process that ended without one frame for this job ended
+        // on its own (it may have been on its way out as it was taken): the
+        // job is not to blame, so it goes back to the queue uncounted, as a
+        // refusal does (PROTOCOL.md: never an innocent job's failure)
+        if self.reused
+            && self.imposed.is_none()
+            && self.terminal.is_none()
+            && self.frames.last_seq == 0
+            && !self.after_terminal_violation
+        {
+            return Verdict::Outcome(Outcome::Refused {
+                code: "EXECUTOR_CRASHED".into(),
+                message: format!(
+                    "the warm process ended before it answered this job ({exit_text}); the job goes back to the queue, uncounted, for a new process"
+                ),
+            });
+        }
         precedence(
             self.imposed,
             self.terminal,

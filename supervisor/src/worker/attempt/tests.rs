@@ -817,3 +817,27 @@ fn an_artifact_path_that_is_not_a_regular_file_is_invalid_whatever_its_declared_
         .map_err(|o| o.label());
     assert_eq!(got, Ok(3));
 }
+
+/// A warm process that ends without a frame for its job is not the job's
+/// fault: a refusal (uncounted), where a fresh process's end is a crash; once
+/// the process answered the job, its end is the job's crash either way.
+#[test]
+fn a_reused_process_that_ends_before_answering_is_a_refusal() {
+    let limits = || Limits {
+        timeout_ms: None,
+        silence_ms: None,
+    };
+    let run = |reused: bool, inputs: Vec<Input>| {
+        let mut m = Machine::new("j", 7, true, limits()).reused(reused);
+        for i in inputs {
+            m.on(i);
+        }
+        label(&m.verdict(false, "exit status: 0"))
+    };
+    assert_eq!(run(true, vec![Input::Exited]), "refused (EXECUTOR_CRASHED)");
+    assert_eq!(run(false, vec![Input::Exited]), "failed (EXECUTOR_CRASHED)");
+    assert_eq!(
+        run(true, vec![accepted(), Input::Exited]),
+        "failed (EXECUTOR_CRASHED)"
+    );
+}
