@@ -732,3 +732,24 @@ pub fn failure_x(retryable: bool) -> supervisor::db::FailureReport {
         sequence: None,
     }
 }
+
+/// `supervisor submit - --json` with `text` on its stdin.
+pub fn submit_stdin(url: &str, text: &str) -> std::process::Output {
+    use std::io::Write;
+    let mut child = std::process::Command::new(supervisor_bin())
+        .args(["submit", "-", "--json"])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn supervisor");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write spec");
+    child.wait_with_output().expect("supervisor submit")
+}

@@ -1,8 +1,7 @@
 //! Malformed specs: each is rejected with a message that names the problem,
 //! through the CLI (exit 2) and through the SQL function, and nothing is written.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use serde_json::{json, Value};
 use supervisor::db::DbError;
@@ -274,26 +273,6 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
     ]
 }
 
-/// `supervisor submit - --json` with `text` on its stdin.
-fn submit_stdin(url: &str, text: &str) -> std::process::Output {
-    let mut child = Command::new(tests::supervisor_bin())
-        .args(["submit", "-", "--json"])
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn supervisor");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write spec");
-    child.wait_with_output().expect("supervisor submit")
-}
-
 /// `[[[…]]]`, `depth` arrays deep (built without a parser's recursion limit).
 fn nested(depth: usize) -> Value {
     (0..depth).fold(json!([]), |inner, _| Value::Array(vec![inner]))
@@ -331,7 +310,7 @@ async fn integral_floats_lowercase_timestamps_and_a_bom_are_accepted() {
                 \"kind\": \"k\", \"timeout_ms\": 1000.0, \"heartbeat_timeout_ms\": 5e3, \
                 \"retry\": {\"max_attempts\": 3.0, \"max_interval_ms\": 1e4}, \
                 \"deadline\": \"2030-01-01t00:00:00z\"}]}";
-    let out = submit_stdin(&t.url, text);
+    let out = tests::submit_stdin(&t.url, text);
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -419,7 +398,7 @@ async fn every_malformed_spec_is_rejected_with_a_message_naming_it_and_nothing_i
     assert!(cases.len() >= 15);
     for (what, text, fragment) in &cases {
         // through the CLI, from stdin
-        let out = submit_stdin(&t.url, text);
+        let out = tests::submit_stdin(&t.url, text);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(
             out.status.code(),
@@ -580,7 +559,7 @@ async fn a_known_idempotency_key_does_not_let_an_invalid_spec_through() {
         ),
     ];
     for (spec, field) in &bad_specs {
-        let out = submit_stdin(&t.url, &spec.to_string());
+        let out = tests::submit_stdin(&t.url, &spec.to_string());
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{spec}: stderr {stderr}");
         assert!(stderr.contains(field), "{spec}: {stderr}");
@@ -666,7 +645,7 @@ async fn a_run_key_that_is_another_runs_id_is_refused() {
         .await
         .to_string();
     let spec = json!({"name": "b", "idempotency_key": first, "steps": [step()]});
-    let out = submit_stdin(&t.url, &spec.to_string());
+    let out = tests::submit_stdin(&t.url, &spec.to_string());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(

@@ -727,19 +727,7 @@ async fn numbers_pass_through_unchanged() {
     let spec = format!(
         r#"{{"name": "numbers", "steps": [{{"name": "s", "executor_kind": "hostile", "kind": "hostile.echo", "input": {input}}}]}}"#
     );
-    let out = std::process::Command::new(tests::supervisor_bin())
-        .args(["submit", "-", "--json"])
-        .env("DATABASE_URL", &t.url)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().expect("stdin").write_all(spec.as_bytes())?;
-            c.wait_with_output()
-        })
-        .expect("submit");
+    let out = tests::submit_stdin(&t.url, &spec);
     assert!(
         out.status.success(),
         "{}",
@@ -779,19 +767,7 @@ async fn numbers_pass_through_unchanged() {
 async fn a_near_integer_is_refused_alike_by_the_cli_and_sql() {
     let t = TestDb::new().await;
     let spec = r#"{"name": "n", "steps": [{"name": "s", "executor_kind": "go", "kind": "k", "retry": {"max_attempts": 3.0000000000000001}}]}"#;
-    let out = std::process::Command::new(tests::supervisor_bin())
-        .args(["submit", "-"])
-        .env("DATABASE_URL", &t.url)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().expect("stdin").write_all(spec.as_bytes())?;
-            c.wait_with_output()
-        })
-        .expect("submit");
+    let out = tests::submit_stdin(&t.url, spec);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("steps[0].retry.max_attempts"), "{stderr}");

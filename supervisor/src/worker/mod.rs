@@ -1243,7 +1243,7 @@ fn hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::{leasable, usable_hello};
-    use crate::wire::{Hello, PROTOCOL_VERSION};
+    use crate::wire::Hello;
 
     /// A hello's frame limit: 0 (the default) or at least 64 KiB.
     #[test]
@@ -1256,17 +1256,8 @@ mod tests {
             (8 << 20, true),
         ] {
             let h = Hello {
-                protocol_version: PROTOCOL_VERSION,
-                executor_kind: "go".into(),
-                kinds: vec!["k".into()],
-                labels: Default::default(),
-                sdk_name: "t".into(),
-                sdk_version: "0".into(),
-                max_jobs_per_process: 1,
-                pid: 1,
-                protocol_versions: Vec::new(),
-                features: Vec::new(),
                 max_frame_bytes: announced,
+                ..crate::worker::routing::tests::hello("go", &["k"], &[])
             };
             let got = usable_hello(h, 8 << 20);
             assert_eq!(got.is_ok(), usable, "{announced}: {got:?}");

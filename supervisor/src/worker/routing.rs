@@ -90,10 +90,10 @@ pub fn check(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn hello(ek: &str, kinds: &[&str], labels: &[(&str, &str)]) -> Hello {
+    pub(crate) fn hello(ek: &str, kinds: &[&str], labels: &[(&str, &str)]) -> Hello {
         Hello {
             protocol_version: PROTOCOL_VERSION,
             executor_kind: ek.into(),
