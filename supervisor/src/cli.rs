@@ -823,8 +823,10 @@ async fn worker(
     serve_metrics(&cfg, &db).await?;
     let worker = Worker::start(db, cfg).await?;
     let res = worker.run(shutdown).await;
-    // the last line of defence: no child outlives the worker process
+    // the last line of defence: no child outlives the worker process, not
+    // even one that left its process group and cgroup
     crate::process::kill_all_groups();
+    crate::process::kill_adopted_orphans();
     res?;
     Ok(0)
 }

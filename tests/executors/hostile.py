@@ -12,6 +12,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `chatty`: ACCEPTED, then PROGRESS events as fast as the pipe takes them,
   forever (a cancel frame is never read).
 - `huge_retry_delay`: ACCEPTED, a retryable error with next_retry_delay_ms = 2^64-1.
+- `escape`: forks a child that calls setsid, moves itself into the cgroup v2 root (root
+  only) and sleeps; its pid is appended to HOSTILE_ESCAPE_LOG; then ACCEPTED and a result.
 - `echo` (and `panic`, for a supervisor-side fault): ACCEPTED, a result with output = input.
 - `secret_echo`: ACCEPTED, echoes every secret value it got into a progress
   message, the error message and details, and fails retryably.
@@ -54,7 +56,18 @@ MODES = [
     "secret_echo",
     "stderr_chatty",
     "panic",
+    "escape",
 ]
+
+
+def _cgroup2_root() -> str | None:
+    """Where the cgroup v2 hierarchy is mounted (None: no v2 mount)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if right.split(" ", 1)[0] == "cgroup2":
+                return left.split(" ")[4]
+    return None
 
 
 def main() -> int:
@@ -156,6 +169,28 @@ def main() -> int:
     elif mode == "huge_retry_delay":
         event(pb.EVENT_KIND_ACCEPTED)
         error("LATER", "retry much later", True, delay=2**64 - 1)
+    elif mode == "escape":
+        # a child that leaves the process group (setsid) and the attempt's
+        # cgroup (into the cgroup v2 root, as root may), then sleeps
+        child = os.fork()
+        if child == 0:
+            os.setsid()
+            root = _cgroup2_root()
+            if root:
+                try:
+                    with open(os.path.join(root, "cgroup.procs"), "w") as f:
+                        f.write(str(os.getpid()))
+                except OSError:
+                    pass
+            time.sleep(120)
+            os._exit(0)
+        escape_log = os.environ.get("HOSTILE_ESCAPE_LOG")
+        if escape_log:
+            with open(escape_log, "a") as f:
+                f.write(f"{child}\n")
+        event(pb.EVENT_KIND_ACCEPTED)
+        time.sleep(0.2)  # the child has left by now
+        result(job.input or b"null")
     elif mode in ("echo", "panic"):
         event(pb.EVENT_KIND_ACCEPTED)
         result(job.input or b"null")

@@ -820,3 +820,67 @@ async fn an_executor_that_does_not_read_its_job_does_not_stretch_the_timeout() {
     );
     w.shutdown().await;
 }
+
+/// A child that leaves its attempt's process group and cgroup (setsid, then
+/// into the cgroup v2 root, as an executor running as root may) survives its
+/// attempt: neither the group's nor the cgroup's kill reaches it. It does not
+/// survive the worker: the worker's exit kills the processes it adopted as
+/// their subreaper. Before the fix it lived on until the next worker's
+/// start-up sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_that_left_its_cgroup_does_not_outlive_the_worker() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("escaped");
+    let cfg = fast_config(vec![hostile(
+        "hostile",
+        None,
+        &[("HOSTILE_ESCAPE_LOG", log.to_str().expect("utf-8 path"))],
+    )]);
+    let mut w = tests::WorkerProcess::spawn(&t.url, &cfg);
+    let st = t
+        .wait_terminal(t.submit(spec("hostile.escape", json!({}))).await, LONG)
+        .await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    let pid: i32 = std::fs::read_to_string(&log)
+        .expect("the escaped child's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            !s.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+    };
+    if !alive(pid) {
+        // this host did not let it leave its cgroup (not root, no cgroup v2
+        // root to write to): the attempt's kill took it, nothing to check
+        println!("the child could not leave its cgroup here; skipped");
+        w.signal(nix::sys::signal::Signal::SIGTERM);
+        w.wait(Duration::from_secs(30)).await;
+        return;
+    }
+    w.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(
+        w.wait(Duration::from_secs(30)).await,
+        Some(0),
+        "{}",
+        w.stderr()
+    );
+    let until = Instant::now() + Duration::from_secs(5);
+    while alive(pid) {
+        if Instant::now() > until {
+            // ours: do not leave it running
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            panic!("the escaped child {pid} outlived the worker");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

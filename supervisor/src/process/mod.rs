@@ -80,7 +80,7 @@ pub use stderr::{
     log_rate as stderr_log_rate, set_log_rate as set_stderr_log_rate, LogGuard, RedactLine,
     StderrTail, STDERR_TARGET,
 };
-pub use sweep::{sweep_previous_incarnations, SweepReport, MAX_SWEEP_PASSES};
+pub use sweep::{kill_adopted_orphans, sweep_previous_incarnations, SweepReport, MAX_SWEEP_PASSES};
 
 use group::GroupGuard;
 use spawner::RawChild;

@@ -353,3 +353,54 @@ fn pidfd_kill(fd: &OwnedFd) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// Kills this process's children that no spawn registered: orphans the
+/// subreaper adopted after they left their attempt's process group and
+/// cgroup (`setsid`, then a write to another cgroup's `cgroup.procs`, which
+/// a root executor may do). The group and cgroup kills cannot reach them, so
+/// the worker's exit does (CONTRACT §6: a child never outlives its worker).
+/// Each is signalled through a pidfd opened while it is still our child
+/// (checked after the open), so a reused pid is never signalled. A killed
+/// process's own children are adopted in turn: a few passes take them too.
+/// Returns how many were killed. Call it when no executor is running.
+pub fn kill_adopted_orphans() -> usize {
+    let me = std::process::id() as i32;
+    let registered: HashSet<i32> = super::live_groups().into_iter().collect();
+    let mut killed = 0;
+    for _pass in 0..MAX_SWEEP_PASSES {
+        let mut this_pass = 0;
+        for pid in group::proc_pids() {
+            if registered.contains(&pid) {
+                continue;
+            }
+            let is_live_child =
+                |pid| group::read_stat(pid).is_some_and(|s| s.ppid == me && !s.is_dead());
+            if !is_live_child(pid) {
+                continue;
+            }
+            let Ok(fd) = group::pidfd_open(pid) else {
+                continue;
+            };
+            // still our un-reaped child once the pidfd is held: it is that process
+            if !is_live_child(pid) {
+                continue;
+            }
+            if pidfd_kill(&fd).is_ok() {
+                this_pass += 1;
+            }
+        }
+        if this_pass == 0 {
+            break;
+        }
+        killed += this_pass;
+        // let the kills land (and the reaper reap) before looking again
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if killed > 0 {
+        tracing::warn!(
+            killed,
+            "killed processes that had left their attempt's process group and cgroup (adopted by this worker)"
+        );
+    }
+    killed
+}
