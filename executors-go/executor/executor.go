@@ -84,7 +84,9 @@ type Options struct {
 	// DefaultMaxFrameBytes. The Hello announces it (the supervisor sends no
 	// larger frame), and a job's frames are also held to the supervisor's own
 	// limit (Job.max_frame_bytes, protocol 1.1): a terminal over the smaller
-	// of the two is replaced by RESULT_TOO_LARGE (not retryable).
+	// of the two is replaced by RESULT_TOO_LARGE (not retryable). Announce at
+	// least 64 KiB (65536): a supervisor refuses an executor whose Hello says
+	// less, since no job would fit.
 	MaxFrameBytes int
 	// StopGrace: see DefaultStopGrace (the default when <= 0).
 	StopGrace time.Duration

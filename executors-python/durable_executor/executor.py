@@ -1095,7 +1095,9 @@ class Executor:
     ``max_jobs_per_process`` (sent in Hello): N > 0 serves N jobs, then the process
     ends; 0 or negative (the default, -1) serves jobs until stdin ends or a Shutdown
     arrives (persistent mode; Hello then says -1), as in the Go SDK.
-    ``max_frame_bytes`` caps frames both ways. ``stop_grace``: once stdin ends
+    ``max_frame_bytes`` caps frames both ways; announce at least 64 KiB (65536): a
+    supervisor refuses an executor whose Hello says less (no job would fit).
+    ``stop_grace``: once stdin ends
     mid-job, the cancelled handler has this many seconds to return before a
     process started with :meth:`run` exits anyway (status 1), so an executor never
     outlives its supervisor. ``advertise_kinds``: extra kinds listed in Hello
