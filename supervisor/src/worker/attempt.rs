@@ -616,35 +616,27 @@ use super::session::{Frames, Session, StartError};
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Writes the job frame like [`write_frame`], but gives up (and closes
-/// stdin) as soon as the attempt must stop: its timeout or deadline passes
-/// (`until`), or a cancel or a lost lease arrives. The conversation then ends
-/// the attempt as usual, within its graces.
+/// stdin) as soon as the attempt must stop: its time is up ([`Clocks`]), or
+/// [`until_stopped`] (a cancel, a lost lease, the lease clock). The
+/// conversation then ends the attempt as usual, within its graces.
 async fn write_job(
     stdin: &mut Option<ChildStdin>,
     m: &ToExecutor,
-    until: Option<Instant>,
+    clocks: &Clocks,
     mut control: watch::Receiver<LeaseView>,
+    budget: Duration,
 ) {
-    let stop = async {
-        loop {
-            if control.borrow_and_update().control != Control::Run {
-                return;
-            }
-            if control.changed().await.is_err() {
-                return std::future::pending().await;
-            }
-        }
+    let given_up = tokio::select! {
+        _ = write_frame(stdin, m) => None,
+        _ = sleep_opt(clocks.time_up()) => Some("the attempt's time ran out"),
+        _ = until_stopped(&mut control, budget) => Some("the attempt was told to stop"),
     };
-    tokio::select! {
-        _ = write_frame(stdin, m) => {}
-        _ = sleep_opt(until) => {
-            warn!("the job was not taken from the executor's stdin before the attempt's time ran out; closing it");
-            *stdin = None;
-        }
-        _ = stop => {
-            warn!("the job was not taken from the executor's stdin before the attempt was told to stop; closing it");
-            *stdin = None;
-        }
+    if let Some(why) = given_up {
+        warn!(
+            why,
+            "the job was not taken from the executor's stdin in time; closing it"
+        );
+        *stdin = None;
     }
 }
 
@@ -1168,43 +1160,18 @@ async fn converse(
     // --- the job
     // the job sent carries the agreement; what follows needs only its id and
     // directories, the same in `job`
-    let silence = step.heartbeat_timeout_ms.filter(|&ms| ms > 0);
     // the attempt's clocks start as the job is sent, not once it is written:
     // a child that does not read its stdin must not stretch them
-    let clocks = Clocks {
-        attempt_end: step.timeout_ms.and_then(instant_in),
-        deadline_at: step
-            .deadline
-            .and_then(|d| instant_in((d - Utc::now()).num_milliseconds())),
-        silence,
-        silence_at: silence.and_then(instant_in),
-        grace: Duration::from_millis(cfg.cancel_grace_ms),
-        grace_until: None,
-        drain: None,
-    };
-    let lease_stop = control
-        .borrow()
-        .valid_until
-        .checked_sub(budget)
-        .unwrap_or_else(Instant::now);
-    let write_until = [clocks.attempt_end, clocks.deadline_at, Some(lease_stop)]
-        .into_iter()
-        .flatten()
-        .min();
-    write_job(
-        &mut stdin,
-        &ToExecutor::Job(Box::new(prepared)),
-        write_until,
-        control.clone(),
-    )
-    .await;
+    let clocks = Clocks::start(step, cfg.cancel_grace_ms);
+    let job_frame = ToExecutor::Job(Box::new(prepared));
+    write_job(&mut stdin, &job_frame, &clocks, control.clone(), budget).await;
     let machine = Machine::new(
         &job.job_id,
         child.pid,
         persistent,
         Limits {
             timeout_ms: step.timeout_ms,
-            silence_ms: silence,
+            silence_ms: clocks.silence,
         },
     )
     .reused(reused);
@@ -1422,6 +1389,32 @@ struct Clocks {
     grace_until: Option<Instant>,
     /// A drain of stdout in progress: until when, and frames read so far.
     drain: Option<(Instant, usize)>,
+}
+
+impl Clocks {
+    /// The timers of `step`'s job, started now (as the job is sent).
+    fn start(step: &LeasedStep, cancel_grace_ms: u64) -> Clocks {
+        let silence = step.heartbeat_timeout_ms.filter(|&ms| ms > 0);
+        Clocks {
+            attempt_end: step.timeout_ms.and_then(instant_in),
+            deadline_at: step
+                .deadline
+                .and_then(|d| instant_in((d - Utc::now()).num_milliseconds())),
+            silence,
+            silence_at: silence.and_then(instant_in),
+            grace: Duration::from_millis(cancel_grace_ms),
+            grace_until: None,
+            drain: None,
+        }
+    }
+
+    /// When the attempt's time runs out: its timeout or its deadline.
+    fn time_up(&self) -> Option<Instant> {
+        [self.attempt_end, self.deadline_at]
+            .into_iter()
+            .flatten()
+            .min()
+    }
 }
 
 /// The driver of one attempt's machine: it owns the I/O (the child, its
