@@ -157,12 +157,7 @@ impl ExecutorRuntime {
     /// for it until a pause has passed and a probe process's hello gives the
     /// routes again, whatever one process said.
     pub(crate) fn hello_changed(&self, shared: &Shared, why: &str) {
-        let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
-        let pause = self
-            .breaker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .failed(Instant::now(), base);
+        let pause = self.pause_leasing(Duration::from_millis(shared.cfg.refusal_delay_ms));
         warn!(executor = %self.cfg.name, why, retry_in_ms = pause.as_millis() as u64,
               "a process's hello differs from the executor's probe: nothing is leased for it until a probe process's hello says what it offers");
     }
@@ -170,13 +165,17 @@ impl ExecutorRuntime {
     /// A process of this executor could not be started: nothing more is
     /// leased for it until a pause has passed and a probe process starts.
     fn process_failed(&self, base: Duration, why: &str) {
-        let pause = self
-            .breaker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .failed(Instant::now(), base);
+        let pause = self.pause_leasing(base);
         warn!(executor = %self.cfg.name, error = %why, retry_in_ms = pause.as_millis() as u64,
               "the executor cannot be started here: no step is leased for it until a probe process starts");
+    }
+
+    /// Opens the spawn breaker (or lengthens its pause): the pause.
+    fn pause_leasing(&self, base: Duration) -> Duration {
+        self.breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failed(Instant::now(), base)
     }
 
     fn lease_now(&self) -> breaker::Lease {
@@ -532,17 +531,11 @@ impl Worker {
 
         let mut attempts: JoinSet<()> = JoinSet::new();
         let slot_freed = Arc::new(Notify::new());
-        // what had gone unrecorded when the stop came (see the drain's end)
-        let (s0, stop0, end0) = (shared.clone(), shutdown.clone(), loops_stop.clone());
-        background.spawn(async move {
-            tokio::select! {
-                _ = stop0.cancelled() => {
-                    let n = s0.unrecorded.load(Ordering::Relaxed);
-                    s0.unrecorded_at_stop.store(n, Ordering::Relaxed);
-                }
-                _ = end0.cancelled() => {}
-            }
-        });
+        background.spawn(note_unrecorded_at_stop(
+            shared.clone(),
+            shutdown.clone(),
+            loops_stop.clone(),
+        ));
         let mut died: Option<&'static str> = None;
         info!(executors = self.executors.len(), "worker running");
         crate::metrics::worker_running(&cfg);
@@ -557,25 +550,8 @@ impl Worker {
                 died = Some(vital_loop_died(res, &shared));
                 break;
             }
-            let leased_any_full = {
-                let pass = lease_pass(&shared, &self.executors, &slot_freed, &mut attempts, ttl);
-                tokio::pin!(pass);
-                tokio::select! {
-                    full = &mut pass => full,
-                    _ = shutdown.cancelled() => {
-                        // a lease in flight gets a moment to land (its steps
-                        // then run and drain as usual); a database that does
-                        // not answer does not hold up the drain
-                        match tokio::time::timeout(LEASE_GRACE_AT_STOP, &mut pass).await {
-                            Ok(full) => full,
-                            Err(_) => {
-                                warn!("a lease in flight did not return within {} ms of the stop signal; the drain starts without it (steps it leased come back when their leases expire)", LEASE_GRACE_AT_STOP.as_millis());
-                                false
-                            }
-                        }
-                    }
-                }
-            };
+            let pass = lease_pass(&shared, &self.executors, &slot_freed, &mut attempts, ttl);
+            let leased_any_full = unless_stopped_for_long(&shutdown, pass).await;
             // reap finished attempt tasks (a panic in one is logged, never fatal)
             while let Some(res) = attempts.try_join_next() {
                 if let Err(e) = res {
@@ -615,30 +591,18 @@ impl Worker {
         loops_stop.cancel();
         while vital.join_next().await.is_some() {}
         while background.join_next().await.is_some() {}
-        // a database that did not answer the drain's writes will most likely
-        // not answer this one either: the worker's exit is not held up by
-        // a full DB_CALL_TIMEOUT for a row no lease depends on
-        if let Err(e) = bounded(
-            STOPPED_MARK_TIMEOUT,
-            "marking the worker stopped",
-            shared.db.worker_stopped(shared.id),
-        )
-        .await
-        {
-            warn!(error = %e, "cannot mark the worker stopped");
-        }
+        mark_stopped(&shared).await;
         if let Some(name) = died {
             return Err(WorkerError::LoopDied(name));
-        }
-        let unrecorded = shared.unrecorded.load(Ordering::Relaxed) - unrecorded_before;
-        if unrecorded > 0 {
-            shared.work.release();
-            error!(unrecorded, "worker stopped; the drain was not clean");
-            return Err(WorkerError::Unrecorded(unrecorded));
         }
         // every attempt and session directory is gone with its attempt or
         // process (the spare job directories go with the executors, below)
         shared.work.release();
+        let unrecorded = shared.unrecorded.load(Ordering::Relaxed) - unrecorded_before;
+        if unrecorded > 0 {
+            error!(unrecorded, "worker stopped; the drain was not clean");
+            return Err(WorkerError::Unrecorded(unrecorded));
+        }
         // every attempt of this worker has reaped its child by now; the
         // process-wide safety net (kill_all_groups) belongs to the command's
         // exit path, since other workers may share this process
@@ -1060,6 +1024,60 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 error!(error = %e, leases = leases.len(), "heartbeat failed");
             }
         }
+    }
+}
+
+/// The worker's row says it stopped. A database that did not answer the
+/// drain's writes will most likely not answer this one either: the exit is
+/// not held up by a full DB_CALL_TIMEOUT for a row no lease depends on.
+async fn mark_stopped(shared: &Shared) {
+    if let Err(e) = bounded(
+        STOPPED_MARK_TIMEOUT,
+        "marking the worker stopped",
+        shared.db.worker_stopped(shared.id),
+    )
+    .await
+    {
+        warn!(error = %e, "cannot mark the worker stopped");
+    }
+}
+
+/// A lease pass that a stop signal does not wait on for long: once `stop` is
+/// cancelled the pass in flight gets [`LEASE_GRACE_AT_STOP`] to land (its
+/// steps then run and drain as usual); a database that does not answer does
+/// not hold up the drain. True when the pass leased a full batch somewhere.
+async fn unless_stopped_for_long(
+    stop: &CancellationToken,
+    pass: impl Future<Output = bool>,
+) -> bool {
+    tokio::pin!(pass);
+    tokio::select! {
+        full = &mut pass => full,
+        _ = stop.cancelled() => match tokio::time::timeout(LEASE_GRACE_AT_STOP, &mut pass).await {
+            Ok(full) => full,
+            Err(_) => {
+                warn!(grace_ms = LEASE_GRACE_AT_STOP.as_millis() as u64,
+                      "a lease in flight did not return after the stop signal; the drain starts without it (steps it leased come back when their leases expire)");
+                false
+            }
+        },
+    }
+}
+
+/// Keeps `unrecorded` as it was when the stop signal arrived, for the
+/// drain's verdict: an outcome given up on between the signal and the
+/// drain's start belongs to this stop too. Ends with the loops.
+async fn note_unrecorded_at_stop(
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    loops_stop: CancellationToken,
+) {
+    tokio::select! {
+        _ = stop.cancelled() => {
+            let n = shared.unrecorded.load(Ordering::Relaxed);
+            shared.unrecorded_at_stop.store(n, Ordering::Relaxed);
+        }
+        _ = loops_stop.cancelled() => {}
     }
 }
 
