@@ -117,6 +117,7 @@ struct Metrics {
     queue_depth: Family<QueueLabels, Gauge>,
     queue_depth_keys: Mutex<HashSet<QueueLabels>>,
     stderr_suppressed: Counter,
+    ledger_aside: Counter,
 }
 
 impl Metrics {
@@ -151,6 +152,7 @@ impl Metrics {
             queue_depth: Family::default(),
             queue_depth_keys: Mutex::new(HashSet::new()),
             stderr_suppressed: Counter::default(),
+            ledger_aside: Counter::default(),
             registry: Registry::default(),
         }
     }
@@ -247,6 +249,11 @@ impl Metrics {
             "stderr_lines_suppressed",
             "Executor stderr lines not logged because of stderr_log_lines_per_sec",
             m.stderr_suppressed.clone(),
+        );
+        r.register(
+            "ledger_writes_set_aside",
+            "Ledger writes set aside because another transaction held their run's row (or their step's) longer than the ledger's lock wait",
+            m.ledger_aside.clone(),
         );
     }
 }
@@ -462,6 +469,11 @@ pub fn idle_processes(executor: &str, delta: i64) {
 /// A ledger batch of `intents` was written.
 pub fn ledger_batch(intents: usize) {
     metrics().ledger_batch.observe(intents as f64);
+}
+
+/// `writes` ledger writes were set aside: their rows were held.
+pub fn ledger_set_aside(writes: usize) {
+    metrics().ledger_aside.inc_by(writes as u64);
 }
 
 /// Executor stderr lines were suppressed by the rate limit.

@@ -265,11 +265,38 @@ impl Db {
         b: &Batch,
         writes: &[LedgerWrite],
     ) -> Result<LedgerOutcome, DbError> {
+        self.write_ledger_within(worker, b, writes, None).await
+    }
+
+    /// [`Db::write_ledger`], waiting at most `lock_wait` for any row lock
+    /// (see [`DbConn::write_ledger_within`]).
+    pub async fn write_ledger_within(
+        &self,
+        worker: &str,
+        b: &Batch,
+        writes: &[LedgerWrite],
+        lock_wait: Option<StdDuration>,
+    ) -> Result<LedgerOutcome, DbError> {
         self.connection("beginning a ledger batch")
             .await?
             .conn()
-            .write_ledger(worker, b, writes)
+            .write_ledger_within(worker, b, writes, lock_wait)
             .await
+    }
+
+    /// Of these steps, those whose run row or own row another transaction
+    /// holds right now, each with its run (it never waits: `SKIP LOCKED`).
+    /// What a batch that gave up on a held row asks to set its writes aside.
+    pub async fn held_steps(&self, steps: &[Uuid]) -> Result<Vec<(Uuid, Uuid)>, DbError> {
+        let rows = sqlx::query("SELECT step_run_id, run_id FROM durable.held_steps($1)")
+            .bind(steps)
+            .fetch_all(&self.pool)
+            .await
+            .ctx("finding the rows another transaction holds")?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get("step_run_id"), r.get("run_id")))
+            .collect())
     }
 }
 
@@ -288,7 +315,7 @@ impl DbConn<'_> {
         } else {
             Vec::new()
         };
-        let out = write_sets(&mut s, worker, b, &lock).await?;
+        let out = write_sets(&mut s, worker, b, &lock, None).await?;
         s.done().await?;
         Ok(out)
     }
@@ -300,15 +327,39 @@ impl DbConn<'_> {
         b: &Batch,
         writes: &[LedgerWrite],
     ) -> Result<LedgerOutcome, DbError> {
+        self.write_ledger_within(worker, b, writes, None).await
+    }
+
+    /// [`DbConn::write_ledger`]; with `lock_wait`, no statement of it waits
+    /// longer than that for a row lock held by another transaction: the
+    /// runs of all its locking writes are locked up front (one intent alone
+    /// too), so a held run fails the whole batch at its first statement, with
+    /// `lock_not_available` (55P03), before anything of it is written.
+    pub async fn write_ledger_within(
+        &mut self,
+        worker: &str,
+        b: &Batch,
+        writes: &[LedgerWrite],
+        lock_wait: Option<StdDuration>,
+    ) -> Result<LedgerOutcome, DbError> {
         if writes.is_empty() {
-            let batch = self.write_batch(worker, b).await?;
+            let batch = match lock_wait {
+                None => self.write_batch(worker, b).await?,
+                Some(wait) => {
+                    let mut s = Scope::enter(self.conn).await?;
+                    let out =
+                        write_sets(&mut s, worker, b, &steps_to_lock(b, &[]), Some(wait)).await?;
+                    s.done().await?;
+                    out
+                }
+            };
             return Ok(LedgerOutcome {
                 batch,
                 writes: Vec::new(),
             });
         }
         let sets = b.starts.len() + b.events.len() + b.completes.len();
-        if sets == 0 && writes.len() == 1 {
+        if sets == 0 && writes.len() == 1 && lock_wait.is_none() {
             // one write alone is its own transaction (the statements a
             // single write always sent: no batch around it, no savepoint)
             let one = self.write_one(worker, &writes[0]).await;
@@ -326,10 +377,10 @@ impl DbConn<'_> {
         // multi-run writer does. (Plain events lock nothing. One locking
         // intent alone needs no lock taken ahead of it.)
         let mut locking = steps_to_lock(b, writes);
-        if locking.len() < 2 {
+        if locking.len() < 2 && lock_wait.is_none() {
             locking.clear();
         }
-        let batch = write_sets(&mut tx, worker, b, &locking).await?;
+        let batch = write_sets(&mut tx, worker, b, &locking, lock_wait).await?;
         let mut out = Vec::with_capacity(writes.len());
         for w in writes {
             // its own savepoint: a failure undoes only this write (and rolls
@@ -502,12 +553,15 @@ impl<'a> StartArrays<'a> {
 /// the runs of `lock` locked first, in id order (none when empty), then the
 /// starts (each with the plain events of its lease in the batch, answered
 /// as the start is), the other plain events and the completions. No
-/// statement at all when there is nothing to write.
+/// statement at all when there is nothing to write. With `lock_wait`
+/// (`durable.write_sets_bounded`), the transaction waits at most that long
+/// for any row lock from this statement on.
 async fn write_sets(
     conn: &mut PgConnection,
     worker: &str,
     b: &Batch,
     lock: &[Uuid],
+    lock_wait: Option<StdDuration>,
 ) -> Result<BatchOutcome, DbError> {
     if lock.is_empty() && b.starts.is_empty() && b.events.is_empty() && b.completes.is_empty() {
         return Ok(BatchOutcome::default());
@@ -533,44 +587,56 @@ async fn write_sets(
         .map(|c| c.sequence.map(|s| s as i64))
         .collect();
 
-    let rows = sqlx::query(
+    let sql = if lock_wait.is_some() {
+        "SELECT part, idx, status, err_state, err_message
+           FROM durable.write_sets_bounded($29, $1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
+                                           $11, $12, $13, $14, $15, $16,
+                                           $17, $18, $19, $20, $21, $22, $23, $24,
+                                           $25, $26, $27::jsonb[], $28)"
+    } else {
         "SELECT part, idx, status, err_state, err_message
            FROM durable.write_sets($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
                                    $11, $12, $13, $14, $15, $16,
                                    $17, $18, $19, $20, $21, $22, $23, $24,
-                                   $25, $26, $27::jsonb[], $28)",
-    )
-    .bind(worker)
-    .bind(lock)
-    .bind(&s.ids)
-    .bind(&s.tokens)
-    .bind(&s.pids)
-    .bind(&s.seqs)
-    .bind(&s.kinds)
-    .bind(&s.msgs)
-    .bind(&s.fracs)
-    .bind(&s.ats)
-    .bind(&x.of)
-    .bind(&x.seqs)
-    .bind(&x.kinds)
-    .bind(&x.msgs)
-    .bind(&x.fracs)
-    .bind(&x.ats)
-    .bind(&e_ids)
-    .bind(&e_tokens)
-    .bind(&e.of)
-    .bind(&e.seqs)
-    .bind(&e.kinds)
-    .bind(&e.msgs)
-    .bind(&e.fracs)
-    .bind(&e.ats)
-    .bind(&c_ids)
-    .bind(&c_tokens)
-    .bind(&c_outputs)
-    .bind(&c_seqs)
-    .fetch_all(&mut *conn)
-    .await
-    .ctx("writing a ledger batch (starts, progress events, completions)")?;
+                                   $25, $26, $27::jsonb[], $28)"
+    };
+    let query = sqlx::query(sql)
+        .bind(worker)
+        .bind(lock)
+        .bind(&s.ids)
+        .bind(&s.tokens)
+        .bind(&s.pids)
+        .bind(&s.seqs)
+        .bind(&s.kinds)
+        .bind(&s.msgs)
+        .bind(&s.fracs)
+        .bind(&s.ats)
+        .bind(&x.of)
+        .bind(&x.seqs)
+        .bind(&x.kinds)
+        .bind(&x.msgs)
+        .bind(&x.fracs)
+        .bind(&x.ats)
+        .bind(&e_ids)
+        .bind(&e_tokens)
+        .bind(&e.of)
+        .bind(&e.seqs)
+        .bind(&e.kinds)
+        .bind(&e.msgs)
+        .bind(&e.fracs)
+        .bind(&e.ats)
+        .bind(&c_ids)
+        .bind(&c_tokens)
+        .bind(&c_outputs)
+        .bind(&c_seqs);
+    let query = match lock_wait {
+        Some(wait) => query.bind(format!("{}ms", wait.as_millis().max(1))),
+        None => query,
+    };
+    let rows = query
+        .fetch_all(&mut *conn)
+        .await
+        .ctx("writing a ledger batch (starts, progress events, completions)")?;
     batch_answers(rows, b, &folded, rest.len())
 }
 

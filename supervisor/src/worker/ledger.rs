@@ -25,6 +25,13 @@
 //! over, outside any transaction. The heartbeat is not in the ledger: it has
 //! its own connection, so that no batch can delay a renewal and run the
 //! lease clock out.
+//!
+//! No batch waits longer than [`LOCK_WAIT`] for a row lock: one that gives
+//! up on a row another transaction holds sets the writes of the held steps
+//! aside (`aside`: written per run, in order, once the rows are free) and
+//! writes the rest at once.
+
+mod aside;
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -52,6 +59,10 @@ pub(crate) const MAX_BATCH: usize = 256;
 /// subtransaction of its own, and PostgreSQL caches 64 per transaction
 /// (past that, every snapshot taken meanwhile looks them up in pg_subtrans).
 pub(crate) const MAX_SINGLES: usize = 64;
+/// How long a batch waits at most for a row lock another transaction holds
+/// (the runs of its steps, their rows). Writers of the runtime hold these
+/// for milliseconds; past this, the rows' writes are set aside (`aside`).
+pub(crate) const LOCK_WAIT: Duration = Duration::from_millis(250);
 /// Requests queued at most: a full queue back-pressures the attempts.
 const QUEUE: usize = 4096;
 /// The ledger keeps its connection between batches (the pool checks every
@@ -62,6 +73,9 @@ const QUEUE: usize = 4096;
 const KEEP_CONNECTION_IDLE: Duration = Duration::from_secs(1);
 
 type Reply<T = ()> = oneshot::Sender<Result<T, DbError>>;
+
+/// A lease: its step and its token.
+type LeaseKey = (Uuid, Uuid);
 
 enum Request {
     Start(StartWrite, Reply),
@@ -82,6 +96,33 @@ enum Request {
 }
 
 impl Request {
+    fn lease(&self) -> &Lease {
+        match self {
+            Request::Start(w, _) => &w.lease,
+            Request::Events(w, _) => &w.lease,
+            Request::Complete { write, .. } => &write.lease,
+            Request::Checkpoint(w, _) => &w.lease,
+            Request::CompleteStored(w, _) => &w.lease,
+            Request::Fail(w, _) => &w.lease,
+            Request::Cancel(w, _) => &w.lease,
+            Request::Refuse(w, _) => &w.lease,
+            Request::Release(w, _) => &w.lease,
+        }
+    }
+
+    fn lease_key(&self) -> LeaseKey {
+        Tainted::key(self.lease())
+    }
+
+    /// The run, for the requests that name it.
+    fn run_id(&self) -> Option<Uuid> {
+        match self {
+            Request::Start(w, _) => Some(w.run_id),
+            Request::Complete { write, .. } => Some(write.run_id),
+            _ => None,
+        }
+    }
+
     /// The step of a write that is not one of the set forms'.
     fn single_step(&self) -> Option<Uuid> {
         match self {
@@ -132,7 +173,7 @@ impl Request {
 /// (its retries ended with its lease clock long before).
 #[derive(Default)]
 struct Tainted {
-    leases: HashMap<(Uuid, Uuid), Instant>,
+    leases: HashMap<LeaseKey, Instant>,
     prune_at: usize,
 }
 
@@ -140,7 +181,7 @@ impl Tainted {
     const KEEP: Duration = Duration::from_secs(3600);
     const PRUNE_AT: usize = 4096;
 
-    fn key(lease: &Lease) -> (Uuid, Uuid) {
+    fn key(lease: &Lease) -> LeaseKey {
         (lease.step_run_id(), lease.token())
     }
 
@@ -403,6 +444,7 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
     // the connection batches are written on, kept between them while the
     // ledger is busy (given back after an error, or once idle)
     let mut held: Option<DbConnection> = None;
+    let mut aside = aside::Aside::start(db.clone(), worker.clone());
     loop {
         let mut buf = std::mem::take(&mut carried);
         if buf.is_empty() {
@@ -421,6 +463,7 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
                 }
             };
             if n == 0 {
+                aside.close().await;
                 return;
             }
         } else {
@@ -433,12 +476,21 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
             }
         }
         tainted.admit(&mut buf);
+        aside.route(&mut buf);
         if buf.is_empty() {
             continue;
         }
         let end = batch_end(&buf);
         carried = buf.split_off(end);
-        flush(&db, &mut held, &worker, buf, &mut tainted).await;
+        flush(
+            &db,
+            &mut held,
+            &worker,
+            shape(buf),
+            &mut tainted,
+            &mut aside,
+        )
+        .await;
     }
 }
 
@@ -496,6 +548,104 @@ struct Shaped {
 }
 
 impl Shaped {
+    fn empty() -> Shaped {
+        Shaped {
+            batch: Batch::default(),
+            start_replies: Vec::new(),
+            event_replies: Vec::new(),
+            complete_replies: Vec::new(),
+            complete_behind: Vec::new(),
+            writes: Vec::new(),
+            write_replies: Vec::new(),
+        }
+    }
+
+    /// The steps it writes, once each.
+    fn steps(&self) -> Vec<Uuid> {
+        let mut ids: Vec<Uuid> = self.leases().into_iter().map(|(id, _)| id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// The leases it writes, once per write.
+    fn leases(&self) -> Vec<LeaseKey> {
+        let b = &self.batch;
+        b.starts
+            .iter()
+            .map(|w| &w.lease)
+            .chain(b.events.iter().map(|w| &w.lease))
+            .chain(b.completes.iter().map(|w| &w.lease))
+            .chain(self.writes.iter().map(|w| w.lease()))
+            .map(Tainted::key)
+            .collect()
+    }
+
+    /// Takes out the writes of the steps `pick` names (with their replies,
+    /// in the order they had), leaving the others.
+    fn take(&mut self, pick: impl Fn(Uuid) -> bool) -> Shaped {
+        let mut out = Shaped::empty();
+        let step = |l: &Lease| pick(l.step_run_id());
+        (out.batch.starts, out.start_replies) = split(
+            &mut self.batch.starts,
+            &mut self.start_replies,
+            |w: &StartWrite| step(&w.lease),
+        );
+        (out.batch.events, out.event_replies) = split(
+            &mut self.batch.events,
+            &mut self.event_replies,
+            |w: &EventsWrite| step(&w.lease),
+        );
+        let mut tails: Vec<(bool, Reply)> = std::mem::take(&mut self.complete_behind)
+            .into_iter()
+            .zip(std::mem::take(&mut self.complete_replies))
+            .collect();
+        let taken_tails;
+        (out.batch.completes, taken_tails) = split(
+            &mut self.batch.completes,
+            &mut tails,
+            |w: &CompleteWrite| step(&w.lease),
+        );
+        (self.complete_behind, self.complete_replies) = tails.into_iter().unzip();
+        (out.complete_behind, out.complete_replies) = taken_tails.into_iter().unzip();
+        (out.writes, out.write_replies) = split(
+            &mut self.writes,
+            &mut self.write_replies,
+            |w: &LedgerWrite| step(w.lease()),
+        );
+        out
+    }
+
+    /// Answers its writers from how its write ended: each intent its own
+    /// answer; a batch refused as a whole is written again intent by intent;
+    /// an error of the whole batch is every intent's.
+    async fn settle(
+        self,
+        res: Result<crate::db::LedgerOutcome, DbError>,
+        db: &Db,
+        worker: &str,
+        tainted: &mut Tainted,
+    ) {
+        let size = self.size();
+        match res {
+            Ok(out) => self.answer(out, tainted),
+            Err(e) if !e.is_transient() && size > 1 => {
+                // one intent the database refuses must not take the others
+                // with it: each is written on its own, and only its own error
+                // is its
+                warn!(error = %e, size, "a ledger batch was refused as a whole; writing its intents one by one");
+                self.write_one_by_one(db, worker, tainted).await;
+            }
+            Err(e) => {
+                // the whole batch failed and nothing of it committed: every
+                // intent gets the error; each caller retries a transient one
+                // while its lease clock allows
+                warn!(error = %e, size, "a ledger batch failed; its writers retry");
+                self.fail(&e, tainted);
+            }
+        }
+    }
+
     fn size(&self) -> usize {
         self.batch.starts.len()
             + self.batch.events.len()
@@ -593,52 +743,72 @@ fn shape(requests: Vec<Request>) -> Shaped {
     }
 }
 
+/// Writes one batch. Should it give up on a row another transaction holds,
+/// the writes of the held steps are set aside and the rest written at once.
 async fn flush(
     db: &Db,
     held: &mut Option<DbConnection>,
     worker: &str,
-    requests: Vec<Request>,
+    mut s: Shaped,
     tainted: &mut Tainted,
+    aside: &mut aside::Aside,
 ) {
-    let s = shape(requests);
-    let size = s.size();
-    crate::metrics::ledger_batch(size);
-    let res = crate::db::bounded(super::DB_CALL_TIMEOUT, "writing a ledger batch", async {
-        let conn = match held {
-            Some(c) => c,
-            None => held.insert(db.connection("beginning a ledger batch").await?),
-        };
-        conn.conn().write_ledger(worker, &s.batch, &s.writes).await
-    })
-    .await;
-    // a failed call, or a write of it that failed alone (each is a few
-    // statements of its own: the connection may have broken in one of
-    // them): back to the pool, whose check clears or closes it
-    if res
-        .as_ref()
-        .map_or(true, |out| out.writes.iter().any(Result::is_err))
-    {
-        *held = None;
-    }
-    // nor is the pool's last free connection kept: the lease, the reclaim
-    // and the attempts' artifact transfers would wait for it
-    if held.is_some() && !db.has_spare_connection() {
-        *held = None;
-    }
-    match res {
-        Ok(out) => s.answer(out, tainted),
-        Err(e) if !e.is_transient() && size > 1 => {
-            // one intent the database refuses must not take the others with
-            // it: each is written on its own, and only its own error is its
-            warn!(error = %e, size, "a ledger batch was refused as a whole; writing its intents one by one");
-            s.write_one_by_one(db, worker, tainted).await;
+    loop {
+        let size = s.size();
+        crate::metrics::ledger_batch(size);
+        let res = crate::db::bounded(super::DB_CALL_TIMEOUT, "writing a ledger batch", async {
+            let conn = match held {
+                Some(c) => c,
+                None => held.insert(db.connection("beginning a ledger batch").await?),
+            };
+            conn.conn()
+                .write_ledger_within(worker, &s.batch, &s.writes, Some(LOCK_WAIT))
+                .await
+        })
+        .await;
+        // a failed call, or a write of it that failed alone (each is a few
+        // statements of its own: the connection may have broken in one of
+        // them): back to the pool, whose check clears or closes it
+        if res
+            .as_ref()
+            .map_or(true, |out| out.writes.iter().any(Result::is_err))
+        {
+            *held = None;
         }
-        Err(e) => {
-            // the whole batch failed and nothing of it committed: every intent
-            // gets the error; each caller retries a transient one while its
-            // lease clock allows
-            warn!(error = %e, size, "a ledger batch failed; its writers retry");
-            s.fail(&e, tainted);
+        // nor is the pool's last free connection kept: the lease, the reclaim
+        // and the attempts' artifact transfers would wait for it
+        if held.is_some() && !db.has_spare_connection() {
+            *held = None;
+        }
+        match res {
+            Err(e) if aside::is_lock_wait(&e) => {
+                let held_steps = crate::db::bounded(
+                    super::DB_CALL_TIMEOUT,
+                    "finding the rows another transaction holds",
+                    db.held_steps(&s.steps()),
+                )
+                .await;
+                let held_steps: HashMap<Uuid, Uuid> = match held_steps {
+                    Ok(h) => h.into_iter().collect(),
+                    Err(probe) => {
+                        warn!(error = %probe, "could not find which rows a ledger batch waited for");
+                        HashMap::new()
+                    }
+                };
+                let rest = aside.set_aside(s, &held_steps);
+                if rest.size() == 0 {
+                    return;
+                }
+                if rest.size() == size {
+                    // nothing held now (the holder let go, or it held another
+                    // row): its writers retry, as for any transient error
+                    warn!(error = %e, size, "a ledger batch waited too long for a row lock; its writers retry");
+                    rest.fail(&e, tainted);
+                    return;
+                }
+                s = rest;
+            }
+            res => return s.settle(res, db, worker, tainted).await,
         }
     }
 }
@@ -780,6 +950,32 @@ impl Shaped {
             r.fail(as_each(e));
         }
     }
+}
+
+/// Moves the pairs of `items` and `replies` (parallel) whose item `pick`
+/// names out, in order: (taken items, their replies).
+fn split<A, B>(
+    items: &mut Vec<A>,
+    replies: &mut Vec<B>,
+    pick: impl Fn(&A) -> bool,
+) -> (Vec<A>, Vec<B>) {
+    let (mut taken, mut taken_replies) = (Vec::new(), Vec::new());
+    let (mut kept, mut kept_replies) = (Vec::new(), Vec::new());
+    for (a, b) in std::mem::take(items)
+        .into_iter()
+        .zip(std::mem::take(replies))
+    {
+        if pick(&a) {
+            taken.push(a);
+            taken_replies.push(b);
+        } else {
+            kept.push(a);
+            kept_replies.push(b);
+        }
+    }
+    *items = kept;
+    *replies = kept_replies;
+    (taken, taken_replies)
 }
 
 /// A batch of one intent, answered as that intent.

@@ -1,0 +1,288 @@
+//! Writes set aside: those of steps whose run row (or own row) another
+//! transaction holds for longer than the ledger's lock wait.
+//!
+//! The ledger writes every batch with a bounded lock wait ([`LOCK_WAIT`]). A
+//! batch that gives up on a held row asks the database which of its steps'
+//! rows are held right now; their writes come here, each under its run, and
+//! the rest of the batch is written at once. So an operator's open
+//! transaction on one run (or a long cancel of a large run) delays the
+//! writes of that run alone, not every step of the worker.
+//!
+//! Here the writes of one run are written in the order they came, each on
+//! its own, with the same bounded wait; a run whose row is still held is
+//! tried again after a pause (doubling to [`MAX_PAUSE`]), so no connection
+//! of the pool is kept waiting on a lock. Every later write of a lease with
+//! a write here, and every start of a run with one, comes here too (the
+//! ledger routes them: [`Aside::route`]) until this writer answered them all,
+//! so one lease's writes still land in order. The attempts wait for their
+//! answers as for any write, while the heartbeat (its own connection, which
+//! skips rows it cannot lock) keeps their leases.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+use uuid::Uuid;
+
+use super::{shape, LeaseKey, Request, Shaped, Tainted, LOCK_WAIT};
+use crate::db::{Db, DbError};
+
+/// The first pause before a run whose row is held is tried again.
+const FIRST_PAUSE: Duration = Duration::from_millis(25);
+/// The longest pause between two tries of a held run.
+const MAX_PAUSE: Duration = Duration::from_millis(500);
+
+/// What the ledger hands over: a part of a batch, or one request that came
+/// after its lease's (or its run's) writes were set aside.
+enum Item {
+    Unit(Shaped),
+    Request(Request),
+}
+
+/// An item on its way to the writer: its run, and the leases the ledger
+/// counted for it (given back in [`Answered`] once it is answered).
+struct Queued {
+    run: Uuid,
+    leases: Vec<LeaseKey>,
+    item: Item,
+}
+
+/// One write set aside was answered: its run, and the leases it held.
+struct Answered {
+    run: Uuid,
+    leases: Vec<LeaseKey>,
+}
+
+/// The ledger's side of the writer: which runs and leases have writes
+/// aside (how many each), to route their later writes the same way.
+pub(super) struct Aside {
+    tx: Option<mpsc::UnboundedSender<Queued>>,
+    answered: mpsc::UnboundedReceiver<Answered>,
+    runs: HashMap<Uuid, usize>,
+    leases: HashMap<LeaseKey, (Uuid, usize)>,
+    task: JoinHandle<()>,
+}
+
+impl Aside {
+    /// Starts the writer: it writes through the pool of `db`.
+    pub(super) fn start(db: Db, worker: String) -> Aside {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (done_tx, answered) = mpsc::unbounded_channel();
+        let task = tokio::spawn(writer(db, worker, rx, done_tx));
+        Aside {
+            tx: Some(tx),
+            answered,
+            runs: HashMap::new(),
+            leases: HashMap::new(),
+            task,
+        }
+    }
+
+    /// Whether nothing is aside (then nothing needs routing).
+    fn is_idle(&mut self) -> bool {
+        self.take_answers();
+        self.runs.is_empty()
+    }
+
+    fn take_answers(&mut self) {
+        while let Ok(a) = self.answered.try_recv() {
+            if let Some(n) = self.runs.get_mut(&a.run) {
+                *n -= 1;
+                if *n == 0 {
+                    self.runs.remove(&a.run);
+                }
+            }
+            for l in a.leases {
+                if let Some((_, n)) = self.leases.get_mut(&l) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.leases.remove(&l);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes out of `buf` the requests that must follow writes aside: a
+    /// lease's with writes aside, and a start (or a success) of a run with
+    /// writes aside.
+    pub(super) fn route(&mut self, buf: &mut Vec<Request>) {
+        if self.is_idle() {
+            return;
+        }
+        let mut kept = Vec::with_capacity(buf.len());
+        for r in buf.drain(..) {
+            let run = self
+                .leases
+                .get(&r.lease_key())
+                .map(|(run, _)| *run)
+                .or_else(|| r.run_id().filter(|run| self.runs.contains_key(run)));
+            match run {
+                Some(run) => {
+                    debug!(%run, step_run_id = %r.lease_key().0, "a write follows its run's writes aside");
+                    let leases = vec![r.lease_key()];
+                    self.send(run, leases, Item::Request(r));
+                }
+                None => kept.push(r),
+            }
+        }
+        *buf = kept;
+    }
+
+    /// Sets aside the writes of `held` steps (step → run) of `s`, a batch
+    /// that gave up on a held row; returns the rest of it.
+    pub(super) fn set_aside(&mut self, mut s: Shaped, held: &HashMap<Uuid, Uuid>) -> Shaped {
+        let mut runs: Vec<Uuid> = held.values().copied().collect();
+        runs.sort_unstable();
+        runs.dedup();
+        for run in runs {
+            let unit = s.take(|step| held.get(&step) == Some(&run));
+            if unit.size() == 0 {
+                continue;
+            }
+            crate::metrics::ledger_set_aside(unit.size());
+            info!(%run, writes = unit.size(), wait_ms = LOCK_WAIT.as_millis() as u64, "another transaction holds this run's row (or its steps'): its writes wait aside, the worker's other writes go on");
+            let leases = unit.leases();
+            self.send(run, leases, Item::Unit(unit));
+        }
+        s
+    }
+
+    fn send(&mut self, run: Uuid, leases: Vec<LeaseKey>, item: Item) {
+        *self.runs.entry(run).or_default() += 1;
+        for l in &leases {
+            self.leases.entry(*l).or_insert((run, 0)).1 += 1;
+        }
+        if let Some(tx) = &self.tx {
+            // the writer ends only once this sender is gone; should it have
+            // died, the item's replies are dropped with it: its writers get
+            // "the ledger stopped", a transient error
+            let _ = tx.send(Queued { run, leases, item });
+        }
+    }
+
+    /// The ledger ends: what is aside is tried once more, what is still held
+    /// then is answered with a transient error.
+    pub(super) async fn close(mut self) {
+        self.tx = None;
+        if let Err(e) = self.task.await {
+            warn!(error = %e, "the writer of writes aside ended abnormally");
+        }
+    }
+}
+
+/// Writes aside, per run in the order they came; a run whose row is held is
+/// tried again after a pause. Ends once the ledger is gone and everything
+/// was tried since.
+async fn writer(
+    db: Db,
+    worker: String,
+    mut rx: mpsc::UnboundedReceiver<Queued>,
+    answered: mpsc::UnboundedSender<Answered>,
+) {
+    let mut queues: BTreeMap<Uuid, VecDeque<(Shaped, Vec<LeaseKey>)>> = BTreeMap::new();
+    let mut tainted = Tainted::default();
+    let mut pause = FIRST_PAUSE;
+    let mut open = true;
+    loop {
+        if queues.is_empty() {
+            if !open {
+                return;
+            }
+            match rx.recv().await {
+                Some(q) => take_in(&mut queues, &mut tainted, q),
+                None => return,
+            }
+        }
+        while let Ok(q) = rx.try_recv() {
+            take_in(&mut queues, &mut tainted, q);
+        }
+        let mut wrote = false;
+        for (run, q) in queues.iter_mut() {
+            while let Some((unit, _)) = q.front() {
+                if unit.size() == 0 {
+                    // a success `admit` held back (and answered): nothing to write
+                    if let Some((_, leases)) = q.pop_front() {
+                        let _ = answered.send(Answered { run: *run, leases });
+                    }
+                    continue;
+                }
+                let res = crate::db::bounded(
+                    super::super::DB_CALL_TIMEOUT,
+                    "writing a ledger batch set aside",
+                    db.write_ledger_within(&worker, &unit.batch, &unit.writes, Some(LOCK_WAIT)),
+                )
+                .await;
+                let Some((unit, leases)) = q.pop_front() else {
+                    break;
+                };
+                match res {
+                    Err(e) if is_lock_wait(&e) && open => {
+                        q.push_front((unit, leases));
+                        break;
+                    }
+                    res => {
+                        wrote = true;
+                        unit.settle(res, &db, &worker, &mut tainted).await;
+                        let _ = answered.send(Answered { run: *run, leases });
+                        debug!(%run, "a write set aside was answered");
+                    }
+                }
+            }
+        }
+        queues.retain(|_, q| !q.is_empty());
+        if !open {
+            // the last try was made: what is left is answered as not written
+            for (run, q) in std::mem::take(&mut queues) {
+                warn!(%run, writes = q.len(), "the worker stopped while this run's row was still held by another transaction: these writes were not made");
+                for (unit, _) in q {
+                    unit.fail(&stopped_while_held(), &mut tainted);
+                }
+            }
+            return;
+        }
+        if queues.is_empty() || wrote {
+            pause = FIRST_PAUSE;
+            continue;
+        }
+        // every run left is still held: a pause, cut short by a new write
+        tokio::select! {
+            got = rx.recv() => match got {
+                Some(q) => take_in(&mut queues, &mut tainted, q),
+                None => open = false,
+            },
+            _ = tokio::time::sleep(pause) => pause = (pause * 2).min(MAX_PAUSE),
+        }
+    }
+}
+
+fn take_in(
+    queues: &mut BTreeMap<Uuid, VecDeque<(Shaped, Vec<LeaseKey>)>>,
+    tainted: &mut Tainted,
+    Queued { run, leases, item }: Queued,
+) {
+    let unit = match item {
+        Item::Unit(s) => s,
+        Item::Request(r) => {
+            let mut one = vec![r];
+            tainted.admit(&mut one);
+            shape(one)
+        }
+    };
+    // a success held back by `admit` was answered there: an empty unit still
+    // goes through the queue, so its lease's count is given back in order
+    queues.entry(run).or_default().push_back((unit, leases));
+}
+
+/// The batch gave up waiting for a row lock (`lock_timeout`).
+pub(super) fn is_lock_wait(e: &DbError) -> bool {
+    e.sqlstate().as_deref() == Some("55P03")
+}
+
+fn stopped_while_held() -> DbError {
+    DbError::Retry {
+        context: "the worker stopped while another transaction held this step's run row",
+    }
+}
