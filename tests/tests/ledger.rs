@@ -1350,3 +1350,89 @@ async fn the_ledger_never_keeps_the_pools_last_free_connection() {
         "no connection of the pool's {size} was free after the run ({idle} idle)"
     );
 }
+
+/// With a lock wait, a batch that meets a run row another transaction holds
+/// gives up at its first statement, before anything of it is written, even
+/// when it holds one intent alone (a lone failure, or starts of several runs
+/// of which one is held); `held_steps` then names the held step and its run,
+/// and only it. Without one it waited the connection's lock timeout.
+#[tokio::test]
+async fn a_batch_with_a_lock_wait_gives_up_on_a_held_run_and_names_it() {
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 3).await;
+    let (a, b, c) = (&s[0], &s[1], &s[2]);
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(b.run_id)
+        .execute(&mut *holder)
+        .await
+        .expect("hold b's run");
+
+    let wait = Some(Duration::from_millis(100));
+    let starts = Batch {
+        starts: vec![start(a), start(b), start(c)],
+        ..Batch::default()
+    };
+    let err =
+        t.db.write_ledger_within("w", &starts, &[], wait)
+            .await
+            .expect_err("b's run is held");
+    assert_eq!(err.sqlstate().as_deref(), Some("55P03"), "{err}");
+    let lone = [LedgerWrite::Release(ReleaseWrite {
+        lease: b.lease.clone(),
+        message: "shutdown".into(),
+    })];
+    let err =
+        t.db.write_ledger_within("w", &Batch::default(), &lone, wait)
+            .await
+            .expect_err("b's run is held");
+    assert_eq!(err.sqlstate().as_deref(), Some("55P03"), "{err}");
+    for x in [a, b, c] {
+        assert_eq!(
+            state_of(&t.db, x.lease.step_run_id()).await,
+            "leased",
+            "nothing of a batch that gave up is written"
+        );
+    }
+
+    let held =
+        t.db.held_steps(&[
+            a.lease.step_run_id(),
+            b.lease.step_run_id(),
+            c.lease.step_run_id(),
+        ])
+        .await
+        .expect("held steps");
+    assert_eq!(held, vec![(b.lease.step_run_id(), b.run_id)]);
+
+    // the others alone go through at once; b's once its row is free
+    let others = Batch {
+        starts: vec![start(a), start(c)],
+        ..Batch::default()
+    };
+    let out =
+        t.db.write_ledger_within("w", &others, &[], wait)
+            .await
+            .expect("a and c");
+    assert_eq!(out.batch.starts, vec![RowOutcome::Ok, RowOutcome::Ok]);
+    holder.rollback().await.expect("let go");
+    assert!(t
+        .db
+        .held_steps(&[b.lease.step_run_id()])
+        .await
+        .expect("held steps")
+        .is_empty());
+    let out =
+        t.db.write_ledger_within("w", &Batch::default(), &lone, wait)
+            .await
+            .expect("b");
+    assert!(
+        matches!(out.writes[..], [Ok(Written::Release)]),
+        "{:?}",
+        out.writes
+    );
+    assert_eq!(
+        state_of(&t.db, b.lease.step_run_id()).await,
+        "retryable_failed"
+    );
+}

@@ -1191,6 +1191,73 @@ mod tests {
         assert_eq!(batch_end(&sets), MAX_BATCH);
     }
 
+    fn start(n: u128) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Start(
+            StartWrite {
+                run_id: Uuid::from_u128(n + 2000),
+                lease: lease(n),
+                pid: 1,
+                event: ev(1, "accepted"),
+            },
+            r,
+        )
+    }
+
+    /// Setting the writes of some steps aside takes each of them with its
+    /// replies, in the order they had, and leaves the others as they were.
+    #[test]
+    fn take_moves_the_writes_of_the_steps_named_with_their_replies() {
+        let (c2, mut a2) = complete_as(2, true);
+        let (c3, mut a3) = complete_as(3, false);
+        let mut s = shape(vec![
+            start(1),
+            start(2),
+            events(2),
+            events(1),
+            c2,
+            c3,
+            checkpoint(2),
+            release(1),
+        ]);
+        let step = |n: u128| lease(n).step_run_id();
+        let aside = s.take(|id| id == step(2));
+        let steps =
+            |s: &Shaped| -> Vec<Uuid> { s.leases().into_iter().map(|(id, _)| id).collect() };
+        assert_eq!(steps(&aside), [step(2), step(2), step(2), step(2)]);
+        assert_eq!(steps(&s), [step(1), step(1), step(3), step(1)]);
+        assert_eq!(aside.complete_behind, [true]);
+        assert_eq!(s.complete_behind, [false]);
+        let kinds = |s: &Shaped| -> Vec<&str> { s.writes.iter().map(|w| w.kind()).collect() };
+        assert_eq!(kinds(&aside), ["checkpoint"]);
+        assert_eq!(kinds(&s), ["release"]);
+        assert_eq!(
+            (
+                aside.start_replies.len(),
+                aside.event_replies.len(),
+                aside.write_replies.len()
+            ),
+            (1, 1, 1)
+        );
+        // each completion kept its own reply
+        aside.fail(
+            &DbError::LeaseLost {
+                step_run_id: step(2),
+            },
+            &mut Tainted::default(),
+        );
+        assert!(matches!(a2.try_recv(), Ok(Err(DbError::LeaseLost { .. }))));
+        assert!(
+            a3.try_recv().is_err(),
+            "the other completion is not answered"
+        );
+        assert_eq!(s.steps(), {
+            let mut v = vec![step(1), step(3)];
+            v.sort_unstable();
+            v
+        });
+    }
+
     #[test]
     fn plain_progress_is_coalesced_within_a_batch_the_rest_kept_in_order() {
         let got: Vec<(u64, &str)> = coalesce(vec![
