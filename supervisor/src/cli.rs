@@ -628,12 +628,20 @@ struct DevOptions {
 /// `supervisor dev`: the demo executors' worker, on DATABASE_URL or on a
 /// local cluster under ./.dev/ (stopped again at the end).
 async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
-    let cfg = dev_config(&repo_root());
+    let builtin = dev_config(&repo_root());
+    let dev_name = builtin.name.clone();
+    let cfg = builtin.with_env(std::env::vars_os())?;
     if opts.print_config {
         // not dev's own name: a worker's name is its process slot, and a
         // plain worker started from this beside `dev` must not share it
+        // (a name from DURABLE_NAME is printed as given)
+        let name = if cfg.name == dev_name {
+            Some("demo-worker-1".into())
+        } else {
+            cfg.name.clone()
+        };
         let printed = WorkerConfig {
-            name: Some("demo-worker-1".into()),
+            name,
             ..cfg.clone()
         };
         print!(

@@ -435,6 +435,37 @@ impl WorkerConfig {
         Ok(cfg)
     }
 
+    /// This config with the environment's `DURABLE_<KEY>` overrides (as
+    /// [`WorkerConfig::load`] gives a file's), validated when any applied:
+    /// `supervisor dev`'s built-in config, so that two of them on one host
+    /// can be given names (process slots) of their own.
+    pub fn with_env(
+        self,
+        vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+    ) -> Result<WorkerConfig, ConfigError> {
+        let mut table = toml::Table::try_from(&self)
+            .map_err(|e| ConfigError::Invalid(format!("the built-in config: {e}")))?;
+        let applied = apply_env(&mut table, vars)?;
+        if applied.is_empty() {
+            return Ok(self);
+        }
+        let cfg: WorkerConfig =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Env {
+                    var: applied.join(", "),
+                    message: e.to_string(),
+                })?;
+        cfg.validate().map_err(|e| match e {
+            ConfigError::Invalid(m) => ConfigError::Invalid(format!(
+                "{m} (with {} from the environment)",
+                applied.join(", ")
+            )),
+            other => other,
+        })?;
+        Ok(cfg)
+    }
+
     /// Every executor's command names a program that exists and may be run:
     /// a path (absolute, or relative to the working directory, as
     /// `resolve_paths` made it), or a name found on PATH. Checked when a

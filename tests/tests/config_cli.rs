@@ -498,3 +498,39 @@ fn a_misspelt_environment_override_is_named_with_its_nearest_setting() {
         "a variable the runtime reads is not named: {err}"
     );
 }
+
+/// `supervisor dev` takes the same `DURABLE_<KEY>` overrides as a worker's
+/// file: two dev sessions on one host can have process slots (names) of
+/// their own. Its printed config shows them; a bad value is named, exit 2.
+#[test]
+fn dev_takes_the_environments_overrides() {
+    let o = cli(
+        &["dev", "--print-config"],
+        &[("DURABLE_NAME", "dev-2"), ("DURABLE_LEASE_TTL_MS", "30000")],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let cfg: toml::Table = toml::from_str(&String::from_utf8_lossy(&o.stdout)).expect("toml");
+    assert_eq!(cfg["name"].as_str(), Some("dev-2"));
+    assert_eq!(cfg["lease_ttl_ms"].as_integer(), Some(30000));
+    // without them: the defaults, and a name of its own for a plain worker
+    let o = cli(&["dev", "--print-config"], &[]);
+    let cfg: toml::Table = toml::from_str(&String::from_utf8_lossy(&o.stdout)).expect("toml");
+    assert_eq!(cfg["name"].as_str(), Some("demo-worker-1"));
+    assert_eq!(cfg["lease_ttl_ms"].as_integer(), Some(10000));
+    for (var, value, fragment) in [
+        (
+            "DURABLE_LEASE_TTL_MS",
+            "abc",
+            "\"abc\" is not a whole number",
+        ),
+        ("DURABLE_LEASE_TTL_MS", "100", "lease_ttl_ms"),
+    ] {
+        let o = cli(&["dev", "--print-config"], &[(var, value)]);
+        assert_eq!(o.status.code(), Some(2), "{var}={value}");
+        let err = stderr(&o);
+        assert!(
+            err.contains(var) && err.contains(fragment),
+            "{var}={value}: {err}"
+        );
+    }
+}
