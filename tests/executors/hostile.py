@@ -17,6 +17,7 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `echo` (and `panic`, for a supervisor-side fault): ACCEPTED, a result with output = input.
 - `secret_echo`: ACCEPTED, echoes every secret value it got into a progress
   message, the error message and details, and fails retryably.
+- `close_stdout`: ACCEPTED, then closes its stdout and exits 0 50 ms later (no terminal).
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
@@ -57,6 +58,7 @@ MODES = [
     "stderr_chatty",
     "panic",
     "escape",
+    "close_stdout",
 ]
 
 
@@ -200,6 +202,11 @@ def main() -> int:
         event(pb.EVENT_KIND_PROGRESS, "progress " + values)
         details = json.dumps({"leak": values, "dsn": "host=db password=hunter2x user=u"}).encode()
         error("LEAK", "error " + values + " postgres://u:pw123456@h/db", True, details=details)
+    elif mode == "close_stdout":
+        event(pb.EVENT_KIND_ACCEPTED)
+        out.close()  # the protocol's only handle on the pipe (fd 1 is stderr's)
+        time.sleep(0.05)
+        return 0
     elif mode == "stderr_chatty":
         event(pb.EVENT_KIND_ACCEPTED)
         n = int(json.loads(job.input or b"{}").get("lines", 2000))

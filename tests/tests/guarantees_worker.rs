@@ -970,3 +970,30 @@ async fn a_run_row_held_by_another_transaction_delays_that_run_alone() {
     assert_eq!(successes, 1, "one success event");
     w.shutdown().await;
 }
+
+/// An executor that closes its stdout without a terminal and exits 0 on its
+/// own is a crash (no terminal can come), and its evidence is its own exit:
+/// the leader gets the cancel grace to exit before its group is signalled.
+/// Before, the group was signalled at once, and the evidence said "killed by
+/// SIGTERM" for a process that was about to exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_that_closes_stdout_and_exits_is_a_crash_with_its_own_exit_status() {
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![hostile("hostile", None, &[])]),
+    )
+    .await;
+    let run = t.submit(spec("hostile.close_stdout", json!({}))).await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed", "{s:?}");
+    let e = s.error.as_ref().expect("error");
+    assert_eq!(e.code, "EXECUTOR_CRASHED", "{}", e.message);
+    let evidence = format!("{} {:?}", e.message, e.details);
+    assert!(
+        evidence.contains("exited with code 0") && !evidence.contains("SIGTERM"),
+        "{evidence}"
+    );
+    w.shutdown().await;
+}

@@ -652,8 +652,11 @@ impl Machine {
                 self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
                 self.finish(false, false)
             }
-            // stdout closed while the leader runs: no terminal can come
-            Input::StdoutClosed => self.finish(false, false),
+            // stdout closed while the leader runs: no terminal can come. The
+            // leader gets the grace to exit on its own first: one that closes
+            // stdout is usually exiting, and its own exit status is the
+            // evidence (signalled at once, it read "killed by SIGTERM")
+            Input::StdoutClosed => self.finish(false, true),
             Input::DrainEnded | Input::GraceEnded => Vec::new(),
         }
     }
