@@ -219,7 +219,9 @@ async fn writer(
                     break;
                 };
                 match res {
-                    Err(e) if is_lock_wait(&e) && open => {
+                    // still held: tried again after a pause; once the ledger
+                    // is gone, this was the last try (answered below)
+                    Err(e) if is_lock_wait(&e) => {
                         q.push_front((unit, leases));
                         break;
                     }
