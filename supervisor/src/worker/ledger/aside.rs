@@ -19,7 +19,7 @@
 //! skips rows it cannot lock) keeps their leases.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -33,6 +33,36 @@ use crate::db::{Db, DbError};
 const FIRST_PAUSE: Duration = Duration::from_millis(25);
 /// The longest pause between two tries of a held run.
 const MAX_PAUSE: Duration = Duration::from_millis(500);
+/// How often a run still held is logged again (a drain waits for its writes).
+const STILL_HELD_EVERY: Duration = Duration::from_secs(15);
+
+/// The writes aside of one run, in the order they came.
+struct RunQueue {
+    units: VecDeque<(Shaped, Vec<LeaseKey>)>,
+    /// When its first write came (the row has been held about as long).
+    since: Instant,
+    /// When it was last said to be still held.
+    told: Instant,
+}
+
+impl RunQueue {
+    fn new() -> RunQueue {
+        let now = Instant::now();
+        RunQueue {
+            units: VecDeque::new(),
+            since: now,
+            told: now,
+        }
+    }
+
+    /// Its row was still held at a try: said every `STILL_HELD_EVERY`.
+    fn still_held(&mut self, run: Uuid) {
+        if self.told.elapsed() >= STILL_HELD_EVERY {
+            self.told = Instant::now();
+            warn!(%run, writes = self.units.len(), held_for_s = self.since.elapsed().as_secs(), "this run's row is still held by another transaction; its writes wait (and a drain waits for them): look for a long transaction in pg_stat_activity");
+        }
+    }
+}
 
 /// What the ledger hands over: a part of a batch, or one request that came
 /// after its lease's (or its run's) writes were set aside.
@@ -182,7 +212,7 @@ async fn writer(
     mut rx: mpsc::UnboundedReceiver<Queued>,
     answered: mpsc::UnboundedSender<Answered>,
 ) {
-    let mut queues: BTreeMap<Uuid, VecDeque<(Shaped, Vec<LeaseKey>)>> = BTreeMap::new();
+    let mut queues: BTreeMap<Uuid, RunQueue> = BTreeMap::new();
     let mut tainted = Tainted::default();
     let mut pause = FIRST_PAUSE;
     let mut open = true;
@@ -200,7 +230,8 @@ async fn writer(
             take_in(&mut queues, &mut tainted, q);
         }
         let mut wrote = false;
-        for (run, q) in queues.iter_mut() {
+        for (run, rq) in queues.iter_mut() {
+            let q = &mut rq.units;
             while let Some((unit, _)) = q.front() {
                 if unit.size() == 0 {
                     // a success `admit` held back (and answered): nothing to write
@@ -223,6 +254,7 @@ async fn writer(
                     // is gone, this was the last try (answered below)
                     Err(e) if is_lock_wait(&e) => {
                         q.push_front((unit, leases));
+                        rq.still_held(*run);
                         break;
                     }
                     res => {
@@ -234,12 +266,12 @@ async fn writer(
                 }
             }
         }
-        queues.retain(|_, q| !q.is_empty());
+        queues.retain(|_, q| !q.units.is_empty());
         if !open {
             // the last try was made: what is left is answered as not written
             for (run, q) in std::mem::take(&mut queues) {
-                warn!(%run, writes = q.len(), "the worker stopped while this run's row was still held by another transaction: these writes were not made");
-                for (unit, _) in q {
+                warn!(%run, writes = q.units.len(), "the worker stopped while this run's row was still held by another transaction: these writes were not made");
+                for (unit, _) in q.units {
                     unit.fail(&stopped_while_held(), &mut tainted);
                 }
             }
@@ -261,7 +293,7 @@ async fn writer(
 }
 
 fn take_in(
-    queues: &mut BTreeMap<Uuid, VecDeque<(Shaped, Vec<LeaseKey>)>>,
+    queues: &mut BTreeMap<Uuid, RunQueue>,
     tainted: &mut Tainted,
     Queued { run, leases, item }: Queued,
 ) {
@@ -275,7 +307,11 @@ fn take_in(
     };
     // a success held back by `admit` was answered there: an empty unit still
     // goes through the queue, so its lease's count is given back in order
-    queues.entry(run).or_default().push_back((unit, leases));
+    queues
+        .entry(run)
+        .or_insert_with(RunQueue::new)
+        .units
+        .push_back((unit, leases));
 }
 
 /// The batch gave up waiting for a row lock (`lock_timeout`).
