@@ -38,7 +38,7 @@ const STILL_HELD_EVERY: Duration = Duration::from_secs(15);
 
 /// The writes aside of one run, in the order they came.
 struct RunQueue {
-    units: VecDeque<(Shaped, Vec<LeaseKey>)>,
+    units: VecDeque<(Item, Vec<LeaseKey>)>,
     /// When its first write came (the row has been held about as long).
     since: Instant,
     /// When it was last said to be still held.
@@ -77,6 +77,24 @@ struct Queued {
     run: Uuid,
     leases: Vec<LeaseKey>,
     item: Item,
+}
+
+impl Item {
+    /// The item as a unit to write, made when its turn comes (every earlier
+    /// write of its run, its lease's among them, answered): a request is
+    /// admitted then, so a success handed behind its lease's progress
+    /// writes that failed here is answered (not written) and leaves an
+    /// empty unit.
+    fn into_unit(self, tainted: &mut Tainted) -> Shaped {
+        match self {
+            Item::Unit(s) => s,
+            Item::Request(r) => {
+                let mut one = vec![r];
+                tainted.admit(&mut one);
+                shape(one)
+            }
+        }
+    }
 }
 
 /// One write set aside was answered: its run, and the leases it held.
@@ -222,22 +240,20 @@ async fn writer(
                 return;
             }
             match rx.recv().await {
-                Some(q) => take_in(&mut queues, &mut tainted, q),
+                Some(q) => take_in(&mut queues, q),
                 None => return,
             }
         }
         while let Ok(q) = rx.try_recv() {
-            take_in(&mut queues, &mut tainted, q);
+            take_in(&mut queues, q);
         }
         let mut wrote = false;
         for (run, rq) in queues.iter_mut() {
-            let q = &mut rq.units;
-            while let Some((unit, _)) = q.front() {
+            while let Some((item, leases)) = rq.units.pop_front() {
+                let unit = item.into_unit(&mut tainted);
                 if unit.size() == 0 {
-                    // a success `admit` held back (and answered): nothing to write
-                    if let Some((_, leases)) = q.pop_front() {
-                        let _ = answered.send(Answered { run: *run, leases });
-                    }
+                    // a success held back (and answered): nothing to write
+                    let _ = answered.send(Answered { run: *run, leases });
                     continue;
                 }
                 let res = crate::db::bounded(
@@ -246,14 +262,11 @@ async fn writer(
                     db.write_ledger_within(&worker, &unit.batch, &unit.writes, Some(LOCK_WAIT)),
                 )
                 .await;
-                let Some((unit, leases)) = q.pop_front() else {
-                    break;
-                };
                 match res {
                     // still held: tried again after a pause; once the ledger
                     // is gone, this was the last try (answered below)
                     Err(e) if is_lock_wait(&e) => {
-                        q.push_front((unit, leases));
+                        rq.units.push_front((Item::Unit(unit), leases));
                         rq.still_held(*run);
                         break;
                     }
@@ -271,8 +284,9 @@ async fn writer(
             // the last try was made: what is left is answered as not written
             for (run, q) in std::mem::take(&mut queues) {
                 warn!(%run, writes = q.units.len(), "the worker stopped while this run's row was still held by another transaction: these writes were not made");
-                for (unit, _) in q.units {
-                    unit.fail(&stopped_while_held(), &mut tainted);
+                for (item, _) in q.units {
+                    item.into_unit(&mut tainted)
+                        .fail(&stopped_while_held(), &mut tainted);
                 }
             }
             return;
@@ -284,7 +298,7 @@ async fn writer(
         // every run left is still held: a pause, cut short by a new write
         tokio::select! {
             got = rx.recv() => match got {
-                Some(q) => take_in(&mut queues, &mut tainted, q),
+                Some(q) => take_in(&mut queues, q),
                 None => open = false,
             },
             _ = tokio::time::sleep(pause) => pause = (pause * 2).min(MAX_PAUSE),
@@ -292,26 +306,12 @@ async fn writer(
     }
 }
 
-fn take_in(
-    queues: &mut BTreeMap<Uuid, RunQueue>,
-    tainted: &mut Tainted,
-    Queued { run, leases, item }: Queued,
-) {
-    let unit = match item {
-        Item::Unit(s) => s,
-        Item::Request(r) => {
-            let mut one = vec![r];
-            tainted.admit(&mut one);
-            shape(one)
-        }
-    };
-    // a success held back by `admit` was answered there: an empty unit still
-    // goes through the queue, so its lease's count is given back in order
+fn take_in(queues: &mut BTreeMap<Uuid, RunQueue>, Queued { run, leases, item }: Queued) {
     queues
         .entry(run)
         .or_insert_with(RunQueue::new)
         .units
-        .push_back((unit, leases));
+        .push_back((item, leases));
 }
 
 /// The batch gave up waiting for a row lock (`lock_timeout`).
