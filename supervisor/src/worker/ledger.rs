@@ -1039,7 +1039,7 @@ fn as_each(e: &DbError) -> DbError {
 mod tests {
     use super::*;
 
-    fn ev(seq: u64, kind: &'static str) -> OwnedEvent {
+    pub(super) fn ev(seq: u64, kind: &'static str) -> OwnedEvent {
         OwnedEvent {
             sequence: seq,
             kind,
@@ -1049,7 +1049,7 @@ mod tests {
         }
     }
 
-    fn lease(n: u128) -> crate::db::Lease {
+    pub(super) fn lease(n: u128) -> crate::db::Lease {
         crate::db::Lease::for_test(Uuid::from_u128(n), Uuid::from_u128(n + 1000), 1)
     }
 

@@ -324,3 +324,138 @@ fn stopped_while_held() -> DbError {
         context: "the worker stopped while another transaction held this step's run row",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{ev, lease};
+    use super::*;
+    use crate::db::{CompleteWrite, EventsWrite, Lease, ReleaseWrite, StartWrite};
+    use tokio::sync::oneshot;
+
+    fn run_of(n: u128) -> Uuid {
+        Uuid::from_u128(n + 2000)
+    }
+
+    fn start(n: u128, run: Uuid) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Start(
+            StartWrite {
+                run_id: run,
+                lease: lease(n),
+                pid: 1,
+                event: ev(1, "accepted"),
+            },
+            r,
+        )
+    }
+
+    fn events(n: u128) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Events(
+            EventsWrite {
+                lease: lease(n),
+                events: vec![ev(2, "progress")],
+            },
+            r,
+        )
+    }
+
+    fn complete(n: u128, run: Uuid) -> (Request, oneshot::Receiver<Result<(), DbError>>) {
+        let (reply, answer) = oneshot::channel();
+        let r = Request::Complete {
+            write: CompleteWrite {
+                run_id: run,
+                lease: lease(n),
+                output: serde_json::Value::Null,
+                sequence: None,
+            },
+            behind: false,
+            reply,
+        };
+        (r, answer)
+    }
+
+    fn release(l: Lease) -> Request {
+        let (r, _) = oneshot::channel();
+        Request::Release(
+            ReleaseWrite {
+                lease: l,
+                message: String::new(),
+            },
+            r,
+        )
+    }
+
+    fn steps(buf: &[Request]) -> Vec<Uuid> {
+        buf.iter().map(|r| r.lease_key().0).collect()
+    }
+
+    /// What follows writes aside goes aside too: later writes of their
+    /// leases, and starts and successes of their runs; the rest stays. Once
+    /// every write aside is answered, nothing is routed any more.
+    #[tokio::test]
+    async fn later_writes_of_leases_and_runs_aside_follow_them() {
+        // nothing listens there: the writer's tries fail at once, and their
+        // writers get that (transient) error as their answer
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(Duration::from_millis(200))
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .expect("lazy pool");
+        let mut aside = Aside::start(Db::from_pool(pool), "w".into());
+        let held_run = run_of(1);
+        let mut buf = vec![events(1), start(2, held_run)];
+        aside.route(&mut buf);
+        assert_eq!(buf.len(), 2, "nothing is aside: nothing is routed");
+
+        let (c1, mut answer) = complete(1, held_run);
+        let held: HashMap<Uuid, Uuid> = [(lease(1).step_run_id(), held_run)].into();
+        let rest = aside.set_aside(shape(vec![c1, events(3)]), &held);
+        assert_eq!(steps_of(&rest), [lease(3).step_run_id()]);
+
+        let (c5, _) = complete(5, held_run);
+        let (c6, _) = complete(6, run_of(6));
+        let mut buf = vec![
+            events(1),           // its lease is aside
+            start(2, held_run),  // its run is
+            events(2),           // and so now is its lease
+            start(4, run_of(4)), // another run
+            c5,                  // a success of the held run
+            c6,                  // of another run
+            release(lease(7)),   // names no run: stays (it would wait, then go aside)
+        ];
+        aside.route(&mut buf);
+        assert_eq!(
+            steps(&buf),
+            [
+                lease(4).step_run_id(),
+                lease(6).step_run_id(),
+                lease(7).step_run_id()
+            ]
+        );
+
+        // the writer answers them (here with the pool's error); once all are
+        // answered, nothing more goes aside
+        let got = tokio::time::timeout(Duration::from_secs(10), &mut answer)
+            .await
+            .expect("answered")
+            .expect("a reply");
+        assert!(got.is_err_and(|e| e.is_transient()));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !aside.is_idle() {
+            assert!(
+                Instant::now() < until,
+                "the writes aside were never all answered"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(aside.leases.is_empty() && aside.runs.is_empty());
+        let mut buf = vec![events(1), start(9, held_run)];
+        aside.route(&mut buf);
+        assert_eq!(buf.len(), 2, "all answered: nothing is routed");
+        aside.close().await;
+    }
+
+    fn steps_of(s: &Shaped) -> Vec<Uuid> {
+        s.leases().into_iter().map(|(id, _)| id).collect()
+    }
+}
