@@ -233,6 +233,10 @@ pub enum ArtifactCommand {
     },
 }
 
+/// `watch`'s exit code when it could not follow the run (the database was
+/// unreachable, or went away): 1 is the run's failure.
+pub const WATCH_LOST: u8 = 5;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     #[error(transparent)]
@@ -265,6 +269,10 @@ pub enum CliError {
     Usage(String),
     #[error("{0}")]
     Other(String),
+    /// `watch` could not follow the run (its database, its connection): not
+    /// the run's outcome, so not its exit code either.
+    #[error(transparent)]
+    Watching(Box<CliError>),
 }
 
 impl CliError {
@@ -277,6 +285,11 @@ impl CliError {
             CliError::Usage(_) => 2,
             CliError::Connect(e) if e.is_bad_input() => 2,
             CliError::Db(DbError::NotFound(_)) | CliError::BadRunId(_) => 4,
+            // watch's 1 means the run failed (CONTRACT §2)
+            CliError::Watching(e) => match e.exit_code() {
+                1 => WATCH_LOST,
+                code => code,
+            },
             _ => 1,
         }
     }
@@ -284,6 +297,10 @@ impl CliError {
     /// What to do about it, when the message alone does not say.
     pub fn hint(&self) -> Option<&'static str> {
         match self {
+            CliError::Watching(e) if e.exit_code() == 1 => Some(
+                "watch could not follow the run, which is not affected: check the database (DATABASE_URL), then run `supervisor watch RUN_ID` again",
+            ),
+            CliError::Watching(e) => e.hint(),
             CliError::Db(DbError::NotFound(m)) if m.starts_with("unknown run") => {
                 Some("`supervisor runs` lists the newest runs and their ids")
             }
@@ -572,14 +589,19 @@ async fn watch(
     plain: bool,
     interval_ms: u64,
 ) -> Result<u8, CliError> {
-    let id = parse_run_id(run_id)?;
-    let db = connect(url, 2, true).await?;
-    let mut opts = crate::watch::WatchOptions::for_stdout(plain);
-    opts.interval = std::time::Duration::from_millis(interval_ms);
-    let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts)
-        .await
-        .map_err(explain)?;
-    Ok(end.exit_code())
+    let followed = async {
+        let id = parse_run_id(run_id)?;
+        let db = connect(url, 2, true).await?;
+        let mut opts = crate::watch::WatchOptions::for_stdout(plain);
+        opts.interval = std::time::Duration::from_millis(interval_ms);
+        crate::watch::watch(&db, id, &mut std::io::stdout(), &opts)
+            .await
+            .map_err(explain)
+    };
+    match followed.await {
+        Ok(end) => Ok(end.exit_code()),
+        Err(e) => Err(CliError::Watching(Box::new(e))),
+    }
 }
 
 /// `supervisor cancel RUN [--step NAME]`.

@@ -159,6 +159,23 @@ async fn an_unknown_run_exits_4() {
     assert_eq!(code, Some(4), "{err}");
 }
 
+/// A watch that cannot follow the run is not the run's failure: exit 5, not
+/// 1 (which a script reads as "the run failed"), with what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_that_cannot_reach_the_database_exits_5_not_1() {
+    // a port nothing listens on
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let (code, out, err) = watch_piped(&url, &Uuid::new_v4().to_string()).await;
+    assert_eq!(code, Some(5), "stdout: {out}\nstderr: {err}");
+    assert!(err.contains("cannot reach the database"), "{err}");
+    assert!(err.contains("watch RUN_ID"), "{err}");
+}
+
 // ---------------------------------------------------------------------------
 // a real pseudo-terminal
 
