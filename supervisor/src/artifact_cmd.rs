@@ -20,21 +20,33 @@ use crate::cli::CliError;
 use crate::db::{ArtifactInfo, Db, DbError, Lineage};
 
 /// What a failed `get` left behind, said after its error.
-fn left_behind(to_stdout: bool) -> &'static str {
-    if to_stdout {
-        "(what was already written to standard output is not the artifact: discard it)"
-    } else {
-        "(nothing was written to the file)"
+/// Where the bytes went while they were checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sink {
+    /// A temporary file beside --out, removed on any error.
+    File,
+    Stdout,
+    /// What is not a regular file (a device, a FIFO), written in place.
+    Through,
+}
+
+fn left_behind(sink: Sink) -> &'static str {
+    match sink {
+        Sink::Stdout => {
+            "(what was already written to standard output is not the artifact: discard it)"
+        }
+        Sink::Through => "(what was already written to --out is not the artifact: discard it)",
+        Sink::File => "(nothing was written to the file)",
     }
 }
 
-fn store_error(e: StoreError, to_stdout: bool) -> CliError {
+fn store_error(e: StoreError, sink: Sink) -> CliError {
     match e {
         StoreError::Db(e) => CliError::Db(e),
         StoreError::NoDirectory { .. } | StoreError::DirectoryMissing { .. } => {
             CliError::Usage(e.to_string())
         }
-        e => CliError::Other(format!("{e} {}", left_behind(to_stdout))),
+        e => CliError::Other(format!("{e} {}", left_behind(sink))),
     }
 }
 
@@ -64,8 +76,60 @@ pub fn parse_artifact_id(s: &str) -> Result<Uuid, CliError> {
     })
 }
 
+/// Where `artifact get` writes.
+enum Target {
+    Stdout,
+    /// Something that is not a regular file (a device, a FIFO, a socket,
+    /// `/dev/stdout`): written through, in place, as stdout is. Nothing is
+    /// replaced, so no --force is needed.
+    Through(std::path::PathBuf),
+    /// A regular file (a symlink's target, when `out` is one): written
+    /// beside it, verified, then renamed over it.
+    File(std::path::PathBuf),
+}
+
+/// Resolves `--out`: refused when it names a directory, a dangling symlink,
+/// or (without `force`) a regular file that exists.
+fn target(out: &Path, force: bool) -> Result<Target, CliError> {
+    if out.as_os_str() == "-" {
+        return Ok(Target::Stdout);
+    }
+    let directory = || {
+        CliError::Usage(format!(
+            "--out {} names a directory: give the path of the file to write",
+            out.display()
+        ))
+    };
+    if out.as_os_str().to_string_lossy().ends_with('/') {
+        return Err(directory());
+    }
+    let is_link = out
+        .symlink_metadata()
+        .is_ok_and(|m| m.file_type().is_symlink());
+    // (stat follows symlinks, /proc's magic links among them)
+    match std::fs::metadata(out) {
+        Ok(m) if m.is_dir() => Err(directory()),
+        Ok(m) if !m.is_file() => Ok(Target::Through(out.to_path_buf())),
+        Ok(_) if !force => Err(CliError::Usage(format!(
+            "{} exists: pass --force to overwrite it, or choose another --out",
+            out.display()
+        ))),
+        // the file a symlink names is replaced, not the link
+        Ok(_) if is_link => std::fs::canonicalize(out)
+            .map(Target::File)
+            .map_err(|e| io_error(out, "resolve", e)),
+        Ok(_) => Ok(Target::File(out.to_path_buf())),
+        Err(_) if is_link => Err(CliError::Usage(format!(
+            "--out {} is a symlink to a path that does not exist: give the path of the file to write",
+            out.display()
+        ))),
+        Err(_) => Ok(Target::File(out.to_path_buf())),
+    }
+}
+
 /// Writes artifact `id`'s bytes to `out` (`-`: stdout), checked against its
-/// size and sha256. Refuses an existing `out` unless `force`.
+/// size and sha256. Refuses an existing regular file `out` unless `force`;
+/// writes through what is not a regular file (`/dev/null`, a FIFO).
 pub async fn get(
     db: &Db,
     store: &ArtifactStore,
@@ -73,19 +137,7 @@ pub async fn get(
     out: &Path,
     force: bool,
 ) -> Result<ArtifactInfo, CliError> {
-    let to_stdout = out.as_os_str() == "-";
-    if !to_stdout && (out.is_dir() || out.as_os_str().to_string_lossy().ends_with('/')) {
-        return Err(CliError::Usage(format!(
-            "--out {} names a directory: give the path of the file to write",
-            out.display()
-        )));
-    }
-    if !to_stdout && !force && out.symlink_metadata().is_ok() {
-        return Err(CliError::Usage(format!(
-            "{} exists: pass --force to overwrite it, or choose another --out",
-            out.display()
-        )));
-    }
+    let target = target(out, force)?;
     let (info, blob) = db.artifact_blob(id).await?;
     if blob.size != info.size {
         return Err(CliError::Other(format!(
@@ -93,16 +145,29 @@ pub async fn get(
             blob.size, info.size
         )));
     }
-    let mut reader = store
-        .open(&blob)
-        .await
-        .map_err(|e| store_error(e, to_stdout))?;
-    if to_stdout {
-        let stdout = std::io::stdout();
-        copy_checked(&mut reader, &mut stdout.lock(), &info, out, true).await?;
-        return Ok(info);
-    }
-    let dir = match out.parent() {
+    let sink = match target {
+        Target::Stdout => Sink::Stdout,
+        Target::Through(_) => Sink::Through,
+        Target::File(_) => Sink::File,
+    };
+    let mut reader = store.open(&blob).await.map_err(|e| store_error(e, sink))?;
+    let file = match target {
+        Target::Stdout => {
+            let stdout = std::io::stdout();
+            copy_checked(&mut reader, &mut stdout.lock(), &info, out, sink).await?;
+            return Ok(info);
+        }
+        Target::Through(path) => {
+            let mut w = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(|e| io_error(out, "open", e))?;
+            copy_checked(&mut reader, &mut w, &info, out, sink).await?;
+            return Ok(info);
+        }
+        Target::File(path) => path,
+    };
+    let dir = match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
@@ -114,13 +179,13 @@ pub async fn get(
     // a signal, a read error or a mismatch drops `tmp`, which removes it:
     // no partial or wrong bytes are left beside FILE or under its name
     tokio::select! {
-        r = copy_checked(&mut reader, &mut tmp, &info, out, false) => r,
+        r = copy_checked(&mut reader, &mut tmp, &info, out, sink) => r,
         _ = interrupted() => Err(CliError::Other(format!(
             "interrupted by a signal: nothing was written to {}",
             out.display()
         ))),
     }?;
-    place(tmp, out, force)?;
+    place(tmp, &file, force)?;
     Ok(info)
 }
 
@@ -135,21 +200,21 @@ async fn copy_checked(
     w: &mut impl Write,
     info: &ArtifactInfo,
     out: &Path,
-    to_stdout: bool,
+    sink: Sink,
 ) -> Result<(), CliError> {
     let mut hasher = Sha256::new();
     let mut written: i64 = 0;
     while let Some(chunk) = reader
         .next_chunk()
         .await
-        .map_err(|e| store_error(e, to_stdout))?
+        .map_err(|e| store_error(e, sink))?
     {
         hasher.update(&chunk);
         written += chunk.len() as i64;
         w.write_all(&chunk).map_err(|e| io_error(out, "write", e))?;
     }
     w.flush().map_err(|e| io_error(out, "write", e))?;
-    check(info, written, &hex::encode(hasher.finalize()), to_stdout)
+    check(info, written, &hex::encode(hasher.finalize()), sink)
 }
 
 /// Moves the verified temporary file to `out`: durable, mode 0644, and
@@ -181,14 +246,14 @@ fn place(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> Result<(), Cl
     })
 }
 
-fn check(info: &ArtifactInfo, size: i64, sha256: &str, to_stdout: bool) -> Result<(), CliError> {
+fn check(info: &ArtifactInfo, size: i64, sha256: &str, sink: Sink) -> Result<(), CliError> {
     if size != info.size || sha256 != info.sha256 {
         return Err(CliError::Other(format!(
             "artifact {}: read {size} bytes with sha256 {sha256}, but it is {} bytes with sha256 {}; the stored bytes are damaged {}",
             info.id,
             info.size,
             info.sha256,
-            left_behind(to_stdout)
+            left_behind(sink)
         )));
     }
     Ok(())

@@ -240,3 +240,94 @@ async fn a_three_step_chain_shows_its_whole_lineage_and_get_writes_the_exact_byt
     );
     w.shutdown().await;
 }
+
+/// `--out` that is not a regular file is written through, never replaced:
+/// a FIFO stays a FIFO and its reader gets the bytes, `/dev/null` stays the
+/// device (no --force needed: nothing is overwritten). A symlink to a file
+/// keeps being a symlink and its file gets the bytes; a dangling one is
+/// refused. Before, `--force` renamed a plain file over any of them (as
+/// root, over /dev/null itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_writes_through_what_is_not_a_regular_file() {
+    use std::os::unix::fs::FileTypeExt;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    let run = t
+        .submit(json!({"name": "one", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.artifact", "input": {"name": "a.txt", "content": "abc", "repeat": 1000}}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(st.state, "succeeded");
+    let a = tests::step(&st, "s").artifacts[0].clone();
+    let id = a.id.to_string();
+    w.shutdown().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+
+    let fifo = dir.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read(fifo).expect("read the fifo"))
+    };
+    let fifo_s = fifo.to_string_lossy().into_owned();
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &id, "--out", &fifo_s, "--force"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    // (checked first: were it replaced, its reader would wait forever)
+    assert!(std::fs::symlink_metadata(&fifo)
+        .expect("fifo")
+        .file_type()
+        .is_fifo());
+    assert_eq!(sha256_hex(&reader.join().expect("reader")), a.sha256);
+
+    let out = cli(&t.url, &["artifact", "get", &id, "--out", "/dev/null"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(std::fs::symlink_metadata("/dev/null")
+        .expect("/dev/null")
+        .file_type()
+        .is_char_device());
+
+    let file = dir.path().join("file.txt");
+    std::fs::write(&file, "old").expect("file");
+    let link = dir.path().join("link.txt");
+    std::os::unix::fs::symlink(&file, &link).expect("symlink");
+    let link_s = link.to_string_lossy().into_owned();
+    let out = cli(&t.url, &["artifact", "get", &id, "--out", &link_s]);
+    assert_eq!(out.status.code(), Some(2), "an existing file needs --force");
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &id, "--out", &link_s, "--force"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(std::fs::symlink_metadata(&link)
+        .expect("link")
+        .file_type()
+        .is_symlink());
+    assert_eq!(sha256_hex(&std::fs::read(&file).expect("file")), a.sha256);
+
+    let dangling = dir.path().join("dangling");
+    std::os::unix::fs::symlink(dir.path().join("nowhere/x"), &dangling).expect("symlink");
+    let out = cli(
+        &t.url,
+        &[
+            "artifact",
+            "get",
+            &id,
+            "--out",
+            &dangling.to_string_lossy(),
+            "--force",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("does not exist"),
+        "{}",
+        text(&out.stderr)
+    );
+}
