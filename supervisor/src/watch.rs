@@ -102,7 +102,12 @@ pub async fn watch<W: Write>(
                 failing_since = None;
                 first = false;
                 let done = run_is_terminal(&snap.state);
-                let width = if opts.live { terminal_width() } else { 0 };
+                let (width, rows) = if opts.live {
+                    terminal_size()
+                } else {
+                    (0, None)
+                };
+                view.rows = rows;
                 let text = view.frame(&snap, width, done);
                 write_all(out, &text);
                 if done {
@@ -144,17 +149,22 @@ fn write_all<W: Write>(out: &mut W, text: &str) {
     let _ = out.flush();
 }
 
-/// The width of the terminal on stdout, 80 when it cannot be asked.
-fn terminal_width() -> usize {
+/// The width of the terminal on stdout (80 when it cannot be asked), and
+/// its height when it can.
+fn terminal_size() -> (usize, Option<usize>) {
     // SAFETY: TIOCGWINSZ writes a winsize into the struct we own; fd 1 is
     // only queried, never closed
     let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
     let rc = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut ws) };
-    if rc == 0 && ws.ws_col > 0 {
+    if rc != 0 {
+        return (80, None);
+    }
+    let cols = if ws.ws_col > 0 {
         usize::from(ws.ws_col)
     } else {
         80
-    }
+    };
+    (cols, (ws.ws_row > 0).then(|| usize::from(ws.ws_row)))
 }
 
 /// What one step looked like when last shown (plain mode prints on change).
@@ -175,6 +185,10 @@ struct View {
     seen: BTreeMap<String, Seen>,
     /// Live: the cursor is hidden and must be shown again.
     cursor_hidden: bool,
+    /// Live: the terminal's height, when known. A frame is kept shorter: one
+    /// taller than the screen scrolls at every redraw, leaving a stale copy
+    /// in the scrollback each time.
+    rows: Option<usize>,
 }
 
 const HIDE_CURSOR: &str = "\x1b[?25l";
@@ -187,6 +201,7 @@ impl View {
             drawn: 0,
             seen: BTreeMap::new(),
             cursor_hidden: false,
+            rows: None,
         }
     }
 
@@ -241,8 +256,22 @@ impl View {
             .map(|s| s.name.chars().count().min(24))
             .max()
             .unwrap_or(4);
-        for s in &run.steps {
-            lines.push(self.step_line(s, name_w, width));
+        let room = match self.rows {
+            // the last frame is drawn whole: nothing is drawn over it
+            Some(rows) if !done && rows >= 4 => rows - 1,
+            _ => usize::MAX,
+        };
+        if run.steps.len() < room {
+            for s in &run.steps {
+                lines.push(self.step_line(s, name_w, width));
+            }
+        } else {
+            // the header, the steps that matter most now, and what is left out
+            let (shown, left_out) = pick_steps(&run.steps, room - 2);
+            for s in shown {
+                lines.push(self.step_line(s, name_w, width));
+            }
+            lines.push(left_out);
         }
         let mut out = String::new();
         if !self.cursor_hidden && !done {
@@ -457,6 +486,34 @@ fn pad(s: &str, w: usize) -> String {
     format!("{s}{}", " ".repeat(w.saturating_sub(n)))
 }
 
+/// At most `n` of `steps` for a screen too short for all: running ones
+/// first, then failed, pending, waiting, and finished ones last, shown in
+/// spec order; and a line that counts the others by state.
+fn pick_steps(steps: &[WatchStep], n: usize) -> (Vec<&WatchStep>, String) {
+    let rank = |s: &WatchStep| match s.state.as_str() {
+        "running" | "leased" => 0,
+        "retryable_failed" | "terminal_failed" => 1,
+        "pending" => 2,
+        "waiting" => 3,
+        _ => 4,
+    };
+    let mut order: Vec<usize> = (0..steps.len()).collect();
+    order.sort_by_key(|&i| (rank(&steps[i]), i));
+    let mut chosen: Vec<usize> = order.iter().copied().take(n).collect();
+    chosen.sort_unstable();
+    let mut hidden: BTreeMap<&str, usize> = BTreeMap::new();
+    for &i in order.iter().skip(n) {
+        *hidden.entry(steps[i].state.as_str()).or_default() += 1;
+    }
+    let counts: Vec<String> = hidden.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    let left_out = format!(
+        "… {} more steps ({}): a taller terminal shows them",
+        steps.len() - chosen.len(),
+        counts.join(", ")
+    );
+    (chosen.into_iter().map(|i| &steps[i]).collect(), left_out)
+}
+
 /// Pads a painted value by the width of its plain text.
 fn pad_painted(painted: &str, plain: &str, w: usize) -> String {
     format!(
@@ -589,6 +646,45 @@ mod tests {
             "moves back over 3 lines: {second:?}"
         );
         assert!(second.ends_with(SHOW_CURSOR), "{second:?}");
+    }
+
+    /// A run with more steps than the terminal has rows is drawn in fewer
+    /// lines than the screen (a taller frame scrolls at every redraw, and
+    /// the scrollback fills with stale copies): the running steps first,
+    /// the others counted. The last frame is drawn whole.
+    #[test]
+    fn live_frames_fit_the_terminals_height() {
+        let mut steps: Vec<WatchStep> = (0..30)
+            .map(|i| step(&format!("s{i:02}"), "succeeded", 1, None, None))
+            .collect();
+        steps[27].state = "running".into();
+        steps[5].state = "pending".into();
+        let r = run("running", steps);
+        let mut v = View::new(opts(true));
+        v.rows = Some(10);
+        let f = v.frame(&r, 80, false);
+        assert_eq!(f.matches('\n').count(), 9, "{f}");
+        assert!(f.contains("s27") && f.contains("s05"), "{f}");
+        assert!(f.find("s05") < f.find("s27"), "in spec order: {f}");
+        assert!(
+            f.contains("… 23 more steps (23 succeeded): a taller terminal shows them"),
+            "{f}"
+        );
+        let again = v.frame(&r, 80, false);
+        assert!(
+            again.contains("\r\x1b[9A"),
+            "moves back over 9 lines: {again:?}"
+        );
+        let last = v.frame(&r, 80, true);
+        assert!(
+            last.contains("s29") && !last.contains("more steps"),
+            "{last}"
+        );
+        // a screen tall enough shows every step
+        let mut v = View::new(opts(true));
+        v.rows = Some(40);
+        let f = v.frame(&r, 80, false);
+        assert_eq!(f.matches('\n').count(), 31, "{f}");
     }
 
     #[test]
