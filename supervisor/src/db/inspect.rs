@@ -77,6 +77,8 @@ pub enum ConnectError {
     Login { url: String, cause: String },
     #[error("the database server at {url} has no such database: {cause}. Create it (createdb), or fix the database name in DATABASE_URL (or --database-url)")]
     NoSuchDatabase { url: String, cause: String },
+    #[error("the TLS connection to the database at {url} failed: {cause}. With sslmode=verify-ca or verify-full the server's certificate must be signed by a CA in the system's store or in sslrootcert=FILE (a URL parameter); sslmode=require encrypts without checking it; the server must have ssl = on")]
+    Tls { url: String, cause: String },
     #[error(transparent)]
     Db(#[from] DbError),
 }
@@ -339,6 +341,11 @@ async fn probe(url: &str, opts: &PgConnectOptions) -> Result<(), ConnectError> {
     }
 }
 
+fn is_tls_failure(cause: &str) -> bool {
+    let c = cause.to_ascii_lowercase();
+    c.contains("certificate") || c.contains("tls")
+}
+
 fn classify(url: String, e: sqlx::Error) -> ConnectError {
     let cause = e.to_string();
     match &e {
@@ -353,6 +360,10 @@ fn classify(url: String, e: sqlx::Error) -> ConnectError {
             url,
             message: cause,
         },
+        sqlx::Error::Tls(_) => ConnectError::Tls { url, cause },
+        // rustls's refusals (an untrusted certificate, a name that does not
+        // match) reach sqlx as I/O errors
+        _ if is_tls_failure(&cause) => ConnectError::Tls { url, cause },
         _ => ConnectError::Unreachable { url, cause },
     }
 }
