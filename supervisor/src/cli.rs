@@ -311,6 +311,9 @@ impl CliError {
             CliError::NotJson(_) => {
                 Some("a spec is one JSON object: {\"name\": ..., \"steps\": [...]} (CONTRACT §3)")
             }
+            CliError::Db(e) if e.sqlstate().as_deref() == Some("55P03") => Some(
+                "another transaction held the rows for over 10 s (an open psql session, a long cancel or gc): nothing was changed; end it, or try again",
+            ),
             _ => None,
         }
     }

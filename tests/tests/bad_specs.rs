@@ -663,3 +663,45 @@ async fn a_run_key_that_is_another_runs_id_is_refused() {
     let run = t.submit(other.clone()).await;
     assert_eq!(t.submit(other).await, run);
 }
+
+/// A cancel that waited its 10 s for a run row another transaction holds
+/// says what happened and what to do (nothing was changed: end that
+/// transaction, or try again), without a WARN line of sqlx above it.
+#[tokio::test]
+async fn a_cancel_blocked_by_a_held_run_says_what_to_do() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(
+            json!({"name": "held", "steps": [{"name": "a", "executor_kind": "go", "kind": "k"}]}),
+        )
+        .await;
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold");
+    let out = tokio::task::spawn_blocking({
+        let url = t.url.clone();
+        move || {
+            Command::new(tests::supervisor_bin())
+                .args(["cancel", &run.to_string()])
+                .env("DATABASE_URL", url)
+                .env_remove("RUST_LOG")
+                .output()
+                .expect("cancel")
+        }
+    })
+    .await
+    .expect("join");
+    holder.rollback().await.expect("rollback");
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{msg}");
+    assert!(
+        msg.contains("another transaction held the rows") && msg.contains("try again"),
+        "{msg}"
+    );
+    assert!(!msg.contains("WARN"), "{msg}");
+    let st = t.status(run).await;
+    assert!(!st.cancel_requested, "nothing was changed");
+}

@@ -554,8 +554,12 @@ impl Db {
         // values; tests/tests/bounded_reads.rs). No JIT: a generic plan's
         // estimate over a million pending rows crosses jit_above_cost, and
         // compiling it cost 280 ms for a lease that runs in 0.1 ms.
+        // A statement slower than 1 s is worth a line in a worker's log, not a
+        // WARN on a command's terminal (a cancel that waited on a held row
+        // printed one above its own error)
         let opts = opts
             .log_statements(tracing::log::LevelFilter::Trace)
+            .log_slow_statements(tracing::log::LevelFilter::Info, StdDuration::from_secs(1))
             .options([
                 ("statement_timeout", "60000"),
                 ("lock_timeout", "10000"),
