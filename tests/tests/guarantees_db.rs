@@ -838,3 +838,85 @@ async fn a_step_whose_last_sequence_is_at_the_limit_is_still_reclaimed() {
         "the expired lease was reclaimed: {st:?}"
     );
 }
+
+/// A run row another transaction holds (an open psql session, a program's
+/// own transaction around `durable.cancel_run`) delays the reclaim and the
+/// deadline pass for that run alone: the other runs' expired leases are
+/// reclaimed and their overdue steps ended in the same pass, and the held
+/// run's once its row is free. Before, each pass waited the connection's
+/// 10 s lock timeout on the held run, failed, and began the next pass with
+/// it again: a crashed worker's steps of every run stayed running.
+#[tokio::test]
+async fn a_held_run_row_delays_the_reclaim_and_the_deadline_pass_for_that_run_alone() {
+    let t = TestDb::new().await;
+    let one = |name: &str| json!({"name": name, "steps": [{"name": "a", "executor_kind": "go", "kind": "k"}]});
+    let held_run = t.submit(one("held")).await;
+    let other_run = t.submit(one("other")).await;
+    let wid = worker(&t.db, "w").await;
+    let leased = lease_all(&t.db, wid, 10).await;
+    assert_eq!(leased.len(), 2);
+    // the held run's lease expired first: it is the pass's first candidate
+    for (run, ago) in [(held_run, "3 seconds"), (other_run, "1 second")] {
+        sqlx::query(&format!(
+            "UPDATE durable.step_runs SET lease_expires_at = now() - interval '{ago}' WHERE run_id = $1"
+        ))
+        .bind(run)
+        .execute(t.db.pool())
+        .await
+        .expect("expire");
+    }
+    let hold = |run: Uuid| {
+        let pool = t.db.pool().clone();
+        async move {
+            let mut tx = pool.begin().await.expect("begin");
+            sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+                .bind(run)
+                .execute(&mut *tx)
+                .await
+                .expect("hold");
+            tx
+        }
+    };
+    let holder = hold(held_run).await;
+    let reclaimed = tokio::time::timeout(Duration::from_secs(5), t.db.reclaim_expired("r", 10))
+        .await
+        .expect("the pass does not wait for the held run")
+        .expect("reclaim");
+    assert_eq!(reclaimed, 1);
+    let state = |run: Uuid| {
+        let t = &t;
+        async move { tests::step(&t.status(run).await, "a").state.clone() }
+    };
+    assert_eq!(state(other_run).await, "retryable_failed");
+    assert_eq!(state(held_run).await, "leased");
+    holder.rollback().await.expect("let go");
+    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 1);
+    assert_eq!(state(held_run).await, "retryable_failed");
+
+    // the deadline pass alike: two overdue pending steps, the held run's first
+    let late_held = t.submit(one("late-held")).await;
+    let late_other = t.submit(one("late-other")).await;
+    for (run, ago) in [(late_held, "3 seconds"), (late_other, "1 second")] {
+        sqlx::query(&format!(
+            "UPDATE durable.step_runs SET deadline = now() - interval '{ago}' WHERE run_id = $1"
+        ))
+        .bind(run)
+        .execute(t.db.pool())
+        .await
+        .expect("overdue");
+    }
+    let holder = hold(late_held).await;
+    let ended = tokio::time::timeout(Duration::from_secs(5), t.db.fail_overdue(wid, "w", 10))
+        .await
+        .expect("the pass does not wait for the held run")
+        .expect("fail overdue");
+    assert_eq!(ended, 1);
+    assert_eq!(state(late_other).await, "terminal_failed");
+    assert_eq!(state(late_held).await, "pending");
+    holder.rollback().await.expect("let go");
+    assert_eq!(
+        t.db.fail_overdue(wid, "w", 10).await.expect("fail overdue"),
+        1
+    );
+    assert_eq!(state(late_held).await, "terminal_failed");
+}

@@ -95,7 +95,7 @@ pub use retention::{
     RETENTION_TABLES,
 };
 pub use runs::{StuckStep, WorkFor};
-use writes::{begin_step_write, insert_ending_event, write_failure};
+use writes::{begin_step_write_unless_held, insert_ending_event, write_failure};
 
 use std::collections::BTreeMap;
 use std::time::Duration as StdDuration;

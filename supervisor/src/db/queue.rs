@@ -296,8 +296,8 @@ impl DbConn<'_> {
         limit: u32,
     ) -> Result<usize, DbError> {
         let mut s = Scope::enter(self.conn).await?;
-        let candidates: Vec<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM durable.step_runs
+        let candidates: Vec<(Uuid, Uuid)> = sqlx::query_as(
+            "SELECT id, run_id FROM durable.step_runs
               WHERE durable.step_is_live(state) AND lease_expires_at < now()
               ORDER BY lease_expires_at
               LIMIT $1",
@@ -307,10 +307,15 @@ impl DbConn<'_> {
         .await
         .ctx("finding expired leases")?;
         let mut reclaimed = 0;
-        for id in candidates {
-            // run lock first, like every step write; then the step, skipping
-            // one another worker is reclaiming or its owner is writing right now
-            let mut tx = begin_step_write(&mut s, id).await?;
+        let mut held = HeldRuns::default();
+        for (id, run) in candidates {
+            // run lock first, like every step write (a run another
+            // transaction holds is left for a later pass); then the step,
+            // skipping one another worker is reclaiming or its owner is
+            // writing right now
+            let Some(mut tx) = held.begin(&mut s, id, run).await? else {
+                continue;
+            };
             let row = sqlx::query(
                 "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, retry, deadline,
                         cancel_requested, now() AS db_now
@@ -351,8 +356,8 @@ impl DbConn<'_> {
     ) -> Result<usize, DbError> {
         let mut s = Scope::enter(self.conn).await?;
         // the partial index step_runs_overdue holds exactly these rows
-        let candidates: Vec<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM durable.step_runs
+        let candidates: Vec<(Uuid, Uuid)> = sqlx::query_as(
+            "SELECT id, run_id FROM durable.step_runs
               WHERE state IN ('pending', 'retryable_failed') AND deadline IS NOT NULL
                 AND deadline < now()
               ORDER BY deadline
@@ -363,11 +368,15 @@ impl DbConn<'_> {
         .await
         .ctx("finding overdue steps")?;
         let mut ended = 0;
-        for id in candidates {
-            // run lock first, like every step write; a step being leased or
-            // cancelled right now is skipped (the lease fails it at once, a
-            // cancel ends it anyway)
-            let mut tx = begin_step_write(&mut s, id).await?;
+        let mut held = HeldRuns::default();
+        for (id, run) in candidates {
+            // run lock first, like every step write (a run another
+            // transaction holds is left for a later pass); a step being
+            // leased or cancelled right now is skipped (the lease fails it at
+            // once, a cancel ends it anyway)
+            let Some(mut tx) = held.begin(&mut s, id, run).await? else {
+                continue;
+            };
             let row = sqlx::query(
                 "UPDATE durable.step_runs s
                     SET state = 'leased', owner_worker_id = $2, lease_token = gen_random_uuid(),
@@ -409,6 +418,32 @@ impl DbConn<'_> {
         }
         s.done().await?;
         Ok(ended)
+    }
+}
+
+/// The runs a pass found held by another transaction: their other steps are
+/// not tried again in that pass (each try waits its lock wait).
+#[derive(Default)]
+struct HeldRuns(HashSet<Uuid>);
+
+impl HeldRuns {
+    /// Begins the write of step `id` of run `run` with its run locked, or
+    /// `None` when that run is held (now, or earlier in this pass).
+    async fn begin<'c>(
+        &mut self,
+        conn: &'c mut PgConnection,
+        id: Uuid,
+        run: Uuid,
+    ) -> Result<Option<sqlx::Transaction<'c, sqlx::Postgres>>, DbError> {
+        if self.0.contains(&run) {
+            return Ok(None);
+        }
+        let tx = begin_step_write_unless_held(conn, id).await?;
+        if tx.is_none() {
+            tracing::info!(%run, step_run_id = %id, "another transaction holds this run's row: its step is left for a later pass, the others go on");
+            self.0.insert(run);
+        }
+        Ok(tx)
     }
 }
 

@@ -501,6 +501,31 @@ pub(super) async fn begin_step_write(
     Ok(tx)
 }
 
+/// How long the reclaim and the deadline pass wait for a run row another
+/// transaction holds before they leave its steps for a later pass.
+pub(super) const PASS_LOCK_WAIT_MS: u64 = 250;
+
+/// [`begin_step_write`] for the reclaim and the deadline pass: `None` when
+/// another transaction held the run row for over [`PASS_LOCK_WAIT_MS`] (the
+/// transaction is rolled back; the caller goes on with other runs' steps).
+pub(super) async fn begin_step_write_unless_held(
+    conn: &mut PgConnection,
+    step_run_id: Uuid,
+) -> Result<Option<sqlx::Transaction<'_, sqlx::Postgres>>, DbError> {
+    let mut tx = conn.begin().await.ctx("beginning a step write")?;
+    let locked: bool = sqlx::query_scalar("SELECT durable.lock_run_of_step($1, $2)")
+        .bind(step_run_id)
+        .bind(format!("{PASS_LOCK_WAIT_MS}ms"))
+        .fetch_one(&mut *tx)
+        .await
+        .ctx("locking the step's run")?;
+    if locked {
+        return Ok(Some(tx));
+    }
+    tx.rollback().await.ctx("leaving a held run")?;
+    Ok(None)
+}
+
 pub(super) fn fenced(rows: u64, lease: &Lease) -> Result<(), DbError> {
     if rows == 0 {
         Err(DbError::LeaseLost {
