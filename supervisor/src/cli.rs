@@ -1135,6 +1135,7 @@ fn spawn_signal_handler(token: CancellationToken) {
             _ = int.recv() => {}
         }
         tracing::warn!("the forced stop did not finish: killing every executor and exiting");
+        crate::worker::log_abandoned_attempts();
         crate::process::kill_all_groups();
         std::process::exit(1);
     });

@@ -178,3 +178,46 @@ async fn a_drain_that_cannot_record_an_outcome_exits_non_zero_and_says_so() {
     );
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
 }
+
+/// A forced exit (10 s after the second signal) names the steps whose
+/// outcomes it leaves unrecorded: here a success that waits for its run's
+/// row, which another transaction holds. They run again once their leases
+/// expire; before, nothing said which.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_exit_names_the_outcomes_it_leaves_unrecorded() {
+    let t = TestDb::new().await;
+    let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![go_demo("go", &[], None)]));
+    let run = t
+        .submit(tests::one_step(
+            "held",
+            "go",
+            "demo.sleep",
+            json!({"ms": 300, "steps": 1}),
+        ))
+        .await;
+    let step = wait_running(&t, run).await;
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold");
+    // the step's executor ends; its success waits for the row
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while !w.stderr().contains("its writes wait aside") {
+        assert!(std::time::Instant::now() < until, "{}", w.stderr());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.signal(Signal::SIGTERM);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.signal(Signal::SIGTERM);
+    let code = w.wait(Duration::from_secs(30)).await;
+    let err = w.stderr();
+    holder.rollback().await.expect("let go");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("exiting with this step's outcome not recorded")
+            && err.contains(&step.to_string()),
+        "{err}"
+    );
+}

@@ -102,6 +102,14 @@ impl LeaseSet {
         }
     }
 
+    /// Each attempt's step, and whether its outcome is being committed.
+    pub fn attempts(&self) -> Vec<(Uuid, bool)> {
+        self.map()
+            .values()
+            .map(|e| (e.lease.step_run_id(), e.committing))
+            .collect()
+    }
+
     /// The leases to renew now.
     pub fn snapshot(&self) -> Vec<Lease> {
         self.map().values().map(|e| e.lease.clone()).collect()

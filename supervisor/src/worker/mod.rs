@@ -480,23 +480,31 @@ impl Worker {
         info!(schema_version = version, "schema checked");
         let hb_db = db.dedicated(heartbeat_timeout(&cfg));
         let (ledger, ledger_queue) = ledger::channel();
+        let shared = Arc::new(Shared {
+            db,
+            hb_db,
+            ledger,
+            cfg: Arc::new(cfg),
+            id,
+            name,
+            spawner,
+            abort: CancellationToken::new(),
+            draining: CancellationToken::new(),
+            leases: leases::LeaseSet::default(),
+            work,
+            wake: Arc::new(Notify::new()),
+            unrecorded: AtomicU64::new(0),
+            unrecorded_at_stop: AtomicU64::new(u64::MAX),
+        });
+        {
+            let mut workers = WORKERS
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            workers.retain(|w| w.strong_count() > 0);
+            workers.push(Arc::downgrade(&shared));
+        }
         Ok(Worker {
-            shared: Arc::new(Shared {
-                db,
-                hb_db,
-                ledger,
-                cfg: Arc::new(cfg),
-                id,
-                name,
-                spawner,
-                abort: CancellationToken::new(),
-                draining: CancellationToken::new(),
-                leases: leases::LeaseSet::default(),
-                work,
-                wake: Arc::new(Notify::new()),
-                unrecorded: AtomicU64::new(0),
-                unrecorded_at_stop: AtomicU64::new(u64::MAX),
-            }),
+            shared,
             executors,
             heartbeat_now: Arc::new(Notify::new()),
             ledger_queue,
@@ -639,6 +647,30 @@ fn spawn_vital_loops(
         "ledger"
     });
     vital
+}
+
+/// Every worker of this process, for the last word of a forced exit.
+static WORKERS: std::sync::Mutex<Vec<std::sync::Weak<Shared>>> = std::sync::Mutex::new(Vec::new());
+
+/// Logs the steps whose attempts a forced exit abandons: those whose outcome
+/// was decided but not recorded, and those still running. Both run again
+/// once their leases expire. Returns how many there were.
+pub fn log_abandoned_attempts() -> usize {
+    let workers = WORKERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut n = 0;
+    for shared in workers.iter().filter_map(std::sync::Weak::upgrade) {
+        for (step_run_id, committing) in shared.leases.attempts() {
+            n += 1;
+            if committing {
+                error!(worker = %shared.name, %step_run_id, "exiting with this step's outcome not recorded: it runs again once its lease expires");
+            } else {
+                error!(worker = %shared.name, %step_run_id, "exiting with this step's attempt unfinished: it runs again once its lease expires");
+            }
+        }
+    }
+    n
 }
 
 /// Set by the process's SIGTERM/SIGINT handler itself ([`note_stop_signal`]).
