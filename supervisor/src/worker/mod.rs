@@ -869,7 +869,10 @@ async fn drain(
                 Some(Ok(())) => {}
             },
             _ = tokio::time::sleep_until(drain_until), if !shared.abort.is_cancelled() => {
-                warn!(running = attempts.len(), "drain timeout: stopping running attempts");
+                // an attempt whose outcome is decided only waits for its write
+                let recording = shared.leases.attempts().iter().filter(|(_, c)| *c).count();
+                let running = attempts.len().saturating_sub(recording);
+                warn!(running, recording, "drain timeout: stopping running attempts; those recording their outcome go on");
                 shared.abort.cancel();
             }
             Some(res) = vital.join_next(), if died.is_none() => {
