@@ -567,3 +567,52 @@ async fn idle_processes_beyond_the_warm_ones_are_retired() {
     assert_eq!(pid, Some(left[0]), "the warm process served the next job");
     w.shutdown().await;
 }
+
+/// A warm process that dies while idle (an OOM kill, a stray signal) is
+/// reaped, taken out of the pool and replaced without waiting for a job:
+/// before, it stayed a zombie counted as ready (`idle_processes`), and the
+/// next job paid a cold start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_process_that_dies_while_idle_is_reaped_and_replaced() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    let name = "warm-dies";
+    let mut e = demo("go", name, &[], None);
+    e.persistent = true;
+    e.concurrency = 2;
+    e.warm_processes = 1;
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let warm = wait_sessions(work.path(), 1, |_| true, "one warm process").await;
+    wait_ready(name, 1.0, "one warm process").await;
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(warm[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the idle process");
+    let now = wait_sessions(
+        work.path(),
+        1,
+        |p| !p.contains(&warm[0]),
+        "the dead idle process replaced",
+    )
+    .await;
+    wait_ready(name, 1.0, "the dead idle process replaced").await;
+    let until = std::time::Instant::now() + LONG;
+    while std::path::Path::new(&format!("/proc/{}", warm[0])).exists() {
+        assert!(
+            std::time::Instant::now() < until,
+            "the dead process {} is not reaped",
+            warm[0]
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // and the next job runs in the replacement
+    let (state, pid) = run_one(&t, "go", "demo.echo", json!({"i": 1})).await;
+    assert_eq!(state, "succeeded");
+    assert_eq!(pid, Some(now[0]));
+    w.shutdown().await;
+}

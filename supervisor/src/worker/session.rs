@@ -225,6 +225,25 @@ impl Pool {
         }
     }
 
+    /// The idle sessions that cannot take a job any more (their process
+    /// ended, or wrote between jobs), taken out of the pool: an idle process
+    /// that crashed (an OOM kill, a stray signal) would otherwise stay a
+    /// zombie counted as ready until a job took it.
+    pub fn take_unhealthy(&self) -> Vec<Session> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < idle.len() {
+            if idle[i].0.healthy() {
+                i += 1;
+            } else {
+                out.push(idle.remove(i).0);
+            }
+        }
+        crate::metrics::idle_processes(&self.executor, -(out.len() as i64));
+        out
+    }
+
     /// Every idle session, for retirement at shutdown.
     pub fn drain(&self) -> Vec<Session> {
         let all = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));

@@ -17,7 +17,10 @@
 //! starting is stopped, the idle ones are retired with the rest of the pool.
 //!
 //! A second task per persistent executor with `idle_timeout_ms > 0` retires
-//! the processes idle that long beyond the `warm_processes` kept warm.
+//! the processes idle that long beyond the `warm_processes` kept warm. A
+//! third, per persistent executor, looks at the idle processes every
+//! [`IDLE_CHECK`]: one that ended (or wrote) between jobs is reaped and taken
+//! out of the pool, and the keeper replaces it.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -35,6 +38,8 @@ use crate::wire;
 const MIN_BACKOFF: Duration = Duration::from_millis(500);
 /// The longest wait between two failed starts.
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How often the idle processes of a persistent executor are looked at.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
 
 /// Starts one keeper per executor with `warm_processes > 0`. They end when
 /// `stop` is cancelled; join them before the pools are drained.
@@ -51,6 +56,10 @@ pub(crate) fn start(
         let span = info_span!("warm_pool", executor = %exec.cfg.name);
         keepers.spawn(keep_warm(shared.clone(), exec.clone(), stop.clone()).instrument(span));
     }
+    for exec in executors.iter().filter(|e| e.cfg.persistent) {
+        let span = info_span!("idle_health", executor = %exec.cfg.name);
+        keepers.spawn(reap_dead_idle(shared.clone(), exec.clone(), stop.clone()).instrument(span));
+    }
     for exec in executors
         .iter()
         .filter(|e| e.cfg.persistent && e.cfg.idle_timeout_ms > 0)
@@ -59,6 +68,29 @@ pub(crate) fn start(
         keepers.spawn(retire_idle(shared.clone(), exec.clone(), stop.clone()).instrument(span));
     }
     keepers
+}
+
+/// Takes the idle processes that ended (or wrote) between jobs out of the
+/// pool, reaps them, and wakes the keeper to replace them.
+async fn reap_dead_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(IDLE_CHECK) => {}
+        }
+        let dead = exec.pool.take_unhealthy();
+        if dead.is_empty() {
+            continue;
+        }
+        for mut s in dead {
+            let status = super::attempt::stop_child(&mut s.child, &shared.cfg)
+                .await
+                .map(|r| r.status.to_string())
+                .unwrap_or_else(|| "unknown status".into());
+            warn!(pid = s.child.pid, jobs = s.jobs, %status, "an idle executor process ended between jobs; it is replaced");
+        }
+        exec.slot_back.notify_one();
+    }
 }
 
 /// Retires the processes idle for `idle_timeout_ms` beyond the
