@@ -192,6 +192,18 @@ impl TestDb {
         .await
     }
 
+    /// Holds `run`'s row (`FOR UPDATE`) in a transaction of its own, as an
+    /// operator's open session would, until the transaction is ended.
+    pub async fn hold_run(&self, run: Uuid) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let mut tx = self.db.pool().begin().await.expect("begin");
+        sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+            .bind(run)
+            .execute(&mut *tx)
+            .await
+            .expect("hold the run's row");
+        tx
+    }
+
     pub async fn scalar_i64(&self, sql: &str) -> i64 {
         sqlx::query_scalar::<_, i64>(sql)
             .fetch_one(self.db.pool())

@@ -675,12 +675,7 @@ async fn a_cancel_blocked_by_a_held_run_says_what_to_do() {
             json!({"name": "held", "steps": [{"name": "a", "executor_kind": "go", "kind": "k"}]}),
         )
         .await;
-    let mut holder = t.db.pool().begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
-        .bind(run)
-        .execute(&mut *holder)
-        .await
-        .expect("hold");
+    let holder = t.hold_run(run).await;
     let out = tokio::task::spawn_blocking({
         let url = t.url.clone();
         move || {

@@ -196,12 +196,7 @@ async fn a_forced_exit_names_the_outcomes_it_leaves_unrecorded() {
         ))
         .await;
     let step = wait_running(&t, run).await;
-    let mut holder = t.db.pool().begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
-        .bind(run)
-        .execute(&mut *holder)
-        .await
-        .expect("hold");
+    let holder = t.hold_run(run).await;
     // the step's executor ends; its success waits for the row
     let until = std::time::Instant::now() + Duration::from_secs(30);
     while !w.stderr().contains("its writes wait aside") {

@@ -865,19 +865,7 @@ async fn a_held_run_row_delays_the_reclaim_and_the_deadline_pass_for_that_run_al
         .await
         .expect("expire");
     }
-    let hold = |run: Uuid| {
-        let pool = t.db.pool().clone();
-        async move {
-            let mut tx = pool.begin().await.expect("begin");
-            sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
-                .bind(run)
-                .execute(&mut *tx)
-                .await
-                .expect("hold");
-            tx
-        }
-    };
-    let holder = hold(held_run).await;
+    let holder = t.hold_run(held_run).await;
     let reclaimed = tokio::time::timeout(Duration::from_secs(5), t.db.reclaim_expired("r", 10))
         .await
         .expect("the pass does not wait for the held run")
@@ -905,7 +893,7 @@ async fn a_held_run_row_delays_the_reclaim_and_the_deadline_pass_for_that_run_al
         .await
         .expect("overdue");
     }
-    let holder = hold(late_held).await;
+    let holder = t.hold_run(late_held).await;
     let ended = tokio::time::timeout(Duration::from_secs(5), t.db.fail_overdue(wid, "w", 10))
         .await
         .expect("the pass does not wait for the held run")

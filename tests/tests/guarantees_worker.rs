@@ -907,12 +907,7 @@ async fn a_run_row_held_by_another_transaction_delays_that_run_alone() {
         .await;
     t.wait_run(held, LONG, |s| step(s, "s").state == "running")
         .await;
-    let mut holder = t.db.pool().begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
-        .bind(held)
-        .execute(&mut *holder)
-        .await
-        .expect("hold the run's row");
+    let holder = t.hold_run(held).await;
     // the step's executor ends meanwhile, and its success waits for the row
     let until = Instant::now() + LONG;
     while t

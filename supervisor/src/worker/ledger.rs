@@ -1053,7 +1053,7 @@ mod tests {
         crate::db::Lease::for_test(Uuid::from_u128(n), Uuid::from_u128(n + 1000), 1)
     }
 
-    fn events(n: u128) -> Request {
+    pub(super) fn events(n: u128) -> Request {
         let (r, _) = oneshot::channel();
         Request::Events(
             EventsWrite {
@@ -1075,7 +1075,7 @@ mod tests {
         )
     }
 
-    fn release(n: u128) -> Request {
+    pub(super) fn release(n: u128) -> Request {
         let (r, _) = oneshot::channel();
         Request::Release(
             ReleaseWrite {

@@ -327,9 +327,9 @@ fn stopped_while_held() -> DbError {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{ev, lease};
+    use super::super::tests::{ev, events, lease, release};
     use super::*;
-    use crate::db::{CompleteWrite, EventsWrite, Lease, ReleaseWrite, StartWrite};
+    use crate::db::{CompleteWrite, StartWrite};
     use tokio::sync::oneshot;
 
     fn run_of(n: u128) -> Uuid {
@@ -349,17 +349,6 @@ mod tests {
         )
     }
 
-    fn events(n: u128) -> Request {
-        let (r, _) = oneshot::channel();
-        Request::Events(
-            EventsWrite {
-                lease: lease(n),
-                events: vec![ev(2, "progress")],
-            },
-            r,
-        )
-    }
-
     fn complete(n: u128, run: Uuid) -> (Request, oneshot::Receiver<Result<(), DbError>>) {
         let (reply, answer) = oneshot::channel();
         let r = Request::Complete {
@@ -373,17 +362,6 @@ mod tests {
             reply,
         };
         (r, answer)
-    }
-
-    fn release(l: Lease) -> Request {
-        let (r, _) = oneshot::channel();
-        Request::Release(
-            ReleaseWrite {
-                lease: l,
-                message: String::new(),
-            },
-            r,
-        )
     }
 
     fn steps(buf: &[Request]) -> Vec<Uuid> {
@@ -421,7 +399,7 @@ mod tests {
             start(4, run_of(4)), // another run
             c5,                  // a success of the held run
             c6,                  // of another run
-            release(lease(7)),   // names no run: stays (it would wait, then go aside)
+            release(7),          // names no run: stays (it would wait, then go aside)
         ];
         aside.route(&mut buf);
         assert_eq!(
