@@ -331,3 +331,54 @@ async fn get_writes_through_what_is_not_a_regular_file() {
         text(&out.stderr)
     );
 }
+
+/// `artifact lineage` lists an artifact's inputs in the order they were
+/// given (the order of its bytes), not by when they were made: here `right`
+/// is made before `left`, and the join, which depends on [left, right], is
+/// L then R. Before, the lineage listed `right` first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lineage_lists_the_inputs_in_their_order() {
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    let run = t
+        .submit(json!({"name": "join", "steps": [
+            {"name": "right", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "right.txt", "content": "R"}},
+            {"name": "slow", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 300, "steps": 1}},
+            {"name": "left", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "left.txt", "content": "L"}, "depends_on": ["slow"]},
+            {"name": "both", "executor_kind": "go", "kind": "demo.artifact",
+             "input": {"name": "both.txt", "content": "!"}, "depends_on": ["left", "right"]}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(st.state, "succeeded");
+    w.shutdown().await;
+    let both = tests::step(&st, "both").artifacts[0].clone();
+    let out = cli(
+        &t.url,
+        &["artifact", "get", &both.id.to_string(), "--out", "-"],
+    );
+    assert_eq!(
+        text(&out.stdout),
+        "LR!",
+        "the bytes are left's, then right's"
+    );
+    let out = cli(
+        &t.url,
+        &["artifact", "lineage", &both.id.to_string(), "--json"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let j: Value = serde_json::from_slice(&out.stdout).expect("lineage JSON");
+    let names: Vec<&str> = j["derived_from"]
+        .as_array()
+        .expect("derived_from")
+        .iter()
+        .filter_map(|n| n["name"].as_str())
+        .collect();
+    assert_eq!(names, ["left.txt", "right.txt"], "{j:#}");
+}

@@ -637,7 +637,7 @@ impl DbConn<'_> {
             "SELECT l.artifact_id, l.derived_from_id FROM durable.artifact_lineage l
                JOIN durable.artifacts a ON a.id = l.derived_from_id
               WHERE l.artifact_id = ANY ($1)
-              ORDER BY l.artifact_id, a.created_at, a.name, a.id",
+              ORDER BY l.artifact_id, l.position NULLS LAST, a.created_at, a.name, a.id",
         )
         .bind(&ids)
         .fetch_all(&mut *tx)
