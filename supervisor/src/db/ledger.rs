@@ -587,18 +587,21 @@ async fn write_sets(
         .map(|c| c.sequence.map(|s| s as i64))
         .collect();
 
+    // the same arguments either way; the bounded form takes the lock wait first
+    macro_rules! write_sets_sql {
+        ($call:literal) => {
+            concat!(
+                "SELECT part, idx, status, err_state, err_message FROM ",
+                $call,
+                "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+                 $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27::jsonb[], $28)"
+            )
+        };
+    }
     let sql = if lock_wait.is_some() {
-        "SELECT part, idx, status, err_state, err_message
-           FROM durable.write_sets_bounded($29, $1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-                                           $11, $12, $13, $14, $15, $16,
-                                           $17, $18, $19, $20, $21, $22, $23, $24,
-                                           $25, $26, $27::jsonb[], $28)"
+        write_sets_sql!("durable.write_sets_bounded($29, ")
     } else {
-        "SELECT part, idx, status, err_state, err_message
-           FROM durable.write_sets($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-                                   $11, $12, $13, $14, $15, $16,
-                                   $17, $18, $19, $20, $21, $22, $23, $24,
-                                   $25, $26, $27::jsonb[], $28)"
+        write_sets_sql!("durable.write_sets(")
     };
     let query = sqlx::query(sql)
         .bind(worker)

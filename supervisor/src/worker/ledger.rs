@@ -123,27 +123,23 @@ impl Request {
         }
     }
 
+    /// Written by one of the set forms: a start, plain events, a success
+    /// without artifacts.
+    fn is_set_form(&self) -> bool {
+        matches!(
+            self,
+            Request::Start(..) | Request::Events(..) | Request::Complete { .. }
+        )
+    }
+
     /// The step of a write that is not one of the set forms'.
     fn single_step(&self) -> Option<Uuid> {
-        match self {
-            Request::Start(..) | Request::Events(..) | Request::Complete { .. } => None,
-            Request::Checkpoint(w, _) => Some(w.lease.step_run_id()),
-            Request::CompleteStored(w, _) => Some(w.lease.step_run_id()),
-            Request::Fail(w, _) => Some(w.lease.step_run_id()),
-            Request::Cancel(w, _) => Some(w.lease.step_run_id()),
-            Request::Refuse(w, _) => Some(w.lease.step_run_id()),
-            Request::Release(w, _) => Some(w.lease.step_run_id()),
-        }
+        (!self.is_set_form()).then(|| self.lease().step_run_id())
     }
 
     /// The step of a set form's write.
     fn set_step(&self) -> Option<Uuid> {
-        match self {
-            Request::Start(w, _) => Some(w.lease.step_run_id()),
-            Request::Events(w, _) => Some(w.lease.step_run_id()),
-            Request::Complete { write, .. } => Some(write.lease.step_run_id()),
-            _ => None,
-        }
+        self.is_set_form().then(|| self.lease().step_run_id())
     }
 
     /// The lease of a terminal write that waited for its lease's progress
@@ -152,12 +148,7 @@ impl Request {
         match self {
             Request::Start(..) | Request::Events(..) | Request::Checkpoint(..) => None,
             Request::Complete { behind: true, .. } => None,
-            Request::Complete { write, .. } => Some(&write.lease),
-            Request::CompleteStored(w, _) => Some(&w.lease),
-            Request::Fail(w, _) => Some(&w.lease),
-            Request::Cancel(w, _) => Some(&w.lease),
-            Request::Refuse(w, _) => Some(&w.lease),
-            Request::Release(w, _) => Some(&w.lease),
+            r => Some(r.lease()),
         }
     }
 }

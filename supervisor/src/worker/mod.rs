@@ -654,15 +654,13 @@ static WORKERS: std::sync::Mutex<Vec<std::sync::Weak<Shared>>> = std::sync::Mute
 
 /// Logs the steps whose attempts a forced exit abandons: those whose outcome
 /// was decided but not recorded, and those still running. Both run again
-/// once their leases expire. Returns how many there were.
-pub fn log_abandoned_attempts() -> usize {
+/// once their leases expire.
+pub fn log_abandoned_attempts() {
     let workers = WORKERS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let mut n = 0;
     for shared in workers.iter().filter_map(std::sync::Weak::upgrade) {
         for (step_run_id, committing) in shared.leases.attempts() {
-            n += 1;
             if committing {
                 error!(worker = %shared.name, %step_run_id, "exiting with this step's outcome not recorded: it runs again once its lease expires");
             } else {
@@ -670,7 +668,6 @@ pub fn log_abandoned_attempts() -> usize {
             }
         }
     }
-    n
 }
 
 /// Set by the process's SIGTERM/SIGINT handler itself ([`note_stop_signal`]).
