@@ -507,8 +507,16 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
 /// `supervisor migrate`.
 async fn migrate(url: &Option<String>) -> Result<u8, CliError> {
     let db = connect(url, 2, false).await?;
-    db.migrate().await?;
-    eprintln!("migrations applied");
+    let version = db.migrate().await?;
+    let mine = Db::schema_version_needed();
+    if version > mine {
+        eprintln!(
+            "the schema is at version {version}, newer than this binary's {mine}: nothing to \
+             apply (migrations are additive; this binary runs on it)"
+        );
+    } else {
+        eprintln!("migrations applied (schema version {version})");
+    }
     Ok(0)
 }
 

@@ -744,6 +744,69 @@ async fn the_worker_checks_the_schema_version_instead_of_migrating() {
     drop(w);
 }
 
+/// `migrate` is safe from several processes at once on a fresh database (a
+/// fleet's init containers): `CREATE SCHEMA IF NOT EXISTS` raced before sqlx
+/// took its lock, and one of them failed on pg_namespace's unique index (1 in
+/// ~10 tries with 4 at once). Against a schema a newer binary migrated it has
+/// nothing to apply and says so, exit 0: it failed with "previously applied
+/// but is missing in the resolved migrations" (a rolling upgrade's older
+/// hosts running `migrate` before `worker`).
+#[tokio::test]
+async fn migrate_runs_concurrently_and_on_a_newer_schema() {
+    let admin = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let root = Db::connect(&admin, 1).await.expect("connect");
+    let mut last = String::new();
+    for _ in 0..12 {
+        let name = format!("t_{}", Uuid::new_v4().simple());
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(root.pool())
+            .await
+            .expect("create");
+        let url = tests::db_url(&admin, &name);
+        let mut dbs = Vec::new();
+        for _ in 0..6 {
+            let db = Db::connect(&url, 1).await.expect("connect");
+            // a connection open before any of them starts, so they race
+            sqlx::query("SELECT 1")
+                .execute(db.pool())
+                .await
+                .expect("warm");
+            dbs.push(db);
+        }
+        let runs = dbs.iter().map(|db| db.migrate());
+        for res in futures::future::join_all(runs).await {
+            let v = res.expect("every concurrent migrate succeeds");
+            assert_eq!(v, Db::schema_version_needed());
+        }
+        last = url;
+    }
+    let db = Db::connect(&last, 1).await.expect("connect");
+    let future = Db::schema_version_needed() + 1;
+    sqlx::query(
+        "INSERT INTO durable._sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'from the future', true, '\\x00'::bytea, 0)",
+    )
+    .bind(future)
+    .execute(db.pool())
+    .await
+    .expect("a newer migration");
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .arg("migrate")
+        .env("DATABASE_URL", &last)
+        .output()
+        .expect("run migrate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "schema is at version {future}, newer than this binary"
+        )),
+        "{stderr}"
+    );
+    // the library says the same: the version it found, newer than its own
+    assert_eq!(db.migrate().await.expect("again"), future);
+}
+
 /// 13: `submit` needs no DDL rights and never migrates: against an empty
 /// database it fails naming the fix, and creates nothing.
 #[tokio::test]

@@ -115,7 +115,19 @@ pub const CHANNEL_STEPS: &str = "durable_steps";
 /// the heartbeat is the path that always sees a cancel.
 pub const CHANNEL_CANCEL: &str = "durable_cancel";
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+/// The migrations this binary carries. A schema with newer ones (applied by a
+/// newer binary in a rolling upgrade) is not an error: they are additive, so
+/// this binary runs on it and has nothing to apply.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../migrations")
+};
+
+/// Session advisory lock held while `migrate` creates the schema and applies
+/// the migrations: `CREATE SCHEMA IF NOT EXISTS` is not race-free (two
+/// processes at once can both try to create it, and one fails on
+/// pg_namespace's unique index), and sqlx's own lock is only taken after it.
+const MIGRATE_LOCK: i64 = 0x6475_7261_626c_6531; // "durable1"
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -673,14 +685,35 @@ impl Db {
     }
 
     /// Applies the migrations; safe to run again and from several processes at
-    /// once (sqlx takes an advisory lock). The bookkeeping table lives in the
-    /// runtime's schema too, not in `public`.
-    pub async fn migrate(&self) -> Result<(), DbError> {
+    /// once (they take turns on an advisory lock). The bookkeeping table lives
+    /// in the runtime's schema too, not in `public`. Returns the schema's
+    /// version afterwards, which is newer than [`Db::schema_version_needed`]
+    /// when a newer binary migrated it (nothing to apply then).
+    pub async fn migrate(&self) -> Result<i64, DbError> {
         let mut conn = self
             .pool
             .acquire()
             .await
             .ctx("acquiring a connection to migrate")?;
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut *conn)
+            .await
+            .ctx("waiting for another migrate to finish (advisory lock)")?;
+        let res = Self::migrate_locked(&mut conn).await;
+        // a session lock outlives the call: give it back before the
+        // connection returns to the pool (closing it would too)
+        let unlock = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut *conn)
+            .await
+            .ctx("releasing the migrate lock");
+        let version = res?;
+        unlock?;
+        Ok(version)
+    }
+
+    async fn migrate_locked(conn: &mut sqlx::PgConnection) -> Result<i64, DbError> {
         conn.execute("CREATE SCHEMA IF NOT EXISTS durable")
             .await
             .ctx("creating schema durable")?;
@@ -693,7 +726,13 @@ impl Db {
             .await
             .ctx("resetting search_path")?;
         res?;
-        Ok(())
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT max(version) FROM durable._sqlx_migrations WHERE success",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .ctx("reading the schema version")
+        .map(|v| v.unwrap_or(0))
     }
 }
 
