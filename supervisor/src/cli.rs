@@ -1036,19 +1036,20 @@ async fn serve_metrics(cfg: &WorkerConfig, db: &Db) -> Result<(), CliError> {
 }
 
 /// A spec's text as JSON; the error says where it is not.
+/// A spec's text as JSON, as deep as `durable.submit_run` takes an input (the
+/// spec around it takes three levels: the spec, `steps`, the step); deeper is
+/// refused here, exit 2.
 fn parse_spec(text: &str) -> Result<serde_json::Value, CliError> {
-    serde_json::from_str(text).map_err(|e| {
-        if e.to_string().starts_with("recursion limit exceeded") {
-            CliError::BadSpec(format!(
-                "nested more than 127 levels deep (at line {} column {}); flatten it, or pass \
-                 deeply structured data as an artifact",
-                e.line(),
-                e.column()
-            ))
-        } else {
-            CliError::NotJson(e.to_string())
-        }
-    })
+    use crate::json::{self, ParseError, MAX_VALUE_DEPTH};
+    let spec = json::parse_bounded(text.as_bytes(), MAX_VALUE_DEPTH + 3).map_err(|e| match e {
+        ParseError::TooDeep { depth, max } => CliError::BadSpec(format!(
+            "the spec is nested {depth} levels deep, more than the {max} allowed: an input \
+             nests at most {MAX_VALUE_DEPTH} levels (the spec, `steps` and its step take three \
+             more); flatten it, or pass deeply structured data as an artifact"
+        )),
+        ParseError::Json(e) => CliError::NotJson(e.to_string()),
+    })?;
+    Ok(spec)
 }
 
 fn read_input(file: &str) -> Result<String, CliError> {

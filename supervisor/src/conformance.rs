@@ -730,7 +730,8 @@ fn new_job(hello: &Hello, kind: &str, input: &Value, output_dir: String) -> wire
 }
 
 fn output_json(r: &JobResult) -> Result<Value, String> {
-    serde_json::from_slice(&r.output).map_err(|e| format!("the result's output is not JSON: {e}"))
+    crate::json::parse_bounded(&r.output, crate::json::MAX_VALUE_DEPTH)
+        .map_err(|e| format!("the result's output is not JSON: {e}"))
 }
 
 fn expect_result(check: &JobCheck) -> Result<&JobResult, String> {

@@ -9,6 +9,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `nul_error`: ACCEPTED, then an error whose message contains a NUL.
 - `nul_event`: ACCEPTED, a PROGRESS event whose message contains a NUL, a result.
 - `nul_output`: ACCEPTED, a result whose output JSON holds "\\u0000".
+- `huge_number_output`: ACCEPTED, a result whose output holds 1e999999 (beyond
+  PostgreSQL's numeric).
+- `huge_number_details`: ACCEPTED, a non-retryable error whose details hold 1e999999.
 - `chatty`: ACCEPTED, then PROGRESS events as fast as the pipe takes them,
   forever (a cancel frame is never read).
 - `huge_retry_delay`: ACCEPTED, a retryable error with next_retry_delay_ms = 2^64-1.
@@ -51,6 +54,8 @@ MODES = [
     "nul_error",
     "nul_event",
     "nul_output",
+    "huge_number_output",
+    "huge_number_details",
     "chatty",
     "huge_retry_delay",
     "echo",
@@ -164,6 +169,12 @@ def main() -> int:
     elif mode == "nul_output":
         event(pb.EVENT_KIND_ACCEPTED)
         result(b'{"text": "a\\u0000b"}')
+    elif mode == "huge_number_output":
+        event(pb.EVENT_KIND_ACCEPTED)
+        result(b'{"n": [1, 1e999999]}')
+    elif mode == "huge_number_details":
+        event(pb.EVENT_KIND_ACCEPTED)
+        error("BIG", "details beyond numeric", False, details=b'{"n": 1e999999, "ok": 2}')
     elif mode == "chatty":
         event(pb.EVENT_KIND_ACCEPTED)
         while True:

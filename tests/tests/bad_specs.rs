@@ -268,7 +268,24 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
                 "[".repeat(200),
                 "]".repeat(200)
             ),
-            "nested more than 127 levels deep",
+            "an input nests at most 128 levels",
+        ),
+        // numbers jsonb cannot hold: the database refused the whole value
+        // with a raw error (exit 1) naming nothing
+        (
+            "a number too large for numeric in the input",
+            r#"{"name": "n", "steps": [{"name": "a", "executor_kind": "go", "kind": "k", "input": {"x": [1, {"n": 1e999999}]}}]}"#.to_string(),
+            "steps[0].input.x[1].n: the number 1e+999999 cannot be stored",
+        ),
+        (
+            "a number too precise for numeric in the input",
+            r#"{"name": "n", "steps": [{"name": "a", "executor_kind": "go", "kind": "k", "input": {"n": 1e-1000000}}]}"#.to_string(),
+            "steps[0].input.n: the number",
+        ),
+        (
+            "a timeout too large for numeric",
+            r#"{"name": "n", "steps": [{"name": "a", "executor_kind": "go", "kind": "k", "timeout_ms": 1e1000000}]}"#.to_string(),
+            "steps[0].timeout_ms: the number",
         ),
     ]
 }

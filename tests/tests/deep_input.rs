@@ -53,12 +53,80 @@ async fn deep_input_runs_or_fails_its_step_and_the_worker_lives_on() {
     assert_eq!(st.state, "failed");
     let e = st.steps[0].error.as_ref().expect("error");
     assert_eq!(e.code, "INPUT_UNDECODABLE", "{e:?}");
-    assert!(e.message.contains("300 levels deep"), "{e:?}");
+    assert!(e.message.contains("nested 300 levels deep"), "{e:?}");
     // and the worker still runs steps
     let after = t
         .submit(tests::one_step("after", "go", "demo.echo", json!({"x": 1})))
         .await;
     let st = t.wait_terminal(after, Duration::from_secs(30)).await;
     assert_eq!(st.state, "succeeded");
+    w.shutdown().await;
+}
+
+/// Input as deep as submit allows (128 levels), through `supervisor submit`
+/// and SQL alike, comes back as its step's output from the Go and the Python
+/// executor. The CLI refused it past 124 levels (serde_json's limit counted
+/// the spec around it), and the worker refused the echoed output at 128
+/// (OUTPUT_INVALID, "recursion limit exceeded"): a valid spec failed its step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_as_deep_as_allowed_round_trips_through_both_executors() {
+    let t = TestDb::new().await;
+    let deepest = nested(128);
+    let mut runs = Vec::new();
+    for ex in ["go", "python"] {
+        let spec = json!({"name": format!("deep-{ex}"), "steps": [
+            {"name": "a", "executor_kind": ex, "kind": "demo.echo", "input": deepest}]});
+        let out = tests::submit_stdin(&t.url, &spec.to_string());
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{ex}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let id: serde_json::Value = serde_json::from_slice(&out.stdout).expect("run id json");
+        let id = id["run_id"]
+            .as_str()
+            .expect("run_id")
+            .parse()
+            .expect("uuid");
+        runs.push((ex, id, deepest.clone()));
+    }
+    // one more level is refused by the CLI (exit 2), naming the limit
+    let spec = json!({"name": "deeper", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": nested(129)}]});
+    let out = tests::submit_stdin(&t.url, &spec.to_string());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("an input nests at most 128 levels"), "{err}");
+
+    let w = RunningWorker::start(
+        t.connect(5).await,
+        fast_config(vec![
+            go_demo("go", &[], None),
+            tests::python_demo("python", &[], None),
+        ]),
+    )
+    .await;
+    for (ex, run, input) in runs {
+        let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+        assert_eq!(
+            st.state,
+            "succeeded",
+            "{ex}: {}",
+            serde_json::to_string_pretty(&st).unwrap_or_default()
+        );
+        let output: String =
+            sqlx::query_scalar("SELECT output::text FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("output");
+        assert_eq!(
+            supervisor::json::depth(output.as_bytes()),
+            128,
+            "{ex}: the output is the input, 128 levels deep"
+        );
+        assert_eq!(output.replace(' ', ""), input.to_string(), "{ex}");
+    }
     w.shutdown().await;
 }

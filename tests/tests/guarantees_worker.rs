@@ -57,7 +57,8 @@ fn spawns(log: &PathBuf) -> usize {
 }
 
 /// 4: text PostgreSQL cannot store (a NUL in an error message, an event
-/// message, the output JSON) and a result too large for one message: each
+/// message, the output JSON; a number beyond numeric in the output or an
+/// error's details) and a result too large for one message: each
 /// ends the first attempt with its own stable code. Before the fix the commit
 /// failed, was retried for a TTL, the step re-ran and ended LEASE_EXPIRED
 /// with the real cause gone.
@@ -75,6 +76,9 @@ async fn unstorable_outcomes_end_with_their_own_code() {
         ("hostile.nul_error", "PROTOCOL_INVALID_TEXT"),
         ("hostile.nul_event", "PROTOCOL_INVALID_TEXT"),
         ("hostile.nul_output", "OUTPUT_INVALID"),
+        // a number beyond numeric: jsonb refused the whole commit
+        ("hostile.huge_number_output", "OUTPUT_INVALID"),
+        ("hostile.huge_number_details", "BIG"),
     ];
     let mut runs = Vec::new();
     for (kind, code) in cases {
@@ -93,6 +97,23 @@ async fn unstorable_outcomes_end_with_their_own_code() {
         assert_eq!(e.code, code, "{kind}: {}", e.message);
         assert_eq!(s.attempt, 1, "{kind} ran again");
         assert!(!e.message.contains('\0'));
+        match kind {
+            "hostile.huge_number_output" => {
+                assert!(
+                    e.message.contains("output.n[1] is the number 1e+999999"),
+                    "{}",
+                    e.message
+                )
+            }
+            // evidence is kept: the number as its text
+            "hostile.huge_number_details" => assert_eq!(
+                e.details,
+                Some(json!({"n": "1e+999999", "ok": 2})),
+                "{}",
+                e.message
+            ),
+            _ => {}
+        }
     }
     w.shutdown().await;
 }

@@ -489,57 +489,14 @@ async fn fail_locked_row(
 /// The deepest input the worker decodes. Submit refuses input nested more
 /// than 128 levels (`durable.check_secret_keys`), one more than serde_json's
 /// default recursion limit takes, and a step submitted through SQL at that
-/// depth made the worker panic on the row, at every lease. Input is decoded
-/// without that limit once a scan has bounded its depth (so the stack is
-/// safe); a deeper row (stored before submit checked) fails its step.
+/// depth made the worker panic on the row, at every lease. A deeper row
+/// (stored before submit checked) fails its step.
 const MAX_INPUT_DEPTH: usize = 256;
 
-/// A step's input from its `jsonb` text: decoded as any JSON is, and only
-/// if that refuses it (nested past serde_json's limit) scanned for its
-/// depth and decoded without the limit, so a lease pays no scan.
+/// A step's input from its `jsonb` text (see [`crate::json::parse_bounded`]:
+/// a lease pays no depth scan).
 fn decode_input(text: &str) -> Result<serde_json::Value, String> {
-    if let Ok(v) = serde_json::from_str(text) {
-        return Ok(v);
-    }
-    let depth = json_depth(text);
-    if depth > MAX_INPUT_DEPTH {
-        return Err(format!(
-            "it is nested {depth} levels deep; at most {MAX_INPUT_DEPTH} are decoded"
-        ));
-    }
-    let mut de = serde_json::Deserializer::from_str(text);
-    de.disable_recursion_limit();
-    let v = <serde_json::Value as serde::Deserialize>::deserialize(&mut de)
-        .map_err(|e| e.to_string())?;
-    de.end().map_err(|e| e.to_string())?;
-    Ok(v)
-}
-
-/// How deeply arrays and objects nest in JSON `text` (brackets inside
-/// strings do not count).
-fn json_depth(text: &str) -> usize {
-    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
-    for b in text.bytes() {
-        if in_str {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_str = true,
-            b'[' | b'{' => {
-                depth += 1;
-                max = max.max(depth);
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    max
+    crate::json::parse_bounded(text.as_bytes(), MAX_INPUT_DEPTH).map_err(|e| e.to_string())
 }
 
 pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {
@@ -584,24 +541,10 @@ pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, Db
 
 #[cfg(test)]
 mod input_tests {
-    use super::{decode_input, json_depth, MAX_INPUT_DEPTH};
+    use super::{decode_input, MAX_INPUT_DEPTH};
 
     fn nested(depth: usize) -> String {
         format!("{}{}", "[".repeat(depth), "]".repeat(depth))
-    }
-
-    #[test]
-    fn json_depth_counts_brackets_outside_strings() {
-        let table = [
-            ("1", 0),
-            ("[]", 1),
-            (r#"{"a": [1, {"b": []}]}"#, 4),
-            (r#"["[[[", "\"[[", {"k]": "}}}"}]"#, 2),
-            (r#"["\\", [[]]]"#, 3),
-        ];
-        for (text, want) in table {
-            assert_eq!(json_depth(text), want, "{text}");
-        }
     }
 
     #[test]

@@ -172,6 +172,14 @@ impl DbConn<'_> {
                  remove it, or pass binary data as an artifact"
             )));
         }
+        if let Some((path, number)) = crate::json::unstorable_number(spec, "") {
+            // jsonb would refuse the whole value, naming nothing
+            return Err(DbError::InvalidSpec(format!(
+                "{}: the number {number} cannot be stored (PostgreSQL's numeric holds at most \
+                 131072 digits before the point and 16383 after it); pass it as a string",
+                if path.is_empty() { "spec" } else { &path }
+            )));
+        }
         let mut s = Scope::enter(self.conn).await?;
         let res = sqlx::query_scalar::<_, Uuid>("SELECT durable.submit_run($1)")
             .bind(spec)
@@ -230,8 +238,9 @@ impl DbConn<'_> {
 
         let rows = sqlx::query(
             "SELECT s.id, s.name, s.state, s.attempt, s.executor_kind, s.kind, s.idempotency_key,
-                    s.cancel_requested, s.next_attempt_at, s.output, s.error_code, s.error_message,
-                    s.error_retryable, s.error_details,
+                    s.cancel_requested, s.next_attempt_at, s.output::text AS output,
+                    s.error_code, s.error_message, s.error_retryable,
+                    s.error_details::text AS error_details,
                     (SELECT count(*) FROM durable.step_events e WHERE e.step_run_id = s.id) AS events
                FROM durable.step_runs s WHERE s.run_id = $1 ORDER BY s.position",
         )
@@ -384,6 +393,24 @@ fn artifacts_by_step(arts: &[PgRow]) -> HashMap<Uuid, Vec<ArtifactSummary>> {
     by_step
 }
 
+/// A `jsonb` column read as text (`col::text AS col`) and decoded as deep as
+/// the runtime stores (an output or an error's details nest 128 levels,
+/// more than sqlx's decoder, serde_json's 127, takes: `status` panicked on
+/// such a step). Deeper, written by hand, it is shown as its text.
+fn stored_json(r: &PgRow, col: &str) -> Option<serde_json::Value> {
+    let text: Option<String> = r.get(col);
+    text.map(
+        |t| match crate::json::parse_bounded(t.as_bytes(), STORED_JSON_DEPTH) {
+            Ok(v) => v,
+            Err(_) => serde_json::Value::String(t),
+        },
+    )
+}
+
+/// See [`stored_json`]: deeper than any value the runtime writes, shallow
+/// enough for any thread's stack.
+const STORED_JSON_DEPTH: usize = 256;
+
 /// One step of `status`' step query, with its artifacts.
 fn step_status(r: &PgRow, artifacts: Vec<ArtifactSummary>) -> StepStatus {
     let state: String = r.get("state");
@@ -394,7 +421,7 @@ fn step_status(r: &PgRow, artifacts: Vec<ArtifactSummary>) -> StepStatus {
             .get::<Option<String>, _>("error_message")
             .unwrap_or_default(),
         retryable: r.get::<Option<bool>, _>("error_retryable").unwrap_or(false),
-        details: r.get("error_details"),
+        details: stored_json(r, "error_details"),
     });
     // when it is retried next: only a step waiting for its retry has one
     let next_attempt_at: Option<DateTime<Utc>> = if state == "retryable_failed" {
@@ -412,7 +439,7 @@ fn step_status(r: &PgRow, artifacts: Vec<ArtifactSummary>) -> StepStatus {
         idempotency_key: r.get("idempotency_key"),
         cancel_requested: r.get("cancel_requested"),
         next_attempt_at,
-        output: r.get("output"),
+        output: stored_json(r, "output"),
         error,
         events: r.get("events"),
         artifacts,

@@ -2143,14 +2143,25 @@ fn result_output(raw: &[u8]) -> Result<serde_json::Value, Outcome> {
     let output = if raw.is_empty() {
         serde_json::Value::Null
     } else {
-        serde_json::from_slice(raw).map_err(|e| {
+        crate::json::parse_bounded(raw, crate::json::MAX_VALUE_DEPTH).map_err(|e| {
             Outcome::failed(
                 "OUTPUT_INVALID",
                 false,
-                format!("the result's output is not JSON: {e}"),
+                format!("the result's output is not JSON the runtime can store: {e}"),
             )
         })?
     };
+    if let Some((path, number)) = crate::json::unstorable_number(&output, "output") {
+        return Err(Outcome::failed(
+            "OUTPUT_INVALID",
+            false,
+            format!(
+                "the result's {path} is the number {number}, which PostgreSQL's numeric cannot \
+                 hold (at most 131072 digits before the point and 16383 after it): return it \
+                 as a string"
+            ),
+        ));
+    }
     if has_nul(&output) {
         return Err(Outcome::failed(
             "OUTPUT_INVALID",

@@ -328,7 +328,7 @@ pub(crate) fn parse_details(bytes: &[u8]) -> Option<serde_json::Value> {
     if bytes.is_empty() {
         return None;
     }
-    let v = match serde_json::from_slice(bytes) {
+    let v = match crate::json::parse_bounded(bytes, crate::json::MAX_VALUE_DEPTH) {
         Ok(v @ serde_json::Value::Object(_)) => v,
         // details are an object (PROTOCOL.md): other JSON is kept under a key
         Ok(serde_json::Value::Null) => return None,
@@ -337,8 +337,9 @@ pub(crate) fn parse_details(bytes: &[u8]) -> Option<serde_json::Value> {
             "unparsed": String::from_utf8_lossy(&bytes[..bytes.len().min(4096)])
         }),
     };
-    // jsonb cannot hold a NUL: details are evidence, so they are kept, cleaned
-    Some(without_nul(v))
+    // jsonb cannot hold a NUL, nor a number beyond numeric: details are
+    // evidence, so they are kept, cleaned
+    Some(crate::json::storable(without_nul(v)))
 }
 
 /// A JSON value with every NUL character replaced (U+FFFD).

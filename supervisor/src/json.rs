@@ -1,0 +1,242 @@
+//! JSON the runtime takes in from outside (specs, results' outputs, details)
+//! and must store as `jsonb`: parsed to a depth the caller names, not
+//! serde_json's fixed 127, and checked for numbers PostgreSQL's `numeric`
+//! cannot hold. Pure functions, no I/O.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// How deep an input (and a result's output) may nest: README "input nests at
+/// at most 128 levels"; `durable.check_secret_keys` refuses the 129th.
+pub const MAX_VALUE_DEPTH: usize = 128;
+
+/// PostgreSQL's `numeric` holds at most this many digits before the decimal
+/// point (NUMERIC_WEIGHT_MAX) …
+const NUMERIC_MAX_INT_DIGITS: i64 = 131_072;
+/// … and this many after it (NUMERIC_DSCALE_MAX).
+const NUMERIC_MAX_FRAC_DIGITS: i64 = 16_383;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    #[error(
+        "it is nested {depth} levels deep, more than the {max} allowed; flatten it, or pass \
+         deeply structured data as an artifact"
+    )]
+    TooDeep { depth: usize, max: usize },
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Parses `bytes` as one JSON value nested at most `max_depth` levels (an
+/// array or object is one level; scalars none; `max_depth` is at least
+/// serde_json's own 127). Text within serde_json's limit is parsed as any
+/// JSON is; only what it refuses for depth is scanned, then parsed without
+/// the limit when the scan allows it, so the stack stays bounded.
+pub fn parse_bounded(bytes: &[u8], max_depth: usize) -> Result<Value, ParseError> {
+    match serde_json::from_slice(bytes) {
+        Ok(v) => return Ok(v),
+        Err(e) if !e.to_string().starts_with("recursion limit exceeded") => return Err(e.into()),
+        Err(_) => {}
+    }
+    let d = depth(bytes);
+    if d > max_depth {
+        return Err(ParseError::TooDeep {
+            depth: d,
+            max: max_depth,
+        });
+    }
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    de.disable_recursion_limit();
+    let v = Value::deserialize(&mut de)?;
+    de.end()?;
+    Ok(v)
+}
+
+/// How deeply arrays and objects nest in JSON text (brackets inside strings
+/// do not count).
+pub fn depth(bytes: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+/// The first number in `v` that PostgreSQL's `numeric` (hence `jsonb`)
+/// cannot hold, with its path below `path` (`path.key`, `path[i]`, as the
+/// spec's messages name fields; the root's keys bare when `path` is empty): `1e999999` has too many digits before the
+/// point, `1e-99999` too many after it.
+pub fn unstorable_number(v: &Value, path: &str) -> Option<(String, String)> {
+    match v {
+        Value::Number(n) => {
+            let text = n.to_string();
+            (!numeric_can_hold(&text)).then(|| (path.to_owned(), text))
+        }
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .find_map(|(i, x)| unstorable_number(x, &format!("{path}[{i}]"))),
+        Value::Object(m) => m.iter().find_map(|(k, x)| match path {
+            "" => unstorable_number(x, k),
+            _ => unstorable_number(x, &format!("{path}.{k}")),
+        }),
+        _ => None,
+    }
+}
+
+/// `v` with every number PostgreSQL cannot hold replaced by its text (for
+/// evidence such as an error's details, which is kept rather than refused).
+pub fn storable(v: Value) -> Value {
+    match v {
+        Value::Number(n) if !numeric_can_hold(&n.to_string()) => Value::String(n.to_string()),
+        Value::Array(a) => Value::Array(a.into_iter().map(storable).collect()),
+        Value::Object(m) => Value::Object(m.into_iter().map(|(k, x)| (k, storable(x))).collect()),
+        other => other,
+    }
+}
+
+/// Whether a JSON number's text fits `numeric`: its significant digits before
+/// the point (the exponent moves the point) and its scale (the literal's
+/// digits after the point minus the exponent), each within PostgreSQL's limits.
+fn numeric_can_hold(text: &str) -> bool {
+    let t = text.trim_start_matches('-');
+    let (mantissa, exp) = match t.find(['e', 'E']) {
+        Some(i) => match t[i + 1..].parse::<i64>() {
+            Ok(e) => (&t[..i], e),
+            // an exponent beyond i64 is beyond numeric either way
+            Err(_) => return false,
+        },
+        None => (t, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let scale = (frac.len() as i64).saturating_sub(exp);
+    if scale > NUMERIC_MAX_FRAC_DIGITS {
+        return false;
+    }
+    let first_nonzero = int.bytes().chain(frac.bytes()).position(|b| b != b'0');
+    match first_nonzero {
+        // zero has no weight
+        None => true,
+        Some(f) => {
+            (int.len() as i64)
+                .saturating_add(exp)
+                .saturating_sub(f as i64)
+                <= NUMERIC_MAX_INT_DIGITS
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nested(n: usize) -> String {
+        format!("{}{}", "[".repeat(n), "]".repeat(n))
+    }
+
+    #[test]
+    fn depth_counts_brackets_outside_strings() {
+        let table = [
+            ("1", 0),
+            ("[]", 1),
+            (r#"{"a": [1, {"b": []}]}"#, 4),
+            (r#"["[[[", "\"[[", {"k]": "}}}"}]"#, 2),
+            (r#"["\\", [[]]]"#, 3),
+        ];
+        for (text, want) in table {
+            assert_eq!(depth(text.as_bytes()), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn parses_as_deep_as_asked_and_refuses_deeper_without_recursing() {
+        // serde_json alone stops at 127
+        assert!(serde_json::from_str::<Value>(&nested(128)).is_err());
+        assert!(parse_bounded(nested(128).as_bytes(), 128).is_ok());
+        match parse_bounded(nested(129).as_bytes(), 128) {
+            Err(
+                e @ ParseError::TooDeep {
+                    depth: 129,
+                    max: 128,
+                },
+            ) => {
+                assert!(e.to_string().contains("nested 129 levels deep"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // a million levels: refused by the scan, no stack overflow
+        assert!(matches!(
+            parse_bounded(nested(1_000_000).as_bytes(), 256),
+            Err(ParseError::TooDeep { .. })
+        ));
+        // the usual errors stay serde_json's, also past its depth limit
+        assert!(matches!(parse_bounded(b"[1,", 8), Err(ParseError::Json(_))));
+        assert!(matches!(
+            parse_bounded(b"{\"a\": 1} x", 8),
+            Err(ParseError::Json(_))
+        ));
+        let trailing = format!("{} x", nested(200));
+        assert!(matches!(
+            parse_bounded(trailing.as_bytes(), 256),
+            Err(ParseError::Json(_))
+        ));
+        assert_eq!(
+            parse_bounded(br#"{"a": [1, 2]}"#, 128).expect("plain"),
+            serde_json::json!({"a": [1, 2]})
+        );
+    }
+
+    #[test]
+    fn numbers_postgres_cannot_hold_are_found_with_their_path() {
+        let table = [
+            ("1", true),
+            ("-1.5e3", true),
+            ("0.000001", true),
+            ("1e131071", true),
+            ("1e131072", false),
+            ("1e999999", false),
+            ("1e-16383", true),
+            ("1e-16384", false),
+            ("1.5e-16383", false),
+            ("1e-1000000", false),
+            ("0e-1000000", false),
+            ("0.0", true),
+            ("12e131070", true),
+            ("12e131071", false),
+            ("0.00012e131073", true),
+            ("-0.5e-16382", true),
+            ("0e-16384", false),
+            ("1e99999999999999999999", false),
+        ];
+        for (text, ok) in table {
+            assert_eq!(numeric_can_hold(text), ok, "{text}");
+        }
+        let v = parse_bounded(br#"{"a": [1, {"n": 1e999999}], "b": 2}"#, 8).expect("parse");
+        let (path, text) = unstorable_number(&v, "steps[0].input").expect("found");
+        assert_eq!(path, "steps[0].input.a[1].n");
+        // serde_json keeps the digits, and writes the exponent with its sign
+        assert_eq!(text.replace('+', ""), "1e999999");
+        assert_eq!(unstorable_number(&serde_json::json!({"a": 1.5}), "x"), None);
+        assert_eq!(
+            storable(v),
+            serde_json::json!({"a": [1, {"n": text}], "b": 2})
+        );
+    }
+}
