@@ -111,7 +111,25 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             {"name": "a", "executor_kind": "go", "kind": "k", "depends_on": ["c"]},
             {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]},
             {"name": "c", "executor_kind": "go", "kind": "k", "depends_on": ["b"]}]})),
-            "dependency cycle among steps",
+            r#"steps[0].depends_on: dependency cycle: "a" → "c" → "b" → "a""#,
+        ),
+        // a step that only depends on a cycle is not in it: it was named, and
+        // listed with the cycle's steps
+        (
+            "cycle behind a dependent",
+            v(json!({"name": "x", "steps": [
+            {"name": "u", "executor_kind": "go", "kind": "k", "depends_on": ["s"]},
+            {"name": "s", "executor_kind": "go", "kind": "k", "depends_on": ["t"]},
+            {"name": "t", "executor_kind": "go", "kind": "k", "depends_on": ["s"]},
+            {"name": "v", "executor_kind": "go", "kind": "k", "depends_on": ["u"]}]})),
+            r#"steps[1].depends_on: dependency cycle: "s" → "t" → "s" (each depends on the next)"#,
+        ),
+        (
+            "a label name of tabs",
+            v(with_step(|m| {
+                m.insert("labels".into(), json!({"\t\n": "gpu"}));
+            })),
+            "steps[0].labels: a label name must not be empty or blank",
         ),
         (
             "labels not strings",

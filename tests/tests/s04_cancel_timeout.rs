@@ -224,6 +224,17 @@ async fn cancel_running_step(lang: &str) {
         (last.from_state.as_deref(), last.to_state.as_str()),
         (Some("running"), "cancelled")
     );
+    // the attempt's ending event is `CODE: why`, as every other ending's
+    let (kind, message): (String, String) = sqlx::query_as(
+        "SELECT kind, message FROM durable.step_events WHERE step_run_id = $1
+          ORDER BY attempt DESC, sequence DESC LIMIT 1",
+    )
+    .bind(step)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("ending event");
+    assert_eq!(kind, "cancelled");
+    assert_eq!(message, "CANCELLED: cancelled on request");
     assert!(
         logged(&[&step.to_string(), "ignored SIGTERM"]).is_empty(),
         "the demo honours the cancel: no escalation was needed"

@@ -368,7 +368,8 @@ impl DbConn<'_> {
                 step_run_id: lease.step_run_id,
             });
         };
-        insert_ending_event(&mut tx, lease, "cancelled", &stored).await?;
+        // `CODE: why`, as every ending the supervisor writes (README, events)
+        insert_ending_event(&mut tx, lease, "cancelled", &format!("CANCELLED: {stored}")).await?;
         tx.commit().await.ctx("committing a cancellation")
     }
 
