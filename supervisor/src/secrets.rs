@@ -380,6 +380,10 @@ impl Redactor {
     /// Redacts one string (rules in the type's documentation).
     pub fn redact_str<'a>(&self, s: &'a str) -> Cow<'a, str> {
         let values = self.replace_values(s);
+        let values = match self.replace_cut_values(values.as_deref().unwrap_or(s)) {
+            Some(c) => Some(c),
+            None => values,
+        };
         let text = values.as_deref().unwrap_or(s);
         let out = match redact_credentials(text) {
             Some(c) => Some(c),
@@ -527,6 +531,42 @@ impl Redactor {
         Some(o)
     }
 
+    /// Rule 1, for evidence cut short (`…` after the first bytes of a frame,
+    /// `wire::first_bytes`): the start of a value, at least
+    /// [`MIN_REDACT_LEN`] bytes of it, right before a `…` is replaced too. A
+    /// value that straddled the cut was logged in part.
+    fn replace_cut_values(&self, s: &str) -> Option<String> {
+        const CUT: &str = "…";
+        if !s.contains(CUT) || self.needles.is_empty() {
+            return None;
+        }
+        let mut out = String::with_capacity(s.len());
+        let mut changed = false;
+        let mut rest = s;
+        while let Some(at) = rest.find(CUT) {
+            let before = &rest[..at];
+            let cut = self.needles.iter().find_map(|n| {
+                (MIN_REDACT_LEN..n.text.len())
+                    .rev()
+                    .filter(|&k| n.text.is_char_boundary(k))
+                    .find(|&k| before.ends_with(&n.text[..k]))
+                    .map(|k| (k, &n.marker))
+            });
+            match cut {
+                Some((k, marker)) => {
+                    out.push_str(&before[..before.len() - k]);
+                    out.push_str(marker);
+                    changed = true;
+                }
+                None => out.push_str(before),
+            }
+            out.push_str(CUT);
+            rest = &rest[at + CUT.len()..];
+        }
+        out.push_str(rest);
+        changed.then_some(out)
+    }
+
     fn leaks(&self, s: &str) -> bool {
         self.needles.iter().any(|n| s.contains(n.text.as_str()))
             || self.short.iter().any(|n| n.text == s)
@@ -541,9 +581,15 @@ impl Redactor {
 }
 
 /// The forms a value is looked for in: as is, JSON-escaped (a value inside
-/// JSON text that was logged), percent-encoded (a value in a URL).
+/// JSON text that was logged), percent-encoded (a value in a URL), with its
+/// bytes outside printable ASCII as `\xNN` (the evidence of an executor's
+/// bytes, `wire::first_bytes`: a non-ASCII value was logged in that form,
+/// unredacted), and with its backslashes doubled (a language's repr of a
+/// string, such as a Python traceback's).
 fn variants(value: &str) -> Vec<String> {
     let mut out = vec![value.to_owned()];
+    out.push(crate::wire::escape_bytes(value.as_bytes()));
+    out.push(value.replace('\\', "\\\\"));
     if let Ok(quoted) = serde_json::to_string(value) {
         let inner = quoted
             .strip_prefix('"')
@@ -561,6 +607,7 @@ fn variants(value: &str) -> Vec<String> {
     }
     out.push(pct);
     out.retain(|v| v.len() >= MIN_REDACT_LEN);
+    out.sort();
     out.dedup();
     out
 }
@@ -999,6 +1046,22 @@ mod tests {
             // JSON-escaped and percent-encoded forms
             (r#"{"v":"a\"b\\c/d e"}"#, r#"{"v":"[REDACTED:QUOTED]"}"#),
             ("a%22b%5Cc%2Fd%20e", "[REDACTED:QUOTED]"),
+            // as a frame's evidence escapes bytes (a non-ASCII value was
+            // logged this way in full), and with backslashes doubled (a
+            // Python repr in a traceback)
+            (
+                r"first bytes: \x0a\x05p\xc3\xa4ssw\xc3\xb6rd\xe2\x9c\x93!",
+                r"first bytes: \x0a\x05[REDACTED:UNI]!",
+            ),
+            (r#"'a"b\\c/d e'"#, "'[REDACTED:QUOTED]'"),
+            // evidence cut in the middle of a value: its start is redacted
+            // (named as the longest value it may be the start of)
+            ("bytes: \\x05tok-1234…", "bytes: \\x05[REDACTED:LONGER]…"),
+            (r"bytes: p\xc3\xa4ss…", r"bytes: [REDACTED:UNI]…"),
+            // … but not fewer than MIN_REDACT_LEN bytes of it, nor a start
+            // that is not right before the cut
+            ("bytes: tok…", "bytes: tok…"),
+            ("tok-1234 …", "tok-1234 …"),
             // a short value only as the whole string
             ("abc", "[REDACTED:SHORT]"),
             ("abcdef abc", "abcdef abc"),

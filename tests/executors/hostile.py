@@ -20,6 +20,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `echo` (and `panic`, for a supervisor-side fault): ACCEPTED, a result with output = input.
 - `secret_echo`: ACCEPTED, echoes every secret value it got into a progress
   message, the error message and details, and fails retryably.
+- `garbage_secret`: ACCEPTED, then a frame that is not protobuf: 0xff 0xff and
+  every secret value it got (the evidence the supervisor logs of it).
 - `close_stdout`: ACCEPTED, then closes its stdout and exits 0 50 ms later (no terminal).
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
@@ -60,6 +62,7 @@ MODES = [
     "huge_retry_delay",
     "echo",
     "secret_echo",
+    "garbage_secret",
     "stderr_chatty",
     "panic",
     "escape",
@@ -207,6 +210,10 @@ def main() -> int:
     elif mode in ("echo", "panic"):
         event(pb.EVENT_KIND_ACCEPTED)
         result(job.input or b"null")
+    elif mode == "garbage_secret":
+        event(pb.EVENT_KIND_ACCEPTED)
+        write_frame(out, b"\xff\xff" + " ".join(job.secrets.values()).encode())
+        time.sleep(5)
     elif mode == "secret_echo":
         event(pb.EVENT_KIND_ACCEPTED)
         values = " ".join(job.secrets.values())

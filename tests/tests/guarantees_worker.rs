@@ -601,6 +601,53 @@ async fn secrets_are_allowlisted_and_never_stored() {
     w.shutdown().await;
 }
 
+/// A secret an executor writes into a frame that is not protobuf never
+/// reaches the log: the frame's evidence (its first bytes, escaped) showed a
+/// non-ASCII value in full (`p\xc3\xa4ssw…`), since the redactor looked only
+/// for the value as is, and the start of a value cut by the 32-byte window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_in_a_malformed_frame_is_redacted_from_its_evidence() {
+    let _serial = tests::exclusive().await;
+    tests::init_tracing();
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 39 bytes: the frame's 32-byte evidence window cuts it
+    let value = "pässwörd-Geheimnis-42-and-a-long-tail";
+    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
+    let mut e = hostile("hostile", None, &[]);
+    e.secrets = vec!["API_TOKEN".into()];
+    let mut cfg: WorkerConfig = fast_config(vec![e]);
+    cfg.secrets_dir = Some(dir.path().to_owned());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "hostile.garbage_secret",
+            json!({"secrets": ["API_TOKEN"]}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    let s = step(&st, "s");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("PROTOCOL_MALFORMED_FRAME")
+    );
+    let lines = tests::logged(&[&s.step_run_id.to_string(), "protocol violation"]);
+    assert!(!lines.is_empty(), "the violation was logged");
+    let escaped = supervisor::wire::escape_bytes(value.as_bytes());
+    for line in &lines {
+        assert!(line.contains("[REDACTED:API_TOKEN]"), "{line}");
+        // no 8 bytes of the value, as is or escaped, survive
+        for text in [value.to_owned(), escaped.clone()] {
+            for start in 0..text.len().saturating_sub(8) {
+                if let Some(piece) = text.get(start..start + 8) {
+                    assert!(!line.contains(piece), "{piece:?} of the secret in {line}");
+                }
+            }
+        }
+    }
+}
+
 /// A retry of a step can be leased by the same worker while the previous
 /// attempt's task is still winding down (its failure is committed, its slot
 /// not yet freed). The old attempt's cleanup used to drop the retry from the

@@ -434,16 +434,24 @@ pub fn executor_decoder(max_frame_bytes: usize) -> FrameDecoder<pb::ExecutorFram
 /// Renders the first bytes of a buffer as evidence for logs: printable ASCII
 /// as is, the rest as \xNN, at most `n` bytes.
 pub fn first_bytes(buf: &[u8], n: usize) -> String {
-    let mut s = String::new();
-    for &b in buf.iter().take(n) {
+    let mut s = escape_bytes(&buf[..buf.len().min(n)]);
+    if buf.len() > n {
+        s.push('…');
+    }
+    s
+}
+
+/// Bytes as printable ASCII: bytes outside 0x20..0x7f as `\\xNN` (the form
+/// evidence of an executor's bytes is logged in; the redactor looks for
+/// secret values in it too).
+pub fn escape_bytes(buf: &[u8]) -> String {
+    let mut s = String::with_capacity(buf.len());
+    for &b in buf {
         if (0x20..0x7f).contains(&b) {
             s.push(b as char);
         } else {
             s.push_str(&format!("\\x{b:02x}"));
         }
-    }
-    if buf.len() > n {
-        s.push('…');
     }
     s
 }
