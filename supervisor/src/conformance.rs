@@ -603,6 +603,19 @@ impl JobCheck {
                 self.job_id
             ));
         }
+        // what the worker fails a job for, the kit fails too
+        if let Some(field) = wire::text_problem(&f) {
+            return Err(format!(
+                "{field} contains a NUL character, which cannot be stored (PROTOCOL_INVALID_TEXT)"
+            ));
+        }
+        if seq > wire::MAX_SEQUENCE {
+            return Err(format!(
+                "{} with sequence {seq}, above {} (PROTOCOL_SEQUENCE_OUT_OF_RANGE)",
+                f.name(),
+                wire::MAX_SEQUENCE
+            ));
+        }
         if let FromExecutor::Error(e) = &f {
             if !self.accepted {
                 self.refused = true;

@@ -183,6 +183,73 @@ fn a_broken_executor_fails_and_an_unknown_name_is_bad_input() {
     assert!(err.contains("no executor named \"nope\""), "{err}");
 }
 
+/// What the worker fails a job for, the kit fails too (wire-protocol audit):
+/// an event message holding a NUL (PROTOCOL_INVALID_TEXT) and a sequence
+/// above 2^53 - 1 (PROTOCOL_SEQUENCE_OUT_OF_RANGE) passed the echo scenario,
+/// while every job of such an executor failed in a worker; and an ACCEPTED
+/// with a sequence other than 1 (PROTOCOL.md: `ACCEPTED, sequence: 1`) failed
+/// the kit while the worker ran the job (the worker now fails it too: see
+/// the attempt machine's table).
+#[test]
+fn the_kit_fails_what_the_worker_fails() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = std::fs::read_to_string(repo_root().join("examples/node-executor/executor.js"))
+        .expect("read executor.js");
+    let echo = "if (kind === 'demo.echo') return finish(job, input);";
+    let variants = [
+        (
+            "nul",
+            script.replace(
+                echo,
+                "if (kind === 'demo.echo') { send(2, Buffer.concat([str(1, job.id), uint(2, ++job.seq), \
+                 uint(3, 3), str(4, 'half\\u0000way')])); return finish(job, input); }",
+            ),
+            "contains a NUL character, which cannot be stored (PROTOCOL_INVALID_TEXT)",
+        ),
+        (
+            "hugeseq",
+            script.replace(
+                echo,
+                "if (kind === 'demo.echo') { job.seq = 2 ** 53 - 1; return finish(job, input); }",
+            ),
+            "result with sequence 9007199254740992, above 9007199254740991 (PROTOCOL_SEQUENCE_OUT_OF_RANGE)",
+        ),
+        (
+            "accept5",
+            script.replace(
+                "event(job, 1); // ACCEPTED, sequence 1",
+                "job.seq = 4; event(job, 1);",
+            ),
+            "expected ACCEPTED with sequence 1",
+        ),
+    ];
+    let mut executors = Vec::new();
+    for (name, text, _) in &variants {
+        assert_ne!(
+            text, &script,
+            "{name}: the executor's text changed: update this test"
+        );
+        let path = dir.path().join(format!("{name}.js"));
+        std::fs::write(&path, text).expect("write the variant");
+        let mut e = node_executor(name);
+        e.args = vec![path.to_string_lossy().into_owned()];
+        executors.push(e);
+    }
+    let cfg = write_config(dir.path(), &config(executors));
+    let out = conformance(&cfg, &[]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    for (name, _, why) in &variants {
+        assert!(
+            text.lines().any(|l| l.starts_with(name)
+                && l.contains("  echo  ")
+                && l.contains(" FAIL ")
+                && l.contains(why)),
+            "{name}: the echo scenario should fail with {why:?}\n{text}"
+        );
+    }
+}
+
 /// Protocol 1.1 (issue 9, item 2): a 1.0 executor (the Node example with its
 /// hello cut back to the 1.0 fields) still passes, with the two negotiation
 /// scenarios not checked; one that writes a result over the job's

@@ -386,6 +386,21 @@ pub enum HandshakeError {
     Timeout(Duration, usize, Vec<u8>),
 }
 
+impl HandshakeError {
+    /// The failure as a stored step error may carry it: what happened, never
+    /// the executor's raw bytes (CONTRACT §5: evidence goes to the log).
+    pub fn stored_message(&self) -> String {
+        match self {
+            HandshakeError::Timeout(d, n, _) if *n > 0 => format!(
+                "no hello within {} ms ({n} bytes of an incomplete frame arrived; the worker's \
+                 log shows the first of them)",
+                d.as_millis()
+            ),
+            other => other.to_string(),
+        }
+    }
+}
+
 /// What arrived of an incomplete first frame, for the timeout's message.
 fn received(n: usize, first: &[u8]) -> String {
     if n == 0 {
@@ -455,6 +470,11 @@ pub fn escape_bytes(buf: &[u8]) -> String {
     }
     s
 }
+
+/// The largest sequence a frame may carry: exact in every JSON reader, and
+/// far from the database's bigint limit, so the ending event the supervisor
+/// writes after an attempt's last frame always fits.
+pub const MAX_SEQUENCE: u64 = (1 << 53) - 1;
 
 /// The first field of an executor frame whose text contains a NUL character
 /// (valid UTF-8, but PostgreSQL text cannot hold it), e.g. `"error message"`.
@@ -527,6 +547,14 @@ mod handshake_tests {
         assert!(
             msg.contains("no hello within 100 ms (12 bytes of an incomplete frame arrived; first bytes: \\xac\\x02garbage!!!)"),
             "{msg}"
+        );
+        // … in the log; the step's stored error says how much, not what
+        // (CONTRACT §5: the raw evidence never goes into a stored field)
+        let stored = err.stored_message();
+        assert_eq!(
+            stored,
+            "no hello within 100 ms (12 bytes of an incomplete frame arrived; the worker's log \
+             shows the first of them)"
         );
         // nothing at all: the plain message
         let (_w2, r2) = tokio::io::duplex(1024);

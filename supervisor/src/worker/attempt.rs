@@ -1123,7 +1123,7 @@ async fn hello_of(
             // the raw evidence stays in the log; the stored message describes it
             let msg = match &e {
                 HandshakeError::Wire(w) => wire_failure(w).1,
-                other => other.to_string(),
+                other => other.stored_message(),
             };
             Err(stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await)
         }

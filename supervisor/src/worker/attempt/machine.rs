@@ -89,10 +89,7 @@ pub(crate) fn violation(code: &str, msg: String) -> FrameVerdict {
     FrameVerdict::Impose(Outcome::failed(code, false, msg))
 }
 
-/// The largest sequence a frame may carry: exact in every JSON reader, and
-/// far from the database's bigint limit, so the ending event the supervisor
-/// writes after an attempt's last frame always fits.
-pub(crate) const MAX_SEQUENCE: u64 = (1 << 53) - 1;
+pub(crate) use crate::wire::MAX_SEQUENCE;
 
 /// Checks one frame of a running job. Pure: what to write is returned, not done.
 pub(crate) fn on_frame(
@@ -121,7 +118,10 @@ pub(crate) fn on_frame(
     if seq <= st.last_seq {
         return violation(
             "PROTOCOL_SEQUENCE_REGRESSION",
-            format!("sequence {seq} after {}", st.last_seq),
+            match st.last_seq {
+                0 => format!("sequence {seq}: an attempt's frames count from 1"),
+                last => format!("sequence {seq} after {last}: sequences must increase"),
+            },
         );
     }
     // the database stores sequences as bigint and the supervisor writes an
@@ -149,6 +149,14 @@ pub(crate) fn on_frame(
                     return violation(
                         "PROTOCOL_UNEXPECTED_FRAME",
                         format!("{} event before accepted", e.kind.as_str()),
+                    );
+                }
+                if seq != 1 {
+                    // PROTOCOL.md: ACCEPTED, sequence 1 (the conformance kit
+                    // fails it too: what it passes, the worker runs)
+                    return violation(
+                        "PROTOCOL_SEQUENCE_OUT_OF_RANGE",
+                        format!("accepted has sequence {seq}; a job's frames count from 1, accepted first"),
                     );
                 }
                 st.accepted = true;

@@ -97,6 +97,15 @@ fn frame_sequences() {
             vec![ev(1, Accepted, ""), ev(1 << 53, Progress, "")],
             vec!["start", "PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
         ),
+        // PROTOCOL.md: ACCEPTED, sequence 1 (the conformance kit fails it too)
+        (
+            vec![ev(5, Accepted, "")],
+            vec!["PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
+        ),
+        (
+            vec![ev(0, Accepted, "")],
+            vec!["PROTOCOL_SEQUENCE_REGRESSION"],
+        ),
         (
             vec![ev(1, Accepted, ""), FromExecutor::Result(res(u64::MAX))],
             vec!["start", "PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
