@@ -283,6 +283,9 @@ impl CliError {
             }
             CliError::Config(_) | CliError::NoDatabase | CliError::Read { .. } => 2,
             CliError::Usage(_) => 2,
+            // what the config asks cannot be set up here (the stop budget,
+            // the pool, work_dir's permissions): the config is to change
+            CliError::Worker(WorkerError::Setup(_)) => 2,
             CliError::Connect(e) if e.is_bad_input() => 2,
             CliError::Db(DbError::NotFound(_)) | CliError::BadRunId(_) => 4,
             // watch's 1 means the run failed (CONTRACT §2)

@@ -713,6 +713,21 @@ impl WorkerConfig {
     /// Directories that must exist, the metrics address, the stderr log rate.
     fn check_paths(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        if let Some(name) = &self.name {
+            if name.trim().is_empty() {
+                return bad(format!(
+                    "name = {name:?} is blank: give the worker a name of its own (it is its process slot on this host), or remove name to use host:pid"
+                ));
+            }
+        }
+        if let Some(dir) = &self.work_dir {
+            if !dir.is_dir() {
+                return bad(format!(
+                    "work_dir = {:?} is not an existing directory: create it (attempts make their directories there) or remove work_dir to use the system's temporary directory",
+                    dir.display().to_string()
+                ));
+            }
+        }
         if let Some(dir) = &self.secrets_dir {
             if !dir.is_dir() {
                 return bad(format!(
@@ -753,6 +768,12 @@ impl ExecutorConfig {
             return Err(format!(
                 "executor {:?}: max_jobs_per_process = 0 must be at least 1 (or leave it out to follow the executor's hello)",
                 self.name
+            ));
+        }
+        if self.idle_timeout_ms > MAX_MS {
+            return Err(format!(
+                "executor {:?}: idle_timeout_ms = {} is above {MAX_MS} (one day); give milliseconds, like 60000 for a minute, or 0 to keep idle processes",
+                self.name, self.idle_timeout_ms
             ));
         }
         if self.warm_processes > 0 && !self.persistent {

@@ -282,6 +282,30 @@ fn validation_at_start_names_the_key_and_checks_ranges() {
             vec!["executor \"x\"", "warm_processes = 3", "concurrency = 2"],
         ),
         ("no executors", String::new(), vec!["no [[executors]]"]),
+        // found by the durability-and-config audit: exit 1 with messages
+        // that named neither the key nor the file, or no check at all
+        (
+            "an empty name",
+            format!("name = \"\"\n{EXEC}"),
+            vec!["name = \"\" is blank", "bad.toml"],
+        ),
+        (
+            "a work_dir that does not exist",
+            format!("work_dir = \"/nonexistent/durable-work\"\n{EXEC}"),
+            vec![
+                "work_dir = \"/nonexistent/durable-work\" is not an existing directory",
+                "bad.toml",
+            ],
+        ),
+        (
+            "an idle timeout beyond a day",
+            format!("{EXEC}persistent = true\nidle_timeout_ms = 999999999999\n"),
+            vec![
+                "executor \"x\"",
+                "idle_timeout_ms = 999999999999",
+                "one day",
+            ],
+        ),
     ] {
         let bad = write(dir.path(), "bad.toml", &text);
         assert_invalid(&start(&bad, &[]), &fragments, what);

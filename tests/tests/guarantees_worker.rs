@@ -775,6 +775,69 @@ async fn an_executor_whose_processes_offered_no_kinds_is_leased_for_once_they_do
     w.shutdown().await;
 }
 
+/// An executor whose probes offer nothing this worker leases is probed
+/// again after a pause that doubles, as one that cannot start: the pause
+/// stayed at refusal_delay_ms (a process started and a WARN every second,
+/// for ever), because the probe's start reset the breaker. And a config whose
+/// kinds match none the executor offers is refused at start (exit 2 through
+/// the CLI), naming both lists: it ran, leasing nothing, silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_offering_nothing_is_probed_less_and_less_often() {
+    tests::init_tracing();
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kinds = dir.path().join("kinds");
+    let mut e = hostile(
+        "offers-nothing",
+        None,
+        &[("HOSTILE_KINDS_FILE", kinds.to_str().expect("utf-8 path"))],
+    );
+    let mut cfg = fast_config(vec![e.clone()]);
+    cfg.refusal_delay_ms = 50;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    std::fs::write(&kinds, "").expect("kinds");
+    // a process whose hello offers nothing: the routes are probed again
+    let _run = t.submit(spec("hostile.echo", json!({}))).await;
+    let pauses = || -> Vec<u64> {
+        tests::logged(&["offers-nothing", "offers no kind this worker leases"])
+            .iter()
+            .filter_map(|l| {
+                let at = l.find("retry_in_ms=")? + "retry_in_ms=".len();
+                l[at..]
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    while pauses().len() < 4 {
+        assert!(Instant::now() < until, "probes: {:?}", pauses());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.shutdown().await;
+    let p = pauses();
+    assert!(
+        p.windows(2).take(3).all(|w| w[1] > w[0]),
+        "the pause grows: {p:?}"
+    );
+
+    // kinds that match nothing the executor offers: refused at start
+    std::fs::remove_file(&kinds).expect("heal");
+    e.kinds = Some(vec!["hostile.nope".into()]);
+    let err = supervisor::worker::Worker::start(t.connect(10).await, fast_config(vec![e]))
+        .await
+        .err()
+        .expect("refused at start");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("kinds = [\"hostile.nope\"] matches none of the kinds it offers")
+            && msg.contains("hostile.echo"),
+        "{msg}"
+    );
+}
+
 /// A step's input reaches its executor with its numbers as they were
 /// written, and the executor's output is stored and shown the same way:
 /// integers beyond 64 bits and decimals with more digits than a double holds

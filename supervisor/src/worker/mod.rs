@@ -162,6 +162,16 @@ impl ExecutorRuntime {
               "a process's hello differs from the executor's probe: nothing is leased for it until a probe process's hello says what it offers");
     }
 
+    /// A probe process's hello offers nothing this worker leases (no kinds,
+    /// or none the config's `kinds` allows): probed again after a pause that
+    /// doubles up to 30 s, as for a process that cannot start.
+    fn offers_nothing(&self, shared: &Shared, hello: &wire::Hello) {
+        let pause = self.pause_leasing(Duration::from_millis(shared.cfg.refusal_delay_ms));
+        warn!(executor = %self.cfg.name, offered = ?hello.kinds, allowed = ?self.cfg.kinds,
+              retry_in_ms = pause.as_millis() as u64,
+              "the executor offers no kind this worker leases (its hello's kinds, filtered by the config's kinds): nothing is leased for it; probed again after the pause");
+    }
+
     /// A process of this executor could not be started: nothing more is
     /// leased for it until a pause has passed and a probe process starts.
     fn process_failed(&self, base: Duration, why: &str) {
@@ -445,7 +455,22 @@ impl Worker {
         for ecfg in &cfg.executors {
             let hello = probe(&spawner, ecfg, &cfg).await?;
             let routes = routing::routes(&hello, ecfg);
+            if let Some(only) = &ecfg.kinds {
+                let unknown: Vec<&String> =
+                    only.iter().filter(|k| !hello.kinds.contains(k)).collect();
+                if routes.is_empty() && !hello.kinds.is_empty() {
+                    return Err(WorkerError::Setup(format!(
+                        "executor {:?}: kinds = {only:?} matches none of the kinds it offers ({:?}): fix the kinds list (or remove it to lease every kind the executor offers)",
+                        ecfg.name, hello.kinds
+                    )));
+                }
+                if !unknown.is_empty() {
+                    warn!(executor = %ecfg.name, unknown = ?unknown, offered = ?hello.kinds,
+                          "the config's kinds names kinds this executor does not offer: no step of those kinds is leased by it");
+                }
+            }
             info!(executor = %ecfg.name, executor_kind = %hello.executor_kind, kinds = ?hello.kinds,
+                  leased_kinds = ?routes.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
                   labels = ?routing::effective_labels(&hello, ecfg), sdk = %hello.sdk_name, "executor ready");
             executors.push(Arc::new(ExecutorRuntime {
                 cfg: ecfg.clone(),
@@ -746,7 +771,15 @@ async fn lease_pass(
                 match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
                     Ok(hello) => {
                         // the probe's hello says what the executor offers now
-                        exec.set_routes(routing::routes(&hello, &exec.cfg));
+                        let routes = routing::routes(&hello, &exec.cfg);
+                        let none = routes.is_empty();
+                        exec.set_routes(routes);
+                        if none {
+                            // not a start that went well: the pause keeps
+                            // doubling while the executor offers nothing
+                            exec.offers_nothing(shared, &hello);
+                            continue;
+                        }
                         info!(executor = %exec.cfg.name, routes = exec.routes().len(), "the executor starts again: leasing for it");
                         exec.process_started();
                     }
