@@ -250,7 +250,7 @@ pub enum CliError {
     #[error(transparent)]
     Connect(#[from] ConnectError),
     #[error(
-        "no database: pass --database-url or set DATABASE_URL (e.g. postgres://user@localhost/db)"
+        "no database: pass --database-url or set DATABASE_URL (e.g. postgres://user@localhost/db); a worker also reads database_url from its config or DURABLE_DATABASE_URL"
     )]
     NoDatabase,
     #[error("cannot read {path}: {source}")]
@@ -863,9 +863,30 @@ async fn worker(
     // SIGTERM during start-up (probes, the sweep) is a clean stop too
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
-    let db = connect(&url, cfg.db_max_connections, false).await?;
-    serve_metrics(&cfg, &db).await?;
-    let worker = Worker::start(db, cfg).await?;
+    let starting = async {
+        let db = connect(&url, cfg.db_max_connections, false).await?;
+        serve_metrics(&cfg, &db).await?;
+        Ok::<_, CliError>(Worker::start(db, cfg).await?)
+    };
+    // a stop signal during start-up (a database away, a probe that never
+    // says hello) stops it at once: it waited out the connect or handshake
+    // timeout, up to a day as configured. Nothing was leased yet.
+    let worker = tokio::select! {
+        w = starting => w,
+        () = shutdown.cancelled() => {
+            tracing::info!("stop signal during start-up: stopped before leasing anything");
+            crate::process::kill_all_groups();
+            crate::process::kill_adopted_orphans();
+            return Ok(0);
+        }
+    };
+    let worker = match worker {
+        Ok(w) => w,
+        Err(e) => {
+            crate::process::kill_all_groups();
+            return Err(e);
+        }
+    };
     let res = worker.run(shutdown).await;
     // the last line of defence: no child outlives the worker process, not
     // even one that left its process group and cgroup

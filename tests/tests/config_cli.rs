@@ -558,3 +558,75 @@ fn dev_takes_the_environments_overrides() {
         );
     }
 }
+
+/// A stop signal while the worker starts (here: a probe process that never
+/// says hello) stops it at once, exit 0, leaving no process behind. It waited
+/// out the whole handshake timeout (configurable up to a day), then exited 1.
+#[tokio::test]
+async fn a_stop_signal_during_start_up_stops_the_worker_at_once() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(
+        dir.path(),
+        "deaf.toml",
+        "name = \"startup-stop\"\nhandshake_timeout_ms = 60000\n\
+         [[executors]]\nname = \"deaf\"\ncommand = \"/bin/sleep\"\nargs = [\"613.25\"]\n",
+    );
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["worker", "--config", &file])
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn worker");
+    // the probe is started and waits for a hello
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while !sleeper_alive("613.25") {
+        assert!(std::time::Instant::now() < until, "the probe never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let signalled = std::time::Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
+        }
+        if signalled.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("the worker did not stop within 10 s of SIGTERM during start-up");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(err.contains("stop signal during start-up"), "{err}");
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        signalled.elapsed()
+    );
+    assert!(
+        !sleeper_alive("613.25"),
+        "the probe process outlived the worker"
+    );
+}
+
+/// Whether a `sleep ARG` process runs (the probe of the test above).
+fn sleeper_alive(arg: &str) -> bool {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .any(|c| c.split(|&b| b == 0).any(|a| a == arg.as_bytes()))
+}
