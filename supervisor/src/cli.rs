@@ -371,10 +371,10 @@ fn init_tracing_to(format: &str, file: std::fs::File) {
     };
 }
 
-fn init_tracing(format: &str) {
+fn init_tracing(format: &str, default_filter: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     // colours only on a terminal: a log file or a collector gets plain text
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -394,7 +394,12 @@ fn init_tracing(format: &str) {
 pub async fn main_with(cli: Cli) -> ExitCode {
     match dev_log_file(&cli) {
         Some(file) => init_tracing_to(&cli.log_format, file),
-        None => init_tracing(&cli.log_format),
+        // watch draws on the terminal and says itself when the database is
+        // away: sqlx's own warnings (a lost connection) tore its view
+        None if matches!(cli.command, Command::Watch { .. }) => {
+            init_tracing(&cli.log_format, "warn,sqlx=off")
+        }
+        None => init_tracing(&cli.log_format, "info,sqlx=warn"),
     }
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
@@ -1332,7 +1337,6 @@ struct StatusOut<'a> {
     idempotency_key: Option<&'a str>,
     cancel_requested: bool,
     created_at: chrono::DateTime<chrono::Utc>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
     steps: Vec<StepOut<'a>>,
     waiting: &'a [crate::db::WaitingStep],

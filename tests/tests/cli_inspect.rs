@@ -236,6 +236,10 @@ async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields()
             .collect::<BTreeSet<_>>()
     };
     assert_eq!(keys(&cli_json), keys(&lib));
+    // an open run's finished_at is there, null, as `runs --json` shows it
+    // (it was left out until the run ended)
+    assert!(cli_json["finished_at"].is_null(), "{cli_json}");
+    assert!(keys(&cli_json).contains("finished_at"), "{cli_json}");
     for k in keys(&lib) {
         if k != "steps" {
             assert_eq!(cli_json[&k], lib[&k], "run field {k}");

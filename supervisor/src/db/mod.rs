@@ -537,7 +537,7 @@ pub struct RunStatus {
     pub idempotency_key: Option<String>,
     pub cancel_requested: bool,
     pub created_at: DateTime<Utc>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// `null` while the run is open (as `runs --json` shows it).
     pub finished_at: Option<DateTime<Utc>>,
     pub steps: Vec<StepStatus>,
     /// Steps not created yet: they wait for their dependencies to succeed.
