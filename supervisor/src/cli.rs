@@ -1135,7 +1135,10 @@ const FORCED_EXIT_AFTER: std::time::Duration = std::time::Duration::from_secs(10
 fn spawn_signal_handler(token: CancellationToken) {
     // noted in the handler itself, before the task below runs: the lease
     // loop stops at once (worker::note_stop_signal)
-    for sig in [libc::SIGTERM, libc::SIGINT] {
+    // SIGHUP too: a closed terminal or ssh session drains the worker
+    // instead of killing it on the spot (its steps waited for their leases
+    // to expire, its children for the next incarnation's sweep)
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
         // SAFETY: the action is one atomic store, which is async-signal-safe
         if let Err(e) =
             unsafe { signal_hook_registry::register(sig, crate::worker::note_stop_signal) }
@@ -1145,9 +1148,10 @@ fn spawn_signal_handler(token: CancellationToken) {
     }
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
+        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
             signal(SignalKind::terminate()),
             signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
         ) else {
             tracing::error!("cannot install signal handlers");
             return;
@@ -1155,6 +1159,7 @@ fn spawn_signal_handler(token: CancellationToken) {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: draining"),
             _ = int.recv() => tracing::info!("SIGINT: draining"),
+            _ = hup.recv() => tracing::info!("SIGHUP (the terminal closed?): draining"),
         }
         token.cancel();
         // a second signal stops children at once

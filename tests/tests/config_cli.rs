@@ -564,6 +564,17 @@ fn dev_takes_the_environments_overrides() {
 /// out the whole handshake timeout (configurable up to a day), then exited 1.
 #[tokio::test]
 async fn a_stop_signal_during_start_up_stops_the_worker_at_once() {
+    // SIGHUP (a closed terminal) is a stop signal too: it killed the worker
+    // on the spot, no drain
+    for signal in [
+        nix::sys::signal::Signal::SIGTERM,
+        nix::sys::signal::Signal::SIGHUP,
+    ] {
+        stop_during_start_up(signal).await;
+    }
+}
+
+async fn stop_during_start_up(signal: nix::sys::signal::Signal) {
     let t = TestDb::new().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let file = write(
@@ -588,18 +599,14 @@ async fn a_stop_signal_during_start_up_stops_the_worker_at_once() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let signalled = std::time::Instant::now();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal).expect("signal");
     let status = loop {
         if let Some(st) = child.try_wait().expect("wait") {
             break st;
         }
         if signalled.elapsed() > Duration::from_secs(10) {
             let _ = child.kill();
-            panic!("the worker did not stop within 10 s of SIGTERM during start-up");
+            panic!("the worker did not stop within 10 s of {signal} during start-up");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
@@ -608,8 +615,11 @@ async fn a_stop_signal_during_start_up_stops_the_worker_at_once() {
     if let Some(mut e) = child.stderr.take() {
         let _ = e.read_to_string(&mut err);
     }
-    assert_eq!(status.code(), Some(0), "{err}");
-    assert!(err.contains("stop signal during start-up"), "{err}");
+    assert_eq!(status.code(), Some(0), "{signal}: {err}");
+    assert!(
+        err.contains("stop signal during start-up"),
+        "{signal}: {err}"
+    );
     assert!(
         signalled.elapsed() < Duration::from_secs(5),
         "{:?}",
