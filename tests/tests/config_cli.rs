@@ -129,9 +129,10 @@ fn print_default_config_prints_every_field_with_its_default_and_parses_back() {
     assert_eq!(e.env_allowlist, d.env_allowlist);
     assert_eq!(e.concurrency, d.concurrency);
     assert_eq!(e.persistent, d.persistent);
-    // and valid, but for the secrets directory that does not exist here
+    // and valid, but for the directories that do not exist here
     let mut full = full;
     full.secrets_dir = None;
+    full.work_dir = None;
     full.validate().expect("the uncommented example is valid");
 
     // it needs no config file, and refuses one next to it
