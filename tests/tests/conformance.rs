@@ -26,6 +26,24 @@ fn node_executor(name: &str) -> ExecutorConfig {
     }
 }
 
+/// The Node example's variants (name, script text), each written to `dir`
+/// and configured as an executor of that name.
+fn node_variants<'a>(
+    dir: &Path,
+    variants: impl IntoIterator<Item = (&'a str, &'a String)>,
+) -> Vec<ExecutorConfig> {
+    variants
+        .into_iter()
+        .map(|(name, text)| {
+            let path = dir.join(format!("{name}.js"));
+            std::fs::write(&path, text).expect("write the variant");
+            let mut e = node_executor(name);
+            e.args = vec![path.to_string_lossy().into_owned()];
+            e
+        })
+        .collect()
+}
+
 /// A worker config with the graces the scenarios use (the defaults, but a
 /// shorter handshake: these executors say hello well within it).
 fn config(executors: Vec<ExecutorConfig>) -> WorkerConfig {
@@ -223,18 +241,13 @@ fn the_kit_fails_what_the_worker_fails() {
             "expected ACCEPTED with sequence 1",
         ),
     ];
-    let mut executors = Vec::new();
     for (name, text, _) in &variants {
         assert_ne!(
             text, &script,
             "{name}: the executor's text changed: update this test"
         );
-        let path = dir.path().join(format!("{name}.js"));
-        std::fs::write(&path, text).expect("write the variant");
-        let mut e = node_executor(name);
-        e.args = vec![path.to_string_lossy().into_owned()];
-        executors.push(e);
     }
+    let executors = node_variants(dir.path(), variants.iter().map(|(n, t, _)| (*n, t)));
     let cfg = write_config(dir.path(), &config(executors));
     let out = conformance(&cfg, &[]);
     let text = stdout(&out);
@@ -269,14 +282,7 @@ fn negotiation_and_the_result_limit_are_checked_and_json_reports_them() {
         v1 != script && oversized != script,
         "the executor's text changed: update this test"
     );
-    let mut executors = Vec::new();
-    for (name, text) in [("v1", &v1), ("oversized", &oversized)] {
-        let path = dir.path().join(format!("{name}.js"));
-        std::fs::write(&path, text).expect("write the variant");
-        let mut e = node_executor(name);
-        e.args = vec![path.to_string_lossy().into_owned()];
-        executors.push(e);
-    }
+    let executors = node_variants(dir.path(), [("v1", &v1), ("oversized", &oversized)]);
     let cfg = write_config(dir.path(), &config(executors));
 
     let out = conformance(&cfg, &["--json"]);
