@@ -701,12 +701,25 @@ async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
             parse_spec(&text)
         })
         .transpose()?;
+    // an empty DATABASE_URL is none (as for every command); the built-in
+    // config's database_url comes from DURABLE_DATABASE_URL
+    let url = url
+        .filter(|u| !u.trim().is_empty())
+        .or_else(|| cfg.database_url.clone().filter(|u| !u.trim().is_empty()));
     let cluster = match &url {
         Some(_) => None,
-        None => Some(crate::dev::DevCluster::ensure(
-            &std::env::current_dir().unwrap_or_default().join(".dev"),
-            opts.dev_port,
-        )?),
+        None => {
+            let c = crate::dev::DevCluster::ensure(
+                &std::env::current_dir().unwrap_or_default().join(".dev"),
+                opts.dev_port,
+            )?;
+            // how to look at the run from another shell while dev runs
+            eprintln!(
+                "dev PostgreSQL: {0} (export DATABASE_URL={0} to use `supervisor status`, `events`, `watch` … from another shell while dev runs)",
+                c.url
+            );
+            Some(c)
+        }
     };
     let url = url.or_else(|| cluster.as_ref().map(|c| c.url.clone()));
     let result = dev_session(url, cfg, spec, opts.exit_when_idle, opts.watch).await;

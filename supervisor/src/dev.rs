@@ -12,6 +12,8 @@ pub enum DevError {
     NoPostgres,
     #[error("{what} failed: {detail}")]
     Command { what: String, detail: String },
+    #[error("port {0} on 127.0.0.1 is in use by another server: pass --dev-port N to run the dev PostgreSQL on another port, or set DATABASE_URL to use that server")]
+    PortInUse(u16),
     #[error(
         "the bundled executor {0} is missing: run scripts/setup from the repository root first"
     )]
@@ -20,12 +22,30 @@ pub enum DevError {
     Setup { script: PathBuf, status: String },
 }
 
-/// A local cluster under `dir`, started on `port`.
+/// A local cluster under `dir`, started on `port`. Every dev session using
+/// it holds a shared lock on `dir/sessions.lock`; the last one to leave stops
+/// the server, and only when a dev session started it (`dir/started-by-dev`):
+/// a second session in the same directory stopped the first one's database
+/// when it exited, and a server the user started was stopped too.
 #[derive(Debug)]
 pub struct DevCluster {
     bin: PathBuf,
     dir: PathBuf,
     pub url: String,
+    session: std::fs::File,
+}
+
+const SESSIONS_LOCK: &str = "sessions.lock";
+const STARTED_BY_DEV: &str = "started-by-dev";
+
+fn flock(f: &std::fs::File, op: libc::c_int) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor this File owns
+    if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 fn is_root() -> bool {
@@ -87,6 +107,16 @@ impl DevCluster {
             what: format!("creating {}", dir.display()),
             detail: e.to_string(),
         })?;
+        let session = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(SESSIONS_LOCK))
+            .and_then(|f| flock(&f, libc::LOCK_SH).map(|()| f))
+            .map_err(|e| DevError::Command {
+                what: format!("locking {}", dir.join(SESSIONS_LOCK).display()),
+                detail: e.to_string(),
+            })?;
         if is_root() {
             let mut c = Command::new("chown");
             c.arg("postgres:").arg(dir);
@@ -103,12 +133,24 @@ impl DevCluster {
                 "UTF8",
                 "--no-locale",
             ]);
-            run(c, "initdb")?;
+            run(c, "initdb").map_err(|e| unreachable_as_postgres(e, dir))?;
         }
         let mut status = pg_tool(&bin, "pg_ctl");
         status.arg("-D").arg(&data).arg("status");
         let running = status.output().map(|o| o.status.success()).unwrap_or(false);
         if !running {
+            if std::net::TcpStream::connect_timeout(
+                &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                std::time::Duration::from_millis(300),
+            )
+            .is_ok()
+            {
+                return Err(DevError::PortInUse(port));
+            }
+            // TCP only (dev connects over it): no Unix socket, whose path
+            // in ./.dev broke a directory with a space in its name (the -o
+            // string is split on blanks) or one deeper than PostgreSQL's
+            // 107-byte socket path limit
             let mut c = pg_tool(&bin, "pg_ctl");
             c.arg("-D")
                 .arg(&data)
@@ -116,27 +158,59 @@ impl DevCluster {
                 .arg(dir.join("server.log"))
                 .args(["-w", "-t", "60", "start", "-o"])
                 .arg(format!(
-                    "-p {port} -k {} -c listen_addresses=127.0.0.1",
-                    dir.display()
+                    "-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories=''"
                 ));
             run(c, "starting the dev PostgreSQL (see .dev/server.log)")?;
+            let _ = std::fs::write(dir.join(STARTED_BY_DEV), std::process::id().to_string());
         }
         Ok(DevCluster {
             bin,
             dir: dir.to_owned(),
             url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            session,
         })
     }
 
-    /// Stops the server; the data stays for the next run.
-    pub fn stop(&self) {
+    /// Stops the server when this is the last dev session using it and a
+    /// dev session started it; the data stays for the next run.
+    pub fn stop(self) {
+        if flock(&self.session, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+            tracing::info!("another dev session uses the dev PostgreSQL: left running");
+            return;
+        }
+        let marker = self.dir.join(STARTED_BY_DEV);
+        if !marker.exists() {
+            tracing::info!("the dev PostgreSQL was running before dev started: left running");
+            return;
+        }
         let mut c = pg_tool(&self.bin, "pg_ctl");
         c.arg("-D")
             .arg(self.dir.join("data"))
             .args(["-m", "fast", "-w", "stop"]);
-        if let Err(e) = run(c, "stopping the dev PostgreSQL") {
-            tracing::warn!(error = %e, "dev cluster did not stop cleanly");
+        match run(c, "stopping the dev PostgreSQL") {
+            Ok(()) => {
+                let _ = std::fs::remove_file(marker);
+            }
+            Err(e) => tracing::warn!(error = %e, "dev cluster did not stop cleanly"),
         }
+    }
+}
+
+/// initdb runs as the `postgres` user when dev runs as root: a directory that
+/// user cannot enter (anything under /root) fails it with a bare
+/// "Permission denied". Say why, and what to do.
+fn unreachable_as_postgres(e: DevError, dir: &Path) -> DevError {
+    match e {
+        DevError::Command { what, detail } if is_root() && detail.contains("Permission denied") => {
+            DevError::Command {
+                what,
+                detail: format!(
+                    "{detail}\nhint: as root, dev runs PostgreSQL as the `postgres` user (initdb refuses root), which cannot reach {}: run dev from a directory every user can enter (not under /root), or set DATABASE_URL to a server of yours",
+                    dir.display()
+                ),
+            }
+        }
+        other => other,
     }
 }
 
