@@ -613,9 +613,15 @@ async fn watch(
         let db = connect(url, 2, true).await?;
         let mut opts = crate::watch::WatchOptions::for_stdout(plain);
         opts.interval = std::time::Duration::from_millis(interval_ms);
-        crate::watch::watch(&db, id, &mut std::io::stdout(), &opts)
-            .await
-            .map_err(explain)
+        crate::watch::watch(
+            &db,
+            id,
+            &mut std::io::stdout(),
+            &opts,
+            crate::watch::stop_signal(),
+        )
+        .await
+        .map_err(explain)
     };
     match followed.await {
         Ok(end) => Ok(end.exit_code()),
@@ -997,22 +1003,44 @@ async fn dev_session(
         println!("{}", serde_json::json!({ "run_id": id }));
         run_id = Some(id);
     }
-    // on a terminal, the run is shown as `watch` shows it (logs: ./.dev/dev.log)
+    // set when dev stops because nothing is left to run (not a signal)
+    let idle = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // on a terminal, the run is shown as `watch` shows it (logs: ./.dev/dev.log),
+    // until it ends or the worker stops (the view is closed then, before
+    // anything else is printed: the cursor was left hidden, and lines
+    // printed beside it were drawn over)
     let watcher = match run_id.filter(|_| watch) {
         Some(id) => {
-            let db = db.clone();
+            let (db, stop, idle) = (db.clone(), shutdown.clone(), idle.clone());
             Some(tokio::spawn(async move {
                 let opts = crate::watch::WatchOptions::for_stdout(false);
-                let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts).await;
-                if !exit_when_idle && matches!(end, Ok(crate::watch::WatchEnd::Terminal(_))) {
-                    eprintln!("the worker keeps running (Ctrl-C stops it); logs: .dev/dev.log");
+                let stopped = async move {
+                    stop.cancelled().await;
+                    0
+                };
+                let end =
+                    crate::watch::watch(&db, id, &mut std::io::stdout(), &opts, stopped).await;
+                match end {
+                    Ok(crate::watch::WatchEnd::Terminal(_)) if !exit_when_idle => {
+                        eprintln!("the worker keeps running (Ctrl-C stops it); logs: .dev/dev.log");
+                    }
+                    Ok(crate::watch::WatchEnd::Interrupted(_))
+                        if !idle.load(std::sync::atomic::Ordering::SeqCst) =>
+                    {
+                        eprintln!(
+                            "stopping: running steps may finish first (a second Ctrl-C stops them now); logs: .dev/dev.log"
+                        );
+                    }
+                    _ => {}
                 }
             }))
         }
         None => None,
     };
+    let left_open = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     if exit_when_idle {
         let (db2, stop, worker_id) = (db.clone(), shutdown.clone(), worker.id());
+        let (idle, left_open) = (idle.clone(), left_open.clone());
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -1020,16 +1048,22 @@ async fn dev_session(
                     Ok(w) if w.steps == 0 => {
                         // idle: nothing runs and nothing this worker can run
                         // is left; steps only other executors can run would
-                        // keep it waiting for ever
-                        for s in &w.stuck {
-                            eprintln!(
-                                "left open: run {} step {:?} ({}): no executor of this worker runs it",
-                                s.run_id,
-                                s.step,
-                                s.needs()
-                            );
-                        }
+                        // keep it waiting for ever (named once the view is
+                        // closed)
+                        *left_open.lock().unwrap_or_else(|p| p.into_inner()) = w
+                            .stuck
+                            .iter()
+                            .map(|s| {
+                                format!(
+                                    "left open: run {} step {:?} ({}): no executor of this worker runs it",
+                                    s.run_id,
+                                    s.step,
+                                    s.needs()
+                                )
+                            })
+                            .collect();
                         tracing::info!("nothing left to run: stopping");
+                        idle.store(true, std::sync::atomic::Ordering::SeqCst);
                         stop.cancel();
                         return;
                     }
@@ -1041,17 +1075,25 @@ async fn dev_session(
     }
     let res = worker.run(shutdown).await;
     crate::process::kill_all_groups();
+    let print_left_open = || {
+        for line in left_open.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            eprintln!("{line}");
+        }
+    };
     if let Some(w) = watcher {
-        // the run is terminal when the worker stopped idle: let the last frame out
+        // the worker stopped: the view closes (a last frame when the run
+        // ended), then the open steps are named below it
         if tokio::time::timeout(std::time::Duration::from_secs(2), w)
             .await
             .is_err()
         {
             tracing::warn!("the watch view did not finish");
         }
+        print_left_open();
         res?;
         return Ok(0);
     }
+    print_left_open();
     res?;
     if let Some(id) = run_id {
         let st = db.status(id).await?;

@@ -63,19 +63,40 @@ fn utf8_locale() -> bool {
 pub enum WatchEnd {
     /// The run reached this terminal state.
     Terminal(String),
-    /// SIGINT (Ctrl-C): the run goes on; only the watch stopped.
-    Interrupted,
+    /// Stopped by this signal (SIGINT: Ctrl-C, SIGTERM, SIGHUP), or by its
+    /// caller (0): the run goes on; only the watch stopped.
+    Interrupted(i32),
 }
 
 impl WatchEnd {
-    /// CONTRACT §2: 0 succeeded, 1 failed, 3 cancelled; 130 for Ctrl-C.
+    /// CONTRACT §2: 0 succeeded, 1 failed, 3 cancelled; 128 + the signal's
+    /// number when one stopped the watch (130 for Ctrl-C).
     pub fn exit_code(&self) -> u8 {
         match self {
             WatchEnd::Terminal(s) if s == "succeeded" => 0,
             WatchEnd::Terminal(s) if s == "cancelled" => 3,
             WatchEnd::Terminal(_) => 1,
-            WatchEnd::Interrupted => 130,
+            WatchEnd::Interrupted(sig) => u8::try_from(128 + sig).unwrap_or(130),
         }
+    }
+}
+
+/// The first of SIGINT, SIGTERM and SIGHUP to arrive (its number): what
+/// stops a `watch` (each used to end it without showing the cursor again,
+/// but Ctrl-C). Never resolves when the handlers cannot be installed.
+pub async fn stop_signal() -> i32 {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => libc::SIGINT,
+        _ = term.recv() => libc::SIGTERM,
+        _ = hup.recv() => libc::SIGHUP,
     }
 }
 
@@ -83,16 +104,19 @@ fn run_is_terminal(state: &str) -> bool {
     matches!(state, "succeeded" | "failed" | "cancelled")
 }
 
-/// Watches `run_id` until it is terminal (or Ctrl-C), writing to `out`.
-/// `NotFound` for an unknown run (before anything is drawn).
+/// Watches `run_id` until it is terminal or `stop` resolves (with the signal
+/// that stopped it: [`stop_signal`], or 0), writing to `out`; the view is
+/// closed either way (the cursor shown again). `NotFound` for an unknown run
+/// (before anything is drawn).
 pub async fn watch<W: Write>(
     db: &Db,
     run_id: Uuid,
     out: &mut W,
     opts: &WatchOptions,
+    stop: impl std::future::Future<Output = i32>,
 ) -> Result<WatchEnd, DbError> {
     let mut view = View::new(opts.clone());
-    let interrupted = tokio::signal::ctrl_c();
+    let interrupted = stop;
     tokio::pin!(interrupted);
     let mut failing_since: Option<Instant> = None;
     let mut first = true;
@@ -130,9 +154,9 @@ pub async fn watch<W: Write>(
         }
         tokio::select! {
             _ = tokio::time::sleep(opts.interval) => {}
-            _ = &mut interrupted => {
+            sig = &mut interrupted => {
                 write_all(out, &view.abandon());
-                break WatchEnd::Interrupted;
+                break WatchEnd::Interrupted(sig);
             }
         }
     };

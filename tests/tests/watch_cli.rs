@@ -443,6 +443,68 @@ async fn dev_submit_on_a_terminal_shows_the_watch_view_and_logs_to_a_file() {
     );
 }
 
+/// A watch stopped by SIGTERM or SIGHUP (a `timeout`, a closed terminal)
+/// closes its view as Ctrl-C does, and exits 128 + the signal: the cursor
+/// was left hidden. And `dev --exit-when-idle` on a terminal, stopping with a
+/// step it cannot run, closes the view before it names that step: the
+/// cursor was left hidden and the "left open" line was drawn over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_view_shows_the_cursor_again_and_keeps_what_follows() {
+    let _serial = tests::exclusive().await;
+    tests::go_executor(); // dev runs the bundled build of it
+    let t = TestDb::new().await;
+    let pending = t
+        .submit(tests::one_step("waits", "nobody", "k", json!({})))
+        .await;
+    let shown_again = |raw: &str| {
+        raw.rfind("\x1b[?25l")
+            .is_some_and(|hid| raw[hid..].contains("\x1b[?25h"))
+    };
+    for (sig, code) in [("TERM", 143), ("HUP", 129)] {
+        let mut cmd = std::process::Command::new("sh");
+        cmd.arg("-c")
+            .arg(format!(
+                "\"$0\" watch {pending} & p=$!; sleep 1.5; kill -{sig} $p; wait $p"
+            ))
+            .arg(tests::supervisor_bin())
+            .env("DATABASE_URL", &t.url);
+        let (exit, raw) = in_pty(cmd, 100).await;
+        assert_eq!(exit, Some(code), "SIG{sig}: {raw:?}");
+        assert!(
+            shown_again(&raw),
+            "SIG{sig}: the cursor stays hidden: {raw:?}"
+        );
+    }
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"name": "gpu-only", "steps": [
+            {"name": "train", "executor_kind": "go", "kind": "demo.echo", "labels": {"gpu": "a100"}}]})
+        .to_string(),
+    )
+    .expect("write spec");
+    let mut cmd = std::process::Command::new(tests::supervisor_bin());
+    cmd.arg("dev")
+        .arg("--submit")
+        .arg(&spec)
+        .arg("--exit-when-idle")
+        .env("DATABASE_URL", &t.url)
+        .current_dir(dir.path());
+    let (exit, raw) = in_pty(cmd, 250).await;
+    assert_eq!(exit, Some(0), "{raw:?}");
+    assert!(shown_again(&raw), "the cursor stays hidden: {raw:?}");
+    let mut screen = Screen::new(250);
+    screen.feed(&raw);
+    let text = screen.text();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("left open: run ") && l.contains("step \"train\"")),
+        "the open step is named below the view: {text}"
+    );
+}
+
 /// `dev --exit-when-idle` stops once nothing it can run is left, even when
 /// the database holds an open run that only another executor could run (the
 /// cluster under ./.dev/ is kept between runs): it names that run's step
