@@ -308,6 +308,37 @@ async fn check_executor(ctx: &Ctx<'_>, kinds: &Kinds) -> Vec<Outcome> {
         }
         return outcomes;
     };
+    // a kind named on the command line that the hello does not offer is a
+    // mistake of the run, not a kind to skip: a typo in --kind-sleep passed
+    // the cancel and deadline scenarios as "not checked", exit 0
+    let misnamed: Vec<String> = [
+        ("--kind-echo", &kinds.echo),
+        ("--kind-sleep", &kinds.sleep),
+        ("--kind-artifact", &kinds.artifact),
+        ("--kind-effect", &kinds.effect),
+    ]
+    .into_iter()
+    .filter_map(|(flag, k)| {
+        let k = k.as_deref()?;
+        (!hello.kinds.iter().any(|o| o == k)).then(|| format!("{flag} {k:?}"))
+    })
+    .collect();
+    if !misnamed.is_empty() {
+        let detail = format!(
+            "{} is not among the kinds the executor offers ({}): name one it offers",
+            misnamed.join(" and "),
+            hello.kinds.join(", ")
+        );
+        for s in &SCENARIOS[1..] {
+            outcomes.push(Outcome {
+                scenario: s,
+                verdict: Verdict::Fail,
+                detail: detail.clone(),
+                elapsed: Duration::ZERO,
+            });
+        }
+        return outcomes;
+    }
     let chosen = Chosen {
         echo: choose(&kinds.echo, "demo.echo", &hello),
         sleep: choose(&kinds.sleep, "demo.sleep", &hello),

@@ -201,6 +201,29 @@ fn a_broken_executor_fails_and_an_unknown_name_is_bad_input() {
     assert!(err.contains("no executor named \"nope\""), "{err}");
 }
 
+/// A kind named with `--kind-*` that the executor does not offer fails the
+/// run (exit 1), naming it: a typo skipped the scenarios that needed it as
+/// "not checked" and the run passed, exit 0 (SDK audit).
+#[test]
+fn a_named_kind_the_executor_does_not_offer_fails_the_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write_config(dir.path(), &config(vec![go_demo("go", &[], None)]));
+    let out = conformance(&cfg, &["--kind-sleep", "demo.slep"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(r#"--kind-sleep "demo.slep" is not among the kinds the executor offers"#),
+        "{text}"
+    );
+    assert!(
+        text.contains("go: 1 passed, 11 failed, 0 not checked"),
+        "{text}"
+    );
+    // a kind it offers, named, is used
+    let out = conformance(&cfg, &["--kind-sleep", "demo.sleep"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+}
+
 /// What the worker fails a job for, the kit fails too (wire-protocol audit):
 /// an event message holding a NUL (PROTOCOL_INVALID_TEXT) and a sequence
 /// above 2^53 - 1 (PROTOCOL_SEQUENCE_OUT_OF_RANGE) passed the echo scenario,
