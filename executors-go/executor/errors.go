@@ -73,9 +73,10 @@ type Error struct {
 	NonRetryable bool
 	// Details is sent as a JSON object; nil means none.
 	Details map[string]any
-	// NextRetryDelay, when positive, overrides the retry policy's backoff for
-	// the next attempt (rounded up to whole milliseconds). Zero means "use the
-	// policy".
+	// NextRetryDelay, when positive, replaces the retry policy's backoff for
+	// the next attempt (rounded up to whole milliseconds), within the step's
+	// retry.max_interval_ms: a longer delay waits max_interval_ms (the spec's
+	// author bounds how long any retry waits). Zero means "use the policy".
 	NextRetryDelay time.Duration
 	// Err is an optional underlying cause, reachable with errors.Unwrap. It is
 	// not sent.

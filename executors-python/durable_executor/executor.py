@@ -227,7 +227,9 @@ class ExecutorError(Exception):
     """A failure the handler reports on purpose: becomes ``JobError``.
 
     ``code`` is a stable UPPER_SNAKE_CASE string, ``details`` a JSON object (a dict)
-    or ``None``, ``next_retry_delay_ms`` overrides the retry policy's backoff.
+    or ``None``, ``next_retry_delay_ms`` replaces the retry policy's backoff for the
+    next attempt, within the step's ``retry.max_interval_ms`` (a longer delay waits
+    ``max_interval_ms``: the spec's author bounds how long any retry waits).
     Never put secrets in ``message`` or ``details`` (the SDK redacts the job's
     secret values from both as a last line of defence).
     """
