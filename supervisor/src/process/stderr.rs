@@ -154,9 +154,12 @@ impl LogSink {
 }
 
 /// Ends the logging of a child's stderr in an attempt's span (see
-/// [`StderrTail::log_in`]): the suppressed lines are reported, and later
-/// lines are logged outside any attempt (the filter stays: an idle
-/// persistent process may still print what its last job was handed).
+/// [`StderrTail::log_in`]): the suppressed lines are reported, and the rate
+/// window starts anew. Later lines stay in that attempt's span, with its
+/// filter, until the next job's: a line a persistent process wrote just
+/// before its terminal may be read from the pipe after the attempt ended
+/// (one in ten of a short job's lines were logged outside any attempt), and
+/// an idle process may still print what its last job was handed.
 pub struct LogGuard {
     tail: StderrTail,
     owner: u64,
@@ -169,7 +172,6 @@ impl Drop for LogGuard {
         if sink.owner == self.owner {
             sink.flush(self.pid);
             sink.owner = 0;
-            sink.span = tracing::Span::none();
             sink.limit = RateLimit::new(log_rate());
         }
     }
@@ -424,6 +426,31 @@ mod unit_tests {
         assert!(!tail.is_closed());
         tail.mark_closed();
         assert!(tail.is_closed());
+    }
+
+    struct Plain;
+    impl RedactLine for Plain {
+        fn redact_line(&self, line: &str) -> String {
+            line.to_owned()
+        }
+    }
+
+    /// A line read after its attempt ended (the pipe is drained on its own
+    /// task) is still logged in that attempt's span, until the next job's.
+    #[test]
+    fn lines_stay_in_the_last_attempts_span_until_the_next() {
+        let subscriber = tracing_subscriber::registry();
+        tracing::subscriber::with_default(subscriber, || {
+            let tail = StderrTail::new(64);
+            let first = tracing::info_span!("attempt", n = 1);
+            let guard = tail.log_in(7, first.clone(), Arc::new(Plain));
+            drop(guard);
+            assert_eq!(tail.sink().span.id(), first.id(), "kept after the attempt");
+            assert_eq!(tail.sink().owner, 0);
+            let second = tracing::info_span!("attempt", n = 2);
+            let _g = tail.log_in(7, second.clone(), Arc::new(Plain));
+            assert_eq!(tail.sink().span.id(), second.id());
+        });
     }
 
     #[test]
