@@ -506,9 +506,9 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
                 artifact: kind_artifact,
                 effect: kind_effect,
             };
-            conformance(&config, executor.as_deref(), &kinds, json).await
+            until_stopped(conformance(&config, executor.as_deref(), &kinds, json)).await
         }
-        Command::Executors { config } => executors(&config).await,
+        Command::Executors { config } => until_stopped(executors(&config)).await,
     }
 }
 
@@ -918,6 +918,23 @@ async fn worker(
     crate::process::kill_adopted_orphans();
     res?;
     Ok(0)
+}
+
+/// Runs a command that starts executors (`executors`, `conformance`) until
+/// it ends or a stop signal arrives: then its executors are killed and its
+/// temporary directories removed (they were left in /tmp), exit 128 + the
+/// signal.
+async fn until_stopped(
+    command: impl std::future::Future<Output = Result<u8, CliError>>,
+) -> Result<u8, CliError> {
+    let stopped = tokio::select! {
+        res = command => return res,
+        sig = crate::watch::stop_signal() => sig,
+    };
+    // the command's future is dropped: its temporary directories with it
+    crate::process::kill_all_groups();
+    eprintln!("stopped by signal {stopped}: its executors were stopped");
+    Ok(u8::try_from(128 + stopped).unwrap_or(130))
 }
 
 /// `supervisor conformance`: the executor conformance suite.

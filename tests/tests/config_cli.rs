@@ -632,6 +632,76 @@ async fn stop_during_start_up(signal: nix::sys::signal::Signal) {
     );
 }
 
+/// `executors` (and `conformance`) stopped by a signal while an executor
+/// does not answer: its process is killed and its probe directory removed,
+/// exit 128 + the signal; the directory is made in work_dir. They were left
+/// behind in /tmp, whatever work_dir said (README walk-through audit).
+#[tokio::test]
+async fn a_stopped_probe_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).expect("work dir");
+    let file = write(
+        dir.path(),
+        "deaf.toml",
+        &format!(
+            "work_dir = {:?}\nhandshake_timeout_ms = 60000\n\
+             [[executors]]\nname = \"deaf\"\ncommand = \"/bin/sleep\"\nargs = [\"614.25\"]\n",
+            work.display().to_string()
+        ),
+    );
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["executors", "--config", &file])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn executors");
+    let probes = || {
+        std::fs::read_dir(&work)
+            .expect("read work_dir")
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("durable-probe-")
+            })
+            .count()
+    };
+    // the probe's directory is in work_dir, and its process runs
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while probes() != 1 || !sleeper_alive("614.25") {
+        assert!(
+            std::time::Instant::now() < until,
+            "the probe never started in work_dir"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let signalled = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
+        }
+        if signalled.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("executors did not stop within 10 s of SIGTERM");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(143));
+    assert_eq!(probes(), 0, "the probe's directory was left behind");
+    assert!(
+        !sleeper_alive("614.25"),
+        "the probe process outlived the command"
+    );
+}
+
 /// Whether a `sleep ARG` process runs (the probe of the test above).
 fn sleeper_alive(arg: &str) -> bool {
     std::fs::read_dir("/proc")

@@ -38,7 +38,7 @@ pub enum WorkerError {
     Db(#[from] DbError),
     #[error("cannot start the process spawner: {0}")]
     Spawner(#[source] ProcessError),
-    #[error("executor {name:?} ({command}) did not answer the handshake: {why}. Check its command and that it speaks protocol v1")]
+    #[error("executor {name:?} ({command}) failed its handshake: {why}. Check its command and that it speaks the executor protocol (proto/PROTOCOL.md)")]
     Probe {
         name: String,
         command: String,
@@ -334,9 +334,11 @@ pub async fn probe(
         command: cfg.command.clone(),
         why,
     };
+    // in work_dir, as every attempt's directory (it went to /tmp whatever
+    // work_dir said)
     let dir = tempfile::Builder::new()
         .prefix("durable-probe-")
-        .tempdir()
+        .tempdir_in(wcfg.work_base())
         .map_err(|e| fail(format!("cannot create a temp dir: {e}")))?;
     let spec = cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes);
     let mut child = spawner.spawn(spec).await.map_err(|e| fail(e.to_string()))?;
@@ -374,7 +376,7 @@ pub async fn probe(
     match (hello, report) {
         (Ok(h), _) => usable_hello(h, wcfg.max_frame_bytes).map_err(fail),
         (Err(why), Ok(r)) => Err(fail(format!(
-            "{why}; exit {}; stderr: {}",
+            "{why}; then it {}; stderr: {}",
             r.status,
             r.stderr_tail.trim()
         ))),
