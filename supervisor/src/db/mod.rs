@@ -166,6 +166,9 @@ pub enum DbError {
     SchemaTooOld { have: i64, need: i64 },
     #[error("the database has no durable schema (no migrations applied). Run `supervisor migrate` first")]
     SchemaMissing,
+    /// The connecting role lacks privileges the command needs (what to grant).
+    #[error("missing privileges: {0}")]
+    Privileges(String),
 }
 
 impl DbError {
@@ -577,6 +580,13 @@ impl Db {
                 ("lock_timeout", "10000"),
                 ("plan_cache_mode", "force_generic_plan"),
                 ("jit", "off"),
+                // the runtime's SQL is written for READ COMMITTED (a row
+                // locked by another transaction is re-checked on its new
+                // version, not a serialization failure): a database or role
+                // whose default is SERIALIZABLE failed ~40% of concurrent
+                // submits with 40001 and made the ledger retry its batches
+                // (the backslash keeps the blank: the options string is split on blanks)
+                ("default_transaction_isolation", "read\\ committed"),
             ]);
         // No ping before every acquire (sqlx's default): it costs a round trip
         // per statement batch (~3 per step, measured by bench_queue); a dead
@@ -623,6 +633,40 @@ impl Db {
             .acquire_timeout(timeout)
             .connect_lazy_with(opts);
         Db { pool }
+    }
+
+    /// What the connecting role lacks of what a worker needs: SELECT,
+    /// INSERT, UPDATE and DELETE on every table of the runtime's schema (the
+    /// migrations' bookkeeping: SELECT), USAGE on its sequences, EXECUTE on
+    /// its functions (but the submitters' two); one `PRIVILEGE on
+    /// durable.object` per missing grant.
+    /// A worker without one of them ran, leased, and had every outcome
+    /// refused: its steps stayed leased for good.
+    pub async fn missing_worker_privileges(&self) -> Result<Vec<String>, DbError> {
+        let mut conn = self.connection("checking the worker's privileges").await?;
+        sqlx::query_scalar::<_, String>(
+            "SELECT p.priv || ' on durable.' || c.relname
+               FROM pg_class c
+               JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = 'durable'
+               CROSS JOIN LATERAL unnest(CASE
+                   WHEN c.relkind = 'S' THEN ARRAY['USAGE']
+                   WHEN c.relname = '_sqlx_migrations' THEN ARRAY['SELECT']
+                   ELSE ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE'] END) AS p(priv)
+              WHERE c.relkind IN ('r', 'p', 'S')
+                AND NOT CASE WHEN c.relkind = 'S' THEN has_sequence_privilege(c.oid, p.priv)
+                             ELSE has_table_privilege(c.oid, p.priv) END
+             UNION ALL
+             SELECT 'EXECUTE on durable.' || f.proname || '()'
+               FROM pg_proc f
+               JOIN pg_namespace n ON n.oid = f.pronamespace AND n.nspname = 'durable'
+              WHERE NOT has_function_privilege(f.oid, 'EXECUTE')
+                -- the submitters' entry points: a worker calls neither
+                AND f.proname NOT IN ('submit_run', 'cancel_run')
+              ORDER BY 1",
+        )
+        .fetch_all(conn.conn().conn)
+        .await
+        .ctx("checking the worker's privileges")
     }
 
     /// The newest migration this binary knows.
@@ -713,10 +757,55 @@ impl Db {
         Ok(version)
     }
 
+    /// The schema's version when every migration of this binary is applied
+    /// to it, with the same checksum (sqlx would refuse a changed one);
+    /// `None` when something is left to apply or to check.
+    async fn up_to_date(conn: &mut sqlx::PgConnection) -> Result<Option<i64>, DbError> {
+        let applied: Vec<(i64, Vec<u8>)> = match sqlx::query_as(
+            "SELECT version, checksum FROM durable._sqlx_migrations WHERE success",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        {
+            Ok(rows) => rows,
+            // no bookkeeping table yet (or not readable): let sqlx decide
+            Err(_) => return Ok(None),
+        };
+        let all = MIGRATOR.iter().all(|m| {
+            applied
+                .iter()
+                .any(|(v, c)| *v == m.version && c.as_slice() == &*m.checksum)
+        });
+        Ok(all.then(|| applied.iter().map(|(v, _)| *v).max().unwrap_or(0)))
+    }
+
     async fn migrate_locked(conn: &mut sqlx::PgConnection) -> Result<i64, DbError> {
-        conn.execute("CREATE SCHEMA IF NOT EXISTS durable")
-            .await
-            .ctx("creating schema durable")?;
+        // CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when
+        // the schema is there (a DBA who made it for the deploy role grants
+        // nothing more): only when it is missing. A schema the role cannot
+        // use is named as such (it failed with "no schema has been selected
+        // to create in")
+        let (exists, usable): (bool, bool) = sqlx::query_as(
+            "SELECT count(*) > 0, coalesce(bool_and(has_schema_privilege(oid, 'USAGE')), false)
+               FROM pg_namespace WHERE nspname = 'durable'",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .ctx("looking for schema durable")?;
+        if !exists {
+            conn.execute("CREATE SCHEMA IF NOT EXISTS durable")
+                .await
+                .ctx("creating schema durable")?;
+        } else if !usable {
+            return Err(DbError::Privileges(
+                "this role has no USAGE on schema durable: migrate as its owner (or GRANT USAGE, CREATE ON SCHEMA durable TO this role)".into(),
+            ));
+        } else if let Some(version) = Self::up_to_date(conn).await? {
+            // nothing to apply: done without sqlx's CREATE TABLE IF NOT
+            // EXISTS, which needs CREATE on the schema even when the table
+            // is there (a worker's or a submitter's role running migrate)
+            return Ok(version);
+        }
         conn.execute("SET search_path TO durable")
             .await
             .ctx("setting search_path")?;

@@ -426,6 +426,13 @@ impl Worker {
     /// upgrades: an older worker runs against a newer compatible schema).
     pub async fn start(db: Db, cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         let version = db.check_schema().await?;
+        let missing = db.missing_worker_privileges().await?;
+        if !missing.is_empty() {
+            return Err(WorkerError::Setup(format!(
+                "the database role lacks what a worker needs: {}. Grant it (as the schema's owner): GRANT USAGE ON SCHEMA durable TO <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO <role>; GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO <role> (and ALTER DEFAULT PRIVILEGES so later migrations' tables are granted too)",
+                missing.join(", ")
+            )));
+        }
         check_setup(&db, &cfg)?;
         crate::process::set_stderr_log_rate(cfg.stderr_log_lines_per_sec);
         let id = Uuid::new_v4();

@@ -1,0 +1,140 @@
+//! Least-privilege roles (README "Database roles"), found by an audit of
+//! production set-ups:
+//! - a submitter needs USAGE on the schema and EXECUTE on submit_run and
+//!   cancel_run, nothing more: it needed SELECT, INSERT and UPDATE on five
+//!   tables, with which it could rewrite anyone's queued steps directly;
+//! - a worker whose role lacks a grant is refused at start, naming it: it
+//!   ran, and every outcome was refused, its steps leased for good;
+//! - `migrate` on an up-to-date schema needs no rights (it ran CREATE SCHEMA
+//!   IF NOT EXISTS, which checks CREATE on the database anyway: a deploy
+//!   script running migrate as the worker's role failed);
+//! - the runtime's connections are READ COMMITTED whatever the database's
+//!   default (SERIALIZABLE failed ~40% of concurrent submits with 40001).
+
+use serde_json::json;
+use supervisor::db::Db;
+use tests::TestDb;
+use uuid::Uuid;
+
+/// `url` with its user replaced by `role` (the test cluster trusts local
+/// connections).
+fn as_role(url: &str, role: &str) -> String {
+    let scheme_end = url.find("://").map(|i| i + 3).unwrap_or(0);
+    let at = url[scheme_end..].find('@').map(|i| i + scheme_end);
+    match at {
+        Some(at) => format!("{}{role}{}", &url[..scheme_end], &url[at..]),
+        None => format!("{}{role}@{}", &url[..scheme_end], &url[scheme_end..]),
+    }
+}
+
+async fn exec(db: &Db, sql: &str) {
+    sqlx::raw_sql(sql)
+        .execute(db.pool())
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+#[tokio::test]
+async fn a_submitter_needs_execute_only_and_a_worker_is_told_what_it_lacks() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let (sub, wrk) = (format!("sub_{tag}"), format!("wrk_{tag}"));
+    exec(
+        &t.db,
+        &format!(
+            "CREATE ROLE {sub} LOGIN; GRANT USAGE ON SCHEMA durable TO {sub};
+             CREATE ROLE {wrk} LOGIN; GRANT USAGE ON SCHEMA durable TO {wrk};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO {wrk};
+             GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO {wrk};
+             REVOKE INSERT ON durable.step_events FROM {wrk};"
+        ),
+    )
+    .await;
+
+    // the submitter: submit and cancel through SQL and the CLI …
+    let submitter = Db::connect(&as_role(&t.url, &sub), 2)
+        .await
+        .expect("connect as the submitter");
+    let spec = tests::one_step("by-sub", "go", "demo.echo", json!({"a": 1}));
+    let run = submitter
+        .submit(&spec)
+        .await
+        .expect("submit with EXECUTE only");
+    submitter
+        .cancel(run, None)
+        .await
+        .expect("cancel with EXECUTE only");
+    let out = tests::submit_stdin(&as_role(&t.url, &sub), &spec.to_string());
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "supervisor submit as the submitter: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // … and nothing around the validator
+    let write = sqlx::query("UPDATE durable.step_runs SET input = '{}'")
+        .execute(submitter.pool())
+        .await;
+    assert!(write.is_err(), "the submitter wrote the queue directly");
+
+    // the worker role without INSERT on step_events: refused at start
+    let worker_db = Db::connect(&as_role(&t.url, &wrk), 4)
+        .await
+        .expect("connect as the worker");
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let err = supervisor::worker::Worker::start(worker_db, cfg.clone())
+        .await
+        .err()
+        .expect("a worker that cannot record events is refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("INSERT on durable.step_events") && msg.contains("GRANT"),
+        "{msg}"
+    );
+    // granted, it starts
+    exec(
+        &t.db,
+        &format!("GRANT INSERT ON durable.step_events TO {wrk}"),
+    )
+    .await;
+    let worker_db = Db::connect(&as_role(&t.url, &wrk), 4)
+        .await
+        .expect("connect as the worker");
+    let w = supervisor::worker::Worker::start(worker_db, cfg)
+        .await
+        .expect("a worker with every grant starts");
+    drop(w);
+}
+
+#[tokio::test]
+async fn migrate_again_needs_no_rights_and_sessions_are_read_committed() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let reader = format!("rd_{tag}");
+    // a role with USAGE on the schema and no CREATE anywhere (a worker's or a
+    // submitter's, in a deploy script that runs migrate first)
+    exec(
+        &t.db,
+        &format!(
+            "CREATE ROLE {reader} LOGIN; GRANT USAGE ON SCHEMA durable TO {reader};
+             REVOKE CREATE ON DATABASE {name} FROM PUBLIC;
+             ALTER DATABASE {name} SET default_transaction_isolation = 'serializable';",
+            name = t.name
+        ),
+    )
+    .await;
+    let db = Db::connect(&as_role(&t.url, &reader), 1)
+        .await
+        .expect("connect as the reader");
+    let v = db
+        .migrate()
+        .await
+        .expect("migrate on an up-to-date schema: nothing to apply, no rights needed");
+    assert_eq!(v, Db::schema_version_needed());
+
+    let iso: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(db.pool())
+        .await
+        .expect("isolation");
+    assert_eq!(iso, "read committed", "the database's default overrode it");
+}
