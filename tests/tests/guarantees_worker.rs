@@ -838,6 +838,54 @@ async fn an_executor_offering_nothing_is_probed_less_and_less_often() {
     );
 }
 
+/// A transient database error while an attempt reads its input artifacts
+/// (here: an operator's lock on the table, longer than the 10 s lock
+/// timeout) is tried again: it was a refusal at once (INPUT_UNAVAILABLE),
+/// and five of them, a minute of such a lock, failed the run
+/// EXECUTOR_REFUSED though no executor was ever asked (database-failure
+/// audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_artifacts_table_delays_the_input_read_instead_of_refusing() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    let mut lock = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.artifacts IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .expect("lock");
+    let run = t
+        .submit(json!({"name": "locked-inputs", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"x": 1}},
+            {"name": "b", "executor_kind": "go", "kind": "demo.echo", "input": {"y": 2},
+             "depends_on": ["a"]}]}))
+        .await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    lock.rollback().await.expect("unlock");
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "succeeded", "{st:?}");
+    let reasons: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT t.reason FROM durable.transitions t JOIN durable.step_runs s ON s.id = t.step_run_id
+          WHERE s.run_id = $1 AND s.name = 'b' ORDER BY t.id",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("history");
+    assert!(
+        !reasons
+            .iter()
+            .flatten()
+            .any(|r| r.contains("INPUT_UNAVAILABLE")),
+        "the lock was a refusal: {reasons:?}"
+    );
+}
+
 /// A step's input reaches its executor with its numbers as they were
 /// written, and the executor's output is stored and shown the same way:
 /// integers beyond 64 bits and decimals with more digits than a double holds

@@ -507,6 +507,12 @@ fn resolve_secrets(
         })
 }
 
+/// How long an attempt keeps trying to read its input artifacts' rows
+/// through transient database errors before it gives the step back.
+const INPUT_READ_PATIENCE: Duration = Duration::from_secs(60);
+const INPUT_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(250);
+const INPUT_RETRY_MAX_PAUSE: Duration = Duration::from_secs(5);
+
 /// Streams the input artifacts from the artifact store to
 /// `in/<step>/<name>`, chunk by chunk, checked against their size and sha256,
 /// read-only.
@@ -519,16 +525,35 @@ async fn materialize_inputs(
         // no dependency, no input artifact: no query
         return Ok(Vec::new());
     }
-    let arts = bounded(
-        DB_CALL_TIMEOUT,
-        "reading input artifacts",
-        shared.db.input_artifacts(step.run_id, &step.name),
-    )
-    .await
-    .map_err(|e| Outcome::Refused {
-        code: "INPUT_UNAVAILABLE".into(),
-        message: format!("cannot read input artifacts: {e}"),
-    })?;
+    // a transient error (a lock held on the table, a connection lost) is
+    // tried again for a while: given up at once, it was a refusal each time,
+    // and five of them (a minute of an operator's lock) failed the run
+    // EXECUTOR_REFUSED though no executor was ever asked
+    let started = tokio::time::Instant::now();
+    let mut pause = INPUT_RETRY_FIRST_PAUSE;
+    let arts = loop {
+        match bounded(
+            DB_CALL_TIMEOUT,
+            "reading input artifacts",
+            shared.db.input_artifacts(step.run_id, &step.name),
+        )
+        .await
+        {
+            Ok(arts) => break arts,
+            Err(e) if e.is_transient() && started.elapsed() + pause < INPUT_READ_PATIENCE => {
+                warn!(error = %e, retry_in_ms = pause.as_millis() as u64,
+                      "reading the input artifacts failed; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(INPUT_RETRY_MAX_PAUSE);
+            }
+            Err(e) => {
+                return Err(Outcome::Refused {
+                    code: "INPUT_UNAVAILABLE".into(),
+                    message: format!("cannot read input artifacts: {e}"),
+                })
+            }
+        }
+    };
     let store = ArtifactStore::new(shared.db.clone(), &shared.cfg);
     let mut out = Vec::with_capacity(arts.len());
     let mut taken = std::collections::HashSet::new();
