@@ -46,6 +46,28 @@ pub(crate) fn maybe_kill_heartbeat(worker: &str) {
     }
 }
 
+static FAILING_RENEWALS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Makes every renewal of the worker named `worker` fail as if its
+/// heartbeat connection could not be opened (`on = false`: they succeed
+/// again).
+pub fn fail_renewals_of(worker: &str, on: bool) {
+    let mut w = FAILING_RENEWALS.lock().unwrap_or_else(|p| p.into_inner());
+    w.retain(|x| x != worker);
+    if on {
+        w.push(worker.to_owned());
+    }
+}
+
+/// Whether a test made this worker's renewals fail.
+pub(crate) fn renewals_fail(worker: &str) -> bool {
+    FAILING_RENEWALS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|w| w == worker)
+}
+
 static SLOW_RELEASE: Mutex<Option<(String, std::time::Duration)>> = Mutex::new(None);
 
 /// Makes the first attempt of steps of `kind` hold its place in the renewal

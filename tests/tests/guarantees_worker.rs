@@ -886,6 +886,44 @@ async fn a_locked_artifacts_table_delays_the_input_read_instead_of_refusing() {
     );
 }
 
+/// A worker whose renewals fail (its heartbeat's own connection cannot be
+/// opened: max_connections reached) leases nothing until one succeeds. It
+/// went on leasing, and each step it leased lost its lease within seconds,
+/// attempt after attempt, until its run failed LEASE_EXPIRED while the
+/// database was up (database-failure audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_renewals_fail_leases_nothing_until_one_succeeds() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.name = Some("renewals-fail".into());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    supervisor::fault::fail_renewals_of("renewals-fail", true);
+    // a failed renewal is noted within a heartbeat interval
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let run = t
+        .submit(tests::one_step("waits", "go", "demo.echo", json!({"x": 1})))
+        .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (state, attempt): (String, i32) =
+        sqlx::query_as("SELECT state, attempt FROM durable.step_runs WHERE run_id = $1")
+            .bind(run)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("the step");
+    supervisor::fault::fail_renewals_of("renewals-fail", false);
+    assert_eq!(
+        (state.as_str(), attempt),
+        ("pending", 0),
+        "leased while no lease could be renewed"
+    );
+    // renewals succeed again: it is leased and runs, attempt 1
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    assert_eq!(st.state, "succeeded", "{st:?}");
+    assert_eq!(step(&st, "s").attempt, 1, "{st:?}");
+}
+
 /// A step's input reaches its executor with its numbers as they were
 /// written, and the executor's output is stored and shown the same way:
 /// integers beyond 64 bits and decimals with more digits than a double holds

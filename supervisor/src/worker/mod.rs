@@ -223,6 +223,12 @@ pub(crate) struct Shared {
     unrecorded: AtomicU64,
     /// `unrecorded` when the stop signal arrived (u64::MAX until then).
     unrecorded_at_stop: AtomicU64,
+    /// The last renewal failed: nothing is leased until one succeeds. A
+    /// worker whose heartbeat could not connect (its own connection, say
+    /// max_connections reached) went on leasing, and every step it leased
+    /// lost its lease within seconds, attempt after attempt, until its run
+    /// failed LEASE_EXPIRED.
+    renewals_failing: AtomicBool,
 }
 
 impl Shared {
@@ -529,6 +535,7 @@ impl Worker {
             wake: Arc::new(Notify::new()),
             unrecorded: AtomicU64::new(0),
             unrecorded_at_stop: AtomicU64::new(u64::MAX),
+            renewals_failing: AtomicBool::new(false),
         });
         {
             let mut workers = WORKERS
@@ -759,6 +766,10 @@ async fn lease_pass(
     ttl: Duration,
 ) -> bool {
     let mut leased_any_full = false;
+    if shared.renewals_failing.load(Ordering::SeqCst) {
+        // woken again by the first renewal that succeeds
+        return false;
+    }
     for exec in executors {
         if stop_signalled() {
             // the drain is on its way: not one lease more
@@ -1075,9 +1086,20 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
         let Some(res) = unless_stopped(&stop, renewal).await else {
             return;
         };
+        let res = match res {
+            Ok(_) if crate::fault::renewals_fail(&shared.name) => Err(DbError::Timeout {
+                context: "renewing leases (fault injection)",
+                ms: 0,
+            }),
+            other => other,
+        };
         match res {
             Ok(report) => {
                 crate::metrics::heartbeat_renewed(sent.elapsed());
+                if shared.renewals_failing.swap(false, Ordering::SeqCst) {
+                    info!("leases are renewed again: leasing resumes");
+                    shared.wake.notify_one();
+                }
                 let applied = shared.leases.apply(&leases, &report, sent, ttl);
                 crate::metrics::heartbeat_lost_leases(applied.lost.len());
                 for id in &applied.lost {
@@ -1096,6 +1118,9 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 // before its own clock runs out
                 crate::metrics::heartbeat_failed();
                 error!(error = %e, leases = leases.len(), "heartbeat failed");
+                if !shared.renewals_failing.swap(true, Ordering::SeqCst) {
+                    error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 2 per worker must fit in max_connections)");
+                }
             }
         }
     }
