@@ -3,7 +3,7 @@
 //! (WORKER_SHUTDOWN, retryable) — exit 0 either way, and no child survives;
 //! exit 1 when an outcome could not be recorded during the drain.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use serde_json::json;
@@ -215,4 +215,68 @@ async fn a_forced_exit_names_the_outcomes_it_leaves_unrecorded() {
             && err.contains(&step.to_string()),
         "{err}"
     );
+}
+
+/// A drain with the database gone ends once the lease clocks ran out: no
+/// attempt's progress write outlives its lease clock. Each write still queued
+/// waited a pool timeout (10 s) of its own, so such a drain took 50–70 s,
+/// past the stop budget the README gives a worker's supervisor
+/// (database-failure audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_with_the_database_gone_ends_with_the_lease_clocks() {
+    tests::init_tracing();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut pg = tests::chaos::PrivatePg::start(dir.path())
+        .await
+        .expect("a private cluster");
+    let db = supervisor::db::Db::connect(&pg.url, 10)
+        .await
+        .expect("connect");
+    db.migrate().await.expect("migrate");
+    let worker = supervisor::worker::Worker::start(
+        db.clone(),
+        tests::fast_config(vec![tests::go_demo("go", &[], None)]),
+    )
+    .await
+    .expect("start");
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    let mut runs = Vec::new();
+    for i in 0..4 {
+        runs.push(
+            db.submit(&json!({"name": format!("r{i}"), "steps": [
+                {"name": "s", "executor_kind": "go", "kind": "demo.resume",
+                 "input": {"items": 400, "ms": 25}}]}))
+                .await
+                .expect("submit"),
+        );
+    }
+    // checkpoints are streaming
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM durable.step_runs WHERE checkpoint IS NOT NULL",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+        if n >= 4 {
+            break;
+        }
+        assert!(Instant::now() < until, "no checkpoints");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    pg.stop("immediate").await.expect("stop the cluster");
+    let t0 = Instant::now();
+    stop.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(90), run)
+        .await
+        .expect("the drain ended")
+        .expect("the worker task");
+    let took = t0.elapsed();
+    assert!(ended.is_err(), "outcomes could not be recorded: {ended:?}");
+    // the lease clock (2 s) and the last write's bound (3 s), not a pool
+    // timeout per queued write
+    assert!(took < Duration::from_secs(15), "the drain took {took:?}");
+    supervisor::process::kill_all_groups();
 }

@@ -904,18 +904,33 @@ async fn write_loop(
         // fence needs the start, and nothing is received behind it.)
         let more =
             open && buf.is_empty() && h.pending.iter().any(|(w, _)| matches!(w, Write::Start(_)));
+        // no write outlives the lease clock: once it ran out the attempt is
+        // abandoned, and a drain with the database away waited a pool
+        // timeout (10 s) per write still queued, 50–70 s in all
+        let until = control.borrow().valid_until;
         let next = match h.pending.front_mut().map(|(_, first)| first) {
             Some(Ok(p)) => {
                 tokio::select! {
                     biased;
                     n = rx.recv_many(&mut buf, 64), if more => Next::Queued(n),
                     answer = p.answer_mut() => Next::Answered(answer),
+                    () = tokio::time::sleep_until(until) => Next::ClockRanOut,
                 }
             }
             // a first try that could not be handed: its error is its answer
             Some(Err(_)) | None => Next::Answered(Ok(())),
         };
         match next {
+            Next::ClockRanOut => {
+                // a renewal may have moved the clock on meanwhile
+                if Instant::now() >= control.borrow().valid_until {
+                    warn!(
+                        dropped = h.pending.len() + buf.len(),
+                        "the lease clock ran out: the attempt's progress writes still waiting are dropped"
+                    );
+                    return;
+                }
+            }
             Next::Queued(0) => open = false,
             Next::Queued(_) if buf.iter().any(carries_checkpoint) => {}
             Next::Queued(_) => h.hand(&mut buf).await,
@@ -942,6 +957,8 @@ async fn write_loop(
 /// What the writer waited for: more intents (0: the queue is closed), or
 /// the answer of its oldest write in flight.
 enum Next {
+    /// The lease clock's end as it was when the wait began.
+    ClockRanOut,
     Queued(usize),
     Answered(Result<(), DbError>),
 }
@@ -1083,7 +1100,18 @@ where
 {
     let mut delay = Duration::from_millis(50);
     loop {
-        match bounded(DB_CALL_TIMEOUT, what, f()).await {
+        // each try within what is left of the lease clock, too
+        let left = control
+            .borrow()
+            .valid_until
+            .saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(DbError::Timeout {
+                context: what,
+                ms: 0,
+            });
+        }
+        match bounded(DB_CALL_TIMEOUT.min(left), what, f()).await {
             Ok(()) => return Ok(()),
             Err(e) if e.is_transient() && Instant::now() + delay < control.borrow().valid_until => {
                 warn!(error = %e, "{what} failed; retrying");

@@ -60,6 +60,9 @@ pub(crate) const DB_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// take before the drain starts without it.
 const LEASE_GRACE_AT_STOP: Duration = Duration::from_secs(1);
 
+/// How long the worker's loops may take to end once every attempt has.
+const LOOPS_STOP_GRACE: Duration = Duration::from_secs(2);
+
 /// How long the last write of a stopping worker (its `stopped_at`) may take.
 const STOPPED_MARK_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -638,8 +641,23 @@ impl Worker {
             }
         }
         loops_stop.cancel();
-        while vital.join_next().await.is_some() {}
-        while background.join_next().await.is_some() {}
+        // every attempt has ended: what the loops still do (a ledger batch
+        // of abandoned attempts, a LISTEN reconnect) waits on nobody, and
+        // with the database away each waited a pool timeout (10 s), past
+        // the stop budget the README gives a worker's supervisor
+        let loops_ended = tokio::time::timeout(LOOPS_STOP_GRACE, async {
+            while vital.join_next().await.is_some() {}
+            while background.join_next().await.is_some() {}
+        })
+        .await;
+        if loops_ended.is_err() {
+            warn!(
+                grace_ms = LOOPS_STOP_GRACE.as_millis() as u64,
+                "the worker's loops did not stop within their grace (the database is slow or away): stopped"
+            );
+            vital.abort_all();
+            background.abort_all();
+        }
         mark_stopped(&shared).await;
         if let Some(name) = died {
             return Err(WorkerError::LoopDied(name));
