@@ -79,35 +79,59 @@ pub fn depth(bytes: &[u8]) -> usize {
     max
 }
 
-/// The first number in `v` that PostgreSQL's `numeric` (hence `jsonb`)
-/// cannot hold, with its path below `path` (`path.key`, `path[i]`, as the
-/// spec's messages name fields; the root's keys bare when `path` is empty): `1e999999` has too many digits before the
-/// point, `1e-99999` too many after it.
-pub fn unstorable_number(v: &Value, path: &str) -> Option<(String, String)> {
+/// What `jsonb` cannot hold: a NUL character (`\u0000` is valid JSON), or a
+/// number beyond `numeric` (`1e999999` has too many digits before the
+/// point, `1e-99999` too many after it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unstorable {
+    Nul,
+    /// The number's text.
+    Number(String),
+}
+
+/// The first place in `v` whose value (or key, for a NUL) PostgreSQL cannot
+/// store, with its path below `path` (`path.key`, `path[i]`, as the spec's
+/// messages name fields; the root's keys bare when `path` is empty). One walk
+/// for both checks.
+pub fn unstorable(v: &Value, path: &str) -> Option<(String, Unstorable)> {
     match v {
+        Value::String(s) if s.contains('\0') => Some((path.to_owned(), Unstorable::Nul)),
         Value::Number(n) => {
             let text = n.to_string();
-            (!numeric_can_hold(&text)).then(|| (path.to_owned(), text))
+            (!numeric_can_hold(&text)).then(|| (path.to_owned(), Unstorable::Number(text)))
         }
         Value::Array(a) => a
             .iter()
             .enumerate()
-            .find_map(|(i, x)| unstorable_number(x, &format!("{path}[{i}]"))),
-        Value::Object(m) => m.iter().find_map(|(k, x)| match path {
-            "" => unstorable_number(x, k),
-            _ => unstorable_number(x, &format!("{path}.{k}")),
+            .find_map(|(i, x)| unstorable(x, &format!("{path}[{i}]"))),
+        Value::Object(m) => m.iter().find_map(|(k, x)| {
+            let at = match path {
+                "" => k.clone(),
+                _ => format!("{path}.{k}"),
+            };
+            if k.contains('\0') {
+                Some((at, Unstorable::Nul))
+            } else {
+                unstorable(x, &at)
+            }
         }),
         _ => None,
     }
 }
 
-/// `v` with every number PostgreSQL cannot hold replaced by its text (for
-/// evidence such as an error's details, which is kept rather than refused).
+/// `v` with what PostgreSQL cannot store made storable, for evidence such as
+/// an error's details, which is kept rather than refused: a NUL (in a string
+/// or a key) becomes U+FFFD, a number beyond `numeric` its text.
 pub fn storable(v: Value) -> Value {
     match v {
+        Value::String(s) => Value::String(s.replace('\0', "\u{fffd}")),
         Value::Number(n) if !numeric_can_hold(&n.to_string()) => Value::String(n.to_string()),
         Value::Array(a) => Value::Array(a.into_iter().map(storable).collect()),
-        Value::Object(m) => Value::Object(m.into_iter().map(|(k, x)| (k, storable(x))).collect()),
+        Value::Object(m) => Value::Object(
+            m.into_iter()
+                .map(|(k, x)| (k.replace('\0', "\u{fffd}"), storable(x)))
+                .collect(),
+        ),
         other => other,
     }
 }
@@ -204,7 +228,7 @@ mod tests {
     }
 
     #[test]
-    fn numbers_postgres_cannot_hold_are_found_with_their_path() {
+    fn what_postgres_cannot_hold_is_found_with_its_path_and_cleaned() {
         let table = [
             ("1", true),
             ("-1.5e3", true),
@@ -229,14 +253,30 @@ mod tests {
             assert_eq!(numeric_can_hold(text), ok, "{text}");
         }
         let v = parse_bounded(br#"{"a": [1, {"n": 1e999999}], "b": 2}"#, 8).expect("parse");
-        let (path, text) = unstorable_number(&v, "steps[0].input").expect("found");
+        let (path, what) = unstorable(&v, "steps[0].input").expect("found");
         assert_eq!(path, "steps[0].input.a[1].n");
         // serde_json keeps the digits, and writes the exponent with its sign
+        let Unstorable::Number(text) = what else {
+            panic!("{what:?}")
+        };
         assert_eq!(text.replace('+', ""), "1e999999");
-        assert_eq!(unstorable_number(&serde_json::json!({"a": 1.5}), "x"), None);
+        assert_eq!(unstorable(&serde_json::json!({"a": 1.5}), "x"), None);
+        // a NUL in a string or a key; the root's keys bare
+        assert_eq!(
+            unstorable(&serde_json::json!({"a": ["x\0"]}), ""),
+            Some(("a[0]".into(), Unstorable::Nul))
+        );
+        assert_eq!(
+            unstorable(&serde_json::json!({"b": {"k\0": 1}}), "spec"),
+            Some(("spec.b.k\u{0}".into(), Unstorable::Nul))
+        );
         assert_eq!(
             storable(v),
             serde_json::json!({"a": [1, {"n": text}], "b": 2})
+        );
+        assert_eq!(
+            storable(serde_json::json!({"k\0": "a\0b"})),
+            serde_json::json!({"k\u{fffd}": "a\u{fffd}b"})
         );
     }
 }

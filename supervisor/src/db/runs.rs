@@ -136,49 +136,22 @@ impl StuckStep {
     }
 }
 
-/// The path of the first string or key in `v` that holds a NUL character
-/// (`\u0000` is valid JSON, but a `jsonb` cannot hold it), in the spec's
-/// path notation (`steps[0].input.s`); `None` when there is none.
-fn nul_path(v: &serde_json::Value, path: &str) -> Option<String> {
-    use serde_json::Value;
-    match v {
-        Value::String(s) if s.contains('\0') => Some(path.to_owned()),
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .find_map(|(i, x)| nul_path(x, &format!("{path}[{i}]"))),
-        Value::Object(map) => map.iter().find_map(|(k, x)| {
-            let at = if path == "spec" {
-                k.clone()
-            } else {
-                format!("{path}.{k}")
-            };
-            if k.contains('\0') {
-                Some(at)
-            } else {
-                nul_path(x, &at)
-            }
-        }),
-        _ => None,
-    }
-}
-
 impl DbConn<'_> {
     /// See [`Db::submit`].
     pub async fn submit(&mut self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
-        if let Some(path) = nul_path(spec, "spec") {
-            return Err(DbError::InvalidSpec(format!(
-                "{path}: contains a NUL character (\\u0000), which PostgreSQL cannot store; \
-                 remove it, or pass binary data as an artifact"
-            )));
-        }
-        if let Some((path, number)) = crate::json::unstorable_number(spec, "") {
-            // jsonb would refuse the whole value, naming nothing
-            return Err(DbError::InvalidSpec(format!(
-                "{}: the number {number} cannot be stored (PostgreSQL's numeric holds at most \
-                 131072 digits before the point and 16383 after it); pass it as a string",
-                if path.is_empty() { "spec" } else { &path }
-            )));
+        // what jsonb cannot hold would fail the whole value, naming nothing
+        if let Some((path, what)) = crate::json::unstorable(spec, "") {
+            let path = if path.is_empty() { "spec" } else { &path };
+            return Err(DbError::InvalidSpec(match what {
+                crate::json::Unstorable::Nul => format!(
+                    "{path}: contains a NUL character (\\u0000), which PostgreSQL cannot store; \
+                     remove it, or pass binary data as an artifact"
+                ),
+                crate::json::Unstorable::Number(number) => format!(
+                    "{path}: the number {number} cannot be stored (PostgreSQL's numeric holds at \
+                     most 131072 digits before the point and 16383 after it); pass it as a string"
+                ),
+            }));
         }
         let mut s = Scope::enter(self.conn).await?;
         let res = sqlx::query_scalar::<_, Uuid>("SELECT durable.submit_run($1)")

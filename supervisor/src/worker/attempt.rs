@@ -2204,23 +2204,26 @@ fn result_output(raw: &[u8]) -> Result<serde_json::Value, Outcome> {
             )
         })?
     };
-    if let Some((path, number)) = crate::json::unstorable_number(&output, "output") {
-        return Err(Outcome::failed(
-            "OUTPUT_INVALID",
-            false,
-            format!(
-                "the result's {path} is the number {number}, which PostgreSQL's numeric cannot \
-                 hold (at most 131072 digits before the point and 16383 after it): return it \
-                 as a string"
-            ),
-        ));
-    }
-    if has_nul(&output) {
-        return Err(Outcome::failed(
-            "OUTPUT_INVALID",
-            false,
-            "the result's output contains a NUL character (\\u0000), which cannot be stored",
-        ));
+    match crate::json::unstorable(&output, "output") {
+        None => {}
+        Some((_, crate::json::Unstorable::Nul)) => {
+            return Err(Outcome::failed(
+                "OUTPUT_INVALID",
+                false,
+                "the result's output contains a NUL character (\\u0000), which cannot be stored",
+            ))
+        }
+        Some((path, crate::json::Unstorable::Number(number))) => {
+            return Err(Outcome::failed(
+                "OUTPUT_INVALID",
+                false,
+                format!(
+                    "the result's {path} is the number {number}, which PostgreSQL's numeric \
+                     cannot hold (at most 131072 digits before the point and 16383 after it): \
+                     return it as a string"
+                ),
+            ))
+        }
     }
     Ok(output)
 }

@@ -347,32 +347,7 @@ pub(crate) fn parse_details(bytes: &[u8]) -> Option<serde_json::Value> {
     };
     // jsonb cannot hold a NUL, nor a number beyond numeric: details are
     // evidence, so they are kept, cleaned
-    Some(crate::json::storable(without_nul(v)))
-}
-
-/// A JSON value with every NUL character replaced (U+FFFD).
-pub(crate) fn without_nul(v: serde_json::Value) -> serde_json::Value {
-    use serde_json::Value;
-    match v {
-        Value::String(s) => Value::String(s.replace('\0', "\u{fffd}")),
-        Value::Array(a) => Value::Array(a.into_iter().map(without_nul).collect()),
-        Value::Object(m) => Value::Object(
-            m.into_iter()
-                .map(|(k, x)| (k.replace('\0', "\u{fffd}"), without_nul(x)))
-                .collect(),
-        ),
-        other => other,
-    }
-}
-
-pub(crate) fn has_nul(v: &serde_json::Value) -> bool {
-    use serde_json::Value;
-    match v {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(a) => a.iter().any(has_nul),
-        Value::Object(m) => m.iter().any(|(k, x)| k.contains('\0') || has_nul(x)),
-        _ => false,
-    }
+    Some(crate::json::storable(v))
 }
 
 // ---------------------------------------------------------------------------
