@@ -746,6 +746,22 @@ pub fn failure_x(retryable: bool) -> supervisor::db::FailureReport {
 }
 
 /// `supervisor submit - --json` with `text` on its stdin.
+/// The `supervisor` binary with a clean environment as far as the runtime
+/// goes: no database URL and no `DURABLE_*` variable (a caller sets what it
+/// needs), `RUST_LOG` at `log`, stdin empty.
+pub fn supervisor_clean(log: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(supervisor_bin());
+    c.env_remove("DATABASE_URL")
+        .env("RUST_LOG", log)
+        .stdin(std::process::Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("DURABLE_") {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
 pub fn submit_stdin(url: &str, text: &str) -> std::process::Output {
     use std::io::Write;
     let mut child = std::process::Command::new(supervisor_bin())

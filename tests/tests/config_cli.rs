@@ -15,16 +15,8 @@ use tests::TestDb;
 /// Runs the binary with a clean environment as far as the config goes: no
 /// database URL and no `DURABLE_*` variable unless given.
 fn cli(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(tests::supervisor_bin());
-    c.args(args)
-        .env_remove("DATABASE_URL")
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::null());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("DURABLE_") {
-            c.env_remove(k);
-        }
-    }
+    let mut c = tests::supervisor_clean("error");
+    c.args(args);
     for (k, v) in env {
         c.env(k, v);
     }

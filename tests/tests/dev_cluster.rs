@@ -40,18 +40,8 @@ fn scratch(root: &Path) -> PathBuf {
 }
 
 fn dev(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut c = Command::new(tests::supervisor_bin());
-    c.arg("dev")
-        .args(args)
-        .current_dir(dir)
-        .env_remove("DATABASE_URL")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("DURABLE_") {
-            c.env_remove(k);
-        }
-    }
+    let mut c = tests::supervisor_clean("warn");
+    c.arg("dev").args(args).current_dir(dir);
     for (k, v) in env {
         c.env(k, v);
     }

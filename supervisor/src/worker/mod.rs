@@ -435,13 +435,7 @@ impl Worker {
     /// upgrades: an older worker runs against a newer compatible schema).
     pub async fn start(db: Db, cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         let version = db.check_schema().await?;
-        let missing = db.missing_worker_privileges().await?;
-        if !missing.is_empty() {
-            return Err(WorkerError::Setup(format!(
-                "the database role lacks what a worker needs: {}. Grant it (as the schema's owner): GRANT USAGE ON SCHEMA durable TO <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO <role>; GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO <role> (and ALTER DEFAULT PRIVILEGES so later migrations' tables are granted too)",
-                missing.join(", ")
-            )));
-        }
+        check_privileges(&db).await?;
         check_setup(&db, &cfg)?;
         crate::process::set_stderr_log_rate(cfg.stderr_log_lines_per_sec);
         let id = Uuid::new_v4();
@@ -473,20 +467,7 @@ impl Worker {
         for ecfg in &cfg.executors {
             let hello = probe(&spawner, ecfg, &cfg).await?;
             let routes = routing::routes(&hello, ecfg);
-            if let Some(only) = &ecfg.kinds {
-                let unknown: Vec<&String> =
-                    only.iter().filter(|k| !hello.kinds.contains(k)).collect();
-                if routes.is_empty() && !hello.kinds.is_empty() {
-                    return Err(WorkerError::Setup(format!(
-                        "executor {:?}: kinds = {only:?} matches none of the kinds it offers ({:?}): fix the kinds list (or remove it to lease every kind the executor offers)",
-                        ecfg.name, hello.kinds
-                    )));
-                }
-                if !unknown.is_empty() {
-                    warn!(executor = %ecfg.name, unknown = ?unknown, offered = ?hello.kinds,
-                          "the config's kinds names kinds this executor does not offer: no step of those kinds is leased by it");
-                }
-            }
+            check_kinds(ecfg, &hello, &routes)?;
             info!(executor = %ecfg.name, executor_kind = %hello.executor_kind, kinds = ?hello.kinds,
                   leased_kinds = ?routes.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
                   labels = ?routing::effective_labels(&hello, ecfg), sdk = %hello.sdk_name, "executor ready");
@@ -1027,6 +1008,44 @@ fn vital_loop_died(
     crate::metrics::vital_loop_died(name);
     shared.abort.cancel();
     name
+}
+
+/// The role's grants: a worker without one of them ran, leased, and had
+/// every outcome refused, its steps leased for good.
+async fn check_privileges(db: &Db) -> Result<(), WorkerError> {
+    let missing = db.missing_worker_privileges().await?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(WorkerError::Setup(format!(
+        "the database role lacks what a worker needs: {}. Grant it (as the schema's owner): GRANT USAGE ON SCHEMA durable TO <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO <role>; GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO <role> (and ALTER DEFAULT PRIVILEGES so later migrations' tables are granted too)",
+        missing.join(", ")
+    )))
+}
+
+/// An executor's `kinds` list against what its probe's hello offers: none of
+/// them is a config error (the worker ran, leasing nothing for it); some of
+/// them are named in a warning.
+fn check_kinds(
+    ecfg: &ExecutorConfig,
+    hello: &wire::Hello,
+    routes: &[crate::db::Route],
+) -> Result<(), WorkerError> {
+    let Some(only) = &ecfg.kinds else {
+        return Ok(());
+    };
+    if routes.is_empty() && !hello.kinds.is_empty() {
+        return Err(WorkerError::Setup(format!(
+            "executor {:?}: kinds = {only:?} matches none of the kinds it offers ({:?}): fix the kinds list (or remove it to lease every kind the executor offers)",
+            ecfg.name, hello.kinds
+        )));
+    }
+    let unknown: Vec<&String> = only.iter().filter(|k| !hello.kinds.contains(k)).collect();
+    if !unknown.is_empty() {
+        warn!(executor = %ecfg.name, unknown = ?unknown, offered = ?hello.kinds,
+              "the config's kinds names kinds this executor does not offer: no step of those kinds is leased by it");
+    }
+    Ok(())
 }
 
 /// Checks at start what would otherwise surface as the steps' failures:
