@@ -5,6 +5,8 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
@@ -1021,74 +1023,25 @@ async fn dev_session(
         run_id = Some(id);
     }
     // set when dev stops because nothing is left to run (not a signal)
-    let idle = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // on a terminal, the run is shown as `watch` shows it (logs: ./.dev/dev.log),
-    // until it ends or the worker stops (the view is closed then, before
-    // anything else is printed: the cursor was left hidden, and lines
-    // printed beside it were drawn over)
-    let watcher = match run_id.filter(|_| watch) {
-        Some(id) => {
-            let (db, stop, idle) = (db.clone(), shutdown.clone(), idle.clone());
-            Some(tokio::spawn(async move {
-                let opts = crate::watch::WatchOptions::for_stdout(false);
-                let stopped = async move {
-                    stop.cancelled().await;
-                    0
-                };
-                let end =
-                    crate::watch::watch(&db, id, &mut std::io::stdout(), &opts, stopped).await;
-                match end {
-                    Ok(crate::watch::WatchEnd::Terminal(_)) if !exit_when_idle => {
-                        eprintln!("the worker keeps running (Ctrl-C stops it); logs: .dev/dev.log");
-                    }
-                    Ok(crate::watch::WatchEnd::Interrupted(_))
-                        if !idle.load(std::sync::atomic::Ordering::SeqCst) =>
-                    {
-                        eprintln!(
-                            "stopping: running steps may finish first (a second Ctrl-C stops them now); logs: .dev/dev.log"
-                        );
-                    }
-                    _ => {}
-                }
-            }))
-        }
-        None => None,
-    };
-    let left_open = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let idle = Arc::new(AtomicBool::new(false));
+    let watcher = run_id.filter(|_| watch).map(|id| {
+        spawn_dev_view(
+            db.clone(),
+            id,
+            shutdown.clone(),
+            idle.clone(),
+            exit_when_idle,
+        )
+    });
+    let left_open = Arc::new(Mutex::new(Vec::<String>::new()));
     if exit_when_idle {
-        let (db2, stop, worker_id) = (db.clone(), shutdown.clone(), worker.id());
-        let (idle, left_open) = (idle.clone(), left_open.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-                match db2.work_for(worker_id).await {
-                    Ok(w) if w.steps == 0 => {
-                        // idle: nothing runs and nothing this worker can run
-                        // is left; steps only other executors can run would
-                        // keep it waiting for ever (named once the view is
-                        // closed)
-                        *left_open.lock().unwrap_or_else(|p| p.into_inner()) = w
-                            .stuck
-                            .iter()
-                            .map(|s| {
-                                format!(
-                                    "left open: run {} step {:?} ({}): no executor of this worker runs it",
-                                    s.run_id,
-                                    s.step,
-                                    s.needs()
-                                )
-                            })
-                            .collect();
-                        tracing::info!("nothing left to run: stopping");
-                        idle.store(true, std::sync::atomic::Ordering::SeqCst);
-                        stop.cancel();
-                        return;
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "cannot count the work left"),
-                }
-            }
-        });
+        spawn_idle_stop(
+            db.clone(),
+            worker.id(),
+            shutdown.clone(),
+            idle.clone(),
+            left_open.clone(),
+        );
     }
     let res = worker.run(shutdown).await;
     crate::process::kill_all_groups();
@@ -1120,6 +1073,78 @@ async fn dev_session(
         }
     }
     Ok(0)
+}
+
+/// On a terminal, dev shows its run as `watch` does (logs: ./.dev/dev.log)
+/// until it ends or the worker stops (the view is closed then, before
+/// anything else is printed: the cursor was left hidden, and lines printed
+/// beside it were drawn over).
+fn spawn_dev_view(
+    db: Db,
+    id: Uuid,
+    stop: CancellationToken,
+    idle: Arc<AtomicBool>,
+    exit_when_idle: bool,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let opts = crate::watch::WatchOptions::for_stdout(false);
+        let stopped = async move {
+            stop.cancelled().await;
+            0
+        };
+        let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts, stopped).await;
+        match end {
+            Ok(crate::watch::WatchEnd::Terminal(_)) if !exit_when_idle => {
+                eprintln!("the worker keeps running (Ctrl-C stops it); logs: .dev/dev.log");
+            }
+            Ok(crate::watch::WatchEnd::Interrupted(_)) if !idle.load(Ordering::SeqCst) => {
+                eprintln!(
+                    "stopping: running steps may finish first (a second Ctrl-C stops them now); logs: .dev/dev.log"
+                );
+            }
+            _ => {}
+        }
+    })
+}
+
+/// `dev --exit-when-idle`: stops the worker once nothing runs and nothing it
+/// can run is left. Steps only other executors can run would keep it
+/// waiting for ever: they are named in `left_open` (printed once the view is
+/// closed).
+fn spawn_idle_stop(
+    db: Db,
+    worker_id: Uuid,
+    stop: CancellationToken,
+    idle: Arc<AtomicBool>,
+    left_open: Arc<Mutex<Vec<String>>>,
+) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            match db.work_for(worker_id).await {
+                Ok(w) if w.steps == 0 => {
+                    *left_open.lock().unwrap_or_else(|p| p.into_inner()) = w
+                        .stuck
+                        .iter()
+                        .map(|s| {
+                            format!(
+                                "left open: run {} step {:?} ({}): no executor of this worker runs it",
+                                s.run_id,
+                                s.step,
+                                s.needs()
+                            )
+                        })
+                        .collect();
+                    tracing::info!("nothing left to run: stopping");
+                    idle.store(true, Ordering::SeqCst);
+                    stop.cancel();
+                    return;
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot count the work left"),
+            }
+        }
+    });
 }
 
 /// `/metrics`, `/healthz` and `/readyz` when `metrics_addr` is set (before

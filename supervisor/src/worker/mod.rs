@@ -782,62 +782,10 @@ async fn lease_pass(
         if free == 0 {
             continue;
         }
-        match exec.lease_now() {
-            breaker::Lease::Yes => {}
-            breaker::Lease::NotYet => continue,
-            breaker::Lease::ProbeFirst => {
-                let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
-                match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
-                    Ok(hello) => {
-                        // the probe's hello says what the executor offers now
-                        let routes = routing::routes(&hello, &exec.cfg);
-                        let none = routes.is_empty();
-                        exec.set_routes(routes);
-                        if none {
-                            // not a start that went well: the pause keeps
-                            // doubling while the executor offers nothing
-                            exec.offers_nothing(shared, &hello);
-                            continue;
-                        }
-                        info!(executor = %exec.cfg.name, routes = exec.routes().len(), "the executor starts again: leasing for it");
-                        exec.process_started();
-                    }
-                    Err(e) => {
-                        exec.process_failed(base, &e.to_string());
-                        continue;
-                    }
-                }
-            }
-        }
-        let routes = exec.routes();
-        if routes.is_empty() {
-            // nothing to lease with; probed again after a pause (backing off)
-            exec.hello_changed(
-                shared,
-                "its last probe offers nothing this worker can lease",
-            );
+        let Some(routes) = routes_to_lease(shared, exec).await else {
             continue;
-        }
-        let leased = bounded(DB_CALL_TIMEOUT, "leasing steps", async {
-            let mut conn = shared.db.connection("leasing steps").await?;
-            // the flag again once the connection is here (acquiring it is a
-            // round trip of its own): a step submitted after the signal was
-            // noted must not be leased by a lease decided before it
-            if stop_signalled() {
-                return Ok(None);
-            }
-            crate::fault::maybe_delay_lease(&shared.name).await;
-            // the lease clock starts at the send time: the database's expiry
-            // (its now() + TTL) is never earlier than this + TTL
-            let sent = Instant::now();
-            let steps = conn
-                .conn()
-                .lease(shared.id, &shared.name, &routes, free, ttl)
-                .await?;
-            Ok(Some((steps, sent)))
-        })
-        .await;
-        let (steps, sent) = match leased {
+        };
+        let (steps, sent) = match lease_for(shared, &routes, free, ttl).await {
             Ok(Some(leased)) => leased,
             Ok(None) => return false,
             Err(e) => {
@@ -862,6 +810,79 @@ async fn lease_pass(
         }
     }
     leased_any_full
+}
+
+/// What an executor may lease with now: none while its breaker holds it
+/// back, or while its last hello (a probe's, when the breaker asks for one
+/// first) offers nothing this worker can lease.
+async fn routes_to_lease(shared: &Arc<Shared>, exec: &ExecutorRuntime) -> Option<Vec<Route>> {
+    match exec.lease_now() {
+        breaker::Lease::Yes => {}
+        breaker::Lease::NotYet => return None,
+        breaker::Lease::ProbeFirst => {
+            let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
+            match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
+                Ok(hello) => {
+                    // the probe's hello says what the executor offers now
+                    let routes = routing::routes(&hello, &exec.cfg);
+                    let none = routes.is_empty();
+                    exec.set_routes(routes);
+                    if none {
+                        // not a start that went well: the pause keeps
+                        // doubling while the executor offers nothing
+                        exec.offers_nothing(shared, &hello);
+                        return None;
+                    }
+                    info!(executor = %exec.cfg.name, routes = exec.routes().len(), "the executor starts again: leasing for it");
+                    exec.process_started();
+                }
+                Err(e) => {
+                    exec.process_failed(base, &e.to_string());
+                    return None;
+                }
+            }
+        }
+    }
+    let routes = exec.routes();
+    if routes.is_empty() {
+        // nothing to lease with; probed again after a pause (backing off)
+        exec.hello_changed(
+            shared,
+            "its last probe offers nothing this worker can lease",
+        );
+        return None;
+    }
+    Some(routes)
+}
+
+/// One lease call of at most `free` steps over `routes`, with the time it
+/// was sent (the start of its steps' lease clocks); `None` when the stop
+/// signal came first.
+async fn lease_for(
+    shared: &Arc<Shared>,
+    routes: &[Route],
+    free: u32,
+    ttl: Duration,
+) -> Result<Option<(Vec<crate::db::LeasedStep>, Instant)>, DbError> {
+    bounded(DB_CALL_TIMEOUT, "leasing steps", async {
+        let mut conn = shared.db.connection("leasing steps").await?;
+        // the flag again once the connection is here (acquiring it is a
+        // round trip of its own): a step submitted after the signal was
+        // noted must not be leased by a lease decided before it
+        if stop_signalled() {
+            return Ok(None);
+        }
+        crate::fault::maybe_delay_lease(&shared.name).await;
+        // the lease clock starts at the send time: the database's expiry
+        // (its now() + TTL) is never earlier than this + TTL
+        let sent = Instant::now();
+        let steps = conn
+            .conn()
+            .lease(shared.id, &shared.name, routes, free, ttl)
+            .await?;
+        Ok(Some((steps, sent)))
+    })
+    .await
 }
 
 /// Gives back steps leased as the stop signal arrived, before any attempt
