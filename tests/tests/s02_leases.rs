@@ -306,3 +306,64 @@ impl StepRun for TestDb {
             .expect("run of step")
     }
 }
+
+/// A worker paused past its TTL (SIGSTOP, a frozen VM) wakes with leases
+/// the database has let expire but no reclaimer has seen yet. Its renewal
+/// must not bring them back: its own lease clock has run out and given the
+/// attempt up, and a renewed row stayed `running` with no process for one
+/// TTL more before anyone reclaimed it.
+#[tokio::test]
+async fn an_expired_lease_is_not_renewed_before_a_reclaimer_sees_it() {
+    let t = TestDb::new().await;
+    t.submit(
+        json!({"name": "paused", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]}),
+    )
+    .await;
+    let w = t.connect(2).await;
+    let id = Uuid::new_v4();
+    w.register_worker(id, "paused", "test", &json!([]))
+        .await
+        .expect("register");
+    let steps = w
+        .lease(
+            id,
+            "paused",
+            &tests::route_go_k(),
+            1,
+            Duration::from_millis(300),
+        )
+        .await
+        .expect("lease");
+    assert_eq!(steps.len(), 1);
+    let lease = steps[0].lease.clone();
+    w.mark_running(&lease, "paused", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let hb = w
+        .heartbeat(
+            id,
+            std::slice::from_ref(&lease),
+            Duration::from_millis(5_000),
+        )
+        .await
+        .expect("heartbeat");
+    assert_eq!(hb.lost, vec![lease.step_run_id()], "{hb:?}");
+    assert_eq!(hb.renewed, 0);
+    let still_expired: bool =
+        sqlx::query_scalar("SELECT lease_expires_at < now() FROM durable.step_runs WHERE id = $1")
+            .bind(lease.step_run_id())
+            .fetch_one(t.db.pool())
+            .await
+            .expect("row");
+    assert!(still_expired, "the renewal moved an expired lease's expiry");
+    assert_eq!(
+        t.connect(2)
+            .await
+            .reclaim_expired("reclaimer", 10)
+            .await
+            .expect("reclaim"),
+        1,
+        "reclaimed at once, not one TTL later"
+    );
+}
