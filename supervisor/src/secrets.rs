@@ -328,9 +328,18 @@ impl Redactor {
     /// From the secrets handed out to one attempt (name → value), as
     /// returned by [`resolve`].
     pub fn new(secrets: &BTreeMap<String, String>) -> Redactor {
+        Redactor::from_pairs(secrets.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+    }
+
+    /// From (name, value) pairs, where a name may come more than once with
+    /// different values: what one persistent process was handed over all
+    /// its jobs (a secret rotated between two of them is both values).
+    pub fn from_pairs<'a>(secrets: impl IntoIterator<Item = (&'a str, &'a str)>) -> Redactor {
         let mut r = Redactor::none();
         for (name, value) in secrets {
-            r.names.push(name.clone());
+            if !r.names.iter().any(|n| n == name) {
+                r.names.push(name.to_owned());
+            }
             if value.is_empty() {
                 continue;
             }
@@ -340,11 +349,15 @@ impl Redactor {
                 REDACTED.to_owned()
             };
             if value.len() < MIN_REDACT_LEN {
-                r.short_names.push(name.clone());
-                r.short.push(Needle {
-                    text: value.clone(),
-                    marker,
-                });
+                if !r.short_names.iter().any(|n| n == name) {
+                    r.short_names.push(name.to_owned());
+                }
+                if !r.short.iter().any(|n| n.text == value) {
+                    r.short.push(Needle {
+                        text: value.to_owned(),
+                        marker,
+                    });
+                }
                 continue;
             }
             for text in variants(value) {
@@ -823,6 +836,25 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
         )
+    }
+
+    /// What a persistent process was handed over its jobs: a name may come
+    /// with two values (rotated between jobs); both are redacted.
+    #[test]
+    fn pairs_with_a_rotated_value_redact_both() {
+        let r = Redactor::from_pairs([
+            ("TOKEN", "first-value-0123"),
+            ("TOKEN", "second-value-4567"),
+            ("PIN", "12"),
+            ("PIN", "12"),
+        ]);
+        assert_eq!(r.names(), ["TOKEN", "PIN"]);
+        assert_eq!(r.short_names(), ["PIN"]);
+        assert_eq!(
+            r.redact_str("a first-value-0123 b second-value-4567"),
+            "a [REDACTED:TOKEN] b [REDACTED:TOKEN]"
+        );
+        assert_eq!(r.redact_str("12"), "[REDACTED:PIN]");
     }
 
     #[test]

@@ -23,6 +23,12 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `garbage_secret`: ACCEPTED, then a frame that is not protobuf: 0xff 0xff and
   every secret value it got (the evidence the supervisor logs of it).
 - `close_stdout`: ACCEPTED, then closes its stdout and exits 0 50 ms later (no terminal).
+- `secret_memory` (for HOSTILE_JOBS > 1): ACCEPTED, a result whose output holds every
+  secret value this process was handed, by this job or an earlier one.
+- `late_frame`: ACCEPTED, a result, then after the input's `delay_ms` a PROGRESS event
+  of the same job (a frame after its terminal).
+- `stray_bytes`: ACCEPTED, a result, then bytes that are no whole frame.
+- `sleep`: ACCEPTED, then a result after the input's `ms`.
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
@@ -35,7 +41,8 @@ HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
 HOSTILE_KINDS_FILE, read at each start, overrides it: empty, no kinds). Protocol 1.1:
 HOSTILE_VERSIONS_FILE (a file read at each start: its comma separated content
 is the hello's protocol_versions; absent file or variable: none, a 1.0 hello),
-HOSTILE_MAX_FRAME_BYTES (the hello's max_frame_bytes), HOSTILE_JOB_LOG (a file:
+HOSTILE_MAX_FRAME_BYTES (the hello's max_frame_bytes), HOSTILE_JOBS (the jobs one process
+serves, default 1: the hello's max_jobs_per_process), HOSTILE_JOB_LOG (a file:
 one line `<kind> <max_frame_bytes> <negotiated_version>` appended per job
 received).
 """
@@ -67,6 +74,10 @@ MODES = [
     "panic",
     "escape",
     "close_stdout",
+    "secret_memory",
+    "late_frame",
+    "stray_bytes",
+    "sleep",
 ]
 
 
@@ -103,6 +114,7 @@ def main() -> int:
     if version_file and os.path.exists(version_file):
         with open(version_file) as f:
             protocol_version = int(f.read().strip())
+    jobs = int(os.environ.get("HOSTILE_JOBS", "1"))
     hello = pb.ExecutorFrame(
         hello=pb.Hello(
             protocol_version=protocol_version,
@@ -110,7 +122,7 @@ def main() -> int:
             kinds=[k for k in kinds.split(",") if k] if kinds else ["hostile." + m for m in MODES],
             sdk_name="hostile",
             sdk_version="0",
-            max_jobs_per_process=1,
+            max_jobs_per_process=jobs,
             pid=os.getpid(),
             protocol_versions=versions,
             max_frame_bytes=int(os.environ.get("HOSTILE_MAX_FRAME_BYTES", "0")),
@@ -120,122 +132,145 @@ def main() -> int:
     if os.environ.get("HOSTILE_DEAF"):
         time.sleep(3600)  # never reads its stdin
         return 0
-    raw = read_frame(inp)
-    if raw is None:
-        return 0
-    frame = pb.SupervisorFrame()
-    frame.ParseFromString(raw)
-    if frame.WhichOneof("frame") != "job":
-        return 0
-    job = frame.job
-    job_log = os.environ.get("HOSTILE_JOB_LOG")
-    if job_log:
-        with open(job_log, "a") as f:
-            f.write(f"{job.kind} {job.max_frame_bytes} {job.negotiated_version or '-'}\n")
-    mode = job.kind.removeprefix("hostile.")
-    seq = 0
+    seen_secrets: list[str] = []
+    for _ in range(jobs):
+        raw = read_frame(inp)
+        if raw is None:
+            return 0
+        frame = pb.SupervisorFrame()
+        frame.ParseFromString(raw)
+        if frame.WhichOneof("frame") != "job":
+            return 0
+        job = frame.job
+        seen_secrets.extend(v for v in job.secrets.values() if v not in seen_secrets)
+        job_log = os.environ.get("HOSTILE_JOB_LOG")
+        if job_log:
+            with open(job_log, "a") as f:
+                f.write(f"{job.kind} {job.max_frame_bytes} {job.negotiated_version or '-'}\n")
+        mode = job.kind.removeprefix("hostile.")
+        seq = 0
 
-    def send(**kw) -> None:
-        write_frame(out, pb.ExecutorFrame(**kw).SerializeToString())
+        def send(**kw) -> None:
+            write_frame(out, pb.ExecutorFrame(**kw).SerializeToString())
 
-    def event(kind, message="") -> None:
-        nonlocal seq
-        seq += 1
-        send(event=pb.ProgressEvent(job_id=job.job_id, sequence=seq, kind=kind, message=message))
+        def event(kind, message="") -> None:
+            nonlocal seq
+            seq += 1
+            send(event=pb.ProgressEvent(job_id=job.job_id, sequence=seq, kind=kind, message=message))
 
-    def error(code, message, retryable, details=b"", delay=None) -> None:
-        nonlocal seq
-        seq += 1
-        e = pb.JobError(
-            job_id=job.job_id, sequence=seq, code=code, message=message, retryable=retryable, details=details
-        )
-        if delay is not None:
-            e.next_retry_delay_ms = delay
-        send(error=e)
+        def error(code, message, retryable, details=b"", delay=None) -> None:
+            nonlocal seq
+            seq += 1
+            e = pb.JobError(
+                job_id=job.job_id, sequence=seq, code=code, message=message, retryable=retryable, details=details
+            )
+            if delay is not None:
+                e.next_retry_delay_ms = delay
+            send(error=e)
 
-    def result(output: bytes) -> None:
-        nonlocal seq
-        seq += 1
-        send(result=pb.JobResult(job_id=job.job_id, sequence=seq, output=output))
+        def result(output: bytes) -> None:
+            nonlocal seq
+            seq += 1
+            send(result=pb.JobResult(job_id=job.job_id, sequence=seq, output=output))
 
-    if mode == "refuse_bad_input":
-        error("BAD_INPUT", "this input can never work", False)
-    elif mode == "refuse_retryable":
-        error("TEMPORARILY_UNAVAILABLE", "not now", True)
-    elif mode == "nul_error":
-        event(pb.EVENT_KIND_ACCEPTED)
-        error("BOOM", "before\x00after", True)
-    elif mode == "nul_event":
-        event(pb.EVENT_KIND_ACCEPTED)
-        event(pb.EVENT_KIND_PROGRESS, "half\x00way")
-        result(b'{"ok": true}')
-    elif mode == "nul_output":
-        event(pb.EVENT_KIND_ACCEPTED)
-        result(b'{"text": "a\\u0000b"}')
-    elif mode == "huge_number_output":
-        event(pb.EVENT_KIND_ACCEPTED)
-        result(b'{"n": [1, 1e999999]}')
-    elif mode == "huge_number_details":
-        event(pb.EVENT_KIND_ACCEPTED)
-        error("BIG", "details beyond numeric", False, details=b'{"n": 1e999999, "ok": 2}')
-    elif mode == "chatty":
-        event(pb.EVENT_KIND_ACCEPTED)
-        while True:
-            event(pb.EVENT_KIND_PROGRESS, "chatter")
-    elif mode == "huge_retry_delay":
-        event(pb.EVENT_KIND_ACCEPTED)
-        error("LATER", "retry much later", True, delay=2**64 - 1)
-    elif mode == "escape":
-        # a child that leaves the process group (setsid) and the attempt's
-        # cgroup (into the cgroup v2 root, as root may), then sleeps
-        child = os.fork()
-        if child == 0:
-            os.setsid()
-            root = _cgroup2_root()
-            if root:
-                try:
-                    with open(os.path.join(root, "cgroup.procs"), "w") as f:
-                        f.write(str(os.getpid()))
-                except OSError:
-                    pass
-            time.sleep(120)
-            os._exit(0)
-        escape_log = os.environ.get("HOSTILE_ESCAPE_LOG")
-        if escape_log:
-            with open(escape_log, "a") as f:
-                f.write(f"{child}\n")
-        event(pb.EVENT_KIND_ACCEPTED)
-        time.sleep(0.2)  # the child has left by now
-        result(job.input or b"null")
-    elif mode in ("echo", "panic"):
-        event(pb.EVENT_KIND_ACCEPTED)
-        result(job.input or b"null")
-    elif mode == "garbage_secret":
-        event(pb.EVENT_KIND_ACCEPTED)
-        write_frame(out, b"\xff\xff" + " ".join(job.secrets.values()).encode())
-        time.sleep(5)
-    elif mode == "secret_echo":
-        event(pb.EVENT_KIND_ACCEPTED)
-        values = " ".join(job.secrets.values())
-        event(pb.EVENT_KIND_PROGRESS, "progress " + values)
-        details = json.dumps({"leak": values, "dsn": "host=db password=hunter2x user=u"}).encode()
-        error("LEAK", "error " + values + " postgres://u:pw123456@h/db", True, details=details)
-    elif mode == "close_stdout":
-        event(pb.EVENT_KIND_ACCEPTED)
-        out.close()  # the protocol's only handle on the pipe (fd 1 is stderr's)
-        time.sleep(0.05)
-        return 0
-    elif mode == "stderr_chatty":
-        event(pb.EVENT_KIND_ACCEPTED)
-        n = int(json.loads(job.input or b"{}").get("lines", 2000))
-        err = sys.stderr
-        err.write("secret " + " ".join(job.secrets.values()) + "\n")
-        for i in range(1, n + 1):
-            err.write(f"chatter {i}\n")
-        err.flush()
-        result(json.dumps({"lines": n + 1}).encode())
-    else:
-        error("BAD_INPUT", "unknown mode " + mode, False)
+        if mode == "refuse_bad_input":
+            error("BAD_INPUT", "this input can never work", False)
+        elif mode == "refuse_retryable":
+            error("TEMPORARILY_UNAVAILABLE", "not now", True)
+        elif mode == "nul_error":
+            event(pb.EVENT_KIND_ACCEPTED)
+            error("BOOM", "before\x00after", True)
+        elif mode == "nul_event":
+            event(pb.EVENT_KIND_ACCEPTED)
+            event(pb.EVENT_KIND_PROGRESS, "half\x00way")
+            result(b'{"ok": true}')
+        elif mode == "nul_output":
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(b'{"text": "a\\u0000b"}')
+        elif mode == "huge_number_output":
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(b'{"n": [1, 1e999999]}')
+        elif mode == "huge_number_details":
+            event(pb.EVENT_KIND_ACCEPTED)
+            error("BIG", "details beyond numeric", False, details=b'{"n": 1e999999, "ok": 2}')
+        elif mode == "chatty":
+            event(pb.EVENT_KIND_ACCEPTED)
+            while True:
+                event(pb.EVENT_KIND_PROGRESS, "chatter")
+        elif mode == "huge_retry_delay":
+            event(pb.EVENT_KIND_ACCEPTED)
+            error("LATER", "retry much later", True, delay=2**64 - 1)
+        elif mode == "escape":
+            # a child that leaves the process group (setsid) and the attempt's
+            # cgroup (into the cgroup v2 root, as root may), then sleeps
+            child = os.fork()
+            if child == 0:
+                os.setsid()
+                root = _cgroup2_root()
+                if root:
+                    try:
+                        with open(os.path.join(root, "cgroup.procs"), "w") as f:
+                            f.write(str(os.getpid()))
+                    except OSError:
+                        pass
+                time.sleep(120)
+                os._exit(0)
+            escape_log = os.environ.get("HOSTILE_ESCAPE_LOG")
+            if escape_log:
+                with open(escape_log, "a") as f:
+                    f.write(f"{child}\n")
+            event(pb.EVENT_KIND_ACCEPTED)
+            time.sleep(0.2)  # the child has left by now
+            result(job.input or b"null")
+        elif mode in ("echo", "panic"):
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(job.input or b"null")
+        elif mode == "garbage_secret":
+            event(pb.EVENT_KIND_ACCEPTED)
+            write_frame(out, b"\xff\xff" + " ".join(job.secrets.values()).encode())
+            time.sleep(5)
+        elif mode == "secret_echo":
+            event(pb.EVENT_KIND_ACCEPTED)
+            values = " ".join(job.secrets.values())
+            event(pb.EVENT_KIND_PROGRESS, "progress " + values)
+            details = json.dumps({"leak": values, "dsn": "host=db password=hunter2x user=u"}).encode()
+            error("LEAK", "error " + values + " postgres://u:pw123456@h/db", True, details=details)
+        elif mode == "close_stdout":
+            event(pb.EVENT_KIND_ACCEPTED)
+            out.close()  # the protocol's only handle on the pipe (fd 1 is stderr's)
+            time.sleep(0.05)
+            return 0
+        elif mode == "stderr_chatty":
+            event(pb.EVENT_KIND_ACCEPTED)
+            n = int(json.loads(job.input or b"{}").get("lines", 2000))
+            err = sys.stderr
+            err.write("secret " + " ".join(job.secrets.values()) + "\n")
+            for i in range(1, n + 1):
+                err.write(f"chatter {i}\n")
+            err.flush()
+            result(json.dumps({"lines": n + 1}).encode())
+        elif mode == "secret_memory":
+            # every secret value this process was handed, by any of its jobs
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(json.dumps({"seen": " ".join(seen_secrets)}).encode())
+        elif mode == "late_frame":
+            # a result, then (after the input's delay_ms) a progress event of
+            # the same job: a frame after its terminal
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(b'{"late": true}')
+            time.sleep(json.loads(job.input or b"{}").get("delay_ms", 0) / 1000)
+            event(pb.EVENT_KIND_PROGRESS, "after the terminal")
+        elif mode == "sleep":
+            event(pb.EVENT_KIND_ACCEPTED)
+            time.sleep(json.loads(job.input or b"{}").get("ms", 0) / 1000)
+            result(b'{"slept": true}')
+        elif mode == "stray_bytes":
+            # a result, then bytes that are no whole frame (a stray print)
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(b'{"stray": true}')
+            out.write(b"\xffGARBAGE between jobs\n")
+        else:
+            error("BAD_INPUT", "unknown mode " + mode, False)
     # wait for EOF / shutdown, as an executor should
     while True:
         raw = read_frame(inp)

@@ -781,3 +781,33 @@ pub fn submit_stdin(url: &str, text: &str) -> std::process::Output {
         .expect("write spec");
     child.wait_with_output().expect("supervisor submit")
 }
+
+/// The hostile executor (`tests/executors/hostile.py`: its modes are the
+/// kinds `hostile.<mode>`), with its spawn log and environment.
+pub fn hostile(
+    name: &str,
+    spawn_log: Option<&std::path::PathBuf>,
+    env: &[(&str, &str)],
+) -> ExecutorConfig {
+    let mut e = std::collections::BTreeMap::new();
+    if let Some(p) = spawn_log {
+        e.insert(
+            "HOSTILE_SPAWN_LOG".to_string(),
+            p.to_string_lossy().into_owned(),
+        );
+    }
+    for (k, v) in env {
+        e.insert(k.to_string(), v.to_string());
+    }
+    ExecutorConfig {
+        name: name.into(),
+        command: python().to_string_lossy().into_owned(),
+        args: vec![repo_root()
+            .join("tests/executors/hostile.py")
+            .to_string_lossy()
+            .into_owned()],
+        env: e,
+        concurrency: 4,
+        ..ExecutorConfig::default()
+    }
+}

@@ -8,38 +8,14 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use supervisor::config::{ExecutorConfig, WorkerConfig};
+use supervisor::config::WorkerConfig;
 use supervisor::worker::Worker;
 use tests::blackhole::Blackhole;
-use tests::{fast_config, go_demo, step, RunningWorker, TestDb};
+use tests::{fast_config, go_demo, hostile, step, RunningWorker, TestDb};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(60);
-
-fn hostile(name: &str, spawn_log: Option<&PathBuf>, env: &[(&str, &str)]) -> ExecutorConfig {
-    let mut e = std::collections::BTreeMap::new();
-    if let Some(p) = spawn_log {
-        e.insert(
-            "HOSTILE_SPAWN_LOG".to_string(),
-            p.to_string_lossy().into_owned(),
-        );
-    }
-    for (k, v) in env {
-        e.insert(k.to_string(), v.to_string());
-    }
-    ExecutorConfig {
-        name: name.into(),
-        command: tests::python().to_string_lossy().into_owned(),
-        args: vec![tests::repo_root()
-            .join("tests/executors/hostile.py")
-            .to_string_lossy()
-            .into_owned()],
-        env: e,
-        concurrency: 4,
-        ..ExecutorConfig::default()
-    }
-}
 
 fn spec(kind: &str, extra: Value) -> Value {
     let mut s = json!({"name": "s", "executor_kind": "hostile", "kind": kind, "input": {"x": 1},

@@ -198,6 +198,14 @@ impl Redact {
         }
         *self.inner.write().unwrap_or_else(|p| p.into_inner()) = r;
     }
+    /// Redacts every secret its process was handed, by this job or an
+    /// earlier one (warned about once, when handed).
+    fn widen(&self, handed: &[(String, String)]) {
+        let r = crate::secrets::Redactor::from_pairs(
+            handed.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+        );
+        *self.inner.write().unwrap_or_else(|p| p.into_inner()) = r;
+    }
     fn text(&self, s: &str) -> String {
         self.inner
             .read()
@@ -303,11 +311,13 @@ async fn execute(
         Ok(v) => v,
         Err(o) => return o,
     };
-    let job = job_for(step, inputs, &out_dir, secrets);
     let mut session = match session_for(shared, exec, &workdir).await {
         Ok(s) => s,
         Err(o) => return o,
     };
+    // a persistent process may echo what an earlier job of it was handed
+    redactor.widen(session.hand_out(&secrets));
+    let job = job_for(step, inputs, &out_dir, secrets);
     let _stderr_log = session.child.log_stderr_here(redactor.clone());
     let conversed = converse(
         shared,
@@ -1227,7 +1237,8 @@ async fn converse(
             silence_ms: clocks.silence,
         },
     )
-    .reused(reused);
+    .reused(reused)
+    .after_job(session.last_job.replace(job.job_id.clone()));
     let writer = Writer::spawn(
         shared.clone(),
         step.run_id,
@@ -1249,6 +1260,13 @@ async fn converse(
     };
     let (machine, finish) = conv.drive(machine).await;
     let Conversation { stdin, writer, .. } = conv;
+    if machine.stale_frames() > 0 {
+        warn!(
+            pid = session.child.pid,
+            frames = machine.stale_frames(),
+            "the executor wrote frames of its previous job during this one (after that job's terminal): they were dropped, and the process is replaced after this job"
+        );
+    }
 
     // --- keep the process, or make sure it is gone; then decide
     if machine.answered() {

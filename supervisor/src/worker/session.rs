@@ -35,11 +35,18 @@ pub(crate) struct Session {
     pub hello: Option<Hello>,
     /// Jobs this process has served (terminal received).
     pub jobs: u32,
+    /// The id of the last job it was sent.
+    pub last_job: Option<String>,
     /// The session's own working directory (persistent sessions; a one-shot
     /// session runs in its attempt's directory).
     pub _dir: Option<tempfile::TempDir>,
     /// Set by the attempt: the job ended cleanly and the process may serve another.
     pub reusable: bool,
+    /// Every secret (name, value) this process was handed, over all its
+    /// jobs: a persistent process may keep a value from one job and echo it
+    /// in a later one that named no secret, so each job's redaction covers
+    /// them all.
+    handed_secrets: Vec<(String, String)>,
 }
 
 /// Why a process of an executor could not be started.
@@ -108,9 +115,29 @@ impl Session {
             frames: FramedRead::new(stdout, wire::executor_decoder(max_frame_bytes)),
             hello: None,
             jobs: 0,
+            last_job: None,
             _dir: dir,
             reusable: false,
+            handed_secrets: Vec::new(),
         })
+    }
+
+    /// Notes the secrets about to be handed to this process with its next
+    /// job; returns all it has been handed so far, these included.
+    pub fn hand_out(
+        &mut self,
+        secrets: &std::collections::BTreeMap<String, String>,
+    ) -> &[(String, String)] {
+        for (name, value) in secrets {
+            if !self
+                .handed_secrets
+                .iter()
+                .any(|(n, v)| n == name && v == value)
+            {
+                self.handed_secrets.push((name.clone(), value.clone()));
+            }
+        }
+        &self.handed_secrets
     }
 
     /// How many jobs this process may serve: the hello's `max_jobs_per_process`
@@ -135,8 +162,12 @@ impl Session {
             return false;
         }
         match self.frames.next().now_or_never() {
-            None => true,
-            Some(_) => {
+            // no whole frame; but a part of one (a stray print, bytes that
+            // announce a frame longer than what follows) is a write between
+            // jobs too: left in the buffer, the next job's frames were read
+            // after it and that innocent job failed, or waited for ever
+            None if self.frames.read_buffer().is_empty() => true,
+            _ => {
                 warn!(
                     pid = self.child.pid,
                     "an idle executor wrote to its stdout between jobs; it is replaced"

@@ -459,6 +459,12 @@ pub(crate) struct Machine {
     grace_frames: usize,
     /// A warm process that served jobs before this one.
     reused: bool,
+    /// The job this process served before this one: a frame of it is the
+    /// process's fault, not this job's.
+    previous_job: Option<String>,
+    /// Frames of the previous job seen during this one (dropped; the
+    /// process is not trusted with another job).
+    stale_frames: u32,
 }
 
 impl Machine {
@@ -476,7 +482,39 @@ impl Machine {
             exited: false,
             grace_frames: 0,
             reused: false,
+            previous_job: None,
+            stale_frames: 0,
         }
+    }
+
+    /// The job this process served last, if any. A late frame of it that
+    /// arrives during this job (written after its terminal, once this job
+    /// was already sent) is dropped and retires the process after this job,
+    /// which is not failed for it: the frame is not this job's doing.
+    pub(crate) fn after_job(mut self, previous: Option<String>) -> Machine {
+        self.previous_job = previous;
+        self
+    }
+
+    /// Frames of the previous job seen during this one.
+    pub(crate) fn stale_frames(&self) -> u32 {
+        self.stale_frames
+    }
+
+    /// Checks one frame: a frame of the previous job is counted and
+    /// dropped; any other goes through [`on_frame`].
+    fn check(&mut self, f: FromExecutor) -> FrameVerdict {
+        let job = match &f {
+            FromExecutor::Event(e) => Some(e.job_id.as_str()),
+            FromExecutor::Result(r) => Some(r.job_id.as_str()),
+            FromExecutor::Error(e) => Some(e.job_id.as_str()),
+            _ => None,
+        };
+        if job.is_some() && job == self.previous_job.as_deref() {
+            self.stale_frames += 1;
+            return FrameVerdict::Continue;
+        }
+        on_frame(&mut self.frames, &self.job_id, self.pid, f)
     }
 
     /// The job runs on a warm process that served jobs before it.
@@ -543,7 +581,7 @@ impl Machine {
     fn finish(&mut self, reusable: bool, wait_exit_first: bool) -> Vec<Action> {
         self.phase = Phase::Finished;
         vec![Action::Finish(Finish {
-            reusable,
+            reusable: reusable && self.stale_frames == 0,
             wait_exit_first,
         })]
     }
@@ -620,7 +658,7 @@ impl Machine {
                 self.phase = Phase::DrainingAfterExit;
                 vec![Action::StartDrain]
             }
-            Input::Frame(f) => match on_frame(&mut self.frames, &self.job_id, self.pid, f) {
+            Input::Frame(f) => match self.check(f) {
                 FrameVerdict::Continue => Vec::new(),
                 FrameVerdict::Write(i) => vec![Action::Persist(i)],
                 FrameVerdict::Terminal(t) => {
@@ -669,7 +707,7 @@ impl Machine {
                     // a violation decided it; the rest is not looked at
                     return Vec::new();
                 }
-                match on_frame(&mut self.frames, &self.job_id, self.pid, f) {
+                match self.check(f) {
                     FrameVerdict::Continue => Vec::new(),
                     FrameVerdict::Write(i) => vec![Action::Persist(i)],
                     FrameVerdict::Terminal(t) => {
@@ -751,7 +789,7 @@ impl Machine {
             }
             Input::Frame(f) => {
                 self.grace_frames += 1;
-                match on_frame(&mut self.frames, &self.job_id, self.pid, f) {
+                match self.check(f) {
                     FrameVerdict::Terminal(t) => {
                         self.terminal = Some(t);
                         self.cancel_done(reason)

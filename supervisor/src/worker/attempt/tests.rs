@@ -419,6 +419,17 @@ fn an_executor_cannot_forge_the_supervisors_verdicts() {
 
 /// What a sequence of inputs makes the machine do: its actions (short
 /// names), the phase it ends in and, once finished, the verdict.
+/// A frame of the job `id` (the table's own job is "j", the one before it "prev").
+fn of_job(id: &str, mut f: FromExecutor) -> Input {
+    match &mut f {
+        FromExecutor::Event(e) => e.job_id = id.into(),
+        FromExecutor::Result(r) => r.job_id = id.into(),
+        FromExecutor::Error(e) => e.job_id = id.into(),
+        _ => {}
+    }
+    Input::Frame(f)
+}
+
 fn run_machine(persistent: bool, inputs: Vec<Input>) -> (Vec<String>, Phase, Option<String>) {
     let mut m = Machine::new(
         "j",
@@ -428,7 +439,8 @@ fn run_machine(persistent: bool, inputs: Vec<Input>) -> (Vec<String>, Phase, Opt
             timeout_ms: Some(1000),
             silence_ms: Some(500),
         },
-    );
+    )
+    .after_job(Some("prev".into()));
     let mut actions = Vec::new();
     let mut finished = false;
     for i in inputs {
@@ -702,6 +714,27 @@ fn attempt_machine_table() {
             vec!["persist start", "finish wait"],
             Phase::Finished,
             Some("failed (EXECUTOR_CRASHED)"),
+        ),
+        (
+            "persistent: a late frame of the previous job is dropped; this job is not failed for it, the process is not kept",
+            true,
+            vec![
+                of_job("prev", ev(9, EventKind::Progress, "late")),
+                accepted(),
+                of_job("prev", FromExecutor::Result(res(10))),
+                result_frame(2),
+            ],
+            vec!["persist start", "finish"],
+            Phase::Finished,
+            Some("verify"),
+        ),
+        (
+            "a frame of a job this process did not serve last is a violation",
+            true,
+            vec![accepted(), of_job("other", ev(2, EventKind::Progress, "?"))],
+            vec!["persist start", "finish"],
+            Phase::Finished,
+            Some("failed (PROTOCOL_UNEXPECTED_FRAME)"),
         ),
     ];
     for (name, persistent, inputs, want_actions, want_phase, want_verdict) in rows {

@@ -1,0 +1,148 @@
+//! A persistent process that misbehaves between two of its jobs (found by an
+//! audit of the executor pools from outside): what one job left in the
+//! process — a secret it was handed, bytes on its stdout, a late frame —
+//! must not reach, fail or hang the next job, which did nothing wrong.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use supervisor::config::{ExecutorConfig, WorkerConfig};
+use tests::{executor_pid, fast_config, hostile, step, RunningWorker, TestDb};
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// One persistent hostile process at a time, serving up to 20 jobs.
+fn persistent_hostile() -> ExecutorConfig {
+    let mut e = hostile("hostile", None, &[("HOSTILE_JOBS", "20")]);
+    e.persistent = true;
+    e.concurrency = 1;
+    e
+}
+
+fn step_spec(name: &str, kind: &str, extra: Value) -> Value {
+    let mut s = json!({"name": name, "executor_kind": "hostile", "kind": kind,
+                       "input": {}, "retry": {"max_attempts": 1}});
+    if let (Some(o), Some(e)) = (s.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    s
+}
+
+/// A secret handed to a persistent process with one job, echoed by it in a
+/// later job that named no secret (of another run), is redacted there too:
+/// each job's redaction covered only the secrets of that job, and the later
+/// job's output stored the value in clear.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_handed_with_an_earlier_job_is_redacted_from_a_later_one() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let value = "tok-persistent-0123456789";
+    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
+    let mut e = persistent_hostile();
+    e.secrets = vec!["API_TOKEN".into()];
+    let mut cfg: WorkerConfig = fast_config(vec![e]);
+    cfg.secrets_dir = Some(dir.path().to_owned());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+
+    let mut pids = Vec::new();
+    for (run_name, extra) in [
+        ("names it", json!({"secrets": ["API_TOKEN"]})),
+        ("names none", json!({})),
+    ] {
+        let run = t
+            .submit(json!({"name": run_name, "steps": [step_spec("s", "hostile.secret_memory", extra)]}))
+            .await;
+        let st = t.wait_terminal(run, LONG).await;
+        let s = step(&st, "s");
+        assert_eq!(s.state, "succeeded", "{run_name}: {:?}", s.error);
+        let out = s.output.clone().expect("output").to_string();
+        assert!(
+            out.contains("[REDACTED:API_TOKEN]"),
+            "{run_name}: the process's memory was not echoed: {out}"
+        );
+        assert!(!out.contains(value), "{run_name}: stored in clear: {out}");
+        pids.push(executor_pid(&t.db, s.step_run_id).await);
+    }
+    w.shutdown().await;
+    assert_eq!(
+        pids[0], pids[1],
+        "one process served both jobs (else nothing was carried over)"
+    );
+}
+
+/// Bytes that are no whole frame, written by a persistent process after its
+/// job's terminal, retire it before the next job: the next job was sent to
+/// it, its frames were read after the stray bytes, and it failed for good
+/// (PROTOCOL_MALFORMED_FRAME) or waited for bytes that never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stray_bytes_between_jobs_retire_the_process_before_the_next_job() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(
+            json!({"name": "stray", "steps": [step_spec("a", "hostile.stray_bytes", json!({}))]}),
+        )
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(step(&st, "a").state, "succeeded");
+    let first = executor_pid(&t.db, step(&st, "a").step_run_id).await;
+    // the bytes are in the pipe well before the next job is taken
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let run = t
+        .submit(json!({"name": "next", "steps": [step_spec("b", "hostile.echo", json!({"timeout_ms": 20000}))]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let b = step(&st, "b");
+    assert_eq!(b.state, "succeeded", "{:?}", b.error);
+    assert_eq!(b.attempt, 1);
+    assert_ne!(
+        executor_pid(&t.db, b.step_run_id).await,
+        first,
+        "the job went to the process that wrote between jobs"
+    );
+    w.shutdown().await;
+}
+
+/// A frame of a persistent process's previous job that arrives while its
+/// next job runs (written after the previous job's terminal, once the next
+/// job was sent) does not fail the next job, which did nothing wrong: the
+/// frame is dropped and the process is replaced after the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_frame_of_the_previous_job_does_not_fail_the_next_one() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "late", "steps": [
+            step_spec("a", "hostile.late_frame", json!({"input": {"delay_ms": 600}})),
+            step_spec("b", "hostile.sleep", json!({"input": {"ms": 2000}, "depends_on": ["a"]})),
+            step_spec("c", "hostile.echo", json!({"depends_on": ["b"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    for name in ["a", "b", "c"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+        assert_eq!(s.attempt, 1, "{name}");
+    }
+    let pid = |name: &str| {
+        let id = step(&st, name).step_run_id;
+        let db = t.db.clone();
+        async move { executor_pid(&db, id).await }
+    };
+    assert_eq!(
+        pid("a").await,
+        pid("b").await,
+        "b ran in a's process (else the late frame met no job)"
+    );
+    assert_ne!(
+        pid("b").await,
+        pid("c").await,
+        "the process that wrote a late frame served another job"
+    );
+}
