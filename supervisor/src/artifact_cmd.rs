@@ -260,27 +260,34 @@ fn check(info: &ArtifactInfo, size: i64, sha256: &str, sink: Sink) -> Result<(),
 }
 
 /// `artifact lineage --json`: the artifact as a node, each node with its
-/// inputs under `derived_from`, down to the first inputs (an empty list).
+/// inputs under `derived_from`, down to the first inputs (an empty list). A
+/// node reached again (a shared ancestor: two inputs derived from one
+/// artifact) is written in full once, where it is first reached in document
+/// order; later it comes with `"shown_above": true` and an empty
+/// `derived_from`, as the text view draws it once and names it after. Written
+/// out under every path, a diamond-shaped workflow doubled the document per
+/// layer: 41 artifacts of 20 layers were 3 GB.
 pub fn lineage_json(l: &Lineage) -> serde_json::Value {
-    let mut path = BTreeSet::new();
-    node_json(l, l.root, &mut path)
+    let mut shown = BTreeSet::new();
+    node_json(l, l.root, &mut shown)
 }
 
-fn node_json(l: &Lineage, id: Uuid, path: &mut BTreeSet<Uuid>) -> serde_json::Value {
+fn node_json(l: &Lineage, id: Uuid, shown: &mut BTreeSet<Uuid>) -> serde_json::Value {
     let mut v = match l.nodes.get(&id) {
         Some(n) => serde_json::to_value(n).unwrap_or_default(),
         None => serde_json::json!({ "id": id }),
     };
     let mut from = Vec::new();
-    if path.insert(id) {
+    let first = shown.insert(id);
+    if first {
         for d in l.derived_from.get(&id).into_iter().flatten() {
-            if !path.contains(d) {
-                from.push(node_json(l, *d, path));
-            }
+            from.push(node_json(l, *d, shown));
         }
-        path.remove(&id);
     }
     if let Some(o) = v.as_object_mut() {
+        if !first {
+            o.insert("shown_above".into(), serde_json::Value::Bool(true));
+        }
         o.insert("derived_from".into(), serde_json::Value::Array(from));
     }
     v
@@ -425,5 +432,47 @@ mod tests {
             j["derived_from"][1]["derived_from"][0]["derived_from"],
             serde_json::json!([])
         );
+        assert_eq!(
+            j["derived_from"][0]["derived_from"][0].get("shown_above"),
+            None
+        );
+        assert_eq!(j["derived_from"][1]["derived_from"][0]["shown_above"], true);
+    }
+
+    /// A diamond-shaped workflow (each layer's two artifacts derived from
+    /// both of the layer before): every artifact is written in full once,
+    /// and the document grows with the artifacts, not with the paths (2^n).
+    #[test]
+    fn lineage_json_of_stacked_diamonds_holds_each_artifact_once() {
+        let layers = 12u128;
+        let id = |layer: u128, k: u128| Uuid::from_u128(layer * 2 + k + 1);
+        let mut nodes = BTreeMap::new();
+        let mut derived_from = BTreeMap::new();
+        for layer in 0..layers {
+            for k in 0..2 {
+                let n = node(layer * 2 + k + 1, &format!("l{layer}{k}"), "s");
+                nodes.insert(n.id, n);
+                if layer > 0 {
+                    derived_from.insert(id(layer, k), vec![id(layer - 1, 0), id(layer - 1, 1)]);
+                }
+            }
+        }
+        let l = Lineage {
+            root: id(layers - 1, 0),
+            nodes,
+            derived_from,
+        };
+        let text = lineage_json(&l).to_string();
+        let nodes = text.matches("\"derived_from\"").count();
+        let again = text.matches("\"shown_above\":true").count();
+        // the root and both artifacts of every layer below it, once each
+        assert_eq!(
+            nodes - again,
+            2 * (layers as usize - 1) + 1,
+            "{}",
+            text.len()
+        );
+        // each layer's second artifact names the two below it as shown
+        assert_eq!(again, 2 * (layers as usize - 2));
     }
 }
