@@ -591,3 +591,65 @@ async fn a_start_locks_its_own_run_whatever_the_open_runs_index_holds() {
          of open runs instead of probing its own\n{read:#?}"
     );
 }
+
+/// `runs` reads each step row of the runs it lists at most once, whatever
+/// the statistics say (scale audit): its step counts were correlated
+/// subqueries, and a plan made on statistics taken while two big runs
+/// filled the table (a run id there stands for hundreds of steps) scanned
+/// all of `step_runs` once per listed run; with 30,000 small runs added
+/// after that ANALYZE, `runs --limit 100000` ran into the statement timeout.
+#[tokio::test]
+async fn listing_runs_reads_each_step_once_whatever_the_statistics() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    for table in ["step_runs", "step_defs", "workflow_runs"] {
+        sqlx::query(&format!(
+            "ALTER TABLE durable.{table} SET (autovacuum_enabled = false)"
+        ))
+        .execute(db.pool())
+        .await
+        .expect("autovacuum off");
+    }
+    sqlx::query(
+        "SELECT durable.submit_run(jsonb_build_object('name', 'big', 'steps',
+                (SELECT jsonb_agg(jsonb_build_object('name', 's' || i, 'executor_kind', 'go', 'kind', 'k'))
+                   FROM generate_series(1, 300) i)))
+           FROM generate_series(1, 2)",
+    )
+    .execute(db.pool())
+    .await
+    .expect("big runs");
+    analyze(db).await;
+    leasable_runs(db, 1_000).await;
+    let steps: i64 = sqlx::query_scalar("SELECT count(*) FROM durable.step_runs")
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+    assert_eq!(steps, 1_600);
+    let read = measured(db, |mut c| {
+        Box::pin(async move {
+            let runs = c
+                .runs(&supervisor::db::RunFilter {
+                    limit: 5_000,
+                    ..Default::default()
+                })
+                .await
+                .expect("runs");
+            assert_eq!(runs.len(), 1_002);
+            assert_eq!(
+                runs.iter()
+                    .map(|r| r.steps.values().sum::<i64>())
+                    .sum::<i64>(),
+                1_600
+            );
+        })
+    })
+    .await;
+    for table in ["step_runs", "step_defs"] {
+        let rows = read.get(table).copied().unwrap_or(0);
+        assert!(
+            rows <= 2 * steps,
+            "listing 1,002 runs read {rows} rows of {table} for {steps} steps: {read:?}"
+        );
+    }
+}

@@ -255,29 +255,14 @@ impl DbConn<'_> {
             .since
             .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         let mut s = Scope::enter(self.conn).await?;
-        let rows = sqlx::query(
-            "SELECT r.id, r.name, r.state, r.cancel_requested, r.created_at, r.finished_at,
-                    coalesce((SELECT jsonb_object_agg(c.state, c.n)
-                                FROM (SELECT s.state, count(*) AS n FROM durable.step_runs s
-                                       WHERE s.run_id = r.id GROUP BY s.state) c), '{}'::jsonb) AS steps,
-                    (SELECT count(*) FROM durable.step_defs d
-                      WHERE d.run_id = r.id
-                        AND NOT EXISTS (SELECT 1 FROM durable.step_runs s
-                                         WHERE s.run_id = d.run_id AND s.name = d.name)) AS waiting
-               FROM durable.workflow_runs r
-              WHERE ($1::text IS NULL OR r.state = $1)
-                AND ($2::text IS NULL OR r.name = $2)
-                AND ($3::bigint IS NULL OR r.created_at >= now() - $3::bigint * interval '1 millisecond')
-              ORDER BY r.created_at DESC, r.id DESC
-              LIMIT $4",
-        )
-        .bind(filter.state.as_deref())
-        .bind(filter.name.as_deref())
-        .bind(since_ms)
-        .bind(i64::from(filter.limit))
-        .fetch_all(&mut *s)
-        .await
-        .ctx("listing runs")?;
+        let rows = sqlx::query(RUNS_QUERY)
+            .bind(filter.state.as_deref())
+            .bind(filter.name.as_deref())
+            .bind(since_ms)
+            .bind(i64::from(filter.limit))
+            .fetch_all(&mut *s)
+            .await
+            .ctx("listing runs")?;
         s.done().await?;
         rows.into_iter()
             .map(|r| {
@@ -300,6 +285,47 @@ impl DbConn<'_> {
             .collect()
     }
 }
+
+/// `runs`: the newest runs that pass the filter ($1 state, $2 name, $3 the
+/// age in milliseconds, $4 the limit), each with its step counts by state
+/// and its definitions still waiting for their dependencies. The page is
+/// chosen first and its steps counted in one pass: counted per run by
+/// correlated subqueries, a plan made on stale statistics (taken while a
+/// few big runs filled the table, before a batch of small ones) scanned all
+/// of `step_runs` once per listed run, and `runs --limit 5000` ran into the
+/// statement timeout.
+const RUNS_QUERY: &str = "
+    WITH page AS MATERIALIZED (
+        SELECT r.id, r.name, r.state, r.cancel_requested, r.created_at, r.finished_at
+          FROM durable.workflow_runs r
+         WHERE ($1::text IS NULL OR r.state = $1)
+           AND ($2::text IS NULL OR r.name = $2)
+           AND ($3::bigint IS NULL OR r.created_at >= now() - $3::bigint * interval '1 millisecond')
+         ORDER BY r.created_at DESC, r.id DESC
+         LIMIT $4
+    ), ids AS MATERIALIZED (
+        SELECT array_agg(id) AS ids FROM page
+    ), counts AS (
+        SELECT c.run_id, jsonb_object_agg(c.state, c.n) AS steps
+          FROM (SELECT s.run_id, s.state, count(*) AS n
+                  FROM durable.step_runs s
+                 WHERE s.run_id = ANY ((SELECT ids FROM ids)::uuid[])
+                 GROUP BY s.run_id, s.state) c
+         GROUP BY c.run_id
+    ), waiting AS (
+        SELECT d.run_id, count(*) AS n
+          FROM durable.step_defs d
+         WHERE d.run_id = ANY ((SELECT ids FROM ids)::uuid[])
+           AND NOT EXISTS (SELECT 1 FROM durable.step_runs s
+                            WHERE s.run_id = d.run_id AND s.name = d.name)
+         GROUP BY d.run_id
+    )
+    SELECT p.id, p.name, p.state, p.cancel_requested, p.created_at, p.finished_at,
+           coalesce(c.steps, '{}'::jsonb) AS steps, coalesce(w.n, 0) AS waiting
+      FROM page p
+      LEFT JOIN counts c ON c.run_id = p.id
+      LEFT JOIN waiting w ON w.run_id = p.id
+     ORDER BY p.created_at DESC, p.id DESC";
 
 /// The names of a run's steps (created or waiting), in spec order, or
 /// `NotFound` for an unknown run.
