@@ -162,7 +162,7 @@ pub enum DbError {
     Corrupt(String),
     #[error("the database did not answer within {ms} ms while {context}")]
     Timeout { context: &'static str, ms: u64 },
-    #[error("the database schema is at version {have}; this binary needs at least {need}. Run `supervisor migrate` with a binary at least this new, then start the worker again")]
+    #[error("the database schema is at version {have}; this binary needs at least {need}. Run `supervisor migrate` with a binary at least this new, then run this command again")]
     SchemaTooOld { have: i64, need: i64 },
     #[error("the database has no durable schema (no migrations applied). Run `supervisor migrate` first")]
     SchemaMissing,
