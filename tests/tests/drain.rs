@@ -280,3 +280,52 @@ async fn a_drain_with_the_database_gone_ends_with_the_lease_clocks() {
     assert!(took < Duration::from_secs(15), "the drain took {took:?}");
     supervisor::process::kill_all_groups();
 }
+
+/// A worker paused (SIGSTOP: a frozen VM, a host under heavy steal) for
+/// less than the lease TTL but past its lease clock wakes up, stops the
+/// attempt and records it at once as a retryable LEASE_LOST failure through
+/// the fenced write (stall audit). It wrote nothing: its heartbeat renewed
+/// the lease as it woke, so the step stayed `running` with no process for a
+/// whole TTL more, and was then charged LEASE_EXPIRED, "the owning worker
+/// stopped renewing its lease", which it had just renewed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_paused_past_its_lease_clock_records_the_attempt_at_once() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    // the lease clock stops the child 2,250 ms before the TTL (the graces
+    // and half a heartbeat): a 4,500 ms pause outlasts the clock (3,750 ms)
+    // while the lease itself (6,000 ms from the last renewal, at most one
+    // interval before the pause) still holds when the worker wakes
+    cfg.lease_ttl_ms = 6_000;
+    cfg.heartbeat_interval_ms = 500;
+    cfg.cancel_grace_ms = 1_000;
+    cfg.term_grace_ms = 1_000;
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(json!({"name": "stall", "steps": [{"name": "s", "executor_kind": "go", "kind": "demo.sleep",
+            "input": {"ms": 8000, "steps": 80}, "retry": {"max_attempts": 3, "initial_interval_ms": 0}}]}))
+        .await;
+    let step = wait_running(&t, run).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    w.signal(Signal::SIGSTOP);
+    tokio::time::sleep(Duration::from_millis(4_500)).await;
+    w.signal(Signal::SIGCONT);
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(st.steps[0].state, "succeeded", "{:?}", st.steps[0].error);
+    let first: (String, Option<String>) = sqlx::query_as(
+        "SELECT to_state, reason FROM durable.transitions
+          WHERE step_run_id = $1 AND from_state = 'running' ORDER BY id LIMIT 1",
+    )
+    .bind(step)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("history");
+    assert_eq!(first.0, "retryable_failed", "{first:?}");
+    assert!(
+        first.1.as_deref().unwrap_or("").starts_with("LEASE_LOST"),
+        "attempt 1 ended {first:?}; worker log: {}",
+        w.stderr()
+    );
+    w.signal(Signal::SIGTERM);
+    assert_eq!(w.wait(Duration::from_secs(30)).await, Some(0));
+}

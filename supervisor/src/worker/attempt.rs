@@ -1707,18 +1707,31 @@ async fn commit(
     control: watch::Receiver<LeaseView>,
     redactor: &Redact,
 ) -> Recorded {
+    let mut outcome = outcome;
     if let Outcome::Abandoned { why } = &outcome {
-        warn!(%why, "outcome discarded: this worker no longer owns the step");
-        crate::metrics::committed(&outcome.label());
-        // the database said the lease is gone (a renewal or a write found it
-        // moved on), or else this attempt stopped on its own lease clock:
-        // the database could not be reached to renew it, and the step is
-        // left running until its lease expires
-        return if control.borrow().control == Control::LeaseLost {
-            Recorded::LeaseLost
-        } else {
-            Recorded::GaveUp
-        };
+        if control.borrow().control == Control::LeaseLost {
+            // the database said the lease is gone (a renewal or a write
+            // found it moved on)
+            warn!(%why, "outcome discarded: this worker no longer owns the step");
+            crate::metrics::committed(&outcome.label());
+            return Recorded::LeaseLost;
+        }
+        // this attempt stopped on its own lease clock: no renewal came in
+        // time (the database did not answer, or this worker was paused). The
+        // lease may well still be ours — after a pause shorter than the TTL
+        // a renewal even lands as the worker wakes — and the step was then
+        // left running with no process for up to one TTL more, and charged
+        // LEASE_EXPIRED "for not renewing". If the database answers now, the
+        // fenced write fails this attempt at once, retryably and counted as
+        // the reclaim would; if not, the step is reclaimed when its lease
+        // expires, as before
+        warn!(%why, "the attempt stopped on its lease clock: recording it as LEASE_LOST if the database answers");
+        outcome = Outcome::failed(
+            "LEASE_LOST",
+            true,
+            "this worker's lease clock ran out before a renewal came (the worker or its host was paused, or the database did not answer in time): the attempt was stopped before its lease could expire",
+        );
+        crate::metrics::attempt_failed("LEASE_LOST");
     }
     if let Some(h) = handed {
         if behind_progress(shared, step, &outcome, h).await {
@@ -1726,7 +1739,6 @@ async fn commit(
             return Recorded::Yes;
         }
     }
-    let mut outcome = outcome;
     let mut delay = Duration::from_millis(50);
     loop {
         let valid_until = control.borrow().valid_until;
