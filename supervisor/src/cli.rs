@@ -558,16 +558,54 @@ async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, Cl
     } else {
         print!("{}", status_text(&status, &progress));
         // why a step waits: no live worker offers what it needs
-        for s in db.unroutable_steps(id).await.map_err(explain)? {
-            println!(
-                "{}: no live worker offers {}: it waits for one",
-                cell(&s.step, 40),
-                s.needs()
-            );
-        }
+        print!(
+            "{}",
+            unroutable_text(&db.unroutable_steps(id).await.map_err(explain)?)
+        );
     }
     Ok(0)
 }
+
+/// Why steps wait: a line per step that needs what no live worker offers.
+/// More than [`UNROUTABLE_LINES`] steps needing the same are one line that
+/// counts them and names the first few (a 1,000-step run printed 1,000 alike
+/// lines).
+fn unroutable_text(steps: &[crate::db::StuckStep]) -> String {
+    let mut by_need: Vec<(String, Vec<&str>)> = Vec::new();
+    for s in steps {
+        let need = s.needs();
+        match by_need.iter_mut().find(|(n, _)| *n == need) {
+            Some((_, names)) => names.push(&s.step),
+            None => by_need.push((need, vec![&s.step])),
+        }
+    }
+    let mut out = String::new();
+    for (need, names) in by_need {
+        if names.len() <= UNROUTABLE_LINES {
+            for name in names {
+                out.push_str(&format!(
+                    "{}: no live worker offers {need}: it waits for one\n",
+                    cell(name, 40)
+                ));
+            }
+        } else {
+            let first: Vec<String> = names
+                .iter()
+                .take(UNROUTABLE_LINES)
+                .map(|n| cell(n, 40))
+                .collect();
+            out.push_str(&format!(
+                "{} steps ({}, …): no live worker offers {need}: they wait for one\n",
+                names.len(),
+                first.join(", ")
+            ));
+        }
+    }
+    out
+}
+
+/// Steps needing the same named one per line, up to this many.
+const UNROUTABLE_LINES: usize = 5;
 
 /// `supervisor events RUN [--step NAME]`.
 async fn events(
@@ -1341,6 +1379,8 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     }
     let mut total: u64 = 0;
     let mut digits = String::new();
+    // each unit at most once, largest first (`1d2d` or `30m1h` is a typo)
+    let mut last_unit = u64::MAX;
     for c in s.chars() {
         if c.is_ascii_digit() {
             digits.push(c);
@@ -1353,6 +1393,12 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
             'd' => 86_400,
             _ => return Err(bad()),
         };
+        if unit >= last_unit {
+            return Err(format!(
+                "{text:?} is not a duration: give each unit once, largest first, like 1d12h or 1h30m"
+            ));
+        }
+        last_unit = unit;
         let n: u64 = digits.parse().map_err(|_| bad())?;
         digits.clear();
         total = n
@@ -1644,10 +1690,34 @@ mod tests {
                 "{e}"
             );
         }
+        for typo in ["1d2d", "30m1h", "1h1h"] {
+            let e = parse_duration(typo).expect_err(typo);
+            assert!(e.contains("each unit once, largest first"), "{e}");
+        }
+        assert_eq!(secs("1d12h30m15s"), Ok(86_400 + 12 * 3_600 + 30 * 60 + 15));
         assert!(parse_duration("99999999999999999999d").is_err());
         assert!(parse_duration("36600000d")
             .expect_err("long")
             .contains("too long"));
+    }
+
+    #[test]
+    fn many_steps_waiting_for_the_same_are_one_line() {
+        let stuck = |step: &str, kind: &str| crate::db::StuckStep {
+            run_id: Uuid::nil(),
+            step: step.into(),
+            executor_kind: "go".into(),
+            kind: kind.into(),
+            labels: serde_json::json!({}),
+        };
+        let mut steps: Vec<_> = (1..=7).map(|i| stuck(&format!("s{i}"), "wide")).collect();
+        steps.push(stuck("lone", "other"));
+        let text = unroutable_text(&steps);
+        assert_eq!(
+            text,
+            "7 steps (s1, s2, s3, s4, s5, …): no live worker offers executor_kind \"go\", kind \"wide\": they wait for one\n\
+             lone: no live worker offers executor_kind \"go\", kind \"other\": it waits for one\n"
+        );
     }
 
     #[test]

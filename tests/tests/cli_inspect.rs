@@ -782,3 +782,24 @@ async fn a_closed_pipe_ends_a_printing_command_without_a_panic() {
         );
     }
 }
+
+/// `events --step` of a step a big run does not have names the first 20
+/// of its steps and counts the rest (scale audit: a 1,000-step run's
+/// message named all 1,000).
+#[tokio::test]
+async fn an_unknown_step_of_a_big_run_names_twenty_of_its_steps() {
+    let t = TestDb::new().await;
+    let steps: Vec<Value> = (1..=30)
+        .map(|i| json!({"name": format!("s{i:02}"), "executor_kind": "go", "kind": "k"}))
+        .collect();
+    let run = t.submit(json!({"name": "big", "steps": steps})).await;
+    let err =
+        t.db.events(run, Some("nosuch"))
+            .await
+            .expect_err("no such step")
+            .to_string();
+    assert!(err.contains("has no step \"nosuch\""), "{err}");
+    assert!(err.contains("s01, s02") && err.contains("s20"), "{err}");
+    assert!(!err.contains("s21"), "{err}");
+    assert!(err.contains("and 10 more"), "{err}");
+}

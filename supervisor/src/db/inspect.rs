@@ -177,9 +177,20 @@ impl DbConn<'_> {
         let steps: Vec<String> = step_names(&mut s, run_id).await?;
         if let Some(name) = step {
             if !steps.iter().any(|s| s == name) {
+                // a 1,000-step run named all of them (7 KB of message)
+                const NAMED: usize = 20;
+                let more = match steps.len().saturating_sub(NAMED) {
+                    0 => String::new(),
+                    n => format!(" and {n} more (`supervisor status {run_id}` lists them)"),
+                };
                 return Err(DbError::NotFound(format!(
-                    "run {run_id} has no step {name:?}; its steps are: {}",
-                    steps.join(", ")
+                    "run {run_id} has no step {name:?}; its steps are: {}{more}",
+                    steps
+                        .iter()
+                        .take(NAMED)
+                        .map(String::as_str)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )));
             }
         }
