@@ -275,6 +275,9 @@ pub enum CliError {
     /// the run's outcome, so not its exit code either.
     #[error(transparent)]
     Watching(Box<CliError>),
+    /// The connection broke while the submit was on its way.
+    #[error(transparent)]
+    SubmitUncertain(DbError),
 }
 
 impl CliError {
@@ -306,6 +309,9 @@ impl CliError {
                 "watch could not follow the run, which is not affected: check the database (DATABASE_URL), then run `supervisor watch RUN_ID` again",
             ),
             CliError::Watching(e) => e.hint(),
+            CliError::SubmitUncertain(_) => Some(
+                "the connection broke before the database answered: the run may or may not have been created. `supervisor runs` lists the newest runs; a spec with an idempotency_key can be submitted again safely (it answers with the same run)",
+            ),
             CliError::Db(DbError::NotFound(m)) if m.starts_with("unknown run") => {
                 Some("`supervisor runs` lists the newest runs and their ids")
             }
@@ -538,7 +544,13 @@ async fn submit(url: &Option<String>, file: &str, json: bool) -> Result<u8, CliE
     // no DDL here: a submitter needs no schema rights, and an older CLI never
     // migrates a newer schema; it only checks the version
     db.check_schema().await?;
-    let id = db.submit(&spec).await?;
+    let id = db.submit(&spec).await.map_err(|e| {
+        if e.outcome_unknown() {
+            CliError::SubmitUncertain(e)
+        } else {
+            CliError::Db(e)
+        }
+    })?;
     if json {
         println!("{}", serde_json::json!({ "run_id": id }));
     } else {

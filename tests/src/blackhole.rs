@@ -10,6 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub struct Blackhole {
     pub port: u16,
     paused: Arc<AtomicBool>,
+    reset: Arc<tokio::sync::Notify>,
     upstream: String,
 }
 
@@ -22,7 +23,8 @@ impl Blackhole {
             .expect("bind");
         let port = listener.local_addr().expect("addr").port();
         let paused = Arc::new(AtomicBool::new(false));
-        let (p, up) = (paused.clone(), upstream.clone());
+        let reset = Arc::new(tokio::sync::Notify::new());
+        let (p, up, rs) = (paused.clone(), upstream.clone(), reset.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(&up).await else {
@@ -30,13 +32,14 @@ impl Blackhole {
                 };
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, p.clone()));
-                tokio::spawn(pipe(sr, cw, p.clone()));
+                tokio::spawn(pipe(cr, sw, p.clone(), rs.clone()));
+                tokio::spawn(pipe(sr, cw, p.clone(), rs.clone()));
             }
         });
         Blackhole {
             port,
             paused,
+            reset,
             upstream,
         }
     }
@@ -50,6 +53,12 @@ impl Blackhole {
     /// stay open (and new ones are accepted, then hang).
     pub fn cut(&self) {
         self.paused.store(true, Ordering::SeqCst);
+    }
+
+    /// Closes every connection open now (each side reads EOF, with no error
+    /// message from the server), as a broken network or a crashed host does.
+    pub fn reset(&self) {
+        self.reset.notify_waiters();
     }
 
     /// Forwarding resumes (what was held back goes through).
@@ -71,15 +80,19 @@ async fn pipe(
     mut r: tokio::net::tcp::OwnedReadHalf,
     mut w: tokio::net::tcp::OwnedWriteHalf,
     paused: Arc<AtomicBool>,
+    reset: Arc<tokio::sync::Notify>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         while paused.load(Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let n = match r.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
+        let n = tokio::select! {
+            read = r.read(&mut buf) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            },
+            _ = reset.notified() => return,
         };
         while paused.load(Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -735,3 +735,57 @@ async fn a_cancel_blocked_by_a_held_run_says_what_to_do() {
     let st = t.status(run).await;
     assert!(!st.cancel_requested, "nothing was changed");
 }
+
+/// A submit whose connection breaks before the database answers says that
+/// the run may or may not exist and what to do, not only the driver's
+/// error (chaos audit: "error communicating with database: expected to
+/// read 5 bytes, got 0 bytes at EOF", with no word on the run). Here the
+/// submit goes through a proxy, waits on a table lock, and the proxy closes
+/// its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_cut_off_before_the_answer_says_the_run_may_exist() {
+    let t = TestDb::new().await;
+    let proxy = tests::blackhole::Blackhole::start(&t.url).await;
+    let mut blocker = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.workflow_runs IN EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .expect("lock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("spec.json");
+    std::fs::write(&spec, json!({"name": "cut", "steps": [step()]}).to_string()).expect("spec");
+    let child = tokio::process::Command::new(tests::supervisor_bin())
+        .args(["submit", &spec.to_string_lossy()])
+        .env("DATABASE_URL", proxy.url(&t.url))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("submit");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock')",
+        )
+        .fetch_one(t.db.pool())
+        .await
+        .expect("activity");
+        if waiting {
+            proxy.reset();
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the submit never waited on the lock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let out = child.wait_with_output().await.expect("wait");
+    blocker.rollback().await.expect("rollback");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the run may or may not have been created") && err.contains("idempotency_key"),
+        "{err}"
+    );
+}

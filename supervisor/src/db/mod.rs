@@ -201,6 +201,21 @@ impl DbError {
     }
 }
 
+impl DbError {
+    /// Whether the connection broke while a statement was on its way: the
+    /// database may have committed it before the break (a submit's run may
+    /// exist).
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            DbError::Query {
+                source: sqlx::Error::Io(_) | sqlx::Error::Protocol(_),
+                ..
+            }
+        )
+    }
+}
+
 fn sqlx_is_transient(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_)
