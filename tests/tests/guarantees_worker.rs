@@ -1185,3 +1185,49 @@ async fn an_executor_that_closes_stdout_and_exits_is_a_crash_with_its_own_exit_s
     );
     w.shutdown().await;
 }
+
+/// A step whose deadline passes while its executor starts (or its inputs are
+/// fetched) ends DEADLINE_EXCEEDED with no job sent (retry audit): the
+/// deadline was checked only before the spawn, so the job went out anyway,
+/// its handler ran past the deadline, and its result was thrown away, or
+/// even kept when it raced the deadline's timer. Here the executor takes
+/// 2 s to start and the deadline is 1 s away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_job_is_sent_once_the_deadline_passed_during_the_executor_start() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let slow = dir.path().join("slow");
+    let jobs = dir.path().join("jobs");
+    let e = tests::wrap_in_shell(
+        hostile(
+            "hostile",
+            None,
+            &[("HOSTILE_JOB_LOG", &jobs.to_string_lossy())],
+        ),
+        &format!("[ -f '{}' ] && sleep 2; exec \"$0\" \"$@\"", slow.display()),
+    );
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
+    // the probe at start was quick; from now on a start takes 2 s
+    std::fs::write(&slow, b"").expect("slow");
+    let deadline = chrono::Utc::now() + chrono::Duration::milliseconds(1_000);
+    let run = t
+        .submit(spec(
+            "hostile.echo",
+            json!({"deadline": deadline.to_rfc3339(), "retry": {"max_attempts": 3}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed", "{:?}", s.error);
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("DEADLINE_EXCEEDED")
+    );
+    let received = std::fs::read_to_string(&jobs).unwrap_or_default();
+    assert!(
+        received.is_empty(),
+        "the executor received a job after the deadline: {received}"
+    );
+}

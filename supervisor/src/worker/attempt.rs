@@ -1353,6 +1353,19 @@ fn negotiate_job(
     if before_job != Control::Run {
         return Err(before_job_outcome(before_job));
     }
+    // nor is it once the deadline passed while the executor started or the
+    // inputs were fetched: sent anyway, the handler ran past the deadline
+    // and its result was thrown away, or even kept (retry audit)
+    if let Some(deadline) = step.deadline.filter(|d| *d <= Utc::now()) {
+        return Err(Outcome::failed(
+            "DEADLINE_EXCEEDED",
+            false,
+            format!(
+                "the step deadline {deadline} passed before attempt {}'s job was sent (while its executor started or its inputs were fetched)",
+                step.lease.attempt()
+            ),
+        ));
+    }
     Ok(prepared)
 }
 
