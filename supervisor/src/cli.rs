@@ -1138,8 +1138,16 @@ fn spawn_dev_view(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let opts = crate::watch::WatchOptions::for_stdout(false);
+        let (idle_seen, interval) = (idle.clone(), opts.interval);
         let stopped = async move {
             stop.cancelled().await;
+            if idle_seen.load(Ordering::SeqCst) {
+                // dev stops because nothing is left to run: the run has
+                // most likely just ended, and the view's next look (within
+                // an interval) draws its last frame and ends the view; the
+                // stop raced it, and the view closed on the frame before
+                tokio::time::sleep(interval * 2).await;
+            }
             0
         };
         let end = crate::watch::watch(&db, id, &mut std::io::stdout(), &opts, stopped).await;
