@@ -444,3 +444,45 @@ async fn a_hello_that_no_longer_fits_is_refused_before_execution() {
     good.shutdown().await;
     refuser.shutdown().await;
 }
+
+/// Steps that need a secret one worker lacks and another has all run on
+/// the one that has it (routing audit): the worker without it refused each
+/// (SECRET_UNAVAILABLE, "so another worker can run the step"), then leased
+/// it again as soon as it was due, ahead of the other, until its refusals
+/// failed the step (REFUSALS_EXHAUSTED) while the worker with the secret
+/// idled. A refused step is now left to other workers for a while.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_refused_for_a_missing_secret_run_on_the_worker_that_has_it() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let (without, with) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    std::fs::write(with.path().join("ROUTE_TOKEN"), "route-token-123456\n").expect("secret");
+    let config = |name: &str, dir: &std::path::Path| {
+        let mut e = go_demo("go", &[], None);
+        e.secrets = vec!["ROUTE_TOKEN".into()];
+        e.concurrency = 1;
+        let mut cfg = fast_config(vec![e]);
+        cfg.name = Some(name.into());
+        cfg.secrets_dir = Some(dir.to_owned());
+        cfg
+    };
+    let lacks = RunningWorker::start(t.connect(10).await, config("lacks", without.path())).await;
+    let has = RunningWorker::start(t.connect(10).await, config("has", with.path())).await;
+    let steps: Vec<Value> = (0..10)
+        .map(|i| {
+            json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "demo.echo",
+                   "input": {"i": i}, "secrets": ["ROUTE_TOKEN"]})
+        })
+        .collect();
+    let run = t.submit(json!({"name": "secret", "steps": steps})).await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    lacks.shutdown().await;
+    has.shutdown().await;
+    for s in &st.steps {
+        assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
+    }
+    assert_eq!(st.state, "succeeded");
+}

@@ -168,6 +168,21 @@ impl DbConn<'_> {
         limit: u32,
         ttl: StdDuration,
     ) -> Result<Vec<LeasedStep>, DbError> {
+        self.lease_except(worker_id, worker_name, routes, limit, ttl, &[])
+            .await
+    }
+
+    /// [`DbConn::lease`], passing over the steps `except` (the ones this
+    /// worker refused a moment ago, left to other workers first).
+    pub async fn lease_except(
+        &mut self,
+        worker_id: Uuid,
+        worker_name: &str,
+        routes: &[Route],
+        limit: u32,
+        ttl: StdDuration,
+        except: &[Uuid],
+    ) -> Result<Vec<LeasedStep>, DbError> {
         if routes.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
@@ -193,6 +208,7 @@ impl DbConn<'_> {
                         AND s.next_attempt_at <= now()
                         AND r.labels @> s.labels
                         AND NOT s.cancel_requested
+                        AND s.id <> ALL ($8::uuid[])
                         -- a scalar subquery, one primary-key probe per
                         -- candidate: as NOT EXISTS the planner could make it
                         -- an anti-join over a seq scan of every run (it
@@ -227,6 +243,7 @@ impl DbConn<'_> {
         .bind(&labels)
         .bind(limit as i64)
         .bind(ttl.as_millis() as f64)
+        .bind(except)
         .fetch_all(&mut *s)
         .await
         .ctx("leasing steps")?;

@@ -1952,6 +1952,11 @@ async fn write_outcome(
                 })
                 .await?;
             log_refusal_end(&state, code, shared.cfg.max_refusals);
+            // a warm process that died between jobs is no reason to leave
+            // the step to others; any other refusal says this worker can't
+            if code != "EXECUTOR_CRASHED" {
+                shared.leave_to_others(lease.step_run_id());
+            }
             Ok(())
         }
         Outcome::Released { message } => {

@@ -232,6 +232,12 @@ pub(crate) struct Shared {
     /// lost its lease within seconds, attempt after attempt, until its run
     /// failed LEASE_EXPIRED.
     renewals_failing: AtomicBool,
+    /// Steps this worker refused a moment ago ("this worker can't": a
+    /// secret it lacks, an executor that said no), each until the time this
+    /// worker may lease it again: other workers get it first. The refusing
+    /// worker leased it again as soon as it was due, every time, and its
+    /// refusals failed the step while a worker that could run it idled.
+    refused: std::sync::Mutex<std::collections::HashMap<Uuid, Instant>>,
 }
 
 impl Shared {
@@ -248,6 +254,32 @@ impl Shared {
     /// this the retry waited for the next poll (up to `poll_interval_ms`
     /// late). Another worker that can run the step still finds it on its own
     /// poll; retries further off than a minute are left to the polls.
+    /// This worker refused the step: other workers get it first, for
+    /// [`Shared::left_for`]; after that it may lease it again (and refuse
+    /// it again, towards `max_refusals`, if no other worker took it).
+    pub(crate) fn leave_to_others(&self, step_run_id: Uuid) {
+        let until = Instant::now() + self.left_for();
+        self.refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(step_run_id, until);
+    }
+
+    /// The steps left to other workers now (the expired ones are dropped).
+    fn left_to_others(&self) -> Vec<Uuid> {
+        let now = Instant::now();
+        let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+        refused.retain(|_, until| *until > now);
+        refused.keys().copied().collect()
+    }
+
+    /// How long a refused step is left to other workers: five of their
+    /// polls, and at least 5 s.
+    fn left_for(&self) -> Duration {
+        Duration::from_millis(self.cfg.poll_interval_ms.saturating_mul(5))
+            .max(Duration::from_secs(5))
+    }
+
     pub(crate) fn wake_at(&self, at: chrono::DateTime<chrono::Utc>) {
         let Ok(delay) = (at - chrono::Utc::now()).to_std() else {
             self.wake.notify_one();
@@ -520,6 +552,7 @@ impl Worker {
             unrecorded: AtomicU64::new(0),
             unrecorded_at_stop: AtomicU64::new(u64::MAX),
             renewals_failing: AtomicBool::new(false),
+            refused: Default::default(),
         });
         {
             let mut workers = WORKERS
@@ -876,9 +909,10 @@ async fn lease_for(
         // the lease clock starts at the send time: the database's expiry
         // (its now() + TTL) is never earlier than this + TTL
         let sent = Instant::now();
+        let except = shared.left_to_others();
         let steps = conn
             .conn()
-            .lease(shared.id, &shared.name, routes, free, ttl)
+            .lease_except(shared.id, &shared.name, routes, free, ttl, &except)
             .await?;
         Ok(Some((steps, sent)))
     })
