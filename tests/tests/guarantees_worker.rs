@@ -1231,3 +1231,58 @@ async fn no_job_is_sent_once_the_deadline_passed_during_the_executor_start() {
         "the executor received a job after the deadline: {received}"
     );
 }
+
+/// An executor upgrade that drops a kind, then a rollback that brings it
+/// back (routing and redeploy audits): the dropped kind's step is refused
+/// and the routes narrow to what a probe offers, and `status` says that no
+/// live worker offers the step; once a new process's hello offers the kind
+/// again the routes widen and the step runs, without a worker restart.
+/// Before, narrowed routes never widened (the step waited until the worker
+/// restarted), and the worker's registered capabilities kept the kind, so
+/// `status` gave no reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_narrowed_by_an_upgrade_widen_again_after_a_rollback() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kinds = dir.path().join("kinds");
+    let log = dir.path().join("spawns");
+    let cfg = fast_config(vec![hostile(
+        "hostile",
+        Some(&log),
+        &[("HOSTILE_KINDS_FILE", kinds.to_str().expect("utf-8 path"))],
+    )]);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    // the upgrade: its processes offer only hostile.sleep
+    std::fs::write(&kinds, "hostile.sleep").expect("kinds");
+    let echo = t
+        .submit(spec("hostile.echo", json!({"retry": {"max_attempts": 3}})))
+        .await;
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let unroutable = t.db.unroutable_steps(echo).await.expect("unroutable");
+        if !unroutable.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "status never said that no live worker offers the dropped kind"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // the rollback: a new process's hello offers every kind again
+    std::fs::remove_file(&kinds).expect("rollback");
+    let sleep = t
+        .submit(spec("hostile.sleep", json!({"input": {"ms": 10}})))
+        .await;
+    let st = t.wait_terminal(sleep, Duration::from_secs(30)).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    let st = t.wait_terminal(echo, Duration::from_secs(30)).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    assert!(t
+        .db
+        .unroutable_steps(echo)
+        .await
+        .expect("unroutable")
+        .is_empty());
+    w.shutdown().await;
+}

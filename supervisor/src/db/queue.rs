@@ -25,6 +25,22 @@ impl Db {
             .await
     }
 
+    /// The routes one executor of a live worker is leased for now, in its
+    /// registered capabilities (what `status` reads to say a step waits for
+    /// a worker that no live one offers).
+    pub async fn set_worker_routes(
+        &self,
+        id: Uuid,
+        executor: &str,
+        routes: &[Route],
+    ) -> Result<(), DbError> {
+        self.connection("updating the worker's routes")
+            .await?
+            .conn()
+            .set_worker_routes(id, executor, routes)
+            .await
+    }
+
     pub async fn worker_stopped(&self, id: Uuid) -> Result<(), DbError> {
         self.connection("marking the worker stopped")
             .await?
@@ -142,6 +158,33 @@ impl DbConn<'_> {
         .execute(&mut *s)
         .await
         .ctx("registering the worker")?;
+        s.done().await
+    }
+
+    /// See [`Db::set_worker_routes`].
+    pub async fn set_worker_routes(
+        &mut self,
+        id: Uuid,
+        executor: &str,
+        routes: &[Route],
+    ) -> Result<(), DbError> {
+        let routes = serde_json::to_value(routes)
+            .map_err(|e| DbError::Corrupt(format!("routes as JSON: {e}")))?;
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query(
+            "UPDATE durable.workers w
+                SET capabilities = (SELECT jsonb_agg(CASE WHEN e ->> 'executor' = $2
+                                                         THEN jsonb_set(e, '{routes}', $3)
+                                                         ELSE e END ORDER BY n)
+                                      FROM jsonb_array_elements(w.capabilities) WITH ORDINALITY AS x(e, n))
+              WHERE w.id = $1",
+        )
+        .bind(id)
+        .bind(executor)
+        .bind(routes)
+        .execute(&mut *s)
+        .await
+        .ctx("updating the worker's routes")?;
         s.done().await
     }
 

@@ -1207,6 +1207,10 @@ async fn converse(
         Ok(h) => h,
         Err(outcome) => return Conversed::Decided(outcome),
     };
+    if session.jobs == 0 {
+        // a new process: its hello may offer what a narrowed executor lost
+        exec.widen_routes(shared, &hello);
+    }
     let cfg = &shared.cfg;
     let budget = shared.stop_budget();
     let persistent = exec.cfg.persistent;

@@ -115,9 +115,50 @@ impl ExecutorRuntime {
     }
 
     /// Replaces the routes with those of a probe process's hello (after a
-    /// process's hello differed from them: [`Self::hello_changed`]).
-    pub(crate) fn set_routes(&self, routes: Vec<Route>) {
-        *self.routes.write().unwrap_or_else(|p| p.into_inner()) = routes;
+    /// process's hello differed from them: [`Self::hello_changed`]), and
+    /// says so in the worker's registered capabilities.
+    pub(crate) fn set_routes(&self, shared: &Shared, routes: Vec<Route>) {
+        let mut now = self.routes.write().unwrap_or_else(|p| p.into_inner());
+        if *now == routes {
+            return;
+        }
+        *now = routes.clone();
+        drop(now);
+        self.publish_routes(shared, routes);
+    }
+
+    /// A process's hello (a job's or a warm one's) offers more than the
+    /// routes, and all of them: the routes widen to it. Narrowed once (a
+    /// refusal, then a probe, after an executor's upgrade dropped a kind or a
+    /// label), they never widened again, and the steps the executor offered
+    /// again waited for a worker restart.
+    pub(crate) fn widen_routes(&self, shared: &Shared, hello: &wire::Hello) {
+        let offered = routing::routes(hello, &self.cfg);
+        let mut now = self.routes.write().unwrap_or_else(|p| p.into_inner());
+        if offered.len() <= now.len() || !now.iter().all(|r| offered.contains(r)) {
+            return;
+        }
+        info!(executor = %self.cfg.name, routes = offered.len(), before = now.len(),
+              "a process's hello offers more than this executor was leased for: leasing for all of it again");
+        *now = offered.clone();
+        drop(now);
+        self.publish_routes(shared, offered);
+    }
+
+    /// Writes the routes into the worker's registered capabilities, in the
+    /// background (a failure only leaves `status`'s explanation stale).
+    fn publish_routes(&self, shared: &Shared, routes: Vec<Route>) {
+        let (db, id, name) = (shared.db.clone(), shared.id, self.cfg.name.clone());
+        tokio::spawn(async move {
+            let write = bounded(
+                DB_CALL_TIMEOUT,
+                "updating the worker's routes",
+                db.set_worker_routes(id, &name, &routes),
+            );
+            if let Err(e) = write.await {
+                warn!(executor = %name, error = %e, "cannot record the executor's new routes; status may name them wrongly until the worker restarts");
+            }
+        });
     }
 
     /// Starts a process of this executor in `dir` ([`session::Session::start`]),
@@ -859,7 +900,7 @@ async fn routes_to_lease(shared: &Arc<Shared>, exec: &ExecutorRuntime) -> Option
                     // the probe's hello says what the executor offers now
                     let routes = routing::routes(&hello, &exec.cfg);
                     let none = routes.is_empty();
-                    exec.set_routes(routes);
+                    exec.set_routes(shared, routes);
                     if none {
                         // not a start that went well: the pause keeps
                         // doubling while the executor offers nothing
