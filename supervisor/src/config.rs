@@ -788,6 +788,19 @@ impl ExecutorConfig {
                 self.name, self.warm_processes, self.concurrency, self.concurrency
             ));
         }
+        // as a step's labels are checked at submit: the worker's
+        // registration stored a NUL as a raw database error (exit 1), and a
+        // blank name could match no step's
+        for (k, v) in &self.labels {
+            if k.trim().is_empty() || k.contains('\0') || v.contains('\0') {
+                return Err(format!(
+                    "executor {:?}: label {:?} = {:?}: a label name must not be blank, and neither name nor value may hold a NUL character",
+                    self.name,
+                    k.escape_default().to_string(),
+                    v.escape_default().to_string()
+                ));
+            }
+        }
         if let Some(s) = self
             .secrets
             .iter()

@@ -15,7 +15,7 @@
 //! family keeps at most [`MAX_SERIES`] label sets, after which new values
 //! count under `other` (an executor cannot grow the registry without end).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -647,13 +647,20 @@ pub fn render() -> String {
 fn set_queue_depth(rows: Vec<crate::db::QueueDepth>) {
     let m = metrics();
     let mut keys = m.queue_depth_keys.lock().unwrap_or_else(|p| p.into_inner());
-    let mut now = HashSet::with_capacity(rows.len());
+    // kinds that clean to the same label value (cut at 64 characters, or
+    // differing only in characters a label cannot hold) are one series: it
+    // counts them all (the last row's count replaced the others')
+    let mut depth: HashMap<QueueLabels, i64> = HashMap::with_capacity(rows.len());
     for r in rows {
         let l = QueueLabels {
             executor_kind: clean(&r.executor_kind),
             kind: clean(&r.kind),
         };
-        m.queue_depth.get_or_create(&l).set(r.ready);
+        *depth.entry(l).or_default() += r.ready;
+    }
+    let mut now = HashSet::with_capacity(depth.len());
+    for (l, ready) in depth {
+        m.queue_depth.get_or_create(&l).set(ready);
         now.insert(l);
     }
     for gone in keys.difference(&now) {
@@ -832,6 +839,35 @@ mod tests {
         );
         assert_eq!(split_label("abandoned (lease lost)"), ("abandoned", None));
         assert_eq!(split_label("weird"), ("other", None));
+    }
+
+    /// Kinds that clean to one label value are one series counting them
+    /// all (routing audit: the last row's count replaced the others').
+    #[test]
+    fn kinds_that_clean_alike_add_up_in_the_queue_depth() {
+        let row = |kind: &str, ready| crate::db::QueueDepth {
+            executor_kind: "qd-test".into(),
+            kind: kind.into(),
+            ready,
+        };
+        let long = "k".repeat(70);
+        set_queue_depth(vec![
+            row("demo echo", 2),
+            row("demo\necho", 3),
+            row(&format!("{long}_pdf"), 4),
+            row(&format!("{long}_csv"), 1),
+        ]);
+        let depth = |kind: &str| {
+            metrics()
+                .queue_depth
+                .get_or_create(&QueueLabels {
+                    executor_kind: "qd-test".into(),
+                    kind: clean(kind),
+                })
+                .get()
+        };
+        assert_eq!(depth("demo echo"), 5);
+        assert_eq!(depth(&long), 5);
     }
 
     #[test]

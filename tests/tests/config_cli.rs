@@ -275,6 +275,18 @@ fn validation_at_start_names_the_key_and_checks_ranges() {
             vec!["executor \"x\"", "warm_processes = 3", "concurrency = 2"],
         ),
         ("no executors", String::new(), vec!["no [[executors]]"]),
+        // found by the routing audit: a raw database error at registration
+        // (exit 1), or a label name no step can have
+        (
+            "a NUL in a label",
+            format!("{EXEC}labels = {{ z = \"a\\u0000b\" }}\n"),
+            vec!["executor \"x\"", "label", "NUL"],
+        ),
+        (
+            "a blank label name",
+            format!("{EXEC}labels = {{ \"\" = \"x\" }}\n"),
+            vec!["executor \"x\"", "must not be blank"],
+        ),
         // found by the durability-and-config audit: exit 1 with messages
         // that named neither the key nor the file, or no check at all
         (

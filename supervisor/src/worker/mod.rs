@@ -457,11 +457,18 @@ pub async fn probe(
     };
     match (hello, report) {
         (Ok(h), _) => usable_hello(h, wcfg.max_frame_bytes).map_err(fail),
-        (Err(why), Ok(r)) => Err(fail(format!(
-            "{why}; then it {}; stderr: {}",
-            r.status,
-            r.stderr_tail.trim()
-        ))),
+        (Err(why), Ok(r)) => {
+            // "exited with code 1" / "was killed by SIGTERM"
+            let end = match r.status {
+                crate::process::ExitStatusKind::Exited(_) => r.status.to_string(),
+                crate::process::ExitStatusKind::Signaled(_) => format!("was {}", r.status),
+            };
+            let stderr = match r.stderr_tail.trim() {
+                "" => String::new(),
+                tail => format!("; stderr: {tail}"),
+            };
+            Err(fail(format!("{why}; then it {end}{stderr}")))
+        }
         (Err(why), Err(_)) => Err(fail(why)),
     }
 }
