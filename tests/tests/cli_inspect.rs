@@ -803,3 +803,64 @@ async fn an_unknown_step_of_a_big_run_names_twenty_of_its_steps() {
     assert!(!err.contains("s21"), "{err}");
     assert!(err.contains("and 10 more"), "{err}");
 }
+
+/// A worker is live while its last heartbeat is within three of its own
+/// heartbeat intervals (at least 30 s): one beating every 50 s, 45 s after
+/// its last beat, still offers its routes (routing audit: a fixed 30 s had
+/// `status` say "no live worker offers" half the time while it ran them). A
+/// worker registered without its interval keeps the 30 s rule.
+#[tokio::test]
+async fn a_worker_with_a_long_heartbeat_interval_stays_live_between_beats() {
+    let t = TestDb::new().await;
+    let caps = json!([{"executor": "go", "routes": [
+        {"executor_kind": "go", "kind": "slow.beat", "labels": {}}]}]);
+    let slow = uuid::Uuid::new_v4();
+    t.db.register_worker_beating(slow, "slow", "test", &caps, Some(Duration::from_secs(50)))
+        .await
+        .expect("register");
+    let run = t
+        .submit(json!({"name": "beat", "steps": [{"name": "s", "executor_kind": "go", "kind": "slow.beat"}]}))
+        .await;
+    let beat_at = |ago: i32, id: uuid::Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query("UPDATE durable.workers SET last_heartbeat_at = now() - $1 * interval '1 second' WHERE id = $2")
+                .bind(ago)
+                .bind(id)
+                .execute(db.pool())
+                .await
+                .expect("beat");
+        }
+    };
+    beat_at(45, slow).await;
+    assert!(
+        t.db.unroutable_steps(run)
+            .await
+            .expect("unroutable")
+            .is_empty(),
+        "a worker 45 s after its last 50 s beat was taken for gone"
+    );
+    beat_at(151, slow).await;
+    assert_eq!(
+        t.db.unroutable_steps(run).await.expect("unroutable").len(),
+        1
+    );
+    // without an interval (an older binary's row): 30 s
+    t.db.worker_stopped(slow).await.expect("stopped");
+    let old = uuid::Uuid::new_v4();
+    t.db.register_worker(old, "old", "test", &caps)
+        .await
+        .expect("register");
+    beat_at(20, old).await;
+    assert!(t
+        .db
+        .unroutable_steps(run)
+        .await
+        .expect("unroutable")
+        .is_empty());
+    beat_at(45, old).await;
+    assert_eq!(
+        t.db.unroutable_steps(run).await.expect("unroutable").len(),
+        1
+    );
+}

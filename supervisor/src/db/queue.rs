@@ -18,10 +18,24 @@ impl Db {
         host: &str,
         capabilities: &serde_json::Value,
     ) -> Result<(), DbError> {
+        self.register_worker_beating(id, name, host, capabilities, None)
+            .await
+    }
+
+    /// [`Db::register_worker`] with the interval of its heartbeats: it is
+    /// live while its last one is within three of them (at least 30 s).
+    pub async fn register_worker_beating(
+        &self,
+        id: Uuid,
+        name: &str,
+        host: &str,
+        capabilities: &serde_json::Value,
+        heartbeat_interval: Option<StdDuration>,
+    ) -> Result<(), DbError> {
         self.connection("registering the worker")
             .await?
             .conn()
-            .register_worker(id, name, host, capabilities)
+            .register_worker(id, name, host, capabilities, heartbeat_interval)
             .await
     }
 
@@ -145,16 +159,21 @@ impl DbConn<'_> {
         name: &str,
         host: &str,
         capabilities: &serde_json::Value,
+        heartbeat_interval: Option<StdDuration>,
     ) -> Result<(), DbError> {
+        let interval_ms =
+            heartbeat_interval.map(|d| i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1));
         let mut s = Scope::enter(self.conn).await?;
         sqlx::query(
-            "INSERT INTO durable.workers (id, name, host, pid, capabilities) VALUES ($1, $2, $3, $4, $5)",
+            "INSERT INTO durable.workers (id, name, host, pid, capabilities, heartbeat_interval_ms)
+             VALUES ($1, $2, $3, $4, $5, $6)",
         )
         .bind(id)
         .bind(name)
         .bind(host)
         .bind(std::process::id() as i32)
         .bind(capabilities)
+        .bind(interval_ms)
         .execute(&mut *s)
         .await
         .ctx("registering the worker")?;

@@ -50,8 +50,8 @@ impl Db {
 
     /// The run's steps waiting to be leased (pending, or retrying) whose
     /// executor_kind, kind and labels no live worker offers (by the routes
-    /// the workers registered; live: not stopped, a heartbeat within the
-    /// last 30 s), in spec order: a step that waits for a worker, not for
+    /// the workers registered; live: not stopped, a heartbeat within three
+    /// of its heartbeat intervals, at least the last 30 s), in spec order: a step that waits for a worker, not for
     /// its turn.
     pub async fn unroutable_steps(&self, run_id: Uuid) -> Result<Vec<StuckStep>, DbError> {
         self.connection("finding steps no worker offers")
@@ -302,7 +302,9 @@ impl DbConn<'_> {
     pub async fn unroutable_steps(&mut self, run_id: Uuid) -> Result<Vec<StuckStep>, DbError> {
         let mut s = Scope::enter(self.conn).await?;
         let routes = routes_of(
-            "w.stopped_at IS NULL AND w.last_heartbeat_at > now() - interval '30 seconds'",
+            "w.stopped_at IS NULL
+             AND w.last_heartbeat_at > now() - greatest(interval '30 seconds',
+                     3 * coalesce(w.heartbeat_interval_ms, 0) * interval '1 millisecond')",
         );
         let rows = sqlx::query_as::<_, StuckStep>(&format!(
             "WITH routes AS ({routes})

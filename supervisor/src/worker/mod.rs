@@ -578,7 +578,13 @@ impl Worker {
         bounded(
             DB_CALL_TIMEOUT,
             "registering the worker",
-            db.register_worker(id, &name, &host, &caps),
+            db.register_worker_beating(
+                id,
+                &name,
+                &host,
+                &caps,
+                Some(Duration::from_millis(cfg.heartbeat_interval_ms)),
+            ),
         )
         .await?;
         info!(schema_version = version, "schema checked");
