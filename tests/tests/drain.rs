@@ -329,3 +329,42 @@ async fn a_worker_paused_past_its_lease_clock_records_the_attempt_at_once() {
     w.signal(Signal::SIGTERM);
     assert_eq!(w.wait(Duration::from_secs(30)).await, Some(0));
 }
+
+/// A drain's stop answered by a result within the grace keeps the result:
+/// the step succeeds (redeploy audit). It was given back as
+/// WORKER_SHUTDOWN, and the finished work ran again from scratch on the
+/// next worker, side effects included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_answering_the_drains_stop_is_kept() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.drain_timeout_ms = 300;
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(
+            json!({"name": "finish", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.finish_on_cancel", "input": {"wait_ms": 60000}}]}),
+        )
+        .await;
+    let step = wait_running(&t, run).await;
+    // the handler waits for its cancel once it reported progress
+    let until = Instant::now() + Duration::from_secs(30);
+    while tests::event_count(&t.db, step).await < 2 {
+        assert!(Instant::now() < until, "no progress");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.signal(Signal::SIGTERM);
+    assert_eq!(
+        w.wait(Duration::from_secs(30)).await,
+        Some(0),
+        "{}",
+        w.stderr()
+    );
+    let st = t.status(run).await;
+    assert_eq!(st.steps[0].state, "succeeded", "{:?}", st.steps[0].error);
+    assert_eq!(
+        st.steps[0].output,
+        Some(json!({"finished_after_cancel": true}))
+    );
+    assert_eq!(st.state, "succeeded");
+}

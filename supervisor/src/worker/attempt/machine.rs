@@ -226,6 +226,12 @@ pub(crate) fn precedence(
     }
     match (imposed, terminal) {
         (Some(Outcome::Cancelled { .. }), Some(Terminal::Result(r))) => Verdict::Verify(r),
+        // a drain's stop answered by a result: the work is done, and given
+        // back it would only run again (redeploy audit). One with artifacts
+        // is given back still: storing them could outlast the stop budget
+        (Some(Outcome::Released { .. }), Some(Terminal::Result(r))) if r.artifacts.is_empty() => {
+            Verdict::Verify(r)
+        }
         (Some(o), _) => Verdict::Outcome(o),
         (None, Some(Terminal::Result(r))) => Verdict::Verify(r),
         (None, Some(Terminal::Error(e))) => {

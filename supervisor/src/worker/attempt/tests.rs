@@ -239,6 +239,34 @@ fn precedence_of_outcomes() {
             false,
             "released (worker shutdown)",
         ),
+        // a drain's stop answered by a result within the grace keeps it,
+        // unless it has artifacts to store (the stop budget)
+        (
+            Some(released()),
+            Some(Terminal::Result(res(2))),
+            true,
+            false,
+            false,
+            "verify",
+        ),
+        (
+            Some(released()),
+            Some(Terminal::Result(JobResult {
+                artifacts: vec![wire::ManifestEntry {
+                    name: "a".into(),
+                    path: "a".into(),
+                    sha256: String::new(),
+                    size: 0,
+                    media_type: String::new(),
+                    derived_from: vec![],
+                }],
+                ..res(2)
+            })),
+            true,
+            false,
+            false,
+            "released (worker shutdown)",
+        ),
         // errors before accepted: refusal or terminal failure
         (
             None,
