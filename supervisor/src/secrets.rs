@@ -34,6 +34,10 @@ pub const NAME_MAX_LEN: usize = 128;
 /// anyway). Such a value is still redacted where a whole string (a JSON
 /// string, a message, a key) equals it. [`Redactor::short_names`] lists them so
 /// the worker can warn.
+/// What marks a text cut short: evidence's first bytes, a stderr line over
+/// its length (`…` at the end), the last bytes of a stream (`…` first).
+const CUT: &str = "…";
+
 pub const MIN_REDACT_LEN: usize = 4;
 
 /// A secret file larger than this is refused (`SECRET_UNAVAILABLE`).
@@ -549,13 +553,33 @@ impl Redactor {
     /// [`MIN_REDACT_LEN`] bytes of it, right before a `…` is replaced too. A
     /// value that straddled the cut was logged in part.
     fn replace_cut_values(&self, s: &str) -> Option<String> {
-        const CUT: &str = "…";
         if !s.contains(CUT) || self.needles.is_empty() {
             return None;
         }
         let mut out = String::with_capacity(s.len());
         let mut changed = false;
-        let mut rest = s;
+        // a text whose start was cut (the last bytes of a stream: `…` first)
+        // may begin with the end of a value
+        let mut rest = match s.strip_prefix(CUT) {
+            Some(after) => {
+                out.push_str(CUT);
+                let tail = self.needles.iter().find_map(|n| {
+                    (1..=n.text.len().saturating_sub(MIN_REDACT_LEN))
+                        .filter(|&k| n.text.is_char_boundary(k))
+                        .find(|&k| after.starts_with(&n.text[k..]))
+                        .map(|k| (n.text.len() - k, &n.marker))
+                });
+                match tail {
+                    Some((len, marker)) => {
+                        out.push_str(marker);
+                        changed = true;
+                        &after[len..]
+                    }
+                    None => after,
+                }
+            }
+            None => s,
+        };
         while let Some(at) = rest.find(CUT) {
             let before = &rest[..at];
             let cut = self.needles.iter().find_map(|n| {
@@ -701,8 +725,14 @@ fn url_password_spans(s: &str, spans: &mut Vec<(usize, usize)>) {
             }
             end += 1;
         }
-        let Some(at) = b[auth..end].iter().rposition(|&c| c == b'@') else {
-            continue;
+        let at = match b[auth..end].iter().rposition(|&c| c == b'@') {
+            Some(at) => at,
+            // a URL cut short (`…`) before its `@`: what follows the
+            // user's `:` up to the cut may be the start of the password
+            None => match s.get(auth..end).and_then(|seg| seg.find(CUT)) {
+                Some(cut) => cut,
+                None => continue,
+            },
         };
         let userinfo = &b[auth..auth + at];
         let Some(colon) = userinfo.iter().position(|&c| c == b':') else {
@@ -836,6 +866,28 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
         )
+    }
+
+    /// A text cut short is marked `…`: the first bytes of a value right
+    /// before the mark, its last bytes right after a leading mark, and the
+    /// start of a URL's password cut before its `@` are redacted.
+    #[test]
+    fn values_cut_by_a_limit_are_redacted_against_the_mark() {
+        let r = redactor(&[("TOKEN", "tok-SUPERSECRET-123")]);
+        assert_eq!(r.redact_str("AAAtok-SUPERSECRE…"), "AAA[REDACTED:TOKEN]…");
+        assert_eq!(
+            r.redact_str("…UPERSECRET-123YYYY"),
+            "…[REDACTED:TOKEN]YYYY"
+        );
+        assert_eq!(r.redact_str("…YYYY"), "…YYYY");
+        assert_eq!(
+            Redactor::none().redact_str("AAA postgres://bob:HunterPW…"),
+            "AAA postgres://bob:[REDACTED]…"
+        );
+        assert_eq!(
+            Redactor::none().redact_str("see https://example.com/a…"),
+            "see https://example.com/a…"
+        );
     }
 
     /// What a persistent process was handed over its jobs: a name may come

@@ -29,6 +29,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   of the same job (a frame after its terminal).
 - `stray_bytes`: ACCEPTED, a result, then bytes that are no whole frame.
 - `sleep`: ACCEPTED, then a result after the input's `ms`.
+- `stderr_cut_secret`: ACCEPTED, a stderr line whose 1024-byte cut falls 8 bytes into its
+  (first) secret, then stderr bytes whose last input `tail` bytes start 6 bytes before the
+  secret's end, and a crash (exit 3, no terminal).
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
@@ -78,6 +81,7 @@ MODES = [
     "late_frame",
     "stray_bytes",
     "sleep",
+    "stderr_cut_secret",
 ]
 
 
@@ -260,6 +264,18 @@ def main() -> int:
             result(b'{"late": true}')
             time.sleep(json.loads(job.input or b"{}").get("delay_ms", 0) / 1000)
             event(pb.EVENT_KIND_PROGRESS, "after the terminal")
+        elif mode == "stderr_cut_secret":
+            # a stderr line whose cut (at 1024 bytes) falls 8 bytes into the
+            # secret, then a crash whose stderr tail (the input's tail bytes)
+            # starts 6 bytes before the secret's end
+            event(pb.EVENT_KIND_ACCEPTED)
+            secret = next(iter(job.secrets.values()))
+            tail = int(json.loads(job.input or b"{}").get("tail", 64))
+            err = sys.stderr
+            err.write("A" * (1024 - 8) + secret + "B" * 20 + "\n")
+            err.write("Z" * 10 + secret + "Y" * (tail - 6))
+            err.flush()
+            os._exit(3)
         elif mode == "sleep":
             event(pb.EVENT_KIND_ACCEPTED)
             time.sleep(json.loads(job.input or b"{}").get("ms", 0) / 1000)

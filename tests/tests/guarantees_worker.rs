@@ -1286,3 +1286,57 @@ async fn routes_narrowed_by_an_upgrade_widen_again_after_a_rollback() {
         .is_empty());
     w.shutdown().await;
 }
+
+/// A secret that straddles a cut is not logged in part (observability
+/// audit): a stderr line is cut at 1024 bytes and a crashed executor's tail
+/// to its last `stderr_tail_bytes`, and each was cut before the redactor
+/// read it, so the first (or last) bytes of a value that crossed the cut
+/// were logged as they are. Now the cut is marked (`…`) first, and the
+/// redactor replaces the part of a value it finds against the mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_cut_by_a_stderr_limit_is_not_logged_in_part() {
+    let _serial = tests::exclusive().await;
+    tests::init_tracing();
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let value = "Qv7x9Lm2Pw4Kt8Zr";
+    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
+    let mut e = hostile("hostile", None, &[]);
+    e.secrets = vec!["API_TOKEN".into()];
+    let mut cfg: WorkerConfig = fast_config(vec![e]);
+    cfg.secrets_dir = Some(dir.path().to_owned());
+    cfg.stderr_tail_bytes = 64;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "hostile.stderr_cut_secret",
+            json!({"secrets": ["API_TOKEN"], "input": {"tail": 64}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    let id = s.step_run_id.to_string();
+    // the stderr line and the crash's tail are logged in the attempt's span
+    let until = Instant::now() + Duration::from_secs(10);
+    while tests::logged(&[&id, "without a terminal"]).is_empty()
+        || tests::logged(&[&id, "AAAA"]).is_empty()
+    {
+        assert!(Instant::now() < until, "the lines were not logged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.shutdown().await;
+    let lines: Vec<String> = tests::logged(&[&id]);
+    let cut = lines.iter().find(|l| l.contains("AAAA")).expect("cut line");
+    assert!(cut.contains("[REDACTED:API_TOKEN]…"), "{cut}");
+    let crash = lines
+        .iter()
+        .find(|l| l.contains("without a terminal"))
+        .expect("crash line");
+    assert!(crash.contains("…[REDACTED:API_TOKEN]YYYY"), "{crash}");
+    for line in &lines {
+        for start in 0..=value.len() - 4 {
+            let piece = &value[start..start + 4];
+            assert!(!line.contains(piece), "{piece:?} of the secret in {line}");
+        }
+    }
+}

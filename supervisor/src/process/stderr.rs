@@ -120,7 +120,12 @@ impl LogSink {
         if !admit {
             return;
         }
-        let text = String::from_utf8_lossy(line);
+        let mut text = String::from_utf8_lossy(line);
+        if truncated {
+            // marked cut before the redactor reads it: a value that straddles
+            // the cut is still found by its first bytes (it was logged in part)
+            text.to_mut().push('…');
+        }
         let text = match &self.filter {
             Some(f) => f.redact_line(&text),
             None => crate::secrets::Redactor::none()
@@ -294,6 +299,26 @@ impl StderrTail {
     /// the start of the window shows as U+FFFD).
     pub fn tail_string(&self) -> String {
         String::from_utf8_lossy(&self.tail_bytes()).into_owned()
+    }
+
+    /// [`Self::tail_string`] for a redactor: `…` first when its start was
+    /// cut, so that the end of a value that straddled the cut is found (it
+    /// was logged in part).
+    pub fn tail_marked(&self) -> String {
+        let (bytes, total) = {
+            let state = self.lock();
+            let (a, b) = state.buf.as_slices();
+            let mut out = Vec::with_capacity(a.len() + b.len());
+            out.extend_from_slice(a);
+            out.extend_from_slice(b);
+            (out, state.total)
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        if total > bytes.len() as u64 {
+            format!("…{text}")
+        } else {
+            text.into_owned()
+        }
     }
 
     /// Total number of bytes the child wrote to stderr so far.

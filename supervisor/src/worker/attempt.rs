@@ -1182,7 +1182,7 @@ async fn hello_of(
             Ok(h)
         }
         Err(e) => {
-            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %one_line(&redactor.text(&child.stderr().tail_string())), "handshake failed");
+            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %one_line(&redactor.text(&child.stderr().tail_marked())), "handshake failed");
             // the raw evidence stays in the log; the stored message describes it
             let msg = match &e {
                 HandshakeError::Wire(w) => wire_failure(w).1,
@@ -1396,7 +1396,8 @@ async fn release_process(
     match stop_child(child, cfg).await {
         Some(r) => {
             debug!(status = %r.status, escalated = r.escalated_to_kill, stderr_bytes = r.stderr_total_bytes, "executor reaped");
-            (r.status.to_string(), r.stderr_tail)
+            // marked when cut at its start, for the redactor
+            (r.status.to_string(), child.stderr().tail_marked())
         }
         None => ("unknown status".into(), String::new()),
     }
@@ -1613,7 +1614,7 @@ impl Conversation<'_> {
             Some(Ok(f)) => Input::Frame(FromExecutor::from(f)),
             Some(Err(e)) => {
                 let (code, message) = wire_failure(&e);
-                warn!(error = %self.redactor.text(&e.to_string()), stderr_tail = %one_line(&self.redactor.text(&self.child.stderr().tail_string())), code, "protocol violation");
+                warn!(error = %self.redactor.text(&e.to_string()), stderr_tail = %one_line(&self.redactor.text(&self.child.stderr().tail_marked())), code, "protocol violation");
                 Input::StreamError { code, message }
             }
         }
