@@ -360,6 +360,47 @@ fn dev_log_file(cli: &Cli) -> Option<std::fs::File> {
         .ok()
 }
 
+/// A log writer that keeps each event on one line: a newline or carriage
+/// return inside an event (an executor's error message or code, which the
+/// text format writes as they are) is escaped, so that no value can start
+/// a line that looks like another event (observability audit: a `demo.fail`
+/// message forged an "attempt finished outcome=succeeded" line). The fmt
+/// layer writes each event whole, in one `write_all`.
+struct OneLine<M>(M);
+
+impl<'a, M: tracing_subscriber::fmt::MakeWriter<'a>> tracing_subscriber::fmt::MakeWriter<'a>
+    for OneLine<M>
+{
+    type Writer = OneLine<M::Writer>;
+    fn make_writer(&'a self) -> Self::Writer {
+        OneLine(self.0.make_writer())
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for OneLine<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let body = buf.strip_suffix(b"\n").unwrap_or(buf);
+        if !body.iter().any(|&b| b == b'\n' || b == b'\r') {
+            self.0.write_all(buf)?;
+            return Ok(buf.len());
+        }
+        let mut out = Vec::with_capacity(buf.len() + 16);
+        for &b in body {
+            match b {
+                b'\n' => out.extend_from_slice(b"\\n"),
+                b'\r' => out.extend_from_slice(b"\\r"),
+                _ => out.push(b),
+            }
+        }
+        out.extend_from_slice(&buf[body.len()..]);
+        self.0.write_all(&out)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
 fn init_tracing_to(format: &str, file: std::fs::File) {
     use tracing_subscriber::EnvFilter;
     let filter =
@@ -367,7 +408,7 @@ fn init_tracing_to(format: &str, file: std::fs::File) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(false)
-        .with_writer(std::sync::Mutex::new(file));
+        .with_writer(OneLine(std::sync::Mutex::new(file)));
     let _ = if format == "json" {
         builder
             .json()
@@ -387,7 +428,7 @@ fn init_tracing(format: &str, default_filter: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+        .with_writer(OneLine(std::io::stderr));
     let _ = if format == "json" {
         builder
             .json()
@@ -1719,6 +1760,19 @@ mod tests {
         assert!(parse_duration("36600000d")
             .expect_err("long")
             .contains("too long"));
+    }
+
+    #[test]
+    fn a_log_event_stays_on_one_line() {
+        use std::io::Write;
+        let mut w = OneLine(Vec::new());
+        w.write_all(b"WARN the attempt failed error=oops\n2026 INFO forged\r\n")
+            .unwrap();
+        w.write_all(b"INFO plain\n").unwrap();
+        assert_eq!(
+            String::from_utf8(w.0).unwrap(),
+            "WARN the attempt failed error=oops\\n2026 INFO forged\\r\nINFO plain\n"
+        );
     }
 
     #[test]

@@ -875,10 +875,7 @@ mod tests {
     fn values_cut_by_a_limit_are_redacted_against_the_mark() {
         let r = redactor(&[("TOKEN", "tok-SUPERSECRET-123")]);
         assert_eq!(r.redact_str("AAAtok-SUPERSECRE…"), "AAA[REDACTED:TOKEN]…");
-        assert_eq!(
-            r.redact_str("…UPERSECRET-123YYYY"),
-            "…[REDACTED:TOKEN]YYYY"
-        );
+        assert_eq!(r.redact_str("…UPERSECRET-123YYYY"), "…[REDACTED:TOKEN]YYYY");
         assert_eq!(r.redact_str("…YYYY"), "…YYYY");
         assert_eq!(
             Redactor::none().redact_str("AAA postgres://bob:HunterPW…"),

@@ -158,6 +158,42 @@ async fn text_lines_carry_the_attempts_ids() {
     );
 }
 
+/// An executor's error message with newlines cannot start a log line of
+/// its own (observability audit): the text format wrote it as it is, and a
+/// `demo.fail` message forged a whole "attempt finished outcome=succeeded"
+/// line. Each event stays on one line, its newlines escaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executors_message_cannot_forge_a_log_line() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
+    let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "text"], &[]);
+    let forged = "2026-12-05T09:30:00.000000Z  INFO FORGED attempt finished outcome=succeeded";
+    let run = t
+        .submit(one(
+            "fail",
+            "go",
+            "demo.fail",
+            json!({"input": {"code": "BOOM", "retryable": false,
+                             "message": format!("oops\n{forged}\r\nmore")}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(st.steps[0].state, "terminal_failed");
+    stop(&mut w).await;
+    let log = w.stderr();
+    assert!(log.contains("FORGED"), "the message was logged: {log}");
+    for line in log.lines() {
+        assert!(
+            !line.starts_with("2026-12-05T09:30:00"),
+            "a forged line: {line}"
+        );
+        if line.contains("FORGED") {
+            assert!(line.contains("oops\\n2026-12-05T09:30:00"), "{line}");
+        }
+    }
+}
+
 fn hostile() -> supervisor::config::ExecutorConfig {
     supervisor::config::ExecutorConfig {
         name: "hostile".into(),
