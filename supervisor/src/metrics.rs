@@ -611,14 +611,15 @@ pub async fn readiness(db: &Db) -> (bool, String) {
         }
     }
     match health().phase.load(Ordering::Relaxed) {
-        RUNNING => report.push_str("executors: probed; worker: running\n"),
+        // one line per check (README), so that `grep '^worker: draining'` works
+        RUNNING => report.push_str("executors: probed\nworker: running\n"),
         STARTING => {
             ready = false;
-            report.push_str("executors: not probed yet; worker: starting\n");
+            report.push_str("executors: not probed yet\nworker: starting\n");
         }
         _ => {
             ready = false;
-            report.push_str("executors: probed; worker: draining (takes no new work)\n");
+            report.push_str("executors: probed\nworker: draining (takes no new work)\n");
         }
     }
     let (alive, why) = liveness();

@@ -158,6 +158,53 @@ async fn text_lines_carry_the_attempts_ids() {
     );
 }
 
+/// The worker's own loops log in its span (observability audit): the
+/// reclaim, heartbeat, LISTEN and ledger loops were spawned outside it, so
+/// their lines ("lease lost", "reclaimed expired leases", "heartbeat
+/// failed") named no worker, and with several workers logging to one place
+/// none could be told apart. Here a lease another (silent) worker left
+/// expires and this worker's reclaim loop logs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_loops_log_in_the_workers_span() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    t.submit(one("stale", "go", "stale.kind", json!({}))).await;
+    let silent = uuid::Uuid::new_v4();
+    t.db.register_worker(silent, "silent", "test", &json!([]))
+        .await
+        .expect("register");
+    let route = supervisor::db::Route {
+        executor_kind: "go".into(),
+        kind: "stale.kind".into(),
+        labels: Default::default(),
+    };
+    let leased =
+        t.db.lease(silent, "silent", &[route], 1, Duration::from_millis(200))
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 1);
+    let mut cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
+    cfg.name = Some("loops-span".into());
+    let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "json"], &[]);
+    let until = std::time::Instant::now() + LONG;
+    while !w.stderr().contains("reclaimed expired leases") {
+        assert!(std::time::Instant::now() < until, "{}", w.stderr());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop(&mut w).await;
+    let log = w.stderr();
+    let line = log
+        .lines()
+        .find(|l| l.contains("reclaimed expired leases"))
+        .expect("reclaim line");
+    let v: Value = serde_json::from_str(line).expect("json");
+    let spans = v["spans"].as_array().cloned().unwrap_or_default();
+    assert!(
+        spans.iter().any(|s| s["worker"] == "loops-span"),
+        "no worker span: {line}"
+    );
+}
+
 /// An executor's error message with newlines cannot start a log line of
 /// its own (observability audit): the text format wrote it as it is, and a
 /// `demo.fail` message forged a whole "attempt finished outcome=succeeded"

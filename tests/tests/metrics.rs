@@ -75,6 +75,8 @@ async fn a_scrape_after_a_run_finds_the_counters_moved() {
         let (status, body) = http_get(addr, "/readyz").await;
         if status == 200 {
             assert!(body.contains("database: ok"), "{body}");
+            // one line per check (observability audit: two shared one)
+            assert!(body.lines().any(|l| l == "worker: running"), "{body}");
             break;
         }
         assert_eq!(status, 503, "{body}");

@@ -168,8 +168,17 @@ impl LeaseSet {
                 applied.ended.push(e.lease.step_run_id());
                 continue;
             }
-            applied.lost.push(e.lease.step_run_id());
-            e.tx.send_modify(|v| v.control = Control::LeaseLost);
+            // told once: an attempt whose executor takes longer than an
+            // interval to stop stays in the set, and each heartbeat since
+            // counted (and logged) its lost lease again
+            let told = e.tx.send_if_modified(|v| {
+                let first = v.control != Control::LeaseLost;
+                v.control = Control::LeaseLost;
+                first
+            });
+            if told {
+                applied.lost.push(e.lease.step_run_id());
+            }
         }
         applied
     }
@@ -303,6 +312,21 @@ mod tests {
     /// The heartbeat snapshots the set, the attempt's outcome commits, then
     /// the heartbeat's statement runs and no longer finds the step leased:
     /// that is the commit, not a lost lease. A running attempt's loss still is.
+    /// A lost lease is reported once, however many heartbeats find it lost
+    /// before its attempt leaves the set (observability audit: the metric
+    /// counted it once per heartbeat while the executor took its time).
+    #[test]
+    fn a_lost_lease_is_reported_once() {
+        let set = LeaseSet::default();
+        let l = lease(1, 10);
+        let _rx = set.insert(l.clone(), Instant::now() + TTL);
+        let sent = set.snapshot();
+        let first = set.apply(&sent, &report(&[], &[], &[1]), Instant::now(), TTL);
+        assert_eq!(first.lost.len(), 1);
+        let again = set.apply(&sent, &report(&[], &[], &[1]), Instant::now(), TTL);
+        assert!(again.lost.is_empty(), "{again:?}");
+    }
+
     #[test]
     fn a_step_gone_while_its_outcome_commits_is_not_a_lost_lease() {
         let set = LeaseSet::default();

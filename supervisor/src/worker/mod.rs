@@ -643,19 +643,21 @@ impl Worker {
             spawn_vital_loops(&shared, &self.heartbeat_now, self.ledger_queue, &loops_stop);
         let mut background = JoinSet::new();
         spawn_retention_loop(&mut background, &shared, &loops_stop);
-        background.spawn(listen_loop(
-            shared.clone(),
-            self.heartbeat_now.clone(),
-            loops_stop.clone(),
-        ));
+        background.spawn(
+            listen_loop(
+                shared.clone(),
+                self.heartbeat_now.clone(),
+                loops_stop.clone(),
+            )
+            .in_current_span(),
+        );
 
         let mut attempts: JoinSet<()> = JoinSet::new();
         let slot_freed = Arc::new(Notify::new());
-        background.spawn(note_unrecorded_at_stop(
-            shared.clone(),
-            shutdown.clone(),
-            loops_stop.clone(),
-        ));
+        background.spawn(
+            note_unrecorded_at_stop(shared.clone(), shutdown.clone(), loops_stop.clone())
+                .in_current_span(),
+        );
         let mut died: Option<&'static str> = None;
         info!(executors = self.executors.len(), "worker running");
         crate::metrics::worker_running(&cfg);
@@ -759,20 +761,31 @@ fn spawn_vital_loops(
 ) -> JoinSet<&'static str> {
     let mut vital: JoinSet<&'static str> = JoinSet::new();
     let (s1, n1, t1) = (shared.clone(), heartbeat_now.clone(), loops_stop.clone());
-    vital.spawn(async move {
-        heartbeat_loop(s1, n1, t1).await;
-        "heartbeat"
-    });
+    // each loop logs in the worker's span (its name and id): several
+    // workers' logs in one place named no worker for a lost lease
+    vital.spawn(
+        async move {
+            heartbeat_loop(s1, n1, t1).await;
+            "heartbeat"
+        }
+        .in_current_span(),
+    );
     let (s2, t2) = (shared.clone(), loops_stop.clone());
-    vital.spawn(async move {
-        reclaim_loop(s2, t2).await;
-        "reclaim"
-    });
+    vital.spawn(
+        async move {
+            reclaim_loop(s2, t2).await;
+            "reclaim"
+        }
+        .in_current_span(),
+    );
     let (db3, name3, t3) = (shared.db.clone(), shared.name.clone(), loops_stop.clone());
-    vital.spawn(async move {
-        ledger::run(db3, name3, queue, t3).await;
-        "ledger"
-    });
+    vital.spawn(
+        async move {
+            ledger::run(db3, name3, queue, t3).await;
+            "ledger"
+        }
+        .in_current_span(),
+    );
     vital
 }
 
@@ -1265,7 +1278,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 crate::metrics::heartbeat_failed();
                 error!(error = %e, leases = leases.len(), "heartbeat failed");
                 if !shared.renewals_failing.swap(true, Ordering::SeqCst) {
-                    error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 2 per worker must fit in max_connections)");
+                    error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 3 per worker (+ 1 with metrics_addr) must fit in max_connections)");
                 }
             }
         }
@@ -1444,7 +1457,7 @@ fn spawn_retention_loop(
                 Err(e) => warn!(error = %e, "retention pass failed; trying again next interval"),
             }
         }
-    });
+    }.in_current_span());
 }
 
 /// The retention connection's statement timeout (a batch is far shorter;
