@@ -440,6 +440,18 @@ fn init_tracing(format: &str, default_filter: &str) {
     };
 }
 
+/// A `DURABLE_LOG_FORMAT` that clap would refuse, named: clap's error named
+/// only `--log-format`, which the user did not type (observability audit).
+/// Clap refuses such a value even beside an explicit `--log-format`.
+pub fn check_log_format_env() -> Result<(), String> {
+    match std::env::var("DURABLE_LOG_FORMAT") {
+        Ok(v) if v != "text" && v != "json" => Err(format!(
+            "DURABLE_LOG_FORMAT={v:?} is not a log format: set it to text or json, or unset it"
+        )),
+        _ => Ok(()),
+    }
+}
+
 pub async fn main_with(cli: Cli) -> ExitCode {
     match dev_log_file(&cli) {
         Some(file) => init_tracing_to(&cli.log_format, file),

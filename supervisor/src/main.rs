@@ -5,6 +5,10 @@ use supervisor::cli::{Cli, Command};
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    if let Err(msg) = supervisor::cli::check_log_format_env() {
+        eprintln!("error: {msg}");
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
     if runs_executors(&cli.command) {
         start_reaping();

@@ -715,3 +715,26 @@ fn sleeper_alive(arg: &str) -> bool {
         .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
         .any(|c| c.split(|&b| b == 0).any(|a| a == arg.as_bytes()))
 }
+
+/// A `DURABLE_LOG_FORMAT` that is no log format is named, exit 2
+/// (observability audit): clap's error named only `--log-format`, which the
+/// user had not typed, also when `--log-format` was given.
+#[test]
+fn a_bad_log_format_in_the_environment_is_named() {
+    for args in [
+        &["status", "x"][..],
+        &["--log-format", "text", "status", "x"][..],
+    ] {
+        let o = tests::supervisor_clean("warn")
+            .args(args)
+            .env("DURABLE_LOG_FORMAT", "xml")
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("DURABLE_LOG_FORMAT=\"xml\" is not a log format"),
+            "{args:?}: {err}"
+        );
+    }
+}
