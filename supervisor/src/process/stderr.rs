@@ -305,16 +305,10 @@ impl StderrTail {
     /// cut, so that the end of a value that straddled the cut is found (it
     /// was logged in part).
     pub fn tail_marked(&self) -> String {
-        let (bytes, total) = {
-            let state = self.lock();
-            let (a, b) = state.buf.as_slices();
-            let mut out = Vec::with_capacity(a.len() + b.len());
-            out.extend_from_slice(a);
-            out.extend_from_slice(b);
-            (out, state.total)
-        };
+        let bytes = self.tail_bytes();
         let text = String::from_utf8_lossy(&bytes);
-        if total > bytes.len() as u64 {
+        // bytes written since the copy only add a mark to an uncut tail
+        if self.total_bytes() > bytes.len() as u64 {
             format!("…{text}")
         } else {
             text.into_owned()

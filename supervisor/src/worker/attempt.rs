@@ -316,7 +316,11 @@ async fn execute(
         Err(o) => return o,
     };
     // a persistent process may echo what an earlier job of it was handed
-    redactor.widen(session.hand_out(&secrets));
+    // (the redactor already covers this job's own)
+    let ever_handed = session.hand_out(&secrets);
+    if ever_handed.len() > secrets.len() {
+        redactor.widen(ever_handed);
+    }
     let job = job_for(step, inputs, &out_dir, secrets);
     let _stderr_log = session.child.log_stderr_here(redactor.clone());
     let conversed = converse(
@@ -359,17 +363,21 @@ fn too_late_to_start(
             message: "cancellation was requested before the attempt started".into(),
         });
     }
-    match step.deadline {
-        Some(deadline) if deadline <= Utc::now() => Some(Outcome::failed(
-            "DEADLINE_EXCEEDED",
-            false,
-            format!(
-                "the step deadline {deadline} passed before attempt {} started",
-                step.lease.attempt()
-            ),
-        )),
-        _ => None,
-    }
+    deadline_passed(step, "started")
+}
+
+/// `DEADLINE_EXCEEDED` if the step's deadline has passed: the attempt is
+/// not begun (`before`: what it did not get to do).
+fn deadline_passed(step: &LeasedStep, before: &str) -> Option<Outcome> {
+    let deadline = step.deadline.filter(|d| *d <= Utc::now())?;
+    Some(Outcome::failed(
+        "DEADLINE_EXCEEDED",
+        false,
+        format!(
+            "the step deadline {deadline} passed before attempt {} {before}",
+            step.lease.attempt()
+        ),
+    ))
 }
 
 /// The attempt's own directory: out/ for results, in/ for input artifacts
@@ -1360,15 +1368,11 @@ fn negotiate_job(
     // nor is it once the deadline passed while the executor started or the
     // inputs were fetched: sent anyway, the handler ran past the deadline
     // and its result was thrown away, or even kept (retry audit)
-    if let Some(deadline) = step.deadline.filter(|d| *d <= Utc::now()) {
-        return Err(Outcome::failed(
-            "DEADLINE_EXCEEDED",
-            false,
-            format!(
-                "the step deadline {deadline} passed before attempt {}'s job was sent (while its executor started or its inputs were fetched)",
-                step.lease.attempt()
-            ),
-        ));
+    if let Some(o) = deadline_passed(
+        step,
+        "was sent (while its executor started or its inputs were fetched)",
+    ) {
+        return Err(o);
     }
     Ok(prepared)
 }

@@ -134,15 +134,13 @@ impl ExecutorRuntime {
     /// again waited for a worker restart.
     pub(crate) fn widen_routes(&self, shared: &Shared, hello: &wire::Hello) {
         let offered = routing::routes(hello, &self.cfg);
-        let mut now = self.routes.write().unwrap_or_else(|p| p.into_inner());
-        if offered.len() <= now.len() || !now.iter().all(|r| offered.contains(r)) {
+        let before = self.routes();
+        if offered.len() <= before.len() || !before.iter().all(|r| offered.contains(r)) {
             return;
         }
-        info!(executor = %self.cfg.name, routes = offered.len(), before = now.len(),
+        info!(executor = %self.cfg.name, routes = offered.len(), before = before.len(),
               "a process's hello offers more than this executor was leased for: leasing for all of it again");
-        *now = offered.clone();
-        drop(now);
-        self.publish_routes(shared, offered);
+        self.set_routes(shared, offered);
     }
 
     /// Writes the routes into the worker's registered capabilities, in the
@@ -289,12 +287,6 @@ impl Shared {
         self.leases.forget(lease);
     }
 
-    /// A step this worker wrote back for a later attempt comes due at `at`:
-    /// the lease loop is woken then. A NOTIFY goes out when a step becomes
-    /// leasable by its state, not when its retry time comes, so without
-    /// this the retry waited for the next poll (up to `poll_interval_ms`
-    /// late). Another worker that can run the step still finds it on its own
-    /// poll; retries further off than a minute are left to the polls.
     /// This worker refused the step: other workers get it first, for
     /// [`Shared::left_for`]; after that it may lease it again (and refuse
     /// it again, towards `max_refusals`, if no other worker took it).
@@ -321,6 +313,12 @@ impl Shared {
             .max(Duration::from_secs(5))
     }
 
+    /// A step this worker wrote back for a later attempt comes due at `at`:
+    /// the lease loop is woken then. A NOTIFY goes out when a step becomes
+    /// leasable by its state, not when its retry time comes, so without
+    /// this the retry waited for the next poll (up to `poll_interval_ms`
+    /// late). Another worker that can run the step still finds it on its own
+    /// poll; retries further off than a minute are left to the polls.
     pub(crate) fn wake_at(&self, at: chrono::DateTime<chrono::Utc>) {
         let Ok(delay) = (at - chrono::Utc::now()).to_std() else {
             self.wake.notify_one();
@@ -568,25 +566,7 @@ impl Worker {
             .name
             .clone()
             .unwrap_or_else(|| format!("{host}:{}", std::process::id()));
-        let caps = serde_json::to_value(
-            executors
-                .iter()
-                .map(|e| serde_json::json!({"executor": e.cfg.name, "routes": e.routes()}))
-                .collect::<Vec<_>>(),
-        )
-        .unwrap_or_default();
-        bounded(
-            DB_CALL_TIMEOUT,
-            "registering the worker",
-            db.register_worker_beating(
-                id,
-                &name,
-                &host,
-                &caps,
-                Some(Duration::from_millis(cfg.heartbeat_interval_ms)),
-            ),
-        )
-        .await?;
+        register(&db, &cfg, &executors, id, &name, &host).await?;
         info!(schema_version = version, "schema checked");
         let hb_db = db.dedicated(heartbeat_timeout(&cfg));
         let (ledger, ledger_queue) = ledger::channel();
@@ -711,23 +691,7 @@ impl Worker {
             }
         }
         loops_stop.cancel();
-        // every attempt has ended: what the loops still do (a ledger batch
-        // of abandoned attempts, a LISTEN reconnect) waits on nobody, and
-        // with the database away each waited a pool timeout (10 s), past
-        // the stop budget the README gives a worker's supervisor
-        let loops_ended = tokio::time::timeout(LOOPS_STOP_GRACE, async {
-            while vital.join_next().await.is_some() {}
-            while background.join_next().await.is_some() {}
-        })
-        .await;
-        if loops_ended.is_err() {
-            warn!(
-                grace_ms = LOOPS_STOP_GRACE.as_millis() as u64,
-                "the worker's loops did not stop within their grace (the database is slow or away): stopped"
-            );
-            vital.abort_all();
-            background.abort_all();
-        }
+        stop_loops(&mut vital, &mut background).await;
         mark_stopped(&shared).await;
         if let Some(name) = died {
             return Err(WorkerError::LoopDied(name));
@@ -787,6 +751,54 @@ fn spawn_vital_loops(
         .in_current_span(),
     );
     vital
+}
+
+/// Waits for the worker's loops, told to stop, for [`LOOPS_STOP_GRACE`],
+/// then aborts them. Every attempt has ended: what the loops still do (a
+/// ledger batch of abandoned attempts, a LISTEN reconnect) waits on nobody,
+/// and with the database away each waited a pool timeout (10 s), past the
+/// stop budget the README gives a worker's supervisor.
+async fn stop_loops(vital: &mut JoinSet<&'static str>, background: &mut JoinSet<()>) {
+    let loops_ended = tokio::time::timeout(LOOPS_STOP_GRACE, async {
+        while vital.join_next().await.is_some() {}
+        while background.join_next().await.is_some() {}
+    })
+    .await;
+    if loops_ended.is_err() {
+        warn!(
+            grace_ms = LOOPS_STOP_GRACE.as_millis() as u64,
+            "the worker's loops did not stop within their grace (the database is slow or away): stopped"
+        );
+        vital.abort_all();
+        background.abort_all();
+    }
+}
+
+/// The worker's row: its executors' routes (what `status` reads to say
+/// that no live worker offers a step) and its heartbeat interval (how long
+/// it counts as live).
+async fn register(
+    db: &Db,
+    cfg: &WorkerConfig,
+    executors: &[Arc<ExecutorRuntime>],
+    id: Uuid,
+    name: &str,
+    host: &str,
+) -> Result<(), DbError> {
+    let caps = serde_json::to_value(
+        executors
+            .iter()
+            .map(|e| serde_json::json!({"executor": e.cfg.name, "routes": e.routes()}))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap_or_default();
+    let interval = Duration::from_millis(cfg.heartbeat_interval_ms);
+    bounded(
+        DB_CALL_TIMEOUT,
+        "registering the worker",
+        db.register_worker_beating(id, name, host, &caps, Some(interval)),
+    )
+    .await
 }
 
 /// Every worker of this process, for the last word of a forced exit.

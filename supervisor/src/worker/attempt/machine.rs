@@ -91,6 +91,16 @@ pub(crate) fn violation(code: &str, msg: String) -> FrameVerdict {
 
 pub(crate) use crate::wire::MAX_SEQUENCE;
 
+/// The job id and sequence of a job's frame (an event or a terminal).
+fn job_frame(frame: &FromExecutor) -> Option<(&str, u64)> {
+    match frame {
+        FromExecutor::Event(e) => Some((e.job_id.as_str(), e.sequence)),
+        FromExecutor::Result(r) => Some((r.job_id.as_str(), r.sequence)),
+        FromExecutor::Error(e) => Some((e.job_id.as_str(), e.sequence)),
+        _ => None,
+    }
+}
+
 /// Checks one frame of a running job. Pure: what to write is returned, not done.
 pub(crate) fn on_frame(
     st: &mut FrameState,
@@ -98,16 +108,11 @@ pub(crate) fn on_frame(
     pid: i32,
     frame: FromExecutor,
 ) -> FrameVerdict {
-    let (frame_job, seq) = match &frame {
-        FromExecutor::Event(e) => (e.job_id.as_str(), e.sequence),
-        FromExecutor::Result(r) => (r.job_id.as_str(), r.sequence),
-        FromExecutor::Error(e) => (e.job_id.as_str(), e.sequence),
-        other => {
-            return violation(
-                "PROTOCOL_UNEXPECTED_FRAME",
-                format!("unexpected {} during a job", other.name()),
-            )
-        }
+    let Some((frame_job, seq)) = job_frame(&frame) else {
+        return violation(
+            "PROTOCOL_UNEXPECTED_FRAME",
+            format!("unexpected {} during a job", frame.name()),
+        );
     };
     if frame_job != job_id {
         return violation(
@@ -510,12 +515,7 @@ impl Machine {
     /// Checks one frame: a frame of the previous job is counted and
     /// dropped; any other goes through [`on_frame`].
     fn check(&mut self, f: FromExecutor) -> FrameVerdict {
-        let job = match &f {
-            FromExecutor::Event(e) => Some(e.job_id.as_str()),
-            FromExecutor::Result(r) => Some(r.job_id.as_str()),
-            FromExecutor::Error(e) => Some(e.job_id.as_str()),
-            _ => None,
-        };
+        let job = job_frame(&f).map(|(job, _)| job);
         if job.is_some() && job == self.previous_job.as_deref() {
             self.stale_frames += 1;
             return FrameVerdict::Continue;
