@@ -811,3 +811,15 @@ pub fn hostile(
         ..ExecutorConfig::default()
     }
 }
+
+/// A worker config running `e`, which may hand out the secret `API_TOKEN`
+/// = `value`, read from a `secrets_dir` (the directory returned: keep it
+/// while the worker runs).
+pub fn with_api_token(mut e: ExecutorConfig, value: &str) -> (tempfile::TempDir, WorkerConfig) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
+    e.secrets = vec!["API_TOKEN".into()];
+    let mut cfg = fast_config(vec![e]);
+    cfg.secrets_dir = Some(dir.path().to_owned());
+    (dir, cfg)
+}

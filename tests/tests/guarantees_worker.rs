@@ -586,14 +586,9 @@ async fn a_secret_in_a_malformed_frame_is_redacted_from_its_evidence() {
     let _serial = tests::exclusive().await;
     tests::init_tracing();
     let t = TestDb::new().await;
-    let dir = tempfile::tempdir().expect("tempdir");
     // 39 bytes: the frame's 32-byte evidence window cuts it
     let value = "pässwörd-Geheimnis-42-and-a-long-tail";
-    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
-    let mut e = hostile("hostile", None, &[]);
-    e.secrets = vec!["API_TOKEN".into()];
-    let mut cfg: WorkerConfig = fast_config(vec![e]);
-    cfg.secrets_dir = Some(dir.path().to_owned());
+    let (_secrets, cfg) = tests::with_api_token(hostile("hostile", None, &[]), value);
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
     let run = t
         .submit(spec(
@@ -1298,13 +1293,8 @@ async fn a_secret_cut_by_a_stderr_limit_is_not_logged_in_part() {
     let _serial = tests::exclusive().await;
     tests::init_tracing();
     let t = TestDb::new().await;
-    let dir = tempfile::tempdir().expect("tempdir");
     let value = "Qv7x9Lm2Pw4Kt8Zr";
-    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
-    let mut e = hostile("hostile", None, &[]);
-    e.secrets = vec!["API_TOKEN".into()];
-    let mut cfg: WorkerConfig = fast_config(vec![e]);
-    cfg.secrets_dir = Some(dir.path().to_owned());
+    let (_secrets, mut cfg) = tests::with_api_token(hostile("hostile", None, &[]), value);
     cfg.stderr_tail_bytes = 64;
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
     let run = t

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use supervisor::config::{ExecutorConfig, WorkerConfig};
+use supervisor::config::ExecutorConfig;
 use tests::{executor_pid, fast_config, hostile, step, RunningWorker, TestDb};
 
 const LONG: Duration = Duration::from_secs(60);
@@ -36,13 +36,8 @@ fn step_spec(name: &str, kind: &str, extra: Value) -> Value {
 async fn a_secret_handed_with_an_earlier_job_is_redacted_from_a_later_one() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let dir = tempfile::tempdir().expect("tempdir");
     let value = "tok-persistent-0123456789";
-    std::fs::write(dir.path().join("API_TOKEN"), format!("{value}\n")).expect("secret file");
-    let mut e = persistent_hostile();
-    e.secrets = vec!["API_TOKEN".into()];
-    let mut cfg: WorkerConfig = fast_config(vec![e]);
-    cfg.secrets_dir = Some(dir.path().to_owned());
+    let (_secrets, cfg) = tests::with_api_token(persistent_hostile(), value);
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
 
     let mut pids = Vec::new();
