@@ -63,7 +63,8 @@ const (
 // still make any code terminal.)
 type Error struct {
 	// Code is stable, machine-readable, UPPER_SNAKE_CASE. Empty means
-	// "HANDLER_ERROR".
+	// "HANDLER_ERROR"; so does a code that is not UPPER_SNAKE_CASE, with a
+	// message naming it (as the Python SDK refuses such a code).
 	Code string
 	// Message is for humans. Never put secret values in it (the SDK replaces
 	// the job's secret values it finds with "[REDACTED]", but do not rely on it).
@@ -135,4 +136,18 @@ func (c *Cancellation) Error() string {
 		return "job cancelled (" + c.Reason + ")"
 	}
 	return "job cancelled (" + c.Reason + "): " + c.Message
+}
+
+// validCode tells whether code is UPPER_SNAKE_CASE: capital letters, digits
+// and underscores, at least one character.
+func validCode(code string) bool {
+	if code == "" {
+		return false
+	}
+	for _, c := range code {
+		if !(c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
 }

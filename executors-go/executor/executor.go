@@ -575,6 +575,14 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 		if o.err != error(xe) || message == "" {
 			message = o.err.Error()
 		}
+		if !validCode(code) {
+			// as the Python SDK refuses such a code when the error is made:
+			// a step's non_retryable_codes and the supervisor's reports
+			// name codes in UPPER_SNAKE_CASE, so a lower-case one would
+			// slip past every policy written for it
+			message = fmt.Sprintf("error code must be non-empty UPPER_SNAKE_CASE, got %q: %s", code, message)
+			code = CodeHandlerError
+		}
 		var delay *uint64
 		if xe.NextRetryDelay > 0 {
 			ms := uint64((xe.NextRetryDelay + time.Millisecond - 1) / time.Millisecond)

@@ -380,6 +380,12 @@ func TestErrorMapping(t *testing.T) {
 		{"empty code", &executor.Error{Message: "oops"}, &pb.JobError{Code: executor.CodeHandlerError, Message: "oops", Retryable: true}},
 		{"errorf retryable", executor.Errorf("QUOTA", true, "quota %d exceeded", 7), &pb.JobError{Code: "QUOTA", Message: "quota 7 exceeded", Retryable: true}},
 		{"errorf", executor.Errorf("QUOTA", false, "quota %d exceeded", 7), &pb.JobError{Code: "QUOTA", Message: "quota 7 exceeded"}},
+		// a code no step's non_retryable_codes could name (they are
+		// UPPER_SNAKE_CASE): HANDLER_ERROR naming it, as the Python SDK
+		{"lower-case code", &executor.Error{Code: "no_such_user", Message: "user 42", NonRetryable: true},
+			&pb.JobError{Code: executor.CodeHandlerError, Message: `error code must be non-empty UPPER_SNAKE_CASE, got "no_such_user": user 42`}},
+		{"code with a space", &executor.Error{Code: "NO SUCH", Message: "x"},
+			&pb.JobError{Code: executor.CodeHandlerError, Message: `error code must be non-empty UPPER_SNAKE_CASE, got "NO SUCH": x`, Retryable: true}},
 	}
 	ex := newExecutor(executor.Options{})
 	for _, c := range cases {
