@@ -163,6 +163,33 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             "steps[0].retry.max_interval_ms: must be at least initial_interval_ms",
         ),
         (
+            // the user wrote no initial interval: the message says whose
+            // value it is
+            "max interval below the default initial",
+            v(with_step(|m| {
+                m.insert("retry".into(), json!({"max_interval_ms": 0}));
+            })),
+            "steps[0].retry.max_interval_ms: must be at least initial_interval_ms (1000 by default;",
+        ),
+        (
+            // matched exactly, it would never match the BAD_INPUT an SDK sends
+            "a lower-case non-retryable code",
+            v(with_step(|m| {
+                m.insert(
+                    "retry".into(),
+                    json!({"non_retryable_codes": ["QUOTA", "bad_input"]}),
+                );
+            })),
+            r#"steps[0].retry.non_retryable_codes[1]: "bad_input" is not an error code: codes are UPPER_SNAKE_CASE (capital letters, digits and _), as executors send them; did you mean "BAD_INPUT"?"#,
+        ),
+        (
+            "an empty non-retryable code",
+            v(with_step(|m| {
+                m.insert("retry".into(), json!({"non_retryable_codes": [""]}));
+            })),
+            r#"steps[0].retry.non_retryable_codes[0]: "" is not an error code"#,
+        ),
+        (
             "unknown retry field",
             v(with_step(|m| {
                 m.insert("retry".into(), json!({"attempts": 3}));
