@@ -980,6 +980,9 @@ async fn worker(
         CliError::Usage("supervisor worker needs --config FILE (`supervisor worker --print-default-config` prints one to start from)".into())
     })?;
     let cfg = WorkerConfig::load(&config)?;
+    for ignored in cfg.ignored_settings() {
+        tracing::warn!("{ignored}");
+    }
     for (var, near) in crate::config::unknown_env_settings(std::env::vars_os()) {
         match near {
             Some(k) => {

@@ -378,6 +378,32 @@ impl WorkerConfig {
         self.total_concurrency().saturating_add(1)
     }
 
+    /// Settings that are valid but do nothing here, each as a sentence for a
+    /// warning at start: a persistent executor's settings on a one-shot one
+    /// (`warm_processes` there is an error: it would promise warm processes).
+    pub fn ignored_settings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for e in self.executors.iter().filter(|e| !e.persistent) {
+            let mut keys = Vec::new();
+            if let Some(n) = e.max_jobs_per_process {
+                keys.push(format!("max_jobs_per_process = {n}"));
+            }
+            if e.idle_timeout_ms != d_idle_timeout() {
+                keys.push(format!("idle_timeout_ms = {}", e.idle_timeout_ms));
+            }
+            if !keys.is_empty() {
+                out.push(format!(
+                    "executor {:?}: {} {} no effect, as the executor is one-shot (persistent = false: a process serves one job); set persistent = true to keep processes between jobs, or remove {}",
+                    e.name,
+                    keys.join(" and "),
+                    if keys.len() == 1 { "has" } else { "have" },
+                    if keys.len() == 1 { "it" } else { "them" },
+                ));
+            }
+        }
+        out
+    }
+
     /// Reads, overrides from the environment (`DURABLE_<KEY>`, see
     /// [`WorkerConfig::apply_env`]), resolves and validates a worker config.
     pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
@@ -1040,7 +1066,7 @@ const EXECUTOR_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "max_jobs_per_process",
-        "Caps the jobs one persistent process serves (default: what its hello says).",
+        "Persistent executors: caps the jobs one process serves (default: what its hello says).",
         Some("100"),
     ),
     (

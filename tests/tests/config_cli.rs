@@ -738,3 +738,34 @@ fn a_bad_log_format_in_the_environment_is_named() {
         );
     }
 }
+
+/// A persistent executor's setting on a one-shot executor is valid (an
+/// example config sets it) but does nothing: the worker says so at start,
+/// naming the executor and the setting, where it said nothing before.
+#[test]
+fn a_persistent_setting_on_a_one_shot_executor_is_named_at_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let one_shot = write(
+        dir.path(),
+        "one-shot.toml",
+        &format!("{EXEC}max_jobs_per_process = 50\nidle_timeout_ms = 1000\n"),
+    );
+    let o = start(&one_shot, &[("RUST_LOG", "warn")]);
+    assert_valid(&o, "a setting that does nothing does not stop the worker");
+    assert!(
+        stderr(&o).contains(
+            "executor \"x\": max_jobs_per_process = 50 and idle_timeout_ms = 1000 have no effect, as the executor is one-shot (persistent = false"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    // where it does something, nothing is said
+    let persistent = write(
+        dir.path(),
+        "persistent.toml",
+        &format!("{EXEC}persistent = true\nmax_jobs_per_process = 50\nidle_timeout_ms = 1000\n"),
+    );
+    let o = start(&persistent, &[("RUST_LOG", "warn")]);
+    assert_valid(&o, "persistent");
+    assert!(!stderr(&o).contains("no effect"), "{}", stderr(&o));
+}
