@@ -623,7 +623,25 @@ impl Redactor {
 /// bytes, `wire::first_bytes`: a non-ASCII value was logged in that form,
 /// unredacted), and with its backslashes doubled (a language's repr of a
 /// string, such as a Python traceback's).
+///
+/// A value of several lines (a PEM key, a credentials file) is looked for
+/// line by line too: a log line of an executor's stderr holds one of its
+/// lines at a time, so only the lines could match there.
 fn variants(value: &str) -> Vec<String> {
+    let mut out = forms(value);
+    if value.contains(['\n', '\r']) {
+        for line in value.split(['\n', '\r']) {
+            out.extend(forms(line));
+        }
+    }
+    out.retain(|v| v.len() >= MIN_REDACT_LEN);
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// One string's forms for [`variants`].
+fn forms(value: &str) -> Vec<String> {
     let mut out = vec![value.to_owned()];
     out.push(crate::wire::escape_bytes(value.as_bytes()));
     out.push(value.replace('\\', "\\\\"));
@@ -643,9 +661,6 @@ fn variants(value: &str) -> Vec<String> {
         }
     }
     out.push(pct);
-    out.retain(|v| v.len() >= MIN_REDACT_LEN);
-    out.sort();
-    out.dedup();
     out
 }
 

@@ -1330,3 +1330,51 @@ async fn a_secret_cut_by_a_stderr_limit_is_not_logged_in_part() {
         }
     }
 }
+
+/// A secret of several lines (a PEM key) written to stderr is logged line
+/// by line, and no log line held the whole value: each of its lines was
+/// logged in clear (security audit). Now each line of such a value is
+/// redacted wherever it occurs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_of_several_lines_is_not_logged_line_by_line() {
+    let _serial = tests::exclusive().await;
+    tests::init_tracing();
+    let t = TestDb::new().await;
+    let lines = [
+        "-----BEGIN TEST KEY-----",
+        "Kq81mZ7xPw4Lt9RvZz02Ab5c",
+        "Hn3Jw8Qe6Tu1Yi9Op4As7Df2",
+        "-----END TEST KEY-----",
+    ];
+    let value = lines.join("\n");
+    let (_secrets, cfg) = tests::with_api_token(hostile("hostile", None, &[]), &value);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "hostile.stderr_chatty",
+            json!({"secrets": ["API_TOKEN"], "input": {"lines": 1}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "succeeded", "{st:?}");
+    let id = s.step_run_id.to_string();
+    let until = Instant::now() + Duration::from_secs(10);
+    while tests::logged(&[&id, "chatter 1"]).is_empty() {
+        assert!(Instant::now() < until, "the stderr lines were not logged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.shutdown().await;
+    let logged = tests::logged(&[&id]);
+    assert!(
+        logged
+            .iter()
+            .any(|l| l.contains("secret [REDACTED:API_TOKEN]")),
+        "the first line is redacted: {logged:#?}"
+    );
+    for line in &logged {
+        for part in &lines[1..3] {
+            assert!(!line.contains(part), "{part:?} of the secret in {line}");
+        }
+    }
+}
