@@ -167,8 +167,10 @@ impl fmt::Display for RunState {
 ///
 /// Hatchet's rule, made strict: a run is terminal only when every step that
 /// will ever exist for it is terminal; then `failed` if any step failed, else
-/// `cancelled` if any was cancelled, else `succeeded`. A terminal run never
-/// changes. (`durable.aggregate_run_state` is the SQL twin.)
+/// `cancelled` if any was cancelled, else `succeeded`. A pending run goes
+/// `running` once a step has started (running, or an attempt of it ended): a
+/// step merely leased has not. A terminal run never changes.
+/// (`durable.aggregate_run_state` is the SQL twin.)
 pub fn aggregate_run(current: RunState, steps: &[StepState], waiting: bool) -> RunState {
     if current.is_terminal() {
         return current;
@@ -179,9 +181,17 @@ pub fn aggregate_run(current: RunState, steps: &[StepState], waiting: bool) -> R
         .filter(|s| **s == StepState::TerminalFailed)
         .count();
     let cancelled = steps.iter().filter(|s| **s == StepState::Cancelled).count();
+    // a step merely leased has not started: a pending run goes running at
+    // a step's start (as the worker's start write moves it), and a cancel
+    // of a run whose step is only leased must not move it to running
     let started = steps
         .iter()
-        .filter(|s| !matches!(s, StepState::Pending | StepState::Cancelled))
+        .filter(|s| {
+            !matches!(
+                s,
+                StepState::Pending | StepState::Leased | StepState::Cancelled
+            )
+        })
         .count();
     if open > 0 || (waiting && failed == 0 && cancelled == 0) {
         if current == RunState::Pending && started > 0 {
@@ -410,7 +420,14 @@ mod tests {
         use RunState as R;
         use StepState as S;
         assert_eq!(aggregate_run(R::Pending, &[S::Pending], false), R::Pending);
-        assert_eq!(aggregate_run(R::Pending, &[S::Leased], false), R::Running);
+        // leased is not started (it was Running until a cancel of such a run
+        // recorded pending -> running, cancellation audit)
+        assert_eq!(aggregate_run(R::Pending, &[S::Leased], false), R::Pending);
+        assert_eq!(aggregate_run(R::Pending, &[S::Running], false), R::Running);
+        assert_eq!(
+            aggregate_run(R::Pending, &[S::RetryableFailed], false),
+            R::Running
+        );
         assert_eq!(
             aggregate_run(R::Running, &[S::Succeeded, S::Running], false),
             R::Running
