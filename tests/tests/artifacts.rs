@@ -177,3 +177,71 @@ sys.exit(ex.run())
     );
     w.shutdown().await;
 }
+
+/// An artifact whose name is longer than a file name may be (300 bytes)
+/// arrives downstream, under a name cut short. Before, every worker refused
+/// the downstream step (`WORK_DIR_UNAVAILABLE`: "File name too long") until
+/// it failed `EXECUTOR_REFUSED`, though the artifact had been accepted and
+/// stored (security and DAG audits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_whose_name_is_too_long_for_a_file_arrives() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("long.py");
+    std::fs::write(
+        &script,
+        r#"
+import sys
+from durable_executor import Executor, Result
+
+def make(job):
+    entries = []
+    for file, name in (("a.txt", "n" * 300 + ".txt"), ("b.txt", "n" * 301 + ".txt")):
+        with open(job.output_path(file), "w") as f:
+            f.write(file)
+        entries.append(job.artifact(file, name=name, media_type="text/plain"))
+    return Result({}, entries)
+
+def read(job):
+    got = {}
+    for ref in job.input_artifacts:
+        with open(ref.path) as f:
+            got[str(len(ref.name))] = [ref.path.rsplit("/", 1)[-1], f.read()]
+    return got
+
+ex = Executor("python", {})
+ex.add_handler("t.make", make)
+ex.add_handler("t.read", read)
+sys.exit(ex.run())
+"#,
+    )
+    .expect("script");
+    let mut cfg = python_demo("long", &[], None);
+    cfg.args = vec![script.to_string_lossy().into_owned()];
+    cfg.kinds = None;
+    let t = TestDb::new().await;
+    let mut config = fast_config(vec![cfg]);
+    config.max_refusals = 1;
+    let w = RunningWorker::start(t.connect(5).await, config).await;
+    let run = t
+        .submit(json!({"name": "long", "steps": [
+            {"name": "make", "executor_kind": "python", "kind": "t.make"},
+            {"name": "read", "executor_kind": "python", "kind": "t.read", "depends_on": ["make"]}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(
+        st.state,
+        "succeeded",
+        "{}",
+        serde_json::to_string_pretty(&st).unwrap_or_default()
+    );
+    let got = tests::step(&st, "read").output.clone().expect("output");
+    let cut = format!("{}.txt", "n".repeat(196));
+    assert_eq!(got["304"], json!([cut, "a.txt"]), "{got}");
+    assert_eq!(
+        got["305"],
+        json!([format!("{}~2.txt", "n".repeat(196)), "b.txt"]),
+        "{got}"
+    );
+}

@@ -634,6 +634,14 @@ pub(super) fn input_path(
     path
 }
 
+/// The longest file name [`sanitize`] gives (bytes, all ASCII): well
+/// under the 255 of common file systems, with room for the `~N` that tells
+/// apart names that come out alike.
+const MAX_FILE_NAME: usize = 200;
+
+/// An extension longer than this is cut with the rest of the name.
+const MAX_KEPT_EXTENSION: usize = 16;
+
 pub(super) fn sanitize(name: &str) -> String {
     let s: String = name
         .chars()
@@ -645,11 +653,22 @@ pub(super) fn sanitize(name: &str) -> String {
             }
         })
         .collect();
-    if s.is_empty() || s.starts_with('.') {
+    let s = if s.is_empty() || s.starts_with('.') {
         format!("_{s}")
     } else {
         s
+    };
+    if s.len() <= MAX_FILE_NAME {
+        return s;
     }
+    // a name the file system would refuse (ENAMETOOLONG) failed every step
+    // downstream of the artifact: cut, keeping a short extension (the
+    // characters are ASCII, so any byte is a boundary)
+    let ext = match s.rfind('.') {
+        Some(i) if i > 0 && s.len() - i <= MAX_KEPT_EXTENSION => &s[i..],
+        _ => "",
+    };
+    format!("{}{ext}", &s[..MAX_FILE_NAME - ext.len()])
 }
 
 use super::session::{Frames, Session, StartError};

@@ -390,6 +390,27 @@ fn sanitizes_names() {
     assert_eq!(sanitize("report.csv"), "report.csv");
     assert_eq!(sanitize("../etc/passwd"), "_.._etc_passwd");
     assert_eq!(sanitize(""), "_");
+    // a name the file system would refuse is cut, its extension kept; names
+    // cut alike still get files of their own (security and DAG audits: a
+    // 300-byte artifact name failed every downstream step ENAMETOOLONG)
+    let long = format!("{}.csv", "n".repeat(300));
+    assert_eq!(sanitize(&long), format!("{}.csv", "n".repeat(196)));
+    assert_eq!(sanitize(&"é".repeat(300)), "_".repeat(200));
+    let no_ext = format!("{}.{}", "a".repeat(250), "x".repeat(40));
+    assert_eq!(sanitize(&no_ext), "a".repeat(200));
+    let mut taken = std::collections::HashSet::new();
+    let in_dir = std::path::Path::new("/w/in");
+    let first = input_path(in_dir, &mut taken, "up", &long);
+    let second = input_path(
+        in_dir,
+        &mut taken,
+        "up",
+        &format!("{}x.csv", "n".repeat(300)),
+    );
+    assert_ne!(first, second);
+    for p in [first, second] {
+        assert!(p.file_name().expect("name").len() < 255, "{p:?}");
+    }
 }
 
 #[test]
