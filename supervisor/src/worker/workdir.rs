@@ -15,6 +15,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
@@ -57,6 +58,7 @@ impl WorkDir {
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&staging)?;
         let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
             let _ = std::fs::remove_file(&staging);
@@ -81,11 +83,15 @@ impl WorkDir {
         &self.base
     }
 
-    /// A new directory `<prefix>XXXXXX.<tag>` in `work_dir`.
+    /// A new directory `<prefix>XXXXXX.<tag>` in `work_dir`, for this
+    /// worker's user alone (0700): a job's inputs and outputs are nobody
+    /// else's to read, and `work_dir` is the shared temporary directory
+    /// unless configured.
     pub fn tempdir(&self, prefix: &str) -> io::Result<TempDir> {
         tempfile::Builder::new()
             .prefix(prefix)
             .suffix(&format!(".{}", self.tag))
+            .permissions(std::fs::Permissions::from_mode(0o700))
             .tempdir_in(&self.base)
     }
 
@@ -223,6 +229,19 @@ mod tests {
         ] {
             assert_eq!(lock_tag(name), want, "{name}");
         }
+    }
+
+    /// A job's directory and the worker's lock file are its user's alone:
+    /// they were 0755 and 0644, so any local user could read every step's
+    /// inputs and outputs in /tmp (security audit).
+    #[test]
+    fn a_workers_directories_and_lock_are_private() {
+        let base = tempfile::tempdir().expect("base");
+        let me = WorkDir::open(base.path().to_path_buf(), Uuid::new_v4()).expect("open");
+        let d = me.tempdir("durable-x-").expect("tempdir");
+        let mode = |p: &Path| std::fs::metadata(p).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode(d.path()), 0o700);
+        assert_eq!(mode(&me.lock_path), 0o600);
     }
 
     fn touch_dir(p: &Path) {
