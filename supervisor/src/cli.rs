@@ -360,45 +360,115 @@ fn dev_log_file(cli: &Cli) -> Option<std::fs::File> {
         .ok()
 }
 
-/// A log writer that keeps each event on one line: a newline or carriage
-/// return inside an event (an executor's error message or code, which the
-/// text format writes as they are) is escaped, so that no value can start
-/// a line that looks like another event (observability audit: a `demo.fail`
-/// message forged an "attempt finished outcome=succeeded" line). The fmt
-/// layer writes each event whole, in one `write_all`.
-struct OneLine<M>(M);
+/// A log writer that keeps each event on one line and out of the
+/// terminal's control: a newline or carriage return inside an event (an
+/// executor's error message or code, which the text format writes as they
+/// are) is escaped, so that no value can start a line that looks like
+/// another event (observability audit: a `demo.fail` message forged an
+/// "attempt finished outcome=succeeded" line), and so is every other control
+/// character (an escape sequence in a code or an SDK name cleared the
+/// operator's screen or set its title; security audit) but a tab. With
+/// `ansi` the formatter's own colours (`ESC [ … m`) are kept: a value can
+/// then at most change a colour. The fmt layer writes each event whole, in
+/// one `write_all`.
+struct OneLine<M> {
+    inner: M,
+    ansi: bool,
+}
 
 impl<'a, M: tracing_subscriber::fmt::MakeWriter<'a>> tracing_subscriber::fmt::MakeWriter<'a>
     for OneLine<M>
 {
     type Writer = OneLine<M::Writer>;
     fn make_writer(&'a self) -> Self::Writer {
-        OneLine(self.0.make_writer())
+        OneLine {
+            inner: self.inner.make_writer(),
+            ansi: self.ansi,
+        }
     }
 }
 
 impl<W: std::io::Write> std::io::Write for OneLine<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let body = buf.strip_suffix(b"\n").unwrap_or(buf);
-        if !body.iter().any(|&b| b == b'\n' || b == b'\r') {
-            self.0.write_all(buf)?;
-            return Ok(buf.len());
-        }
-        let mut out = Vec::with_capacity(buf.len() + 16);
-        for &b in body {
-            match b {
-                b'\n' => out.extend_from_slice(b"\\n"),
-                b'\r' => out.extend_from_slice(b"\\r"),
-                _ => out.push(b),
-            }
-        }
-        out.extend_from_slice(&buf[body.len()..]);
-        self.0.write_all(&out)?;
+        self.inner.write_all(&one_line(buf, self.ansi))?;
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
-        self.0.flush()
+        self.inner.flush()
     }
+}
+
+/// An event as [`OneLine`] writes it: its final newline kept, every other
+/// control character (C0 but a tab, DEL, C1, and the Unicode line and
+/// paragraph separators) written as an escape; with `ansi`, SGR sequences
+/// (`ESC [` digits and `;` `m`) are kept.
+fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
+    let body = buf.strip_suffix(b"\n").unwrap_or(buf);
+    // the longest sequence starting at `i` that is written as it is
+    let kept = |i: usize| -> usize {
+        let b = body[i];
+        if b == b'\t' || (0x20..0x7f).contains(&b) {
+            return 1;
+        }
+        if b == 0x1b && ansi && body.get(i + 1) == Some(&b'[') {
+            let end = body[i + 2..]
+                .iter()
+                .position(|c| !(c.is_ascii_digit() || *c == b';'))
+                .map(|p| i + 2 + p);
+            if let Some(end) = end.filter(|&e| body[e] == b'm') {
+                return end + 1 - i;
+            }
+        }
+        match (b, body.get(i + 1), body.get(i + 2)) {
+            // C1 controls (U+0080..U+009F)
+            (0xc2, Some(0x80..=0x9f), _) => 0,
+            // U+2028, U+2029
+            (0xe2, Some(0x80), Some(0xa8 | 0xa9)) => 0,
+            (0x80..=0xff, _, _) => 1,
+            _ => 0,
+        }
+    };
+    let mut i = 0;
+    while i < body.len() {
+        let n = kept(i);
+        if n == 0 {
+            break;
+        }
+        i += n;
+    }
+    if i == body.len() {
+        return std::borrow::Cow::Borrowed(buf);
+    }
+    let mut out = Vec::with_capacity(buf.len() + 16);
+    out.extend_from_slice(&body[..i]);
+    while i < body.len() {
+        let n = kept(i);
+        if n > 0 {
+            out.extend_from_slice(&body[i..i + n]);
+            i += n;
+            continue;
+        }
+        let b = body[i];
+        match b {
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            0xc2 | 0xe2 => {
+                // the character whole: U+0080..U+009F, U+2028, U+2029
+                let len = if b == 0xc2 { 2 } else { 3 };
+                let c = std::str::from_utf8(&body[i..i + len])
+                    .ok()
+                    .and_then(|s| s.chars().next())
+                    .map_or(0, u32::from);
+                out.extend_from_slice(format!("\\u{{{c:x}}}").as_bytes());
+                i += len;
+                continue;
+            }
+            _ => out.extend_from_slice(format!("\\x{b:02x}").as_bytes()),
+        }
+        i += 1;
+    }
+    out.extend_from_slice(&buf[body.len()..]);
+    std::borrow::Cow::Owned(out)
 }
 
 fn init_tracing_to(format: &str, file: std::fs::File) {
@@ -408,7 +478,10 @@ fn init_tracing_to(format: &str, file: std::fs::File) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(false)
-        .with_writer(OneLine(std::sync::Mutex::new(file)));
+        .with_writer(OneLine {
+            inner: std::sync::Mutex::new(file),
+            ansi: false,
+        });
     let _ = if format == "json" {
         builder
             .json()
@@ -425,10 +498,14 @@ fn init_tracing(format: &str, default_filter: &str) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     // colours only on a terminal: a log file or a collector gets plain text
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(OneLine(std::io::stderr));
+        .with_ansi(ansi)
+        .with_writer(OneLine {
+            inner: std::io::stderr,
+            ansi,
+        });
     let _ = if format == "json" {
         builder
             .json()
@@ -465,9 +542,9 @@ pub async fn main_with(cli: Cli) -> ExitCode {
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", printable(&e.to_string()));
             if let Some(hint) = e.hint() {
-                eprintln!("hint: {hint}");
+                eprintln!("hint: {}", printable(&hint));
             }
             ExitCode::from(e.exit_code())
         }
@@ -859,13 +936,7 @@ async fn artifact(url: &Option<String>, command: ArtifactCommand) -> Result<u8, 
                     e => e,
                 })?;
             if out.as_os_str() != "-" {
-                eprintln!(
-                    "wrote {} ({} bytes, sha256 {}) to {}",
-                    a.name,
-                    a.size,
-                    a.sha256,
-                    out.display()
-                );
+                eprintln!("{}", wrote_line(&a.name, a.size, &a.sha256, &out));
             }
         }
         ArtifactCommand::Lineage { id, json } => {
@@ -1489,6 +1560,38 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_secs(total))
 }
 
+/// An error's text for the terminal: it may quote what the user typed or
+/// an executor wrote (`--step` of an unknown step), so every control
+/// character but a newline or a tab is escaped (security audit: an escape
+/// sequence typed as a step name was echoed to the terminal).
+fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    std::borrow::Cow::Owned(
+        s.chars()
+            .map(|c| {
+                if c.is_control() && c != '\n' && c != '\t' {
+                    c.escape_debug().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
+}
+
+/// What `artifact get` says it wrote: the name is an executor's, so it is
+/// quoted with its control characters escaped (it was printed as it came,
+/// an escape sequence and all; security audit).
+fn wrote_line(name: &str, size: i64, sha256: &str, out: &std::path::Path) -> String {
+    format!(
+        "wrote {} ({size} bytes, sha256 {sha256}) to {}",
+        name.escape_debug(),
+        out.display()
+    )
+}
+
 /// A value from the database or an executor on one table cell: control
 /// characters become spaces, and it is cut at `max` characters.
 fn cell(s: &str, max: usize) -> String {
@@ -1750,6 +1853,57 @@ fn runs_text(runs: &[crate::db::RunSummary]) -> String {
 mod tests {
     use super::*;
 
+    /// Each event on one line and no control character of a value reaches
+    /// the terminal; the formatter's colours do with `ansi`.
+    #[test]
+    fn an_error_is_printed_without_control_characters() {
+        assert_eq!(printable("plain\nnext\tcol"), "plain\nnext\tcol");
+        assert_eq!(
+            printable("run x has no step named \"\u{1b}[2Jzz\""),
+            "run x has no step named \"\\u{1b}[2Jzz\""
+        );
+    }
+
+    #[test]
+    fn artifact_get_escapes_the_name_it_wrote() {
+        let line = wrote_line(
+            "a\u{1b}[31m\n\r\tb",
+            1,
+            "ab",
+            std::path::Path::new("/tmp/x"),
+        );
+        assert_eq!(
+            line,
+            "wrote a\\u{1b}[31m\\n\\r\\tb (1 bytes, sha256 ab) to /tmp/x"
+        );
+        assert!(!line.chars().any(char::is_control), "{line}");
+    }
+
+    #[test]
+    fn a_log_event_is_one_line_without_control_characters() {
+        let w = |b: &str, ansi: bool| {
+            String::from_utf8(one_line(b.as_bytes(), ansi).into_owned()).expect("utf-8")
+        };
+        assert_eq!(w("plain\ttext é\n", false), "plain\ttext é\n");
+        assert_eq!(w("a\nb\r\nc\n", false), "a\\nb\\r\\nc\n");
+        assert_eq!(
+            w(
+                "code=C\x1b[31mX sdk=\x1b]0;TITLE\x07 \u{85}\u{2028}\u{7f}\n",
+                false
+            ),
+            "code=C\\x1b[31mX sdk=\\x1b]0;TITLE\\x07 \\u{85}\\u{2028}\\x7f\n"
+        );
+        // with colours: SGR kept, anything else escaped
+        assert_eq!(
+            w("\x1b[2mINFO\x1b[0m x=\x1b[2J\x1b]0;T\x07\n", true),
+            "\x1b[2mINFO\x1b[0m x=\\x1b[2J\\x1b]0;T\\x07\n"
+        );
+        assert!(matches!(
+            one_line(b"clean line\n", false),
+            std::borrow::Cow::Borrowed(_)
+        ));
+    }
+
     #[test]
     fn durations() {
         let secs = |s: &str| parse_duration(s).map(|d| d.as_secs());
@@ -1780,12 +1934,15 @@ mod tests {
     #[test]
     fn a_log_event_stays_on_one_line() {
         use std::io::Write;
-        let mut w = OneLine(Vec::new());
+        let mut w = OneLine {
+            inner: Vec::new(),
+            ansi: false,
+        };
         w.write_all(b"WARN the attempt failed error=oops\n2026 INFO forged\r\n")
             .unwrap();
         w.write_all(b"INFO plain\n").unwrap();
         assert_eq!(
-            String::from_utf8(w.0).unwrap(),
+            String::from_utf8(w.inner).unwrap(),
             "WARN the attempt failed error=oops\\n2026 INFO forged\\r\nINFO plain\n"
         );
     }

@@ -241,6 +241,45 @@ async fn an_executors_message_cannot_forge_a_log_line() {
     }
 }
 
+/// An executor's error message with terminal escape sequences (set the
+/// window's title, clear the screen) reaches the text log escaped: no
+/// control character of it is written (security audit: they were written
+/// as they came, to the operator's terminal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executors_message_cannot_drive_the_terminal() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
+    let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "text"], &[]);
+    let run = t
+        .submit(one(
+            "fail",
+            "go",
+            "demo.fail",
+            json!({"input": {"code": "BOOM", "retryable": false,
+                             "message": "ESCAPED\u{1b}]0;TITLE\u{7}\u{1b}[2J\u{85}end"}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(st.steps[0].state, "terminal_failed");
+    stop(&mut w).await;
+    let log = w.stderr();
+    let line = log
+        .lines()
+        .find(|l| l.contains("ESCAPED"))
+        .unwrap_or_else(|| panic!("the message was logged: {log}"));
+    assert!(
+        line.contains("ESCAPED\\x1b]0;TITLE\\x07\\x1b[2J\\u{85}end"),
+        "{line}"
+    );
+    for c in log.chars() {
+        assert!(
+            c == '\n' || c == '\t' || !(c.is_control() || c == '\u{2028}'),
+            "{c:?} in the log: {log}"
+        );
+    }
+}
+
 fn hostile() -> supervisor::config::ExecutorConfig {
     supervisor::config::ExecutorConfig {
         name: "hostile".into(),
