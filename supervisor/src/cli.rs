@@ -544,7 +544,7 @@ pub async fn main_with(cli: Cli) -> ExitCode {
         Err(e) => {
             eprintln!("error: {}", printable(&e.to_string()));
             if let Some(hint) = e.hint() {
-                eprintln!("hint: {}", printable(&hint));
+                eprintln!("hint: {hint}");
             }
             ExitCode::from(e.exit_code())
         }
