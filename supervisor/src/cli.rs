@@ -471,10 +471,22 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(out)
 }
 
+/// The driver logs a connection URL's parameter it does not know with its
+/// value, which may be a password (`?sslpassword=…`; security audit): its
+/// URL parser logs errors only, whatever `RUST_LOG` says, and `Db::connect`
+/// names such parameters without their values.
+fn quiet_url_parser(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
+    match "sqlx_postgres::options::parse=error".parse() {
+        Ok(d) => filter.add_directive(d),
+        Err(_) => filter,
+    }
+}
+
 fn init_tracing_to(format: &str, file: std::fs::File) {
     use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
+    let filter = quiet_url_parser(
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn")),
+    );
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(false)
@@ -495,8 +507,9 @@ fn init_tracing_to(format: &str, file: std::fs::File) {
 
 fn init_tracing(format: &str, default_filter: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let filter = quiet_url_parser(
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter)),
+    );
     // colours only on a terminal: a log file or a collector gets plain text
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()

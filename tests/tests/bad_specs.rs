@@ -413,6 +413,31 @@ async fn a_url_that_is_not_postgres_is_refused_with_exit_2() {
     }
 }
 
+/// A URL parameter the driver does not know is named, never its value: the
+/// driver logged `sslpassword=…` in clear, whatever the log level
+/// (security audit).
+#[tokio::test]
+async fn an_unknown_url_parameter_is_named_without_its_value() {
+    let t = TestDb::new().await;
+    let url = format!(
+        "{}{}sslpassword=KeyPW123",
+        t.url,
+        if t.url.contains('?') { "&" } else { "?" }
+    );
+    for level in ["info", "trace"] {
+        let out = Command::new(tests::supervisor_bin())
+            .args(["runs"])
+            .env("DATABASE_URL", &url)
+            .env("RUST_LOG", level)
+            .output()
+            .expect("runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        assert!(!stderr.contains("KeyPW123"), "{level}: {stderr}");
+        assert!(stderr.contains("parameter=sslpassword"), "{level}: {stderr}");
+    }
+}
+
 /// Cancelling a finished run says so (and still exits 0); a step the run does
 /// not have is exit 4 whatever the run's state.
 #[tokio::test]

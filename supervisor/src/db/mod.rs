@@ -562,6 +562,43 @@ pub struct RunStatus {
     pub waiting: Vec<WaitingStep>,
 }
 
+/// The query parameters of a connection URL that the driver ignores (it
+/// logs them with their values, which the CLI's filter silences): every key
+/// but those `PgConnectOptions` reads.
+pub fn unknown_url_parameters(url: &str) -> Vec<String> {
+    const KNOWN: [&str; 18] = [
+        "sslmode",
+        "ssl-mode",
+        "sslrootcert",
+        "ssl-root-cert",
+        "ssl-ca",
+        "sslcert",
+        "ssl-cert",
+        "sslkey",
+        "ssl-key",
+        "statement-cache-capacity",
+        "host",
+        "hostaddr",
+        "port",
+        "dbname",
+        "user",
+        "password",
+        "application_name",
+        "options",
+    ];
+    let Some((_, query)) = url.split_once('?') else {
+        return Vec::new();
+    };
+    let query = query.split('#').next().unwrap_or_default();
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.split('=').next().unwrap_or_default())
+        .filter(|k| !KNOWN.contains(k))
+        .map(|k| k.escape_debug().to_string())
+        .collect()
+}
+
 fn parse_labels(v: serde_json::Value) -> Result<BTreeMap<String, String>, DbError> {
     serde_json::from_value(v).map_err(|e| DbError::Corrupt(format!("labels: {e}")))
 }
@@ -569,6 +606,12 @@ fn parse_labels(v: serde_json::Value) -> Result<BTreeMap<String, String>, DbErro
 impl Db {
     /// Connects with a pool of `max_connections`.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Db, DbError> {
+        for key in unknown_url_parameters(url) {
+            tracing::warn!(
+                parameter = %key,
+                "the database URL's parameter is not one the driver knows, and is ignored (its value is not logged)"
+            );
+        }
         let opts: PgConnectOptions = url.parse().map_err(|source| DbError::Connect {
             url: redact_url(url),
             source,
@@ -892,6 +935,20 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_urls_unknown_parameters_are_named_without_values() {
+        assert_eq!(
+            super::unknown_url_parameters(
+                "postgres://u@h/db?sslmode=require&sslpassword=KeyPW123&application_name=x&x#frag"
+            ),
+            ["sslpassword", "x"]
+        );
+        assert!(super::unknown_url_parameters("postgres://u:pw@h/db").is_empty());
+        assert!(
+            super::unknown_url_parameters("postgres://h/db?options=-c%20a%3Db&port=1").is_empty()
+        );
+    }
+
     #[test]
     fn redacts_passwords() {
         assert_eq!(
