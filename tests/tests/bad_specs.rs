@@ -434,7 +434,10 @@ async fn an_unknown_url_parameter_is_named_without_its_value() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "{stderr}");
         assert!(!stderr.contains("KeyPW123"), "{level}: {stderr}");
-        assert!(stderr.contains("parameter=sslpassword"), "{level}: {stderr}");
+        assert!(
+            stderr.contains("parameter=sslpassword"),
+            "{level}: {stderr}"
+        );
     }
 }
 

@@ -128,3 +128,56 @@ async fn a_run_ended_by_a_step_cancelled_by_name_names_the_step() {
         ]
     );
 }
+
+/// `durable.cancel_run`'s reason is a code: it runs as the schema's owner and
+/// wrote any text it was given into the history (cancellation audit). A
+/// code of the caller's own is recorded; NULL is CANCEL_REQUESTED.
+#[tokio::test]
+async fn a_cancel_reason_must_be_a_code() {
+    let t = TestDb::new().await;
+    let one =
+        || json!({"name": "why", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]});
+    let run = t.submit(one()).await;
+    for bad in ["SUCCEEDED: all good", "", "lower", &"X".repeat(65)] {
+        let err = sqlx::query("SELECT durable.cancel_run($1, NULL, $2)")
+            .bind(run)
+            .bind(bad)
+            .execute(t.db.pool())
+            .await
+            .expect_err(bad);
+        assert!(
+            err.to_string().contains("UPPER_SNAKE_CASE code"),
+            "{bad:?}: {err}"
+        );
+    }
+    assert_eq!(
+        t.status(run).await.state,
+        "pending",
+        "nothing was cancelled"
+    );
+    let reason = |run: Uuid| {
+        let pool = t.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT transition_reason FROM durable.step_runs WHERE run_id = $1",
+            )
+            .bind(run)
+            .fetch_one(&pool)
+            .await
+            .expect("reason")
+        }
+    };
+    sqlx::query("SELECT durable.cancel_run($1, NULL, 'MAINTENANCE')")
+        .bind(run)
+        .execute(t.db.pool())
+        .await
+        .expect("a code of the caller's own");
+    assert_eq!(reason(run).await, "MAINTENANCE");
+    let run = t.submit(one()).await;
+    sqlx::query("SELECT durable.cancel_run($1, NULL, NULL)")
+        .bind(run)
+        .execute(t.db.pool())
+        .await
+        .expect("null");
+    assert_eq!(reason(run).await, "CANCEL_REQUESTED");
+}
