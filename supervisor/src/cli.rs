@@ -1785,18 +1785,42 @@ fn status_text(
         for s in errors {
             if let Some(e) = &s.error {
                 out.push_str(&format!(
-                    "{}: {}: {}{}\n",
+                    "{}: {}: {}{}{}\n",
                     cell(&s.name, 40),
                     cell(&e.code, 40),
                     cell(&e.message, 400),
                     s.next_attempt_at
                         .map(|t| format!(" (next attempt at {})", when(&t)))
-                        .unwrap_or_default()
+                        .unwrap_or_default(),
+                    why_it_ended(s, e)
                 ));
             }
         }
     }
     out
+}
+
+/// What an ended step's error line leaves out: why a retryable error was
+/// not retried (the deadline, the attempts; the DAG audit found a step
+/// "retryable" with seven attempts left and no word of its deadline), or
+/// that a step whose last attempt failed was then cancelled.
+fn why_it_ended(s: &crate::db::StepStatus, e: &crate::db::StepError) -> String {
+    let Some(reason) = s.reason.as_deref() else {
+        return String::new();
+    };
+    match s.state.as_str() {
+        "terminal_failed" if e.retryable => {
+            let why = reason
+                .strip_prefix(e.code.as_str())
+                .and_then(|r| r.strip_prefix(": "))
+                .unwrap_or(reason);
+            format!(" (not retried: {})", cell(why, 200))
+        }
+        "cancelled" if e.code != "CANCELLED" && !reason.starts_with("CANCELLED") => {
+            format!(" (then cancelled: {})", cell(reason, 200))
+        }
+        _ => String::new(),
+    }
 }
 
 /// `events` without `--json`.

@@ -864,3 +864,63 @@ async fn a_worker_with_a_long_heartbeat_interval_stays_live_between_beats() {
         1
     );
 }
+
+/// An ended step's error line says what its error alone does not: why a
+/// retryable error was not retried (its deadline), and that a step whose
+/// last attempt failed was then cancelled. Before, a step showed a
+/// "retryable" ATTEMPT_TIMEOUT with attempts left and no word of its
+/// deadline, and a cancelled step only its last failure (DAG and
+/// cancellation audits).
+#[tokio::test]
+async fn status_says_why_an_ended_step_was_not_retried_or_was_cancelled() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "ends", "steps": [
+            {"name": "dl", "executor_kind": "go", "kind": "k"},
+            {"name": "later", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let set = |q: &'static str| {
+        let pool = t.db.pool().clone();
+        async move {
+            sqlx::query(q)
+                .bind(run)
+                .execute(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("{q}: {e}"));
+        }
+    };
+    set("UPDATE durable.step_runs SET state = 'leased', attempt = 1, lease_token = gen_random_uuid(),
+                lease_expires_at = now() + interval '1 minute' WHERE run_id = $1").await;
+    set("UPDATE durable.step_runs SET state = 'running' WHERE run_id = $1").await;
+    set(
+        "UPDATE durable.step_runs SET state = 'retryable_failed', error_code = 'DEMO_FAILURE',
+                error_message = 'failing attempt 1', error_retryable = true,
+                next_attempt_at = now() + interval '1 hour'
+          WHERE run_id = $1 AND name = 'later'",
+    )
+    .await;
+    set("UPDATE durable.step_runs SET state = 'terminal_failed', error_code = 'ATTEMPT_TIMEOUT',
+                error_message = 'the attempt ran past timeout_ms = 1500', error_retryable = true,
+                transition_reason = 'ATTEMPT_TIMEOUT: the next attempt would start after the step deadline'
+          WHERE run_id = $1 AND name = 'dl'").await;
+    let o = cli(Some(&t.url), &["status", &run.to_string()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("dl: ATTEMPT_TIMEOUT: the attempt ran past timeout_ms = 1500 (not retried: the next attempt would start after the step deadline)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("later: DEMO_FAILURE: failing attempt 1 (then cancelled: RUN_FAILED)"),
+        "{text}"
+    );
+    let v = json_of(
+        &cli(Some(&t.url), &["status", &run.to_string(), "--json"]),
+        "status",
+    );
+    assert_eq!(
+        v["steps"][0]["reason"],
+        "ATTEMPT_TIMEOUT: the next attempt would start after the step deadline"
+    );
+    assert_eq!(v["steps"][1]["reason"], "RUN_FAILED");
+}

@@ -525,6 +525,11 @@ pub struct StepStatus {
     pub name: String,
     pub step_run_id: Uuid,
     pub state: String,
+    /// Why a `terminal_failed` or `cancelled` step ended so (its last
+    /// transition's reason): `ATTEMPT_TIMEOUT: the next attempt would start
+    /// after the step deadline`, `RUN_FAILED`, `CANCEL_REQUESTED`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     pub attempt: i32,
     pub executor_kind: String,
     pub kind: String,

@@ -213,7 +213,7 @@ impl DbConn<'_> {
             "SELECT s.id, s.name, s.state, s.attempt, s.executor_kind, s.kind, s.idempotency_key,
                     s.cancel_requested, s.next_attempt_at, s.output::text AS output,
                     s.error_code, s.error_message, s.error_retryable,
-                    s.error_details::text AS error_details,
+                    s.error_details::text AS error_details, s.transition_reason,
                     (SELECT count(*) FROM durable.step_events e WHERE e.step_run_id = s.id) AS events
                FROM durable.step_runs s WHERE s.run_id = $1 ORDER BY s.position",
         )
@@ -404,10 +404,18 @@ fn step_status(r: &PgRow, artifacts: Vec<ArtifactSummary>) -> StepStatus {
     } else {
         None
     };
+    // why an ended step ended as it did: what its error alone does not say
+    // (a retryable error not retried: the deadline, the attempts; a cancel)
+    let reason = if matches!(state.as_str(), "terminal_failed" | "cancelled") {
+        r.get("transition_reason")
+    } else {
+        None
+    };
     StepStatus {
         name: r.get("name"),
         step_run_id: r.get("id"),
         state,
+        reason,
         attempt: r.get("attempt"),
         executor_kind: r.get("executor_kind"),
         kind: r.get("kind"),
