@@ -93,6 +93,32 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
+    /// The outcome with `note` added to its message: a failure's or a
+    /// cancellation's (the others' messages are not stored).
+    fn noted(self, note: &str) -> Outcome {
+        match self {
+            Outcome::Failed {
+                code,
+                message,
+                retryable,
+                details,
+                next_retry_delay_ms,
+                sequence,
+            } => Outcome::Failed {
+                code,
+                message: format!("{message}{note}"),
+                retryable,
+                details,
+                next_retry_delay_ms,
+                sequence,
+            },
+            Outcome::Cancelled { message } => Outcome::Cancelled {
+                message: format!("{message}{note}"),
+            },
+            o => o,
+        }
+    }
+
     fn failed(code: &str, retryable: bool, message: impl Into<String>) -> Outcome {
         Outcome::Failed {
             code: code.to_owned(),

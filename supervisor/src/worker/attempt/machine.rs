@@ -476,6 +476,9 @@ pub(crate) struct Machine {
     /// Frames of the previous job seen during this one (dropped; the
     /// process is not trusted with another job).
     stale_frames: u32,
+    /// The supervisor sent the job a cancel (its imposed outcome waits for
+    /// the owed terminal, or the grace).
+    asked_to_stop: bool,
 }
 
 impl Machine {
@@ -495,6 +498,7 @@ impl Machine {
             reused: false,
             previous_job: None,
             stale_frames: 0,
+            asked_to_stop: false,
         }
     }
 
@@ -596,6 +600,7 @@ impl Machine {
     /// terminal, escalate after the grace.
     fn impose_and_cancel(&mut self, outcome: Outcome, reason: CancelReason) -> Vec<Action> {
         self.imposed = Some(outcome);
+        self.asked_to_stop = true;
         self.phase = Phase::Cancelling { reason };
         vec![
             Action::SendCancel {
@@ -842,13 +847,44 @@ impl Machine {
                 ),
             });
         }
-        precedence(
+        // how the executor took the stop, for the imposed outcome's message:
+        // what it answered (other than CANCELLED), or that it gave nothing
+        // (the cancellation audit found both in no record: an answer of
+        // its own was dropped, an executor killed at the grace's end read
+        // like one that stopped at once)
+        let note =
+            (self.asked_to_stop && !self.after_terminal_violation).then(|| match &self.terminal {
+                Some(Terminal::Error(e)) if e.code != "CANCELLED" => Some(format!(
+                    "; the executor answered {}: {}",
+                    e.code,
+                    cut_chars(&e.message, ANSWER_NOTE_CHARS)
+                )),
+                Some(_) => None,
+                None => Some(format!("; the executor gave no terminal ({exit_text})")),
+            });
+        let verdict = precedence(
             self.imposed,
             self.terminal,
             self.frames.accepted,
             own_cancel,
             self.after_terminal_violation,
             exit_text,
-        )
+        );
+        match (verdict, note.flatten()) {
+            (Verdict::Outcome(o), Some(note)) => Verdict::Outcome(o.noted(&note)),
+            (v, _) => v,
+        }
+    }
+}
+
+/// How much of an executor's own answer to a stop an imposed outcome's
+/// message quotes.
+const ANSWER_NOTE_CHARS: usize = 300;
+
+/// The first `max` characters of `s`, `…` marking a cut.
+fn cut_chars(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
     }
 }

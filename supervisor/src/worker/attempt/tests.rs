@@ -932,3 +932,63 @@ fn a_reused_process_that_ends_before_answering_is_a_refusal() {
         "failed (EXECUTOR_CRASHED)"
     );
 }
+
+/// An imposed outcome says how the executor took the stop: what it
+/// answered (not CANCELLED), or that it gave no terminal and how it ended.
+/// Before, an answer of its own was dropped and an executor killed at the
+/// end of its grace read like one that stopped at once (cancellation audit).
+#[test]
+fn a_stop_records_how_the_executor_took_it() {
+    let message = |inputs: Vec<Input>, exit_text: &str| {
+        let mut m = Machine::new(
+            "j",
+            7,
+            false,
+            Limits {
+                timeout_ms: Some(1000),
+                silence_ms: None,
+            },
+        );
+        for i in inputs {
+            m.on(i);
+        }
+        match m.verdict(true, exit_text) {
+            Verdict::Outcome(Outcome::Cancelled { message }) => message,
+            Verdict::Outcome(Outcome::Failed { code, message, .. }) => format!("{code}: {message}"),
+            v => panic!("{v:?}"),
+        }
+    };
+    assert_eq!(
+        message(
+            vec![accepted(), Input::Cancel, error_frame(2, "FLAKY")],
+            "exit status: 0"
+        ),
+        "cancelled on request; the executor answered FLAKY: m"
+    );
+    assert_eq!(
+        message(
+            vec![accepted(), Input::Cancel, error_frame(2, "CANCELLED")],
+            "exit status: 0"
+        ),
+        "cancelled on request"
+    );
+    assert_eq!(
+        message(
+            vec![accepted(), Input::Cancel, Input::GraceEnded],
+            "killed by SIGKILL"
+        ),
+        "cancelled on request; the executor gave no terminal (killed by SIGKILL)"
+    );
+    assert_eq!(
+        message(
+            vec![accepted(), Input::AttemptTimedOut, error_frame(2, "BUSY")],
+            "exit status: 1"
+        ),
+        "ATTEMPT_TIMEOUT: the attempt ran past timeout_ms = 1000; the executor answered BUSY: m"
+    );
+    // no stop asked: an executor's own failure is as it said
+    assert_eq!(
+        message(vec![accepted(), error_frame(2, "BUSY")], "exit status: 1"),
+        "BUSY: m"
+    );
+}
