@@ -146,6 +146,31 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             "steps[0].retry.max_attempts: must be between 1 and 1000",
         ),
         (
+            // quoted cut short, not spelled out in 401 digits
+            "max_attempts astronomically large",
+            with_step(|m| {
+                m.insert("retry".into(), json!({"max_attempts": 1}));
+            })
+            .to_string()
+            .replace("\"max_attempts\":1", "\"max_attempts\":1e400"),
+            "steps[0].retry.max_attempts: must be between 1 and 1000, got 100000000000… (401 characters)",
+        ),
+        (
+            "a step name that is not ASCII",
+            v(json!({"name": "x", "steps": [{"name": "é", "executor_kind": "go", "kind": "k"}]})),
+            "steps[0].name: may contain only ASCII letters",
+        ),
+        (
+            // 201 steps of 100 dependencies each: 20,100
+            "more than 20,000 dependencies",
+            v(json!({"name": "x", "steps": (0..201)
+                .map(|i| json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "k",
+                                "depends_on": (0..100).map(|j| format!("d{j}")).collect::<Vec<_>>()}))
+                .chain((0..100).map(|j| json!({"name": format!("d{j}"), "executor_kind": "go", "kind": "k"})))
+                .collect::<Vec<_>>()})),
+            "steps[200].depends_on: the run has more than 20,000 dependencies (depends_on entries) in all",
+        ),
+        (
             "backoff below one",
             v(with_step(|m| {
                 m.insert("retry".into(), json!({"backoff_coefficient": 0.5}));
