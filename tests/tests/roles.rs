@@ -46,6 +46,8 @@ async fn a_submitter_needs_execute_only_and_a_worker_is_told_what_it_lacks() {
              CREATE ROLE {wrk} LOGIN; GRANT USAGE ON SCHEMA durable TO {wrk};
              GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO {wrk};
              GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO {wrk};
+             REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON durable._sqlx_migrations,
+               durable.step_transition_rules, durable.run_transition_rules FROM {wrk};
              REVOKE INSERT ON durable.step_events FROM {wrk};"
         ),
     )

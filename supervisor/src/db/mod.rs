@@ -713,7 +713,9 @@ impl Db {
                JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = 'durable'
                CROSS JOIN LATERAL unnest(CASE
                    WHEN c.relkind = 'S' THEN ARRAY['USAGE']
-                   WHEN c.relname = '_sqlx_migrations' THEN ARRAY['SELECT']
+                   -- the owner's tables, which a worker only reads
+                   WHEN c.relname IN ('_sqlx_migrations', 'step_transition_rules', 'run_transition_rules')
+                       THEN ARRAY['SELECT']
                    ELSE ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE'] END) AS p(priv)
               WHERE c.relkind IN ('r', 'p', 'S')
                 AND NOT CASE WHEN c.relkind = 'S' THEN has_sequence_privilege(c.oid, p.priv)
