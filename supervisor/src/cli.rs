@@ -1373,6 +1373,11 @@ fn parse_spec(text: &str) -> Result<serde_json::Value, CliError> {
         )),
         ParseError::Json(e) => CliError::NotJson(e.to_string()),
     })?;
+    if let Some(dup) = json::duplicate_key(text.as_bytes()) {
+        return Err(CliError::BadSpec(format!(
+            "{dup}: a key may come once in an object (the database would keep the last value alone)"
+        )));
+    }
     Ok(spec)
 }
 

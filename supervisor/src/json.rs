@@ -52,6 +52,67 @@ pub fn parse_bounded(bytes: &[u8], max_depth: usize) -> Result<Value, ParseError
     Ok(v)
 }
 
+/// The first key that comes twice in one object of `bytes` (JSON that
+/// [`parse_bounded`] took), as `duplicate key "name" at line 1 column 40`:
+/// a JSON parser and `jsonb` keep the last value of such a key without a
+/// word, so `{"name": "a", …, "name": "b"}` became step `b`.
+pub fn duplicate_key(bytes: &[u8]) -> Option<String> {
+    use serde::de::{Error, MapAccess, SeqAccess, Visitor};
+    struct NoDup;
+    struct Walk;
+    impl<'de> Deserialize<'de> for NoDup {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<NoDup, D::Error> {
+            d.deserialize_any(Walk)
+        }
+    }
+    impl<'de> Visitor<'de> for Walk {
+        type Value = NoDup;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<NoDup, E> {
+            Ok(NoDup)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<NoDup, E> {
+            Ok(NoDup)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<NoDup, E> {
+            Ok(NoDup)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<NoDup, E> {
+            Ok(NoDup)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<NoDup, E> {
+            Ok(NoDup)
+        }
+        fn visit_unit<E>(self) -> Result<NoDup, E> {
+            Ok(NoDup)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<NoDup, A::Error> {
+            while a.next_element::<NoDup>()?.is_some() {}
+            Ok(NoDup)
+        }
+        // (a number, with arbitrary_precision, is a map of one entry)
+        fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<NoDup, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(k) = a.next_key::<String>()? {
+                if seen.contains(&k) {
+                    return Err(A::Error::custom(format!("duplicate key {k:?}")));
+                }
+                a.next_value::<NoDup>()?;
+                seen.insert(k);
+            }
+            Ok(NoDup)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    de.disable_recursion_limit();
+    match NoDup::deserialize(&mut de) {
+        Err(e) if e.to_string().starts_with("duplicate key") => Some(e.to_string()),
+        _ => None,
+    }
+}
+
 /// How deeply arrays and objects nest in JSON text (brackets inside strings
 /// do not count).
 pub fn depth(bytes: &[u8]) -> usize {
@@ -212,6 +273,17 @@ mod tests {
         ));
         // the usual errors stay serde_json's, also past its depth limit
         assert!(matches!(parse_bounded(b"[1,", 8), Err(ParseError::Json(_))));
+        // a key twice in one object is named where it comes again; the same
+        // key in two objects, or in a string, is not a duplicate
+        assert_eq!(
+            duplicate_key(br#"{"a": {"x": 1, "y": 1.5e400}, "b": [{"x": 2}, {"x": 3, "x": 4}]}"#)
+                .as_deref(),
+            Some("duplicate key \"x\" at line 1 column 58")
+        );
+        assert_eq!(
+            duplicate_key(br#"{"a": {"a": "a,\"a\": 1"}, "b": [1, 2]}"#),
+            None
+        );
         assert!(matches!(
             parse_bounded(b"{\"a\": 1} x", 8),
             Err(ParseError::Json(_))

@@ -875,3 +875,36 @@ async fn a_submit_cut_off_before_the_answer_says_the_run_may_exist() {
         "{err}"
     );
 }
+
+/// A key twice in one object of a spec is refused by `submit`, naming it:
+/// JSON parsers and `jsonb` keep the last value without a word, so
+/// `{"name": "a", …, "name": "b"}` created step `b` (DAG audit). (Through
+/// SQL the spec is already `jsonb`: its duplicates are gone before
+/// `durable.submit_run` sees it.)
+#[tokio::test]
+async fn a_key_given_twice_is_refused_by_submit() {
+    let t = TestDb::new().await;
+    let text = r#"{"name": "dup", "steps": [{"name": "a", "executor_kind": "go", "kind": "k", "name": "b"}]}"#;
+    let out = tests::submit_stdin(&t.url, text);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("duplicate key \"name\" at line 1 column"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+            .await,
+        0
+    );
+    // the same key in two objects is no duplicate
+    let ok = r#"{"name": "fine", "steps": [{"name": "a", "executor_kind": "go", "kind": "k", "input": {"name": 1}}]}"#;
+    let out = tests::submit_stdin(&t.url, ok);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
