@@ -438,6 +438,13 @@ impl Redactor {
                 let text = n.to_string();
                 if let Cow::Owned(o) = self.redact_str(&text) {
                     *v = Value::String(o);
+                } else if let Some(stored) = stored_number(&text) {
+                    // `jsonb` stores the number in its own spelling: a value
+                    // spelled out there is a value stored (security audit:
+                    // 1.2345678e7 was stored as the secret 12345678)
+                    if let Cow::Owned(o) = self.redact_str(&stored) {
+                        *v = Value::String(o);
+                    }
                 }
             }
             Value::Array(items) => {
@@ -664,6 +671,64 @@ fn forms(value: &str) -> Vec<String> {
     out
 }
 
+/// How PostgreSQL's `numeric` (and so `jsonb`) writes the JSON number
+/// `text` when that differs from `text`: an exponent written out
+/// (`1.2345678e7` → `12345678`, `1.5E-7` → `0.00000015`, keeping as many
+/// digits after the point as the text meant) and no sign on zero. `None`
+/// when it is spelled as written, or for an exponent beyond a few thousand
+/// (no secret is that long).
+fn stored_number(text: &str) -> Option<String> {
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exp) = match unsigned.find(['e', 'E']) {
+        Some(i) => (&unsigned[..i], unsigned[i + 1..].parse::<i64>().ok()?),
+        None => (unsigned, 0),
+    };
+    let has_exponent = mantissa.len() != unsigned.len();
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let zero = int.bytes().chain(frac.bytes()).all(|b| b == b'0');
+    if !has_exponent && !(negative && zero) {
+        return None;
+    }
+    if exp.abs() > 4096 || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let digits = format!("{int}{frac}");
+    let point = int.len() as i64 + exp;
+    let scale = (frac.len() as i64 - exp).max(0) as usize;
+    let (whole, fraction) = if point <= 0 {
+        (
+            "0".to_owned(),
+            format!("{}{digits}", "0".repeat((-point) as usize)),
+        )
+    } else if point as usize >= digits.len() {
+        (
+            format!("{digits}{}", "0".repeat(point as usize - digits.len())),
+            String::new(),
+        )
+    } else {
+        (
+            digits[..point as usize].to_owned(),
+            digits[point as usize..].to_owned(),
+        )
+    };
+    let whole = whole.trim_start_matches('0');
+    let whole = if whole.is_empty() { "0" } else { whole };
+    let mut fraction = fraction;
+    fraction.truncate(scale);
+    while fraction.len() < scale {
+        fraction.push('0');
+    }
+    let sign = if negative && !zero { "-" } else { "" };
+    Some(if scale > 0 {
+        format!("{sign}{whole}.{fraction}")
+    } else {
+        format!("{sign}{whole}")
+    })
+}
+
 /// `[REDACTED]` or `[REDACTED:NAME]`.
 fn is_marker(s: &str) -> bool {
     s == REDACTED
@@ -855,6 +920,31 @@ fn replace_spans(s: &str, mut spans: Vec<(usize, usize)>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A number is checked as `jsonb` will spell it, too.
+    #[test]
+    fn a_number_is_checked_as_it_will_be_stored() {
+        for (text, stored) in [
+            ("1.2345678e7", Some("12345678")),
+            ("1.5E-7", Some("0.00000015")),
+            ("1.50e1", Some("15.0")),
+            ("15e3", Some("15000")),
+            ("-0", Some("0")),
+            ("-0.0e0", Some("0.0")),
+            ("-2.5e-1", Some("-0.25")),
+            ("12345678", None),
+            ("-1.5", None),
+        ] {
+            assert_eq!(stored_number(text).as_deref(), stored, "{text}");
+        }
+        let r = Redactor::new(&BTreeMap::from([("NUM".to_owned(), "12345678".to_owned())]));
+        let mut v: serde_json::Value =
+            serde_json::from_str(r#"{"e": 1.2345678e7, "n": 12345678, "x": 1.5e3}"#).expect("json");
+        r.redact_json(&mut v);
+        assert_eq!(v["e"], "[REDACTED:NUM]");
+        assert_eq!(v["n"], "[REDACTED:NUM]");
+        assert!(v["x"].is_number(), "{v}");
+    }
     use rand::{Rng, SeedableRng};
     use serde_json::json;
 
