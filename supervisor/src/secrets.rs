@@ -689,7 +689,7 @@ fn stored_number(text: &str) -> Option<String> {
     let has_exponent = mantissa.len() != unsigned.len();
     let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     let zero = int.bytes().chain(frac.bytes()).all(|b| b == b'0');
-    if !has_exponent && !(negative && zero) {
+    if !(has_exponent || negative && zero) {
         return None;
     }
     if exp.abs() > 4096 || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
