@@ -55,8 +55,11 @@ func TestTextIsSentAsValidWireText(t *testing.T) {
 		t.Fatalf("a plain error with invalid UTF-8: %v", frames)
 	}
 
+	// a code that is not UPPER_SNAKE_CASE (here not even UTF-8) is sent as
+	// HANDLER_ERROR naming it, escaped; the message's bad bytes are replaced
 	frames = h.Run(job("j3", "typed", ""))
-	if e := frames[0].GetError(); e.GetCode() != "BAD\uFFFDCODE\uFFFD" || e.GetMessage() != "m\uFFFD\uFFFDm" || e.GetRetryable() {
+	if e := frames[0].GetError(); e.GetCode() != executor.CodeHandlerError ||
+		e.GetMessage() != `error code must be non-empty UPPER_SNAKE_CASE, got "BAD\xffCODE\x00": m`+"\uFFFD\uFFFDm" || e.GetRetryable() {
 		t.Fatalf("an *Error with invalid text: %v", frames)
 	}
 
