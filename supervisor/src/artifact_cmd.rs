@@ -363,7 +363,13 @@ fn tree_line(
 
 fn clean(s: &str) -> String {
     s.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| {
+            if crate::terminal::is_unsafe(c) {
+                ' '
+            } else {
+                c
+            }
+        })
         .collect()
 }
 

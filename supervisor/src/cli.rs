@@ -398,6 +398,19 @@ impl<W: std::io::Write> std::io::Write for OneLine<W> {
     }
 }
 
+/// Whether the parameters of an SGR sequence (`ESC [ params m`) are ones
+/// the formatter writes itself: reset, bold, dim, italic and the level
+/// colours red to magenta. Anything else in an event (conceal, black, 256
+/// colours, backgrounds) came from a value, and could hide text.
+fn formatter_sgr(params: &[u8]) -> bool {
+    params.split(|&b| b == b';').all(|p| {
+        matches!(
+            p,
+            b"" | b"0" | b"1" | b"2" | b"3" | b"31" | b"32" | b"33" | b"34" | b"35"
+        )
+    })
+}
+
 /// An event as [`OneLine`] writes it: its final newline kept, every other
 /// control character (C0 but a tab, DEL, C1, and the Unicode line and
 /// paragraph separators) written as an escape; with `ansi`, SGR sequences
@@ -416,14 +429,17 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
                 .position(|c| !(c.is_ascii_digit() || *c == b';'))
                 .map(|p| i + 2 + p);
             if let Some(end) = end.filter(|&e| body[e] == b'm') {
-                return end + 1 - i;
+                if formatter_sgr(&body[i + 2..end]) {
+                    return end + 1 - i;
+                }
             }
         }
         match (b, body.get(i + 1), body.get(i + 2)) {
-            // C1 controls (U+0080..U+009F)
-            (0xc2, Some(0x80..=0x9f), _) => 0,
-            // U+2028, U+2029
-            (0xe2, Some(0x80), Some(0xa8 | 0xa9)) => 0,
+            // C1 controls (U+0080..U+009F), U+061C
+            (0xc2, Some(0x80..=0x9f), _) | (0xd8, Some(0x9c), _) => 0,
+            // U+200E, U+200F, U+2028..U+202E, U+2066..U+2069
+            (0xe2, Some(0x80), Some(0x8e | 0x8f | 0xa8..=0xae)) => 0,
+            (0xe2, Some(0x81), Some(0xa6..=0xa9)) => 0,
             (0x80..=0xff, _, _) => 1,
             _ => 0,
         }
@@ -452,9 +468,9 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
         match b {
             b'\n' => out.extend_from_slice(b"\\n"),
             b'\r' => out.extend_from_slice(b"\\r"),
-            0xc2 | 0xe2 => {
-                // the character whole: U+0080..U+009F, U+2028, U+2029
-                let len = if b == 0xc2 { 2 } else { 3 };
+            0xc2 | 0xd8 | 0xe2 => {
+                // the character whole (see `kept`)
+                let len = if b == 0xe2 { 3 } else { 2 };
                 let c = std::str::from_utf8(&body[i..i + len])
                     .ok()
                     .and_then(|s| s.chars().next())
@@ -1583,13 +1599,14 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
 /// character but a newline or a tab is escaped (security audit: an escape
 /// sequence typed as a step name was echoed to the terminal).
 fn printable(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+    let unsafe_char = |c: char| crate::terminal::is_unsafe(c) && c != '\n' && c != '\t';
+    if !s.chars().any(unsafe_char) {
         return std::borrow::Cow::Borrowed(s);
     }
     std::borrow::Cow::Owned(
         s.chars()
             .map(|c| {
-                if c.is_control() && c != '\n' && c != '\t' {
+                if unsafe_char(c) {
                     c.escape_debug().to_string()
                 } else {
                     c.to_string()
@@ -1615,7 +1632,13 @@ fn wrote_line(name: &str, size: i64, sha256: &str, out: &std::path::Path) -> Str
 fn cell(s: &str, max: usize) -> String {
     let clean: String = s
         .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| {
+            if crate::terminal::is_unsafe(c) {
+                ' '
+            } else {
+                c
+            }
+        })
         .collect();
     let clean = clean.trim();
     if clean.chars().count() > max {
@@ -1935,10 +1958,22 @@ mod tests {
             ),
             "code=C\\x1b[31mX sdk=\\x1b]0;TITLE\\x07 \\u{85}\\u{2028}\\x7f\n"
         );
-        // with colours: SGR kept, anything else escaped
+        // with colours: the formatter's SGR kept, anything else escaped
         assert_eq!(
             w("\x1b[2mINFO\x1b[0m x=\x1b[2J\x1b]0;T\x07\n", true),
             "\x1b[2mINFO\x1b[0m x=\\x1b[2J\\x1b]0;T\\x07\n"
+        );
+        assert_eq!(
+            w(
+                "\x1b[32m INFO\x1b[0m e=\x1b[8mhidden\x1b[38;5;196mred\x1b[30;40m\n",
+                true
+            ),
+            "\x1b[32m INFO\x1b[0m e=\\x1b[8mhidden\\x1b[38;5;196mred\\x1b[30;40m\n"
+        );
+        // bidirectional overrides and marks
+        assert_eq!(
+            w("a\u{202e}b\u{200e}c\u{2067}d\n", false),
+            "a\\u{202e}b\\u{200e}c\\u{2067}d\n"
         );
         assert!(matches!(
             one_line(b"clean line\n", false),

@@ -13,6 +13,7 @@ pub mod process;
 pub mod retry;
 pub mod secrets;
 pub mod state;
+pub mod terminal;
 pub mod watch;
 pub mod wire;
 pub mod worker;

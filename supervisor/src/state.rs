@@ -254,10 +254,17 @@ pub fn decide_failure(
         };
     }
     if !failure.retryable || facts.policy.is_non_retryable(&failure.code) {
+        // the step's own list, when that is why: the error itself said
+        // retryable, and "not retryable" beside it read as a contradiction
+        let why = if failure.retryable {
+            "in the step's non_retryable_codes"
+        } else {
+            "not retryable"
+        };
         return FailureDecision {
             to: StepState::TerminalFailed,
             next_attempt_at: None,
-            reason: format!("{}: not retryable", failure.code),
+            reason: format!("{}: {why}", failure.code),
         };
     }
     if facts.attempt >= facts.policy.max_attempts {
@@ -498,6 +505,15 @@ mod tests {
         assert_eq!(
             decide_failure(&facts(1, None, false), &f("BAD_INPUT", true), now, 0.5).to,
             StepState::TerminalFailed
+        );
+        // why, in the reason: the error's own flag, or the step's list
+        assert_eq!(
+            decide_failure(&facts(1, None, false), &f("X", false), now, 0.5).reason,
+            "X: not retryable"
+        );
+        assert_eq!(
+            decide_failure(&facts(1, None, false), &f("BAD_INPUT", true), now, 0.5).reason,
+            "BAD_INPUT: in the step's non_retryable_codes"
         );
         assert_eq!(
             decide_failure(&facts(1, None, true), &f("X", true), now, 0.5).to,

@@ -493,7 +493,13 @@ fn elapsed(ms: i64) -> String {
 fn clean(s: &str, max: usize) -> String {
     let c: String = s
         .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| {
+            if crate::terminal::is_unsafe(c) {
+                ' '
+            } else {
+                c
+            }
+        })
         .collect();
     let c = c.trim();
     if c.chars().count() > max {

@@ -93,8 +93,8 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    /// The outcome with `note` added to its message: a failure's or a
-    /// cancellation's (the others' messages are not stored).
+    /// The outcome with `note` added to its message: a failure's, a
+    /// cancellation's or a release's (the others' messages are not stored).
     fn noted(self, note: &str) -> Outcome {
         match self {
             Outcome::Failed {
@@ -113,6 +113,9 @@ impl Outcome {
                 sequence,
             },
             Outcome::Cancelled { message } => Outcome::Cancelled {
+                message: format!("{message}{note}"),
+            },
+            Outcome::Released { message } => Outcome::Released {
                 message: format!("{message}{note}"),
             },
             o => o,
@@ -2057,7 +2060,7 @@ async fn write_failure(
 fn one_line(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
-        if c.is_control() && c != '\t' {
+        if crate::terminal::is_unsafe(c) && c != '\t' {
             out.extend(c.escape_default());
         } else {
             out.push(c);

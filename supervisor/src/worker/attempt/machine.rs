@@ -854,11 +854,11 @@ impl Machine {
         // like one that stopped at once)
         let note =
             (self.asked_to_stop && !self.after_terminal_violation).then(|| match &self.terminal {
-                Some(Terminal::Error(e)) if e.code != "CANCELLED" => Some(format!(
-                    "; the executor answered {}: {}",
-                    e.code,
-                    cut_chars(&e.message, ANSWER_NOTE_CHARS)
-                )),
+                // whole: the redactor sees it before it is stored (a cut
+                // could leave a secret's first bytes where it cannot)
+                Some(Terminal::Error(e)) if e.code != "CANCELLED" => {
+                    Some(format!("; the executor answered {}: {}", e.code, e.message))
+                }
                 Some(_) => None,
                 None => Some(format!("; the executor gave no terminal ({exit_text})")),
             });
@@ -874,17 +874,5 @@ impl Machine {
             (Verdict::Outcome(o), Some(note)) => Verdict::Outcome(o.noted(&note)),
             (v, _) => v,
         }
-    }
-}
-
-/// How much of an executor's own answer to a stop an imposed outcome's
-/// message quotes.
-const ANSWER_NOTE_CHARS: usize = 300;
-
-/// The first `max` characters of `s`, `…` marking a cut.
-fn cut_chars(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        Some((i, _)) => format!("{}…", &s[..i]),
-        None => s.to_owned(),
     }
 }

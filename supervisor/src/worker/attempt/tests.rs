@@ -954,6 +954,7 @@ fn a_stop_records_how_the_executor_took_it() {
         }
         match m.verdict(true, exit_text) {
             Verdict::Outcome(Outcome::Cancelled { message }) => message,
+            Verdict::Outcome(Outcome::Released { message }) => format!("released: {message}"),
             Verdict::Outcome(Outcome::Failed { code, message, .. }) => format!("{code}: {message}"),
             v => panic!("{v:?}"),
         }
@@ -985,6 +986,14 @@ fn a_stop_records_how_the_executor_took_it() {
             "exit status: 1"
         ),
         "ATTEMPT_TIMEOUT: the attempt ran past timeout_ms = 1000; the executor answered BUSY: m"
+    );
+    // a drain's stop too
+    assert_eq!(
+        message(
+            vec![accepted(), Input::Abort, error_frame(2, "MY_STOP")],
+            "exit status: 0"
+        ),
+        "released: the worker shut down while the attempt ran; the executor answered MY_STOP: m"
     );
     // no stop asked: an executor's own failure is as it said
     assert_eq!(
