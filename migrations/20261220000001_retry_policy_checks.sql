@@ -6,17 +6,19 @@
 --   codes are matched exactly it never matched the BAD_INPUT the SDKs send
 --   (codes are UPPER_SNAKE_CASE: the Python SDK refuses another, the Go SDK
 --   sends HANDLER_ERROR naming it). Each entry must now be a code; an empty
---   one is refused too, and a lower-case one is told its upper-case form.
+--   one is refused too, and one that is not is told the code it likely means
+--   (`bad_input`, `Bad-Input`: BAD_INPUT).
 -- * `max_interval_ms` below the default initial interval was refused naming
 --   "initial_interval_ms (1000)", a value the user had not written. The
 --   message now says it is the default.
 --
--- And four more spec messages and a bound (DAG audit):
+-- And five more spec messages and a bound (DAG audit):
 --
 -- * A spec over 16 MiB is measured as stored (PostgreSQL's JSON text, with a
 --   space after each `:` and `,`), and the message now says so: an 11 MiB
 --   compact file was refused as "larger than 16 MiB".
 -- * A step name is ASCII: "é" was refused as not a "letter".
+-- * An input over 1 MiB is said to be measured as stored, as the spec is.
 -- * A number out of range is quoted cut short: `1e400` was spelled out in
 --   401 digits, `1e-400` in 400 zeros.
 -- * A run has at most 20,000 dependencies (`depends_on` entries) in all: a
@@ -87,8 +89,11 @@ BEGIN
         IF (code #>> '{}') !~ '^[A-Z0-9_]+$' THEN
             PERFORM durable.spec_error(p || '.non_retryable_codes[' || k || ']',
                 to_json(code #>> '{}')::text || ' is not an error code: codes are UPPER_SNAKE_CASE (capital letters, digits and _), as executors send them'
-                || CASE WHEN upper(code #>> '{}') ~ '^[A-Z0-9_]+$'
-                        THEN '; did you mean ' || to_json(upper(code #>> '{}'))::text || '?' ELSE '' END);
+                || CASE WHEN upper(btrim(regexp_replace(code #>> '{}', '[^A-Za-z0-9]+', '_', 'g'), '_')) ~ '^[A-Z0-9_]+$'
+                        THEN '; did you mean '
+                             || to_json(upper(btrim(regexp_replace(code #>> '{}', '[^A-Za-z0-9]+', '_', 'g'), '_')))::text
+                             || '?'
+                        ELSE '' END);
         END IF;
         k := k + 1;
     END LOOP;
@@ -194,7 +199,9 @@ BEGIN
         kind := durable.check_string(step -> 'kind', p || '.kind', true, 200);
 
         IF step ? 'input' AND octet_length((step -> 'input')::text) > 1024 * 1024 THEN
-            PERFORM durable.spec_error(p || '.input', 'is larger than 1 MiB; pass large data as an artifact');
+            PERFORM durable.spec_error(p || '.input', 'is larger than 1 MiB as stored ('
+                || octet_length((step -> 'input')::text)
+                || ' bytes of PostgreSQL''s JSON text, which puts a space after each : and ,); pass large data as an artifact');
         END IF;
         refs := durable.check_secret_keys(coalesce(step -> 'input', 'null'::jsonb), p || '.input', '{}'::text[]);
 

@@ -1623,7 +1623,7 @@ fn wrote_line(name: &str, size: i64, sha256: &str, out: &std::path::Path) -> Str
     format!(
         "wrote {} ({size} bytes, sha256 {sha256}) to {}",
         name.escape_debug(),
-        out.display()
+        out.display().to_string().escape_debug()
     )
 }
 
@@ -1935,11 +1935,11 @@ mod tests {
             "a\u{1b}[31m\n\r\tb",
             1,
             "ab",
-            std::path::Path::new("/tmp/x"),
+            std::path::Path::new("/tmp/o\u{1b}]0;T\u{7}ut"),
         );
         assert_eq!(
             line,
-            "wrote a\\u{1b}[31m\\n\\r\\tb (1 bytes, sha256 ab) to /tmp/x"
+            "wrote a\\u{1b}[31m\\n\\r\\tb (1 bytes, sha256 ab) to /tmp/o\\u{1b}]0;T\\u{7}ut"
         );
         assert!(!line.chars().any(char::is_control), "{line}");
     }

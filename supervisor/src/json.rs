@@ -52,6 +52,19 @@ pub fn parse_bounded(bytes: &[u8], max_depth: usize) -> Result<Value, ParseError
     Ok(v)
 }
 
+/// `text` for a message: as it is when short, else its first 24
+/// characters and its length (a 140,000-digit number, or a key of 5,000
+/// characters, made a message as long).
+pub fn short(text: &str) -> String {
+    const KEEP: usize = 24;
+    match text.char_indices().nth(KEEP) {
+        Some((i, _)) if text.chars().count() > KEEP + 16 => {
+            format!("{}… ({} characters)", &text[..i], text.chars().count())
+        }
+        _ => text.to_owned(),
+    }
+}
+
 /// The first key that comes twice in one object of `bytes` (JSON that
 /// [`parse_bounded`] took), as `duplicate key "name" at line 1 column 40`:
 /// a JSON parser and `jsonb` keep the last value of such a key without a
@@ -97,7 +110,7 @@ pub fn duplicate_key(bytes: &[u8]) -> Option<String> {
             let mut seen = std::collections::HashSet::new();
             while let Some(k) = a.next_key::<String>()? {
                 if seen.contains(&k) {
-                    return Err(A::Error::custom(format!("duplicate key {k:?}")));
+                    return Err(A::Error::custom(format!("duplicate key {:?}", short(&k))));
                 }
                 a.next_value::<NoDup>()?;
                 seen.insert(k);
@@ -284,6 +297,16 @@ mod tests {
             duplicate_key(br#"{"a": {"a": "a,\"a\": 1"}, "b": [1, 2]}"#),
             None
         );
+        let long = "k".repeat(5000);
+        let twice = format!(r#"{{"{long}": 1, "{long}": 2}}"#);
+        assert_eq!(
+            duplicate_key(twice.as_bytes()),
+            Some(format!(
+                "duplicate key \"{}… (5000 characters)\" at line 1 column 10010",
+                "k".repeat(24)
+            ))
+        );
+        assert_eq!(short("12345"), "12345");
         assert!(matches!(
             parse_bounded(b"{\"a\": 1} x", 8),
             Err(ParseError::Json(_))

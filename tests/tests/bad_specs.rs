@@ -208,6 +208,13 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             r#"steps[0].retry.non_retryable_codes[1]: "bad_input" is not an error code: codes are UPPER_SNAKE_CASE (capital letters, digits and _), as executors send them; did you mean "BAD_INPUT"?"#,
         ),
         (
+            "a non-retryable code with a dash",
+            v(with_step(|m| {
+                m.insert("retry".into(), json!({"non_retryable_codes": ["Bad-Input"]}));
+            })),
+            r#"steps[0].retry.non_retryable_codes[0]: "Bad-Input" is not an error code: codes are UPPER_SNAKE_CASE (capital letters, digits and _), as executors send them; did you mean "BAD_INPUT"?"#,
+        ),
+        (
             "an empty non-retryable code",
             v(with_step(|m| {
                 m.insert("retry".into(), json!({"non_retryable_codes": [""]}));

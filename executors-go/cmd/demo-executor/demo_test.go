@@ -217,6 +217,9 @@ func TestFail(t *testing.T) {
 		{"custom failure", `{"code":"NOPE","retryable":false,"fail_attempts":2,"message":"no way"}`, 2, "NOPE", false, "no way", ""},
 		{"succeeds after fail_attempts", `{"code":"NOPE","fail_attempts":2}`, 3, "", false, "", `{"attempt":3}`},
 		{"fail_attempts 0 never fails", `{"fail_attempts":0}`, 1, "", false, "", `{"attempt":1}`},
+		// as the Python demo: a code that is not UPPER_SNAKE_CASE is bad input
+		{"a code that is not one", `{"code":"Bad Input","retryable":true}`, 1, "BAD_INPUT", false,
+			`demo.fail: error code must be non-empty UPPER_SNAKE_CASE, got "Bad Input"`, ""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -130,6 +130,10 @@ func fail(_ context.Context, job *executor.Job) (*executor.Result, error) {
 			Message: fmt.Sprintf("demo.fail: failing attempt %d", job.Attempt),
 		}
 		if in.Code != nil && *in.Code != "" {
+			// as the Python demo, whose SDK refuses such a code
+			if !upperSnake(*in.Code) {
+				return nil, badInput("demo.fail: error code must be non-empty UPPER_SNAKE_CASE, got %q", *in.Code)
+			}
 			e.Code = *in.Code
 		}
 		if in.Retryable != nil {
@@ -141,6 +145,17 @@ func fail(_ context.Context, job *executor.Job) (*executor.Result, error) {
 		return nil, e
 	}
 	return executor.NewResult(map[string]uint32{"attempt": job.Attempt})
+}
+
+// upperSnake tells whether code is UPPER_SNAKE_CASE: capital letters,
+// digits and underscores.
+func upperSnake(code string) bool {
+	for _, c := range code {
+		if !(c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return code != ""
 }
 
 // artifact: writes the input artifacts' bytes (in order) then content repeated

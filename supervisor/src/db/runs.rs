@@ -148,8 +148,9 @@ impl DbConn<'_> {
                      remove it, or pass binary data as an artifact"
                 ),
                 crate::json::Unstorable::Number(number) => format!(
-                    "{path}: the number {number} cannot be stored (PostgreSQL's numeric holds at \
-                     most 131072 digits before the point and 16383 after it); pass it as a string"
+                    "{path}: the number {} cannot be stored (PostgreSQL's numeric holds at \
+                     most 131072 digits before the point and 16383 after it); pass it as a string",
+                    crate::json::short(&number)
                 ),
             }));
         }

@@ -2323,9 +2323,10 @@ fn result_output(raw: &[u8]) -> Result<serde_json::Value, Outcome> {
                 "OUTPUT_INVALID",
                 false,
                 format!(
-                    "the result's {path} is the number {number}, which PostgreSQL's numeric \
+                    "the result's {path} is the number {}, which PostgreSQL's numeric \
                      cannot hold (at most 131072 digits before the point and 16383 after it): \
-                     return it as a string"
+                     return it as a string",
+                    crate::json::short(&number)
                 ),
             ))
         }

@@ -1152,7 +1152,7 @@ async fn check_privileges(db: &Db) -> Result<(), WorkerError> {
         return Ok(());
     }
     Err(WorkerError::Setup(format!(
-        "the database role lacks what a worker needs: {}. Grant it (as the schema's owner): GRANT USAGE ON SCHEMA durable TO <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO <role>; GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO <role> (and ALTER DEFAULT PRIVILEGES so later migrations' tables are granted too)",
+        "the database role lacks what a worker needs: {}. Grant it (as the schema's owner): GRANT USAGE ON SCHEMA durable TO <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO <role>; GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO <role> (and ALTER DEFAULT PRIVILEGES so later migrations' tables are granted too); a worker only reads the owner's tables: REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON durable._sqlx_migrations, durable.step_transition_rules, durable.run_transition_rules FROM <role>",
         missing.join(", ")
     )))
 }

@@ -307,14 +307,25 @@ pub(crate) fn is_reserved(code: &str) -> bool {
     RESERVED_CODES.contains(&code)
 }
 
+/// Whether an executor's code is one (PROTOCOL.md: UPPER_SNAKE_CASE):
+/// capital letters, digits and `_`, as a step's `non_retryable_codes` are.
+pub(crate) fn is_code(code: &str) -> bool {
+    !code.is_empty()
+        && code
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+}
+
 /// An executor's error as a failed outcome. An empty code is
-/// `EXECUTOR_ERROR`; a code the supervisor reserves is rewritten to
-/// `EXECUTOR_ERROR`, the reported code kept in `details.reported_code`.
+/// `EXECUTOR_ERROR`; a code the supervisor reserves, or one that is not
+/// UPPER_SNAKE_CASE (no step's `non_retryable_codes` could name it; it may
+/// hold an escape sequence), is rewritten to `EXECUTOR_ERROR`, the reported
+/// code kept in `details.reported_code`.
 pub(crate) fn executor_failure(e: JobError) -> Outcome {
     let mut details = parse_details(&e.details);
     let code = if e.code.is_empty() {
         "EXECUTOR_ERROR".to_string()
-    } else if is_reserved(&e.code) {
+    } else if is_reserved(&e.code) || !is_code(&e.code) {
         let mut d = match details.take() {
             Some(serde_json::Value::Object(m)) => m,
             Some(other) => {

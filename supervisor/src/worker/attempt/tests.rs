@@ -449,6 +449,11 @@ fn an_executor_cannot_forge_the_supervisors_verdicts() {
         ("", "EXECUTOR_ERROR"),
         ("MY_OWN_CODE", "MY_OWN_CODE"),
         ("CANCELLED", "CANCELLED"),
+        ("E2BIG_2", "E2BIG_2"),
+        // not UPPER_SNAKE_CASE: no policy could name it (re-check audit)
+        ("lower_code", "EXECUTOR_ERROR"),
+        ("X\u{1b}[31mY", "EXECUTOR_ERROR"),
+        ("BAD-INPUT", "EXECUTOR_ERROR"),
     ] {
         let mut e = err(2, reported, true);
         e.details = br#"{"k": 1}"#.to_vec();
