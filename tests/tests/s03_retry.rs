@@ -289,3 +289,65 @@ async fn a_run_submitted_before_listen_took_effect_is_not_left_to_the_poll() {
     supervisor::fault::delay_listen_of(None);
     assert_eq!(st.state, "succeeded", "{st:?}");
 }
+
+/// A step still waiting for its dependencies when its deadline passes fails
+/// then, DEADLINE_EXCEEDED, and fails its run: the running dependency is
+/// asked to stop, not waited for (DAG audit: it failed only once its
+/// dependencies had ended, hours after a deadline that had sealed it). No
+/// other transaction sees it pending, and its history is a chain.
+#[tokio::test]
+async fn a_waiting_step_whose_deadline_passes_fails_its_run_then() {
+    let t = TestDb::new().await;
+    let deadline = (chrono::Utc::now() + chrono::Duration::milliseconds(600)).to_rfc3339();
+    let run = t
+        .submit(json!({"name": "late", "steps": [
+            {"name": "up", "executor_kind": "go", "kind": "k"},
+            {"name": "down", "executor_kind": "go", "kind": "k", "depends_on": ["up"],
+             "deadline": deadline}]}))
+        .await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let up = lease_and_start(&t, w).await;
+    // before the deadline: nothing to end
+    assert_eq!(t.db.fail_overdue(w, "w", 10).await.expect("pass"), 0);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(t.db.fail_overdue(w, "w", 10).await.expect("pass"), 1);
+    let st = t.status(run).await;
+    let down = tests::step(&st, "down");
+    assert_eq!(down.state, "terminal_failed");
+    let e = down.error.as_ref().expect("error");
+    assert_eq!(e.code, "DEADLINE_EXCEEDED");
+    assert!(
+        e.message
+            .ends_with("passed while it waited for its dependencies"),
+        "{e:?}"
+    );
+    // the running dependency is asked to stop; the run ends with it
+    assert!(tests::step(&st, "up").cancel_requested, "{st:?}");
+    assert!(st.waiting.is_empty(), "{:?}", st.waiting);
+    t.db.confirm_cancelled(&up.lease, "w", "stopped")
+        .await
+        .expect("cancelled");
+    assert_eq!(t.status(run).await.state, "failed");
+    let hops: Vec<(Option<String>, String)> = sqlx::query_as(
+        "SELECT from_state, to_state FROM durable.transitions
+          WHERE step_run_id = $1 ORDER BY id",
+    )
+    .bind(down.step_run_id)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("history");
+    let hop = |f: Option<&str>, to: &str| (f.map(str::to_owned), to.to_owned());
+    assert_eq!(
+        hops,
+        vec![
+            hop(None, "pending"),
+            hop(Some("pending"), "leased"),
+            hop(Some("leased"), "terminal_failed"),
+        ]
+    );
+    // a second pass finds nothing more
+    assert_eq!(t.db.fail_overdue(w, "w", 10).await.expect("pass"), 0);
+}

@@ -124,7 +124,11 @@ impl Db {
     /// way out of `pending` besides a cancel. Any worker does it, whether or
     /// not it could run the step: a step that no live worker can run (a label
     /// or kind nobody offers) still ends by its deadline, and its run with
-    /// it. Returns how many were ended; each is its own transaction.
+    /// it. A step still waiting for its dependencies when its deadline
+    /// passed is created and ended the same way, in one transaction: it can
+    /// no longer start in time, and its run need not wait for the
+    /// dependencies to find that out. Returns how many were ended; each is
+    /// its own transaction.
     pub async fn fail_overdue(
         &self,
         worker_id: Uuid,
@@ -446,6 +450,20 @@ impl DbConn<'_> {
         .fetch_all(&mut *s)
         .await
         .ctx("finding overdue steps")?;
+        // and steps still waiting for their dependencies (the partial index
+        // step_defs_waiting_deadline): they can no longer start in time
+        let waiting: Vec<(Uuid, String)> = sqlx::query_as(
+            "SELECT d.run_id, d.name FROM durable.step_defs d
+              WHERE d.deadline IS NOT NULL AND d.deadline < now() AND d.deps_remaining > 0
+                AND NOT EXISTS (SELECT 1 FROM durable.step_runs s
+                                 WHERE s.run_id = d.run_id AND s.name = d.name)
+              ORDER BY d.deadline
+              LIMIT $1",
+        )
+        .bind(limit as i64)
+        .fetch_all(&mut *s)
+        .await
+        .ctx("finding overdue waiting steps")?;
         let mut ended = 0;
         let mut held = HeldRuns::default();
         for (id, run) in candidates {
@@ -456,48 +474,106 @@ impl DbConn<'_> {
             let Some(mut tx) = held.begin(&mut s, id, run).await? else {
                 continue;
             };
-            let row = sqlx::query(
-                "UPDATE durable.step_runs s
-                    SET state = 'leased', owner_worker_id = $2, lease_token = gen_random_uuid(),
-                        lease_expires_at = now() + interval '1 minute', leased_at = now(),
-                        started_at = NULL, attempt = s.attempt + 1,
-                        transition_reason = 'DEADLINE_EXCEEDED', transition_by = $3
-                  WHERE s.id = (SELECT c.id FROM durable.step_runs c
-                                 WHERE c.id = $1 AND c.state IN ('pending', 'retryable_failed')
-                                   AND c.deadline < now() AND NOT c.cancel_requested
-                                   AND NOT coalesce((SELECT wr.cancel_requested FROM durable.workflow_runs wr
-                                                      WHERE wr.id = c.run_id), false)
-                                   FOR NO KEY UPDATE SKIP LOCKED)
-              RETURNING s.lease_token, s.attempt, s.attempt - s.uncounted_attempts AS counted,
-                        s.retry, s.deadline, false AS cancel_requested, now() AS db_now",
+            if take_and_fail_overdue(
+                &mut tx,
+                id,
+                worker_id,
+                worker_name,
+                "before a worker could start it",
             )
-            .bind(id)
-            .bind(worker_id)
-            .bind(worker_name)
-            .fetch_optional(&mut *tx)
-            .await
-            .ctx("taking an overdue step")?;
-            let Some(row) = row else {
+            .await?
+            {
+                tx.commit()
+                    .await
+                    .ctx("committing an overdue step's failure")?;
+                ended += 1;
+            }
+        }
+        for (run, name) in waiting {
+            if held.0.contains(&run) {
+                continue;
+            }
+            let mut tx = s
+                .begin()
+                .await
+                .ctx("beginning an overdue waiting step's failure")?;
+            let id: Option<Uuid> =
+                sqlx::query_scalar("SELECT durable.create_overdue_waiting_step($1, $2, $3)")
+                    .bind(run)
+                    .bind(&name)
+                    .bind(format!("{}ms", super::writes::PASS_LOCK_WAIT_MS))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .ctx("creating an overdue waiting step")?;
+            let Some(id) = id else {
                 continue;
             };
-            let failure = Failure {
-                code: "DEADLINE_EXCEEDED".into(),
-                retryable: false,
-                next_retry_delay: None,
-            };
-            let why = match row.get::<Option<DateTime<Utc>>, _>("deadline") {
-                Some(d) => format!("the step deadline {d} passed before a worker could start it"),
-                None => "the step deadline passed before a worker could start it".into(),
-            };
-            fail_locked_row(&mut tx, id, &row, worker_name, failure, why).await?;
-            tx.commit()
-                .await
-                .ctx("committing an overdue step's failure")?;
-            ended += 1;
+            if take_and_fail_overdue(
+                &mut tx,
+                id,
+                worker_id,
+                worker_name,
+                "while it waited for its dependencies",
+            )
+            .await?
+            {
+                tx.commit()
+                    .await
+                    .ctx("committing an overdue waiting step's failure")?;
+                ended += 1;
+            }
         }
         s.done().await?;
         Ok(ended)
     }
+}
+
+/// Takes an overdue step this transaction's run lock covers (a lease,
+/// reason `DEADLINE_EXCEEDED`) and fails it terminally `DEADLINE_EXCEEDED`,
+/// its message saying the deadline passed `when`; `false` when it was no
+/// longer one to take (leased, cancelled, its deadline moved).
+async fn take_and_fail_overdue(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    id: Uuid,
+    worker_id: Uuid,
+    worker_name: &str,
+    when: &str,
+) -> Result<bool, DbError> {
+    let row = sqlx::query(
+        "UPDATE durable.step_runs s
+            SET state = 'leased', owner_worker_id = $2, lease_token = gen_random_uuid(),
+                lease_expires_at = now() + interval '1 minute', leased_at = now(),
+                started_at = NULL, attempt = s.attempt + 1,
+                transition_reason = 'DEADLINE_EXCEEDED', transition_by = $3
+          WHERE s.id = (SELECT c.id FROM durable.step_runs c
+                         WHERE c.id = $1 AND c.state IN ('pending', 'retryable_failed')
+                           AND c.deadline < now() AND NOT c.cancel_requested
+                           AND NOT coalesce((SELECT wr.cancel_requested FROM durable.workflow_runs wr
+                                              WHERE wr.id = c.run_id), false)
+                           FOR NO KEY UPDATE SKIP LOCKED)
+      RETURNING s.lease_token, s.attempt, s.attempt - s.uncounted_attempts AS counted,
+                s.retry, s.deadline, false AS cancel_requested, now() AS db_now",
+    )
+    .bind(id)
+    .bind(worker_id)
+    .bind(worker_name)
+    .fetch_optional(&mut **tx)
+    .await
+    .ctx("taking an overdue step")?;
+    let Some(row) = row else {
+        return Ok(false);
+    };
+    let failure = Failure {
+        code: "DEADLINE_EXCEEDED".into(),
+        retryable: false,
+        next_retry_delay: None,
+    };
+    let why = match row.get::<Option<DateTime<Utc>>, _>("deadline") {
+        Some(d) => format!("the step deadline {d} passed {when}"),
+        None => format!("the step deadline passed {when}"),
+    };
+    fail_locked_row(tx, id, &row, worker_name, failure, why).await?;
+    Ok(true)
 }
 
 /// The runs a pass found held by another transaction: their other steps are
