@@ -26,6 +26,12 @@
 --   (500,000 edges) held a backend 17 s in the checks. 1,000 steps of 20
 --   dependencies each are checked in under a second.
 --
+-- And a known key with the very spec its run was made from returns the run
+-- without judging the spec again (upgrade audit): a check tightened since,
+-- such as the codes above, made a client's retried submit of a run that
+-- exists fail after the upgrade. Another spec with a known key is still
+-- validated, as before.
+--
 -- Otherwise submit_run is unchanged from 20261218000001.
 
 -- A JSON number for a message: cut when long.
@@ -105,7 +111,7 @@ END $$;
 CREATE OR REPLACE FUNCTION durable.submit_run(spec jsonb) RETURNS uuid LANGUAGE plpgsql AS $$
 DECLARE
     new_id uuid := durable.time_ordered_uuid();
-    existing uuid;
+    existing uuid; existing_spec jsonb;
     run_name text; run_key text;
     steps jsonb; step jsonb; p text; i int; j int; n int;
     names text[] := '{}';
@@ -143,9 +149,14 @@ BEGIN
     END IF;
 
     IF run_key IS NOT NULL THEN
-        SELECT id INTO existing FROM durable.workflow_runs WHERE idempotency_key = run_key;
+        SELECT id, w.spec INTO existing, existing_spec FROM durable.workflow_runs w WHERE idempotency_key = run_key;
         IF existing IS NOT NULL THEN
-            PERFORM durable.check_whole_spec(spec);
+            -- the very spec the run was made from is not judged again: a
+            -- check tightened since (an upgrade) must not fail a client's
+            -- retried submit of a run that exists
+            IF existing_spec IS DISTINCT FROM spec THEN
+                PERFORM durable.check_whole_spec(spec);
+            END IF;
             RETURN existing;
         END IF;
     END IF;
@@ -184,8 +195,10 @@ BEGIN
     ON CONFLICT (idempotency_key) DO NOTHING;
     IF NOT FOUND THEN
         -- a concurrent submit with the same key won the race
-        SELECT id INTO existing FROM durable.workflow_runs WHERE idempotency_key = run_key;
-        PERFORM durable.check_whole_spec(spec);
+        SELECT id, w.spec INTO existing, existing_spec FROM durable.workflow_runs w WHERE idempotency_key = run_key;
+        IF existing_spec IS DISTINCT FROM spec THEN
+            PERFORM durable.check_whole_spec(spec);
+        END IF;
         RETURN existing;
     END IF;
     PERFORM set_config('durable.submitting_run', new_id::text, true);

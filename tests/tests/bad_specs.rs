@@ -915,3 +915,41 @@ async fn a_key_given_twice_is_refused_by_submit() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A known key with the very spec its run was made from returns the run,
+/// even when today's checks would refuse that spec (made before a check
+/// was tightened: upgrade audit, where a client's retried submit failed
+/// after `migrate`); another spec with the key is still judged.
+#[tokio::test]
+async fn a_retried_submit_of_a_run_made_before_a_check_was_tightened_returns_it() {
+    let t = TestDb::new().await;
+    let made = json!({"name": "nightly", "idempotency_key": "nightly-1",
+                      "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]});
+    let run = t.submit(made).await;
+    // as an older validator stored it: a code today's refuses
+    let old = json!({"name": "nightly", "idempotency_key": "nightly-1",
+                     "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
+                                "retry": {"non_retryable_codes": ["bad_input"]}}]});
+    sqlx::query("UPDATE durable.workflow_runs SET spec = $2 WHERE id = $1")
+        .bind(run)
+        .bind(&old)
+        .execute(t.db.pool())
+        .await
+        .expect("an older run's spec");
+    assert_eq!(t.db.submit(&old).await.expect("the same spec again"), run);
+    let out = tests::submit_stdin(&t.url, &old.to_string());
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // another spec with the key is judged as any
+    let other = json!({"name": "nightly", "idempotency_key": "nightly-1",
+                       "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
+                                  "retry": {"non_retryable_codes": ["other"]}}]});
+    match t.db.submit(&other).await {
+        Err(DbError::InvalidSpec(m)) => assert!(m.contains("is not an error code"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+}
