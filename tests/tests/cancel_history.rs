@@ -129,16 +129,18 @@ async fn a_run_ended_by_a_step_cancelled_by_name_names_the_step() {
     );
 }
 
-/// `durable.cancel_run`'s reason is a code: it runs as the schema's owner and
-/// wrote any text it was given into the history (cancellation audit). A
-/// code of the caller's own is recorded; NULL is CANCEL_REQUESTED.
+/// `durable.cancel_run`'s reason is one bounded line: it runs as the
+/// schema's owner and wrote any text it was given, of any length, into the
+/// history (cancellation audit). A code or a few words are recorded; NULL
+/// is CANCEL_REQUESTED.
 #[tokio::test]
-async fn a_cancel_reason_must_be_a_code() {
+async fn a_cancel_reason_is_one_bounded_line() {
     let t = TestDb::new().await;
     let one =
         || json!({"name": "why", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]});
     let run = t.submit(one()).await;
-    for bad in ["SUCCEEDED: all good", "", "lower", &"X".repeat(65)] {
+    let long = "x".repeat(201);
+    for bad in ["", " \t ", "two\nlines", "esc \u{1b}[2J", long.as_str()] {
         let err = sqlx::query("SELECT durable.cancel_run($1, NULL, $2)")
             .bind(run)
             .bind(bad)
@@ -146,7 +148,7 @@ async fn a_cancel_reason_must_be_a_code() {
             .await
             .expect_err(bad);
         assert!(
-            err.to_string().contains("UPPER_SNAKE_CASE code"),
+            err.to_string().contains("a line of at most 200 characters"),
             "{bad:?}: {err}"
         );
     }
@@ -167,12 +169,12 @@ async fn a_cancel_reason_must_be_a_code() {
             .expect("reason")
         }
     };
-    sqlx::query("SELECT durable.cancel_run($1, NULL, 'MAINTENANCE')")
+    sqlx::query("SELECT durable.cancel_run($1, NULL, 'user requested')")
         .bind(run)
         .execute(t.db.pool())
         .await
-        .expect("a code of the caller's own");
-    assert_eq!(reason(run).await, "MAINTENANCE");
+        .expect("a few words, as callers passed before");
+    assert_eq!(reason(run).await, "user requested");
     let run = t.submit(one()).await;
     sqlx::query("SELECT durable.cancel_run($1, NULL, NULL)")
         .bind(run)

@@ -1,10 +1,12 @@
 -- durable.cancel_run's third argument, the reason, is checked (cancellation
 -- audit): the function runs as the schema's owner (20261218000002) and wrote
 -- the reason as it came into the history and the steps' rows, so any role
--- that may cancel could write any text there ("SUCCEEDED: all good", five
--- million characters, or an empty reason for NULL). It must now be an
--- UPPER_SNAKE_CASE code of at most 64 characters; NULL is the default,
--- CANCEL_REQUESTED. Otherwise unchanged from 20261216000003.
+-- that may cancel could write any text there (five million characters, an
+-- escape sequence, or an empty reason for NULL). It must now be one line of
+-- at most 200 characters without control characters, not blank (a code or
+-- a few words: callers that passed "user requested" keep working; upgrade
+-- audit); NULL is the default, CANCEL_REQUESTED. Otherwise unchanged from
+-- 20261216000003.
 
 CREATE OR REPLACE FUNCTION durable.cancel_run(rid uuid, step_name text DEFAULT NULL, reason text DEFAULT 'CANCEL_REQUESTED')
 RETURNS text LANGUAGE plpgsql AS $$
@@ -12,10 +14,10 @@ DECLARE
     cur text; run_key text; d durable.step_defs;
 BEGIN
     -- the reason is written into the history and the steps' rows by a
-    -- function that runs as the schema's owner: a code, not free text
+    -- function that runs as the schema's owner: one bounded line
     reason := coalesce(reason, 'CANCEL_REQUESTED');
-    IF reason !~ '^[A-Z][A-Z0-9_]{0,63}$' THEN
-        RAISE EXCEPTION 'cancel reason %: give an UPPER_SNAKE_CASE code of at most 64 characters (default CANCEL_REQUESTED)',
+    IF length(reason) > 200 OR btrim(reason, E' \t\r\n\f' || chr(11)) = '' OR reason ~ '[[:cntrl:]]' THEN
+        RAISE EXCEPTION 'cancel reason %: give a line of at most 200 characters without control characters, like MAINTENANCE or "user requested" (default CANCEL_REQUESTED)',
             left(to_json(reason)::text, 80) USING ERRCODE = '22023';
     END IF;
     SELECT state, coalesce(idempotency_key, id::text) INTO cur, run_key
