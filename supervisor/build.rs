@@ -10,6 +10,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // the directory must rebuild the crate (else the binary lacks it)
     let migrations = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../migrations");
     println!("cargo:rerun-if-changed={}", migrations.display());
+    // the newest migration's version, for `--version`: two builds of one
+    // release number that need different schemas tell themselves apart
+    let newest = std::fs::read_dir(&migrations)?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.ends_with(".sql")
+                .then(|| name.split('_').next().and_then(|v| v.parse::<u64>().ok()))
+                .flatten()
+        })
+        .max()
+        .unwrap_or(0);
+    println!("cargo:rustc-env=DURABLE_SCHEMA_VERSION={newest}");
     let fds = protox::compile([&file], [&root])?;
     prost_build::Config::new()
         // Deterministic encoding: map entries in key order, like Go's and

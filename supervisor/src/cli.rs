@@ -19,7 +19,7 @@ use crate::worker::{Worker, WorkerError};
 #[derive(Debug, Parser)]
 #[command(
     name = "supervisor",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (schema ", env!("DURABLE_SCHEMA_VERSION"), ")"),
     about = "Durable workflow runtime: leases steps from PostgreSQL and runs them in Go/Python executors"
 )]
 pub struct Cli {
@@ -682,15 +682,21 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
 /// `supervisor migrate`.
 async fn migrate(url: &Option<String>) -> Result<u8, CliError> {
     let db = connect(url, 2, false).await?;
-    let version = db.migrate().await?;
+    let crate::db::Migrated { version, applied } = db.migrate_counted().await?;
     let mine = Db::schema_version_needed();
     if version > mine {
         eprintln!(
             "the schema is at version {version}, newer than this binary's {mine}: nothing to \
              apply (migrations are additive; this binary runs on it)"
         );
+    } else if applied == 0 {
+        // (two concurrent runs both said "migrations applied"; upgrade audit)
+        eprintln!("the schema is up to date (version {version}): nothing to apply");
     } else {
-        eprintln!("migrations applied (schema version {version})");
+        eprintln!(
+            "applied {applied} migration{} (schema version {version})",
+            if applied == 1 { "" } else { "s" }
+        );
     }
     Ok(0)
 }

@@ -140,3 +140,49 @@ async fn migrate_again_needs_no_rights_and_sessions_are_read_committed() {
         .expect("isolation");
     assert_eq!(iso, "read committed", "the database's default overrode it");
 }
+
+/// `migrate` says what it did: how many migrations it applied, or that the
+/// schema was up to date. Before, a run that applied nothing (a second one,
+/// or the loser of two at once) said "migrations applied" too (upgrade audit).
+#[tokio::test]
+async fn migrate_says_whether_it_applied_anything() {
+    let t = TestDb::new().await;
+    exec(&t.db, "DROP SCHEMA durable CASCADE").await;
+    let migrate = || {
+        let out = std::process::Command::new(tests::supervisor_bin())
+            .args(["migrate"])
+            .env("DATABASE_URL", &t.url)
+            .env("RUST_LOG", "error")
+            .output()
+            .expect("migrate");
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let version = supervisor::db::Db::schema_version_needed();
+    let first = migrate();
+    assert!(
+        first.starts_with("applied ")
+            && first.contains(&format!("migrations (schema version {version})")),
+        "{first}"
+    );
+    assert_eq!(
+        migrate().trim(),
+        format!("the schema is up to date (version {version}): nothing to apply")
+    );
+    // and `--version` names the schema it needs: two builds of one release
+    // number told themselves apart only by a worker's log line
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .arg("--version")
+        .output()
+        .expect("--version");
+    let v = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(
+        v.starts_with("supervisor ") && v.ends_with(&format!(" (schema {version})")),
+        "{v}"
+    );
+}

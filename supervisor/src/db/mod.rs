@@ -608,6 +608,14 @@ fn parse_labels(v: serde_json::Value) -> Result<BTreeMap<String, String>, DbErro
     serde_json::from_value(v).map_err(|e| DbError::Corrupt(format!("labels: {e}")))
 }
 
+/// What a `migrate` did: the schema's version after it, and how many
+/// migrations this call applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migrated {
+    pub version: i64,
+    pub applied: usize,
+}
+
 impl Db {
     /// Connects with a pool of `max_connections`.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Db, DbError> {
@@ -799,6 +807,12 @@ impl Db {
     /// version afterwards, which is newer than [`Db::schema_version_needed`]
     /// when a newer binary migrated it (nothing to apply then).
     pub async fn migrate(&self) -> Result<i64, DbError> {
+        Ok(self.migrate_counted().await?.version)
+    }
+
+    /// [`Db::migrate`], saying how many migrations this call applied (none
+    /// when the schema was up to date, or another `migrate` did them first).
+    pub async fn migrate_counted(&self) -> Result<Migrated, DbError> {
         let mut conn = self
             .pool
             .acquire()
@@ -817,9 +831,9 @@ impl Db {
             .execute(&mut *conn)
             .await
             .ctx("releasing the migrate lock");
-        let version = res?;
+        let migrated = res?;
         unlock?;
-        Ok(version)
+        Ok(migrated)
     }
 
     /// The schema's version when every migration of this binary is applied
@@ -844,7 +858,7 @@ impl Db {
         Ok(all.then(|| applied.iter().map(|(v, _)| *v).max().unwrap_or(0)))
     }
 
-    async fn migrate_locked(conn: &mut sqlx::PgConnection) -> Result<i64, DbError> {
+    async fn migrate_locked(conn: &mut sqlx::PgConnection) -> Result<Migrated, DbError> {
         // CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when
         // the schema is there (a DBA who made it for the deploy role grants
         // nothing more): only when it is missing. A schema the role cannot
@@ -869,8 +883,12 @@ impl Db {
             // nothing to apply: done without sqlx's CREATE TABLE IF NOT
             // EXISTS, which needs CREATE on the schema even when the table
             // is there (a worker's or a submitter's role running migrate)
-            return Ok(version);
+            return Ok(Migrated {
+                version,
+                applied: 0,
+            });
         }
+        let before = Self::applied_count(conn).await;
         conn.execute("SET search_path TO durable")
             .await
             .ctx("setting search_path")?;
@@ -880,13 +898,27 @@ impl Db {
             .await
             .ctx("resetting search_path")?;
         res?;
-        sqlx::query_scalar::<_, Option<i64>>(
+        let version = sqlx::query_scalar::<_, Option<i64>>(
             "SELECT max(version) FROM durable._sqlx_migrations WHERE success",
         )
         .fetch_one(&mut *conn)
         .await
-        .ctx("reading the schema version")
-        .map(|v| v.unwrap_or(0))
+        .ctx("reading the schema version")?
+        .unwrap_or(0);
+        let after = Self::applied_count(conn).await;
+        Ok(Migrated {
+            version,
+            applied: after.saturating_sub(before),
+        })
+    }
+
+    /// How many migrations the schema records as applied (0 before the
+    /// first: no ledger table yet).
+    async fn applied_count(conn: &mut sqlx::PgConnection) -> usize {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM durable._sqlx_migrations WHERE success")
+            .fetch_one(&mut *conn)
+            .await
+            .map_or(0, |n| n.max(0) as usize)
     }
 }
 
