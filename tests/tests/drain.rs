@@ -368,3 +368,51 @@ async fn a_result_answering_the_drains_stop_is_kept() {
     );
     assert_eq!(st.state, "succeeded");
 }
+
+/// A step whose executor was still starting when the stop signal came is
+/// given back unstarted, uncounted, not sent to the executor once it is
+/// ready: the job would start work after the signal, likely to be cut by the
+/// drain's timeout (upgrade audit: a job was accepted 3 s after SIGTERM and
+/// released 1 s later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_executor_was_starting_at_the_signal_is_not_sent() {
+    let t = TestDb::new().await;
+    let mut slow = go_demo("go", &[], None);
+    slow.args = vec!["-c".into(), format!("sleep 2; exec '{}'", slow.command)];
+    slow.command = "/bin/sh".into();
+    let mut cfg = fast_config(vec![slow]);
+    cfg.handshake_timeout_ms = 10_000;
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(tests::one_step("starting", "go", "demo.echo", json!({})))
+        .await;
+    t.wait_run(run, Duration::from_secs(30), |s| {
+        s.steps.first().is_some_and(|s| s.state == "leased")
+    })
+    .await;
+    w.signal(Signal::SIGTERM);
+    let code = w.wait(Duration::from_secs(30)).await;
+    assert_eq!(code, Some(0), "{}", w.stderr());
+    let (state, code, uncounted, unstarted, events): (String, Option<String>, i32, bool, i64) =
+        sqlx::query_as(
+            "SELECT s.state, s.error_code, s.uncounted_attempts, s.started_at IS NULL,
+                    (SELECT count(*) FROM durable.step_events e WHERE e.step_run_id = s.id)
+               FROM durable.step_runs s WHERE s.run_id = $1",
+        )
+        .bind(run)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("the step");
+    assert_eq!(
+        (
+            state.as_str(),
+            code.as_deref(),
+            uncounted,
+            unstarted,
+            events
+        ),
+        ("retryable_failed", Some("WORKER_SHUTDOWN"), 1, true, 0),
+        "given back uncounted, never started; stderr: {}",
+        w.stderr()
+    );
+}

@@ -1413,6 +1413,14 @@ fn negotiate_job(
     if before_job != Control::Run {
         return Err(before_job_outcome(before_job));
     }
+    // nor once the worker began to drain while the executor started: the
+    // job would start work after the stop signal, likely to be cut by the
+    // drain's timeout (upgrade audit); another worker takes the step now
+    if shared.draining.is_cancelled() || shared.abort.is_cancelled() {
+        return Err(Outcome::Released {
+            message: "the worker began to stop before the job was sent".into(),
+        });
+    }
     // nor is it once the deadline passed while the executor started or the
     // inputs were fetched: sent anyway, the handler ran past the deadline
     // and its result was thrown away, or even kept (retry audit)
