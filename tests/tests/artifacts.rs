@@ -109,21 +109,54 @@ async fn an_artifact_over_the_cap_fails_the_attempt_before_it_is_read() {
     w.shutdown().await;
 }
 
+/// A run of two Python steps, `make` then `read`, whose handlers are the
+/// script's `make(job)` and `read(job)`: the run must succeed, and `read`'s
+/// output is returned.
+async fn make_then_read(handlers: &str) -> serde_json::Value {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("steps.py");
+    std::fs::write(
+        &script,
+        format!(
+            "import json, sys\nfrom durable_executor import Executor, Result\n{handlers}\n\
+             ex = Executor(\"python\", {{}})\nex.add_handler(\"t.make\", make)\n\
+             ex.add_handler(\"t.read\", read)\nsys.exit(ex.run())\n"
+        ),
+    )
+    .expect("script");
+    let mut cfg = python_demo("steps", &[], None);
+    cfg.args = vec![script.to_string_lossy().into_owned()];
+    cfg.kinds = None;
+    let t = TestDb::new().await;
+    let mut config = fast_config(vec![cfg]);
+    // a refused step fails at once, not after five rounds
+    config.max_refusals = 1;
+    let w = RunningWorker::start(t.connect(5).await, config).await;
+    let run = t
+        .submit(json!({"name": "steps", "steps": [
+            {"name": "make", "executor_kind": "python", "kind": "t.make"},
+            {"name": "read", "executor_kind": "python", "kind": "t.read", "depends_on": ["make"]}]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    assert_eq!(
+        st.state,
+        "succeeded",
+        "{}",
+        serde_json::to_string_pretty(&st).unwrap_or_default()
+    );
+    tests::step(&st, "read").output.clone().expect("output")
+}
+
 /// A step's artifacts whose names sanitize alike (`x/y` and `x_y` are both
 /// `x_y` on disk) each reach the next step as a file of its own: the second
 /// was refused `WORK_DIR_UNAVAILABLE` ("File exists") on every worker, so
 /// the dependent step could never start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inputs_whose_names_sanitize_alike_both_arrive() {
-    let _serial = tests::exclusive().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("alike.py");
-    std::fs::write(
-        &script,
+    let got = make_then_read(
         r#"
-import json, sys
-from durable_executor import Executor, Result
-
 def make(job):
     entries = []
     for file, name, text in (("a.txt", "x/y", "one;"), ("b.txt", "x_y", "two;"), ("c.txt", "x?y", "three;")):
@@ -138,32 +171,9 @@ def read(job):
         with open(ref.path) as f:
             got[ref.name] = [ref.path.rsplit("/", 1)[-1], f.read()]
     return got
-
-ex = Executor("python", {})
-ex.add_handler("t.make", make)
-ex.add_handler("t.read", read)
-sys.exit(ex.run())
 "#,
     )
-    .expect("script");
-    let mut cfg = python_demo("alike", &[], None);
-    cfg.args = vec![script.to_string_lossy().into_owned()];
-    cfg.kinds = None;
-    let t = TestDb::new().await;
-    let w = RunningWorker::start(t.connect(5).await, fast_config(vec![cfg])).await;
-    let run = t
-        .submit(json!({"name": "alike", "steps": [
-            {"name": "make", "executor_kind": "python", "kind": "t.make"},
-            {"name": "read", "executor_kind": "python", "kind": "t.read", "depends_on": ["make"]}]}))
-        .await;
-    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
-    assert_eq!(
-        st.state,
-        "succeeded",
-        "{}",
-        serde_json::to_string_pretty(&st).unwrap_or_default()
-    );
-    let got = tests::step(&st, "read").output.clone().expect("output");
+    .await;
     let mut files = Vec::new();
     for (name, text) in [("x/y", "one;"), ("x_y", "two;"), ("x?y", "three;")] {
         assert_eq!(got[name][1], text, "{name}: its own bytes; all: {got}");
@@ -175,7 +185,6 @@ sys.exit(ex.run())
         ["x_y", "x_y~2", "x_y~3"],
         "each input in a file of its own: {got}"
     );
-    w.shutdown().await;
 }
 
 /// An artifact whose name is longer than a file name may be (300 bytes)
@@ -185,15 +194,8 @@ sys.exit(ex.run())
 /// stored (security and DAG audits).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_input_whose_name_is_too_long_for_a_file_arrives() {
-    let _serial = tests::exclusive().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("long.py");
-    std::fs::write(
-        &script,
+    let got = make_then_read(
         r#"
-import sys
-from durable_executor import Executor, Result
-
 def make(job):
     entries = []
     for file, name in (("a.txt", "n" * 300 + ".txt"), ("b.txt", "n" * 301 + ".txt")):
@@ -208,35 +210,9 @@ def read(job):
         with open(ref.path) as f:
             got[str(len(ref.name))] = [ref.path.rsplit("/", 1)[-1], f.read()]
     return got
-
-ex = Executor("python", {})
-ex.add_handler("t.make", make)
-ex.add_handler("t.read", read)
-sys.exit(ex.run())
 "#,
     )
-    .expect("script");
-    let mut cfg = python_demo("long", &[], None);
-    cfg.args = vec![script.to_string_lossy().into_owned()];
-    cfg.kinds = None;
-    let t = TestDb::new().await;
-    let mut config = fast_config(vec![cfg]);
-    config.max_refusals = 1;
-    let w = RunningWorker::start(t.connect(5).await, config).await;
-    let run = t
-        .submit(json!({"name": "long", "steps": [
-            {"name": "make", "executor_kind": "python", "kind": "t.make"},
-            {"name": "read", "executor_kind": "python", "kind": "t.read", "depends_on": ["make"]}]}))
-        .await;
-    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
-    w.shutdown().await;
-    assert_eq!(
-        st.state,
-        "succeeded",
-        "{}",
-        serde_json::to_string_pretty(&st).unwrap_or_default()
-    );
-    let got = tests::step(&st, "read").output.clone().expect("output");
+    .await;
     let cut = format!("{}.txt", "n".repeat(196));
     assert_eq!(got["304"], json!([cut, "a.txt"]), "{got}");
     assert_eq!(
