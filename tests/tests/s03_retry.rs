@@ -331,14 +331,11 @@ async fn a_waiting_step_whose_deadline_passes_fails_its_run_then() {
         .await
         .expect("cancelled");
     assert_eq!(t.status(run).await.state, "failed");
-    let hops: Vec<(Option<String>, String)> = sqlx::query_as(
-        "SELECT from_state, to_state FROM durable.transitions
-          WHERE step_run_id = $1 ORDER BY id",
-    )
-    .bind(down.step_run_id)
-    .fetch_all(t.db.pool())
-    .await
-    .expect("history");
+    let hops: Vec<(Option<String>, String)> = tests::step_transitions(&t.db, down.step_run_id)
+        .await
+        .into_iter()
+        .map(|h| (h.from_state, h.to_state))
+        .collect();
     let hop = |f: Option<&str>, to: &str| (f.map(str::to_owned), to.to_owned());
     assert_eq!(
         hops,
