@@ -475,7 +475,10 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
                     .ok()
                     .and_then(|s| s.chars().next())
                     .map_or(0, u32::from);
-                out.extend_from_slice(format!("\\u{{{c:x}}}").as_bytes());
+                // `\uXXXX`: in a JSON line such a character can only be
+                // inside a string, where this is its JSON escape (a line of
+                // the json format stays JSON, with the same value)
+                out.extend_from_slice(format!("\\u{c:04x}").as_bytes());
                 i += len;
                 continue;
             }
@@ -1962,7 +1965,7 @@ mod tests {
                 "code=C\x1b[31mX sdk=\x1b]0;TITLE\x07 \u{85}\u{2028}\u{7f}\n",
                 false
             ),
-            "code=C\\x1b[31mX sdk=\\x1b]0;TITLE\\x07 \\u{85}\\u{2028}\\x7f\n"
+            "code=C\\x1b[31mX sdk=\\x1b]0;TITLE\\x07 \\u0085\\u2028\\x7f\n"
         );
         // with colours: the formatter's SGR kept, anything else escaped
         assert_eq!(
@@ -1979,12 +1982,16 @@ mod tests {
         // bidirectional overrides and marks
         assert_eq!(
             w("a\u{202e}b\u{200e}c\u{2067}d\n", false),
-            "a\\u{202e}b\\u{200e}c\\u{2067}d\n"
+            "a\\u202eb\\u200ec\\u2067d\n"
         );
         assert!(matches!(
             one_line(b"clean line\n", false),
             std::borrow::Cow::Borrowed(_)
         ));
+        // a line of the json format stays JSON, its strings' values the same
+        let json_line = "{\"message\":\"a\u{2028}b\u{85}c\u{202e}d\"}\n";
+        let v: serde_json::Value = serde_json::from_str(&w(json_line, false)).expect("still JSON");
+        assert_eq!(v["message"], "a\u{2028}b\u{85}c\u{202e}d");
     }
 
     #[test]

@@ -269,7 +269,7 @@ async fn an_executors_message_cannot_drive_the_terminal() {
         .find(|l| l.contains("ESCAPED"))
         .unwrap_or_else(|| panic!("the message was logged: {log}"));
     assert!(
-        line.contains("ESCAPED\\x1b]0;TITLE\\x07\\x1b[2J\\u{85}end"),
+        line.contains("ESCAPED\\x1b]0;TITLE\\x07\\x1b[2J\\u0085end"),
         "{line}"
     );
     for c in log.chars() {
