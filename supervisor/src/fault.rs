@@ -133,3 +133,31 @@ pub(crate) fn listen_delay(worker: &str) -> Option<std::time::Duration> {
         .filter(|(w, _)| w == worker)
         .map(|(_, d)| *d)
 }
+
+static SLOW_STATUS: Mutex<Option<(uuid::Uuid, std::time::Duration)>> = Mutex::new(None);
+static SLOW_STATUS_ENTERED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Makes a `status` read of run `run` wait `delay` between reading the run
+/// and reading its steps (None: off): a run that changes while it is read.
+pub fn delay_status_reads_of(fault: Option<(uuid::Uuid, std::time::Duration)>) {
+    *SLOW_STATUS.lock().unwrap_or_else(|p| p.into_inner()) = fault;
+}
+
+/// How many `status` reads have entered the delay of
+/// [`delay_status_reads_of`] so far.
+pub fn delayed_status_reads() -> u64 {
+    SLOW_STATUS_ENTERED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Waits as long as a test asked the status reads of `run` to.
+pub(crate) async fn maybe_delay_status_read(run: uuid::Uuid) {
+    let delay = SLOW_STATUS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .filter(|(r, _)| *r == run)
+        .map(|(_, d)| d);
+    if let Some(d) = delay {
+        SLOW_STATUS_ENTERED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(d).await;
+    }
+}

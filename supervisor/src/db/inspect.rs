@@ -455,7 +455,7 @@ impl Db {
 /// READ ONLY when it is the connection's own transaction; inside a caller's
 /// transaction a savepoint that reads with the caller's isolation (which
 /// cannot be changed there).
-async fn begin_read(
+pub(super) async fn begin_read(
     conn: &mut sqlx::PgConnection,
 ) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, DbError> {
     let own = !conn.is_in_transaction();

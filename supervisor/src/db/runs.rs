@@ -197,9 +197,11 @@ impl DbConn<'_> {
         Ok(state)
     }
 
-    /// See [`Db::status`].
+    /// See [`Db::status`]. Its statements read one snapshot: read one by
+    /// one, a busy run showed a run pending beside a running step, or a step
+    /// in neither `steps` nor `waiting` (operator audit).
     pub async fn status(&mut self, run_id: Uuid) -> Result<RunStatus, DbError> {
-        let mut s = Scope::enter(self.conn).await?;
+        let mut s = super::inspect::begin_read(self.conn).await?;
         let run = sqlx::query(
             "SELECT id, name, state, idempotency_key, cancel_requested, created_at, finished_at
                FROM durable.workflow_runs WHERE id = $1",
@@ -209,6 +211,7 @@ impl DbConn<'_> {
         .await
         .ctx("reading a run")?
         .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
+        crate::fault::maybe_delay_status_read(run_id).await;
 
         let rows = sqlx::query(
             "SELECT s.id, s.name, s.state, s.attempt, s.executor_kind, s.kind, s.idempotency_key,
@@ -256,7 +259,7 @@ impl DbConn<'_> {
         })
         .collect();
 
-        s.done().await?;
+        s.commit().await.ctx("ending a read")?;
         Ok(RunStatus {
             run_id: run.get("id"),
             name: run.get("name"),
