@@ -145,6 +145,46 @@ func TestHandlerTimeout(t *testing.T) {
 	}
 }
 
+// Running out of the step's deadline (not the attempt's) is not retryable:
+// no attempt may run past it, and a retry started within the slack only ran
+// out again.
+func TestRunningOutOfTheStepsDeadlineIsNotRetryable(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		attempt   time.Duration // 0: none
+		step      time.Duration
+		retryable bool
+	}{
+		{"the step's deadline alone", 0, 300 * time.Millisecond, false},
+		{"the step's before the attempt's", 900 * time.Millisecond, 300 * time.Millisecond, false},
+		{"the attempt's before the step's", 300 * time.Millisecond, time.Hour, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ex := newExecutor(executor.Options{DeadlineSlack: 100 * time.Millisecond})
+			ex.Handle("k", func(ctx context.Context, _ *executor.Job) (*executor.Result, error) {
+				<-ctx.Done()
+				return nil, fmt.Errorf("gave up: %w", errors.New("plain"))
+			})
+			c := executortest.Start(t, ex)
+			c.Hello()
+			pj := job("j", "k", "")
+			pj.DeadlineUnixMs = time.Now().Add(tc.step).UnixMilli()
+			if tc.attempt > 0 {
+				pj.AttemptDeadlineUnixMs = time.Now().Add(tc.attempt).UnixMilli()
+			}
+			c.SendJob(pj)
+			c.Started("j")
+			e := c.JobError("j", 3, executor.CodeHandlerTimeout)
+			if e.GetRetryable() != tc.retryable {
+				t.Fatalf("terminal = %v, want retryable %v", e, tc.retryable)
+			}
+			if !tc.retryable && !strings.Contains(e.GetMessage(), "the step's deadline, after which no attempt may run") {
+				t.Fatalf("message = %q", e.GetMessage())
+			}
+		})
+	}
+}
+
 // A cancel is a cancel also when the context has a deadline.
 func TestCancelBeforeTheDeadlineIsCancelled(t *testing.T) {
 	started := make(chan struct{})

@@ -561,11 +561,20 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 			if hasDeadline {
 				details = map[string]any{"context_deadline_unix_ms": deadline.UnixMilli()}
 			}
+			retryable := true
 			if ranOut {
 				message = fmt.Sprintf("the handler ran out of time: its context's deadline %s (the job's deadline minus %s) passed; it returned: %v",
 					deadline.UTC().Format(time.RFC3339Nano), job.deadline().Sub(deadline), o.err)
+				// the step's deadline, not the attempt's, was the one: no
+				// attempt may run past it, so a retry would start only to
+				// run out again within the slack (SDK audit: a doomed
+				// extra attempt, its side effects repeated)
+				if !job.Deadline.IsZero() && job.deadline().Equal(job.Deadline) {
+					retryable = false
+					message += "; that was the step's deadline, after which no attempt may run"
+				}
 			}
-			return jobErr(CodeHandlerTimeout, message, true, s.details(job, details), nil)
+			return jobErr(CodeHandlerTimeout, message, retryable, s.details(job, details), nil)
 		}
 		code := xe.Code
 		if code == "" {
