@@ -613,7 +613,7 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 	}
 	entries := make([]*pb.ArtifactManifestEntry, 0, len(artifacts))
 	for _, a := range artifacts {
-		if !filepath.IsLocal(filepath.FromSlash(a.Path)) {
+		if !localPath(filepath.FromSlash(a.Path)) {
 			return jobErr(CodeArtifactInvalid, fmt.Sprintf("artifact %q: path %q is not a relative path inside the output directory", a.Name, a.Path), false, nil, nil)
 		}
 		if err := checkArtifactText(a); err != nil {

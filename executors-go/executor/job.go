@@ -181,9 +181,11 @@ func (j *Job) DecodeInput(v any) error {
 }
 
 // OutputPath returns OutputDir joined with rel, refusing paths that would
-// escape it (absolute, or containing "..").
+// escape it (absolute, or containing ".."): any ".." part is refused, even
+// one that stays inside (as the Python SDK's output_path and PROTOCOL.md's
+// artifact paths do).
 func (j *Job) OutputPath(rel string) (string, error) {
-	if !filepath.IsLocal(rel) {
+	if !localPath(rel) || strings.ContainsRune(rel, 0) {
 		return "", fmt.Errorf("executor: output path %q is not a relative path inside the output directory", rel)
 	}
 	if j.OutputDir == "" {
@@ -385,4 +387,18 @@ func (r *jobRun) SendFrame(f *pb.ExecutorFrame) error {
 		r.finished = true
 	}
 	return r.w.writeRaw(b)
+}
+
+// localPath tells whether p is a relative path with no ".." part: what
+// OutputPath and an artifact's manifest path may be.
+func localPath(p string) bool {
+	if !filepath.IsLocal(p) {
+		return false
+	}
+	for _, part := range strings.Split(filepath.ToSlash(p), "/") {
+		if part == ".." {
+			return false
+		}
+	}
+	return true
 }

@@ -101,3 +101,20 @@ func TestDecodeInput(t *testing.T) {
 		t.Fatalf("DecodeInput(array into struct) = %#v", err)
 	}
 }
+
+// OutputPath refuses any ".." part, even one that stays inside the output
+// directory, as the Python SDK's output_path does (SDK audit: "a/../x.txt"
+// was accepted, contradicting both SDKs' docs).
+func TestOutputPathRefusesDotDot(t *testing.T) {
+	j := &executor.Job{OutputDir: "/out"}
+	for _, rel := range []string{"a/../x.txt", "..", "a/..", "/abs", "", "a\x00b"} {
+		if p, err := j.OutputPath(rel); err == nil {
+			t.Errorf("OutputPath(%q) = %q, want an error", rel, p)
+		}
+	}
+	for rel, want := range map[string]string{"x.txt": "/out/x.txt", "a/b.csv": "/out/a/b.csv", "a..b": "/out/a..b"} {
+		if p, err := j.OutputPath(rel); err != nil || p != want {
+			t.Errorf("OutputPath(%q) = %q, %v; want %q", rel, p, err, want)
+		}
+	}
+}

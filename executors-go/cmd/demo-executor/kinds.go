@@ -10,6 +10,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/durable-runtime/durable/executors-go/executor"
@@ -179,7 +181,7 @@ func artifact(ctx context.Context, job *executor.Job) (*executor.Result, error) 
 	if in.Repeat != nil {
 		repeat = *in.Repeat
 	}
-	if !filepath.IsLocal(name) {
+	if !filepath.IsLocal(name) || slices.Contains(strings.Split(filepath.ToSlash(name), "/"), "..") {
 		return nil, badInput("demo.artifact: name %q must be a relative path inside the output directory", name)
 	}
 	if repeat < 0 {
