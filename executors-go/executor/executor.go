@@ -81,7 +81,9 @@ type Options struct {
 	// one job; the SDKs never send 0.)
 	MaxJobsPerProcess int
 	// MaxFrameBytes caps frames in both directions; <= 0 means
-	// DefaultMaxFrameBytes. The Hello announces it (the supervisor sends no
+	// DefaultMaxFrameBytes. Give at least 64 KiB (65536): a supervisor
+	// refuses an executor whose Hello announces less, and a worker does not
+	// start with it. The Hello announces it (the supervisor sends no
 	// larger frame), and a job's frames are also held to the supervisor's own
 	// limit (Job.max_frame_bytes, protocol 1.1): a terminal over the smaller
 	// of the two is replaced by RESULT_TOO_LARGE (not retryable). Announce at
