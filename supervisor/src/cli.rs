@@ -1190,18 +1190,36 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
         match crate::worker::probe(&spawner, e, &cfg).await {
             Ok(h) => {
                 let routes = crate::worker::routing::routes(&h, e);
+                // the worker's own check of the kinds list: a pre-flight
+                // check passes where the worker passes (operator audit: a
+                // list matching none of the kinds offered passed here, and
+                // the worker refused to start)
+                if let Err(err) = crate::worker::check_kinds(e, &h, &routes) {
+                    all_ok = false;
+                    eprintln!("error: {err}");
+                }
+                let mut leased: Vec<&str> = routes.iter().map(|r| r.kind.as_str()).collect();
+                leased.dedup();
+                let sdk = [h.sdk_name.as_str(), h.sdk_version.as_str()]
+                    .into_iter()
+                    .filter(|s| !s.is_empty())
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 println!(
                     "{}",
                     serde_json::json!({
                         "executor": e.name,
                         "executor_kind": h.executor_kind,
                         "kinds": h.kinds,
+                        "leased_kinds": leased,
                         "labels": crate::worker::routing::effective_labels(&h, e),
-                        "sdk": format!("{} {}", h.sdk_name, h.sdk_version),
+                        "sdk": sdk,
                         "protocol_version": h.protocol_version,
                         "protocol_versions": h.protocol_versions,
                         "features": h.features,
                         "max_frame_bytes": h.max_frame_bytes,
+                        "persistent": e.persistent,
+                        "concurrency": e.concurrency,
                         "routes": routes.len(),
                     })
                 );

@@ -769,3 +769,43 @@ fn a_persistent_setting_on_a_one_shot_executor_is_named_at_start() {
     assert_valid(&o, "persistent");
     assert!(!stderr(&o).contains("no effect"), "{}", stderr(&o));
 }
+
+/// `executors` checks an executor's `kinds` list as the worker does: one
+/// matching none of the kinds offered fails (the worker refuses to start
+/// with it; it passed here, exit 0), one naming an unknown kind is warned
+/// about, and the kinds a worker would lease are listed.
+#[test]
+fn executors_checks_the_kinds_list_as_the_worker_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let demo = tests::go_demo("go", &[], None).command;
+    let run = |kinds: &str| {
+        let file = write(
+            dir.path(),
+            "kinds.toml",
+            &format!("[[executors]]\nname = \"go\"\ncommand = {demo:?}\nkinds = {kinds}\n"),
+        );
+        let o = Command::new(tests::supervisor_bin())
+            .args(["executors", "--config", &file])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .expect("executors");
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr(&o),
+        )
+    };
+    let (code, _, err) = run(r#"["demo.nope"]"#);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("matches none of the kinds it offers"), "{err}");
+    let (code, out, err) = run(r#"["demo.echo", "demo.typo"]"#);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("demo.typo"),
+        "the unknown kind is named: {err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json line");
+    assert_eq!(v["leased_kinds"], serde_json::json!(["demo.echo"]), "{v}");
+    assert_eq!(v["persistent"], false);
+}

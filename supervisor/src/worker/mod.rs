@@ -1160,7 +1160,7 @@ async fn check_privileges(db: &Db) -> Result<(), WorkerError> {
 /// An executor's `kinds` list against what its probe's hello offers: none of
 /// them is a config error (the worker ran, leasing nothing for it); some of
 /// them are named in a warning.
-fn check_kinds(
+pub(crate) fn check_kinds(
     ecfg: &ExecutorConfig,
     hello: &wire::Hello,
     routes: &[crate::db::Route],
