@@ -1248,13 +1248,15 @@ async fn dev_session(
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
     serve_metrics(&cfg, &db).await?;
-    let worker = Worker::start(db.clone(), cfg).await?;
+    // the spec first: one refused (exit 2) leaves no worker registered
+    // behind it, which `status` took for a live one for 30 s (operator audit)
     let mut run_id = None;
     if let Some(spec) = spec {
         let id = db.submit(&spec).await?;
         println!("{}", serde_json::json!({ "run_id": id }));
         run_id = Some(id);
     }
+    let worker = Worker::start(db.clone(), cfg).await?;
     // set when dev stops because nothing is left to run (not a signal)
     let idle = Arc::new(AtomicBool::new(false));
     let watcher = run_id.filter(|_| watch).map(|id| {

@@ -561,3 +561,39 @@ async fn dev_exit_when_idle_does_not_wait_for_steps_it_cannot_run() {
         ]
     );
 }
+
+/// `dev --submit` of a spec the validator refuses exits 2 leaving no worker
+/// registered: it started its worker first and left its row unstopped, so
+/// `status` took it for a live worker for 30 s (operator audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_with_a_refused_spec_leaves_no_live_worker_behind() {
+    let _serial = tests::exclusive().await;
+    tests::go_executor();
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"name": "bad", "steps": [{"name": "a", "kind": "demo.echo"}]}).to_string(),
+    )
+    .expect("write spec");
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .arg("dev")
+        .arg("--submit")
+        .arg(&spec)
+        .arg("--exit-when-idle")
+        .env("DATABASE_URL", &t.url)
+        .current_dir(dir.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("dev");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("steps[0].executor_kind: is required"), "{err}");
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.workers WHERE stopped_at IS NULL")
+            .await,
+        0,
+        "no worker looks live"
+    );
+}
