@@ -52,6 +52,28 @@ pub fn parse_bounded(bytes: &[u8], max_depth: usize) -> Result<Value, ParseError
     Ok(v)
 }
 
+/// A timestamp as the CLI's JSON writes it: RFC 3339 in UTC, always six
+/// digits after the second (`2026-12-05T11:44:06.432000Z`). chrono's own
+/// form drops trailing zeros (`.432Z` beside `.432100Z`), so strings of one
+/// output neither lined up nor sorted as their times do (operator audit).
+pub fn utc_micros<S: serde::Serializer>(
+    t: &chrono::DateTime<chrono::Utc>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&t.format("%Y-%m-%dT%H:%M:%S%.6fZ").to_string())
+}
+
+/// [`utc_micros`] for an optional timestamp (`null` when none).
+pub fn utc_micros_opt<S: serde::Serializer>(
+    t: &Option<chrono::DateTime<chrono::Utc>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => utc_micros(t, s),
+        None => s.serialize_none(),
+    }
+}
+
 /// `text` for a message: as it is when short, else its first 24
 /// characters and its length (a 140,000-digit number, or a key of 5,000
 /// characters, made a message as long).
@@ -244,6 +266,33 @@ fn numeric_can_hold(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Timestamps in the CLI's JSON have six digits after the second, so
+    /// that they line up and sort as their times do.
+    #[test]
+    fn timestamps_have_a_fixed_precision() {
+        #[derive(serde::Serialize)]
+        struct T {
+            #[serde(serialize_with = "utc_micros")]
+            at: chrono::DateTime<chrono::Utc>,
+            #[serde(serialize_with = "utc_micros_opt")]
+            maybe: Option<chrono::DateTime<chrono::Utc>>,
+        }
+        let at = |ms: i64| chrono::DateTime::from_timestamp_millis(ms).expect("time");
+        let v = serde_json::to_value(T {
+            at: at(1_796_471_046_432),
+            maybe: None,
+        })
+        .expect("json");
+        assert_eq!(v["at"], "2026-12-05T11:44:06.432000Z");
+        assert!(v["maybe"].is_null());
+        let whole = serde_json::to_value(T {
+            at: at(1_796_471_046_000),
+            maybe: Some(at(1_796_471_046_000)),
+        })
+        .expect("json");
+        assert_eq!(whole["maybe"], "2026-12-05T11:44:06.000000Z");
+    }
 
     fn nested(n: usize) -> String {
         format!("{}{}", "[".repeat(n), "]".repeat(n))

@@ -26,8 +26,10 @@ pub struct EventRow {
     pub fraction: Option<f64>,
     pub checkpoint: bool,
     /// The executor's own clock, when it sent one.
+    #[serde(serialize_with = "crate::json::utc_micros_opt")]
     pub executor_at: Option<DateTime<Utc>>,
     /// When the supervisor stored it (the database clock).
+    #[serde(serialize_with = "crate::json::utc_micros")]
     pub at: DateTime<Utc>,
 }
 
@@ -38,6 +40,7 @@ pub struct Progress {
     pub sequence: i64,
     pub fraction: Option<f64>,
     pub message: String,
+    #[serde(serialize_with = "crate::json::utc_micros")]
     pub at: DateTime<Utc>,
 }
 
@@ -58,7 +61,9 @@ pub struct RunSummary {
     pub name: String,
     pub state: String,
     pub cancel_requested: bool,
+    #[serde(serialize_with = "crate::json::utc_micros")]
     pub created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::json::utc_micros_opt")]
     pub finished_at: Option<DateTime<Utc>>,
     /// Step counts by state; `waiting` counts the steps not created yet
     /// (their dependencies have not all succeeded). States with no step are left out.
@@ -566,6 +571,7 @@ pub struct ArtifactInfo {
     pub step_run_id: Uuid,
     pub attempt: i32,
     pub run_id: Uuid,
+    #[serde(serialize_with = "crate::json::utc_micros")]
     pub created_at: DateTime<Utc>,
 }
 

@@ -535,7 +535,10 @@ pub struct StepStatus {
     pub kind: String,
     pub idempotency_key: String,
     pub cancel_requested: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        serialize_with = "crate::json::utc_micros_opt",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub next_attempt_at: Option<DateTime<Utc>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub output: Option<serde_json::Value>,
@@ -559,8 +562,10 @@ pub struct RunStatus {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
     pub cancel_requested: bool,
+    #[serde(serialize_with = "crate::json::utc_micros")]
     pub created_at: DateTime<Utc>,
     /// `null` while the run is open (as `runs --json` shows it).
+    #[serde(serialize_with = "crate::json::utc_micros_opt")]
     pub finished_at: Option<DateTime<Utc>>,
     pub steps: Vec<StepStatus>,
     /// Steps not created yet: they wait for their dependencies to succeed.

@@ -61,6 +61,7 @@ pub struct RetentionBatch {
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RetentionReport {
     /// Runs finished before this were removed.
+    #[serde(serialize_with = "crate::json::utc_micros_opt")]
     pub cutoff: Option<DateTime<Utc>>,
     pub runs: u64,
     pub steps: u64,
@@ -101,6 +102,7 @@ impl RetentionReport {
 /// What a pass would remove now (`supervisor gc --dry-run`).
 #[derive(Debug, Clone, Serialize)]
 pub struct RetentionPreview {
+    #[serde(serialize_with = "crate::json::utc_micros")]
     pub cutoff: DateTime<Utc>,
     pub runs: i64,
     pub steps: i64,
