@@ -1072,7 +1072,9 @@ async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
             }
         );
     }
-    Ok(0)
+    // an interrupted pass is not done: `gc && …` must not go on as if it
+    // were (operator audit: it exited 0)
+    Ok(if r.interrupted { 130 } else { 0 })
 }
 
 /// `supervisor worker`: runs a worker until SIGTERM or SIGINT.

@@ -848,3 +848,58 @@ async fn a_run_deleted_by_hand_takes_its_history_with_it() {
         "another run's rows"
     );
 }
+
+/// `gc` stopped by SIGINT after a batch says so and exits 130: it exited 0,
+/// so `gc && …` went on as if every old run were gone (operator audit).
+#[tokio::test]
+async fn an_interrupted_gc_exits_130() {
+    let t = TestDb::new().await;
+    for i in 0..400 {
+        let run = t
+            .submit(tests::one_step(&format!("r{i}"), "go", "k", json!({})))
+            .await;
+        t.db.cancel(run, None).await.expect("cancel");
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let child = std::process::Command::new(tests::supervisor_bin())
+        .args([
+            "gc",
+            "--older-than",
+            "1s",
+            "--batch-runs",
+            "1",
+            "--no-vacuum",
+        ])
+        .env("DATABASE_URL", &t.url)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("gc");
+    // once it has removed some, and long before the 400th batch
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while t
+        .scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+        .await
+        == 400
+    {
+        assert!(std::time::Instant::now() < until, "gc removed nothing");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .expect("SIGINT");
+    let out = child.wait_with_output().expect("wait");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let left = t
+        .scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+        .await;
+    if left == 0 {
+        // the signal came after the last batch: done, and said so
+        assert_eq!(out.status.code(), Some(0), "{text}");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(130), "{text}");
+    assert!(text.contains("interrupted: run it again"), "{text}");
+}
