@@ -364,6 +364,20 @@ async fn events_and_status_of_a_real_run() {
         sleepy.last().map(|e| e["kind"].clone()),
         Some(json!("succeeded"))
     );
+    // an executor's error ends its attempt as `CODE: message`, as the
+    // supervisor's endings do (the code was missing from events)
+    let first_end = events
+        .iter()
+        .filter(|e| e["step"] == "flaky" && e["attempt"] == 1)
+        .next_back()
+        .expect("flaky's first attempt");
+    assert_eq!(first_end["kind"], "retryable_failed", "{first_end}");
+    assert!(
+        first_end["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("UPSTREAM_503: ")),
+        "{first_end}"
+    );
     let flaky_attempts: BTreeSet<i64> = events
         .iter()
         .filter(|e| e["step"] == "flaky")

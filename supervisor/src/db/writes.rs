@@ -316,8 +316,11 @@ impl DbConn<'_> {
         let decision = state::decide_failure(&facts, &report.failure, row.get("db_now"), jitter);
         match report.sequence {
             Some(seq) => {
-                insert_terminal_event(&mut tx, lease, seq, decision.to.as_str(), &report.message)
-                    .await?
+                // `CODE: message`, as every ending the supervisor writes:
+                // `events` showed an executor's message without its code
+                // (operator audit)
+                let message = format!("{}: {}", report.failure.code, report.message);
+                insert_terminal_event(&mut tx, lease, seq, decision.to.as_str(), &message).await?
             }
             None => {
                 let message = format!("{}: {}", report.failure.code, report.message);
