@@ -1820,7 +1820,7 @@ fn status_text(
             p.trim().to_owned(),
             s.error
                 .as_ref()
-                .map(|e| cell(&e.code, 40))
+                .map(|e| crate::watch::error_label(&s.state, &cell(&e.code, 40)))
                 .unwrap_or_default(),
         ]);
     }
@@ -1846,7 +1846,7 @@ fn status_text(
                 out.push_str(&format!(
                     "{}: {}: {}{}{}\n",
                     cell(&s.name, 40),
-                    cell(&e.code, 40),
+                    crate::watch::error_label(&s.state, &cell(&e.code, 40)),
                     cell(&e.message, 400),
                     s.next_attempt_at
                         .map(|t| format!(" (next attempt at {})", when(&t)))

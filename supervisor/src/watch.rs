@@ -367,7 +367,7 @@ impl View {
             line.push_str(&format!("  {}", elapsed(ms)));
         }
         if let Some(code) = &s.error_code {
-            line.push_str(&format!("  {}", clean(code, 40)));
+            line.push_str(&format!("  {}", error_label(&s.state, &clean(code, 40))));
         } else if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
             line.push_str(&format!("  {}", clean(m, 200)));
         }
@@ -445,9 +445,21 @@ fn plain_line(s: &WatchStep) -> String {
         line.push_str(&format!(", {}", clean(m, 200)));
     }
     if let Some(code) = &s.error_code {
-        line.push_str(&format!(", {}", clean(code, 40)));
+        line.push_str(&format!(", {}", error_label(&s.state, &clean(code, 40))));
     }
     line
+}
+
+/// A step's error code as shown beside its state: the error of a step that
+/// is leased or running again is an earlier attempt's (operator audit:
+/// "running, attempt 2, … LEASE_LOST" read as a failure of the attempt that
+/// runs).
+pub fn error_label(state: &str, code: &str) -> String {
+    if matches!(state, "leased" | "running") {
+        format!("{code} (earlier attempt)")
+    } else {
+        code.to_owned()
+    }
 }
 
 /// The end: each failed step's error, then the run's final state.

@@ -891,7 +891,8 @@ async fn status_says_why_an_ended_step_was_not_retried_or_was_cancelled() {
     let run = t
         .submit(json!({"name": "ends", "steps": [
             {"name": "dl", "executor_kind": "go", "kind": "k"},
-            {"name": "later", "executor_kind": "go", "kind": "k"}]}))
+            {"name": "later", "executor_kind": "go", "kind": "k"},
+            {"name": "again", "executor_kind": "go", "kind": "k"}]}))
         .await;
     let set = |q: &'static str| {
         let pool = t.db.pool().clone();
@@ -913,6 +914,13 @@ async fn status_says_why_an_ended_step_was_not_retried_or_was_cancelled() {
           WHERE run_id = $1 AND name = 'later'",
     )
     .await;
+    // a step running again after an attempt that failed
+    set(
+        "UPDATE durable.step_runs SET error_code = 'LEASE_LOST', error_message = 'lost',
+                error_retryable = true
+          WHERE run_id = $1 AND name = 'again'",
+    )
+    .await;
     set("UPDATE durable.step_runs SET state = 'terminal_failed', error_code = 'ATTEMPT_TIMEOUT',
                 error_message = 'the attempt ran past timeout_ms = 1500', error_retryable = true,
                 transition_reason = 'ATTEMPT_TIMEOUT: the next attempt would start after the step deadline'
@@ -926,6 +934,11 @@ async fn status_says_why_an_ended_step_was_not_retried_or_was_cancelled() {
     );
     assert!(
         text.contains("later: DEMO_FAILURE: failing attempt 1 (then cancelled: RUN_FAILED)"),
+        "{text}"
+    );
+    // the running step's error is an earlier attempt's, and says so
+    assert!(
+        text.contains("again: LEASE_LOST (earlier attempt): lost"),
         "{text}"
     );
     let v = json_of(
