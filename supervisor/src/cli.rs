@@ -1164,7 +1164,7 @@ async fn conformance(
     json: bool,
 ) -> Result<u8, CliError> {
     use crate::conformance::{self, ConformanceError};
-    let cfg = WorkerConfig::load(config)?;
+    let cfg = WorkerConfig::load_for_probe(config)?;
     let reports = conformance::run(&cfg, executor, kinds)
         .await
         .map_err(|e| match e {
@@ -1185,7 +1185,7 @@ async fn conformance(
 
 /// `supervisor executors`: probes every configured executor.
 async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
-    let cfg = WorkerConfig::load(config)?;
+    let cfg = WorkerConfig::load_for_probe(config)?;
     let spawner = crate::process::Spawner::start().map_err(WorkerError::Spawner)?;
     let mut all_ok = true;
     for e in &cfg.executors {

@@ -410,10 +410,26 @@ impl WorkerConfig {
         Self::load_with_env(path, std::env::vars_os())
     }
 
+    /// [`WorkerConfig::load`] for the commands that start the executors
+    /// without a database (`executors`, `conformance`): the pool's size is
+    /// not checked (SDK audit: a developer checking an executor had to raise
+    /// `db_max_connections`, a setting those commands never use).
+    pub fn load_for_probe(path: &Path) -> Result<WorkerConfig, ConfigError> {
+        Self::load_checked(path, std::env::vars_os(), true)
+    }
+
     /// [`WorkerConfig::load`] with the environment given explicitly.
     pub fn load_with_env(
         path: &Path,
         vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+    ) -> Result<WorkerConfig, ConfigError> {
+        Self::load_checked(path, vars, false)
+    }
+
+    fn load_checked(
+        path: &Path,
+        vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+        probe_only: bool,
     ) -> Result<WorkerConfig, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
@@ -445,6 +461,9 @@ impl WorkerConfig {
                 source,
             })?,
         );
+        if probe_only {
+            cfg.db_max_connections = cfg.db_max_connections.max(cfg.min_db_connections());
+        }
         cfg.validate().map_err(|e| match e {
             ConfigError::Invalid(m) if applied.is_empty() => {
                 ConfigError::Invalid(format!("{m} (in {})", path.display()))

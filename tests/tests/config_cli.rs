@@ -809,3 +809,30 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
     assert_eq!(v["leased_kinds"], serde_json::json!(["demo.echo"]), "{v}");
     assert_eq!(v["persistent"], false);
 }
+
+/// `executors` (and `conformance`) start the executors without a database:
+/// a pool too small for a worker's concurrency is no reason to refuse them
+/// (SDK audit: a developer checking an executor had to raise
+/// `db_max_connections`); the worker still refuses it.
+#[test]
+fn checking_executors_needs_no_database_pool() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let demo = tests::go_demo("go", &[], None).command;
+    let entries: String = (1..=3)
+        .map(|i| format!("[[executors]]\nname = \"go{i}\"\ncommand = {demo:?}\nconcurrency = 4\n"))
+        .collect();
+    let file = write(dir.path(), "three.toml", &entries);
+    let o = Command::new(tests::supervisor_bin())
+        .args(["executors", "--config", &file])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("executors");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 3);
+    assert_invalid(
+        &start(&file, &[]),
+        &["db_max_connections = 10 is smaller"],
+        "a worker still needs the pool",
+    );
+}
