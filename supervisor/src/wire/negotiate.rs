@@ -132,12 +132,23 @@ impl NegotiationError {
     }
 }
 
+/// Revisions for a message: each as it is when it looks like one (`1.0`),
+/// else quoted, so that an empty or odd string shows (SDK audit: `["", ""]`
+/// read "the executor speaks , ,").
 fn list(v: &[String]) -> String {
     if v.is_empty() {
-        "nothing".into()
-    } else {
-        v.join(", ")
+        return "nothing".into();
     }
+    v.iter()
+        .map(|r| {
+            if !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+                r.clone()
+            } else {
+                format!("{r:?}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Agrees on a revision, features and frame limits with the executor that
@@ -214,6 +225,13 @@ pub fn prepare_job(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn revisions_that_are_not_ones_are_quoted_in_messages() {
+        assert_eq!(list(&["1.0".into(), "1.1".into()]), "1.0, 1.1");
+        assert_eq!(list(&["".into(), "banana".into()]), "\"\", \"banana\"");
+        assert_eq!(list(&[]), "nothing");
+    }
     use crate::wire::ToExecutor;
 
     fn hello(versions: &[&str], features: &[&str], max_frame_bytes: u64) -> Hello {
