@@ -841,7 +841,18 @@ async fn watch(
             crate::watch::stop_signal(),
         )
         .await
-        .map_err(explain)
+        .map_err(|e| {
+            if e.is_transient() {
+                // what the user needs to know first: the database went away
+                // (operator audit: only "pool timed out while waiting for an
+                // open connection" was printed)
+                CliError::Other(format!(
+                    "the database stopped answering while watching the run ({e})"
+                ))
+            } else {
+                explain(e)
+            }
+        })
     };
     match followed.await {
         Ok(end) => Ok(end.exit_code()),
