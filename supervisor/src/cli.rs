@@ -482,6 +482,9 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
                 i += len;
                 continue;
             }
+            // DEL is the one control character the json format writes as
+            // it is: its JSON escape keeps the line JSON
+            0x7f => out.extend_from_slice(br"\u007f"),
             _ => out.extend_from_slice(format!("\\x{b:02x}").as_bytes()),
         }
         i += 1;
@@ -1998,7 +2001,7 @@ mod tests {
                 "code=C\x1b[31mX sdk=\x1b]0;TITLE\x07 \u{85}\u{2028}\u{7f}\n",
                 false
             ),
-            "code=C\\x1b[31mX sdk=\\x1b]0;TITLE\\x07 \\u0085\\u2028\\x7f\n"
+            "code=C\\x1b[31mX sdk=\\x1b]0;TITLE\\x07 \\u0085\\u2028\\u007f\n"
         );
         // with colours: the formatter's SGR kept, anything else escaped
         assert_eq!(
@@ -2022,9 +2025,9 @@ mod tests {
             std::borrow::Cow::Borrowed(_)
         ));
         // a line of the json format stays JSON, its strings' values the same
-        let json_line = "{\"message\":\"a\u{2028}b\u{85}c\u{202e}d\"}\n";
+        let json_line = "{\"message\":\"a\u{2028}b\u{85}c\u{202e}d\u{7f}e\"}\n";
         let v: serde_json::Value = serde_json::from_str(&w(json_line, false)).expect("still JSON");
-        assert_eq!(v["message"], "a\u{2028}b\u{85}c\u{202e}d");
+        assert_eq!(v["message"], "a\u{2028}b\u{85}c\u{202e}d\u{7f}e");
     }
 
     #[test]

@@ -370,19 +370,41 @@ async fn a_result_answering_the_drains_stop_is_kept() {
 }
 
 /// A step whose executor was still starting when the stop signal came is
-/// given back unstarted, uncounted, not sent to the executor once it is
-/// ready: the job would start work after the signal, likely to be cut by the
-/// drain's timeout (upgrade audit: a job was accepted 3 s after SIGTERM and
-/// released 1 s later).
+/// given back unstarted, uncounted, at once: neither sent to the executor
+/// once it is ready (upgrade audit: a job was accepted 3 s after SIGTERM and
+/// released 1 s later) nor held until its hello comes (re-check audit: the
+/// drain waited up to handshake_timeout_ms for a process that would never
+/// get the job).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_executor_was_starting_at_the_signal_is_not_sent() {
     let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let slow_now = dir.path().join("slow");
     let mut slow = go_demo("go", &[], None);
-    slow.args = vec!["-c".into(), format!("sleep 2; exec '{}'", slow.command)];
+    // the worker's probe starts at once; the attempt's process takes 20 s
+    slow.args = vec![
+        "-c".into(),
+        format!(
+            "if [ -e '{}' ]; then sleep 20; fi; exec '{}'",
+            slow_now.display(),
+            slow.command
+        ),
+    ];
     slow.command = "/bin/sh".into();
     let mut cfg = fast_config(vec![slow]);
-    cfg.handshake_timeout_ms = 10_000;
+    cfg.handshake_timeout_ms = 60_000;
+    // a drain long enough that only the hello's wait could end it late
+    cfg.drain_timeout_ms = 60_000;
     let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    // the worker has started (its probe answered) once it leases a step
+    let before = t
+        .submit(tests::one_step("before", "go", "demo.echo", json!({})))
+        .await;
+    assert_eq!(
+        t.wait_terminal(before, Duration::from_secs(30)).await.state,
+        "succeeded"
+    );
+    std::fs::write(&slow_now, b"").expect("flag");
     let run = t
         .submit(tests::one_step("starting", "go", "demo.echo", json!({})))
         .await;
@@ -390,9 +412,15 @@ async fn a_job_whose_executor_was_starting_at_the_signal_is_not_sent() {
         s.steps.first().is_some_and(|s| s.state == "leased")
     })
     .await;
+    let signalled = Instant::now();
     w.signal(Signal::SIGTERM);
     let code = w.wait(Duration::from_secs(30)).await;
     assert_eq!(code, Some(0), "{}", w.stderr());
+    assert!(
+        signalled.elapsed() < Duration::from_secs(10),
+        "the drain waited for the starting executor's hello: {:?}",
+        signalled.elapsed()
+    );
     let (state, code, uncounted, unstarted, events): (String, Option<String>, i32, bool, i64) =
         sqlx::query_as(
             "SELECT s.state, s.error_code, s.uncounted_attempts, s.started_at IS NULL,

@@ -1227,6 +1227,13 @@ async fn hello_of(
                 message: "the worker shut down while the executor started; no job was sent".into(),
             }).await);
         }
+        // a drain sends no job: the step goes back now, not once the
+        // executor's hello comes (re-check audit: up to handshake_timeout_ms)
+        _ = shared.draining.cancelled() => {
+            return Err(stop_now(child, cfg, Outcome::Released {
+                message: "the worker began to stop while the executor started; no job was sent".into(),
+            }).await);
+        }
         c = until_stopped(control, shared.stop_budget()) => {
             return Err(stop_now(child, cfg, before_job_outcome(c)).await);
         }

@@ -242,14 +242,22 @@ pub(crate) fn precedence(
         (None, Some(Terminal::Error(e))) => {
             if !accepted {
                 if REFUSAL_CODES.contains(&e.code.as_str()) || e.code.is_empty() || e.retryable {
-                    Verdict::Outcome(Outcome::Refused {
-                        code: if e.code.is_empty() {
-                            "EXECUTOR_REFUSED".into()
-                        } else {
-                            e.code
-                        },
-                        message: e.message,
-                    })
+                    // a refusal's code is checked as a failure's is: an
+                    // empty, reserved or not UPPER_SNAKE_CASE one is
+                    // EXECUTOR_REFUSED, the code sent named in the message
+                    // (re-check audit: an escape sequence, or
+                    // DEADLINE_EXCEEDED, was stored as sent)
+                    let (code, message) = if e.code.is_empty() {
+                        ("EXECUTOR_REFUSED".into(), e.message)
+                    } else if is_reserved(&e.code) || !is_code(&e.code) {
+                        (
+                            "EXECUTOR_REFUSED".into(),
+                            format!("(refused with the code {:?}) {}", e.code, e.message),
+                        )
+                    } else {
+                        (e.code, e.message)
+                    };
+                    Verdict::Outcome(Outcome::Refused { code, message })
                 } else {
                     Verdict::Outcome(executor_failure(e))
                 }

@@ -292,6 +292,23 @@ fn precedence_of_outcomes() {
             false,
             "refused (EXECUTOR_REFUSED)",
         ),
+        // a refusal's code is checked as a failure's (re-check audit)
+        (
+            None,
+            Some(Terminal::Error(err(1, "DEADLINE_EXCEEDED", true))),
+            false,
+            false,
+            false,
+            "refused (EXECUTOR_REFUSED)",
+        ),
+        (
+            None,
+            Some(Terminal::Error(err(1, "X\u{1b}]0;T\u{7}", true))),
+            false,
+            false,
+            false,
+            "refused (EXECUTOR_REFUSED)",
+        ),
         (
             None,
             Some(Terminal::Error(err(1, "BAD_INPUT", false))),
