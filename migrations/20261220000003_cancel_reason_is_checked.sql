@@ -16,9 +16,13 @@ BEGIN
     -- the reason is written into the history and the steps' rows by a
     -- function that runs as the schema's owner: one bounded line
     reason := coalesce(reason, 'CANCEL_REQUESTED');
-    IF length(reason) > 200 OR btrim(reason, E' \t\r\n\f' || chr(11)) = '' OR reason ~ '[[:cntrl:]]' THEN
-        RAISE EXCEPTION 'cancel reason %: give a line of at most 200 characters without control characters, like MAINTENANCE or "user requested" (default CANCEL_REQUESTED)',
-            left(to_json(reason)::text, 80) USING ERRCODE = '22023';
+    IF length(reason) > 200 OR btrim(reason, E' \t\r\n\f' || chr(11)) = ''
+       OR reason ~ '[[:cntrl:]\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\u061c]' THEN
+        RAISE EXCEPTION 'cancel reason %: give a line of at most 200 characters without control characters or line separators, like MAINTENANCE or "user requested" (default CANCEL_REQUESTED)',
+            CASE WHEN length(reason) > 60
+                 THEN to_json(left(reason, 40) || '…')::text || ' (' || length(reason) || ' characters)'
+                 ELSE to_json(reason)::text END
+            USING ERRCODE = '22023';
     END IF;
     SELECT state, coalesce(idempotency_key, id::text) INTO cur, run_key
       FROM durable.workflow_runs WHERE id = rid FOR NO KEY UPDATE;

@@ -1202,6 +1202,8 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
     let cfg = WorkerConfig::load_for_probe(config)?;
     let spawner = crate::process::Spawner::start().map_err(WorkerError::Spawner)?;
     let mut all_ok = true;
+    // a kinds list the worker would refuse is a config error, 2, as there
+    let mut misconfigured = false;
     for e in &cfg.executors {
         match crate::worker::probe(&spawner, e, &cfg).await {
             Ok(h) => {
@@ -1211,7 +1213,7 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                 // list matching none of the kinds offered passed here, and
                 // the worker refused to start)
                 if let Err(err) = crate::worker::check_kinds(e, &h, &routes) {
-                    all_ok = false;
+                    misconfigured = true;
                     eprintln!("error: {err}");
                 }
                 let mut leased: Vec<&str> = routes.iter().map(|r| r.kind.as_str()).collect();
@@ -1246,7 +1248,13 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
             }
         }
     }
-    Ok(if all_ok { 0 } else { 1 })
+    Ok(if misconfigured {
+        2
+    } else if all_ok {
+        0
+    } else {
+        1
+    })
 }
 
 /// Runs a worker with the bundled executors; optionally submits a spec and

@@ -140,7 +140,15 @@ async fn a_cancel_reason_is_one_bounded_line() {
         || json!({"name": "why", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]});
     let run = t.submit(one()).await;
     let long = "x".repeat(201);
-    for bad in ["", " \t ", "two\nlines", "esc \u{1b}[2J", long.as_str()] {
+    for bad in [
+        "",
+        " \t ",
+        "two\nlines",
+        "esc \u{1b}[2J",
+        "line\u{2028}separator",
+        "bidi \u{202e}override",
+        long.as_str(),
+    ] {
         let err = sqlx::query("SELECT durable.cancel_run($1, NULL, $2)")
             .bind(run)
             .bind(bad)
@@ -152,6 +160,14 @@ async fn a_cancel_reason_is_one_bounded_line() {
             "{bad:?}: {err}"
         );
     }
+    // a long one is quoted cut short, its length said
+    let err = sqlx::query("SELECT durable.cancel_run($1, NULL, $2)")
+        .bind(run)
+        .bind(&long)
+        .execute(t.db.pool())
+        .await
+        .expect_err("long");
+    assert!(err.to_string().contains("…\" (201 characters)"), "{err}");
     assert_eq!(
         t.status(run).await.state,
         "pending",

@@ -949,4 +949,10 @@ async fn status_says_why_an_ended_step_was_not_retried_or_was_cancelled() {
         "ATTEMPT_TIMEOUT: the next attempt would start after the step deadline"
     );
     assert_eq!(v["steps"][1]["reason"], "RUN_FAILED");
+    // and --json says so too
+    assert_eq!(v["steps"][2]["error"]["earlier_attempt"], true, "{v}");
+    assert!(
+        v["steps"][0]["error"].get("earlier_attempt").is_none(),
+        "{v}"
+    );
 }

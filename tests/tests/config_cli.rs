@@ -797,7 +797,7 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
         )
     };
     let (code, _, err) = run(r#"["demo.nope"]"#);
-    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(code, Some(2), "a config error, as for the worker: {err}");
     assert!(err.contains("matches none of the kinds it offers"), "{err}");
     let (code, out, err) = run(r#"["demo.echo", "demo.typo"]"#);
     assert_eq!(code, Some(0), "{err}");

@@ -509,6 +509,10 @@ pub struct StepError {
     pub retryable: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub details: Option<serde_json::Value>,
+    /// The error is an earlier attempt's: the step is leased or running
+    /// again (only then written, `true`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub earlier_attempt: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -401,6 +401,7 @@ fn step_status(r: &PgRow, artifacts: Vec<ArtifactSummary>) -> StepStatus {
             .unwrap_or_default(),
         retryable: r.get::<Option<bool>, _>("error_retryable").unwrap_or(false),
         details: stored_json(r, "error_details"),
+        earlier_attempt: matches!(state.as_str(), "leased" | "running"),
     });
     // when it is retried next: only a step waiting for its retry has one
     let next_attempt_at: Option<DateTime<Utc>> = if state == "retryable_failed" {

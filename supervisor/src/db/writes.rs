@@ -319,7 +319,11 @@ impl DbConn<'_> {
                 // `CODE: message`, as every ending the supervisor writes:
                 // `events` showed an executor's message without its code
                 // (operator audit)
-                let message = format!("{}: {}", report.failure.code, report.message);
+                let message = if report.message.is_empty() {
+                    report.failure.code.clone()
+                } else {
+                    format!("{}: {}", report.failure.code, report.message)
+                };
                 insert_terminal_event(&mut tx, lease, seq, decision.to.as_str(), &message).await?
             }
             None => {
