@@ -493,15 +493,21 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(out)
 }
 
-/// The driver logs a connection URL's parameter it does not know with its
-/// value, which may be a password (`?sslpassword=…`; security audit): its
-/// URL parser logs errors only, whatever `RUST_LOG` says, and `Db::connect`
-/// names such parameters without their values.
+/// Two of the driver's warnings, whatever `RUST_LOG` says, are errors only:
+/// its URL parser logs a parameter it does not know with its value, which
+/// may be a password (`?sslpassword=…`; security audit; `Db::connect` names
+/// such parameters without their values), and its pool logs every broken
+/// connection it finds as it takes one back after a database restart, a
+/// burst of "Broken pipe" beside the worker's own lines, which say what
+/// failed and that it retries (chaos audit).
 fn quiet_url_parser(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
-    match "sqlx_postgres::options::parse=error".parse() {
-        Ok(d) => filter.add_directive(d),
-        Err(_) => filter,
-    }
+    [
+        "sqlx_postgres::options::parse=error",
+        "sqlx_core::pool::connection=error",
+    ]
+    .iter()
+    .filter_map(|d| d.parse().ok())
+    .fold(filter, |f, d| f.add_directive(d))
 }
 
 fn init_tracing_to(format: &str, file: std::fs::File) {
