@@ -471,23 +471,12 @@ impl DbConn<'_> {
             // transaction holds is left for a later pass); a step being
             // leased or cancelled right now is skipped (the lease fails it at
             // once, a cancel ends it anyway)
-            let Some(mut tx) = held.begin(&mut s, id, run).await? else {
+            let Some(tx) = held.begin(&mut s, id, run).await? else {
                 continue;
             };
-            if take_and_fail_overdue(
-                &mut tx,
-                id,
-                worker_id,
-                worker_name,
-                "before a worker could start it",
-            )
-            .await?
-            {
-                tx.commit()
-                    .await
-                    .ctx("committing an overdue step's failure")?;
-                ended += 1;
-            }
+            let when = "before a worker could start it";
+            ended +=
+                usize::from(take_and_fail_overdue(tx, id, worker_id, worker_name, when).await?);
         }
         for (run, name) in waiting {
             if held.0.contains(&run) {
@@ -508,20 +497,9 @@ impl DbConn<'_> {
             let Some(id) = id else {
                 continue;
             };
-            if take_and_fail_overdue(
-                &mut tx,
-                id,
-                worker_id,
-                worker_name,
-                "while it waited for its dependencies",
-            )
-            .await?
-            {
-                tx.commit()
-                    .await
-                    .ctx("committing an overdue waiting step's failure")?;
-                ended += 1;
-            }
+            let when = "while it waited for its dependencies";
+            ended +=
+                usize::from(take_and_fail_overdue(tx, id, worker_id, worker_name, when).await?);
         }
         s.done().await?;
         Ok(ended)
@@ -529,11 +507,12 @@ impl DbConn<'_> {
 }
 
 /// Takes an overdue step this transaction's run lock covers (a lease,
-/// reason `DEADLINE_EXCEEDED`) and fails it terminally `DEADLINE_EXCEEDED`,
-/// its message saying the deadline passed `when`; `false` when it was no
-/// longer one to take (leased, cancelled, its deadline moved).
+/// reason `DEADLINE_EXCEEDED`), fails it terminally `DEADLINE_EXCEEDED`, its
+/// message saying the deadline passed `when`, and commits; `false` (nothing
+/// committed) when it was no longer one to take (leased, cancelled, its
+/// deadline moved).
 async fn take_and_fail_overdue(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
     id: Uuid,
     worker_id: Uuid,
     worker_name: &str,
@@ -557,7 +536,7 @@ async fn take_and_fail_overdue(
     .bind(id)
     .bind(worker_id)
     .bind(worker_name)
-    .fetch_optional(&mut **tx)
+    .fetch_optional(&mut *tx)
     .await
     .ctx("taking an overdue step")?;
     let Some(row) = row else {
@@ -572,7 +551,10 @@ async fn take_and_fail_overdue(
         Some(d) => format!("the step deadline {d} passed {when}"),
         None => format!("the step deadline passed {when}"),
     };
-    fail_locked_row(tx, id, &row, worker_name, failure, why).await?;
+    fail_locked_row(&mut tx, id, &row, worker_name, failure, why).await?;
+    tx.commit()
+        .await
+        .ctx("committing an overdue step's failure")?;
     Ok(true)
 }
 
