@@ -95,31 +95,14 @@ pub(crate) enum Outcome {
 impl Outcome {
     /// The outcome with `note` added to its message: a failure's, a
     /// cancellation's or a release's (the others' messages are not stored).
-    fn noted(self, note: &str) -> Outcome {
-        match self {
-            Outcome::Failed {
-                code,
-                message,
-                retryable,
-                details,
-                next_retry_delay_ms,
-                sequence,
-            } => Outcome::Failed {
-                code,
-                message: format!("{message}{note}"),
-                retryable,
-                details,
-                next_retry_delay_ms,
-                sequence,
-            },
-            Outcome::Cancelled { message } => Outcome::Cancelled {
-                message: format!("{message}{note}"),
-            },
-            Outcome::Released { message } => Outcome::Released {
-                message: format!("{message}{note}"),
-            },
-            o => o,
+    fn noted(mut self, note: &str) -> Outcome {
+        match &mut self {
+            Outcome::Failed { message, .. }
+            | Outcome::Cancelled { message }
+            | Outcome::Released { message } => message.push_str(note),
+            _ => {}
         }
+        self
     }
 
     fn failed(code: &str, retryable: bool, message: impl Into<String>) -> Outcome {
