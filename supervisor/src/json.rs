@@ -236,16 +236,10 @@ pub fn storable(v: Value) -> Value {
 /// the point (the exponent moves the point) and its scale (the literal's
 /// digits after the point minus the exponent), each within PostgreSQL's limits.
 fn numeric_can_hold(text: &str) -> bool {
-    let t = text.trim_start_matches('-');
-    let (mantissa, exp) = match t.find(['e', 'E']) {
-        Some(i) => match t[i + 1..].parse::<i64>() {
-            Ok(e) => (&t[..i], e),
-            // an exponent beyond i64 is beyond numeric either way
-            Err(_) => return false,
-        },
-        None => (t, 0),
+    // an exponent beyond i64 is beyond numeric either way
+    let Some(NumberParts { int, frac, exp, .. }) = number_parts(text) else {
+        return false;
     };
-    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     let scale = (frac.len() as i64).saturating_sub(exp);
     if scale > NUMERIC_MAX_FRAC_DIGITS {
         return false;
@@ -263,9 +257,111 @@ fn numeric_can_hold(text: &str) -> bool {
     }
 }
 
+/// A JSON number's text taken apart: its sign, the digits before and after
+/// the point, and its exponent (0 when it has none).
+struct NumberParts<'a> {
+    negative: bool,
+    int: &'a str,
+    frac: &'a str,
+    exp: i64,
+    has_exponent: bool,
+}
+
+/// `None` when the exponent is beyond `i64`.
+fn number_parts(text: &str) -> Option<NumberParts<'_>> {
+    let (negative, t) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exp, has_exponent) = match t.find(['e', 'E']) {
+        Some(i) => (&t[..i], t[i + 1..].parse::<i64>().ok()?, true),
+        None => (t, 0, false),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    Some(NumberParts {
+        negative,
+        int,
+        frac,
+        exp,
+        has_exponent,
+    })
+}
+
+/// How PostgreSQL's `numeric` (and so `jsonb`) writes the JSON number
+/// `text`, when that differs from `text`: an exponent written out
+/// (`1.2345678e7` → `12345678`, `1.5E-7` → `0.00000015`, keeping as many
+/// digits after the point as the text meant) and no sign on zero. `None`
+/// when it is spelled as written, or for an exponent beyond a few thousand
+/// (what the redactor looks for in it is never that long).
+pub fn stored_spelling(text: &str) -> Option<String> {
+    let NumberParts {
+        negative,
+        int,
+        frac,
+        exp,
+        has_exponent,
+    } = number_parts(text)?;
+    let zero = int.bytes().chain(frac.bytes()).all(|b| b == b'0');
+    if !(has_exponent || negative && zero) {
+        return None;
+    }
+    if exp.abs() > 4096 || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let digits = format!("{int}{frac}");
+    let point = int.len() as i64 + exp;
+    let scale = (frac.len() as i64 - exp).max(0) as usize;
+    let (whole, mut fraction) = if point <= 0 {
+        (
+            "0".to_owned(),
+            format!("{}{digits}", "0".repeat((-point) as usize)),
+        )
+    } else if point as usize >= digits.len() {
+        (
+            format!("{digits}{}", "0".repeat(point as usize - digits.len())),
+            String::new(),
+        )
+    } else {
+        (
+            digits[..point as usize].to_owned(),
+            digits[point as usize..].to_owned(),
+        )
+    };
+    let whole = whole.trim_start_matches('0');
+    let whole = if whole.is_empty() { "0" } else { whole };
+    fraction.truncate(scale);
+    while fraction.len() < scale {
+        fraction.push('0');
+    }
+    let sign = if negative && !zero { "-" } else { "" };
+    Some(if scale > 0 {
+        format!("{sign}{whole}.{fraction}")
+    } else {
+        format!("{sign}{whole}")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A number as `jsonb` spells it, when that is not as written.
+    #[test]
+    fn a_numbers_stored_spelling() {
+        for (text, stored) in [
+            ("1.2345678e7", Some("12345678")),
+            ("1.5E-7", Some("0.00000015")),
+            ("1.50e1", Some("15.0")),
+            ("15e3", Some("15000")),
+            ("-0", Some("0")),
+            ("-0.0e0", Some("0.0")),
+            ("-2.5e-1", Some("-0.25")),
+            ("12345678", None),
+            ("-1.5", None),
+        ] {
+            assert_eq!(stored_spelling(text).as_deref(), stored, "{text}");
+        }
+    }
 
     /// Timestamps in the CLI's JSON have six digits after the second, so
     /// that they line up and sort as their times do.

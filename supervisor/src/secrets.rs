@@ -28,16 +28,16 @@ use std::path::Path;
 /// The longest secret name (the same rule as `durable.submit_run`).
 pub const NAME_MAX_LEN: usize = 128;
 
+/// What marks a text cut short: evidence's first bytes, a stderr line over
+/// its length (`…` at the end), the last bytes of a stream (`…` first).
+const CUT: &str = "…";
+
 /// Values shorter than this (in bytes) are not redacted as substrings: a
 /// secret `"1"` would turn every `1` in every message into a marker and make
 /// the text unreadable while protecting nothing (a 3-byte value can be guessed
 /// anyway). Such a value is still redacted where a whole string (a JSON
 /// string, a message, a key) equals it. [`Redactor::short_names`] lists them so
 /// the worker can warn.
-/// What marks a text cut short: evidence's first bytes, a stderr line over
-/// its length (`…` at the end), the last bytes of a stream (`…` first).
-const CUT: &str = "…";
-
 pub const MIN_REDACT_LEN: usize = 4;
 
 /// A secret file larger than this is refused (`SECRET_UNAVAILABLE`).
@@ -438,7 +438,7 @@ impl Redactor {
                 let text = n.to_string();
                 if let Cow::Owned(o) = self.redact_str(&text) {
                     *v = Value::String(o);
-                } else if let Some(stored) = stored_number(&text) {
+                } else if let Some(stored) = crate::json::stored_spelling(&text) {
                     // `jsonb` stores the number in its own spelling: a value
                     // spelled out there is a value stored (security audit:
                     // 1.2345678e7 was stored as the secret 12345678)
@@ -671,64 +671,6 @@ fn forms(value: &str) -> Vec<String> {
     out
 }
 
-/// How PostgreSQL's `numeric` (and so `jsonb`) writes the JSON number
-/// `text` when that differs from `text`: an exponent written out
-/// (`1.2345678e7` → `12345678`, `1.5E-7` → `0.00000015`, keeping as many
-/// digits after the point as the text meant) and no sign on zero. `None`
-/// when it is spelled as written, or for an exponent beyond a few thousand
-/// (no secret is that long).
-fn stored_number(text: &str) -> Option<String> {
-    let (negative, unsigned) = match text.strip_prefix('-') {
-        Some(rest) => (true, rest),
-        None => (false, text),
-    };
-    let (mantissa, exp) = match unsigned.find(['e', 'E']) {
-        Some(i) => (&unsigned[..i], unsigned[i + 1..].parse::<i64>().ok()?),
-        None => (unsigned, 0),
-    };
-    let has_exponent = mantissa.len() != unsigned.len();
-    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let zero = int.bytes().chain(frac.bytes()).all(|b| b == b'0');
-    if !(has_exponent || negative && zero) {
-        return None;
-    }
-    if exp.abs() > 4096 || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let digits = format!("{int}{frac}");
-    let point = int.len() as i64 + exp;
-    let scale = (frac.len() as i64 - exp).max(0) as usize;
-    let (whole, fraction) = if point <= 0 {
-        (
-            "0".to_owned(),
-            format!("{}{digits}", "0".repeat((-point) as usize)),
-        )
-    } else if point as usize >= digits.len() {
-        (
-            format!("{digits}{}", "0".repeat(point as usize - digits.len())),
-            String::new(),
-        )
-    } else {
-        (
-            digits[..point as usize].to_owned(),
-            digits[point as usize..].to_owned(),
-        )
-    };
-    let whole = whole.trim_start_matches('0');
-    let whole = if whole.is_empty() { "0" } else { whole };
-    let mut fraction = fraction;
-    fraction.truncate(scale);
-    while fraction.len() < scale {
-        fraction.push('0');
-    }
-    let sign = if negative && !zero { "-" } else { "" };
-    Some(if scale > 0 {
-        format!("{sign}{whole}.{fraction}")
-    } else {
-        format!("{sign}{whole}")
-    })
-}
-
 /// `[REDACTED]` or `[REDACTED:NAME]`.
 fn is_marker(s: &str) -> bool {
     s == REDACTED
@@ -921,22 +863,10 @@ fn replace_spans(s: &str, mut spans: Vec<(usize, usize)>) -> String {
 mod tests {
     use super::*;
 
-    /// A number is checked as `jsonb` will spell it, too.
+    /// A number is checked as `jsonb` will spell it, too
+    /// (`json::stored_spelling`).
     #[test]
     fn a_number_is_checked_as_it_will_be_stored() {
-        for (text, stored) in [
-            ("1.2345678e7", Some("12345678")),
-            ("1.5E-7", Some("0.00000015")),
-            ("1.50e1", Some("15.0")),
-            ("15e3", Some("15000")),
-            ("-0", Some("0")),
-            ("-0.0e0", Some("0.0")),
-            ("-2.5e-1", Some("-0.25")),
-            ("12345678", None),
-            ("-1.5", None),
-        ] {
-            assert_eq!(stored_number(text).as_deref(), stored, "{text}");
-        }
         let r = Redactor::new(&BTreeMap::from([("NUM".to_owned(), "12345678".to_owned())]));
         let mut v: serde_json::Value =
             serde_json::from_str(r#"{"e": 1.2345678e7, "n": 12345678, "x": 1.5e3}"#).expect("json");
