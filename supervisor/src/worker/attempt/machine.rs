@@ -249,7 +249,7 @@ pub(crate) fn precedence(
                     // DEADLINE_EXCEEDED, was stored as sent)
                     let (code, message) = if e.code.is_empty() {
                         ("EXECUTOR_REFUSED".into(), e.message)
-                    } else if is_reserved(&e.code) || !is_code(&e.code) {
+                    } else if !is_executors_code(&e.code) {
                         (
                             "EXECUTOR_REFUSED".into(),
                             format!("(refused with the code {:?}) {}", e.code, e.message),
@@ -315,13 +315,16 @@ pub(crate) fn is_reserved(code: &str) -> bool {
     RESERVED_CODES.contains(&code)
 }
 
-/// Whether an executor's code is one (PROTOCOL.md: UPPER_SNAKE_CASE):
-/// capital letters, digits and `_`, as a step's `non_retryable_codes` are.
-pub(crate) fn is_code(code: &str) -> bool {
+/// Whether a code an executor sent may be stored as its own: one
+/// (PROTOCOL.md: UPPER_SNAKE_CASE, capital letters, digits and `_`, as a
+/// step's `non_retryable_codes` are), and not one the supervisor reserves.
+/// A refusal's and a failure's codes are judged alike.
+pub(crate) fn is_executors_code(code: &str) -> bool {
     !code.is_empty()
         && code
             .bytes()
             .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+        && !is_reserved(code)
 }
 
 /// An executor's error as a failed outcome. An empty code is
@@ -333,7 +336,7 @@ pub(crate) fn executor_failure(e: JobError) -> Outcome {
     let mut details = parse_details(&e.details);
     let code = if e.code.is_empty() {
         "EXECUTOR_ERROR".to_string()
-    } else if is_reserved(&e.code) || !is_code(&e.code) {
+    } else if !is_executors_code(&e.code) {
         let mut d = match details.take() {
             Some(serde_json::Value::Object(m)) => m,
             Some(other) => {
