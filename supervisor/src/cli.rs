@@ -416,81 +416,57 @@ fn formatter_sgr(params: &[u8]) -> bool {
 /// paragraph separators) written as an escape; with `ansi`, SGR sequences
 /// (`ESC [` digits and `;` `m`) are kept.
 fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
-    let body = buf.strip_suffix(b"\n").unwrap_or(buf);
-    // the longest sequence starting at `i` that is written as it is
-    let kept = |i: usize| -> usize {
-        let b = body[i];
-        if b == b'\t' || (0x20..0x7f).contains(&b) {
-            return 1;
-        }
-        if b == 0x1b && ansi && body.get(i + 1) == Some(&b'[') {
-            let end = body[i + 2..]
-                .iter()
-                .position(|c| !(c.is_ascii_digit() || *c == b';'))
-                .map(|p| i + 2 + p);
-            if let Some(end) = end.filter(|&e| body[e] == b'm') {
-                if formatter_sgr(&body[i + 2..end]) {
-                    return end + 1 - i;
-                }
-            }
-        }
-        match (b, body.get(i + 1), body.get(i + 2)) {
-            // C1 controls (U+0080..U+009F), U+061C
-            (0xc2, Some(0x80..=0x9f), _) | (0xd8, Some(0x9c), _) => 0,
-            // U+200E, U+200F, U+2028..U+202E, U+2066..U+2069
-            (0xe2, Some(0x80), Some(0x8e | 0x8f | 0xa8..=0xae)) => 0,
-            (0xe2, Some(0x81), Some(0xa6..=0xa9)) => 0,
-            (0x80..=0xff, _, _) => 1,
-            _ => 0,
-        }
+    // (the formatter writes UTF-8; a byte that is not would be shown as
+    // U+FFFD by any reader, and is written so)
+    let text = String::from_utf8_lossy(buf);
+    let body = text.strip_suffix('\n').unwrap_or(&text);
+    // with colours, the formatter's own SGR sequence starting at byte `i`
+    let sgr_at = |i: usize| -> Option<usize> {
+        let rest = body.get(i + 1..)?.strip_prefix('[')?;
+        let params = rest.find(|c: char| !(c.is_ascii_digit() || c == ';'))?;
+        (rest[params..].starts_with('m') && formatter_sgr(&rest.as_bytes()[..params]))
+            .then_some(1 + 1 + params + 1)
     };
-    let mut i = 0;
-    while i < body.len() {
-        let n = kept(i);
-        if n == 0 {
-            break;
-        }
-        i += n;
-    }
-    if i == body.len() {
+    let unsafe_at = |(i, c): &(usize, char)| {
+        *c != '\t'
+            && crate::terminal::is_unsafe(*c)
+            && !(ansi && *c == '\u{1b}' && sgr_at(*i).is_some())
+    };
+    if matches!(text, std::borrow::Cow::Borrowed(_)) && !body.char_indices().any(|x| unsafe_at(&x))
+    {
         return std::borrow::Cow::Borrowed(buf);
     }
-    let mut out = Vec::with_capacity(buf.len() + 16);
-    out.extend_from_slice(&body[..i]);
-    while i < body.len() {
-        let n = kept(i);
-        if n > 0 {
-            out.extend_from_slice(&body[i..i + n]);
-            i += n;
+    let mut out = String::with_capacity(buf.len() + 16);
+    let mut skip_to = 0;
+    for (i, c) in body.char_indices() {
+        if i < skip_to {
             continue;
         }
-        let b = body[i];
-        match b {
-            b'\n' => out.extend_from_slice(b"\\n"),
-            b'\r' => out.extend_from_slice(b"\\r"),
-            0xc2 | 0xd8 | 0xe2 => {
-                // the character whole (see `kept`)
-                let len = if b == 0xe2 { 3 } else { 2 };
-                let c = std::str::from_utf8(&body[i..i + len])
-                    .ok()
-                    .and_then(|s| s.chars().next())
-                    .map_or(0, u32::from);
-                // `\uXXXX`: in a JSON line such a character can only be
-                // inside a string, where this is its JSON escape (a line of
-                // the json format stays JSON, with the same value)
-                out.extend_from_slice(format!("\\u{c:04x}").as_bytes());
-                i += len;
-                continue;
+        if !unsafe_at(&(i, c)) {
+            if c == '\u{1b}' {
+                // a kept SGR sequence, whole
+                let len = sgr_at(i).unwrap_or(1);
+                out.push_str(&body[i..i + len]);
+                skip_to = i + len;
+            } else {
+                out.push(c);
             }
-            // DEL is the one control character the json format writes as
-            // it is: its JSON escape keeps the line JSON
-            0x7f => out.extend_from_slice(br"\u007f"),
-            _ => out.extend_from_slice(format!("\\x{b:02x}").as_bytes()),
+            continue;
         }
-        i += 1;
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            // the C0 controls the json format never writes as they are
+            // (it escapes them itself): `\x1b` reads best
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            // DEL, C1, separators and bidi marks, which the json format
+            // does write as they are: as `\uXXXX`, their JSON escape, a line
+            // of it stays JSON with the same value
+            c => out.push_str(&format!("\\u{:04x}", c as u32)),
+        }
     }
-    out.extend_from_slice(&buf[body.len()..]);
-    std::borrow::Cow::Owned(out)
+    out.push_str(&text[body.len()..]);
+    std::borrow::Cow::Owned(out.into_bytes())
 }
 
 /// Two of the driver's warnings, whatever `RUST_LOG` says, are errors only:
@@ -500,7 +476,7 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
 /// connection it finds as it takes one back after a database restart, a
 /// burst of "Broken pipe" beside the worker's own lines, which say what
 /// failed and that it retries (chaos audit).
-fn quiet_url_parser(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
+fn quiet_driver(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
     [
         "sqlx_postgres::options::parse=error",
         "sqlx_core::pool::connection=error",
@@ -512,7 +488,7 @@ fn quiet_url_parser(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber
 
 fn init_tracing_to(format: &str, file: std::fs::File) {
     use tracing_subscriber::EnvFilter;
-    let filter = quiet_url_parser(
+    let filter = quiet_driver(
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn")),
     );
     let builder = tracing_subscriber::fmt()
@@ -535,7 +511,7 @@ fn init_tracing_to(format: &str, file: std::fs::File) {
 
 fn init_tracing(format: &str, default_filter: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = quiet_url_parser(
+    let filter = quiet_driver(
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter)),
     );
     // colours only on a terminal: a log file or a collector gets plain text
