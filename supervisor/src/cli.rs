@@ -1045,10 +1045,11 @@ async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
         println!("{v}");
     } else {
         println!(
-            "removed {} runs finished before {} ({} steps, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
+            "removed {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
             r.runs,
             r.cutoff.as_ref().map(when).unwrap_or_default(),
             r.steps,
+            r.artifacts,
             r.blobs,
             r.garbage_blobs,
             r.garbage_chunks,

@@ -225,9 +225,10 @@ async fn gc_removes_exactly_the_old_finished_runs() {
         .retention_pass(&options(Duration::from_secs(1)), &CancellationToken::new())
         .await
         .expect("pass");
+    // the pass removed what its preview said it would, artifacts included
     assert_eq!(
-        (report.runs, report.steps, report.blobs),
-        (3, 4, 2),
+        (report.runs, report.steps, report.artifacts, report.blobs),
+        (3, 4, 3, 2),
         "{report:?}"
     );
     assert!(report.vacuumed, "{report:?}");
@@ -489,7 +490,11 @@ async fn churn_keeps_the_tables_bounded() {
             .retention_pass(&options(AGE), &CancellationToken::new())
             .await
             .expect("pass");
-        assert_eq!((r.runs, r.steps), (200, 2000), "wave {wave}: {r:?}");
+        assert_eq!(
+            (r.runs, r.steps, r.artifacts),
+            (200, 2000, 100),
+            "wave {wave}: {r:?}"
+        );
         assert_eq!(
             r.blobs, 100,
             "wave {wave}: every artifact's bytes were its own: {r:?}"
@@ -572,7 +577,7 @@ async fn the_gc_command() {
     let wid = worker(&t.db).await;
     let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
     let s = lease(&t.db, wid, 1).await.remove(0);
-    succeed(&t.db, &s, &[]).await;
+    succeed(&t.db, &s, &[artifact("report", b"bytes", vec![])]).await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let gc = |args: &[&str]| {
         std::process::Command::new(tests::supervisor_bin())
@@ -586,8 +591,12 @@ async fn the_gc_command() {
     assert!(dry.status.success(), "{dry:?}");
     let v: serde_json::Value = serde_json::from_slice(&dry.stdout).expect("json");
     assert_eq!(
-        (v["runs"].as_i64(), v["steps"].as_i64()),
-        (Some(1), Some(1)),
+        (
+            v["runs"].as_i64(),
+            v["steps"].as_i64(),
+            v["artifacts"].as_i64()
+        ),
+        (Some(1), Some(1), Some(1)),
         "{v}"
     );
     assert_eq!(t.status(run).await.state, "succeeded");
@@ -598,11 +607,26 @@ async fn the_gc_command() {
         String::from_utf8_lossy(&default.stdout).starts_with("removed 0 runs"),
         "{default:?}"
     );
-    let real = gc(&["--older-than", "1s"]);
+    let real = gc(&["--older-than", "1s", "--json"]);
     assert!(real.status.success(), "{real:?}");
-    let out = String::from_utf8_lossy(&real.stdout);
+    let v: serde_json::Value = serde_json::from_slice(&real.stdout).expect("json");
+    // the real pass says what went as its dry run said what would go
+    assert_eq!(
+        (
+            v["runs"].as_i64(),
+            v["steps"].as_i64(),
+            v["artifacts"].as_i64(),
+            v["blobs"].as_i64()
+        ),
+        (Some(1), Some(1), Some(1), Some(1)),
+        "{v}"
+    );
+    let again = gc(&["--older-than", "1s"]);
+    assert!(again.status.success(), "{again:?}");
+    let out = String::from_utf8_lossy(&again.stdout);
     assert!(
-        out.starts_with("removed 1 runs") && out.contains("longest batch"),
+        out.starts_with("removed 0 runs")
+            && out.contains("(0 steps, 0 artifacts, 0 artifact blobs"),
         "{out}"
     );
     assert!(matches!(

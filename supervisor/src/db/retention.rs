@@ -48,6 +48,8 @@ pub struct RetentionOptions {
 pub struct RetentionBatch {
     pub runs: u64,
     pub steps: u64,
+    /// Artifact rows removed with their steps.
+    pub artifacts: u64,
     pub blobs: u64,
     pub workers: u64,
     /// Old runs are left for the next batch.
@@ -65,6 +67,9 @@ pub struct RetentionReport {
     pub cutoff: Option<DateTime<Utc>>,
     pub runs: u64,
     pub steps: u64,
+    /// Artifact rows removed with their steps (their blobs go when no other
+    /// artifact references them: `blobs`).
+    pub artifacts: u64,
     pub blobs: u64,
     pub workers: u64,
     pub batches: u32,
@@ -201,6 +206,7 @@ impl Db {
             report.batches += 1;
             report.runs += b.runs;
             report.steps += b.steps;
+            report.artifacts += b.artifacts;
             report.blobs += b.blobs;
             report.workers += b.workers;
             report.longest_batch = report.longest_batch.max(b.elapsed);
@@ -319,7 +325,7 @@ impl DbConn<'_> {
             .await
             .ctx("bounding the retention batch's lock waits")?;
         let row = sqlx::query(
-            "SELECT runs, steps, blobs, workers, more FROM durable.retention_batch($1, $2, $3)",
+            "SELECT runs, steps, artifacts, blobs, workers, more FROM durable.retention_batch($1, $2, $3)",
         )
         .bind(cutoff)
         .bind(max_runs.min(i32::MAX as u32) as i32)
@@ -339,6 +345,7 @@ impl DbConn<'_> {
         Ok(RetentionBatch {
             runs: n("runs"),
             steps: n("steps"),
+            artifacts: n("artifacts"),
             blobs: n("blobs"),
             workers: n("workers"),
             more: row.get("more"),

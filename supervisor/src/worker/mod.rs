@@ -1458,6 +1458,7 @@ fn spawn_retention_loop(
                 Ok(r) if r.removed_anything() => info!(
                     runs = r.runs,
                     steps = r.steps,
+                    artifacts = r.artifacts,
                     blobs = r.blobs,
                     workers = r.workers,
                     batches = r.batches,

@@ -1,0 +1,105 @@
+-- The real `gc` pass counts the artifacts it removed, as its dry run does
+-- (operator audit: `gc --dry-run --json` said how many artifacts would go,
+-- `gc --json` then did not say how many went). retention_delete_steps
+-- returns one sha256 per artifact row it deleted, so the count is that
+-- array's length. A new OUT column changes the function's row type, which
+-- CREATE OR REPLACE cannot do: it is dropped and created again (EXECUTE
+-- stays PUBLIC's, as for every function of the schema). Callers that name
+-- their columns (every build of the supervisor) read it as before.
+DROP FUNCTION durable.retention_batch(timestamp with time zone, integer, integer);
+
+CREATE FUNCTION durable.retention_batch(p_before timestamp with time zone, p_max_runs integer, p_max_steps integer, OUT runs integer, OUT steps integer, OUT blobs integer, OUT workers integer, OUT more boolean, OUT artifacts integer)
+ RETURNS record
+ LANGUAGE plpgsql
+ SET plan_cache_mode TO 'force_custom_plan'
+AS $function$
+DECLARE
+    cand uuid[]; cand_steps integer[]; ids uuid[] := '{}'; n_steps integer := 0; i integer;
+    partial_run uuid; sids uuid[]; shas text[] := '{}'; locked text[];
+BEGIN
+    runs := 0; steps := 0; blobs := 0; workers := 0; more := false; artifacts := 0;
+    IF p_max_runs < 1 OR p_max_steps < 1 THEN
+        RAISE EXCEPTION 'retention_batch: max_runs (%) and max_steps (%) must be at least 1', p_max_runs, p_max_steps
+            USING ERRCODE = '22023';
+    END IF;
+    -- RETENTION_LOCK: one batch at a time, whoever runs it
+    PERFORM pg_advisory_xact_lock(7254610300000002);
+
+    SELECT array_agg(c.id ORDER BY c.finished_at), array_agg(c.steps_total ORDER BY c.finished_at)
+      INTO cand, cand_steps
+      FROM (SELECT r.id, r.finished_at, r.steps_total FROM durable.workflow_runs r
+             WHERE r.finished_at < p_before AND r.state IN ('succeeded', 'failed', 'cancelled')
+             ORDER BY r.finished_at
+             LIMIT p_max_runs + 1
+             FOR UPDATE SKIP LOCKED) c;
+    FOR i IN 1 .. coalesce(cardinality(cand), 0) LOOP
+        IF i > p_max_runs OR (i > 1 AND n_steps + cand_steps[i] > p_max_steps) THEN
+            more := true;
+            EXIT;
+        END IF;
+        IF cand_steps[i] > p_max_steps THEN
+            -- the oldest run alone is larger than a batch: its steps go first,
+            -- max_steps at a time
+            partial_run := cand[i];
+            EXIT;
+        END IF;
+        ids := ids || cand[i];
+        n_steps := n_steps + cand_steps[i];
+    END LOOP;
+
+    IF partial_run IS NOT NULL THEN
+        SELECT array_agg(id) INTO sids
+          FROM (SELECT id FROM durable.step_runs WHERE run_id = partial_run LIMIT p_max_steps) s;
+        IF coalesce(cardinality(sids), 0) > 0 THEN
+            shas := durable.retention_delete_steps(sids);
+            steps := cardinality(sids);
+        END IF;
+        IF coalesce(cardinality(sids), 0) < p_max_steps THEN
+            ids := ARRAY[partial_run];   -- that was the rest: the run itself goes now
+        ELSE
+            more := true;
+        END IF;
+    END IF;
+
+    IF cardinality(ids) > 0 THEN
+        SELECT array_agg(id) INTO sids FROM durable.step_runs WHERE run_id = ANY (ids);
+        IF sids IS NOT NULL THEN
+            shas := shas || durable.retention_delete_steps(sids);
+            steps := steps + cardinality(sids);
+        END IF;
+        -- what is left of the runs: run-level history, artifacts of steps
+        -- deleted above (none), definitions and their edges, the runs
+        DELETE FROM durable.transitions WHERE run_id = ANY (ids);
+        DELETE FROM durable.step_dependents WHERE run_id = ANY (ids);
+        DELETE FROM durable.step_defs WHERE run_id = ANY (ids);
+        DELETE FROM durable.workflow_runs WHERE id = ANY (ids);
+        GET DIAGNOSTICS runs = ROW_COUNT;
+    END IF;
+
+    -- one sha256 per artifact row deleted with its step
+    artifacts := cardinality(shas);
+    IF cardinality(shas) > 0 THEN
+        -- lock the candidates in sha256 order (waits for completions that
+        -- hold a reference's foreign-key lock), then, in a new statement that
+        -- sees what they committed, delete those no artifact references
+        SELECT array_agg(b.sha256 ORDER BY b.sha256) INTO locked
+          FROM (SELECT sha256 FROM durable.artifact_blobs
+                 WHERE sha256 = ANY (shas) ORDER BY sha256 FOR UPDATE) b;
+        IF locked IS NOT NULL THEN
+            DELETE FROM durable.artifact_blobs b
+             WHERE b.sha256 = ANY (locked)
+               AND NOT EXISTS (SELECT 1 FROM durable.artifacts a WHERE a.sha256 = b.sha256);
+            GET DIAGNOSTICS blobs = ROW_COUNT;
+        END IF;
+    END IF;
+
+    DELETE FROM durable.workers w
+     WHERE w.id IN (SELECT x.id FROM durable.workers x
+                     WHERE x.stopped_at < p_before
+                        OR (x.stopped_at IS NULL
+                            AND x.last_heartbeat_at < least(p_before, now() - interval '1 day'))
+                     LIMIT p_max_runs FOR UPDATE SKIP LOCKED)
+       AND NOT EXISTS (SELECT 1 FROM durable.step_runs s
+                        WHERE s.owner_worker_id = w.id AND durable.step_is_live(s.state));
+    GET DIAGNOSTICS workers = ROW_COUNT;
+END $function$;
