@@ -1744,6 +1744,9 @@ struct StatusOut<'a> {
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
     steps: Vec<StepOut<'a>>,
     waiting: &'a [crate::db::WaitingStep],
+    /// How many steps are in each state, `waiting` for those not created
+    /// yet, as `runs` counts them: a 1,000-step run's picture in one line.
+    step_counts: std::collections::BTreeMap<&'a str, usize>,
 }
 
 #[derive(serde::Serialize)]
@@ -1787,11 +1790,26 @@ fn status_json(
             })
             .collect(),
         waiting,
+        step_counts: step_counts(st),
     };
     serde_json::to_string_pretty(&out).unwrap_or_default()
 }
 
-/// `status` without `--json`: the run, then a table of its steps.
+/// Steps by state (states without a step left out), the steps not created
+/// yet as `waiting`.
+fn step_counts(st: &crate::db::RunStatus) -> std::collections::BTreeMap<&str, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for s in &st.steps {
+        *counts.entry(s.state.as_str()).or_insert(0) += 1;
+    }
+    if !st.waiting.is_empty() {
+        counts.insert("waiting", st.waiting.len());
+    }
+    counts
+}
+
+/// `status` without `--json`: the run, its steps counted by state, then a
+/// table of its steps.
 fn status_text(
     st: &crate::db::RunStatus,
     progress: &std::collections::BTreeMap<Uuid, crate::db::Progress>,
@@ -1811,7 +1829,16 @@ fn status_text(
     if let Some(f) = &st.finished_at {
         out.push_str(&format!("  finished {}", when(f)));
     }
-    out.push_str("\n\n");
+    let counts = step_counts(st);
+    out.push_str(&format!(
+        "\nsteps {}: {}\n\n",
+        counts.values().sum::<usize>(),
+        counts
+            .iter()
+            .map(|(state, n)| format!("{n} {state}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
     let mut rows = Vec::new();
     for s in &st.steps {
         let p = progress

@@ -235,7 +235,15 @@ async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields()
             .cloned()
             .collect::<BTreeSet<_>>()
     };
-    assert_eq!(keys(&cli_json), keys(&lib));
+    // ... and the steps counted by state, as `runs` counts them
+    let mut want = keys(&lib);
+    want.insert("step_counts".into());
+    assert_eq!(keys(&cli_json), want);
+    assert_eq!(
+        cli_json["step_counts"],
+        json!({"pending": 2, "waiting": 1}),
+        "{cli_json}"
+    );
     // an open run's finished_at is there, null, as `runs --json` shows it
     // (it was left out until the run ended)
     assert!(cli_json["finished_at"].is_null(), "{cli_json}");
@@ -284,6 +292,10 @@ async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields()
     let text = stdout(&o);
     assert!(
         text.starts_with(&format!("run {run}  inspect  pending")),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l == "steps 3: 2 pending, 1 waiting"),
         "{text}"
     );
     let header = text
