@@ -308,7 +308,7 @@ pub fn lineage_text(l: &Lineage) -> String {
         steps.len(),
         firsts
             .filter_map(|id| l.nodes.get(id))
-            .map(|n| clean(&n.name))
+            .map(|n| crate::terminal::shown(&n.name))
             .collect::<Vec<_>>()
             .join(", ")
     ));
@@ -330,11 +330,11 @@ fn tree_line(
     let again = !shown.insert(id);
     out.push_str(&format!(
         "{lead}{}  {}  {} B  sha256 {}  step {} attempt {}  run {}{}\n",
-        clean(&n.name),
+        crate::terminal::shown(&n.name),
         n.id,
         n.size,
         n.sha256.get(..16).unwrap_or(&n.sha256),
-        clean(&n.step),
+        crate::terminal::shown(&n.step),
         n.attempt,
         n.run_id,
         if again { "  (shown above)" } else { "" }
@@ -359,18 +359,6 @@ fn tree_line(
             out,
         );
     }
-}
-
-fn clean(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if crate::terminal::is_unsafe(c) {
-                ' '
-            } else {
-                c
-            }
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use crate::config::{ConfigError, ExecutorConfig, WorkerConfig};
 use crate::db::{ConnectError, Db, DbError, RunFilter};
+use crate::terminal::cell;
 use crate::worker::{Worker, WorkerError};
 
 #[derive(Debug, Parser)]
@@ -1661,28 +1662,6 @@ fn wrote_line(name: &str, size: i64, sha256: &str, out: &std::path::Path) -> Str
         name.escape_debug(),
         out.display().to_string().escape_debug()
     )
-}
-
-/// A value from the database or an executor on one table cell: control
-/// characters become spaces, and it is cut at `max` characters.
-fn cell(s: &str, max: usize) -> String {
-    let clean: String = s
-        .chars()
-        .map(|c| {
-            if crate::terminal::is_unsafe(c) {
-                ' '
-            } else {
-                c
-            }
-        })
-        .collect();
-    let clean = clean.trim();
-    if clean.chars().count() > max {
-        let cut: String = clean.chars().take(max.saturating_sub(1)).collect();
-        format!("{cut}…")
-    } else {
-        clean.to_owned()
-    }
 }
 
 /// Rows under a header, columns padded to their widest cell (the last is not).

@@ -18,6 +18,28 @@ pub fn is_unsafe(c: char) -> bool {
         )
 }
 
+/// `s` with each unsafe character replaced by a space: safe to print on one
+/// line of a table or a listing.
+pub fn shown(s: &str) -> String {
+    s.chars()
+        .map(|c| if is_unsafe(c) { ' ' } else { c })
+        .collect()
+}
+
+/// `s` as a table cell: [`shown`], trimmed, and cut to `max` characters
+/// (the last of them `…` when cut).
+pub fn cell(s: &str, max: usize) -> String {
+    let shown = shown(s);
+    let shown = shown.trim();
+    if shown.chars().count() > max {
+        let mut cut: String = shown.chars().take(max.saturating_sub(1)).collect();
+        cut.push('…');
+        cut
+    } else {
+        shown.to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -32,5 +54,14 @@ mod tests {
         for c in ['a', 'é', '…', '\u{2030}', '中'] {
             assert!(!is_unsafe(c), "{c:?}");
         }
+    }
+
+    #[test]
+    fn a_cell_is_one_trimmed_line_cut_to_its_width() {
+        assert_eq!(shown(" a\u{1b}[2J\nb "), " a [2J b ");
+        assert_eq!(cell(" a\u{1b}[2J\nb ", 10), "a [2J b");
+        assert_eq!(cell("abcdef", 4), "abc…");
+        assert_eq!(cell("abcd", 4), "abcd");
+        assert_eq!(cell("中文字符", 3), "中文…");
     }
 }

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use crate::db::{Db, DbError, WatchRun, WatchStep};
+use crate::terminal::cell;
 
 /// How `watch` draws.
 #[derive(Debug, Clone)]
@@ -256,7 +257,7 @@ impl View {
                 state: s.state.clone(),
                 attempt: s.attempt,
                 percent: shown_fraction(s).map(|f| (f * 100.0).round() as u32),
-                message: s.message.as_deref().map(|m| clean(m, 200)),
+                message: s.message.as_deref().map(|m| cell(m, 200)),
             };
             if self.seen.get(&s.name) != Some(&now) {
                 out.push_str(&plain_line(s));
@@ -330,7 +331,7 @@ impl View {
         format!(
             "run {}  {}  {}  {}{}",
             run.run_id,
-            clean(&run.name, 60),
+            cell(&run.name, 60),
             self.paint_state(&run.state),
             elapsed(run.elapsed_ms),
             cancel
@@ -338,12 +339,12 @@ impl View {
     }
 
     fn step_line(&self, s: &WatchStep, name_w: usize, width: usize) -> String {
-        let name = pad(&clean(&s.name, name_w), name_w);
+        let name = pad(&cell(&s.name, name_w), name_w);
         if s.state == "waiting" {
             let on = if s.depends_on.is_empty() {
                 String::new()
             } else {
-                format!(" on {}", clean(&s.depends_on.join(", "), 120))
+                format!(" on {}", cell(&s.depends_on.join(", "), 120))
             };
             return format!(
                 "  {name}  {}  {}{on}",
@@ -367,9 +368,9 @@ impl View {
             line.push_str(&format!("  {}", elapsed(ms)));
         }
         if let Some(code) = &s.error_code {
-            line.push_str(&format!("  {}", error_label(&s.state, &clean(code, 40))));
+            line.push_str(&format!("  {}", error_label(&s.state, &cell(code, 40))));
         } else if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
-            line.push_str(&format!("  {}", clean(m, 200)));
+            line.push_str(&format!("  {}", cell(m, 200)));
         }
         line
     }
@@ -425,10 +426,10 @@ fn bar_width(width: usize) -> usize {
 
 /// A plain line: `step: state, attempt N, 40%, message`.
 fn plain_line(s: &WatchStep) -> String {
-    let mut line = format!("{}: {}", clean(&s.name, 80), s.state);
+    let mut line = format!("{}: {}", cell(&s.name, 80), s.state);
     if s.state == "waiting" {
         if !s.depends_on.is_empty() {
-            line.push_str(&format!(" on {}", clean(&s.depends_on.join(", "), 200)));
+            line.push_str(&format!(" on {}", cell(&s.depends_on.join(", "), 200)));
         }
         return line;
     }
@@ -442,10 +443,10 @@ fn plain_line(s: &WatchStep) -> String {
         line.push_str(&format!(", {}", elapsed(ms)));
     }
     if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
-        line.push_str(&format!(", {}", clean(m, 200)));
+        line.push_str(&format!(", {}", cell(m, 200)));
     }
     if let Some(code) = &s.error_code {
-        line.push_str(&format!(", {}", error_label(&s.state, &clean(code, 40))));
+        line.push_str(&format!(", {}", error_label(&s.state, &cell(code, 40))));
     }
     line
 }
@@ -469,16 +470,16 @@ fn summary(run: &WatchRun) -> String {
         if let (Some(code), "terminal_failed") = (&s.error_code, s.state.as_str()) {
             out.push_str(&format!(
                 "{}: {}: {}\n",
-                clean(&s.name, 80),
-                clean(code, 40),
-                clean(s.error_message.as_deref().unwrap_or(""), 400)
+                cell(&s.name, 80),
+                cell(code, 40),
+                cell(s.error_message.as_deref().unwrap_or(""), 400)
             ));
         }
     }
     out.push_str(&format!(
         "run {} {}: {} in {}\n",
         run.run_id,
-        clean(&run.name, 80),
+        cell(&run.name, 80),
         run.state,
         elapsed(run.elapsed_ms)
     ));
@@ -497,29 +498,6 @@ fn elapsed(ms: i64) -> String {
         format!("{}m{:02}s", s / 60, s % 60)
     } else {
         format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
-    }
-}
-
-/// A value from the database or an executor on one line: control characters
-/// (escape sequences included) become spaces, cut at `max` characters.
-fn clean(s: &str, max: usize) -> String {
-    let c: String = s
-        .chars()
-        .map(|c| {
-            if crate::terminal::is_unsafe(c) {
-                ' '
-            } else {
-                c
-            }
-        })
-        .collect();
-    let c = c.trim();
-    if c.chars().count() > max {
-        let mut cut: String = c.chars().take(max.saturating_sub(1)).collect();
-        cut.push('…');
-        cut
-    } else {
-        c.to_owned()
     }
 }
 
@@ -733,7 +711,7 @@ mod tests {
     fn lines_fit_the_terminal_and_hostile_text_is_cleaned() {
         assert_eq!(fit("abcdef", 4), "abcd");
         assert_eq!(fit("\x1b[32mabcdef\x1b[0m", 3), "\x1b[32mabc\x1b[0m");
-        assert_eq!(clean("a\x1b[2Jb\nc", 10), "a [2Jb c");
+        assert_eq!(cell("a\x1b[2Jb\nc", 10), "a [2Jb c");
         assert_eq!(elapsed(59_999), "59.9s");
         assert_eq!(elapsed(88), "0.1s");
         assert_eq!(elapsed(49), "0.0s");
