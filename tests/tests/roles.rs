@@ -8,6 +8,8 @@
 //! - `migrate` on an up-to-date schema needs no rights (it ran CREATE SCHEMA
 //!   IF NOT EXISTS, which checks CREATE on the database anyway: a deploy
 //!   script running migrate as the worker's role failed);
+//! - the first `migrate` of an empty schema a DBA made for the deploy role
+//!   needs no CREATE on the database;
 //! - the runtime's connections are READ COMMITTED whatever the database's
 //!   default (SERIALIZABLE failed ~40% of concurrent submits with 40001).
 
@@ -139,6 +141,58 @@ async fn migrate_again_needs_no_rights_and_sessions_are_read_committed() {
         .await
         .expect("isolation");
     assert_eq!(iso, "read committed", "the database's default overrode it");
+}
+
+/// A deploy role given only the empty schema a DBA made for it (`CREATE
+/// SCHEMA durable AUTHORIZATION …`, no CREATE on the database) migrates it
+/// from nothing: the first migration's `CREATE SCHEMA IF NOT EXISTS` is
+/// checked against the database before PostgreSQL finds the schema there,
+/// so it failed "permission denied for database". The ledger records each
+/// migration with the checksum a migrate by a superuser records.
+#[tokio::test]
+async fn the_owner_of_a_schema_a_dba_made_migrates_it_from_nothing() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let owner = format!("own_{tag}");
+    exec(
+        &t.db,
+        &format!(
+            "DROP SCHEMA durable CASCADE;
+             CREATE ROLE {owner} LOGIN;
+             REVOKE CREATE ON DATABASE {name} FROM PUBLIC;
+             CREATE SCHEMA durable AUTHORIZATION {owner};",
+            name = t.name
+        ),
+    )
+    .await;
+    let db = Db::connect(&as_role(&t.url, &owner), 1)
+        .await
+        .expect("connect as the schema's owner");
+    let v = db
+        .migrate()
+        .await
+        .expect("migrate an empty schema the role owns, without CREATE on the database");
+    assert_eq!(v, Db::schema_version_needed());
+    let ledger = |db: &Db| {
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query_as::<_, (i64, Vec<u8>)>(
+                "SELECT version, checksum FROM durable._sqlx_migrations ORDER BY version",
+            )
+            .fetch_all(&pool)
+            .await
+            .expect("ledger")
+        }
+    };
+    // the same ledger as a schema migrated from scratch by a superuser
+    let reference = TestDb::new().await;
+    assert_eq!(ledger(&db).await, ledger(&reference.db).await);
+    // and the schema works: a run goes in
+    let run = db
+        .submit(&tests::one_step("dba", "go", "k", json!({})))
+        .await
+        .expect("submit as the owner");
+    assert_eq!(t.status(run).await.state, "pending");
 }
 
 /// `migrate` says what it did: how many migrations it applied, or that the

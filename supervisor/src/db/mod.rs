@@ -123,6 +123,9 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
     ..sqlx::migrate!("../migrations")
 };
 
+/// The first migration's first statement (see `Db::migrator_for_existing_schema`).
+const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS durable;";
+
 /// Session advisory lock held while `migrate` creates the schema and applies
 /// the migrations: `CREATE SCHEMA IF NOT EXISTS` is not race-free (two
 /// processes at once can both try to create it, and one fails on
@@ -898,10 +901,17 @@ impl Db {
             });
         }
         let before = Self::applied_count(conn).await;
+        let for_existing;
+        let migrator = if exists {
+            for_existing = Self::migrator_for_existing_schema();
+            &for_existing
+        } else {
+            &MIGRATOR
+        };
         conn.execute("SET search_path TO durable")
             .await
             .ctx("setting search_path")?;
-        let res = MIGRATOR.run(&mut *conn).await;
+        let res = migrator.run(&mut *conn).await;
         // the connection goes back to the pool: restore the default path
         conn.execute("RESET search_path")
             .await
@@ -919,6 +929,29 @@ impl Db {
             version,
             applied: after.saturating_sub(before),
         })
+    }
+
+    /// The migrations as they apply to a schema that is already there: the
+    /// first one's `CREATE SCHEMA IF NOT EXISTS durable` is then a no-op, but
+    /// PostgreSQL checks CREATE on the database before it finds the schema,
+    /// so a deploy role given only the schema a DBA made for it (`CREATE
+    /// SCHEMA durable AUTHORIZATION durable_owner`) could not apply the first
+    /// migration. That statement is left out; the checksum stays the one of
+    /// the migration as written, since the schema ends the same either way.
+    fn migrator_for_existing_schema() -> sqlx::migrate::Migrator {
+        let mut migrations = MIGRATOR.migrations.to_vec();
+        if let Some(first) = migrations.first_mut() {
+            if first.sql.contains(CREATE_SCHEMA) {
+                first.sql = first.sql.replacen(CREATE_SCHEMA, "", 1).into();
+            }
+        }
+        // the fields MIGRATOR itself is built with
+        sqlx::migrate::Migrator {
+            migrations: migrations.into(),
+            ignore_missing: MIGRATOR.ignore_missing,
+            locking: MIGRATOR.locking,
+            no_tx: MIGRATOR.no_tx,
+        }
     }
 
     /// How many migrations the schema records as applied (0 before the
