@@ -27,6 +27,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   secret value this process was handed, by this job or an earlier one.
 - `late_frame`: ACCEPTED, a result, then after the input's `delay_ms` a PROGRESS event
   of the same job (a frame after its terminal).
+- `checkpoint_flood`: ACCEPTED, then PROGRESS events each carrying a checkpoint of
+  the input's `size` bytes, back to back for the input's `ms`, then a result
+  `{"checkpoints": n}`.
 - `stray_bytes`: ACCEPTED, a result, then bytes that are no whole frame.
 - `sleep`: ACCEPTED, then a result after the input's `ms`.
 - `stderr_cut_secret`: ACCEPTED, a stderr line whose 1024-byte cut falls 8 bytes into its
@@ -80,6 +83,7 @@ MODES = [
     "secret_memory",
     "late_frame",
     "stray_bytes",
+    "checkpoint_flood",
     "sleep",
     "stderr_cut_secret",
 ]
@@ -280,6 +284,20 @@ def main() -> int:
             event(pb.EVENT_KIND_ACCEPTED)
             time.sleep(json.loads(job.input or b"{}").get("ms", 0) / 1000)
             result(b'{"slept": true}')
+        elif mode == "checkpoint_flood":
+            # PROGRESS events with a checkpoint of the input's `size` bytes,
+            # back to back, for the input's `ms`; then a result counting them
+            event(pb.EVENT_KIND_ACCEPTED)
+            cfg = json.loads(job.input or b"{}")
+            until = time.monotonic() + cfg.get("ms", 1000) / 1000
+            n = 0
+            while time.monotonic() < until:
+                n += 1
+                seq += 1
+                blob = (b"%08d" % n) * (cfg.get("size", 1024) // 8)
+                send(event=pb.ProgressEvent(job_id=job.job_id, sequence=seq, kind=pb.EVENT_KIND_PROGRESS,
+                                            message=f"checkpoint {n}", checkpoint=blob))
+            result(json.dumps({"checkpoints": n}).encode())
         elif mode == "stray_bytes":
             # a result, then bytes that are no whole frame (a stray print)
             event(pb.EVENT_KIND_ACCEPTED)

@@ -185,6 +185,111 @@ async fn hold_step_write(db: &Db, lease: &Lease) -> sqlx::Transaction<'static, s
     tx
 }
 
+/// A checkpoint write renews the lease it proves alive (never an expired
+/// one, never shortening it), and a heartbeat that finds the row held says
+/// how long its last committed renewal holds (volume audit: checkpoints back
+/// to back held the row at every heartbeat, which skipped it as busy until
+/// the worker's lease clock ran out).
+#[tokio::test]
+async fn a_checkpoint_renews_its_lease_and_a_held_lease_says_how_long_it_holds() {
+    let t = TestDb::new().await;
+    t.submit(json!({"name": "r", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"},
+        {"name": "b", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let leases: Vec<Lease> = lease_all(&t.db, wid, 2)
+        .await
+        .into_iter()
+        .map(|s| s.lease)
+        .collect();
+    let left = |id: Uuid| {
+        let pool = t.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, f64>(
+                "SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM durable.step_runs WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .expect("lease left")
+        }
+    };
+    let set_left = |id: Uuid, secs: f64| {
+        let pool = t.db.pool().clone();
+        async move {
+            sqlx::query(
+                "UPDATE durable.step_runs SET lease_expires_at = now() + make_interval(secs => $2) WHERE id = $1",
+            )
+            .bind(id)
+            .bind(secs)
+            .execute(&pool)
+            .await
+            .expect("set the lease's expiry");
+        }
+    };
+    let cp = |seq: u64| supervisor::db::NewEvent {
+        sequence: seq,
+        kind: "progress",
+        message: "m",
+        fraction: None,
+        checkpoint: Some(b"state"),
+        executor_at: None,
+    };
+    let a = leases[0].clone();
+    set_left(a.step_run_id(), 2.0).await;
+
+    // held by a checkpoint write that renews for 60 s: the heartbeat skips
+    // it, and says it holds for what was committed last (~2 s)
+    let mut tx = t.db.begin().await.expect("begin");
+    tx.conn()
+        .record_events_renewing(&a, &[cp(1)], Some(Duration::from_secs(60)))
+        .await
+        .expect("checkpoint");
+    let other = t.connect(1).await;
+    let hb = other
+        .heartbeat(wid, &leases, Duration::from_secs(30))
+        .await
+        .expect("heartbeat");
+    assert_eq!(hb.busy, vec![a.step_run_id()]);
+    let held = hb.busy_valid_for.get(&a.step_run_id()).copied();
+    assert!(
+        held.is_some_and(|d| d > Duration::from_millis(500) && d <= Duration::from_secs(2)),
+        "{held:?}"
+    );
+    assert!(!hb.busy_valid_for.contains_key(&leases[1].step_run_id()));
+    tx.commit().await.expect("commit");
+    // committed, the checkpoint renewed the lease for 60 s
+    let l = left(a.step_run_id()).await;
+    assert!(l > 55.0 && l <= 60.0, "{l}");
+
+    // a longer lease is not shortened by a shorter renewal
+    let mut tx = t.db.begin().await.expect("begin");
+    tx.conn()
+        .record_events_renewing(&a, &[cp(3)], Some(Duration::from_secs(5)))
+        .await
+        .expect("checkpoint");
+    tx.commit().await.expect("commit");
+    assert!(left(a.step_run_id()).await > 50.0);
+
+    // an expired lease is not brought back by a checkpoint
+    set_left(a.step_run_id(), -1.0).await;
+    let mut tx = t.db.begin().await.expect("begin");
+    tx.conn()
+        .record_events_renewing(&a, &[cp(4)], Some(Duration::from_secs(60)))
+        .await
+        .expect("checkpoint of an expired but unreclaimed lease is still fenced in");
+    tx.commit().await.expect("commit");
+    assert!(left(a.step_run_id()).await < 0.0);
+
+    // without a renewal asked for (Db::record_events), nothing moves
+    let b = leases[1].clone();
+    set_left(b.step_run_id(), 10.0).await;
+    t.db.record_events(&b, &[cp(1)]).await.expect("checkpoint");
+    let l = left(b.step_run_id()).await;
+    assert!(l <= 10.0 && l > 5.0, "{l}");
+}
+
 /// 3: a step writer holds the run row; leasing a sibling step inserts history
 /// rows whose foreign-key check takes FOR KEY SHARE on that run. With the run
 /// locked FOR UPDATE (before the fix) the lease waited for the writer — one

@@ -244,6 +244,55 @@ async fn a_chatty_executor_and_a_slow_database_cannot_starve_control() {
     w.shutdown().await;
 }
 
+/// An executor that sends checkpoints without pause keeps its lease (volume
+/// audit: 7 MiB checkpoints back to back ended every attempt LEASE_LOST,
+/// "the lease clock ran out", with the database answering all along). Each
+/// checkpoint rewrites its step's row; a trigger here makes each such write
+/// hold the row for 300 ms, as a large checkpoint does, so the heartbeat
+/// (which waits 20 ms for a held row, then skips it) finds the row held at
+/// nearly every renewal, for three lease TTLs. Before the fix the lease
+/// clock ran out; now each checkpoint write renews the lease it proves alive
+/// and the heartbeat reads how long that holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_checkpointing_without_pause_keeps_its_lease() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.slow_checkpoints() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(0.3); RETURN NEW; END $$;
+         CREATE TRIGGER slow_checkpoints BEFORE UPDATE OF checkpoint ON durable.step_runs
+           FOR EACH ROW EXECUTE FUNCTION public.slow_checkpoints();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("slow checkpoint trigger");
+    let cfg = fast_config(vec![hostile("hostile", None, &[])]);
+    let ttl = cfg.lease_ttl_ms;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "flood", "steps": [
+            {"name": "s", "executor_kind": "hostile", "kind": "hostile.checkpoint_flood",
+             "input": {"ms": 3 * ttl, "size": 4096}, "retry": {"max_attempts": 1}}]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(
+        (s.state.as_str(), s.attempt),
+        ("succeeded", 1),
+        "{:?}",
+        s.error
+    );
+    let checkpoints: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM durable.step_events WHERE step_run_id = $1 AND checkpoint",
+    )
+    .bind(s.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("count");
+    assert!(checkpoints > 0, "no checkpoint was stored");
+    w.shutdown().await;
+}
+
 /// 7: a non-retryable error before ACCEPTED is a terminal failure (before
 /// the fix: refused and respawned every second without end); retryable
 /// refusals are counted and capped by max_refusals.

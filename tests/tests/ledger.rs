@@ -384,6 +384,7 @@ fn failure(s: &LeasedStep, code: &str, retryable: bool, sequence: Option<u64>) -
 fn checkpointed(s: &LeasedStep, from: u64, bytes: &[u8]) -> LedgerWrite {
     LedgerWrite::Checkpoint(CheckpointWrite {
         lease: s.lease.clone(),
+        renew_for: Duration::from_secs(30),
         events: vec![
             CheckpointEvent {
                 event: ev(from, "progress"),

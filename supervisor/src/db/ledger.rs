@@ -110,6 +110,9 @@ pub struct CheckpointEvent {
 pub struct CheckpointWrite {
     pub lease: Lease,
     pub events: Vec<CheckpointEvent>,
+    /// The lease TTL: the write renews the lease it proves alive (a
+    /// checkpoint holds its step's row, which the heartbeat then skips).
+    pub renew_for: std::time::Duration,
 }
 
 /// A success with artifacts whose blobs are already stored
@@ -408,7 +411,8 @@ impl DbConn<'_> {
                         executor_at: e.event.executor_at,
                     })
                     .collect();
-                self.record_events(&c.lease, &events).await?;
+                self.record_events_renewing(&c.lease, &events, Some(c.renew_for))
+                    .await?;
                 Ok(Written::Checkpoint)
             }
             LedgerWrite::CompleteStored(c) => self

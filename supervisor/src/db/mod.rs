@@ -456,6 +456,10 @@ pub struct HeartbeatReport {
     pub lost: Vec<Uuid>,
     /// Leases still held but locked by a write in flight: not renewed this time.
     pub busy: Vec<Uuid>,
+    /// How long each busy lease's last committed renewal still holds, from
+    /// the heartbeat's statement on (a checkpoint write renews its lease:
+    /// a step whose row is held by its own checkpoints stays leased).
+    pub busy_valid_for: std::collections::HashMap<Uuid, std::time::Duration>,
     /// Leases renewed by this heartbeat (valid until its send time + TTL).
     pub renewed_ids: Vec<Uuid>,
     pub renewed: usize,

@@ -328,7 +328,7 @@ impl DbConn<'_> {
         let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
         let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
-            "SELECT step_run_id, outcome FROM durable.renew_leases($1, $2, $3, $4, $5)",
+            "SELECT step_run_id, outcome, valid_ms FROM durable.renew_leases($1, $2, $3, $4, $5)",
         )
         .bind(worker_id)
         .bind(&ids)
@@ -348,6 +348,12 @@ impl DbConn<'_> {
                 "busy" => {
                     not_renewed.insert(id);
                     report.busy.push(id);
+                    let ms: Option<f64> = r.get("valid_ms");
+                    if let Some(ms) = ms.filter(|ms| ms.is_finite() && *ms > 0.0) {
+                        report
+                            .busy_valid_for
+                            .insert(id, StdDuration::from_secs_f64(ms / 1000.0));
+                    }
                 }
                 "lost" => {
                     not_renewed.insert(id);

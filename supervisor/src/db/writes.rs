@@ -189,6 +189,20 @@ impl DbConn<'_> {
         lease: &Lease,
         events: &[NewEvent<'_>],
     ) -> Result<(), DbError> {
+        self.record_events_renewing(lease, events, None).await
+    }
+
+    /// [`DbConn::record_events`]; a write that carries a checkpoint also
+    /// renews the lease for `renew` (to its transaction's start + `renew`,
+    /// never shorter than it was, never once expired). Its row lock makes
+    /// the heartbeat skip the lease while it is held: an executor sending
+    /// checkpoints without pause would otherwise run its lease clock out.
+    pub async fn record_events_renewing(
+        &mut self,
+        lease: &Lease,
+        events: &[NewEvent<'_>],
+        renew: Option<StdDuration>,
+    ) -> Result<(), DbError> {
         if events.is_empty() {
             return Ok(());
         }
@@ -200,11 +214,15 @@ impl DbConn<'_> {
         let ats: Vec<Option<DateTime<Utc>>> = events.iter().map(|e| e.executor_at).collect();
         let checkpoint = events.iter().rev().find_map(|e| e.checkpoint);
         let fence = if checkpoint.is_some() {
-            "UPDATE durable.step_runs SET checkpoint = $3
+            "UPDATE durable.step_runs SET checkpoint = $3,
+                    lease_expires_at = CASE WHEN $10::float8 IS NOT NULL AND lease_expires_at > now()
+                        THEN greatest(lease_expires_at, now() + make_interval(secs => $10::float8 / 1000.0))
+                        ELSE lease_expires_at END
               WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')
           RETURNING id, attempt"
         } else {
-            "SELECT id, attempt FROM durable.step_runs
+            // (no row lock: no renewal; $10 is only typed)
+            "SELECT id, attempt, $10::float8 AS renew_ms FROM durable.step_runs
               WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') AND $3::bytea IS NULL"
         };
         let sql = format!(
@@ -228,6 +246,7 @@ impl DbConn<'_> {
             .bind(&fracs)
             .bind(&cps)
             .bind(&ats)
+            .bind(renew.map(|d| d.as_millis() as f64))
             .fetch_one(&mut *s)
             .await
             .ctx("recording progress events")?;

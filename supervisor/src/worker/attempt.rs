@@ -1028,7 +1028,8 @@ impl Handing<'_> {
     /// a start and the events right behind it (the SDKs' RUNNING) land in
     /// one batch, with no round trip of their own.
     async fn hand(&mut self, buf: &mut Vec<Intent>) {
-        let writes = plan_writes(buf, self.run_id, self.lease);
+        let ttl = Duration::from_millis(self.shared.cfg.lease_ttl_ms);
+        let writes = plan_writes(buf, self.run_id, self.lease, ttl);
         let intents = buf.len() as u64;
         let checkpoint = buf.iter().any(carries_checkpoint);
         buf.clear();
@@ -1050,7 +1051,7 @@ impl Handing<'_> {
 /// The writes of a run of queued intents, in order: each start alone, and
 /// the events between two starts as one write (plain progress coalesced;
 /// with a checkpoint among them, a checkpoint write).
-fn plan_writes(buf: &[Intent], run_id: Uuid, lease: &Lease) -> Vec<Write> {
+fn plan_writes(buf: &[Intent], run_id: Uuid, lease: &Lease, ttl: Duration) -> Vec<Write> {
     let mut writes = Vec::new();
     let mut i = 0;
     while i < buf.len() {
@@ -1082,6 +1083,7 @@ fn plan_writes(buf: &[Intent], run_id: Uuid, lease: &Lease) -> Vec<Write> {
                 writes.push(if kept.iter().any(|e| e.checkpoint.is_some()) {
                     Write::Checkpointed(CheckpointWrite {
                         lease: lease.clone(),
+                        renew_for: ttl,
                         events: kept
                             .into_iter()
                             .map(|e| CheckpointEvent {

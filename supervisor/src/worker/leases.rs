@@ -33,6 +33,9 @@ struct Entry {
 pub(crate) struct Applied {
     /// Leases of this set the database renewed.
     pub renewed: usize,
+    /// Busy leases (a write held their row) whose clock moved to what their
+    /// last committed renewal holds.
+    pub held: usize,
     /// Attempts told of a cancel request for the first time.
     pub cancelled: usize,
     /// Steps whose attempt was told its lease is lost.
@@ -142,16 +145,27 @@ impl LeaseSet {
         let map = self.map();
         let entry = |id: &Uuid| sent.get(id).and_then(|l| self.current(&map, l));
         let mut applied = Applied::default();
-        for e in report.renewed_ids.iter().filter_map(entry) {
-            applied.renewed += 1;
+        let extend = |e: &Entry, until: Instant| {
             e.tx.send_if_modified(|v| {
-                let until = sent_at + ttl;
                 let later = v.valid_until < until;
                 if later {
                     v.valid_until = until;
                 }
                 later
             });
+        };
+        for e in report.renewed_ids.iter().filter_map(entry) {
+            applied.renewed += 1;
+            extend(e, sent_at + ttl);
+        }
+        // a lease held by a write (its own checkpoints, most often) holds as
+        // long as its last committed renewal says, counted from the send
+        // time: no later than the database's own expiry
+        for (id, valid_for) in &report.busy_valid_for {
+            if let Some(e) = entry(id) {
+                applied.held += 1;
+                extend(e, sent_at + (*valid_for).min(ttl));
+            }
         }
         for e in report.cancel_requested.iter().filter_map(entry) {
             let moved = e.tx.send_if_modified(|v| {
@@ -201,6 +215,7 @@ mod tests {
             cancel_requested: ids(cancel),
             lost: ids(lost),
             busy: vec![],
+            busy_valid_for: Default::default(),
             renewed: renewed.len(),
         }
     }
@@ -359,5 +374,48 @@ mod tests {
         assert_eq!(rx.borrow().control, Control::Run);
         set.lease_lost(&lease(1, 11));
         assert_eq!(rx.borrow().control, Control::LeaseLost);
+    }
+
+    /// A lease whose row a write held (its own checkpoints) moves its clock
+    /// to what its last committed renewal holds, counted from the send time,
+    /// never beyond a TTL and never backwards; the other leases of the
+    /// answer are as before.
+    #[test]
+    fn a_busy_lease_holds_as_long_as_its_committed_renewal() {
+        let set = LeaseSet::default();
+        let (held, quiet) = (lease(1, 10), lease(2, 20));
+        let t0 = Instant::now();
+        let rx_held = set.insert(held.clone(), t0 + Duration::from_millis(100));
+        let rx_quiet = set.insert(quiet.clone(), t0 + Duration::from_millis(100));
+        let mut r = report(&[], &[], &[]);
+        r.busy = vec![held.step_run_id()];
+        r.busy_valid_for
+            .insert(held.step_run_id(), Duration::from_millis(1500));
+        let sent = t0 + Duration::from_millis(50);
+        let applied = set.apply(&[held.clone(), quiet.clone()], &r, sent, TTL);
+        assert_eq!((applied.renewed, applied.held), (0, 1));
+        assert_eq!(
+            rx_held.borrow().valid_until,
+            sent + Duration::from_millis(1500)
+        );
+        assert_eq!(rx_held.borrow().control, Control::Run);
+        // untouched: not in the answer's busy set, not renewed
+        assert_eq!(
+            rx_quiet.borrow().valid_until,
+            t0 + Duration::from_millis(100)
+        );
+        // a shorter hold later does not move the clock back
+        r.busy_valid_for
+            .insert(held.step_run_id(), Duration::from_millis(10));
+        set.apply(&[held.clone()], &r, sent, TTL);
+        assert_eq!(
+            rx_held.borrow().valid_until,
+            sent + Duration::from_millis(1500)
+        );
+        // nor beyond a TTL, whatever the database said
+        r.busy_valid_for
+            .insert(held.step_run_id(), Duration::from_secs(3600));
+        set.apply(&[held.clone()], &r, sent, TTL);
+        assert_eq!(rx_held.borrow().valid_until, sent + TTL);
     }
 }

@@ -1061,6 +1061,7 @@ mod tests {
             CheckpointWrite {
                 lease: lease(n),
                 events: vec![],
+                renew_for: std::time::Duration::from_secs(2),
             },
             r,
         )

@@ -1281,6 +1281,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                     ended_while_committing = applied.ended.len(),
                     cancels_delivered = applied.cancelled,
                     busy = report.busy.len(),
+                    held_by_writes = applied.held,
                     "heartbeat"
                 );
             }
