@@ -407,7 +407,7 @@ mod tests {
         // a shorter hold later does not move the clock back
         r.busy_valid_for
             .insert(held.step_run_id(), Duration::from_millis(10));
-        set.apply(&[held.clone()], &r, sent, TTL);
+        set.apply(std::slice::from_ref(&held), &r, sent, TTL);
         assert_eq!(
             rx_held.borrow().valid_until,
             sent + Duration::from_millis(1500)
@@ -415,7 +415,7 @@ mod tests {
         // nor beyond a TTL, whatever the database said
         r.busy_valid_for
             .insert(held.step_run_id(), Duration::from_secs(3600));
-        set.apply(&[held.clone()], &r, sent, TTL);
+        set.apply(std::slice::from_ref(&held), &r, sent, TTL);
         assert_eq!(rx_held.borrow().valid_until, sent + TTL);
     }
 }
