@@ -117,9 +117,15 @@ pub enum NegotiationError {
     },
     #[error(
         "the job frame is {len} bytes, over the {limit}-byte limit the executor announced \
-         (Hello.max_frame_bytes); pass large data as input artifacts"
+         (Hello.max_frame_bytes); {}",
+        too_large_hint(*.checkpoint)
     )]
-    JobTooLarge { len: u64, limit: u64 },
+    JobTooLarge {
+        len: u64,
+        limit: u64,
+        /// Bytes of it that are the checkpoint an earlier attempt reported.
+        checkpoint: u64,
+    },
 }
 
 impl NegotiationError {
@@ -129,6 +135,21 @@ impl NegotiationError {
             NegotiationError::NoCommonRevision { .. } => VERSION_MISMATCH_CODE,
             NegotiationError::JobTooLarge { .. } => JOB_TOO_LARGE_CODE,
         }
+    }
+}
+
+/// What to do about a job too large: a checkpoint an earlier attempt
+/// reported can be most of it (volume audit: a checkpoint a few hundred bytes
+/// under the limit was stored, and every later attempt failed with advice
+/// about input artifacts).
+fn too_large_hint(checkpoint: u64) -> String {
+    if checkpoint > 0 {
+        format!(
+            "{checkpoint} bytes of it are the checkpoint an earlier attempt reported: a \
+             checkpoint must leave room for the job's other fields (input, secrets, artifact refs)"
+        )
+    } else {
+        "pass large data as input artifacts".into()
     }
 }
 
@@ -217,6 +238,7 @@ pub fn prepare_job(
         return Err(NegotiationError::JobTooLarge {
             len,
             limit: agreement.executor_max_frame_bytes,
+            checkpoint: job.checkpoint.as_ref().map_or(0, |c| c.len() as u64),
         });
     }
     Ok(job)
@@ -416,9 +438,21 @@ mod tests {
             err,
             NegotiationError::JobTooLarge {
                 len,
-                limit: len - 1
+                limit: len - 1,
+                checkpoint: 0,
             }
         );
+        // a checkpoint that leaves no room is named as the cause
+        let mut resumed = job(1000);
+        resumed.checkpoint = Some(vec![7; 900]);
+        let err = prepare_job(&hello(&["1.1"], &[], len), &offer, &resumed)
+            .expect_err("the checkpoint leaves no room");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("900 bytes of it are the checkpoint an earlier attempt reported"),
+            "{msg}"
+        );
+        assert!(!msg.contains("input artifacts"), "{msg}");
         // a 1.0 executor's limit is the default 8 MiB
         let big = job(DEFAULT_MAX_FRAME_BYTES);
         assert_eq!(
