@@ -248,7 +248,7 @@ async fn a_chatty_executor_and_a_slow_database_cannot_starve_control() {
 /// audit: 7 MiB checkpoints back to back ended every attempt LEASE_LOST,
 /// "the lease clock ran out", with the database answering all along). Each
 /// checkpoint rewrites its step's row; a trigger here makes each such write
-/// hold the row for 300 ms, as a large checkpoint does, so the heartbeat
+/// hold the row for 150 ms, as a large checkpoint does, so the heartbeat
 /// (which waits 20 ms for a held row, then skips it) finds the row held at
 /// nearly every renewal, for three lease TTLs. Before the fix the lease
 /// clock ran out; now each checkpoint write renews the lease it proves alive
@@ -259,7 +259,7 @@ async fn an_executor_checkpointing_without_pause_keeps_its_lease() {
     let t = TestDb::new().await;
     sqlx::raw_sql(
         "CREATE FUNCTION public.slow_checkpoints() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN PERFORM pg_sleep(0.3); RETURN NEW; END $$;
+         BEGIN PERFORM pg_sleep(0.15); RETURN NEW; END $$;
          CREATE TRIGGER slow_checkpoints BEFORE UPDATE OF checkpoint ON durable.step_runs
            FOR EACH ROW EXECUTE FUNCTION public.slow_checkpoints();",
     )
@@ -290,6 +290,73 @@ async fn an_executor_checkpointing_without_pause_keeps_its_lease() {
     .await
     .expect("count");
     assert!(checkpoints > 0, "no checkpoint was stored");
+    w.shutdown().await;
+}
+
+/// The checkpoints an attempt has not had answered are bounded in bytes, not
+/// only in number (volume audit: four executors sending 7 MiB checkpoints
+/// back to back took the worker to 548 MB; the queue held up to 256 of them
+/// per attempt). Each checkpoint write here takes 100 ms more, so the
+/// executor outpaces the database; the worker (in this process) must make it
+/// wait in its pipe instead of holding its frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_waiting_for_the_database_are_bounded_in_bytes() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.slow_checkpoints() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(0.1); RETURN NEW; END $$;
+         CREATE TRIGGER slow_checkpoints BEFORE UPDATE OF checkpoint ON durable.step_runs
+           FOR EACH ROW EXECUTE FUNCTION public.slow_checkpoints();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("slow checkpoint trigger");
+    let rss_kib = || {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .unwrap_or(0)
+    };
+    // a lease long enough that 6 MiB writes cannot run its clock out
+    let mut cfg = fast_config(vec![hostile("hostile", None, &[])]);
+    cfg.lease_ttl_ms = 10_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let before = rss_kib();
+    let run = t
+        .submit(json!({"name": "flood", "steps": [
+            {"name": "s", "executor_kind": "hostile", "kind": "hostile.checkpoint_flood",
+             "input": {"ms": 4000, "size": 6 << 20}, "retry": {"max_attempts": 1}}]}))
+        .await;
+    let mut peak = before;
+    let st = loop {
+        peak = peak.max(rss_kib());
+        let st = t.status(run).await;
+        if st.state == "succeeded" || st.state == "failed" {
+            break st;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        step(&st, "s").state,
+        "succeeded",
+        "{:?}",
+        step(&st, "s").error
+    );
+    let grew_mib = peak.saturating_sub(before) / 1024;
+    println!(
+        "checkpoint flood: RSS {} MiB before, peak {} MiB",
+        before / 1024,
+        peak / 1024
+    );
+    // at most 32 MiB of checkpoints queued, one of them copied to the
+    // ledger, a frame being read: 73-103 MiB of growth measured; without the
+    // bound and with every checkpoint's bytes carried along, 199-289 MiB
+    assert!(grew_mib < 180, "the worker grew by {grew_mib} MiB");
     w.shutdown().await;
 }
 

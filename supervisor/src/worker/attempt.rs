@@ -55,6 +55,43 @@ const EXIT_DRAIN_MAX: Duration = Duration::from_secs(2);
 const EXIT_DRAIN_MAX_FRAMES: usize = 1024;
 /// Intents queued between the attempt's loop and its writer task.
 const WRITER_QUEUE: usize = 256;
+/// Checkpoint bytes an attempt may have queued or in flight to the ledger
+/// (not yet answered) before its loop stops reading frames, so that the
+/// executor waits in its pipe (volume audit: four executors sending 7 MiB
+/// checkpoints back to back took the worker to 548 MB).
+const WRITER_QUEUE_BYTES: usize = 32 << 20;
+
+/// The checkpoint bytes of an attempt's writes not yet answered.
+#[derive(Default)]
+struct QueuedBytes {
+    n: std::sync::atomic::AtomicUsize,
+    freed: tokio::sync::Notify,
+}
+
+impl QueuedBytes {
+    fn under_budget(&self) -> bool {
+        self.n.load(std::sync::atomic::Ordering::Acquire) < WRITER_QUEUE_BYTES
+    }
+
+    fn add(&self, n: usize) {
+        self.n.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn free(&self, n: usize) {
+        if n > 0 {
+            self.n.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
+            self.freed.notify_waiters();
+        }
+    }
+}
+
+fn checkpoint_bytes(intent: &Intent) -> usize {
+    match intent {
+        Intent::Start { event, .. } | Intent::Event(event) => {
+            event.checkpoint.as_ref().map_or(0, Vec::len)
+        }
+    }
+}
 
 /// How an attempt ended, before it is committed.
 #[derive(Debug, Clone, PartialEq)]
@@ -791,6 +828,8 @@ struct Writer {
     pushed: u64,
     /// what the task has handed to the ledger (first tries, in order)
     handed: watch::Receiver<HandedSoFar>,
+    /// checkpoint bytes queued and not yet answered
+    bytes: Arc<QueuedBytes>,
 }
 
 /// What a writer task has handed to the ledger so far.
@@ -837,42 +876,63 @@ impl Writer {
     ) -> Writer {
         let (tx, rx) = mpsc::channel(WRITER_QUEUE);
         let (handed_tx, handed) = watch::channel(HandedSoFar::default());
+        let bytes = Arc::new(QueuedBytes::default());
         let task = tokio::spawn(
-            write_loop(shared, run_id, lease, rx, control, handed_tx).in_current_span(),
+            write_loop(shared, run_id, lease, rx, control, handed_tx, bytes.clone())
+                .in_current_span(),
         );
         Writer {
             tx,
             task,
             pushed: 0,
             handed,
+            bytes,
         }
     }
 
+    /// Room for another intent: a free place in the queue, and the
+    /// checkpoint bytes not yet answered under their budget. A writer that
+    /// is gone (lease lost) always has room: what is pushed then is dropped.
     fn has_room(&self) -> bool {
-        self.tx.capacity() > 0
+        self.tx.is_closed() || (self.tx.capacity() > 0 && self.bytes.under_budget())
     }
 
-    /// Resolves once the queue has room again (never, if the writer is gone).
+    /// Resolves once [`Writer::has_room`] (never, if the writer is gone).
     async fn room(&self) {
-        match self.tx.reserve().await {
-            Ok(permit) => drop(permit),
-            Err(_) => std::future::pending().await,
+        loop {
+            let freed = self.bytes.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if self.bytes.under_budget() {
+                match self.tx.reserve().await {
+                    Ok(permit) => drop(permit),
+                    Err(_) => std::future::pending().await,
+                }
+                return;
+            }
+            freed.await;
         }
     }
 
     /// Queues an intent; the caller checked `has_room` (only this attempt sends).
     fn push(&mut self, intent: Intent) {
+        let bytes = checkpoint_bytes(&intent);
         match self.tx.try_send(intent) {
-            Ok(()) => self.pushed += 1,
+            Ok(()) => {
+                self.pushed += 1;
+                self.bytes.add(bytes);
+            }
             Err(e) => debug!(error = %e, "the writer is gone (lease lost); intent dropped"),
         }
     }
 
-    /// Queues an intent, waiting for room (after the child exited: nothing
-    /// else needs the loop then).
+    /// Queues an intent, waiting for room in the queue (after the child
+    /// exited: nothing else needs the loop then; its bytes are not waited for).
     async fn push_wait(&mut self, intent: Intent) {
+        let bytes = checkpoint_bytes(&intent);
         if self.tx.send(intent).await.is_ok() {
             self.pushed += 1;
+            self.bytes.add(bytes);
         }
     }
 
@@ -886,6 +946,7 @@ impl Writer {
             task,
             pushed,
             mut handed,
+            ..
         } = self;
         drop(tx);
         let all = tokio::time::timeout_at(until, handed.wait_for(|h| h.intents >= pushed))
@@ -922,6 +983,7 @@ async fn write_loop(
     mut rx: mpsc::Receiver<Intent>,
     control: watch::Receiver<LeaseView>,
     handed_count: watch::Sender<HandedSoFar>,
+    bytes: Arc<QueuedBytes>,
 ) {
     let mut buf = Vec::with_capacity(64);
     let mut h = Handing {
@@ -930,6 +992,7 @@ async fn write_loop(
         lease: &lease,
         pending: VecDeque::new(),
         count: handed_count,
+        bytes,
     };
     let mut open = true;
     loop {
@@ -951,13 +1014,16 @@ async fn write_loop(
         // write waits for it and is coalesced, as before. (A checkpoint
         // that arrives then is held back until the start is answered: its
         // fence needs the start, and nothing is received behind it.)
-        let more =
-            open && buf.is_empty() && h.pending.iter().any(|(w, _)| matches!(w, Write::Start(_)));
+        let more = open
+            && buf.is_empty()
+            && h.pending
+                .iter()
+                .any(|(w, _, _)| matches!(w, Write::Start(_)));
         // no write outlives the lease clock: once it ran out the attempt is
         // abandoned, and a drain with the database away waited a pool
         // timeout (10 s) per write still queued, 50–70 s in all
         let until = control.borrow().valid_until;
-        let next = match h.pending.front_mut().map(|(_, first)| first) {
+        let next = match h.pending.front_mut().map(|(_, first, _)| first) {
             Some(Ok(p)) => {
                 tokio::select! {
                     biased;
@@ -984,9 +1050,10 @@ async fn write_loop(
             Next::Queued(_) if buf.iter().any(carries_checkpoint) => {}
             Next::Queued(_) => h.hand(&mut buf).await,
             Next::Answered(answer) => {
-                let Some((w, first)) = h.pending.pop_front() else {
+                let Some((w, first, bytes)) = h.pending.pop_front() else {
                     continue;
                 };
+                h.bytes.free(bytes);
                 let first = first.and(answer);
                 match retry_if_transient(&shared, &control, w, first).await {
                     Ok(()) => {}
@@ -1018,9 +1085,11 @@ struct Handing<'a> {
     shared: &'a Shared,
     run_id: Uuid,
     lease: &'a Lease,
-    pending: VecDeque<(Write, Result<Pending, DbError>)>,
+    /// each first try with the checkpoint bytes freed once it is answered
+    pending: VecDeque<(Write, Result<Pending, DbError>, usize)>,
     /// what is handed so far (`Writer::hand_off` waits on it)
     count: watch::Sender<HandedSoFar>,
+    bytes: Arc<QueuedBytes>,
 }
 
 impl Handing<'_> {
@@ -1032,14 +1101,25 @@ impl Handing<'_> {
         let writes = plan_writes(buf, self.run_id, self.lease, ttl);
         let intents = buf.len() as u64;
         let checkpoint = buf.iter().any(carries_checkpoint);
+        // the intents' bytes are freed with the last of their writes' answers
+        let mut bytes: usize = buf.iter().map(checkpoint_bytes).sum();
         buf.clear();
-        for w in writes {
+        if writes.is_empty() {
+            self.bytes.free(std::mem::take(&mut bytes));
+        }
+        let last = writes.len().saturating_sub(1);
+        for (i, w) in writes.into_iter().enumerate() {
             let first = match &w {
                 Write::Start(s) => self.shared.ledger.submit_start(s.clone()).await,
                 Write::Plain(e) => self.shared.ledger.submit_events(e.clone()).await,
                 Write::Checkpointed(c) => self.shared.ledger.submit_checkpoint(c.clone()).await,
             };
-            self.pending.push_back((w, first));
+            let freed = if i == last {
+                std::mem::take(&mut bytes)
+            } else {
+                0
+            };
+            self.pending.push_back((w, first, freed));
         }
         self.count.send_modify(|h| {
             h.intents += intents;
@@ -1080,15 +1160,25 @@ fn plan_writes(buf: &[Intent], run_id: Uuid, lease: &Lease, ttl: Duration) -> Ve
                     .collect();
                 let kept = coalesce(&run);
                 i = end;
-                writes.push(if kept.iter().any(|e| e.checkpoint.is_some()) {
+                // only the last checkpoint is stored (the step row keeps
+                // one); an earlier one's event says it carried one, and its
+                // bytes are not copied along (volume audit: a write of a
+                // few events of 7 MiB checkpoints held all of them, twice)
+                let last_checkpoint = kept.iter().rposition(|e| e.checkpoint.is_some());
+                writes.push(if let Some(last) = last_checkpoint {
                     Write::Checkpointed(CheckpointWrite {
                         lease: lease.clone(),
                         renew_for: ttl,
                         events: kept
                             .into_iter()
-                            .map(|e| CheckpointEvent {
+                            .enumerate()
+                            .map(|(n, e)| CheckpointEvent {
                                 event: owned_event(e),
-                                checkpoint: e.checkpoint.clone(),
+                                checkpoint: if n == last {
+                                    e.checkpoint.clone()
+                                } else {
+                                    e.checkpoint.as_ref().map(|_| Vec::new())
+                                },
                             })
                             .collect(),
                     })
