@@ -74,6 +74,11 @@ pub enum Command {
         /// Only the events of this step.
         #[arg(long)]
         step: Option<String>,
+        /// Only the last N events (in the listing's order: with --step, that
+        /// step's newest; a step checkpointing without pause can have
+        /// hundreds of thousands).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+        last: Option<u32>,
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
@@ -601,9 +606,12 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Migrate => migrate(&url).await,
         Command::Submit { file, json } => submit(&url, &file, json).await,
         Command::Status { run_id, json } => status(&url, &run_id, json).await,
-        Command::Events { run_id, step, json } => {
-            events(&url, &run_id, step.as_deref(), json).await
-        }
+        Command::Events {
+            run_id,
+            step,
+            last,
+            json,
+        } => events(&url, &run_id, step.as_deref(), last, json).await,
         Command::Runs {
             state,
             name,
@@ -778,11 +786,12 @@ async fn events(
     url: &Option<String>,
     run_id: &str,
     step: Option<&str>,
+    last: Option<u32>,
     json: bool,
 ) -> Result<u8, CliError> {
     let id = parse_run_id(run_id)?;
     let db = connect(url, 2, true).await?;
-    let events = db.events(id, step).await.map_err(explain)?;
+    let events = db.events(id, step, last).await.map_err(explain)?;
     if json {
         println!("{}", pretty_json(&events)?);
     } else {

@@ -169,6 +169,47 @@ async fn events_are_listed_in_order_per_step_attempt_and_sequence() {
     assert!(e["at"].is_string() && e.get("executor_at").is_some(), "{e}");
     assert_eq!(v[0]["fraction"], Value::Null);
 
+    // the last N, in the same order (a step checkpointing without pause
+    // stores hundreds of thousands: the whole list took 326 MB to print)
+    let keys = |v: &Value| -> Vec<(String, i64, i64)> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|e| {
+                (
+                    e["step"].as_str().expect("step").to_owned(),
+                    e["attempt"].as_i64().expect("attempt"),
+                    e["sequence"].as_i64().expect("sequence"),
+                )
+            })
+            .collect()
+    };
+    let v = json_of(
+        &cli(Some(&t.url), &["events", &run_s, "--last", "3", "--json"]),
+        "events --last 3",
+    );
+    assert_eq!(
+        keys(&v),
+        [("a", 2, 2), ("b", 1, 1), ("b", 1, 2)]
+            .map(|(s, a, q)| (s.to_string(), a, q))
+            .to_vec()
+    );
+    let v = json_of(
+        &cli(
+            Some(&t.url),
+            &["events", &run_s, "--step", "a", "--last", "2", "--json"],
+        ),
+        "events --step a --last 2",
+    );
+    assert_eq!(
+        keys(&v),
+        [("a", 2, 1), ("a", 2, 2)]
+            .map(|(s, a, q)| (s.to_string(), a, q))
+            .to_vec()
+    );
+    let o = cli(Some(&t.url), &["events", &run_s, "--last", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+
     // one step only
     let v = json_of(
         &cli(Some(&t.url), &["events", &run_s, "--step", "b", "--json"]),
@@ -819,7 +860,7 @@ async fn an_unknown_step_of_a_big_run_names_twenty_of_its_steps() {
         .collect();
     let run = t.submit(json!({"name": "big", "steps": steps})).await;
     let err =
-        t.db.events(run, Some("nosuch"))
+        t.db.events(run, Some("nosuch"), None)
             .await
             .expect_err("no such step")
             .to_string();

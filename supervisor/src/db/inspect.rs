@@ -141,11 +141,16 @@ impl Db {
     /// The progress events of a run (or of its step `step`), in order per
     /// (step, attempt, sequence); steps in their spec order. `NotFound`
     /// names an unknown run or step.
-    pub async fn events(&self, run_id: Uuid, step: Option<&str>) -> Result<Vec<EventRow>, DbError> {
+    pub async fn events(
+        &self,
+        run_id: Uuid,
+        step: Option<&str>,
+        last: Option<u32>,
+    ) -> Result<Vec<EventRow>, DbError> {
         self.connection("reading a run")
             .await?
             .conn()
-            .events(run_id, step)
+            .events(run_id, step, last)
             .await
     }
 
@@ -171,12 +176,14 @@ impl Db {
 
 impl DbConn<'_> {
     /// The progress events of a run (or of its step `step`), in order per
-    /// (step, attempt, sequence); steps in their spec order. `NotFound`
-    /// names an unknown run or step.
+    /// (step, attempt, sequence); steps in their spec order; with `last`,
+    /// only the last that many of that order. `NotFound` names an unknown
+    /// run or step.
     pub async fn events(
         &mut self,
         run_id: Uuid,
         step: Option<&str>,
+        last: Option<u32>,
     ) -> Result<Vec<EventRow>, DbError> {
         let mut s = Scope::enter(self.conn).await?;
         let steps: Vec<String> = step_names(&mut s, run_id).await?;
@@ -199,15 +206,21 @@ impl DbConn<'_> {
                 )));
             }
         }
+        // the newest `last` read backwards (by the index of each step's
+        // events), then put in order
         let rows = sqlx::query(
-            "SELECT s.name, e.step_run_id, e.attempt, e.sequence, e.kind, e.message, e.fraction,
-                    e.checkpoint, e.executor_at, e.at
-               FROM durable.step_events e JOIN durable.step_runs s ON s.id = e.step_run_id
-              WHERE s.run_id = $1 AND ($2::text IS NULL OR s.name = $2)
-              ORDER BY s.position, e.attempt, e.sequence",
+            "SELECT * FROM (
+                 SELECT s.name, s.position, e.step_run_id, e.attempt, e.sequence, e.kind, e.message,
+                        e.fraction, e.checkpoint, e.executor_at, e.at
+                   FROM durable.step_events e JOIN durable.step_runs s ON s.id = e.step_run_id
+                  WHERE s.run_id = $1 AND ($2::text IS NULL OR s.name = $2)
+                  ORDER BY s.position DESC, e.attempt DESC, e.sequence DESC
+                  LIMIT $3) x
+              ORDER BY x.position, x.attempt, x.sequence",
         )
         .bind(run_id)
         .bind(step)
+        .bind(last.map(i64::from))
         .fetch_all(&mut *s)
         .await
         .ctx("reading a run's events")?;
