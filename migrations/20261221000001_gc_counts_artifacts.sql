@@ -1,3 +1,10 @@
+-- retention_batch, two fixes (soak and operator audits):
+--
+-- A batch that removed the last piece of a run larger than a batch said
+-- there was no more to remove, so a pass (`gc`, or a worker's retention)
+-- ended after one such run and left every other old run for the next pass:
+-- one large run per retention interval at most, however many finished.
+--
 -- The real `gc` pass counts the artifacts it removed, as its dry run does
 -- (operator audit: `gc --dry-run --json` said how many artifacts would go,
 -- `gc --json` then did not say how many went). retention_delete_steps
@@ -56,6 +63,9 @@ BEGIN
         END IF;
         IF coalesce(cardinality(sids), 0) < p_max_steps THEN
             ids := ARRAY[partial_run];   -- that was the rest: the run itself goes now
+            -- and the runs behind it wait for the next batch (the pass
+            -- ended here, leaving every other old run to the next pass)
+            more := cardinality(cand) > 1;
         ELSE
             more := true;
         END IF;

@@ -1055,7 +1055,7 @@ async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
         println!("{v}");
     } else {
         println!(
-            "removed {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} batches; longest batch {:.1} ms{}{}",
+            "removed {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} {}; longest batch {:.1} ms{}{}",
             r.runs,
             r.cutoff.as_ref().map(when).unwrap_or_default(),
             r.steps,
@@ -1066,6 +1066,7 @@ async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
             files,
             r.workers,
             r.batches,
+            if r.batches == 1 { "batch" } else { "batches" },
             r.longest_batch.as_secs_f64() * 1000.0,
             if r.vacuumed {
                 format!("; VACUUM {:.1} ms", r.vacuum_time.as_secs_f64() * 1000.0)
@@ -1626,13 +1627,18 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
             ));
         }
         last_unit = unit;
-        let n: u64 = digits.parse().map_err(|_| bad())?;
+        if digits.is_empty() {
+            return Err(bad());
+        }
+        // digits beyond u64 are a number too large, not a typo
+        let too_long = || format!("{text:?} is too long: at most 100 years");
+        let n: u64 = digits.parse().map_err(|_| too_long())?;
         digits.clear();
         total = n
             .checked_mul(unit)
             .and_then(|v| total.checked_add(v))
             .filter(|v| *v <= 100 * 365 * 86_400)
-            .ok_or_else(|| format!("{text:?} is too long: at most 100 years"))?;
+            .ok_or_else(too_long)?;
     }
     if !digits.is_empty() {
         return Err(bad());
@@ -2057,7 +2063,13 @@ mod tests {
             assert!(e.contains("each unit once, largest first"), "{e}");
         }
         assert_eq!(secs("1d12h30m15s"), Ok(86_400 + 12 * 3_600 + 30 * 60 + 15));
-        assert!(parse_duration("99999999999999999999d").is_err());
+        // more digits than any u64: too long, not "not a duration"
+        for huge in ["99999999999999999999d", "99999999999999999999s"] {
+            assert!(
+                parse_duration(huge).expect_err(huge).contains("too long"),
+                "{huge}"
+            );
+        }
         assert!(parse_duration("36600000d")
             .expect_err("long")
             .contains("too long"));

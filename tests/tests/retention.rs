@@ -326,6 +326,44 @@ async fn a_run_larger_than_a_batch_goes_in_several() {
     );
 }
 
+/// Several runs larger than a batch all go in one pass (soak audit: the
+/// batch that removed the last piece of one said there was no more, so a
+/// pass, and a worker's retention interval, removed one such run at most).
+#[tokio::test]
+async fn several_runs_larger_than_a_batch_go_in_one_pass() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let wide = |name: &str| {
+        let steps: Vec<_> = (0..25)
+            .map(|i| json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "k"}))
+            .collect();
+        json!({"name": name, "steps": steps})
+    };
+    let mut runs = Vec::new();
+    for name in ["w1", "w2", "w3"] {
+        runs.push(t.submit(wide(name)).await);
+        // each finishes after the one before
+        let leased = lease(db, wid, 100).await;
+        assert_eq!(leased.len(), 25);
+        finish_batch(db, &leased).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut opts = options(Duration::from_secs(1));
+    opts.batch_steps = 10;
+    let r = db
+        .retention_pass(&opts, &CancellationToken::new())
+        .await
+        .expect("pass");
+    // 10 + 10 + 5 steps of each run, the last piece taking its run
+    assert_eq!((r.runs, r.steps, r.batches), (3, 75, 9), "{r:?}");
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+            .await,
+        0
+    );
+}
+
 /// An artifact that names bytes retention removed while its write was in
 /// flight is a retryable conflict (40001), not a permanent foreign-key
 /// violation: the worker retries the write, which stores the bytes again.
