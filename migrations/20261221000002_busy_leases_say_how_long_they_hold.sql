@@ -12,7 +12,9 @@
 -- and never an expired one: see DbConn::record_events), as a heartbeat
 -- with details does in Temporal. And renew_leases answers a busy lease with
 -- how long its last committed renewal still holds (valid_ms, read without
--- waiting for the row): the worker moves that lease's clock to the
+-- waiting for the row), and with a cancel request of its own or its run's
+-- (a held lease heard of none: renewed by its checkpoints it could now be
+-- held at every heartbeat): the worker moves that lease's clock to the
 -- heartbeat's send time + valid_ms, which is never later than the
 -- database's own expiry. A new OUT column changes the row type, which CREATE
 -- OR REPLACE cannot do: the function is dropped and created again (EXECUTE
@@ -99,17 +101,23 @@ BEGIN
         ), judged AS (
             -- a held row is read as last committed: its lease as the last
             -- renewal left it (a checkpoint write renews it too)
+            -- (and a held lease hears of a cancel too: renewed by its own
+            -- checkpoints, it could otherwise be held at every heartbeat and
+            -- never hear of one)
             SELECT h.id, r.id IS NOT NULL AS renewed,
                    r.id IS NULL AND held.lease_expires_at IS NOT NULL AS busy,
                    extract(epoch FROM held.lease_expires_at - now()) * 1000.0 AS held_ms,
-                   coalesce(r.cancel_requested OR c.id IS NOT NULL, false) AS cancel
+                   coalesce(CASE WHEN r.id IS NOT NULL THEN r.cancel_requested
+                                 ELSE held.cancel_requested END
+                            OR c.id IS NOT NULL, false) AS cancel
               FROM h
               LEFT JOIN renewed r ON r.id = h.id
-              LEFT JOIN cancelling c ON c.id = r.run_id
-              LEFT JOIN LATERAL (SELECT s.lease_expires_at FROM durable.step_runs s
+              LEFT JOIN LATERAL (SELECT s.lease_expires_at, s.cancel_requested, s.run_id
+                                   FROM durable.step_runs s
                                   WHERE s.id = h.id AND s.lease_token = h.token
                                     AND s.state IN ('leased', 'running')
                                     AND s.lease_expires_at > now()) held ON true
+              LEFT JOIN cancelling c ON c.id = coalesce(r.run_id, held.run_id)
         )
         SELECT array_agg(id) FILTER (WHERE NOT renewed AND NOT busy),
                coalesce(array_agg(id ORDER BY id) FILTER (WHERE busy), '{}'),

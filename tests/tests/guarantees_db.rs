@@ -258,6 +258,27 @@ async fn a_checkpoint_renews_its_lease_and_a_held_lease_says_how_long_it_holds()
         "{held:?}"
     );
     assert!(!hb.busy_valid_for.contains_key(&leases[1].step_run_id()));
+    assert!(hb.cancel_requested.is_empty(), "{:?}", hb.cancel_requested);
+    tx.commit().await.expect("commit");
+
+    // a held lease hears of a cancel request: renewed by its own
+    // checkpoints it may be held at every heartbeat
+    sqlx::query("UPDATE durable.step_runs SET cancel_requested = true WHERE id = $1")
+        .bind(a.step_run_id())
+        .execute(t.db.pool())
+        .await
+        .expect("ask to cancel");
+    let mut tx = t.db.begin().await.expect("begin");
+    tx.conn()
+        .record_events_renewing(&a, &[cp(10)], Some(Duration::from_secs(60)))
+        .await
+        .expect("checkpoint");
+    let hb = other
+        .heartbeat(wid, &leases, Duration::from_secs(30))
+        .await
+        .expect("heartbeat");
+    assert_eq!(hb.busy, vec![a.step_run_id()]);
+    assert_eq!(hb.cancel_requested, vec![a.step_run_id()]);
     tx.commit().await.expect("commit");
     // committed, the checkpoint renewed the lease for 60 s
     let l = left(a.step_run_id()).await;
@@ -266,7 +287,7 @@ async fn a_checkpoint_renews_its_lease_and_a_held_lease_says_how_long_it_holds()
     // a longer lease is not shortened by a shorter renewal
     let mut tx = t.db.begin().await.expect("begin");
     tx.conn()
-        .record_events_renewing(&a, &[cp(3)], Some(Duration::from_secs(5)))
+        .record_events_renewing(&a, &[cp(11)], Some(Duration::from_secs(5)))
         .await
         .expect("checkpoint");
     tx.commit().await.expect("commit");
@@ -276,7 +297,7 @@ async fn a_checkpoint_renews_its_lease_and_a_held_lease_says_how_long_it_holds()
     set_left(a.step_run_id(), -1.0).await;
     let mut tx = t.db.begin().await.expect("begin");
     tx.conn()
-        .record_events_renewing(&a, &[cp(4)], Some(Duration::from_secs(60)))
+        .record_events_renewing(&a, &[cp(12)], Some(Duration::from_secs(60)))
         .await
         .expect("checkpoint of an expired but unreclaimed lease is still fenced in");
     tx.commit().await.expect("commit");
