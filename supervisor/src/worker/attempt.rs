@@ -2541,6 +2541,12 @@ pub(crate) async fn stop_child(
     let res = if child.has_exited() {
         kill_and_reap(child).await
     } else {
+        // the metric counted these without a word in the log (soak audit:
+        // six SIGTERMs, none of them traceable to a process or a step)
+        info!(
+            pid = child.pid,
+            "the executor is still running: SIGTERM to its process group"
+        );
         if let Err(e) = child.signal_group(Signal::SIGTERM) {
             debug!(error = %e, "SIGTERM to the group failed");
         }
