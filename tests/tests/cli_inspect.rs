@@ -135,18 +135,29 @@ async fn events_are_listed_in_order_per_step_attempt_and_sequence() {
 
     insert_events(&t, a, b).await;
     let v = json_of(&cli(Some(&t.url), &["events", &run_s, "--json"]), "events");
-    let got: Vec<(String, i64, i64, String)> = v
+    let keys = |v: &Value| -> Vec<(String, i64, i64)> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|e| {
+                (
+                    e["step"].as_str().expect("step").to_owned(),
+                    e["attempt"].as_i64().expect("attempt"),
+                    e["sequence"].as_i64().expect("sequence"),
+                )
+            })
+            .collect()
+    };
+    let kinds: Vec<String> = v
         .as_array()
         .expect("array")
         .iter()
-        .map(|e| {
-            (
-                e["step"].as_str().expect("step").to_owned(),
-                e["attempt"].as_i64().expect("attempt"),
-                e["sequence"].as_i64().expect("sequence"),
-                e["kind"].as_str().expect("kind").to_owned(),
-            )
-        })
+        .map(|e| e["kind"].as_str().expect("kind").to_owned())
+        .collect();
+    let got: Vec<(String, i64, i64, String)> = keys(&v)
+        .into_iter()
+        .zip(kinds)
+        .map(|((s, a, q), k)| (s, a, q, k))
         .collect();
     let want: Vec<(String, i64, i64, String)> = [
         ("a", 1, 1, "accepted"),
@@ -171,19 +182,6 @@ async fn events_are_listed_in_order_per_step_attempt_and_sequence() {
 
     // the last N, in the same order (a step checkpointing without pause
     // stores hundreds of thousands: the whole list took 326 MB to print)
-    let keys = |v: &Value| -> Vec<(String, i64, i64)> {
-        v.as_array()
-            .expect("array")
-            .iter()
-            .map(|e| {
-                (
-                    e["step"].as_str().expect("step").to_owned(),
-                    e["attempt"].as_i64().expect("attempt"),
-                    e["sequence"].as_i64().expect("sequence"),
-                )
-            })
-            .collect()
-    };
     let v = json_of(
         &cli(Some(&t.url), &["events", &run_s, "--last", "3", "--json"]),
         "events --last 3",

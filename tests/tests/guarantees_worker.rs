@@ -244,6 +244,20 @@ async fn a_chatty_executor_and_a_slow_database_cannot_starve_control() {
     w.shutdown().await;
 }
 
+/// Each write of a checkpoint (it rewrites its step's row) takes `secs`
+/// more, holding the row meanwhile, as a large checkpoint's write does.
+async fn slow_checkpoint_writes(t: &TestDb, secs: f64) {
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION public.slow_checkpoints() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep({secs}); RETURN NEW; END $$;
+         CREATE TRIGGER slow_checkpoints BEFORE UPDATE OF checkpoint ON durable.step_runs
+           FOR EACH ROW EXECUTE FUNCTION public.slow_checkpoints();"
+    ))
+    .execute(t.db.pool())
+    .await
+    .expect("slow checkpoint trigger");
+}
+
 /// An executor that sends checkpoints without pause keeps its lease (volume
 /// audit: 7 MiB checkpoints back to back ended every attempt LEASE_LOST,
 /// "the lease clock ran out", with the database answering all along). Each
@@ -257,15 +271,7 @@ async fn a_chatty_executor_and_a_slow_database_cannot_starve_control() {
 async fn an_executor_checkpointing_without_pause_keeps_its_lease() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION public.slow_checkpoints() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN PERFORM pg_sleep(0.15); RETURN NEW; END $$;
-         CREATE TRIGGER slow_checkpoints BEFORE UPDATE OF checkpoint ON durable.step_runs
-           FOR EACH ROW EXECUTE FUNCTION public.slow_checkpoints();",
-    )
-    .execute(t.db.pool())
-    .await
-    .expect("slow checkpoint trigger");
+    slow_checkpoint_writes(&t, 0.15).await;
     let cfg = fast_config(vec![hostile("hostile", None, &[])]);
     let ttl = cfg.lease_ttl_ms;
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
@@ -303,15 +309,7 @@ async fn an_executor_checkpointing_without_pause_keeps_its_lease() {
 async fn checkpoints_waiting_for_the_database_are_bounded_in_bytes() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION public.slow_checkpoints() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN PERFORM pg_sleep(0.1); RETURN NEW; END $$;
-         CREATE TRIGGER slow_checkpoints BEFORE UPDATE OF checkpoint ON durable.step_runs
-           FOR EACH ROW EXECUTE FUNCTION public.slow_checkpoints();",
-    )
-    .execute(t.db.pool())
-    .await
-    .expect("slow checkpoint trigger");
+    slow_checkpoint_writes(&t, 0.1).await;
     let rss_kib = || {
         std::fs::read_to_string("/proc/self/status")
             .ok()
