@@ -299,6 +299,42 @@ async fn an_executor_checkpointing_without_pause_keeps_its_lease() {
     w.shutdown().await;
 }
 
+/// At the smallest lease margin the configuration allows (graces and two
+/// heartbeats fill the TTL), checkpoints whose writes each take an eighth of
+/// the TTL keep their lease too (re-check audit: 7 MiB checkpoints, TTL 4 s,
+/// graces 1 s + 1 s, heartbeat 1 s, ended every attempt LEASE_LOST: a busy
+/// answer moved the clock only to the last committed renewal, a write or two
+/// and a heartbeat interval behind). The clock now also moves when a
+/// checkpoint write is answered, to when it was handed + TTL: it dips to TTL
+/// minus two writes' time before the next answer, so writes shorter than
+/// half of (TTL − the graces) keep the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_checkpoints_keep_their_lease_at_the_smallest_margin() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    slow_checkpoint_writes(&t, 0.25).await;
+    let mut cfg = fast_config(vec![hostile("hostile", None, &[])]);
+    cfg.lease_ttl_ms = 2_000;
+    cfg.heartbeat_interval_ms = 500;
+    cfg.cancel_grace_ms = 500;
+    cfg.term_grace_ms = 500;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "flood", "steps": [
+            {"name": "s", "executor_kind": "hostile", "kind": "hostile.checkpoint_flood",
+             "input": {"ms": 6000, "size": 4096}, "retry": {"max_attempts": 1}}]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(
+        (s.state.as_str(), s.attempt),
+        ("succeeded", 1),
+        "{:?}",
+        s.error
+    );
+    w.shutdown().await;
+}
+
 /// The checkpoints an attempt has not had answered are bounded in bytes, not
 /// only in number (volume audit: four executors sending 7 MiB checkpoints
 /// back to back took the worker to 548 MB; the queue held up to 256 of them

@@ -118,6 +118,23 @@ impl LeaseSet {
         self.map().values().map(|e| e.lease.clone()).collect()
     }
 
+    /// A write of the attempt holding `lease` renewed it (a checkpoint, from
+    /// its transaction's start, which came after `until - TTL`): its clock
+    /// moves on to `until`, if it still runs. A clock still running means
+    /// the database's lease was valid when the write ran (the clock never
+    /// runs past it), so the write did renew it.
+    pub fn renewed_by_write(&self, lease: &Lease, until: Instant) {
+        if let Some(e) = self.current(&self.map(), lease) {
+            e.tx.send_if_modified(|v| {
+                let later = v.valid_until > Instant::now() && v.valid_until < until;
+                if later {
+                    v.valid_until = until;
+                }
+                later
+            });
+        }
+    }
+
     /// A write of the attempt holding `lease` learned that it is gone.
     pub fn lease_lost(&self, lease: &Lease) {
         if let Some(e) = self.current(&self.map(), lease) {
@@ -417,5 +434,28 @@ mod tests {
             .insert(held.step_run_id(), Duration::from_secs(3600));
         set.apply(std::slice::from_ref(&held), &r, sent, TTL);
         assert_eq!(rx_held.borrow().valid_until, sent + TTL);
+    }
+
+    /// A checkpoint's renewal moves a running clock on, never back, and
+    /// never one that ran out, nor another attempt's.
+    #[test]
+    fn a_checkpoint_write_moves_a_running_clock_on() {
+        let set = LeaseSet::default();
+        let (l, retry) = (lease(1, 10), lease(1, 11));
+        let t0 = Instant::now();
+        let rx = set.insert(l.clone(), t0 + Duration::from_secs(1));
+        set.renewed_by_write(&l, t0 + Duration::from_secs(5));
+        assert_eq!(rx.borrow().valid_until, t0 + Duration::from_secs(5));
+        set.renewed_by_write(&l, t0 + Duration::from_secs(3));
+        assert_eq!(rx.borrow().valid_until, t0 + Duration::from_secs(5));
+        // a token this set does not hold changes nothing
+        set.renewed_by_write(&retry, t0 + Duration::from_secs(9));
+        assert_eq!(rx.borrow().valid_until, t0 + Duration::from_secs(5));
+        // a clock that ran out stays out: the write may not have renewed
+        let out = lease(2, 20);
+        let past = Instant::now();
+        let rx_out = set.insert(out.clone(), past);
+        set.renewed_by_write(&out, past + Duration::from_secs(9));
+        assert_eq!(rx_out.borrow().valid_until, past);
     }
 }
