@@ -28,8 +28,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `late_frame`: ACCEPTED, a result, then after the input's `delay_ms` a PROGRESS event
   of the same job (a frame after its terminal).
 - `checkpoint_flood`: ACCEPTED, then PROGRESS events each carrying a checkpoint of
-  the input's `size` bytes, back to back for the input's `ms`, then a result
-  `{"checkpoints": n}`.
+  the input's `size` bytes (`%08d` of its number, repeated), back to back for the
+  input's `ms`, then a result `{"checkpoints": n}`; with the input's `count`,
+  that many, then it sleeps (no result, no reading).
 - `stray_bytes`: ACCEPTED, a result, then bytes that are no whole frame.
 - `sleep`: ACCEPTED, then a result after the input's `ms`.
 - `stderr_cut_secret`: ACCEPTED, a stderr line whose 1024-byte cut falls 8 bytes into its
@@ -291,12 +292,15 @@ def main() -> int:
             cfg = json.loads(job.input or b"{}")
             until = time.monotonic() + cfg.get("ms", 1000) / 1000
             n = 0
-            while time.monotonic() < until:
+            count = cfg.get("count")
+            while time.monotonic() < until and (count is None or n < count):
                 n += 1
                 seq += 1
                 blob = (b"%08d" % n) * (cfg.get("size", 1024) // 8)
                 send(event=pb.ProgressEvent(job_id=job.job_id, sequence=seq, kind=pb.EVENT_KIND_PROGRESS,
                                             message=f"checkpoint {n}", checkpoint=blob))
+            if count is not None:
+                time.sleep(3600)  # deaf and silent: ended by a timeout or a cancel
             result(json.dumps({"checkpoints": n}).encode())
         elif mode == "stray_bytes":
             # a result, then bytes that are no whole frame (a stray print)

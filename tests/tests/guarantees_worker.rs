@@ -335,6 +335,48 @@ async fn slow_checkpoints_keep_their_lease_at_the_smallest_margin() {
     w.shutdown().await;
 }
 
+/// A checkpoint read during a stop's grace is stored even when the writer's
+/// queue is full: the next attempt resumes from the last one reported
+/// (re-check audit: an attempt ended by its timeout reported 5,108
+/// checkpoints, 4,674 were stored, and the retry resumed from that one; the
+/// grace dropped progress that found no room, checkpoints included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_checkpoint_read_in_a_grace_is_stored() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    slow_checkpoint_writes(&t, 0.1).await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![hostile("hostile", None, &[])]),
+    )
+    .await;
+    const COUNT: usize = 3000;
+    let run = t
+        .submit(json!({"name": "burst", "steps": [
+            {"name": "s", "executor_kind": "hostile", "kind": "hostile.checkpoint_flood",
+             "input": {"ms": 60000, "size": 4096, "count": COUNT}, "timeout_ms": 1500,
+             "retry": {"max_attempts": 1}}]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("ATTEMPT_TIMEOUT"),
+        "{s:?}"
+    );
+    let stored: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT checkpoint FROM durable.step_runs WHERE id = $1")
+            .bind(s.step_run_id)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("checkpoint");
+    let head = stored
+        .as_deref()
+        .map(|c| String::from_utf8_lossy(&c[..8.min(c.len())]).into_owned());
+    assert_eq!(head.as_deref(), Some(format!("{COUNT:08}").as_str()));
+    w.shutdown().await;
+}
+
 /// The checkpoints an attempt has not had answered are bounded in bytes, not
 /// only in number (volume audit: four executors sending 7 MiB checkpoints
 /// back to back took the worker to 548 MB; the queue held up to 256 of them

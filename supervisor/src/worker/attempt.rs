@@ -830,6 +830,9 @@ struct Writer {
     handed: watch::Receiver<HandedSoFar>,
     /// checkpoint bytes queued and not yet answered
     bytes: Arc<QueuedBytes>,
+    /// the newest checkpoint that found no room during a stop's grace: it
+    /// is queued before anything later, or at the hand-off
+    held: Option<Intent>,
 }
 
 /// What a writer task has handed to the ledger so far.
@@ -887,6 +890,7 @@ impl Writer {
             pushed: 0,
             handed,
             bytes,
+            held: None,
         }
     }
 
@@ -926,6 +930,26 @@ impl Writer {
         }
     }
 
+    /// Queues an intent if there is room, without waiting (progress during a
+    /// stop's grace must not delay the stop). Plain progress without room is
+    /// dropped; a checkpoint is held, the newest in place of an older, and
+    /// queued before anything later or at the hand-off: the next attempt
+    /// resumes from the last checkpoint reported (re-check audit: 435
+    /// checkpoints reported in a timeout's grace were dropped, and the retry
+    /// resumed from an older one).
+    fn push_if_room(&mut self, intent: Intent) {
+        if self.has_room() {
+            if let Some(h) = self.held.take() {
+                self.push(h);
+            }
+        }
+        if self.has_room() {
+            self.push(intent);
+        } else if carries_checkpoint(&intent) {
+            self.held = Some(intent);
+        }
+    }
+
     /// Queues an intent, waiting for room in the queue (after the child
     /// exited: nothing else needs the loop then; its bytes are not waited for).
     async fn push_wait(&mut self, intent: Intent) {
@@ -944,10 +968,19 @@ impl Writer {
         let Writer {
             tx,
             task,
-            pushed,
+            mut pushed,
             mut handed,
-            ..
+            held,
+            bytes,
         } = self;
+        if let Some(h) = held {
+            let n = checkpoint_bytes(&h);
+            bytes.add(n);
+            match tokio::time::timeout_at(until, tx.send(h)).await {
+                Ok(Ok(())) => pushed += 1,
+                _ => bytes.free(n),
+            }
+        }
         drop(tx);
         let all = tokio::time::timeout_at(until, handed.wait_for(|h| h.intents >= pushed))
             .await
@@ -1783,9 +1816,7 @@ impl Conversation<'_> {
                 }
             }
             Action::PersistIfRoom(i) => {
-                if self.writer.has_room() {
-                    self.writer.push(redact_intent(self.redactor, i));
-                }
+                self.writer.push_if_room(redact_intent(self.redactor, i));
             }
             Action::SendCancel { reason, message } => {
                 write_frame(

@@ -450,8 +450,9 @@ pub(crate) struct Finish {
 pub(crate) enum Action {
     /// Queue for the writer (waiting for room if the queue is full).
     Persist(Intent),
-    /// Queue if there is room, else drop (progress during a cancel's grace
-    /// must not delay the stop).
+    /// Queue if there is room, without waiting (progress during a cancel's
+    /// grace must not delay the stop): plain progress without room is
+    /// dropped, the newest checkpoint held for the hand-off.
     PersistIfRoom(Intent),
     /// Write a cancel frame (a grace follows: `ArmGrace`).
     SendCancel {
