@@ -116,13 +116,16 @@ pub enum NegotiationError {
         supervisor: Vec<String>,
     },
     #[error(
-        "the job frame is {len} bytes, over the {limit}-byte limit the executor announced \
-         (Hello.max_frame_bytes); {}",
+        "the job frame is {len} bytes, over the {limit}-byte limit {}; {}",
+        if *.announced { "the executor announced (Hello.max_frame_bytes)" }
+        else { "of an executor that announces none (the default; Hello.max_frame_bytes raises it)" },
         too_large_hint(*.checkpoint)
     )]
     JobTooLarge {
         len: u64,
         limit: u64,
+        /// The limit is the executor's own (else the default 8 MiB).
+        announced: bool,
         /// Bytes of it that are the checkpoint an earlier attempt reported.
         checkpoint: u64,
     },
@@ -238,6 +241,7 @@ pub fn prepare_job(
         return Err(NegotiationError::JobTooLarge {
             len,
             limit: agreement.executor_max_frame_bytes,
+            announced: hello.max_frame_bytes > 0,
             checkpoint: job.checkpoint.as_ref().map_or(0, |c| c.len() as u64),
         });
     }
@@ -439,6 +443,7 @@ mod tests {
             NegotiationError::JobTooLarge {
                 len,
                 limit: len - 1,
+                announced: true,
                 checkpoint: 0,
             }
         );
@@ -453,11 +458,14 @@ mod tests {
             "{msg}"
         );
         assert!(!msg.contains("input artifacts"), "{msg}");
-        // a 1.0 executor's limit is the default 8 MiB
+        // a 1.0 executor's limit is the default 8 MiB, and the message does
+        // not say it announced one
         let big = job(DEFAULT_MAX_FRAME_BYTES);
-        assert_eq!(
-            prepare_job(&hello(&[], &[], 0), &offer, &big).map_err(|e| e.code()),
-            Err(JOB_TOO_LARGE_CODE)
+        let err = prepare_job(&hello(&[], &[], 0), &offer, &big).expect_err("over 8 MiB");
+        assert_eq!(err.code(), JOB_TOO_LARGE_CODE);
+        assert!(
+            err.to_string().contains("an executor that announces none"),
+            "{err}"
         );
         // a mismatch wins over the size
         assert_eq!(
