@@ -195,6 +195,40 @@ async fn the_owner_of_a_schema_a_dba_made_migrates_it_from_nothing() {
     assert_eq!(t.status(run).await.state, "pending");
 }
 
+/// A role that may only use an empty schema it does not own is told what to
+/// do, not only "permission denied for schema durable" (re-check audit).
+#[tokio::test]
+async fn migrate_without_create_on_the_schema_says_what_to_do() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let user = format!("use_{tag}");
+    exec(
+        &t.db,
+        &format!(
+            "DROP SCHEMA durable CASCADE;
+             CREATE ROLE {user} LOGIN;
+             REVOKE CREATE ON DATABASE {name} FROM PUBLIC;
+             CREATE SCHEMA durable;
+             GRANT USAGE ON SCHEMA durable TO {user};",
+            name = t.name
+        ),
+    )
+    .await;
+    let db = Db::connect(&as_role(&t.url, &user), 1)
+        .await
+        .expect("connect");
+    let msg = db
+        .migrate()
+        .await
+        .expect_err("no CREATE on the schema")
+        .to_string();
+    assert!(
+        msg.contains("permission denied for schema durable")
+            && msg.contains("migrate as the owner of schema durable"),
+        "{msg}"
+    );
+}
+
 /// `migrate` says what it did: how many migrations it applied, or that the
 /// schema was up to date. Before, a run that applied nothing (a second one,
 /// or the loser of two at once) said "migrations applied" too (upgrade audit).

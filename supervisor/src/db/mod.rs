@@ -123,6 +123,18 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
     ..sqlx::migrate!("../migrations")
 };
 
+/// The database's words when a migration failed for want of a privilege
+/// (SQLSTATE 42501).
+fn permission_denied(e: &sqlx::migrate::MigrateError) -> Option<String> {
+    use sqlx::migrate::MigrateError;
+    let (MigrateError::Execute(sqlx::Error::Database(db))
+    | MigrateError::ExecuteMigration(sqlx::Error::Database(db), _)) = e
+    else {
+        return None;
+    };
+    (db.code().as_deref() == Some("42501")).then(|| db.message().to_owned())
+}
+
 /// The first migration's first statement (see `Db::migrator_for_existing_schema`).
 const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS durable;";
 
@@ -920,6 +932,15 @@ impl Db {
         conn.execute("RESET search_path")
             .await
             .ctx("resetting search_path")?;
+        if let Err(e) = &res {
+            if let Some(denied) = permission_denied(e) {
+                // (re-check audit: a role with USAGE alone was told only
+                // "permission denied for schema durable")
+                return Err(DbError::Privileges(format!(
+                    "{denied}: migrate as the owner of schema durable (README, \"Database roles\"), or GRANT CREATE ON SCHEMA durable to this role"
+                )));
+            }
+        }
         res?;
         let version = sqlx::query_scalar::<_, Option<i64>>(
             "SELECT max(version) FROM durable._sqlx_migrations WHERE success",
