@@ -311,6 +311,43 @@ async fn a_checkpoint_renews_its_lease_and_a_held_lease_says_how_long_it_holds()
     assert!(l <= 10.0 && l > 5.0, "{l}");
 }
 
+/// A worker frozen inside a transaction (SIGSTOP, a paused VM) holds its
+/// rows no longer than its lease TTL: PostgreSQL ends a session idle in a
+/// transaction that long (re-check audit: a frozen ledger transaction held
+/// its run's rows, and neither the reclaim nor a cancel got past them until
+/// the worker woke, 23 s later). A connection opened before the limit was
+/// set keeps the minute every connection of the runtime has.
+#[tokio::test]
+async fn a_transaction_left_idle_ends_after_the_lease_ttl() {
+    let t = TestDb::new().await;
+    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
+    let worker_db = t.connect(2).await;
+    worker_db
+        .end_idle_transactions_after(Duration::from_millis(500))
+        .await;
+    let mut frozen = worker_db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+        .bind(run)
+        .execute(&mut *frozen)
+        .await
+        .expect("lock the run");
+    // the "frozen" client sends nothing more; the run's row is free again
+    // once its session is ended
+    let started = std::time::Instant::now();
+    t.db.cancel(run, None)
+        .await
+        .expect("the cancel waits for the idle transaction's end, not for good");
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(5),
+        "the cancel waited {waited:?}"
+    );
+    assert!(
+        sqlx::query("SELECT 1").execute(&mut *frozen).await.is_err(),
+        "the idle transaction's session was not ended"
+    );
+}
+
 /// 3: a step writer holds the run row; leasing a sibling step inserts history
 /// rows whose foreign-key check takes FOR KEY SHARE on that run. With the run
 /// locked FOR UPDATE (before the fix) the lease waited for the writer — one

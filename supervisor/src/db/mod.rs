@@ -677,6 +677,11 @@ impl Db {
             .options([
                 ("statement_timeout", "60000"),
                 ("lock_timeout", "10000"),
+                // a session idle inside a transaction this long is a client
+                // that froze (SIGSTOP, a paused VM) with rows locked: its
+                // run could be neither reclaimed nor cancelled until it woke
+                // (re-check audit). A worker lowers it to its lease TTL.
+                ("idle_in_transaction_session_timeout", "60000"),
                 ("plan_cache_mode", "force_generic_plan"),
                 ("jit", "off"),
                 // the runtime's SQL is written for READ COMMITTED (a row
@@ -706,6 +711,27 @@ impl Db {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The pool's connections end a transaction left idle for `limit`
+    /// (PostgreSQL's idle_in_transaction_session_timeout): a worker frozen
+    /// inside one holds its rows no longer than its leases last. The idle
+    /// connections are closed, so that every connection opened from now on
+    /// has it; one in use at this moment keeps [`Db::connect`]'s minute.
+    pub async fn end_idle_transactions_after(&self, limit: StdDuration) {
+        let ms = limit.as_millis().max(1).to_string();
+        let opts = (*self.pool.connect_options())
+            .clone()
+            .options([("idle_in_transaction_session_timeout", ms.as_str())]);
+        self.pool.set_connect_options(opts);
+        for _ in 0..self.pool.num_idle() {
+            match self.pool.try_acquire() {
+                Some(c) => {
+                    let _ = c.close().await;
+                }
+                None => break,
+            }
+        }
     }
 
     /// A `Db` over a pool the caller configured, without the session

@@ -512,6 +512,8 @@ impl Worker {
     /// worker. It does not migrate: `supervisor migrate` does (rolling
     /// upgrades: an older worker runs against a newer compatible schema).
     pub async fn start(db: Db, cfg: WorkerConfig) -> Result<Worker, WorkerError> {
+        db.end_idle_transactions_after(Duration::from_millis(cfg.lease_ttl_ms))
+            .await;
         let version = db.check_schema().await?;
         check_privileges(&db).await?;
         check_setup(&db, &cfg)?;
