@@ -1605,13 +1605,13 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     if s.is_empty() {
         return Err(bad());
     }
-    let mut total: u64 = 0;
-    let mut digits = String::new();
-    // each unit at most once, largest first (`1d2d` or `30m1h` is a typo)
+    // the shape first (a number before each unit, each unit once, largest
+    // first), then the value: "1500ms" is not a duration however large
+    let mut parts: Vec<(&str, u64)> = Vec::new();
+    let mut from = 0;
     let mut last_unit = u64::MAX;
-    for c in s.chars() {
+    for (i, c) in s.char_indices() {
         if c.is_ascii_digit() {
-            digits.push(c);
             continue;
         }
         let unit: u64 = match c {
@@ -1621,27 +1621,31 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
             'd' => 86_400,
             _ => return Err(bad()),
         };
+        if i == from {
+            return Err(bad());
+        }
         if unit >= last_unit {
             return Err(format!(
                 "{text:?} is not a duration: give each unit once, largest first, like 1d12h or 1h30m"
             ));
         }
         last_unit = unit;
-        if digits.is_empty() {
-            return Err(bad());
-        }
+        parts.push((&s[from..i], unit));
+        from = i + 1;
+    }
+    if from != s.len() {
+        return Err(bad());
+    }
+    let too_long = || format!("{text:?} is too long: at most 100 years");
+    let mut total: u64 = 0;
+    for (digits, unit) in parts {
         // digits beyond u64 are a number too large, not a typo
-        let too_long = || format!("{text:?} is too long: at most 100 years");
         let n: u64 = digits.parse().map_err(|_| too_long())?;
-        digits.clear();
         total = n
             .checked_mul(unit)
             .and_then(|v| total.checked_add(v))
             .filter(|v| *v <= 100 * 365 * 86_400)
             .ok_or_else(too_long)?;
-    }
-    if !digits.is_empty() {
-        return Err(bad());
     }
     Ok(std::time::Duration::from_secs(total))
 }
@@ -2056,6 +2060,13 @@ mod tests {
             assert!(
                 e.contains(&format!("{bad:?}")) && e.contains("like 30s"),
                 "{e}"
+            );
+        }
+        // a unit never accepted is "not a duration", whatever the number
+        for ms in ["1500ms", "99999999999999999999999ms"] {
+            assert!(
+                parse_duration(ms).expect_err(ms).contains("not a duration"),
+                "{ms}"
             );
         }
         for typo in ["1d2d", "30m1h", "1h1h"] {
