@@ -248,13 +248,13 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         ],
     );
     println!(
-        "   stored: {} blob(s), the largest {} bytes as {} ({:?} chunks); the copy's artifact is the same blob: {}; worker exit code after SIGTERM {:?}",
+        "   stored: {} blob(s), the largest {} bytes as {} ({} chunks); the copy's artifact is the same blob: {}; worker exit code after SIGTERM {}",
         stored.0,
         stored.1,
         stored.2,
-        stored.3,
+        stored.3.map_or("no".to_string(), |n| n.to_string()),
         arts == 1,
-        code
+        code.map_or("none (killed by a signal)".to_string(), |c| c.to_string())
     );
     println!();
     report.figure("idle worker RSS", mb(idle_kb), "MB", setup.clone());

@@ -63,15 +63,43 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> Result<()> {
+async fn main() {
     let args = Args::parse();
+    // its databases are dropped on an error or Ctrl-C too (benchmark audit:
+    // an interrupted run left one behind)
+    tests::bench::run_and_clean_up("bench_latency", &args.database_url, |created| {
+        run(&args, created)
+    })
+    .await;
+}
+
+/// A database of its own for one measurement, recorded for clean-up.
+async fn fresh_db(
+    admin: &Db,
+    args: &Args,
+    created: &std::sync::Mutex<Vec<String>>,
+) -> Result<(String, String)> {
+    let name = format!("bench_l_{}", uuid::Uuid::new_v4().simple());
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(admin.pool())
+        .await?;
+    created
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(name.clone());
+    let url = tests::db_url(&args.database_url, &name);
+    Ok((name, url))
+}
+
+async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>) -> Result<()> {
     let admin = Db::connect(&args.database_url, 1).await?;
     let version: String = sqlx::query_scalar("SHOW server_version")
         .fetch_one(admin.pool())
         .await?;
     println!("== bench_latency: submit → accepted on an idle worker (database clock)");
     let mut report = tests::bench::Report::new("bench_latency");
-    report.set_setup(tests::bench::setup_json(&admin, &args.database_url).await?);
+    // the machine, PostgreSQL, sessions and build, as every bench prints them
+    report.set_setup(tests::bench::print_setup(&admin, &args.database_url).await?);
     report.set_params(
         serde_json::json!({"runs": args.runs, "executors": args.executors,
         "worker": "tests::fast_config, concurrency 1"}),
@@ -96,11 +124,7 @@ async fn main() -> Result<()> {
         );
     }
     for which in &cells {
-        let name = format!("bench_l_{}", uuid::Uuid::new_v4().simple());
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(admin.pool())
-            .await?;
-        let url = tests::db_url(&args.database_url, &name);
+        let (name, url) = fresh_db(&admin, args, &created).await?;
         let res = measure(&url, which, args.runs).await;
         let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
             .execute(admin.pool())
@@ -144,7 +168,7 @@ async fn main() -> Result<()> {
             );
         }
     }
-    first_jobs(&args, &admin, &mut report).await?;
+    first_jobs(args, &admin, &mut report, &created).await?;
     println!();
     report.print_targets();
     report.write(args.json_out.as_deref())?;
@@ -152,7 +176,12 @@ async fn main() -> Result<()> {
 }
 
 /// The first job of a fresh worker, without and with a warm process.
-async fn first_jobs(args: &Args, admin: &Db, report: &mut tests::bench::Report) -> Result<()> {
+async fn first_jobs(
+    args: &Args,
+    admin: &Db,
+    report: &mut tests::bench::Report,
+    created: &std::sync::Mutex<Vec<String>>,
+) -> Result<()> {
     let persistent: Vec<&String> = args
         .executors
         .iter()
@@ -174,11 +203,7 @@ async fn first_jobs(args: &Args, admin: &Db, report: &mut tests::bench::Report) 
         let mut lat: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..args.first_runs {
             for warm in [0u32, 1] {
-                let name = format!("bench_l_{}", uuid::Uuid::new_v4().simple());
-                sqlx::query(&format!("CREATE DATABASE {name}"))
-                    .execute(admin.pool())
-                    .await?;
-                let url = tests::db_url(&args.database_url, &name);
+                let (name, url) = fresh_db(admin, args, created).await?;
                 let res = first_job(&url, which, warm).await;
                 let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                     .execute(admin.pool())

@@ -247,8 +247,10 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     let after2 = mem(pid)?;
     let peak_running = during.iter().map(|m| m.rss_kb).max();
     eprintln!(
-        "[{c} sleeping] all running after {:?}, max running {max_live}, RSS max while all ran {:?} KiB, HWM {} KiB",
-        all_running_after, peak_running, after2.hwm_kb
+        "[{c} sleeping] all running after {}, max running {max_live}, RSS max while all ran {} KiB, HWM {} KiB",
+        all_running_after.map_or("never".to_string(), |d| format!("{:.2} s", d.as_secs_f64())),
+        peak_running.map_or("-".to_string(), |k| k.to_string()),
+        after2.hwm_kb
     );
 
     // 3. soak
@@ -346,10 +348,10 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     print_table(&["phase", "RSS", "peak (VmHWM)", "over idle"], 1, &rows);
     println!(
         "   {c} sleeping steps: all {c} running {:.1} s after the submit, max running at once {max_live}; RSS = the\n\
-         \x20  largest sample while all ran ({} samples); phase took {phase2_secs:.1} s; worker exit code after SIGTERM {:?}",
+         \x20  largest sample while all ran ({} samples); phase took {phase2_secs:.1} s; worker exit code after SIGTERM {}",
         all_running_after.map(|d| d.as_secs_f64()).unwrap_or(f64::NAN),
         during.len(),
-        code
+        code.map_or("none (killed by a signal)".to_string(), |c| c.to_string())
     );
     println!();
 
