@@ -77,8 +77,10 @@ fn mem(pid: i32) -> Result<Mem> {
     })
 }
 
+/// /proc's kB (KiB) as MB of 10^6 bytes, the unit the targets are stated
+/// in (benchmark audit: KiB / 1024 is MiB, 4.9 % lenient against "64 MB").
 fn mb(kb: u64) -> f64 {
-    kb as f64 / 1024.0
+    kb as f64 * 1024.0 / 1e6
 }
 
 async fn counts(db: &Db) -> Result<(i64, i64, i64, i64)> {
