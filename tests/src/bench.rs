@@ -564,9 +564,9 @@ pub fn proc_status_kb(pid: i32, field: &str) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// Creates a fresh database `<prefix>_<random>` on the admin server, records
-/// it for clean-up, migrates it, and returns its URL.
-pub async fn fresh_database(
+/// Creates an empty database `<prefix>_<random>` on the admin server and
+/// records it for clean-up; returns its name and URL.
+pub async fn empty_database(
     admin: &Db,
     admin_url: &str,
     prefix: &str,
@@ -583,7 +583,18 @@ pub async fn fresh_database(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .push(name.clone());
-    let url = db_url(admin_url, &name);
+    Ok((name.clone(), db_url(admin_url, &name)))
+}
+
+/// Creates a fresh database `<prefix>_<random>` on the admin server, records
+/// it for clean-up, migrates it, and returns its URL.
+pub async fn fresh_database(
+    admin: &Db,
+    admin_url: &str,
+    prefix: &str,
+    created: &Mutex<Vec<String>>,
+) -> Result<(String, String)> {
+    let (name, url) = empty_database(admin, admin_url, prefix, created).await?;
     let db = Db::connect(&url, 1).await?;
     db.migrate().await?;
     db.pool().close().await;

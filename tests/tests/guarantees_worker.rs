@@ -258,6 +258,25 @@ async fn slow_checkpoint_writes(t: &TestDb, secs: f64) {
     .expect("slow checkpoint trigger");
 }
 
+/// A step whose executor sends 4 KiB checkpoints back to back for `ms`,
+/// then succeeds: it must do so in its first attempt (no lease lost).
+async fn flood_succeeds_in_one_attempt(t: &TestDb, ms: u64) -> supervisor::db::StepStatus {
+    let run = t
+        .submit(json!({"name": "flood", "steps": [
+            {"name": "s", "executor_kind": "hostile", "kind": "hostile.checkpoint_flood",
+             "input": {"ms": ms, "size": 4096}, "retry": {"max_attempts": 1}}]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s").clone();
+    assert_eq!(
+        (s.state.as_str(), s.attempt),
+        ("succeeded", 1),
+        "{:?}",
+        s.error
+    );
+    s
+}
+
 /// An executor that sends checkpoints without pause keeps its lease (volume
 /// audit: 7 MiB checkpoints back to back ended every attempt LEASE_LOST,
 /// "the lease clock ran out", with the database answering all along). Each
@@ -275,19 +294,7 @@ async fn an_executor_checkpointing_without_pause_keeps_its_lease() {
     let cfg = fast_config(vec![hostile("hostile", None, &[])]);
     let ttl = cfg.lease_ttl_ms;
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
-    let run = t
-        .submit(json!({"name": "flood", "steps": [
-            {"name": "s", "executor_kind": "hostile", "kind": "hostile.checkpoint_flood",
-             "input": {"ms": 3 * ttl, "size": 4096}, "retry": {"max_attempts": 1}}]}))
-        .await;
-    let st = t.wait_terminal(run, LONG).await;
-    let s = step(&st, "s");
-    assert_eq!(
-        (s.state.as_str(), s.attempt),
-        ("succeeded", 1),
-        "{:?}",
-        s.error
-    );
+    let s = flood_succeeds_in_one_attempt(&t, 3 * ttl).await;
     let checkpoints: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM durable.step_events WHERE step_run_id = $1 AND checkpoint",
     )
@@ -319,19 +326,7 @@ async fn slow_checkpoints_keep_their_lease_at_the_smallest_margin() {
     cfg.cancel_grace_ms = 500;
     cfg.term_grace_ms = 500;
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
-    let run = t
-        .submit(json!({"name": "flood", "steps": [
-            {"name": "s", "executor_kind": "hostile", "kind": "hostile.checkpoint_flood",
-             "input": {"ms": 6000, "size": 4096}, "retry": {"max_attempts": 1}}]}))
-        .await;
-    let st = t.wait_terminal(run, LONG).await;
-    let s = step(&st, "s");
-    assert_eq!(
-        (s.state.as_str(), s.attempt),
-        ("succeeded", 1),
-        "{:?}",
-        s.error
-    );
+    flood_succeeds_in_one_attempt(&t, 6000).await;
     w.shutdown().await;
 }
 

@@ -73,24 +73,6 @@ async fn main() {
     .await;
 }
 
-/// A database of its own for one measurement, recorded for clean-up.
-async fn fresh_db(
-    admin: &Db,
-    args: &Args,
-    created: &std::sync::Mutex<Vec<String>>,
-) -> Result<(String, String)> {
-    let name = format!("bench_l_{}", uuid::Uuid::new_v4().simple());
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(admin.pool())
-        .await?;
-    created
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(name.clone());
-    let url = tests::db_url(&args.database_url, &name);
-    Ok((name, url))
-}
-
 async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>) -> Result<()> {
     let admin = Db::connect(&args.database_url, 1).await?;
     let version: String = sqlx::query_scalar("SHOW server_version")
@@ -124,7 +106,8 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
         );
     }
     for which in &cells {
-        let (name, url) = fresh_db(&admin, args, &created).await?;
+        let (name, url) =
+            tests::bench::empty_database(&admin, &args.database_url, "bench_l", &created).await?;
         let res = measure(&url, which, args.runs).await;
         let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
             .execute(admin.pool())
@@ -203,7 +186,9 @@ async fn first_jobs(
         let mut lat: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..args.first_runs {
             for warm in [0u32, 1] {
-                let (name, url) = fresh_db(admin, args, created).await?;
+                let (name, url) =
+                    tests::bench::empty_database(admin, &args.database_url, "bench_l", created)
+                        .await?;
                 let res = first_job(&url, which, warm).await;
                 let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                     .execute(admin.pool())
