@@ -169,6 +169,21 @@ async fn cancels_racing_leases_are_never_lost() {
     );
 }
 
+/// A run of two independent steps, both leased by a new worker "w".
+async fn two_leased_steps(t: &TestDb) -> (Uuid, Vec<Lease>) {
+    t.submit(json!({"name": "r", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "k"},
+        {"name": "b", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let leases = lease_all(&t.db, wid, 2)
+        .await
+        .into_iter()
+        .map(|s| s.lease)
+        .collect();
+    (wid, leases)
+}
+
 /// Holds a step writer's transaction open (run row and step row locked), the
 /// way a completion in flight does.
 async fn hold_step_write(db: &Db, lease: &Lease) -> sqlx::Transaction<'static, sqlx::Postgres> {
@@ -193,16 +208,7 @@ async fn hold_step_write(db: &Db, lease: &Lease) -> sqlx::Transaction<'static, s
 #[tokio::test]
 async fn a_checkpoint_renews_its_lease_and_a_held_lease_says_how_long_it_holds() {
     let t = TestDb::new().await;
-    t.submit(json!({"name": "r", "steps": [
-        {"name": "a", "executor_kind": "go", "kind": "k"},
-        {"name": "b", "executor_kind": "go", "kind": "k"}]}))
-        .await;
-    let wid = worker(&t.db, "w").await;
-    let leases: Vec<Lease> = lease_all(&t.db, wid, 2)
-        .await
-        .into_iter()
-        .map(|s| s.lease)
-        .collect();
+    let (wid, leases) = two_leased_steps(&t).await;
     let left = |id: Uuid| {
         let pool = t.db.pool().clone();
         async move {
@@ -377,16 +383,7 @@ async fn a_lease_never_waits_on_a_run_lock() {
 #[tokio::test]
 async fn the_heartbeat_never_waits_on_a_step_writer() {
     let t = TestDb::new().await;
-    t.submit(json!({"name": "r", "steps": [
-        {"name": "a", "executor_kind": "go", "kind": "k"},
-        {"name": "b", "executor_kind": "go", "kind": "k"}]}))
-        .await;
-    let wid = worker(&t.db, "w").await;
-    let leases: Vec<Lease> = lease_all(&t.db, wid, 2)
-        .await
-        .into_iter()
-        .map(|s| s.lease)
-        .collect();
+    let (wid, leases) = two_leased_steps(&t).await;
     let tx = hold_step_write(&t.db, &leases[0]).await;
     let other = t.connect(1).await;
     let hb = tokio::time::timeout(

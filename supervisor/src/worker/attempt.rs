@@ -85,12 +85,14 @@ impl QueuedBytes {
     }
 }
 
-fn checkpoint_bytes(intent: &Intent) -> usize {
+fn checkpoint_of(intent: &Intent) -> Option<&Vec<u8>> {
     match intent {
-        Intent::Start { event, .. } | Intent::Event(event) => {
-            event.checkpoint.as_ref().map_or(0, Vec::len)
-        }
+        Intent::Start { event, .. } | Intent::Event(event) => event.checkpoint.as_ref(),
     }
+}
+
+fn checkpoint_bytes(intent: &Intent) -> usize {
+    checkpoint_of(intent).map_or(0, Vec::len)
 }
 
 /// How an attempt ended, before it is committed.
@@ -995,9 +997,7 @@ impl Writer {
 }
 
 fn carries_checkpoint(intent: &Intent) -> bool {
-    match intent {
-        Intent::Start { event, .. } | Intent::Event(event) => event.checkpoint.is_some(),
-    }
+    checkpoint_of(intent).is_some()
 }
 
 /// One write of a queued run of intents, in order.

@@ -28,6 +28,20 @@ struct Entry {
     committing: bool,
 }
 
+impl Entry {
+    /// Moves the lease clock on to `until`, never back; with `running_at`,
+    /// only if the clock had not run out by then.
+    fn move_clock_on(&self, until: Instant, running_at: Option<Instant>) {
+        self.tx.send_if_modified(|v| {
+            let later = v.valid_until < until && running_at.is_none_or(|now| v.valid_until > now);
+            if later {
+                v.valid_until = until;
+            }
+            later
+        });
+    }
+}
+
 /// What applying one heartbeat answer did (the heartbeat logs it).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Applied {
@@ -125,13 +139,7 @@ impl LeaseSet {
     /// runs past it), so the write did renew it.
     pub fn renewed_by_write(&self, lease: &Lease, until: Instant) {
         if let Some(e) = self.current(&self.map(), lease) {
-            e.tx.send_if_modified(|v| {
-                let later = v.valid_until > Instant::now() && v.valid_until < until;
-                if later {
-                    v.valid_until = until;
-                }
-                later
-            });
+            e.move_clock_on(until, Some(Instant::now()));
         }
     }
 
@@ -162,15 +170,7 @@ impl LeaseSet {
         let map = self.map();
         let entry = |id: &Uuid| sent.get(id).and_then(|l| self.current(&map, l));
         let mut applied = Applied::default();
-        let extend = |e: &Entry, until: Instant| {
-            e.tx.send_if_modified(|v| {
-                let later = v.valid_until < until;
-                if later {
-                    v.valid_until = until;
-                }
-                later
-            });
-        };
+        let extend = |e: &Entry, until: Instant| e.move_clock_on(until, None);
         for e in report.renewed_ids.iter().filter_map(entry) {
             applied.renewed += 1;
             extend(e, sent_at + ttl);
