@@ -153,6 +153,7 @@ pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
             "max_connections",
             "autovacuum",
             "work_mem",
+            "shared_preload_libraries",
         ],
     )
     .await?;

@@ -1144,7 +1144,17 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
                 "bare_trips_per_s": bare.map(|b| b.trips.len() as f64 / b.secs),
                 "bare_exchange_jobs_per_s": exch,
                 "plain_sql_steps_per_s": plain.map(|p| p.jobs as f64 / p.secs),
-                "plain_sql_set_based_steps_per_s": set.map(|p| p.jobs as f64 / p.secs)}),
+                "plain_sql_set_based_steps_per_s": set.map(|p| p.jobs as f64 / p.secs),
+                // every other number of the table's row, so the summary holds what it prints
+                "leased_to_started_mean_ms": mean(&w.lease_to_started).as_secs_f64() * 1e3,
+                "started_to_finished_mean_ms": mean(&w.started_to_finished).as_secs_f64() * 1e3,
+                "finished_to_next_leased_mean_ms": (w.concurrency == 1)
+                    .then(|| mean(&w.finished_to_next).as_secs_f64() * 1e3),
+                "db_cpu_ms_per_step": w.db_cpu.map(|c| c * 1e3 / n),
+                "child_cpu_ms_per_step": w.child_cpu * 1e3 / n,
+                "bench_cpu_ms_per_step": w.bench_cpu * 1e3 / n,
+                "machine_busy": w.busy,
+                "submit_ms_per_run": w.submit_secs * 1e3 / n}),
         );
         rows.push(vec![
             w.executor.clone(),
@@ -1302,6 +1312,31 @@ fn executor_targets(
                 80.0,
                 "%",
                 serde_json::json!({"executor": "go", "concurrency": w.concurrency, "steps": w.steps, "trips": b.trips.len()}),
+            );
+        }
+    }
+    // (c) has no target of its own: one-shot Python beside its bare
+    // start-and-exchange, as (b) is for Go, and the denominator of (d)
+    if let Some(w) = top("python") {
+        if let Some(b) = bares
+            .iter()
+            .find(|b| b.executor == "python" && b.concurrency == w.concurrency)
+        {
+            report.figure(
+                "c.one_shot_python_vs_bare",
+                100.0 * rate(w) / (b.trips.len() as f64 / b.secs),
+                "%",
+                serde_json::json!({"executor": "python", "concurrency": w.concurrency, "steps": w.steps,
+                    "trips": b.trips.len(), "steps_per_s": rate(w),
+                    "bare_trips_per_s": b.trips.len() as f64 / b.secs,
+                    "target": "none in issue 7 (c is a figure; (d) compares persistent Python with it)"}),
+            );
+            println!(
+                "(c) one-shot Python through the worker: {:.1} steps/s = {:.0}% of its bare start-and-exchange ({:.1} trips/s), concurrency {} (a figure; issue 7 sets no target for it)",
+                rate(w),
+                100.0 * rate(w) / (b.trips.len() as f64 / b.secs),
+                b.trips.len() as f64 / b.secs,
+                w.concurrency
             );
         }
     }

@@ -3,7 +3,11 @@
 //! in-process worker with one executor; the latency is read from the
 //! database's own clock: the run's `SUBMITTED` transition to the step's
 //! `ACCEPTED` transition (leased → running), both `clock_timestamp()`.
-//! Prints p50/p95/p99/max per executor with the setup.
+//! Prints p50/p95/p99/max per executor with the setup, beside the
+//! database's limit measured in the same run: the same transitions as plain
+//! SQL on a plain table (insert + NOTIFY in one statement; a LISTENing
+//! session wakes, claims with SKIP LOCKED and marks the job running), no
+//! executor, no history, no triggers.
 //!
 //! Then, for each persistent executor, the *first* job of a freshly started
 //! worker (`--first-runs` workers, each idle for 2 s after it started, then
@@ -93,9 +97,41 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
     );
     println!(
-        "{:<18} {:>5} {:>8} {:>8} {:>8} {:>8}",
-        "executor", "runs", "p50 ms", "p95 ms", "p99 ms", "max ms"
+        "{:<26} {:>5} {:>8} {:>8} {:>8} {:>8} {:>12}",
+        "executor", "runs", "p50 ms", "p95 ms", "p99 ms", "max ms", "p50/baseline"
     );
+    // the baseline first, in a database of its own
+    let (name, url) =
+        tests::bench::empty_database(&admin, &args.database_url, "bench_l", &created).await?;
+    let res = plain_baseline(&url, args.runs).await;
+    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(admin.pool())
+        .await;
+    let mut base = res?;
+    base.sort_by(|a, b| a.total_cmp(b));
+    let base_p50 = pct(&base, 50.0);
+    println!(
+        "{:<26} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>12}",
+        "plain SQL (LISTEN/NOTIFY)",
+        base.len(),
+        base_p50,
+        pct(&base, 95.0),
+        pct(&base, 99.0),
+        base.last().copied().unwrap_or(f64::NAN),
+        "1.00"
+    );
+    let base_setup = serde_json::json!({"baseline": "plain SQL", "runs": base.len(), "concurrency": 1,
+        "what": "INSERT + pg_notify in one statement; a LISTENing session wakes, claims the job \
+                 (UPDATE … FOR UPDATE SKIP LOCKED) and marks it running; submitted_at and accepted_at \
+                 are clock_timestamp(); no executor, history or triggers"});
+    for p in [50.0, 95.0, 99.0] {
+        report.figure(
+            &format!("plain SQL submit→accepted p{p}"),
+            pct(&base, p),
+            "ms",
+            base_setup.clone(),
+        );
+    }
     let mut cells = args.executors.clone();
     if args.prestarted {
         cells.extend(
@@ -115,13 +151,14 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
         let mut lat = res?;
         lat.sort_by(|a, b| a.total_cmp(b));
         println!(
-            "{:<18} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+            "{:<26} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>12.2}",
             which,
             lat.len(),
             pct(&lat, 50.0),
             pct(&lat, 95.0),
             pct(&lat, 99.0),
-            lat.last().copied().unwrap_or(f64::NAN)
+            lat.last().copied().unwrap_or(f64::NAN),
+            pct(&lat, 50.0) / base_p50
         );
         let process = if which.ends_with("-prestarted") {
             "a fresh process per job, started ahead (persistent = true, max_jobs_per_process = 1, warm_processes = 1)"
@@ -132,7 +169,14 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
         };
         let setup = serde_json::json!({"executor": which, "runs": lat.len(), "concurrency": 1,
             "worker": "tests::fast_config (poll 100 ms, LISTEN wake-up)", "idle": true,
-            "process": process});
+            "process": process, "plain_sql_p50_ms": base_p50});
+        report.figure(
+            "submit→accepted p50 / plain SQL p50",
+            pct(&lat, 50.0) / base_p50,
+            "ratio",
+            setup.clone(),
+        );
+        report.figure("submit→accepted p95", pct(&lat, 95.0), "ms", setup.clone());
         for (p, limit) in [(50.0, 5.0), (99.0, 25.0)] {
             report.figure(
                 &format!("submit→accepted p{p}"),
@@ -152,6 +196,7 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
         }
     }
     first_jobs(args, &admin, &mut report, &created).await?;
+    println!("   p50/baseline = the cell's p50 over the plain-SQL p50 of this run");
     println!();
     report.print_targets();
     report.write(args.json_out.as_deref())?;
@@ -330,5 +375,89 @@ async fn measure(url: &str, which: &str, runs: u32) -> Result<Vec<f64>> {
         out.push(accepted_after_submit(&db, run).await?);
     }
     w.shutdown().await;
+    Ok(out)
+}
+
+/// The database's limit for submit → accepted, measured the same way: one
+/// job at a time on a plain table, inserted with its NOTIFY in one statement;
+/// a session LISTENing wakes, claims it (`FOR UPDATE SKIP LOCKED`) and marks
+/// it running. Milliseconds from `submitted_at` to `accepted_at`, both
+/// `clock_timestamp()` on the database.
+async fn plain_baseline(url: &str, runs: u32) -> Result<Vec<f64>> {
+    let db = tests::bench::plain_db(url, 2).await?;
+    sqlx::query(
+        "CREATE TABLE public.plain_latency (id bigint PRIMARY KEY, state text NOT NULL,
+             submitted_at timestamptz NOT NULL DEFAULT clock_timestamp(), accepted_at timestamptz)",
+    )
+    .execute(db.pool())
+    .await?;
+    let claimer = tests::bench::plain_db(url, 1).await?;
+    let mut listener = sqlx::postgres::PgListener::connect(url).await?;
+    listener.listen("plain_latency").await?;
+    let worker = tokio::spawn(async move {
+        loop {
+            let n = listener.recv().await?;
+            let ids: Vec<i64> = sqlx::query_scalar(
+                "UPDATE public.plain_latency j SET state = 'leased'
+                  WHERE j.id IN (SELECT id FROM public.plain_latency WHERE state = 'pending'
+                                  ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
+                 RETURNING j.id",
+            )
+            .fetch_all(claimer.pool())
+            .await?;
+            for id in ids {
+                sqlx::query(
+                    "UPDATE public.plain_latency SET state = 'running', accepted_at = clock_timestamp()
+                      WHERE id = $1 AND state = 'leased'",
+                )
+                .bind(id)
+                .execute(claimer.pool())
+                .await?;
+            }
+            if n.payload() == "stop" {
+                return anyhow::Ok(());
+            }
+        }
+    });
+    let mut out = Vec::with_capacity(runs as usize);
+    for i in 0..i64::from(runs) + 5 {
+        sqlx::query(
+            "WITH j AS (INSERT INTO public.plain_latency (id, state) VALUES ($1, 'pending') RETURNING id)
+             SELECT pg_notify('plain_latency', j.id::text) FROM j",
+        )
+        .bind(i)
+        .execute(db.pool())
+        .await?;
+        // as the worker cells: wait until it is accepted, then idle again
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        let ms = loop {
+            let ms: Option<f64> = sqlx::query_scalar(
+                "SELECT (extract(epoch FROM (accepted_at - submitted_at)) * 1000)::float8
+                   FROM public.plain_latency WHERE id = $1",
+            )
+            .bind(i)
+            .fetch_one(db.pool())
+            .await?;
+            if let Some(ms) = ms {
+                break ms;
+            }
+            if std::time::Instant::now() > until || worker.is_finished() {
+                bail!("plain baseline: job {i} was not accepted within 10 s");
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if i >= 5 {
+            out.push(ms); // the first five warm the connections up
+        }
+    }
+    sqlx::query("SELECT pg_notify('plain_latency', 'stop')")
+        .execute(db.pool())
+        .await?;
+    match tokio::time::timeout(Duration::from_secs(10), worker).await {
+        Ok(joined) => joined??,
+        Err(_) => bail!("plain baseline: the listening session did not stop"),
+    }
+    db.pool().close().await;
     Ok(out)
 }
