@@ -1,8 +1,13 @@
 package executor_test
 
 import (
+	"bytes"
+	"context"
 	"errors"
+	"strings"
 	"testing"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/durable-runtime/durable/executors-go/executor"
 	"github.com/durable-runtime/durable/executors-go/executortest"
@@ -80,5 +85,71 @@ func TestDecodeCheckpoint(t *testing.T) {
 		case ok != c.ok || (c.errCode == "" && v.N != c.n):
 			t.Errorf("%s: ok %v n %d, want %v %d", c.name, ok, v.N, c.ok, c.n)
 		}
+	}
+}
+
+// A checkpoint comes back inside the next attempt's job frame, beside the
+// input: one that would leave that frame over the executor's own cap is
+// refused when sent (ErrCheckpointTooLarge, no sequence number used), while
+// a smaller one, and the same size when the input leaves room, go out. The
+// estimate agrees with the job the supervisor would build next.
+func TestACheckpointTheNextAttemptCouldNotReceiveIsRefused(t *testing.T) {
+	const limit = 64 << 10
+	ex := newExecutor(executor.Options{MaxFrameBytes: limit})
+	var refused error
+	ex.Handle("cp", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
+		refused = j.Checkpoint(bytes.Repeat([]byte("c"), 30_000))
+		if err := j.Checkpoint(bytes.Repeat([]byte("c"), 20_000)); err != nil {
+			return nil, err
+		}
+		return executor.NewResult("ok")
+	})
+	h := executortest.Start(t, ex)
+	h.Hello()
+
+	input := `{"data":"` + strings.Repeat("i", 40_000) + `"}`
+	big := job("j1", "cp", input)
+	big.Checkpoint = bytes.Repeat([]byte("o"), 25_000)
+	frames := h.Run(big)
+	if !errors.Is(refused, executor.ErrCheckpointTooLarge) || !strings.Contains(refused.Error(), "30000 bytes") ||
+		!strings.Contains(refused.Error(), "65536") {
+		t.Fatalf("a 30,000-byte checkpoint beside a 40,000-byte input: %v", refused)
+	}
+	var sent []int
+	for i, f := range frames {
+		s := f.GetEvent().GetSequence()
+		if r := f.GetResult(); r != nil {
+			s = r.GetSequence()
+		}
+		if first := frames[0].GetEvent().GetSequence(); s != first+uint64(i) {
+			t.Fatalf("frame %d has sequence %d: the refused checkpoint used one", i, s)
+		}
+		if ev := f.GetEvent(); ev != nil && ev.Checkpoint != nil {
+			sent = append(sent, len(ev.GetCheckpoint()))
+		}
+	}
+	if len(sent) != 1 || sent[0] != 20_000 || frames[len(frames)-1].GetResult() == nil {
+		t.Fatalf("checkpoints sent %v, last frame %v", sent, frames[len(frames)-1])
+	}
+	// the estimate is the frame the supervisor would send next
+	for _, c := range []struct {
+		size int
+		fits bool
+	}{{20_000, true}, {30_000, false}} {
+		next := job("j2", "cp", input)
+		next.Attempt = 2
+		next.Checkpoint = bytes.Repeat([]byte("c"), c.size)
+		n := proto.Size(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: next}})
+		if (n <= limit) != c.fits {
+			t.Fatalf("the next job with a %d-byte checkpoint is %d bytes: fits %v, want %v", c.size, n, n <= limit, c.fits)
+		}
+	}
+
+	// with a small input the same 30,000 bytes fit
+	refused = nil
+	small := job("j3", "cp", `{}`)
+	h.Run(small)
+	if refused != nil {
+		t.Fatalf("a 30,000-byte checkpoint beside a small input: %v", refused)
 	}
 }

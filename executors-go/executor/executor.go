@@ -429,6 +429,11 @@ func (s *session) start(p *pb.Job, h HandlerFunc) *jobRun {
 	job.logger = jobLogger(s.e.log, job)
 	cancelled, cancel := context.WithCancelCause(context.Background())
 	run := &jobRun{job: job, w: s.w, max: writeLimit(s.e.opts.MaxFrameBytes, p.GetMaxFrameBytes()), done: make(chan struct{}), cancel: cancel, cancelled: cancelled}
+	// the next attempt's job is this one with the last checkpoint in place of
+	// this one's: it must fit this executor's own cap to be received at all
+	run.ownMax = s.e.opts.MaxFrameBytes
+	run.jobWithoutCheckpoint = deterministic.Size(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: p}}) -
+		checkpointFieldLen(p.Checkpoint != nil, len(p.GetCheckpoint()))
 	job.run = run
 	ctx, stop := cancelled, context.CancelFunc(func() {})
 	if d := s.contextDeadline(job, time.Now()); !d.IsZero() {

@@ -26,7 +26,26 @@ var (
 	// ErrFrameTooLarge: a frame's length is over the cap. Errors that match it with
 	// errors.Is are *FrameTooLargeError values.
 	ErrFrameTooLarge = errors.New("frame too large")
+	// ErrCheckpointTooLarge: a checkpoint that would leave the next attempt's
+	// job frame (this job's, with the checkpoint in place of the one it
+	// carried) over the executor's own cap. The supervisor could not send that
+	// job, so every later attempt would fail JOB_TOO_LARGE; the event is not
+	// sent.
+	ErrCheckpointTooLarge = errors.New("checkpoint too large for the next attempt's job frame")
 )
+
+// nextJobSlack is what a job frame may grow by between attempts besides its
+// checkpoint (the attempt number's varint, the envelope's length prefix).
+const nextJobSlack = 16
+
+// checkpointFieldLen is the bytes Job.checkpoint (field 13) takes in an
+// encoded job: tag, length and data; 0 when absent.
+func checkpointFieldLen(present bool, n int) int {
+	if !present {
+		return 0
+	}
+	return 1 + protowire.SizeVarint(uint64(n)) + n
+}
 
 // FrameTooLargeError reports a frame whose length is over the cap. It matches
 // ErrFrameTooLarge with errors.Is.

@@ -291,6 +291,11 @@ type jobRun struct {
 	max  int           // the cap on this job's frames (writeLimit)
 	done chan struct{} // closed once the terminal was sent (or could not be)
 
+	// the executor's own cap on frames it reads, and this job's frame
+	// without its checkpoint: what a checkpoint must leave the next attempt
+	ownMax               int
+	jobWithoutCheckpoint int
+
 	cancel    func(error)
 	cancelled context.Context // cancelled by cancel: a Cancel frame, stdin ending, the output breaking
 
@@ -324,6 +329,11 @@ func (r *jobRun) sendEvents(evs ...*pb.ProgressEvent) error {
 		if err != nil {
 			return fmt.Errorf("executor: sending %s event: %w", ev.Kind, err)
 		}
+		if ev.Checkpoint != nil {
+			if err := r.nextJobFits(len(ev.Checkpoint)); err != nil {
+				return fmt.Errorf("executor: sending %s event: %w", ev.Kind, err)
+			}
+		}
 		buf = b
 	}
 	if err := r.w.writeRaw(buf); err != nil {
@@ -333,6 +343,21 @@ func (r *jobRun) sendEvents(evs ...*pb.ProgressEvent) error {
 		return fmt.Errorf("executor: sending %s event: %w", strings.Join(kinds, " and "), err)
 	}
 	r.seq += uint64(len(evs))
+	return nil
+}
+
+// nextJobFits refuses a checkpoint of n bytes that would leave the next
+// attempt's job frame over the executor's own cap (ErrCheckpointTooLarge).
+// A jobRun made without a job frame (ownMax 0) checks nothing.
+func (r *jobRun) nextJobFits(n int) error {
+	if r.ownMax <= 0 {
+		return nil
+	}
+	next := r.jobWithoutCheckpoint + checkpointFieldLen(true, n) + nextJobSlack
+	if next > r.ownMax {
+		return fmt.Errorf("%w: a checkpoint of %d bytes would make it about %d bytes, over this executor's frame cap of %d bytes (Options.MaxFrameBytes), so the next attempt could not receive it; keep checkpoints smaller (large state belongs in artifacts)",
+			ErrCheckpointTooLarge, n, next, r.ownMax)
+	}
 	return nil
 }
 

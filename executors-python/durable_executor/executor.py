@@ -532,6 +532,25 @@ def _redaction_forms(value: str) -> list[str]:
 # The job context
 
 
+#: Bytes a job frame may grow by between attempts besides its checkpoint.
+_NEXT_JOB_SLACK = 16
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n > 0x7F:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _checkpoint_field_len(checkpoint: bytes | None) -> int:
+    """Bytes of ``Job.checkpoint`` (field 13) in an encoded job: tag, length, data."""
+    if checkpoint is None:
+        return 0
+    return 1 + _varint_len(len(checkpoint)) + len(checkpoint)
+
+
 class Job:
     """One attempt of one step, as handed to a handler.
 
@@ -542,7 +561,7 @@ class Job:
     one was reported empty).
     """
 
-    def __init__(self, msg: wire.Job, session: _Session) -> None:
+    def __init__(self, msg: wire.Job, session: _Session, frame_len: int | None = None) -> None:
         self.job_id: str = msg.job_id
         self.workflow_run_id: str = msg.workflow_run_id
         self.step_run_id: str = msg.step_run_id
@@ -570,6 +589,12 @@ class Job:
         self._max_frame_bytes = session.max_frame_bytes
         if 0 < msg.max_frame_bytes < self._max_frame_bytes:
             self._max_frame_bytes = msg.max_frame_bytes
+        # This job's frame without its checkpoint: the next attempt's job is
+        # this one with the last checkpoint reported in its place, and it must
+        # fit this executor's own cap to be received at all.
+        if frame_len is None:
+            frame_len = len(wire.encode_supervisor_frame(msg))
+        self._job_len_without_checkpoint = frame_len - _checkpoint_field_len(msg.checkpoint)
         self._input: Any = _UNSET
         self._lock = _thread.allocate_lock()  # cancel state vs the async task binding
         self._cancel = _Flag()
@@ -803,11 +828,35 @@ class Job:
                 data = wire.encode_executor_frame(event)
                 if len(data) > self._max_frame_bytes:
                     raise ValueError(self._oversize_event_text(event, len(data)))
+                if checkpoint is not None:
+                    self._check_next_job_fits(len(checkpoint))
                 self._seq += 1
                 session.write_locked(encode_frame(data))
             finally:
                 session.writer = 0
         self._raise_deferred_interrupt()
+
+    def _check_next_job_fits(self, checkpoint_len: int) -> None:
+        """Refuse a checkpoint that would leave the next attempt a job frame
+        over this executor's own cap: the supervisor could not send it, and
+        every later attempt would fail ``JOB_TOO_LARGE``."""
+        cap = self._session.max_frame_bytes
+        # the slack covers fields that grow between attempts (the attempt
+        # number's varint, the frame's own length prefix)
+        next_len = (
+            self._job_len_without_checkpoint
+            + 1
+            + _varint_len(checkpoint_len)
+            + checkpoint_len
+            + _NEXT_JOB_SLACK
+        )
+        if next_len > cap:
+            raise ValueError(
+                f"a checkpoint of {checkpoint_len} bytes would make the next attempt's job frame "
+                f"about {next_len} bytes, over this executor's frame cap of {cap} bytes "
+                "(Executor(max_frame_bytes=...)): the next attempt could not receive it; "
+                "keep checkpoints smaller (large state belongs in artifacts); it was not sent"
+            )
 
     def _oversize_event_text(self, event: wire.ProgressEvent, size: int) -> str:
         parts = []
@@ -1481,7 +1530,7 @@ class _Session:
                 body = read_frame(self.in_stream, self.max_frame_bytes)
                 if body is None:
                     return
-                self.dispatch(wire.decode_supervisor_frame(body))
+                self.dispatch(wire.decode_supervisor_frame(body), len(body))
         except (FrameError, wire.DecodeError) as e:
             self.input_broken = True
             reason = PROTOCOL_ERROR
@@ -1503,12 +1552,12 @@ class _Session:
                 self.cancel_all(reason, message)
             self.queue.put(_EOF)
 
-    def dispatch(self, msg: wire.SupervisorMessage | None) -> None:
+    def dispatch(self, msg: wire.SupervisorMessage | None, frame_len: int | None = None) -> None:
         if isinstance(msg, wire.Job):
             with self.jobs_lock:
                 running = next(iter(self.jobs), None)
                 if running is None and not self.shutting_down:
-                    job = Job(msg, self)
+                    job = Job(msg, self, frame_len)
                     self.jobs[job.job_id] = job
             if running is not None:
                 _log(f"job {msg.job_id!r} arrived while job {running!r} is running; refusing it")

@@ -1022,3 +1022,40 @@ def test_run_exits_when_a_cancelled_handler_outlives_stdin(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
+
+
+def test_a_checkpoint_the_next_attempt_could_not_receive_is_refused(session_factory):
+    """A checkpoint is handed back inside the next attempt's job frame, beside the
+    input: one that leaves that frame over the executor's own cap is refused when
+    saved (it was stored, and every later attempt failed JOB_TOO_LARGE)."""
+    seen = []
+    ex = Executor("python", max_frame_bytes=65536)
+
+    @ex.handler("cp")
+    def cp(job: Job):
+        for size in (30_000, 20_000):
+            try:
+                job.save_checkpoint(b"c" * size)
+                seen.append(size)
+            except ValueError as e:
+                seen.append(str(e))
+        return "ok"
+
+    s = session_factory(ex)
+    s.hello()
+    big_input = {"data": "i" * 40_000}
+    s.send(job_frame("cp", big_input, checkpoint=b"o" * 25_000))
+    frames = s.frames.until_terminal()
+    refused, accepted = seen
+    assert "checkpoint of 30000 bytes" in refused
+    assert "next attempt's job frame" in refused
+    assert "frame cap of 65536 bytes" in refused
+    assert accepted == 20_000
+    # the refused one used no sequence number; the accepted one went out
+    assert [sequence_of(f) for f in frames] == [1, 2, 3, 4]
+    sent = events(frames, pb.EVENT_KIND_HEARTBEAT)
+    assert [len(e.checkpoint) for e in sent] == [20_000]
+    # the estimate is the job the supervisor would build next, within its slack
+    for size, fits in ((20_000, True), (30_000, False)):
+        nxt = job_frame("cp", big_input, checkpoint=b"c" * size, attempt=2)
+        assert (len(nxt.SerializeToString()) <= 65536) == fits
