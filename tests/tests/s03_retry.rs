@@ -348,3 +348,60 @@ async fn a_waiting_step_whose_deadline_passes_fails_its_run_then() {
     // a second pass finds nothing more
     assert_eq!(t.db.fail_overdue(w, "w", 10).await.expect("pass"), 0);
 }
+
+/// A deadline that ends a step before it runs again counts no attempt: a
+/// step that never ran ends `terminal_failed` at attempt 0, and one waiting
+/// for its retry keeps the number of its last real attempt. The deadline
+/// pass takes the step through `leased` (the table has no edge from `pending`
+/// or `retryable_failed` to `terminal_failed`), but that hop is no attempt
+/// (contract audit: the history showed attempt 1 for a step no worker could
+/// run).
+#[tokio::test]
+async fn a_deadline_that_ends_a_step_before_it_runs_counts_no_attempt() {
+    let t = TestDb::new().await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    let soon = (chrono::Utc::now() + chrono::Duration::milliseconds(1500)).to_rfc3339();
+    // one never leased, one that fails once and is not leased again before
+    // its deadline (its retry is due before it: no worker here takes it)
+    let never = t
+        .submit(json!({"name": "never", "steps": [
+            {"name": "s", "executor_kind": "nobody", "kind": "k", "deadline": soon}]}))
+        .await;
+    let retried = t
+        .submit(json!({"name": "retried", "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "k", "deadline": soon,
+             "retry": {"max_attempts": 5}}]}))
+        .await;
+    let s = lease_and_start(&t, w).await;
+    t.db.fail(&s.lease, "w", &failure("FLAKY", true, Some(200)), 0.0)
+        .await
+        .expect("fail");
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    assert_eq!(t.db.fail_overdue(w, "w", 10).await.expect("pass"), 2);
+    for (run, attempts) in [(never, 0), (retried, 1)] {
+        let st = t.status(run).await;
+        let step = tests::step(&st, "s");
+        assert_eq!(step.state, "terminal_failed", "{st:?}");
+        assert_eq!(
+            step.error.as_ref().map(|e| e.code.as_str()),
+            Some("DEADLINE_EXCEEDED")
+        );
+        assert_eq!(step.attempt, attempts, "{st:?}");
+        let hops = tests::step_transitions(&t.db, step.step_run_id).await;
+        let last_two: Vec<(String, Option<i32>)> = hops[hops.len() - 2..]
+            .iter()
+            .map(|h| (h.to_state.clone(), h.attempt))
+            .collect();
+        assert_eq!(
+            last_two,
+            vec![
+                ("leased".to_owned(), Some(attempts)),
+                ("terminal_failed".to_owned(), Some(attempts))
+            ],
+            "{hops:?}"
+        );
+    }
+}

@@ -513,7 +513,9 @@ impl DbConn<'_> {
 }
 
 /// Takes an overdue step this transaction's run lock covers (a lease,
-/// reason `DEADLINE_EXCEEDED`), fails it terminally `DEADLINE_EXCEEDED`, its
+/// reason `DEADLINE_EXCEEDED`, that is no attempt: the attempt number stays
+/// that of the last attempt that ran, 0 for a step that never ran), fails it
+/// terminally `DEADLINE_EXCEEDED`, its
 /// message saying the deadline passed `when`, and commits; `false` (nothing
 /// committed) when it was no longer one to take (leased, cancelled, its
 /// deadline moved).
@@ -528,7 +530,7 @@ async fn take_and_fail_overdue(
         "UPDATE durable.step_runs s
             SET state = 'leased', owner_worker_id = $2, lease_token = gen_random_uuid(),
                 lease_expires_at = now() + interval '1 minute', leased_at = now(),
-                started_at = NULL, attempt = s.attempt + 1,
+                started_at = NULL,
                 transition_reason = 'DEADLINE_EXCEEDED', transition_by = $3
           WHERE s.id = (SELECT c.id FROM durable.step_runs c
                          WHERE c.id = $1 AND c.state IN ('pending', 'retryable_failed')
