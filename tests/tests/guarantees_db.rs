@@ -1027,6 +1027,39 @@ async fn a_refusal_after_a_cancel_request_cancels_the_step() {
     assert_eq!(tests::step(&st, "s").state, "cancelled");
 }
 
+/// A refusal is no attempt, also when it ends the step because a cancel was
+/// requested: the cancelled step shows attempt 0, as a refusal that puts the
+/// step back in the queue does (contract audit: a step cancelled at its
+/// refusal showed one attempt that never ran).
+#[tokio::test]
+async fn a_refusal_that_cancels_its_step_counts_no_attempt() {
+    let t = TestDb::new().await;
+    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
+    let wid = worker(&t.db, "w").await;
+    let s = lease_all(&t.db, wid, 10).await.remove(0);
+    t.db.cancel(run, None).await.expect("cancel");
+    let state =
+        t.db.refuse(&s.lease, "w", "UNSUPPORTED_KIND", "no", Duration::ZERO, 5)
+            .await
+            .expect("refuse");
+    assert_eq!(state, "cancelled");
+    let st = t.status(run).await;
+    let step = tests::step(&st, "s");
+    assert_eq!(
+        (step.state.as_str(), step.attempt),
+        ("cancelled", 0),
+        "{st:?}"
+    );
+    let last = tests::step_transitions(&t.db, step.step_run_id)
+        .await
+        .pop()
+        .expect("a history");
+    assert_eq!(
+        (last.to_state.as_str(), last.attempt),
+        ("cancelled", Some(0))
+    );
+}
+
 /// An attempt whose last event has the largest sequence a bigint holds (an
 /// executor may send any uint64; older workers stored it) is still reclaimed
 /// when its lease expires. Before the fix the ending event's `sequence + 1`

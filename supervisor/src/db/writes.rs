@@ -99,7 +99,8 @@ impl Db {
 
     /// The executor refused the job before executing it (routing mismatch, or
     /// a retryable error before `accepted`): nothing ran, so the attempt is
-    /// given back and the step goes back to the queue after `delay`. Refusals
+    /// given back (also when the refusal ends the step) and the step goes
+    /// back to the queue after `delay`. Refusals
     /// are counted; the `max_refusals`-th ends the step `terminal_failed`
     /// (`EXECUTOR_REFUSED`) instead of looping forever. A step with a cancel
     /// request (its own or its run's) is never leased again, so its refusal
@@ -401,7 +402,8 @@ impl DbConn<'_> {
 
     /// The executor refused the job before executing it (routing mismatch, or
     /// a retryable error before `accepted`): nothing ran, so the attempt is
-    /// given back and the step goes back to the queue after `delay`. Refusals
+    /// given back (also when the refusal ends the step) and the step goes
+    /// back to the queue after `delay`. Refusals
     /// are counted; the `max_refusals`-th ends the step `terminal_failed`
     /// (`EXECUTOR_REFUSED`) instead of looping forever. A step with a cancel
     /// request (its own or its run's) is never leased again, so its refusal
@@ -423,7 +425,7 @@ impl DbConn<'_> {
                 SET state = CASE WHEN c.cancel THEN 'cancelled'
                                  WHEN s.refusals + 1 >= $7 THEN 'terminal_failed' ELSE 'retryable_failed' END,
                     refusals = s.refusals + 1,
-                    attempt = CASE WHEN c.cancel THEN s.attempt ELSE s.attempt - 1 END,
+                    attempt = s.attempt - 1,
                     next_attempt_at = now() + make_interval(secs => $6::double precision / 1000.0),
                     error_code = CASE WHEN c.cancel THEN 'CANCELLED'
                                       WHEN s.refusals + 1 >= $7 THEN 'EXECUTOR_REFUSED' ELSE $4 END,
