@@ -1839,9 +1839,18 @@ fn status_text(
     ));
     let mut rows = Vec::new();
     for s in &st.steps {
+        // an earlier attempt's progress says so: a retry that has not
+        // reported yet showed its predecessor's as its own (contract audit)
         let p = progress
             .get(&s.step_run_id)
-            .map(|p| format!("{} {}", percent(p.fraction), cell(&p.message, 48)))
+            .map(|p| {
+                let earlier = if p.attempt < s.attempt {
+                    format!(" (attempt {})", p.attempt)
+                } else {
+                    String::new()
+                };
+                format!("{} {}{earlier}", percent(p.fraction), cell(&p.message, 48))
+            })
             .unwrap_or_default();
         rows.push(vec![
             cell(&s.name, 40),

@@ -361,6 +361,61 @@ async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields()
     );
 }
 
+/// `status` marks progress that an earlier attempt reported: a retry that
+/// has not reported yet showed its predecessor's progress as its own
+/// (contract audit).
+#[tokio::test]
+async fn status_marks_progress_of_an_earlier_attempt() {
+    let t = TestDb::new().await;
+    let (run, a, b) = three_step_run(&t).await;
+    let rows: Vec<EventRow> = vec![
+        (a, 1, 1, "progress", "first try, half", Some(0.5), false),
+        (b, 1, 1, "progress", "b on its way", Some(0.4), false),
+    ];
+    for (id, attempt, seq, kind, msg, frac, cp) in rows {
+        sqlx::query(
+            "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(id)
+        .bind(attempt)
+        .bind(seq)
+        .bind(kind)
+        .bind(msg)
+        .bind(frac)
+        .bind(cp)
+        .execute(t.db.pool())
+        .await
+        .expect("insert event");
+    }
+    // a is on its second attempt, b still on its first
+    for (id, attempt) in [(a, 2), (b, 1)] {
+        sqlx::query("UPDATE durable.step_runs SET attempt = $2 WHERE id = $1")
+            .bind(id)
+            .bind(attempt)
+            .execute(t.db.pool())
+            .await
+            .expect("attempt");
+    }
+    let o = cli(Some(&t.url), &["status", &run.to_string()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no line for {name} in {text}"))
+            .to_owned()
+    };
+    assert!(
+        line("a").contains("50% first try, half (attempt 1)"),
+        "{text}"
+    );
+    assert!(
+        line("b").contains("40% b on its way") && !line("b").contains("(attempt"),
+        "{text}"
+    );
+}
+
 /// A real worker runs a run with progress, a retry and a terminal failure:
 /// `events` and `status` show what happened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
