@@ -124,7 +124,9 @@ pub enum FromExecutor {
     Event(Event),
     Result(JobResult),
     Error(JobError),
-    /// A frame with no variant set (an empty message).
+    /// A frame with no variant this supervisor knows: an empty message, or
+    /// one whose only member is of a kind it does not define (prost skips
+    /// unknown fields, so the two decode alike).
     Empty,
 }
 
@@ -135,7 +137,7 @@ impl FromExecutor {
             FromExecutor::Event(_) => "event",
             FromExecutor::Result(_) => "result",
             FromExecutor::Error(_) => "error",
-            FromExecutor::Empty => "empty frame",
+            FromExecutor::Empty => "frame of no known kind (empty, or a kind this supervisor does not know)",
         }
     }
 }
