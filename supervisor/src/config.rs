@@ -959,7 +959,7 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "refusal_delay_ms",
-        "How long a refused step (handed back without running) waits before it can be leased again.",
+        "How long a refused step (handed back without running) waits before it can be leased again, by another worker: the worker that refused it leaves it to the others for five poll_interval_ms, at least 5 s.",
         None,
     ),
     (
