@@ -90,15 +90,23 @@ type EventRow = (
 
 /// Inserts events as the persistence layer would, in a scrambled order.
 async fn insert_events(t: &TestDb, a: Uuid, b: Uuid) {
-    let rows: Vec<EventRow> = vec![
-        (b, 1, 2, "heartbeat", "", None, false),
-        (a, 2, 1, "accepted", "", None, false),
-        (a, 1, 3, "progress", "half\nway", Some(0.5), false),
-        (b, 1, 1, "progress", "b nearly done", Some(0.9), false),
-        (a, 1, 1, "accepted", "", None, false),
-        (a, 2, 2, "progress", "again, a quarter", Some(0.25), true),
-        (a, 1, 2, "running", "", None, false),
-    ];
+    insert_event_rows(
+        t,
+        vec![
+            (b, 1, 2, "heartbeat", "", None, false),
+            (a, 2, 1, "accepted", "", None, false),
+            (a, 1, 3, "progress", "half\nway", Some(0.5), false),
+            (b, 1, 1, "progress", "b nearly done", Some(0.9), false),
+            (a, 1, 1, "accepted", "", None, false),
+            (a, 2, 2, "progress", "again, a quarter", Some(0.25), true),
+            (a, 1, 2, "running", "", None, false),
+        ],
+    )
+    .await;
+}
+
+/// Inserts these event rows, in this order.
+async fn insert_event_rows(t: &TestDb, rows: Vec<EventRow>) {
     for (id, attempt, seq, kind, msg, frac, cp) in rows {
         sqlx::query(
             "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint)
@@ -368,26 +376,14 @@ async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields()
 async fn status_marks_progress_of_an_earlier_attempt() {
     let t = TestDb::new().await;
     let (run, a, b) = three_step_run(&t).await;
-    let rows: Vec<EventRow> = vec![
-        (a, 1, 1, "progress", "first try, half", Some(0.5), false),
-        (b, 1, 1, "progress", "b on its way", Some(0.4), false),
-    ];
-    for (id, attempt, seq, kind, msg, frac, cp) in rows {
-        sqlx::query(
-            "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message, fraction, checkpoint)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        )
-        .bind(id)
-        .bind(attempt)
-        .bind(seq)
-        .bind(kind)
-        .bind(msg)
-        .bind(frac)
-        .bind(cp)
-        .execute(t.db.pool())
-        .await
-        .expect("insert event");
-    }
+    insert_event_rows(
+        &t,
+        vec![
+            (a, 1, 1, "progress", "first try, half", Some(0.5), false),
+            (b, 1, 1, "progress", "b on its way", Some(0.4), false),
+        ],
+    )
+    .await;
     // a is on its second attempt, b still on its first
     for (id, attempt) in [(a, 2), (b, 1)] {
         sqlx::query("UPDATE durable.step_runs SET attempt = $2 WHERE id = $1")

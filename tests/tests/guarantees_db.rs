@@ -1013,15 +1013,7 @@ async fn submit_does_not_migrate() {
 #[tokio::test]
 async fn a_refusal_after_a_cancel_request_cancels_the_step() {
     let t = TestDb::new().await;
-    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
-    let wid = worker(&t.db, "w").await;
-    let s = lease_all(&t.db, wid, 10).await.remove(0);
-    t.db.cancel(run, None).await.expect("cancel");
-    let state =
-        t.db.refuse(&s.lease, "w", "UNSUPPORTED_KIND", "no", Duration::ZERO, 5)
-            .await
-            .expect("refuse");
-    assert_eq!(state, "cancelled");
+    let run = refused_after_its_runs_cancel(&t).await;
     let st = t.status(run).await;
     assert_eq!(st.state, "cancelled", "{st:?}");
     assert_eq!(tests::step(&st, "s").state, "cancelled");
@@ -1034,15 +1026,7 @@ async fn a_refusal_after_a_cancel_request_cancels_the_step() {
 #[tokio::test]
 async fn a_refusal_that_cancels_its_step_counts_no_attempt() {
     let t = TestDb::new().await;
-    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
-    let wid = worker(&t.db, "w").await;
-    let s = lease_all(&t.db, wid, 10).await.remove(0);
-    t.db.cancel(run, None).await.expect("cancel");
-    let state =
-        t.db.refuse(&s.lease, "w", "UNSUPPORTED_KIND", "no", Duration::ZERO, 5)
-            .await
-            .expect("refuse");
-    assert_eq!(state, "cancelled");
+    let run = refused_after_its_runs_cancel(&t).await;
     let st = t.status(run).await;
     let step = tests::step(&st, "s");
     assert_eq!(
@@ -1058,6 +1042,21 @@ async fn a_refusal_that_cancels_its_step_counts_no_attempt() {
         (last.to_state.as_str(), last.attempt),
         ("cancelled", Some(0))
     );
+}
+
+/// A one-step run leased, then cancelled, then refused by its executor:
+/// the refusal answers `cancelled`. Returns the run.
+async fn refused_after_its_runs_cancel(t: &TestDb) -> Uuid {
+    let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
+    let wid = worker(&t.db, "w").await;
+    let s = lease_all(&t.db, wid, 10).await.remove(0);
+    t.db.cancel(run, None).await.expect("cancel");
+    let state =
+        t.db.refuse(&s.lease, "w", "UNSUPPORTED_KIND", "no", Duration::ZERO, 5)
+            .await
+            .expect("refuse");
+    assert_eq!(state, "cancelled");
+    run
 }
 
 /// An attempt whose last event has the largest sequence a bigint holds (an

@@ -137,7 +137,9 @@ impl FromExecutor {
             FromExecutor::Event(_) => "event",
             FromExecutor::Result(_) => "result",
             FromExecutor::Error(_) => "error",
-            FromExecutor::Empty => "frame of no known kind (empty, or a kind this supervisor does not know)",
+            FromExecutor::Empty => {
+                "frame of no known kind (empty, or a kind this supervisor does not know)"
+            }
         }
     }
 }
