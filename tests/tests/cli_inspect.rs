@@ -105,6 +105,14 @@ async fn insert_events(t: &TestDb, a: Uuid, b: Uuid) {
     .await;
 }
 
+/// The line of step `name` in `status`'s table.
+fn step_line(text: &str, name: &str) -> String {
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no line for {name} in {text}"))
+        .to_owned()
+}
+
 /// Inserts these event rows, in this order.
 async fn insert_event_rows(t: &TestDb, rows: Vec<EventRow>) {
     for (id, attempt, seq, kind, msg, frac, cp) in rows {
@@ -352,12 +360,7 @@ async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields()
     for h in ["STATE", "ATTEMPT", "PROGRESS", "ERROR"] {
         assert!(header.contains(h), "{header}");
     }
-    let line = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(&format!("{name} ")))
-            .unwrap_or_else(|| panic!("no line for {name} in {text}"))
-            .to_owned()
-    };
+    let line = |name: &str| step_line(&text, name);
     assert!(
         line("a").contains("pending") && line("a").contains("25% again, a quarter"),
         "{text}"
@@ -396,12 +399,7 @@ async fn status_marks_progress_of_an_earlier_attempt() {
     let o = cli(Some(&t.url), &["status", &run.to_string()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let text = stdout(&o);
-    let line = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(&format!("{name} ")))
-            .unwrap_or_else(|| panic!("no line for {name} in {text}"))
-            .to_owned()
-    };
+    let line = |name: &str| step_line(&text, name);
     assert!(
         line("a").contains("50% first try, half (attempt 1)"),
         "{text}"
@@ -499,12 +497,7 @@ async fn events_and_status_of_a_real_run() {
     let o = cli(Some(&t.url), &["status", &run_s]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let text = stdout(&o);
-    let line = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(&format!("{name} ")))
-            .unwrap_or_else(|| panic!("no line for {name} in {text}"))
-            .to_owned()
-    };
+    let line = |name: &str| step_line(&text, name);
     let cols =
         |name: &str| -> Vec<String> { line(name).split_whitespace().map(str::to_owned).collect() };
     assert_eq!(cols("sleepy")[1..4], ["succeeded", "1", "100%"], "{text}");
