@@ -1163,3 +1163,79 @@ async fn a_held_run_row_delays_the_reclaim_and_the_deadline_pass_for_that_run_al
     );
     assert_eq!(state(late_held).await, "terminal_failed");
 }
+
+/// A transaction whose BEGIN is cut off before its answer (a call's time
+/// bound, a stop) leaves no transaction open on a connection the pool hands
+/// out again. sqlx gives such a connection back to the pool without a
+/// ROLLBACK (its rollback guard counts only a BEGIN that was answered), so
+/// the server opened the transaction when the BEGIN arrived and every later
+/// statement of the connection ran inside it, never committed: a worker
+/// logged outcomes as recorded that no other session ever saw, and held
+/// their rows until it exited (throughput-core audit: a ledger call's time
+/// bound fired while the worker's backend was stopped).
+#[tokio::test]
+async fn a_begin_cut_off_before_its_answer_leaves_no_transaction_open() {
+    let t = TestDb::new().await;
+    // one connection: whatever runs next runs on the one the BEGIN was sent on
+    let db = Db::connect(&t.url, 1).await.expect("connect");
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(db.pool())
+        .await
+        .expect("backend");
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &backend.to_string()])
+            .status()
+            .expect("kill")
+            .success();
+        assert!(ok, "kill {sig} {backend}");
+    };
+    // the backend stops: the BEGIN is sent, its answer never comes in time
+    // a connection kept across calls, as the ledger keeps its own; a read
+    // whose first statement is its BEGIN
+    let mut held = db.connection("the test's").await.expect("a connection");
+    signal("-STOP");
+    let cut_off = tokio::time::timeout(
+        Duration::from_millis(300),
+        held.conn().status(Uuid::new_v4()),
+    )
+    .await
+    .map(|_| ());
+    drop(held);
+    signal("-CONT");
+    assert!(
+        cut_off.is_err(),
+        "the BEGIN was answered by a stopped backend"
+    );
+    // one statement outside any transaction of the caller's (as the lease
+    // and the heartbeat are): committed when it returns
+    let w = Uuid::new_v4();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        sqlx::query(
+            "INSERT INTO durable.workers (id, name, host, pid) VALUES ($1, 'after-the-cut', 'h', 1)",
+        )
+        .bind(w)
+        .execute(db.pool()),
+    )
+    .await
+    .expect("the write returns")
+    .expect("the write");
+    let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM durable.workers WHERE id = $1")
+        .bind(w)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("count");
+    assert_eq!(
+        seen, 1,
+        "the write stayed inside the transaction the cut-off BEGIN opened"
+    );
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_one(t.db.pool())
+    .await
+    .expect("sessions");
+    assert_eq!(open, 0, "a session was left inside a transaction");
+}

@@ -477,7 +477,7 @@ pub(super) async fn begin_read(
     conn: &mut sqlx::PgConnection,
 ) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, DbError> {
     let own = !conn.is_in_transaction();
-    let mut tx = conn.begin().await.ctx("starting a read")?;
+    let mut tx = super::begin(conn).await.ctx("starting a read")?;
     if own {
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             .execute(&mut *tx)

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::time::Duration as StdDuration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Connection, PgConnection, Row};
+use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use super::{Ctx, Db, DbConn, DbError, FailureReport, Lease, NewArtifact, NewEvent, Scope};
@@ -371,7 +371,9 @@ impl DbConn<'_> {
                 writes: vec![one],
             });
         }
-        let mut tx = self.conn.begin().await.ctx("beginning a ledger batch")?;
+        let mut tx = super::begin(self.conn)
+            .await
+            .ctx("beginning a ledger batch")?;
         // The writes below lock their runs in the order given, after the set
         // forms locked theirs: the batch's runs are locked first, once, in
         // id order (by the set part's statement), so that the batch as a

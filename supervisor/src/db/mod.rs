@@ -282,6 +282,81 @@ impl<T> Ctx<T> for Result<T, sqlx::Error> {
     }
 }
 
+/// When a BEGIN was last cut off before its answer came (milliseconds since
+/// the UNIX epoch; 0: never). sqlx's guard rolls back only a transaction
+/// whose BEGIN was answered: a BEGIN cut off in flight (a call's time bound,
+/// a stop) reaches the server anyway, which opens the transaction, and sqlx
+/// gives the connection back to its pool as if none were open. Every later
+/// statement of that connection then runs inside it and is never committed
+/// (throughput-core audit: a worker logged outcomes as recorded that no other
+/// session saw, and held their rows until it exited).
+static BEGIN_CUT_OFF_AT_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// For this long after a BEGIN was cut off, every connection given back to a
+/// pool is checked for a transaction left open (one round trip each; the
+/// connection the BEGIN was sent on is given back at once).
+const CUT_OFF_CHECK_WINDOW_MS: u64 = 5_000;
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `conn.begin()` (a transaction, or a savepoint inside one) that notes when
+/// it is cut off before its answer: see [`BEGIN_CUT_OFF_AT_MS`]. Every
+/// transaction of the runtime begins here.
+pub(crate) async fn begin(
+    conn: &mut PgConnection,
+) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, sqlx::Error> {
+    let mut guard = BeginInFlight(true);
+    let tx = conn.begin().await;
+    guard.0 = false;
+    tx
+}
+
+/// Armed while a BEGIN awaits its answer: dropped armed (the BEGIN cut
+/// off), it notes the time in [`BEGIN_CUT_OFF_AT_MS`].
+struct BeginInFlight(bool);
+
+impl Drop for BeginInFlight {
+    fn drop(&mut self) {
+        if self.0 {
+            BEGIN_CUT_OFF_AT_MS.store(unix_ms(), std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// The pools' check of a connection given back (`after_release`): within
+/// [`CUT_OFF_CHECK_WINDOW_MS`] of a BEGIN cut off, a connection inside a
+/// transaction no caller holds is closed (the server rolls it back) instead
+/// of being handed out again. In a transaction block `now()` is when it
+/// began, earlier than the statement's own start; outside one the two are
+/// the same instant.
+fn close_if_left_in_a_transaction(
+    conn: &mut PgConnection,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<bool, sqlx::Error>> + Send + '_>> {
+    Box::pin(async move {
+        let cut = BEGIN_CUT_OFF_AT_MS.load(std::sync::atomic::Ordering::SeqCst);
+        if cut == 0 || unix_ms().saturating_sub(cut) > CUT_OFF_CHECK_WINDOW_MS {
+            return Ok(true);
+        }
+        // no parameters: the simple protocol, where the statement's own
+        // transaction (if none is open) starts at the statement's start
+        let row = conn
+            .fetch_one("SELECT now() = statement_timestamp()")
+            .await?;
+        let clean: bool = row.try_get(0)?;
+        if !clean {
+            tracing::warn!(
+                "a connection given back inside a transaction its caller no longer holds (a BEGIN cut \
+                 off before its answer) is closed: the server rolls that transaction back"
+            );
+        }
+        Ok(clean)
+    })
+}
+
 /// A handle on the runtime's database.
 #[derive(Clone, Debug)]
 pub struct Db {
@@ -358,7 +433,7 @@ impl<'a> Scope<'a> {
     async fn enter(conn: &'a mut PgConnection) -> Result<Scope<'a>, DbError> {
         if conn.is_in_transaction() {
             Ok(Scope::Savepoint(
-                conn.begin().await.ctx("opening a savepoint")?,
+                begin(conn).await.ctx("opening a savepoint")?,
             ))
         } else {
             Ok(Scope::Bare(conn))
@@ -700,6 +775,7 @@ impl Db {
             .max_connections(max_connections)
             .test_before_acquire(false)
             .acquire_timeout(StdDuration::from_secs(10))
+            .after_release(|conn, _| close_if_left_in_a_transaction(conn))
             .connect_with(opts)
             .await
             .map_err(|source| DbError::Connect {
@@ -756,6 +832,7 @@ impl Db {
             .max_connections(1)
             .test_before_acquire(false)
             .acquire_timeout(timeout)
+            .after_release(|conn, _| close_if_left_in_a_transaction(conn))
             .connect_lazy_with(opts);
         Db { pool }
     }
@@ -828,7 +905,9 @@ impl Db {
     /// Begins a transaction: run operations on it with
     /// [`DbTransaction::conn`], then commit (see the module documentation).
     pub async fn begin(&self) -> Result<DbTransaction, DbError> {
+        let mut guard = BeginInFlight(true);
         let tx = self.pool.begin().await.ctx("beginning a transaction")?;
+        guard.0 = false;
         Ok(DbTransaction { tx })
     }
 

@@ -488,8 +488,7 @@ impl DbConn<'_> {
             if held.0.contains(&run) {
                 continue;
             }
-            let mut tx = s
-                .begin()
+            let mut tx = super::begin(&mut s)
                 .await
                 .ctx("beginning an overdue waiting step's failure")?;
             let id: Option<Uuid> =

@@ -310,7 +310,9 @@ impl DbConn<'_> {
     ) -> Result<RetentionBatch, DbError> {
         let started = Instant::now();
         let nested = self.conn.is_in_transaction();
-        let mut tx = self.conn.begin().await.ctx("beginning a retention batch")?;
+        let mut tx = super::begin(self.conn)
+            .await
+            .ctx("beginning a retention batch")?;
         let callers_timeout: Option<String> = if nested {
             Some(
                 sqlx::query_scalar("SELECT current_setting('lock_timeout')")

@@ -518,7 +518,7 @@ pub(super) async fn begin_step_write(
     conn: &mut PgConnection,
     step_run_id: Uuid,
 ) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, DbError> {
-    let mut tx = conn.begin().await.ctx("beginning a step write")?;
+    let mut tx = super::begin(conn).await.ctx("beginning a step write")?;
     sqlx::query(
         "SELECT 1 FROM durable.workflow_runs
           WHERE id = (SELECT run_id FROM durable.step_runs WHERE id = $1) FOR NO KEY UPDATE",
@@ -541,7 +541,7 @@ pub(super) async fn begin_step_write_unless_held(
     conn: &mut PgConnection,
     step_run_id: Uuid,
 ) -> Result<Option<sqlx::Transaction<'_, sqlx::Postgres>>, DbError> {
-    let mut tx = conn.begin().await.ctx("beginning a step write")?;
+    let mut tx = super::begin(conn).await.ctx("beginning a step write")?;
     let locked: bool = sqlx::query_scalar("SELECT durable.lock_run_of_step($1, $2)")
         .bind(step_run_id)
         .bind(format!("{PASS_LOCK_WAIT_MS}ms"))
