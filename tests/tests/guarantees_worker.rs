@@ -1565,3 +1565,59 @@ async fn a_secret_of_several_lines_is_not_logged_line_by_line() {
         }
     }
 }
+
+/// An attempt whose run row another transaction holds past the end of its
+/// job still stores every checkpoint, in order, before its outcome: its
+/// writes wait as long as its lease is renewed. A fixed 10 s bound after the
+/// terminal dropped the checkpoints still queued (6 of 20 stored) and stored
+/// the success beside an older checkpoint, the lease renewed all along
+/// (throughput-core audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_wait_for_a_held_run_row_as_long_as_the_lease_is_renewed() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    const ITEMS: i64 = 20;
+    let run = t
+        .submit(
+            json!({"name": "held", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.resume", "input": {"items": ITEMS, "ms": 50},
+            "retry": {"max_attempts": 1}}]}),
+        )
+        .await;
+    // once it runs, another session holds the run row for 13 s: the job ends
+    // (1 s) long before, its checkpoints still to be written
+    let started = Instant::now();
+    while t.status(run).await.steps[0].state != "running" {
+        assert!(started.elapsed() < LONG, "the step never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the run row");
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    holder.commit().await.expect("let go");
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "succeeded", "{st:?}");
+    let (stored, last): (i64, Option<Value>) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM durable.step_events e
+                  WHERE e.step_run_id = s.id AND e.checkpoint),
+                convert_from(s.checkpoint, 'UTF8')::jsonb
+           FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(s.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("checkpoints");
+    assert_eq!(stored, ITEMS, "checkpoint events stored");
+    assert_eq!(last, Some(json!({"next": ITEMS})), "the stored checkpoint");
+    w.shutdown().await;
+}

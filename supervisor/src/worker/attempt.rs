@@ -850,7 +850,6 @@ struct HandedSoFar {
 /// ledger (their answers may still be on their way).
 struct Handed {
     task: tokio::task::JoinHandle<()>,
-    until: Instant,
     /// a success may be handed right behind these writes: the ledger
     /// writes a lease's start, its events and its completion in that order,
     /// in one batch or in batches one after the other
@@ -858,17 +857,29 @@ struct Handed {
 }
 
 impl Handed {
-    /// Lets the writer persist what is queued (bounded by `until`), so events
-    /// are stored before the terminal that follows them.
-    async fn finish(self) {
+    /// Lets the writer persist what is queued, so events are stored before
+    /// the terminal that follows them: for as long as the lease clock runs
+    /// (renewals move it on). A fixed 10 s bound dropped the checkpoints of
+    /// an attempt whose run row another transaction held past it, its lease
+    /// renewed all along, and stored the outcome behind an older checkpoint
+    /// (throughput-core audit).
+    async fn finish(self, control: &watch::Receiver<LeaseView>) {
         let mut task = self.task;
-        if tokio::time::timeout_at(self.until, &mut task)
-            .await
-            .is_err()
-        {
-            warn!("progress writes did not finish before the lease clock ran out; the rest is dropped");
-            task.abort();
+        let mut control = control.clone();
+        loop {
+            let until = control.borrow_and_update().valid_until;
+            tokio::select! {
+                _ = &mut task => return,
+                changed = control.changed() => {
+                    if changed.is_err() {
+                        break; // the worker forgot the lease: nothing renews it
+                    }
+                }
+                _ = tokio::time::sleep_until(until) => break,
+            }
         }
+        warn!("progress writes did not finish before the lease clock ran out; the rest is dropped");
+        task.abort();
     }
 }
 
@@ -990,7 +1001,6 @@ impl Writer {
             .and_then(|r| r.ok().map(|h| *h));
         Handed {
             task,
-            until,
             completion_may_follow: all.is_some_and(|h| !h.checkpoint),
         }
     }
@@ -1934,7 +1944,7 @@ async fn commit(
         crate::metrics::attempt_failed("LEASE_LOST");
     }
     if let Some(h) = handed {
-        if behind_progress(shared, step, &outcome, h).await {
+        if behind_progress(shared, step, &outcome, h, &control).await {
             crate::metrics::committed(&outcome.label());
             return Recorded::Yes;
         }
@@ -2011,7 +2021,13 @@ async fn commit(
 /// Every other outcome, and this one after any failure of its first try,
 /// waits for the progress writes' answers and goes through the retrying
 /// commit, as before. True when the success is committed.
-async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, h: Handed) -> bool {
+async fn behind_progress(
+    shared: &Shared,
+    step: &LeasedStep,
+    outcome: &Outcome,
+    h: Handed,
+    control: &watch::Receiver<LeaseView>,
+) -> bool {
     let first = match outcome {
         Outcome::Succeeded {
             output,
@@ -2025,7 +2041,7 @@ async fn behind_progress(shared: &Shared, step: &LeasedStep, outcome: &Outcome, 
         ),
         _ => None,
     };
-    h.finish().await;
+    h.finish(control).await;
     match first {
         Some(Ok(pending)) => match pending.answer().await {
             Ok(()) => true,
