@@ -1239,3 +1239,60 @@ async fn a_begin_cut_off_before_its_answer_leaves_no_transaction_open() {
     .expect("sessions");
     assert_eq!(open, 0, "a session was left inside a transaction");
 }
+
+/// A step the guards will not let the reclaim fail (its run was made
+/// terminal by hand under it) is skipped and logged; the pass goes on and
+/// reclaims the other expired leases. Before, the pass stopped at that row,
+/// first by expiry, and no worker reclaimed anything again; and a live step
+/// without a lease token (a row made so by hand) made every worker's
+/// reclaim panic, and the workers exit (throughput-core audit).
+#[tokio::test]
+async fn a_step_the_reclaim_cannot_fail_does_not_stop_the_others() {
+    let t = TestDb::new().await;
+    // one attempt: its reclaim ends it, which writes its run
+    let poisoned = t
+        .submit(
+            json!({"name": "poisoned", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "k", "retry": {"max_attempts": 1}}]}),
+        )
+        .await;
+    let fine = t
+        .submit(tests::one_step("fine", "go", "k", json!({})))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let leased = lease_all(&t.db, wid, 10).await;
+    assert_eq!(leased.len(), 2);
+    // by hand: the poisoned run is cancelled under its leased step
+    sqlx::query("UPDATE durable.workflow_runs SET state = 'cancelled' WHERE id = $1")
+        .bind(poisoned)
+        .execute(t.db.pool())
+        .await
+        .expect("a run cancelled by hand");
+    // both leases expired, the poisoned one first
+    sqlx::query(
+        "UPDATE durable.step_runs
+            SET lease_expires_at = now() - CASE WHEN run_id = $1 THEN interval '2 s' ELSE interval '1 s' END
+          WHERE state = 'leased'",
+    )
+    .bind(poisoned)
+    .execute(t.db.pool())
+    .await
+    .expect("expire");
+    assert_eq!(t.db.reclaim_expired("w", 100).await.expect("the pass"), 1);
+    let st = t.status(fine).await;
+    assert_eq!(tests::step(&st, "s").state, "retryable_failed", "{st:?}");
+    // a live step without a lease token (by hand: the S01 matrix drives
+    // states so) is skipped too, not a panic that ends every worker
+    let other = t
+        .submit(tests::one_step("tokenless", "go", "k", json!({})))
+        .await;
+    sqlx::query(
+        "UPDATE durable.step_runs SET state = 'leased', lease_expires_at = now() - interval '1 s'
+          WHERE run_id = $1",
+    )
+    .bind(other)
+    .execute(t.db.pool())
+    .await
+    .expect("a leased step without a token, by hand");
+    assert_eq!(t.db.reclaim_expired("w", 100).await.expect("the pass"), 0);
+}

@@ -425,9 +425,13 @@ impl DbConn<'_> {
                 next_retry_delay: None,
             };
             let why = "the owning worker stopped renewing its lease".to_owned();
-            fail_locked_row(&mut tx, id, &row, worker_name, failure, why).await?;
-            tx.commit().await.ctx("committing a reclaim")?;
-            reclaimed += 1;
+            match fail_locked_row(&mut tx, id, &row, worker_name, failure, why).await {
+                Ok(()) => {
+                    tx.commit().await.ctx("committing a reclaim")?;
+                    reclaimed += 1;
+                }
+                Err(e) => skip_unless_transient(e, id, run, "an expired lease")?,
+            }
         }
         s.done().await?;
         Ok(reclaimed)
@@ -481,8 +485,10 @@ impl DbConn<'_> {
                 continue;
             };
             let when = "before a worker could start it";
-            ended +=
-                usize::from(take_and_fail_overdue(tx, id, worker_id, worker_name, when).await?);
+            match take_and_fail_overdue(tx, id, worker_id, worker_name, when).await {
+                Ok(took) => ended += usize::from(took),
+                Err(e) => skip_unless_transient(e, id, run, "an overdue step")?,
+            }
         }
         for (run, name) in waiting {
             if held.0.contains(&run) {
@@ -503,8 +509,10 @@ impl DbConn<'_> {
                 continue;
             };
             let when = "while it waited for its dependencies";
-            ended +=
-                usize::from(take_and_fail_overdue(tx, id, worker_id, worker_name, when).await?);
+            match take_and_fail_overdue(tx, id, worker_id, worker_name, when).await {
+                Ok(took) => ended += usize::from(took),
+                Err(e) => skip_unless_transient(e, id, run, "an overdue waiting step")?,
+            }
         }
         s.done().await?;
         Ok(ended)
@@ -565,6 +573,22 @@ async fn take_and_fail_overdue(
     Ok(true)
 }
 
+/// A pass's step that could not be failed: a transient error (the
+/// connection, a lock wait) ends the pass, which the next one repeats; any
+/// other (a row the guards refuse to change, a row that does not decode) is
+/// this step's alone: it is logged and skipped, and the pass goes on. One
+/// such row, first by expiry, stopped every reclaim of every worker
+/// (throughput-core audit: a run made terminal by hand under a running step).
+fn skip_unless_transient(e: DbError, step: Uuid, run: Uuid, what: &str) -> Result<(), DbError> {
+    if e.is_transient() {
+        return Err(e);
+    }
+    tracing::error!(step_run_id = %step, run_id = %run, error = %e,
+        "{what} cannot be failed: it is skipped and the pass goes on (its row or its run's is \
+         not as the runtime leaves them; cancel the run, or repair the rows by hand)");
+    Ok(())
+}
+
 /// The runs a pass found held by another transaction: their other steps are
 /// not tried again in that pass (each try waits its lock wait).
 #[derive(Default)]
@@ -604,18 +628,32 @@ async fn fail_locked_row(
     failure: Failure,
     message: String,
 ) -> Result<(), DbError> {
+    // read without panicking: a row changed by hand (a live step without a
+    // lease token) made every worker's reclaim panic, and the workers exit
+    let col = |c: &str, e: sqlx::Error| DbError::Corrupt(format!("step {step_run_id}: {c}: {e}"));
     let lease = Lease {
         step_run_id,
-        token: row.get("lease_token"),
-        attempt: row.get::<i32, _>("attempt").max(0) as u32,
+        token: row
+            .try_get("lease_token")
+            .map_err(|e| col("lease_token", e))?,
+        attempt: row
+            .try_get::<i32, _>("attempt")
+            .map_err(|e| col("attempt", e))?
+            .max(0) as u32,
     };
-    let policy: RetryPolicy = serde_json::from_value(row.get("retry"))
-        .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
+    let policy: RetryPolicy =
+        serde_json::from_value(row.try_get("retry").map_err(|e| col("retry", e))?)
+            .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
     let facts = StepFacts {
-        attempt: row.get::<i32, _>("counted").max(0) as u32,
+        attempt: row
+            .try_get::<i32, _>("counted")
+            .map_err(|e| col("counted", e))?
+            .max(0) as u32,
         policy: &policy,
-        deadline: row.get("deadline"),
-        cancel_requested: row.get("cancel_requested"),
+        deadline: row.try_get("deadline").map_err(|e| col("deadline", e))?,
+        cancel_requested: row
+            .try_get("cancel_requested")
+            .map_err(|e| col("cancel_requested", e))?,
     };
     let report = FailureReport {
         failure,
@@ -623,8 +661,8 @@ async fn fail_locked_row(
         details: None,
         sequence: None,
     };
-    let decision =
-        state::decide_failure(&facts, &report.failure, row.get("db_now"), rand::random());
+    let now = row.try_get("db_now").map_err(|e| col("db_now", e))?;
+    let decision = state::decide_failure(&facts, &report.failure, now, rand::random());
     let ending = format!("{}: {}", report.failure.code, report.message);
     insert_ending_event(tx, &lease, decision.to.as_str(), &ending).await?;
     write_failure(tx, &lease, worker_name, &report, &decision).await
