@@ -1296,3 +1296,34 @@ async fn a_step_the_reclaim_cannot_fail_does_not_stop_the_others() {
     .expect("a leased step without a token, by hand");
     assert_eq!(t.db.reclaim_expired("w", 100).await.expect("the pass"), 0);
 }
+
+/// A hand-written update that renews a lease and names a previous state
+/// records no transition: the guard runs for it and clears what names a hop
+/// that did not happen. It was skipped (a renewal skips it), and the history
+/// gained `succeeded → pending` for a step that never left pending
+/// (throughput-core audit).
+#[tokio::test]
+async fn a_hand_written_prev_state_records_no_transition() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(tests::one_step("hand", "go", "k", json!({})))
+        .await;
+    let id = tests::step(&t.status(run).await, "s").step_run_id;
+    let before = tests::step_transitions(&t.db, id).await.len();
+    sqlx::query(
+        "UPDATE durable.step_runs SET prev_state = 'succeeded', lease_expires_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .execute(t.db.pool())
+    .await
+    .expect("the update");
+    let hops = tests::step_transitions(&t.db, id).await;
+    assert_eq!(hops.len(), before, "{hops:?}");
+    let (state, prev): (String, Option<String>) =
+        sqlx::query_as("SELECT state, prev_state FROM durable.step_runs WHERE id = $1")
+            .bind(id)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("row");
+    assert_eq!((state.as_str(), prev), ("pending", None));
+}
