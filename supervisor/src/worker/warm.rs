@@ -83,11 +83,19 @@ async fn reap_dead_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: C
             continue;
         }
         for mut s in dead {
+            // one that wrote between jobs was named as it was found (and is
+            // stopped here); only one that ended on its own is news: the
+            // stop's own SIGTERM read as a second, different reason (audit)
+            let ended_on_its_own = s.child.has_exited();
             let status = super::attempt::stop_child(&mut s.child, &shared.cfg)
                 .await
                 .map(|r| r.status.to_string())
                 .unwrap_or_else(|| "unknown status".into());
-            warn!(pid = s.child.pid, jobs = s.jobs, %status, "an idle executor process ended between jobs; it is replaced");
+            if ended_on_its_own {
+                warn!(pid = s.child.pid, jobs = s.jobs, %status, "an idle executor process ended between jobs; it is replaced");
+            } else {
+                debug!(pid = s.child.pid, jobs = s.jobs, %status, "the idle executor process that wrote between jobs is stopped");
+            }
         }
         exec.slot_back.notify_one();
     }
