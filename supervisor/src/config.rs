@@ -934,7 +934,7 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "handshake_timeout_ms",
-        "How long an executor has to say hello after it is started.",
+        "How long an executor has to say hello after it is started, and to answer a job (ACCEPTED, a refusal, any frame) after it is sent: a process that answers nothing is replaced and the job goes back to the queue uncounted (EXECUTOR_UNRESPONSIVE, counted as a refusal).",
         None,
     ),
     (

@@ -32,6 +32,7 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   input's `ms`, then a result `{"checkpoints": n}`; with the input's `count`,
   that many, then it sleeps (no result, no reading).
 - `stray_bytes`: ACCEPTED, a result, then bytes that are no whole frame.
+- `mute`: reads the job and answers nothing, not even ACCEPTED; sleeps.
 - `sleep`: ACCEPTED, then a result after the input's `ms`.
 - `stderr_cut_secret`: ACCEPTED, a stderr line whose 1024-byte cut falls 8 bytes into its
   (first) secret, then stderr bytes whose last input `tail` bytes start 6 bytes before the
@@ -84,6 +85,7 @@ MODES = [
     "secret_memory",
     "late_frame",
     "stray_bytes",
+    "mute",
     "checkpoint_flood",
     "sleep",
     "stderr_cut_secret",
@@ -302,6 +304,8 @@ def main() -> int:
             if count is not None:
                 time.sleep(3600)  # deaf and silent: ended by a timeout or a cancel
             result(json.dumps({"checkpoints": n}).encode())
+        elif mode == "mute":
+            time.sleep(3600)  # reads the job, answers nothing (SIGTERM ends it)
         elif mode == "stray_bytes":
             # a result, then bytes that are no whole frame (a stray print)
             event(pb.EVENT_KIND_ACCEPTED)

@@ -1621,3 +1621,50 @@ async fn checkpoints_wait_for_a_held_run_row_as_long_as_the_lease_is_renewed() {
     assert_eq!(last, Some(json!({"next": ITEMS})), "the stored checkpoint");
     w.shutdown().await;
 }
+
+/// A process that answers nothing to its job (frozen, deadlocked) is
+/// replaced once `handshake_timeout_ms` passes, and the job, which never
+/// started, goes back to the queue uncounted, as a refusal; a persistent
+/// pool's next process serves again. Before, a frozen warm process held its
+/// job leased for as long as the worker lived when the step set no
+/// heartbeat_timeout_ms (throughput-core audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("spawns.txt");
+    let mut e = hostile("hostile", Some(&log), &[]);
+    e.persistent = true;
+    let mut cfg = fast_config(vec![e]);
+    cfg.handshake_timeout_ms = 1_000;
+    cfg.max_refusals = 1;
+    let graces_ms = cfg.cancel_grace_ms + cfg.term_grace_ms;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t.submit(spec("hostile.mute", json!({}))).await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "terminal_failed", "{st:?}");
+    let e = s.error.as_ref().expect("error");
+    assert_eq!(e.code, "EXECUTOR_REFUSED", "{e:?}");
+    assert!(e.message.contains("EXECUTOR_UNRESPONSIVE"), "{e:?}");
+    assert_eq!(s.attempt, 0, "no attempt is counted: {s:?}");
+    let took_ms: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM finished_at - leased_at)::float8 * 1000
+           FROM durable.step_runs WHERE run_id = $1",
+    )
+    .bind(run)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("times");
+    assert!(
+        took_ms < (1_000 + graces_ms + 2_500) as f64,
+        "the unanswered job took {took_ms} ms"
+    );
+    // the pool replaced the process: the next job runs on a new one
+    let before = spawns(&log);
+    let next = t.submit(spec("hostile.echo", json!({}))).await;
+    assert_eq!(t.wait_terminal(next, LONG).await.state, "succeeded");
+    assert!(spawns(&log) > 1, "spawns {before} then {}", spawns(&log));
+    w.shutdown().await;
+}

@@ -1419,7 +1419,7 @@ async fn converse(
     // directories, the same in `job`
     // the attempt's clocks start as the job is sent, not once it is written:
     // a child that does not read its stdin must not stretch them
-    let clocks = Clocks::start(step, cfg.cancel_grace_ms);
+    let clocks = Clocks::start(step, cfg.cancel_grace_ms, cfg.handshake_timeout_ms);
     let job_frame = ToExecutor::Job(Box::new(prepared));
     write_job(&mut stdin, &job_frame, &clocks, control.clone(), budget).await;
     let machine = Machine::new(
@@ -1672,13 +1672,19 @@ struct Clocks {
     grace_until: Option<Instant>,
     /// A drain of stdout in progress: until when, and frames read so far.
     drain: Option<(Instant, usize)>,
+    /// Until the job's first frame: when its silence means a stuck process
+    /// (`handshake_timeout_ms` after the job is sent), and that bound.
+    answer_at: Option<Instant>,
+    answer_ms: u64,
 }
 
 impl Clocks {
     /// The timers of `step`'s job, started now (as the job is sent).
-    fn start(step: &LeasedStep, cancel_grace_ms: u64) -> Clocks {
+    fn start(step: &LeasedStep, cancel_grace_ms: u64, answer_ms: u64) -> Clocks {
         let silence = step.heartbeat_timeout_ms.filter(|&ms| ms > 0);
         Clocks {
+            answer_at: instant_in(answer_ms.min(i64::MAX as u64) as i64),
+            answer_ms,
             attempt_end: step.timeout_ms.and_then(instant_in),
             deadline_at: step
                 .deadline
@@ -1749,6 +1755,10 @@ impl Conversation<'_> {
                     _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
                     _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
                     _ = sleep_opt(c.silence_at) => return Input::Silent,
+                    _ = sleep_opt(c.answer_at) => {
+                        c.answer_at = None;
+                        return Input::Unanswered { after_ms: c.answer_ms };
+                    }
                     res = self.child.exited(), if !machine.exited() => {
                         if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
                         return Input::Exited;
@@ -1758,6 +1768,7 @@ impl Conversation<'_> {
                         if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
                             c.silence_at = instant_in(s);
                         }
+                        c.answer_at = None;
                         return self.frame_input(frame);
                     }
                 }

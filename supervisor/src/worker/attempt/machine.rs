@@ -419,6 +419,12 @@ pub(crate) enum Input {
     AttemptTimedOut,
     /// No frame for `heartbeat_timeout_ms`.
     Silent,
+    /// No frame at all for this job within `after_ms`
+    /// (`handshake_timeout_ms`) of sending it (the SDKs accept at once): the
+    /// process is stuck.
+    Unanswered {
+        after_ms: u64,
+    },
     /// The process group's leader exited.
     Exited,
     Frame(FromExecutor),
@@ -685,6 +691,22 @@ impl Machine {
                     CancelReason::AttemptTimeout,
                 )
             }
+            // a process that answers nothing to its job (frozen, deadlocked,
+            // stopped) is replaced, and the job, which never started, goes
+            // back to the queue uncounted, as a refusal does; a frozen warm
+            // process held its job leased for ever when the step set no
+            // heartbeat_timeout_ms (throughput-core audit)
+            Input::Unanswered { after_ms } if self.frames.last_seq == 0 && self.terminal.is_none() => {
+                self.imposed = Some(Outcome::Refused {
+                    code: "EXECUTOR_UNRESPONSIVE".into(),
+                    message: format!(
+                        "the executor answered nothing to the job within handshake_timeout_ms = {after_ms}; \
+                         its process is replaced and the job goes back to the queue, uncounted"
+                    ),
+                });
+                self.finish(false, false)
+            }
+            Input::Unanswered { .. } => Vec::new(),
             Input::Exited => {
                 // its last frames may still be in the pipe: those before a
                 // stream error count, then the error does

@@ -1023,3 +1023,39 @@ fn a_stop_records_how_the_executor_took_it() {
         "BUSY: m"
     );
 }
+
+/// A job answered by nothing within `handshake_timeout_ms` (a frozen or
+/// deadlocked process) is given back uncounted and its process replaced;
+/// once any frame of the job came, the bound no longer applies.
+#[test]
+fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
+    let run = |persistent: bool, inputs: Vec<Input>| {
+        let mut m = Machine::new("j", 7, persistent, Limits::default());
+        let mut actions = Vec::new();
+        for i in inputs {
+            actions.extend(m.on(i));
+        }
+        let replaced = actions.iter().any(|a| {
+            matches!(
+                a,
+                Action::Finish(Finish {
+                    reusable: false,
+                    ..
+                })
+            )
+        });
+        (label(&m.verdict(false, "killed by SIGKILL")), replaced)
+    };
+    for persistent in [true, false] {
+        assert_eq!(
+            run(persistent, vec![Input::Unanswered { after_ms: 1000 }]),
+            ("refused (EXECUTOR_UNRESPONSIVE)".to_owned(), true),
+            "persistent {persistent}"
+        );
+    }
+    // accepted first: the bound is over, the job runs on
+    let mut m = Machine::new("j", 7, true, Limits::default());
+    m.on(accepted());
+    assert!(m.on(Input::Unanswered { after_ms: 1000 }).is_empty());
+    assert_eq!(m.phase(), Phase::Running);
+}
