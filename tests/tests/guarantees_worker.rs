@@ -1668,3 +1668,65 @@ async fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
     assert!(spawns(&log) > 1, "spawns {before} then {}", spawns(&log));
     w.shutdown().await;
 }
+
+/// When another session holds both an attempt's run row and its own row
+/// past the lease TTL, the attempt gives up on its writes, and what it gave
+/// up on is not written later: each attempt's stored events run without a
+/// gap from its first to its last (every event of `demo.resume` carries a
+/// checkpoint, so none may be coalesced away). Before, a success the attempt
+/// had given up on waited among the writes set aside and landed when the
+/// rows were let go, after the checkpoints it had dropped: events 19–42
+/// missing, the success stored beside checkpoint 16 (re-check audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_an_attempt_gave_up_on_are_not_written_later() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    // a reclaim slower than the ledger's retries of writes set aside (as
+    // the default config's is): the late write comes first
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.reclaim_interval_ms = 3_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(
+            json!({"name": "held", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.resume", "input": {"items": 40, "ms": 20},
+            "retry": {"max_attempts": 3, "initial_interval_ms": 100}}]}),
+        )
+        .await;
+    let started = Instant::now();
+    while t.status(run).await.steps[0].state != "running" {
+        assert!(started.elapsed() < LONG, "the step never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // both rows held for three lease TTLs (2 s each): the job ends within
+    // the first, its success and its last checkpoints wait
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the run row");
+    sqlx::query("SELECT 1 FROM durable.step_runs WHERE run_id = $1 FOR NO KEY UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the step row");
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    holder.commit().await.expect("let go");
+    let st = t.wait_terminal(run, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    let attempts: Vec<(i32, Vec<i64>)> = sqlx::query_as(
+        "SELECT attempt, array_agg(sequence ORDER BY sequence) FROM durable.step_events
+          WHERE step_run_id = $1 GROUP BY attempt ORDER BY attempt",
+    )
+    .bind(step(&st, "s").step_run_id)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("events");
+    for (attempt, seqs) in &attempts {
+        let want: Vec<i64> = (1..=seqs.len() as i64).collect();
+        assert_eq!(seqs, &want, "attempt {attempt}: a gap in its stored events");
+    }
+    w.shutdown().await;
+}

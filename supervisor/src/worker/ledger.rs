@@ -114,6 +114,26 @@ impl Request {
         Tainted::key(self.lease())
     }
 
+    /// Its writer gave up on it (the attempt's time bound fired, its lease
+    /// clock ran out): nobody waits for its answer, and the attempt counts
+    /// it as not written. Written anyway, it landed later behind the
+    /// progress the attempt had dropped: a success stored beside an older
+    /// checkpoint, the events between them missing (re-check audit: a run
+    /// and step row held past the lease TTL).
+    fn abandoned(&self) -> bool {
+        match self {
+            Request::Start(_, r)
+            | Request::Events(_, r)
+            | Request::Complete { reply: r, .. }
+            | Request::Checkpoint(_, r)
+            | Request::Cancel(_, r)
+            | Request::Release(_, r) => r.is_closed(),
+            Request::CompleteStored(_, r) => r.is_closed(),
+            Request::Fail(_, r) => r.is_closed(),
+            Request::Refuse(_, r) => r.is_closed(),
+        }
+    }
+
     /// The run, for the requests that name it.
     fn run_id(&self) -> Option<Uuid> {
         match self {
@@ -466,6 +486,13 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
                 }
             }
         }
+        let dropped = drop_abandoned(&mut buf);
+        if dropped > 0 {
+            debug!(
+                dropped,
+                "ledger writes whose writers gave up are not written"
+            );
+        }
         tainted.admit(&mut buf);
         aside.route(&mut buf);
         if buf.is_empty() {
@@ -483,6 +510,14 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
         )
         .await;
     }
+}
+
+/// Takes out the requests whose writers gave up ([`Request::abandoned`]);
+/// how many.
+fn drop_abandoned(buf: &mut Vec<Request>) -> usize {
+    let before = buf.len();
+    buf.retain(|r| !r.abandoned());
+    before - buf.len()
 }
 
 /// Where a batch of these requests (in arrival order) must end so that one
@@ -1148,6 +1183,30 @@ mod tests {
     /// The set-based part is written before the other writes: a set write of
     /// a step behind another write of that step ends the batch, so the
     /// step's writes keep their order; other steps' writes do not.
+    /// A request whose writer gave up waiting (its answer's receiver is
+    /// gone) is not written; one still awaited is (re-check audit: a
+    /// success given up on landed later, behind dropped checkpoints).
+    #[test]
+    fn a_request_nobody_waits_for_is_not_written() {
+        let (live, _waiting) = oneshot::channel();
+        let mut buf = vec![
+            release(1), // its receiver is dropped at once
+            Request::Release(
+                ReleaseWrite {
+                    lease: lease(2),
+                    message: String::new(),
+                },
+                live,
+            ),
+            events(3),
+        ];
+        assert_eq!(drop_abandoned(&mut buf), 2);
+        assert_eq!(
+            buf.iter().map(|r| r.lease_key().0).collect::<Vec<_>>(),
+            [lease(2).step_run_id()]
+        );
+    }
+
     #[test]
     fn a_batch_ends_before_a_set_write_that_follows_a_write_of_its_step() {
         assert_eq!(batch_end(&[]), 0);

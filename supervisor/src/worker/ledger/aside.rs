@@ -88,6 +88,11 @@ impl Item {
     fn into_unit(self, tainted: &mut Tainted) -> Shaped {
         match self {
             Item::Unit(s) => s,
+            // its writer gave up waiting (see Request::abandoned)
+            Item::Request(r) if r.abandoned() => {
+                debug!("a ledger write set aside whose writer gave up is not written");
+                shape(Vec::new())
+            }
             Item::Request(r) => {
                 let mut one = vec![r];
                 tainted.admit(&mut one);
@@ -431,6 +436,19 @@ mod tests {
         aside.route(&mut buf);
         assert_eq!(buf.len(), 2, "all answered: nothing is routed");
         aside.close().await;
+    }
+
+    /// A write set aside whose writer gave up waiting is not written when
+    /// its turn comes (re-check audit: a success the attempt had given up
+    /// on landed when the held rows were let go).
+    #[test]
+    fn a_write_aside_nobody_waits_for_is_not_written() {
+        let (given_up, answer) = complete(1, run_of(1));
+        drop(answer);
+        let (awaited, _answer) = complete(2, run_of(2));
+        let mut tainted = Tainted::default();
+        assert_eq!(Item::Request(given_up).into_unit(&mut tainted).size(), 0);
+        assert_eq!(Item::Request(awaited).into_unit(&mut tainted).size(), 1);
     }
 
     fn steps_of(s: &Shaped) -> Vec<Uuid> {
