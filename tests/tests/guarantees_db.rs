@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 use supervisor::db::{Db, DbConn, DbError, Lease, LeasedStep};
 use tests::TestDb;
 use uuid::Uuid;
@@ -1326,4 +1326,43 @@ async fn a_hand_written_prev_state_records_no_transition() {
             .await
             .expect("row");
     assert_eq!((state.as_str(), prev), ("pending", None));
+}
+
+/// Rows no fenced write can fail (a live step without a lease token, one of
+/// a run made terminal by hand) are not even candidates of the reclaim: a
+/// limit's worth of them (100) came first at every pass and kept every other
+/// expired lease from being reclaimed, with an error logged for each, every
+/// pass (re-check audit).
+#[tokio::test]
+async fn a_limits_worth_of_rows_the_reclaim_cannot_fail_does_not_hide_the_others() {
+    let t = TestDb::new().await;
+    let steps: Vec<Value> = (0..101)
+        .map(|i| json!({"name": format!("z{i}"), "executor_kind": "zz", "kind": "k"}))
+        .collect();
+    let bad = t.submit(json!({"name": "bad", "steps": steps})).await;
+    let fine = t
+        .submit(tests::one_step("fine", "go", "k", json!({})))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let leased = lease_all(&t.db, wid, 10).await;
+    assert_eq!(leased.len(), 1);
+    // by hand: 101 live steps without a token, expired before the good one
+    sqlx::query(
+        "UPDATE durable.step_runs SET state = 'leased', lease_expires_at = now() - interval '1 min'
+          WHERE run_id = $1",
+    )
+    .bind(bad)
+    .execute(t.db.pool())
+    .await
+    .expect("tokenless live steps, by hand");
+    sqlx::query(
+        "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 s' WHERE run_id = $1",
+    )
+    .bind(fine)
+    .execute(t.db.pool())
+    .await
+    .expect("expire");
+    assert_eq!(t.db.reclaim_expired("w", 100).await.expect("the pass"), 1);
+    let st = t.status(fine).await;
+    assert_eq!(tests::step(&st, "s").state, "retryable_failed", "{st:?}");
 }

@@ -386,9 +386,16 @@ impl DbConn<'_> {
     ) -> Result<usize, DbError> {
         let mut s = Scope::enter(self.conn).await?;
         let candidates: Vec<(Uuid, Uuid)> = sqlx::query_as(
-            "SELECT id, run_id FROM durable.step_runs
-              WHERE durable.step_is_live(state) AND lease_expires_at < now()
-              ORDER BY lease_expires_at
+            "SELECT s.id, s.run_id FROM durable.step_runs s
+              WHERE durable.step_is_live(s.state) AND s.lease_expires_at < now()
+                -- rows no fenced write can fail (changed by hand: a live
+                -- step without a token, or under a run already terminal)
+                -- are left out: skipped at every pass, a limit's worth of
+                -- them kept every other lease from being reclaimed
+                AND s.lease_token IS NOT NULL
+                AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs w
+                                 WHERE w.id = s.run_id AND durable.run_state_is_terminal(w.state))
+              ORDER BY s.lease_expires_at
               LIMIT $1",
         )
         .bind(limit as i64)
@@ -450,10 +457,13 @@ impl DbConn<'_> {
         let mut s = Scope::enter(self.conn).await?;
         // the partial index step_runs_overdue holds exactly these rows
         let candidates: Vec<(Uuid, Uuid)> = sqlx::query_as(
-            "SELECT id, run_id FROM durable.step_runs
-              WHERE state IN ('pending', 'retryable_failed') AND deadline IS NOT NULL
-                AND deadline < now()
-              ORDER BY deadline
+            "SELECT s.id, s.run_id FROM durable.step_runs s
+              WHERE s.state IN ('pending', 'retryable_failed') AND s.deadline IS NOT NULL
+                AND s.deadline < now()
+                -- as the reclaim: a run made terminal by hand is left out
+                AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs w
+                                 WHERE w.id = s.run_id AND durable.run_state_is_terminal(w.state))
+              ORDER BY s.deadline
               LIMIT $1",
         )
         .bind(limit as i64)
