@@ -381,14 +381,16 @@ async fn a_deadline_that_ends_a_step_before_it_runs_counts_no_attempt() {
         .expect("fail");
     tokio::time::sleep(Duration::from_millis(1700)).await;
     assert_eq!(t.db.fail_overdue(w, "w", 10).await.expect("pass"), 2);
-    for (run, attempts) in [(never, 0), (retried, 1)] {
+    for (run, attempts, when) in [
+        (never, 0, "before a worker could start it"),
+        (retried, 1, "before its next attempt could start"),
+    ] {
         let st = t.status(run).await;
         let step = tests::step(&st, "s");
         assert_eq!(step.state, "terminal_failed", "{st:?}");
-        assert_eq!(
-            step.error.as_ref().map(|e| e.code.as_str()),
-            Some("DEADLINE_EXCEEDED")
-        );
+        let e = step.error.as_ref().expect("error");
+        assert_eq!(e.code, "DEADLINE_EXCEEDED");
+        assert!(e.message.ends_with(when), "{e:?}");
         assert_eq!(step.attempt, attempts, "{st:?}");
         let hops = tests::step_transitions(&t.db, step.step_run_id).await;
         let last_two: Vec<(String, Option<i32>)> = hops[hops.len() - 2..]

@@ -494,7 +494,7 @@ impl DbConn<'_> {
             let Some(tx) = held.begin(&mut s, id, run).await? else {
                 continue;
             };
-            let when = "before a worker could start it";
+            let when = BEFORE_ANY_START;
             match take_and_fail_overdue(tx, id, worker_id, worker_name, when).await {
                 Ok(took) => ended += usize::from(took),
                 Err(e) => skip_unless_transient(e, id, run, "an overdue step")?,
@@ -572,6 +572,12 @@ async fn take_and_fail_overdue(
         retryable: false,
         next_retry_delay: None,
     };
+    // a step that ran before and waits for its retry missed its next
+    // attempt, not its start (re-check audit)
+    let when = match (when, row.try_get::<i32, _>("attempt")) {
+        (BEFORE_ANY_START, Ok(n)) if n > 0 => "before its next attempt could start",
+        _ => when,
+    };
     let why = match row.get::<Option<DateTime<Utc>>, _>("deadline") {
         Some(d) => format!("the step deadline {d} passed {when}"),
         None => format!("the step deadline passed {when}"),
@@ -582,6 +588,9 @@ async fn take_and_fail_overdue(
         .ctx("committing an overdue step's failure")?;
     Ok(true)
 }
+
+/// How the deadline pass says a pending step missed its deadline.
+const BEFORE_ANY_START: &str = "before a worker could start it";
 
 /// A pass's step that could not be failed: a transient error (the
 /// connection, a lock wait) ends the pass, which the next one repeats; any
