@@ -153,3 +153,43 @@ func TestACheckpointTheNextAttemptCouldNotReceiveIsRefused(t *testing.T) {
 		t.Fatalf("a 30,000-byte checkpoint beside a small input: %v", refused)
 	}
 }
+
+// The next attempt may run on another worker, whose work_dir (or kind of
+// process) names its output directory differently: the largest checkpoint
+// the SDK accepts still fits a next job whose paths are longer (re-check
+// audit: 29 bytes more failed it JOB_TOO_LARGE).
+func TestACheckpointLeavesRoomForTheNextAttemptsPaths(t *testing.T) {
+	const limit = 64 << 10
+	ex := newExecutor(executor.Options{MaxFrameBytes: limit})
+	largest := -1
+	ex.Handle("cp", func(_ context.Context, j *executor.Job) (*executor.Result, error) {
+		lo, hi := 0, limit
+		for lo < hi { // the largest checkpoint Checkpoint takes (each try that fits is sent)
+			mid := (lo + hi + 1) / 2
+			if err := j.Checkpoint(make([]byte, mid)); err == nil {
+				lo = mid
+			} else if errors.Is(err, executor.ErrCheckpointTooLarge) {
+				hi = mid - 1
+			} else {
+				return nil, err
+			}
+		}
+		largest = lo
+		return executor.NewResult("ok")
+	})
+	h := executortest.Start(t, ex)
+	h.Hello()
+	first := job("j1", "cp", `{"n":1}`)
+	first.OutputDir = "/tmp/durable-job-go-abc123"
+	h.Run(first)
+	if largest <= 0 || largest >= limit-4096 {
+		t.Fatalf("largest accepted checkpoint %d", largest)
+	}
+	next := job("j2", "cp", `{"n":1}`)
+	next.Attempt = 2
+	next.OutputDir = "/srv/another-worker/" + strings.Repeat("w", 3000) + "/durable-0123456789abcdef-abc123"
+	next.Checkpoint = make([]byte, largest)
+	if n := proto.Size(&pb.SupervisorFrame{Frame: &pb.SupervisorFrame_Job{Job: next}}); n > limit {
+		t.Fatalf("the next job with the largest accepted checkpoint (%d) and longer paths is %d bytes, over %d", largest, n, limit)
+	}
+}

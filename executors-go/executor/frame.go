@@ -35,8 +35,15 @@ var (
 )
 
 // nextJobSlack is what a job frame may grow by between attempts besides its
-// checkpoint (the attempt number's varint, the envelope's length prefix).
+// checkpoint and its paths (the attempt number's varint, the envelope's
+// length prefix).
 const nextJobSlack = 16
+
+// pathRoom is what one local path of the job (its output directory, each
+// input artifact's) may take on the next attempt: another worker's work_dir,
+// or another kind of process, names it differently (re-check audit: 29 bytes
+// more failed the next attempt JOB_TOO_LARGE). Linux's PATH_MAX.
+const pathRoom = 4096
 
 // checkpointFieldLen is the bytes Job.checkpoint (field 13) takes in an
 // encoded job: tag, length and data; 0 when absent.

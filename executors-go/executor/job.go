@@ -348,12 +348,15 @@ func (r *jobRun) sendEvents(evs ...*pb.ProgressEvent) error {
 
 // nextJobFits refuses a checkpoint of n bytes that would leave the next
 // attempt's job frame over the executor's own cap (ErrCheckpointTooLarge).
-// A jobRun made without a job frame (ownMax 0) checks nothing.
+// Room is left for the job's paths to differ on the next attempt (4 KiB
+// each); secret values that grow cannot be foreseen. A jobRun made without
+// a job frame (ownMax 0) checks nothing.
 func (r *jobRun) nextJobFits(n int) error {
 	if r.ownMax <= 0 {
 		return nil
 	}
-	next := r.jobWithoutCheckpoint + checkpointFieldLen(true, n) + nextJobSlack
+	next := r.jobWithoutCheckpoint + checkpointFieldLen(true, n) + nextJobSlack +
+		pathRoom*(1+len(r.job.InputArtifacts))
 	if next > r.ownMax {
 		return fmt.Errorf("%w: a checkpoint of %d bytes would make it about %d bytes, over this executor's frame cap of %d bytes (Options.MaxFrameBytes), so the next attempt could not receive it; keep checkpoints smaller (large state belongs in artifacts)",
 			ErrCheckpointTooLarge, n, next, r.ownMax)

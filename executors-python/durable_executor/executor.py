@@ -532,8 +532,14 @@ def _redaction_forms(value: str) -> list[str]:
 # The job context
 
 
-#: Bytes a job frame may grow by between attempts besides its checkpoint.
+#: Bytes a job frame may grow by between attempts besides its checkpoint and
+#: its paths (the attempt number's varint, the frame's length prefix).
 _NEXT_JOB_SLACK = 16
+#: What one local path of the job (its output directory, each input
+#: artifact's) may take on the next attempt: another worker's `work_dir`, or
+#: another kind of process, names it differently (re-check audit: 29 bytes
+#: more failed the next attempt JOB_TOO_LARGE). Linux's PATH_MAX.
+_PATH_ROOM = 4096
 
 
 def _varint_len(n: int) -> int:
@@ -839,7 +845,9 @@ class Job:
     def _check_next_job_fits(self, checkpoint_len: int) -> None:
         """Refuse a checkpoint that would leave the next attempt a job frame
         over this executor's own cap: the supervisor could not send it, and
-        every later attempt would fail ``JOB_TOO_LARGE``."""
+        every later attempt would fail ``JOB_TOO_LARGE``. Room is left for
+        the job's paths to differ on the next attempt (4 KiB each); secret
+        values that grow cannot be foreseen."""
         cap = self._session.max_frame_bytes
         # the slack covers fields that grow between attempts (the attempt
         # number's varint, the frame's own length prefix)
@@ -849,6 +857,7 @@ class Job:
             + _varint_len(checkpoint_len)
             + checkpoint_len
             + _NEXT_JOB_SLACK
+            + _PATH_ROOM * (1 + len(self.input_artifacts))
         )
         if next_len > cap:
             raise ValueError(

@@ -1059,3 +1059,35 @@ def test_a_checkpoint_the_next_attempt_could_not_receive_is_refused(session_fact
     for size, fits in ((20_000, True), (30_000, False)):
         nxt = job_frame("cp", big_input, checkpoint=b"c" * size, attempt=2)
         assert (len(nxt.SerializeToString()) <= 65536) == fits
+
+
+def test_a_checkpoint_leaves_room_for_the_next_attempts_paths(session_factory):
+    """The next attempt may run on another worker, whose work_dir (or kind of
+    process) names its output directory differently: the largest checkpoint the
+    SDK accepts still fits a next job whose paths are longer (re-check audit:
+    29 bytes more failed it JOB_TOO_LARGE)."""
+    largest = []
+    ex = Executor("python", max_frame_bytes=65536)
+
+    @ex.handler("cp")
+    def cp(job: Job):
+        lo, hi = 0, 65536
+        while lo < hi:  # the largest size save_checkpoint takes
+            mid = (lo + hi + 1) // 2
+            try:
+                job._check_next_job_fits(mid)
+                lo = mid
+            except ValueError:
+                hi = mid - 1
+        largest.append(lo)
+        return "ok"
+
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("cp", {"n": 1}, output_dir="/tmp/durable-job-python-abc123"))
+    s.frames.until_terminal()
+    (n,) = largest
+    assert 0 < n < 65536 - 4096
+    longer = "/srv/another-worker/" + "w" * 3000 + "/durable-0123456789abcdef-abc123"
+    nxt = job_frame("cp", {"n": 1}, checkpoint=b"c" * n, attempt=2, output_dir=longer)
+    assert len(nxt.SerializeToString()) <= 65536
