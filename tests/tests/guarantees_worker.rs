@@ -1566,6 +1566,37 @@ async fn a_secret_of_several_lines_is_not_logged_line_by_line() {
     }
 }
 
+/// Once `run`'s one step runs (and `after` more), another session holds its
+/// run row, and with `step_too` its step's row, until the transaction
+/// returned is ended.
+async fn hold_once_running(
+    t: &TestDb,
+    run: Uuid,
+    after: Duration,
+    step_too: bool,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let started = Instant::now();
+    while t.status(run).await.steps[0].state != "running" {
+        assert!(started.elapsed() < LONG, "the step never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(after).await;
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the run row");
+    if step_too {
+        sqlx::query("SELECT 1 FROM durable.step_runs WHERE run_id = $1 FOR NO KEY UPDATE")
+            .bind(run)
+            .execute(&mut *holder)
+            .await
+            .expect("hold the step row");
+    }
+    holder
+}
+
 /// An attempt whose run row another transaction holds past the end of its
 /// job still stores every checkpoint, in order, before its outcome: its
 /// writes wait as long as its lease is renewed. A fixed 10 s bound after the
@@ -1591,17 +1622,7 @@ async fn checkpoints_wait_for_a_held_run_row_as_long_as_the_lease_is_renewed() {
         .await;
     // once it runs, another session holds the run row for 13 s: the job ends
     // (1 s) long before, its checkpoints still to be written
-    let started = Instant::now();
-    while t.status(run).await.steps[0].state != "running" {
-        assert!(started.elapsed() < LONG, "the step never started");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let mut holder = t.db.pool().begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
-        .bind(run)
-        .execute(&mut *holder)
-        .await
-        .expect("hold the run row");
+    let holder = hold_once_running(&t, run, Duration::ZERO, false).await;
     tokio::time::sleep(Duration::from_secs(13)).await;
     holder.commit().await.expect("let go");
     let st = t.wait_terminal(run, LONG).await;
@@ -1693,25 +1714,9 @@ async fn writes_an_attempt_gave_up_on_are_not_written_later() {
             "retry": {"max_attempts": 3, "initial_interval_ms": 100}}]}),
         )
         .await;
-    let started = Instant::now();
-    while t.status(run).await.steps[0].state != "running" {
-        assert!(started.elapsed() < LONG, "the step never started");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(200)).await;
     // both rows held for three lease TTLs (2 s each): the job ends within
     // the first, its success and its last checkpoints wait
-    let mut holder = t.db.pool().begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR UPDATE")
-        .bind(run)
-        .execute(&mut *holder)
-        .await
-        .expect("hold the run row");
-    sqlx::query("SELECT 1 FROM durable.step_runs WHERE run_id = $1 FOR NO KEY UPDATE")
-        .bind(run)
-        .execute(&mut *holder)
-        .await
-        .expect("hold the step row");
+    let holder = hold_once_running(&t, run, Duration::from_millis(200), true).await;
     tokio::time::sleep(Duration::from_secs(6)).await;
     holder.commit().await.expect("let go");
     let st = t.wait_terminal(run, LONG).await;
