@@ -1366,3 +1366,30 @@ async fn a_limits_worth_of_rows_the_reclaim_cannot_fail_does_not_hide_the_others
     let st = t.status(fine).await;
     assert_eq!(tests::step(&st, "s").state, "retryable_failed", "{st:?}");
 }
+
+/// No step of a run already terminal is leased: a run made so by hand (the
+/// guard judges the hop alone) ran its pending and retrying steps again,
+/// their side effects for a run that was over and every outcome refused
+/// (re-check audit).
+#[tokio::test]
+async fn no_step_of_a_terminal_run_is_leased() {
+    let t = TestDb::new().await;
+    let over = t
+        .submit(tests::one_step("over", "go", "k", json!({})))
+        .await;
+    let open = t
+        .submit(tests::one_step("open", "go", "k", json!({})))
+        .await;
+    for state in ["running", "succeeded"] {
+        sqlx::query("UPDATE durable.workflow_runs SET state = $2 WHERE id = $1")
+            .bind(over)
+            .bind(state)
+            .execute(t.db.pool())
+            .await
+            .expect("a run made terminal by hand");
+    }
+    let wid = worker(&t.db, "w").await;
+    let leased = lease_all(&t.db, wid, 10).await;
+    let runs: Vec<Uuid> = leased.iter().map(|s| s.run_id).collect();
+    assert_eq!(runs, [open]);
+}

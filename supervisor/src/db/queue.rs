@@ -278,8 +278,13 @@ impl DbConn<'_> {
                         -- a scalar subquery, one primary-key probe per
                         -- candidate: as NOT EXISTS the planner could make it
                         -- an anti-join over a seq scan of every run (it
-                        -- expects few cancelled ones), O(runs) per lease
-                        AND NOT coalesce((SELECT wr.cancel_requested FROM durable.workflow_runs wr
+                        -- expects few cancelled ones), O(runs) per lease.
+                        -- A run already terminal (made so by hand) runs no
+                        -- step again: its side effects would run for a run
+                        -- that is over, every outcome refused (re-check audit)
+                        AND NOT coalesce((SELECT wr.cancel_requested
+                                                 OR durable.run_state_is_terminal(wr.state)
+                                            FROM durable.workflow_runs wr
                                            WHERE wr.id = s.run_id), false)
                       ORDER BY s.next_attempt_at
                       LIMIT $6
