@@ -1180,9 +1180,6 @@ mod tests {
         assert_eq!(buf.len(), 1);
     }
 
-    /// The set-based part is written before the other writes: a set write of
-    /// a step behind another write of that step ends the batch, so the
-    /// step's writes keep their order; other steps' writes do not.
     /// A request whose writer gave up waiting (its answer's receiver is
     /// gone) is not written; one still awaited is (re-check audit: a
     /// success given up on landed later, behind dropped checkpoints).
@@ -1207,6 +1204,9 @@ mod tests {
         );
     }
 
+    /// The set-based part is written before the other writes: a set write of
+    /// a step behind another write of that step ends the batch, so the
+    /// step's writes keep their order; other steps' writes do not.
     #[test]
     fn a_batch_ends_before_a_set_write_that_follows_a_write_of_its_step() {
         assert_eq!(batch_end(&[]), 0);
