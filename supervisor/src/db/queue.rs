@@ -499,8 +499,7 @@ impl DbConn<'_> {
             let Some(tx) = held.begin(&mut s, id, run).await? else {
                 continue;
             };
-            let when = BEFORE_ANY_START;
-            match take_and_fail_overdue(tx, id, worker_id, worker_name, when).await {
+            match take_and_fail_overdue(tx, id, worker_id, worker_name, Overdue::Queued).await {
                 Ok(took) => ended += usize::from(took),
                 Err(e) => skip_unless_transient(e, id, run, "an overdue step")?,
             }
@@ -523,8 +522,7 @@ impl DbConn<'_> {
             let Some(id) = id else {
                 continue;
             };
-            let when = "while it waited for its dependencies";
-            match take_and_fail_overdue(tx, id, worker_id, worker_name, when).await {
+            match take_and_fail_overdue(tx, id, worker_id, worker_name, Overdue::Waiting).await {
                 Ok(took) => ended += usize::from(took),
                 Err(e) => skip_unless_transient(e, id, run, "an overdue waiting step")?,
             }
@@ -538,7 +536,7 @@ impl DbConn<'_> {
 /// reason `DEADLINE_EXCEEDED`, that is no attempt: the attempt number stays
 /// that of the last attempt that ran, 0 for a step that never ran), fails it
 /// terminally `DEADLINE_EXCEEDED`, its
-/// message saying the deadline passed `when`, and commits; `false` (nothing
+/// message saying when the deadline passed (see [`Overdue`]), and commits; `false` (nothing
 /// committed) when it was no longer one to take (leased, cancelled, its
 /// deadline moved).
 async fn take_and_fail_overdue(
@@ -546,7 +544,7 @@ async fn take_and_fail_overdue(
     id: Uuid,
     worker_id: Uuid,
     worker_name: &str,
-    when: &str,
+    overdue: Overdue,
 ) -> Result<bool, DbError> {
     let row = sqlx::query(
         "UPDATE durable.step_runs s
@@ -577,11 +575,14 @@ async fn take_and_fail_overdue(
         retryable: false,
         next_retry_delay: None,
     };
-    // a step that ran before and waits for its retry missed its next
-    // attempt, not its start (re-check audit)
-    let when = match (when, row.try_get::<i32, _>("attempt")) {
-        (BEFORE_ANY_START, Ok(n)) if n > 0 => "before its next attempt could start",
-        _ => when,
+    let when = match overdue {
+        Overdue::Waiting => "while it waited for its dependencies",
+        // a step that ran before and waits for its retry missed its next
+        // attempt, not its start (re-check audit)
+        Overdue::Queued if row.try_get::<i32, _>("attempt").is_ok_and(|n| n > 0) => {
+            "before its next attempt could start"
+        }
+        Overdue::Queued => "before a worker could start it",
     };
     let why = match row.get::<Option<DateTime<Utc>>, _>("deadline") {
         Some(d) => format!("the step deadline {d} passed {when}"),
@@ -594,8 +595,14 @@ async fn take_and_fail_overdue(
     Ok(true)
 }
 
-/// How the deadline pass says a pending step missed its deadline.
-const BEFORE_ANY_START: &str = "before a worker could start it";
+/// Where an overdue step was when its deadline passed.
+#[derive(Clone, Copy)]
+enum Overdue {
+    /// In the queue: pending, or waiting for its retry.
+    Queued,
+    /// Still waiting for its dependencies (created just now to be failed).
+    Waiting,
+}
 
 /// A pass's step that could not be failed: a transient error (the
 /// connection, a lock wait) ends the pass, which the next one repeats; any
