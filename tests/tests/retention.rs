@@ -306,13 +306,7 @@ async fn a_run_larger_than_a_batch_goes_in_several() {
     finish_batch(db, &leased).await;
     assert_eq!(t.status(run).await.state, "succeeded");
     assert_eq!(t.status(small).await.state, "succeeded");
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    let mut opts = options(Duration::from_secs(1));
-    opts.batch_steps = 10;
-    let r = db
-        .retention_pass(&opts, &CancellationToken::new())
-        .await
-        .expect("pass");
+    let r = pass_in_batches_of_10(db).await;
     // 10 + 10 + 5 steps of the wide run (the last batch takes the run), then the small run
     assert_eq!((r.runs, r.steps, r.batches), (2, 26, 4), "{r:?}");
     assert_eq!(
@@ -348,13 +342,7 @@ async fn several_runs_larger_than_a_batch_go_in_one_pass() {
         assert_eq!(leased.len(), 25);
         finish_batch(db, &leased).await;
     }
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    let mut opts = options(Duration::from_secs(1));
-    opts.batch_steps = 10;
-    let r = db
-        .retention_pass(&opts, &CancellationToken::new())
-        .await
-        .expect("pass");
+    let r = pass_in_batches_of_10(db).await;
     // 10 + 10 + 5 steps of each run, the last piece taking its run
     assert_eq!((r.runs, r.steps, r.batches), (3, 75, 9), "{r:?}");
     assert_eq!(
@@ -400,6 +388,17 @@ fn ev(seq: u64, kind: &'static str) -> OwnedEvent {
         fraction: None,
         executor_at: None,
     }
+}
+
+/// A second later, one retention pass of runs older than a second, in
+/// batches of 10 steps.
+async fn pass_in_batches_of_10(db: &Db) -> supervisor::db::RetentionReport {
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut opts = options(Duration::from_secs(1));
+    opts.batch_steps = 10;
+    db.retention_pass(&opts, &CancellationToken::new())
+        .await
+        .expect("pass")
 }
 
 /// Starts and completes `leased` in one ledger batch (what a worker's ledger
