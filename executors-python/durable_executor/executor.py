@@ -550,11 +550,12 @@ def _varint_len(n: int) -> int:
     return size
 
 
-def _checkpoint_field_len(checkpoint: bytes | None) -> int:
-    """Bytes of ``Job.checkpoint`` (field 13) in an encoded job: tag, length, data."""
-    if checkpoint is None:
+def _checkpoint_field_len(n: int | None) -> int:
+    """Bytes of a ``Job.checkpoint`` (field 13) of ``n`` bytes in an encoded job:
+    tag, length, data; 0 when absent (``None``)."""
+    if n is None:
         return 0
-    return 1 + _varint_len(len(checkpoint)) + len(checkpoint)
+    return 1 + _varint_len(n) + n
 
 
 class Job:
@@ -600,7 +601,8 @@ class Job:
         # fit this executor's own cap to be received at all.
         if frame_len is None:
             frame_len = len(wire.encode_supervisor_frame(msg))
-        self._job_len_without_checkpoint = frame_len - _checkpoint_field_len(msg.checkpoint)
+        old = None if msg.checkpoint is None else len(msg.checkpoint)
+        self._job_len_without_checkpoint = frame_len - _checkpoint_field_len(old)
         self._input: Any = _UNSET
         self._lock = _thread.allocate_lock()  # cancel state vs the async task binding
         self._cancel = _Flag()
@@ -849,13 +851,9 @@ class Job:
         the job's paths to differ on the next attempt (4 KiB each); secret
         values that grow cannot be foreseen."""
         cap = self._session.max_frame_bytes
-        # the slack covers fields that grow between attempts (the attempt
-        # number's varint, the frame's own length prefix)
         next_len = (
             self._job_len_without_checkpoint
-            + 1
-            + _varint_len(checkpoint_len)
-            + checkpoint_len
+            + _checkpoint_field_len(checkpoint_len)
             + _NEXT_JOB_SLACK
             + _PATH_ROOM * (1 + len(self.input_artifacts))
         )
