@@ -101,13 +101,10 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
         "executor", "runs", "p50 ms", "p95 ms", "p99 ms", "max ms", "p50/baseline"
     );
     // the baseline first, in a database of its own
-    let (name, url) =
-        tests::bench::empty_database(&admin, &args.database_url, "bench_l", &created).await?;
-    let res = plain_baseline(&url, args.runs).await;
-    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(admin.pool())
-        .await;
-    let mut base = res?;
+    let mut base = in_own_database(&admin, &args.database_url, &created, |url| async move {
+        plain_baseline(&url, args.runs).await
+    })
+    .await?;
     base.sort_by(|a, b| a.total_cmp(b));
     let base_p50 = pct(&base, 50.0);
     println!(
@@ -142,13 +139,10 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
         );
     }
     for which in &cells {
-        let (name, url) =
-            tests::bench::empty_database(&admin, &args.database_url, "bench_l", &created).await?;
-        let res = measure(&url, which, args.runs).await;
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(admin.pool())
-            .await;
-        let mut lat = res?;
+        let mut lat = in_own_database(&admin, &args.database_url, &created, |url| async move {
+            measure(&url, which, args.runs).await
+        })
+        .await?;
         lat.sort_by(|a, b| a.total_cmp(b));
         println!(
             "{:<26} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>12.2}",
@@ -203,6 +197,26 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
     Ok(())
 }
 
+/// Runs `f` on the URL of an empty database of its own, dropped afterwards
+/// whatever `f` returned.
+async fn in_own_database<T, F, Fut>(
+    admin: &Db,
+    admin_url: &str,
+    created: &std::sync::Mutex<Vec<String>>,
+    f: F,
+) -> Result<T>
+where
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let (name, url) = tests::bench::empty_database(admin, admin_url, "bench_l", created).await?;
+    let res = f(url).await;
+    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(admin.pool())
+        .await;
+    res
+}
+
 /// The first job of a fresh worker, without and with a warm process.
 async fn first_jobs(
     args: &Args,
@@ -231,14 +245,11 @@ async fn first_jobs(
         let mut lat: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..args.first_runs {
             for warm in [0u32, 1] {
-                let (name, url) =
-                    tests::bench::empty_database(admin, &args.database_url, "bench_l", created)
-                        .await?;
-                let res = first_job(&url, which, warm).await;
-                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                    .execute(admin.pool())
-                    .await;
-                lat[warm as usize].push(res?);
+                let ms = in_own_database(admin, &args.database_url, created, |url| async move {
+                    first_job(&url, which, warm).await
+                })
+                .await?;
+                lat[warm as usize].push(ms);
             }
         }
         for (warm, l) in lat.iter_mut().enumerate() {
