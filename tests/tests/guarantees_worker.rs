@@ -1414,6 +1414,120 @@ async fn no_job_is_sent_once_the_deadline_passed_during_the_executor_start() {
     );
 }
 
+/// The deadline ends an executor's start as a cancel does (time audit): it
+/// was checked only once the hello came, so a start 8 s slow overshot a
+/// deadline 1 s away by 7 s. Here the start would take 6 s (within the
+/// handshake timeout): the step must end at its deadline, on the database's
+/// clock well before the hello could have come, with nothing of the
+/// starting executor left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deadline_ends_a_start_that_would_outlast_it() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let slow = dir.path().join("slow");
+    let jobs = dir.path().join("jobs");
+    let e = tests::wrap_in_shell(
+        hostile(
+            "hostile",
+            None,
+            &[("HOSTILE_JOB_LOG", &jobs.to_string_lossy())],
+        ),
+        &format!("[ -f '{}' ] && sleep 6; exec \"$0\" \"$@\"", slow.display()),
+    );
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
+    // the probe at start was quick; from now on a start takes 6 s
+    std::fs::write(&slow, b"").expect("slow");
+    let deadline = chrono::Utc::now() + chrono::Duration::milliseconds(1_000);
+    let run = t
+        .submit(spec(
+            "hostile.echo",
+            json!({"deadline": deadline.to_rfc3339(), "retry": {"max_attempts": 3}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("DEADLINE_EXCEEDED"),
+        "{:?}",
+        s.error
+    );
+    // the ending, on the database's clock, against the deadline: the hello
+    // would have come 6 s after the lease
+    let (late_ms, leased_to_end_ms): (f64, f64) = sqlx::query_as(
+        "SELECT (extract(epoch FROM (s.finished_at - $2)) * 1000)::float8,
+                (extract(epoch FROM (s.finished_at - s.leased_at)) * 1000)::float8
+           FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(s.step_run_id)
+    .bind(deadline)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("times");
+    assert!(
+        late_ms < 4_000.0 && leased_to_end_ms < 5_500.0,
+        "the step ended {late_ms} ms after its deadline, {leased_to_end_ms} ms after its lease: the start was waited for"
+    );
+    // the starting process (the shell sleeping before the executor) is gone
+    tests::assert_no_survivors(s.step_run_id, None, Duration::from_secs(5)).await;
+    w.shutdown().await;
+    let received = std::fs::read_to_string(&jobs).unwrap_or_default();
+    assert!(
+        received.is_empty(),
+        "the executor received a job after the deadline: {received}"
+    );
+}
+
+/// A step whose deadline passed before any attempt of it is ended by the
+/// deadline pass at attempt 0 (README, Deadlines: "a step that never ran
+/// ends at attempt 0"), though a worker that can run it is idle (time
+/// audit): the lease took it first, counted attempt 1 and failed it
+/// "before attempt 1 started", no job ever sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_overdue_before_its_first_attempt_ends_at_attempt_0() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = dir.path().join("jobs");
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![hostile(
+            "hostile",
+            None,
+            &[("HOSTILE_JOB_LOG", &jobs.to_string_lossy())],
+        )]),
+    )
+    .await;
+    let run = t
+        .submit(spec(
+            "hostile.echo",
+            json!({"deadline": "2020-01-01T00:00:00Z", "retry": {"max_attempts": 3}}),
+        ))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    let s = step(&st, "s");
+    assert_eq!(
+        (
+            s.state.as_str(),
+            s.error.as_ref().map(|e| e.code.as_str()),
+            s.attempt
+        ),
+        ("terminal_failed", Some("DEADLINE_EXCEEDED"), 0),
+        "{:?}",
+        s.error
+    );
+    let counted: Vec<i32> = tests::step_transitions(&t.db, s.step_run_id)
+        .await
+        .iter()
+        .filter_map(|h| h.attempt)
+        .filter(|a| *a > 0)
+        .collect();
+    assert!(counted.is_empty(), "no hop counted an attempt: {counted:?}");
+    let received = std::fs::read_to_string(&jobs).unwrap_or_default();
+    assert!(received.is_empty(), "a job was sent: {received}");
+}
+
 /// An executor upgrade that drops a kind, then a rollback that brings it
 /// back (routing and redeploy audits): the dropped kind's step is refused
 /// and the routes narrow to what a probe offers, and `status` says that no

@@ -274,6 +274,10 @@ impl DbConn<'_> {
                         AND s.next_attempt_at <= now()
                         AND r.labels @> s.labels
                         AND NOT s.cancel_requested
+                        -- a step past its deadline is the deadline pass's:
+                        -- ended by it at the attempt it had (time audit: a
+                        -- lease counted an attempt that never ran)
+                        AND (s.deadline IS NULL OR s.deadline > now())
                         AND s.id <> ALL ($8::uuid[])
                         -- a scalar subquery, one primary-key probe per
                         -- candidate: as NOT EXISTS the planner could make it

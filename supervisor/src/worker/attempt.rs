@@ -431,6 +431,21 @@ fn deadline_passed(step: &LeasedStep, before: &str) -> Option<Outcome> {
     ))
 }
 
+/// [`deadline_passed`]'s outcome once the step's deadline passes (never
+/// without a deadline).
+async fn deadline_during(step: &LeasedStep, before: &str) -> Outcome {
+    let Some(deadline) = step.deadline else {
+        return std::future::pending().await;
+    };
+    loop {
+        if let Some(o) = deadline_passed(step, before) {
+            return o;
+        }
+        let left = (deadline - Utc::now()).to_std().unwrap_or_default();
+        tokio::time::sleep(left + Duration::from_millis(1)).await;
+    }
+}
+
 /// The attempt's own directory: out/ for results, in/ for input artifacts
 /// (made only when there are any: most steps have none, and every directory
 /// made and removed costs the filesystem an inode). A one-shot process runs
@@ -1329,11 +1344,12 @@ fn before_job_outcome(c: Control) -> Outcome {
 }
 
 /// The executor's hello: the one a warm process said, or read now from a
-/// new one (the executor speaks first). A cancel, a lost lease or the
-/// worker's abort during the read, or a failed read, stops the child; the
-/// error is then the attempt's outcome.
+/// new one (the executor speaks first). A cancel, a lost lease, the step's
+/// deadline or the worker's abort during the read, or a failed read, stops
+/// the child; the error is then the attempt's outcome.
 async fn hello_of(
     shared: &Shared,
+    step: &LeasedStep,
     session: &mut Session,
     control: &mut watch::Receiver<LeaseView>,
     redactor: &Redact,
@@ -1364,6 +1380,11 @@ async fn hello_of(
         c = until_stopped(control, shared.stop_budget()) => {
             return Err(stop_now(child, cfg, before_job_outcome(c)).await);
         }
+        // the deadline ends the start as a cancel does, not once the hello
+        // came (time audit: a hello 8 s slow overshot a deadline by 7 s)
+        o = deadline_during(step, "was sent (while its executor started)") => {
+            return Err(stop_now(child, cfg, o).await);
+        }
         r = handshake => r,
     };
     match read {
@@ -1393,7 +1414,7 @@ async fn converse(
     control: &mut watch::Receiver<LeaseView>,
     redactor: &Redact,
 ) -> Conversed {
-    let hello = match hello_of(shared, session, control, redactor).await {
+    let hello = match hello_of(shared, step, session, control, redactor).await {
         Ok(h) => h,
         Err(outcome) => return Conversed::Decided(outcome),
     };
