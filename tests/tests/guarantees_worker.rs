@@ -1528,6 +1528,78 @@ async fn a_step_overdue_before_its_first_attempt_ends_at_attempt_0() {
     assert!(received.is_empty(), "a job was sent: {received}");
 }
 
+/// A reclaimed lease's retry is leased when it comes due, not at the next
+/// poll of a worker that can run it (time audit: after a worker died, its
+/// step's "retry in 429 ms" was leased 10 s later, at the poll). Here the
+/// worker that can run the step never reclaims and polls every 30 s; a
+/// second worker, which cannot run it, reclaims the dead worker's lease and
+/// announces the retry when it comes due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reclaimed_steps_retry_is_leased_when_it_comes_due() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(spec(
+            "hostile.echo",
+            json!({"retry": {"max_attempts": 3, "initial_interval_ms": 300}}),
+        ))
+        .await;
+    // a worker that leased the step and died at once
+    let ghost = Uuid::new_v4();
+    t.db.register_worker(ghost, "ghost", "test", &json!([]))
+        .await
+        .expect("register");
+    let route = supervisor::db::Route {
+        executor_kind: "hostile".into(),
+        kind: "hostile.echo".into(),
+        labels: Default::default(),
+    };
+    let leased =
+        t.db.lease(ghost, "ghost", &[route], 1, Duration::from_millis(300))
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 1, "the ghost leased the step");
+    let runner = RunningWorker::start(
+        t.connect(10).await,
+        WorkerConfig {
+            poll_interval_ms: 30_000,
+            reclaim_interval_ms: 3_600_000,
+            ..fast_config(vec![hostile("hostile", None, &[])])
+        },
+    )
+    .await;
+    let reclaimer = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    let st = t.wait_terminal(run, LONG).await;
+    runner.shutdown().await;
+    reclaimer.shutdown().await;
+    let s = step(&st, "s");
+    assert_eq!(
+        (s.state.as_str(), s.attempt),
+        ("succeeded", 2),
+        "{:?}",
+        s.error
+    );
+    // from the reclaim to the next lease, on the database's clock
+    let gap_ms: f64 = sqlx::query_scalar(
+        "SELECT (extract(epoch FROM
+                   (SELECT at FROM durable.transitions WHERE step_run_id = $1 AND to_state = 'leased'
+                     ORDER BY id DESC LIMIT 1)
+                 - (SELECT at FROM durable.transitions WHERE step_run_id = $1 AND reason LIKE 'LEASE_EXPIRED%'))
+                 * 1000)::float8",
+    )
+    .bind(s.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("the gap");
+    assert!(
+        gap_ms < 10_000.0,
+        "the retry (due in ~300 ms) was leased {gap_ms} ms after the reclaim: it waited for a poll"
+    );
+}
+
 /// An executor upgrade that drops a kind, then a rollback that brings it
 /// back (routing and redeploy audits): the dropped kind's step is refused
 /// and the routes narrow to what a probe offers, and `status` says that no

@@ -7,7 +7,7 @@
 //! compatible worker runs it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use supervisor::config::ExecutorConfig;
@@ -485,4 +485,73 @@ async fn steps_refused_for_a_missing_secret_run_on_the_worker_that_has_it() {
         assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
     }
     assert_eq!(st.state, "succeeded");
+}
+
+/// A step refused by one worker is leased by another as soon as the
+/// refusal's delay ends (time audit): the other worker was woken when the
+/// step was refused, found it not yet due, and waited for its next poll,
+/// while the refusing worker leased it again and refused it once more.
+/// Here the worker with the secret polls every 30 s; the refusing worker
+/// announces the step when its 3 s delay ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_step_is_announced_to_the_other_workers_when_it_comes_due() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let (without, with) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    std::fs::write(with.path().join("ROUTE_TOKEN"), "route-token-123456\n").expect("secret");
+    let config = |name: &str, dir: &std::path::Path| {
+        let mut e = go_demo("go", &[], None);
+        e.secrets = vec!["ROUTE_TOKEN".into()];
+        let mut cfg = fast_config(vec![e]);
+        cfg.name = Some(name.into());
+        cfg.secrets_dir = Some(dir.to_owned());
+        cfg
+    };
+    let mut lacks_cfg = config("lacks", without.path());
+    lacks_cfg.refusal_delay_ms = 3_000;
+    let lacks = RunningWorker::start(t.connect(10).await, lacks_cfg).await;
+    let run = t
+        .submit(json!({"name": "secret", "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "demo.echo", "input": {},
+             "secrets": ["ROUTE_TOKEN"]}]}))
+        .await;
+    let id = tests::only_step_id(&t, run).await;
+    let until = Instant::now() + Duration::from_secs(30);
+    while t
+        .scalar_i64(&format!(
+            "SELECT refusals::int8 FROM durable.step_runs WHERE id = '{id}'"
+        ))
+        .await
+        == 0
+    {
+        assert!(Instant::now() < until, "the step was never refused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // the refusal's delay has ~3 s to go: the worker with the secret starts
+    // now, finds nothing due, and would look again only in 30 s
+    let mut has_cfg = config("has", with.path());
+    has_cfg.poll_interval_ms = 30_000;
+    let has = RunningWorker::start(t.connect(10).await, has_cfg).await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    lacks.shutdown().await;
+    has.shutdown().await;
+    let s = tests::step(&st, "s");
+    assert_eq!(s.state, "succeeded", "{:?}", s.error);
+    let (refusals, by): (i32, Option<String>) = sqlx::query_as(
+        "SELECT s.refusals, (SELECT worker FROM durable.transitions
+                              WHERE step_run_id = s.id AND to_state = 'leased' ORDER BY id DESC LIMIT 1)
+           FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("the step");
+    assert_eq!(
+        (refusals, by.as_deref()),
+        (1, Some("has")),
+        "the worker with the secret leased the step once it came due"
+    );
 }

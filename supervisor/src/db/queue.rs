@@ -110,11 +110,38 @@ impl Db {
     /// when cancellation was requested — reason `LEASE_EXPIRED`. Returns how
     /// many were reclaimed. Each reclaim is its own transaction.
     pub async fn reclaim_expired(&self, worker_name: &str, limit: u32) -> Result<usize, DbError> {
+        self.reclaim_expired_due(worker_name, limit)
+            .await
+            .map(|r| r.count)
+    }
+
+    /// [`Db::reclaim_expired`], with when each step it gave a retry comes
+    /// due (a worker announces them then: see [`Db::announce_steps`]).
+    pub async fn reclaim_expired_due(
+        &self,
+        worker_name: &str,
+        limit: u32,
+    ) -> Result<Reclaimed, DbError> {
         self.connection("finding expired leases")
             .await?
             .conn()
             .reclaim_expired(worker_name, limit)
             .await
+    }
+
+    /// Wakes the workers that listen for steps of `executor_kind` (the
+    /// NOTIFY a step's move to a leasable state sends). A retry or a
+    /// refusal's delay makes a step leasable later than its move: the
+    /// worker that wrote it announces it again when it comes due, so that
+    /// no worker waits for its next poll to find it.
+    pub async fn announce_steps(&self, executor_kind: &str) -> Result<(), DbError> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(CHANNEL_STEPS)
+            .bind(executor_kind)
+            .execute(&self.pool)
+            .await
+            .ctx("announcing steps coming due")?;
+        Ok(())
     }
 
     /// Ends the steps whose deadline passed while they waited to be leased
@@ -386,13 +413,13 @@ impl DbConn<'_> {
         Ok(report)
     }
 
-    /// See [`Db::reclaim_expired`]. Inside a caller's transaction the whole
-    /// call is one savepoint and each reclaim a savepoint within it.
+    /// See [`Db::reclaim_expired_due`]. Inside a caller's transaction the
+    /// whole call is one savepoint and each reclaim a savepoint within it.
     pub async fn reclaim_expired(
         &mut self,
         worker_name: &str,
         limit: u32,
-    ) -> Result<usize, DbError> {
+    ) -> Result<Reclaimed, DbError> {
         let mut s = Scope::enter(self.conn).await?;
         let candidates: Vec<(Uuid, Uuid)> = sqlx::query_as(
             "SELECT s.id, s.run_id FROM durable.step_runs s
@@ -411,7 +438,7 @@ impl DbConn<'_> {
         .fetch_all(&mut *s)
         .await
         .ctx("finding expired leases")?;
-        let mut reclaimed = 0;
+        let mut reclaimed = Reclaimed::default();
         let mut held = HeldRuns::default();
         for (id, run) in candidates {
             // run lock first, like every step write (a run another
@@ -423,7 +450,7 @@ impl DbConn<'_> {
             };
             let row = sqlx::query(
                 "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, retry, deadline,
-                        cancel_requested, now() AS db_now
+                        cancel_requested, now() AS db_now, executor_kind
                    FROM durable.step_runs
                   WHERE id = $1 AND state IN ('leased', 'running') AND lease_expires_at < now()
                   FOR NO KEY UPDATE SKIP LOCKED",
@@ -442,9 +469,12 @@ impl DbConn<'_> {
             };
             let why = "the owning worker stopped renewing its lease".to_owned();
             match fail_locked_row(&mut tx, id, &row, worker_name, failure, why).await {
-                Ok(()) => {
+                Ok(retry_at) => {
                     tx.commit().await.ctx("committing a reclaim")?;
-                    reclaimed += 1;
+                    reclaimed.count += 1;
+                    if let (Some(at), Ok(kind)) = (retry_at, row.try_get("executor_kind")) {
+                        reclaimed.due.push((kind, at));
+                    }
                 }
                 Err(e) => skip_unless_transient(e, id, run, "an expired lease")?,
             }
@@ -662,7 +692,7 @@ async fn fail_locked_row(
     worker_name: &str,
     failure: Failure,
     message: String,
-) -> Result<(), DbError> {
+) -> Result<Option<DateTime<Utc>>, DbError> {
     // read without panicking: a row changed by hand (a live step without a
     // lease token) made every worker's reclaim panic, and the workers exit
     let col = |c: &str, e: sqlx::Error| DbError::Corrupt(format!("step {step_run_id}: {c}: {e}"));
@@ -700,7 +730,16 @@ async fn fail_locked_row(
     let decision = state::decide_failure(&facts, &report.failure, now, rand::random());
     let ending = format!("{}: {}", report.failure.code, report.message);
     insert_ending_event(tx, &lease, decision.to.as_str(), &ending).await?;
-    write_failure(tx, &lease, worker_name, &report, &decision).await
+    write_failure(tx, &lease, worker_name, &report, &decision).await?;
+    Ok(decision.next_attempt_at)
+}
+
+/// What a reclaim pass did: how many expired leases it moved on, and the
+/// executor kind and retry time of each it gave a retry.
+#[derive(Debug, Default)]
+pub struct Reclaimed {
+    pub count: usize,
+    pub due: Vec<(String, DateTime<Utc>)>,
 }
 
 /// The deepest input the worker decodes. Submit refuses input nested more

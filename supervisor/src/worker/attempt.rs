@@ -2164,7 +2164,7 @@ async fn write_outcome(
                 details: details.clone(),
                 sequence: *sequence,
             };
-            write_failure(shared, lease, report).await
+            write_failure(shared, step, report).await
         }
         Outcome::Cancelled { message } => {
             shared
@@ -2187,6 +2187,12 @@ async fn write_outcome(
                 })
                 .await?;
             log_refusal_end(&state, code, shared.cfg.max_refusals);
+            if state == "retryable_failed" {
+                // leasable again after the refusal's delay (by the database's
+                // clock; a little late here is a little late for all)
+                let due = Utc::now() + retry_delay(shared.cfg.refusal_delay_ms);
+                shared.due_at(&step.executor_kind, due);
+            }
             // a warm process that died between jobs is no reason to leave
             // the step to others; any other refusal says this worker can't
             if code != "EXECUTOR_CRASHED" {
@@ -2213,9 +2219,10 @@ async fn write_outcome(
 /// say which.
 async fn write_failure(
     shared: &Shared,
-    lease: &Lease,
+    step: &LeasedStep,
     report: FailureReport,
 ) -> Result<(), DbError> {
+    let lease = &step.lease;
     let d = shared
         .ledger
         .fail(FailWrite {
@@ -2227,7 +2234,7 @@ async fn write_failure(
     crate::metrics::failure_decided(d.to.as_str());
     info!(to = %d.to, reason = %d.reason, "failure committed");
     if let Some(at) = d.next_attempt_at {
-        shared.wake_at(at);
+        shared.due_at(&step.executor_kind, at);
     }
     Ok(())
 }

@@ -12,6 +12,7 @@ mod session;
 mod warm;
 mod workdir;
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -277,6 +278,9 @@ pub(crate) struct Shared {
     /// worker leased it again as soon as it was due, every time, and its
     /// refusals failed the step while a worker that could run it idled.
     refused: std::sync::Mutex<std::collections::HashMap<Uuid, Instant>>,
+    /// Executor kinds and times (in 10 ms) of steps coming due that are
+    /// to be announced ([`Shared::due_at`]).
+    announcing: Arc<std::sync::Mutex<HashSet<(String, i64)>>>,
 }
 
 impl Shared {
@@ -313,28 +317,53 @@ impl Shared {
             .max(Duration::from_secs(5))
     }
 
-    /// A step this worker wrote back for a later attempt comes due at `at`:
-    /// the lease loop is woken then. A NOTIFY goes out when a step becomes
-    /// leasable by its state, not when its retry time comes, so without
-    /// this the retry waited for the next poll (up to `poll_interval_ms`
-    /// late). Another worker that can run the step still finds it on its own
-    /// poll; retries further off than a minute are left to the polls.
-    pub(crate) fn wake_at(&self, at: chrono::DateTime<chrono::Utc>) {
-        let Ok(delay) = (at - chrono::Utc::now()).to_std() else {
-            self.wake.notify_one();
-            return;
-        };
+    /// A step of `executor_kind` this worker wrote back for a later attempt
+    /// (a retry, a reclaimed lease's retry, a refusal's delay) comes due at
+    /// `at`: the lease loop is woken then, and the workers listening for
+    /// that kind are (a NOTIFY, [`Db::announce_steps`]). The NOTIFY a step's
+    /// move sends goes out when it becomes leasable by its state, not when
+    /// its retry time comes, so without this a retry waited for the next
+    /// poll (up to `poll_interval_ms` late): a reclaimed step's retry after
+    /// its worker died waited for a poll of the reclaimer, and a refused
+    /// step for the other workers' polls (time audit). Steps due in the
+    /// same 10 ms are announced once; retries further off than a minute
+    /// are left to the polls, as is everything when this worker stops.
+    pub(crate) fn due_at(&self, executor_kind: &str, at: chrono::DateTime<chrono::Utc>) {
+        let delay = (at - chrono::Utc::now()).to_std().unwrap_or_default();
         if delay > Duration::from_secs(60) {
             return;
         }
-        let wake = self.wake.clone();
-        let stop = self.draining.clone();
+        let key = (executor_kind.to_owned(), at.timestamp_millis() / 10);
+        if !self
+            .announcing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.clone())
+        {
+            return;
+        }
+        let (wake, stop, db) = (self.wake.clone(), self.draining.clone(), self.db.clone());
+        let announcing = self.announcing.clone();
         tokio::spawn(async move {
             // a few milliseconds late: the database's clock decides `<= now()`
             tokio::select! {
                 _ = stop.cancelled() => {}
-                _ = tokio::time::sleep(delay + Duration::from_millis(5)) => wake.notify_one(),
+                _ = tokio::time::sleep(delay + Duration::from_millis(5)) => {
+                    wake.notify_one();
+                    let announce = bounded(
+                        DB_CALL_TIMEOUT,
+                        "announcing steps coming due",
+                        db.announce_steps(&key.0),
+                    );
+                    if let Err(e) = announce.await {
+                        debug!(error = %e, executor_kind = %key.0, "steps coming due were not announced; other workers find them on their polls");
+                    }
+                }
             }
+            announcing
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&key);
         });
     }
 
@@ -589,6 +618,7 @@ impl Worker {
             unrecorded_at_stop: AtomicU64::new(u64::MAX),
             renewals_failing: AtomicBool::new(false),
             refused: Default::default(),
+            announcing: Default::default(),
         });
         {
             let mut workers = WORKERS
@@ -1375,16 +1405,21 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
         let reclaim = bounded(
             DB_CALL_TIMEOUT,
             "reclaiming expired leases",
-            shared.db.reclaim_expired(&shared.name, 100),
+            shared.db.reclaim_expired_due(&shared.name, 100),
         );
         let Some(res) = unless_stopped(&stop, reclaim).await else {
             return;
         };
         match res {
-            Ok(0) => {}
-            Ok(n) => {
-                crate::metrics::reclaimed(n);
-                info!(reclaimed = n, "reclaimed expired leases")
+            Ok(r) if r.count == 0 => {}
+            Ok(r) => {
+                crate::metrics::reclaimed(r.count);
+                info!(reclaimed = r.count, "reclaimed expired leases");
+                // their retries come due with no worker waiting for them
+                // (theirs is gone): announced then, not left to the polls
+                for (kind, at) in &r.due {
+                    shared.due_at(kind, *at);
+                }
             }
             Err(e) => error!(error = %e, "reclaim failed"),
         }
