@@ -238,6 +238,20 @@ pub struct FailureDecision {
     pub reason: String,
 }
 
+impl FailureDecision {
+    /// The decision, its reason naming the run's failure when that is what
+    /// asked for the cancel that ended the step: a sibling's terminal failure
+    /// asks every open step of its run to stop, and an attempt that failed on
+    /// its own meanwhile read `CANCEL_REQUESTED (CODE)`, though nobody asked
+    /// (time audit). `RUN_FAILED (CODE)`, as a pending sibling's `RUN_FAILED`.
+    pub fn by_run_failure(mut self, run_failed: bool, code: &str) -> FailureDecision {
+        if run_failed && self.to == StepState::Cancelled {
+            self.reason = format!("RUN_FAILED ({code})");
+        }
+        self
+    }
+}
+
 /// Decides the transition after a failed attempt (an executor error, a crash, a
 /// timeout, or a lease that expired). `jitter` is in `[0, 1)`.
 pub fn decide_failure(

@@ -1393,3 +1393,91 @@ async fn no_step_of_a_terminal_run_is_leased() {
     let runs: Vec<Uuid> = leased.iter().map(|s| s.run_id).collect();
     assert_eq!(runs, [open]);
 }
+
+/// A step that fails on its own after a sibling's terminal failure asked it
+/// to stop ends `cancelled` with the run's failure as its reason (time
+/// audit): it read `CANCEL_REQUESTED (SOME)` though nobody asked for a
+/// cancel, where a sibling that confirmed the cancel said the run failed.
+/// A cancel somebody asked for still reads `CANCEL_REQUESTED`, and an
+/// expired lease's reclaim names the run's failure alike.
+#[tokio::test]
+async fn a_failure_racing_its_runs_failure_names_the_run_failure() {
+    let t = TestDb::new().await;
+    let reason_of = |id: Uuid| {
+        let pool = t.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT reason FROM durable.transitions WHERE step_run_id = $1 ORDER BY id DESC LIMIT 1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .expect("reason")
+        }
+    };
+    let some = |code: &str| supervisor::db::FailureReport {
+        failure: supervisor::state::Failure {
+            code: code.into(),
+            retryable: false,
+            next_retry_delay: None,
+        },
+        message: "its own failure".into(),
+        details: None,
+        sequence: None,
+    };
+    // the run's failure: b fails on its own once a failed
+    let (_, l) = two_leased_steps(&t).await;
+    for s in &l {
+        t.db.mark_running(s, "w", 1, &tests::accepted_event())
+            .await
+            .expect("running");
+    }
+    t.db.fail(&l[0], "w", &tests::failure_x(false), 0.5)
+        .await
+        .expect("a fails");
+    let d =
+        t.db.fail(&l[1], "w", &some("SOME"), 0.5)
+            .await
+            .expect("b fails");
+    assert_eq!(
+        (
+            d.to.as_str(),
+            reason_of(l[1].step_run_id()).await.as_deref()
+        ),
+        ("cancelled", Some("RUN_FAILED (SOME)"))
+    );
+
+    // a cancel somebody asked for
+    let (_, l) = two_leased_steps(&t).await;
+    let run: Uuid = sqlx::query_scalar("SELECT run_id FROM durable.step_runs WHERE id = $1")
+        .bind(l[0].step_run_id())
+        .fetch_one(t.db.pool())
+        .await
+        .expect("run");
+    t.db.cancel(run, None).await.expect("cancel");
+    t.db.fail(&l[0], "w", &some("SOME"), 0.5)
+        .await
+        .expect("fails");
+    assert_eq!(
+        reason_of(l[0].step_run_id()).await.as_deref(),
+        Some("CANCEL_REQUESTED (SOME)")
+    );
+
+    // the reclaim of a step whose run failed while its worker was gone
+    let (_, l) = two_leased_steps(&t).await;
+    t.db.fail(&l[0], "w", &tests::failure_x(false), 0.5)
+        .await
+        .expect("a fails");
+    sqlx::query(
+        "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 s' WHERE id = $1",
+    )
+    .bind(l[1].step_run_id())
+    .execute(t.db.pool())
+    .await
+    .expect("expire");
+    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 1);
+    assert_eq!(
+        reason_of(l[1].step_run_id()).await.as_deref(),
+        Some("RUN_FAILED (LEASE_EXPIRED)")
+    );
+}

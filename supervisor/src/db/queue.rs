@@ -450,7 +450,8 @@ impl DbConn<'_> {
             };
             let row = sqlx::query(
                 "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, retry, deadline,
-                        cancel_requested, now() AS db_now, executor_kind
+                        cancel_requested, now() AS db_now, executor_kind,
+                        durable.run_failed_it(run_id) AS run_failed
                    FROM durable.step_runs
                   WHERE id = $1 AND state IN ('leased', 'running') AND lease_expires_at < now()
                   FOR NO KEY UPDATE SKIP LOCKED",
@@ -727,7 +728,10 @@ async fn fail_locked_row(
         sequence: None,
     };
     let now = row.try_get("db_now").map_err(|e| col("db_now", e))?;
-    let decision = state::decide_failure(&facts, &report.failure, now, rand::random());
+    // (the deadline pass's rows have no cancel request, nor this column)
+    let run_failed = row.try_get("run_failed").unwrap_or(false);
+    let decision = state::decide_failure(&facts, &report.failure, now, rand::random())
+        .by_run_failure(run_failed, &report.failure.code);
     let ending = format!("{}: {}", report.failure.code, report.message);
     insert_ending_event(tx, &lease, decision.to.as_str(), &ending).await?;
     write_failure(tx, &lease, worker_name, &report, &decision).await?;

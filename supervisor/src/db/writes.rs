@@ -313,7 +313,8 @@ impl DbConn<'_> {
     ) -> Result<FailureDecision, DbError> {
         let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
         let row = sqlx::query(
-            "SELECT attempt - uncounted_attempts AS counted, retry, deadline, cancel_requested, now() AS db_now
+            "SELECT attempt - uncounted_attempts AS counted, retry, deadline, cancel_requested, now() AS db_now,
+                    durable.run_failed_it(run_id) AS run_failed
                FROM durable.step_runs
               WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') FOR NO KEY UPDATE",
         )
@@ -333,7 +334,8 @@ impl DbConn<'_> {
             deadline: row.get("deadline"),
             cancel_requested: row.get("cancel_requested"),
         };
-        let decision = state::decide_failure(&facts, &report.failure, row.get("db_now"), jitter);
+        let decision = state::decide_failure(&facts, &report.failure, row.get("db_now"), jitter)
+            .by_run_failure(row.get("run_failed"), &report.failure.code);
         match report.sequence {
             Some(seq) => {
                 // `CODE: message`, as every ending the supervisor writes:
