@@ -727,15 +727,13 @@ async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, Cl
     let db = connect(url, 2, true).await?;
     let status = db.status(id).await.map_err(explain)?;
     let progress = db.latest_progress(id).await.map_err(explain)?;
+    // why a step waits: no live worker offers what it needs
+    let unroutable = db.unroutable_steps(id).await.map_err(explain)?;
     if json {
-        println!("{}", status_json(&status, &progress));
+        println!("{}", status_json(&status, &progress, &unroutable));
     } else {
         print!("{}", status_text(&status, &progress));
-        // why a step waits: no live worker offers what it needs
-        print!(
-            "{}",
-            unroutable_text(&db.unroutable_steps(id).await.map_err(explain)?)
-        );
+        print!("{}", unroutable_text(&unroutable));
     }
     Ok(0)
 }
@@ -1753,11 +1751,18 @@ struct StepOut<'a> {
     step: &'a crate::db::StepStatus,
     #[serde(skip_serializing_if = "Option::is_none")]
     progress: Option<&'a crate::db::Progress>,
+    /// A step waiting to be leased that no live worker can run: what it
+    /// needs of one (`executor_kind "go", kind "demo.echo"`), as the table's
+    /// "no live worker offers …" line (time audit: a JSON reader could not
+    /// tell a step waiting for its turn from one waiting for a worker).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    no_live_worker_offers: Option<String>,
 }
 
 fn status_json(
     st: &crate::db::RunStatus,
     progress: &std::collections::BTreeMap<Uuid, crate::db::Progress>,
+    unroutable: &[crate::db::StuckStep],
 ) -> String {
     // tests/tests/cli_inspect.rs checks that every key of RunStatus is here
     let crate::db::RunStatus {
@@ -1785,6 +1790,10 @@ fn status_json(
             .map(|step| StepOut {
                 step,
                 progress: progress.get(&step.step_run_id),
+                no_live_worker_offers: unroutable
+                    .iter()
+                    .find(|u| u.step == step.name)
+                    .map(crate::db::StuckStep::needs),
             })
             .collect(),
         waiting,

@@ -317,9 +317,13 @@ async fn status_shows_each_steps_latest_progress_and_its_json_only_adds_fields()
         for k in keys(l) {
             assert_eq!(c[&k], l[&k], "step {} field {k}", l["name"]);
         }
+        // what only the CLI adds: the latest progress, and what a step no
+        // live worker offers needs (no worker runs here)
         let extra: Vec<String> = keys(c).difference(&keys(l)).cloned().collect();
         assert!(
-            extra.is_empty() || extra == ["progress"],
+            extra
+                .iter()
+                .all(|k| k == "progress" || k == "no_live_worker_offers"),
             "unexpected fields {extra:?}"
         );
     }
@@ -851,6 +855,50 @@ async fn status_names_the_steps_no_live_worker_offers() {
     t.db.worker_stopped(w).await.expect("stopped");
     let out = stdout(&cli(Some(&t.url), &["status", &run]));
     assert!(out.contains("ok: no live worker offers"), "{out}");
+}
+
+/// `status --json` says the same as the table of a step no live worker
+/// offers (time audit: only the table did), under the step's
+/// `no_live_worker_offers`, and nothing for a step a live worker offers.
+#[tokio::test]
+async fn status_json_names_the_steps_no_live_worker_offers() {
+    let t = TestDb::new().await;
+    let w = uuid::Uuid::new_v4();
+    t.db.register_worker(
+        w,
+        "w",
+        "test",
+        &json!([{"executor": "go", "routes": [
+            {"executor_kind": "go", "kind": "demo.echo", "labels": {}}]}]),
+    )
+    .await
+    .expect("register");
+    let run = t
+        .submit(json!({"name": "routes", "steps": [
+            {"name": "ok", "executor_kind": "go", "kind": "demo.echo"},
+            {"name": "gpu", "executor_kind": "go", "kind": "demo.echo", "labels": {"gpu": "a100"}}]}))
+        .await
+        .to_string();
+    let o = cli(Some(&t.url), &["status", &run, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("status --json");
+    let needs = |name: &str| {
+        v["steps"]
+            .as_array()
+            .expect("steps")
+            .iter()
+            .find(|s| s["name"] == name)
+            .map(|s| s.get("no_live_worker_offers").cloned())
+            .expect("the step")
+    };
+    assert_eq!(needs("ok"), None, "{v}");
+    assert_eq!(
+        needs("gpu"),
+        Some(json!(
+            "executor_kind \"go\", kind \"demo.echo\", labels {\"gpu\":\"a100\"}"
+        )),
+        "{v}"
+    );
 }
 
 /// A printing command whose reader went away ends quietly, as `cat` does
