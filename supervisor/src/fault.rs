@@ -161,3 +161,32 @@ pub(crate) async fn maybe_delay_status_read(run: uuid::Uuid) {
         tokio::time::sleep(d).await;
     }
 }
+
+static LOST_LEASE_ANSWERS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Makes the next lease call of the worker named `worker` that leases
+/// something lose its answer: the steps are leased in the database, and the
+/// worker is told the call timed out (a server that stalled past the call's
+/// bound and ran it once it went on).
+pub fn lose_next_lease_answer_of(worker: &str) {
+    LOST_LEASE_ANSWERS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(worker.to_owned());
+}
+
+/// Whether a test asked this worker's lease answer (one that leased
+/// something) to be lost; the fault is spent by it.
+pub(crate) fn lease_answer_lost(worker: &str, leased: usize) -> bool {
+    if leased == 0 {
+        return false;
+    }
+    let mut w = LOST_LEASE_ANSWERS.lock().unwrap_or_else(|p| p.into_inner());
+    match w.iter().position(|x| x == worker) {
+        Some(i) => {
+            w.remove(i);
+            true
+        }
+        None => false,
+    }
+}

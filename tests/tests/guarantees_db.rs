@@ -1481,3 +1481,121 @@ async fn a_failure_racing_its_runs_failure_names_the_run_failure() {
         Some("RUN_FAILED (LEASE_EXPIRED)")
     );
 }
+
+/// A lease call the worker gave up waiting for, run by a stalled server
+/// once it went on (DB fault audit: a SIGSTOPped server, a storage hang),
+/// leased steps to a worker that never learned of them; a lease later the
+/// reclaim failed them as counted attempts (`LEASE_EXPIRED`), and on their
+/// last attempt their runs failed, none of them having run. The worker now
+/// moves its lease epoch on after such a call and gives back, uncounted,
+/// what it leased; a cut-off call that runs after that leases nothing.
+#[tokio::test]
+async fn a_lease_call_cut_off_before_its_answer_takes_no_attempt() {
+    let t = TestDb::new().await;
+    let wid = worker(&t.db, "w").await;
+    // one connection, its lease statement prepared by a first call (as a
+    // worker's is after its first lease)
+    let db = Db::connect(&t.url, 1).await.expect("connect");
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(db.pool())
+        .await
+        .expect("backend");
+    let mut conn = db.connection("the lease's").await.expect("a connection");
+    let route = tests::route_go_k();
+    let ttl = Duration::from_secs(30);
+    let first = conn
+        .conn()
+        .lease_except(wid, "w", &route, 10, ttl, &[], Some(0))
+        .await
+        .expect("a first lease");
+    assert!(first.is_empty());
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &backend.to_string()])
+            .status()
+            .expect("kill")
+            .success();
+        assert!(ok, "kill {sig} {backend}");
+    };
+    let run = t
+        .submit(json!({"name": "r", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    // the lease is sent to a stopped backend and given up on
+    signal("-STOP");
+    let cut_off = tokio::time::timeout(
+        Duration::from_millis(300),
+        conn.conn()
+            .lease_except(wid, "w", &route, 10, ttl, &[], Some(0)),
+    )
+    .await;
+    assert!(cut_off.is_err(), "a stopped backend answered");
+    signal("-CONT");
+    // the server goes on and runs it: both steps leased to "w"
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while t
+        .scalar_i64(&format!(
+            "SELECT count(*) FROM durable.step_runs WHERE run_id = '{run}' AND state = 'leased'"
+        ))
+        .await
+        < 2
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "the cut-off lease never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(conn);
+    // the worker gives back what it does not hold
+    let (epoch, given_back) =
+        t.db.revoke_lost_leases(wid, "w", &[])
+            .await
+            .expect("revoke");
+    assert_eq!((epoch, given_back), (1, 2));
+    let rows: Vec<(String, i32, Option<String>)> = sqlx::query_as(
+        "SELECT state, attempt, error_code FROM durable.step_runs WHERE run_id = $1 ORDER BY name",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("steps");
+    for r in &rows {
+        assert_eq!(
+            (r.0.as_str(), r.1, r.2.as_deref()),
+            ("retryable_failed", 0, Some("LEASE_NOT_RECEIVED")),
+            "given back uncounted: {rows:?}"
+        );
+    }
+    // a call in the old epoch (one run late) leases nothing; the new one does
+    let late =
+        t.db.connection("a late lease")
+            .await
+            .expect("conn")
+            .conn()
+            .lease_except(wid, "w", &route, 10, ttl, &[], Some(0))
+            .await
+            .expect("late lease");
+    assert!(late.is_empty(), "a lease of the old epoch took steps");
+    let now =
+        t.db.connection("a lease")
+            .await
+            .expect("conn")
+            .conn()
+            .lease_except(wid, "w", &route, 10, ttl, &[], Some(1))
+            .await
+            .expect("lease");
+    assert_eq!(now.len(), 2);
+    assert!(
+        now.iter().all(|s| s.lease.attempt() == 1),
+        "attempt 1 again"
+    );
+    // a step the worker holds is not given back
+    let held: Vec<Uuid> = vec![now[0].lease.step_run_id()];
+    let (_, given_back) =
+        t.db.revoke_lost_leases(wid, "w", &held)
+            .await
+            .expect("revoke");
+    assert_eq!(given_back, 1, "only the step the worker does not hold");
+}

@@ -1600,6 +1600,46 @@ async fn a_reclaimed_steps_retry_is_leased_when_it_comes_due() {
     );
 }
 
+/// A worker whose lease call timed out, but ran on the server all the same
+/// (a server stalled past the call's bound: DB fault audit), gives back
+/// uncounted the steps it never received before it leases again: they ran
+/// at attempt 1. Before, they sat leased to it until their lease expired
+/// and the reclaim counted the attempt: with `max_attempts` 1 the step
+/// failed `LEASE_EXPIRED: attempts exhausted (1/1)`, never having run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_of_a_lease_whose_answer_was_lost_run_uncounted() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.name = Some("lost-lease-answer".into());
+    supervisor::fault::lose_next_lease_answer_of("lost-lease-answer");
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "lost", "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "demo.echo", "input": {"x": 1},
+             "retry": {"max_attempts": 1}}]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    let s = step(&st, "s");
+    assert_eq!(
+        (s.state.as_str(), s.attempt),
+        ("succeeded", 1),
+        "{:?}",
+        s.error
+    );
+    let reasons: Vec<Option<String>> = tests::step_transitions(&t.db, s.step_run_id)
+        .await
+        .into_iter()
+        .map(|h| h.reason)
+        .collect();
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.as_deref() == Some("LEASE_NOT_RECEIVED")),
+        "the lost lease was given back: {reasons:?}"
+    );
+}
+
 /// An executor upgrade that drops a kind, then a rollback that brings it
 /// back (routing and redeploy audits): the dropped kind's step is refused
 /// and the routes narrow to what a probe offers, and `status` says that no

@@ -129,6 +129,35 @@ impl Db {
             .await
     }
 
+    /// After a lease call this worker gave up waiting for (it may still run
+    /// when a stalled server goes on): moves the worker's lease epoch on, so
+    /// that such a call leases nothing from now on, and gives back uncounted
+    /// (`LEASE_NOT_RECEIVED`) every step still leased to the worker that it
+    /// does not hold (`held`: the step ids of its leases) and whose lease has
+    /// not expired. Returns the new epoch and how many steps were given back.
+    /// Call it with no lease call of the worker in flight.
+    pub async fn revoke_lost_leases(
+        &self,
+        worker_id: Uuid,
+        worker_name: &str,
+        held: &[Uuid],
+    ) -> Result<(i64, i32), DbError> {
+        let mut conn = self.connection("giving back lost leases").await?;
+        let mut tx = super::begin(conn.conn().conn)
+            .await
+            .ctx("beginning to give back lost leases")?;
+        let row: (i64, i32) =
+            sqlx::query_as("SELECT epoch, given_back FROM durable.revoke_lost_leases($1, $2, $3)")
+                .bind(worker_id)
+                .bind(worker_name)
+                .bind(held)
+                .fetch_one(&mut *tx)
+                .await
+                .ctx("giving back lost leases")?;
+        tx.commit().await.ctx("committing lost leases given back")?;
+        Ok(row)
+    }
+
     /// Wakes the workers that listen for steps of `executor_kind` (the
     /// NOTIFY a step's move to a leasable state sends). A retry or a
     /// refusal's delay makes a step leasable later than its move: the
@@ -261,12 +290,15 @@ impl DbConn<'_> {
         limit: u32,
         ttl: StdDuration,
     ) -> Result<Vec<LeasedStep>, DbError> {
-        self.lease_except(worker_id, worker_name, routes, limit, ttl, &[])
+        self.lease_except(worker_id, worker_name, routes, limit, ttl, &[], None)
             .await
     }
 
     /// [`DbConn::lease`], passing over the steps `except` (the ones this
-    /// worker refused a moment ago, left to other workers first).
+    /// worker refused a moment ago, left to other workers first), in the
+    /// worker's lease `epoch` (`None`: not fenced; see
+    /// [`Db::revoke_lost_leases`]).
+    #[allow(clippy::too_many_arguments)]
     pub async fn lease_except(
         &mut self,
         worker_id: Uuid,
@@ -275,6 +307,7 @@ impl DbConn<'_> {
         limit: u32,
         ttl: StdDuration,
         except: &[Uuid],
+        epoch: Option<i64>,
     ) -> Result<Vec<LeasedStep>, DbError> {
         if routes.is_empty() || limit == 0 {
             return Ok(Vec::new());
@@ -321,6 +354,9 @@ impl DbConn<'_> {
                       LIMIT $6
                       FOR NO KEY UPDATE OF s SKIP LOCKED
                  ) c
+                 -- the worker's lease epoch (NULL: not fenced), once per
+                 -- call: a call cut off and run late leases nothing
+                 WHERE (SELECT durable.lease_epoch_ok($1, $9))
                  ORDER BY c.next_attempt_at
                  LIMIT $6
              )
@@ -346,6 +382,7 @@ impl DbConn<'_> {
         .bind(limit as i64)
         .bind(ttl.as_millis() as f64)
         .bind(except)
+        .bind(epoch)
         .fetch_all(&mut *s)
         .await
         .ctx("leasing steps")?;

@@ -14,7 +14,7 @@ mod workdir;
 
 use std::collections::HashSet;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -281,6 +281,12 @@ pub(crate) struct Shared {
     /// Executor kinds and times (in 10 ms) of steps coming due that are
     /// to be announced ([`Shared::due_at`]).
     announcing: Arc<std::sync::Mutex<HashSet<(String, i64)>>>,
+    /// The worker's lease epoch: a lease call names it, and leases nothing
+    /// once the worker moved it on (`revoke_lost_leases`).
+    lease_epoch: AtomicI64,
+    /// A lease call failed: it may have leased steps this worker never
+    /// received; they are given back before the next lease.
+    lease_cut_off: AtomicBool,
 }
 
 impl Shared {
@@ -619,6 +625,8 @@ impl Worker {
             renewals_failing: AtomicBool::new(false),
             refused: Default::default(),
             announcing: Default::default(),
+            lease_epoch: AtomicI64::new(0),
+            lease_cut_off: AtomicBool::new(false),
         });
         {
             let mut workers = WORKERS
@@ -913,6 +921,9 @@ async fn lease_pass(
         // woken again by the first renewal that succeeds
         return false;
     }
+    if shared.lease_cut_off.load(Ordering::SeqCst) && !revoke_lost_leases(shared).await {
+        return false;
+    }
     for exec in executors {
         if stop_signalled() {
             // the drain is on its way: not one lease more
@@ -934,6 +945,10 @@ async fn lease_pass(
             Ok(None) => return false,
             Err(e) => {
                 error!(error = %e, "lease failed; retrying after the poll interval");
+                // it may have reached the server all the same, and run
+                // there once a stalled server goes on: its steps are given
+                // back before anything more is leased
+                shared.lease_cut_off.store(true, Ordering::SeqCst);
                 break;
             }
         };
@@ -954,6 +969,42 @@ async fn lease_pass(
         }
     }
     leased_any_full
+}
+
+/// After a lease call that failed (it may still have run, or run later,
+/// on the server: its steps would be leased to this worker, which never
+/// learned of them, and reclaimed a lease later as counted attempts): moves
+/// the worker's lease epoch on, so that no such call leases anything any
+/// more, and gives back, uncounted, the steps leased to it that it does not
+/// hold ([`Db::revoke_lost_leases`]). Runs in the lease loop, so no lease
+/// call of this worker is in flight. False while it cannot (nothing is
+/// leased until it could).
+async fn revoke_lost_leases(shared: &Arc<Shared>) -> bool {
+    let held: Vec<Uuid> = shared
+        .leases
+        .snapshot()
+        .iter()
+        .map(Lease::step_run_id)
+        .collect();
+    let revoke = bounded(
+        DB_CALL_TIMEOUT,
+        "giving back lost leases",
+        shared.db.revoke_lost_leases(shared.id, &shared.name, &held),
+    );
+    match revoke.await {
+        Ok((epoch, given_back)) => {
+            shared.lease_epoch.store(epoch, Ordering::SeqCst);
+            shared.lease_cut_off.store(false, Ordering::SeqCst);
+            if given_back > 0 {
+                warn!(given_back, "gave back, uncounted, steps that a lease call cut off before its answer had leased to this worker (LEASE_NOT_RECEIVED)");
+            }
+            true
+        }
+        Err(e) => {
+            warn!(error = %e, "cannot yet give back what a lease call cut off before its answer may have leased; nothing is leased until it can");
+            false
+        }
+    }
 }
 
 /// What an executor may lease with now: none while its breaker holds it
@@ -1023,8 +1074,22 @@ async fn lease_for(
         let except = shared.left_to_others();
         let steps = conn
             .conn()
-            .lease_except(shared.id, &shared.name, routes, free, ttl, &except)
+            .lease_except(
+                shared.id,
+                &shared.name,
+                routes,
+                free,
+                ttl,
+                &except,
+                Some(shared.lease_epoch.load(Ordering::SeqCst)),
+            )
             .await?;
+        if crate::fault::lease_answer_lost(&shared.name, steps.len()) {
+            return Err(DbError::Timeout {
+                context: "leasing steps",
+                ms: DB_CALL_TIMEOUT.as_millis() as u64,
+            });
+        }
         Ok(Some((steps, sent)))
     })
     .await
