@@ -13,6 +13,8 @@
 //! - the runtime's connections are READ COMMITTED whatever the database's
 //!   default (SERIALIZABLE failed ~40% of concurrent submits with 40001).
 
+use std::time::Duration;
+
 use serde_json::json;
 use supervisor::db::Db;
 use tests::TestDb;
@@ -273,4 +275,33 @@ async fn migrate_says_whether_it_applied_anything() {
         v.starts_with("supervisor ") && v.ends_with(&format!(" (schema {version})")),
         "{v}"
     );
+}
+
+/// A connection the server refuses is named by the server's own words
+/// (DB fault audit): a pool retries `too many clients` and a role's
+/// connection limit until its timeout and then says only that it timed
+/// out, which read like the worker's own pool size. The heartbeat's failure
+/// log now carries `Db::connect_error`'s answer.
+#[tokio::test]
+async fn a_refused_connection_is_named_by_the_servers_reason() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let role = format!("lim_{tag}");
+    exec(&t.db, &format!("CREATE ROLE {role} LOGIN")).await;
+    let db = Db::connect(&as_role(&t.url, &role), 1)
+        .await
+        .expect("connect as the role");
+    assert_eq!(
+        db.connect_error(Duration::from_secs(5)).await,
+        None,
+        "a connection can be opened"
+    );
+    exec(&t.db, &format!("ALTER ROLE {role} CONNECTION LIMIT 0")).await;
+    let why = db
+        .connect_error(Duration::from_secs(5))
+        .await
+        .expect("the server refuses a new connection");
+    assert!(why.contains("too many connections for role"), "{why}");
+    db.pool().close().await;
+    exec(&t.db, &format!("DROP ROLE {role}")).await;
 }

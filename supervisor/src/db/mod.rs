@@ -282,6 +282,9 @@ impl<T> Ctx<T> for Result<T, sqlx::Error> {
     }
 }
 
+/// How long a pooled connection may sit idle before it is closed.
+const POOL_IDLE: StdDuration = StdDuration::from_secs(30);
+
 /// When a BEGIN was last cut off before its answer came (milliseconds since
 /// the UNIX epoch; 0: never). sqlx's guard rolls back only a transaction
 /// whose BEGIN was answered: a BEGIN cut off in flight (a call's time bound,
@@ -771,10 +774,18 @@ impl Db {
         // per statement batch (~3 per step, measured by bench_queue); a dead
         // connection surfaces as an error on the next statement instead, which
         // every caller already handles (commit retries, the loops retry).
+        // Idle connections are closed after POOL_IDLE: a burst's connections
+        // kept for sqlx's default 10 minutes filled a small server's
+        // max_connections, so that no worker's heartbeat could open its own
+        // and every worker stood still with idle connections in hand (DB
+        // fault audit). A slow acquire is the worker's own log's to tell (a
+        // timeout names what waited), not a WARN of the library's per call.
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .test_before_acquire(false)
             .acquire_timeout(StdDuration::from_secs(10))
+            .idle_timeout(POOL_IDLE)
+            .acquire_slow_level(tracing::log::LevelFilter::Debug)
             .after_release(|conn, _| close_if_left_in_a_transaction(conn))
             .connect_with(opts)
             .await
@@ -832,9 +843,46 @@ impl Db {
             .max_connections(1)
             .test_before_acquire(false)
             .acquire_timeout(timeout)
+            .acquire_slow_level(tracing::log::LevelFilter::Debug)
             .after_release(|conn, _| close_if_left_in_a_transaction(conn))
             .connect_lazy_with(opts);
         Db { pool }
+    }
+
+    /// Why a new connection cannot be opened now, if it cannot: the
+    /// server's own words (`sorry, too many clients already`, `connection
+    /// refused`, a role's connection limit). A pool that cannot connect
+    /// retries those until its timeout and then says only that it timed
+    /// out, which reads like the worker's own `db_max_connections` (DB fault
+    /// audit). One connection attempt, closed at once, bounded by `limit`.
+    pub async fn connect_error(&self, limit: StdDuration) -> Option<String> {
+        use sqlx::ConnectOptions;
+        let opts = (*self.pool.connect_options()).clone();
+        match tokio::time::timeout(limit, opts.connect()).await {
+            Ok(Ok(c)) => {
+                let _ = sqlx::Connection::close(c).await;
+                None
+            }
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!(
+                "no answer to a new connection within {} ms",
+                limit.as_millis()
+            )),
+        }
+    }
+
+    /// The error is a pool's that could not open a connection in time.
+    pub fn is_pool_timeout(e: &DbError) -> bool {
+        matches!(
+            e,
+            DbError::Query {
+                source: sqlx::Error::PoolTimedOut,
+                ..
+            } | DbError::Connect {
+                source: sqlx::Error::PoolTimedOut,
+                ..
+            }
+        )
     }
 
     /// What the connecting role lacks of what a worker needs: SELECT,

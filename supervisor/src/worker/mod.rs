@@ -1386,7 +1386,19 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 // the lease clocks stand still; each attempt stops its child
                 // before its own clock runs out
                 crate::metrics::heartbeat_failed();
-                error!(error = %e, leases = leases.len(), "heartbeat failed");
+                // a pool that timed out says nothing of why: the server's
+                // reason, from one connection attempt of its own
+                let why = if Db::is_pool_timeout(&e) {
+                    shared.hb_db.connect_error(Duration::from_secs(2)).await
+                } else {
+                    None
+                };
+                match why {
+                    Some(why) => {
+                        error!(error = %e, server_says = %why, leases = leases.len(), "heartbeat failed: no connection could be opened")
+                    }
+                    None => error!(error = %e, leases = leases.len(), "heartbeat failed"),
+                }
                 if !shared.renewals_failing.swap(true, Ordering::SeqCst) {
                     error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 3 per worker (+ 1 with metrics_addr) must fit in max_connections)");
                 }
