@@ -1447,6 +1447,21 @@ async fn a_failure_racing_its_runs_failure_names_the_run_failure() {
         ("cancelled", Some("RUN_FAILED (SOME)"))
     );
 
+    // a sibling that confirms the cancel its run's failure asked for (the
+    // executor ended the job as asked) names the run's failure too: its
+    // message did, its reason said CANCELLED
+    let (_, l) = two_leased_steps(&t).await;
+    t.db.fail(&l[0], "w", &tests::failure_x(false), 0.5)
+        .await
+        .expect("a fails");
+    t.db.confirm_cancelled(&l[1], "w", "stopped")
+        .await
+        .expect("b confirms");
+    assert_eq!(
+        reason_of(l[1].step_run_id()).await.as_deref(),
+        Some("RUN_FAILED")
+    );
+
     // a cancel somebody asked for
     let (_, l) = two_leased_steps(&t).await;
     let run: Uuid = sqlx::query_scalar("SELECT run_id FROM durable.step_runs WHERE id = $1")
@@ -1461,6 +1476,13 @@ async fn a_failure_racing_its_runs_failure_names_the_run_failure() {
     assert_eq!(
         reason_of(l[0].step_run_id()).await.as_deref(),
         Some("CANCEL_REQUESTED (SOME)")
+    );
+    t.db.confirm_cancelled(&l[1], "w", "stopped")
+        .await
+        .expect("confirms");
+    assert_eq!(
+        reason_of(l[1].step_run_id()).await.as_deref(),
+        Some("CANCELLED")
     );
 
     // the reclaim of a step whose run failed while its worker was gone

@@ -381,7 +381,9 @@ impl DbConn<'_> {
                                       WHERE wr.id = s.run_id)
                           ORDER BY f.finished_at, f.id LIMIT 1),
                         $4),
-                    error_retryable = false, transition_reason = 'CANCELLED', transition_by = $3
+                    error_retryable = false,
+                    transition_reason = CASE WHEN durable.run_failed_it(s.run_id) THEN 'RUN_FAILED' ELSE 'CANCELLED' END,
+                    transition_by = $3
               WHERE s.id = $1 AND s.lease_token = $2 AND s.state IN ('leased', 'running')
           RETURNING s.error_message",
         )
@@ -439,10 +441,12 @@ impl DbConn<'_> {
                     error_retryable = NOT c.cancel AND s.refusals + 1 < $7, error_details = NULL,
                     owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
                     lease_token = CASE WHEN c.cancel THEN s.lease_token END,
-                    transition_reason = CASE WHEN c.cancel THEN 'CANCEL_REQUESTED (' || $4 || ')'
+                    transition_reason = CASE WHEN c.cancel AND c.run_failed THEN 'RUN_FAILED (' || $4 || ')'
+                                             WHEN c.cancel THEN 'CANCEL_REQUESTED (' || $4 || ')'
                                              WHEN s.refusals + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
                     transition_by = $3
-               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
+               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
+                            NOT r.cancel_requested AND r.steps_failed > 0 AS run_failed
                        FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
                       WHERE s2.id = $1) c
               WHERE s.id = c.id AND s.lease_token = $2 AND s.state = 'leased'
@@ -485,9 +489,11 @@ impl DbConn<'_> {
                     error_message = $4, error_retryable = NOT c.cancel, error_details = NULL,
                     owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
                     lease_token = CASE WHEN c.cancel THEN s.lease_token END,
-                    transition_reason = CASE WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)' ELSE 'RELEASED' END,
+                    transition_reason = CASE WHEN c.cancel AND c.run_failed THEN 'RUN_FAILED (WORKER_SHUTDOWN)'
+                                             WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)' ELSE 'RELEASED' END,
                     transition_by = $3
-               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
+               FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
+                            NOT r.cancel_requested AND r.steps_failed > 0 AS run_failed
                        FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
                       WHERE s2.id = $1) c
               WHERE s.id = c.id AND s.lease_token = $2 AND s.state IN ('leased', 'running')
