@@ -329,7 +329,7 @@ impl CliError {
                 Some("a spec is one JSON object: {\"name\": ..., \"steps\": [...]} (CONTRACT §3)")
             }
             CliError::Db(e) if e.sqlstate().as_deref() == Some("55P03") => Some(
-                "another transaction held the rows for over 10 s (an open psql session, a long cancel or gc): nothing was changed; end it, or try again",
+                "another transaction held the rows for over 10 s (an open psql session, a long cancel or gc): this command gave up waiting, and made no change if it was to make one; end that transaction, or try again",
             ),
             _ => None,
         }
@@ -481,11 +481,15 @@ fn one_line(buf: &[u8], ansi: bool) -> std::borrow::Cow<'_, [u8]> {
 /// such parameters without their values), and its pool logs every broken
 /// connection it finds as it takes one back after a database restart, a
 /// burst of "Broken pipe" beside the worker's own lines, which say what
-/// failed and that it retries (chaos audit).
+/// failed and that it retries (chaos audit). The server's notices are
+/// errors only too: a restart's "terminating connection due to immediate
+/// shutdown command" came as a WARN above a command's own error, which says
+/// what failed (DB fault audit).
 fn quiet_driver(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
     [
         "sqlx_postgres::options::parse=error",
         "sqlx_core::pool::connection=error",
+        "sqlx::postgres::notice=error",
     ]
     .iter()
     .filter_map(|d| d.parse().ok())
