@@ -1982,6 +1982,7 @@ async fn commit(
         }
     }
     let mut delay = Duration::from_millis(50);
+    let committing_since = Instant::now();
     loop {
         let valid_until = control.borrow().valid_until;
         let limit = valid_until
@@ -2006,7 +2007,10 @@ async fn commit(
             Err(e) if e.is_transient() => {
                 if Instant::now() + delay >= valid_until {
                     crate::metrics::committed("abandoned (lease clock ran out)");
-                    error!(error = %e, outcome = %outcome.label(), "commit failed and the lease clock ran out; the step will be reclaimed");
+                    // the last try's bound is in the error; how long the
+                    // commit was tried in all is what says why (DB fault
+                    // audit: "within 1000 ms" after 23 s of trying)
+                    error!(error = %e, outcome = %outcome.label(), tried_ms = committing_since.elapsed().as_millis() as u64, "commit failed and the lease clock ran out; the step will be reclaimed");
                     return Recorded::GaveUp;
                 }
                 warn!(error = %e, "commit failed; retrying");
