@@ -1394,6 +1394,16 @@ async fn no_step_of_a_terminal_run_is_leased() {
     assert_eq!(runs, [open]);
 }
 
+/// Two leased steps of a new run, the first failed for good (which fails
+/// the run and asks the second to stop): their leases.
+async fn a_run_failed_by_its_first_step(t: &TestDb) -> Vec<Lease> {
+    let (_, l) = two_leased_steps(t).await;
+    t.db.fail(&l[0], "w", &tests::failure_x(false), 0.5)
+        .await
+        .expect("the first fails");
+    l
+}
+
 /// A step that fails on its own after a sibling's terminal failure asked it
 /// to stop ends `cancelled` with the run's failure as its reason (time
 /// audit): it read `CANCEL_REQUESTED (SOME)` though nobody asked for a
@@ -1450,10 +1460,7 @@ async fn a_failure_racing_its_runs_failure_names_the_run_failure() {
     // a sibling that confirms the cancel its run's failure asked for (the
     // executor ended the job as asked) names the run's failure too: its
     // message did, its reason said CANCELLED
-    let (_, l) = two_leased_steps(&t).await;
-    t.db.fail(&l[0], "w", &tests::failure_x(false), 0.5)
-        .await
-        .expect("a fails");
+    let l = a_run_failed_by_its_first_step(&t).await;
     t.db.confirm_cancelled(&l[1], "w", "stopped")
         .await
         .expect("b confirms");
@@ -1486,10 +1493,7 @@ async fn a_failure_racing_its_runs_failure_names_the_run_failure() {
     );
 
     // the reclaim of a step whose run failed while its worker was gone
-    let (_, l) = two_leased_steps(&t).await;
-    t.db.fail(&l[0], "w", &tests::failure_x(false), 0.5)
-        .await
-        .expect("a fails");
+    let l = a_run_failed_by_its_first_step(&t).await;
     sqlx::query(
         "UPDATE durable.step_runs SET lease_expires_at = now() - interval '1 s' WHERE id = $1",
     )

@@ -1368,6 +1368,39 @@ async fn an_executor_that_closes_stdout_and_exits_is_a_crash_with_its_own_exit_s
     w.shutdown().await;
 }
 
+/// A worker whose hostile executor starts in `start_secs` from now on (its
+/// probe was quick), and a step of it submitted with a deadline 1 s away:
+/// the worker, the run, the deadline and the executor's job log.
+async fn slow_start_due_in_1_s(
+    t: &TestDb,
+    dir: &std::path::Path,
+    start_secs: u32,
+) -> (RunningWorker, Uuid, chrono::DateTime<chrono::Utc>, PathBuf) {
+    let slow = dir.join("slow");
+    let jobs = dir.join("jobs");
+    let e = tests::wrap_in_shell(
+        hostile(
+            "hostile",
+            None,
+            &[("HOSTILE_JOB_LOG", &jobs.to_string_lossy())],
+        ),
+        &format!(
+            "[ -f '{}' ] && sleep {start_secs}; exec \"$0\" \"$@\"",
+            slow.display()
+        ),
+    );
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
+    std::fs::write(&slow, b"").expect("slow");
+    let deadline = chrono::Utc::now() + chrono::Duration::milliseconds(1_000);
+    let run = t
+        .submit(spec(
+            "hostile.echo",
+            json!({"deadline": deadline.to_rfc3339(), "retry": {"max_attempts": 3}}),
+        ))
+        .await;
+    (w, run, deadline, jobs)
+}
+
 /// A step whose deadline passes while its executor starts (or its inputs are
 /// fetched) ends DEADLINE_EXCEEDED with no job sent (retry audit): the
 /// deadline was checked only before the spawn, so the job went out anyway,
@@ -1379,26 +1412,7 @@ async fn no_job_is_sent_once_the_deadline_passed_during_the_executor_start() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let slow = dir.path().join("slow");
-    let jobs = dir.path().join("jobs");
-    let e = tests::wrap_in_shell(
-        hostile(
-            "hostile",
-            None,
-            &[("HOSTILE_JOB_LOG", &jobs.to_string_lossy())],
-        ),
-        &format!("[ -f '{}' ] && sleep 2; exec \"$0\" \"$@\"", slow.display()),
-    );
-    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
-    // the probe at start was quick; from now on a start takes 2 s
-    std::fs::write(&slow, b"").expect("slow");
-    let deadline = chrono::Utc::now() + chrono::Duration::milliseconds(1_000);
-    let run = t
-        .submit(spec(
-            "hostile.echo",
-            json!({"deadline": deadline.to_rfc3339(), "retry": {"max_attempts": 3}}),
-        ))
-        .await;
+    let (w, run, _, jobs) = slow_start_due_in_1_s(&t, dir.path(), 2).await;
     let st = t.wait_terminal(run, LONG).await;
     w.shutdown().await;
     let s = step(&st, "s");
@@ -1425,26 +1439,7 @@ async fn the_deadline_ends_a_start_that_would_outlast_it() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let slow = dir.path().join("slow");
-    let jobs = dir.path().join("jobs");
-    let e = tests::wrap_in_shell(
-        hostile(
-            "hostile",
-            None,
-            &[("HOSTILE_JOB_LOG", &jobs.to_string_lossy())],
-        ),
-        &format!("[ -f '{}' ] && sleep 6; exec \"$0\" \"$@\"", slow.display()),
-    );
-    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
-    // the probe at start was quick; from now on a start takes 6 s
-    std::fs::write(&slow, b"").expect("slow");
-    let deadline = chrono::Utc::now() + chrono::Duration::milliseconds(1_000);
-    let run = t
-        .submit(spec(
-            "hostile.echo",
-            json!({"deadline": deadline.to_rfc3339(), "retry": {"max_attempts": 3}}),
-        ))
-        .await;
+    let (w, run, deadline, jobs) = slow_start_due_in_1_s(&t, dir.path(), 6).await;
     let st = t.wait_terminal(run, LONG).await;
     let s = step(&st, "s");
     assert_eq!(

@@ -445,6 +445,17 @@ async fn a_hello_that_no_longer_fits_is_refused_before_execution() {
     refuser.shutdown().await;
 }
 
+/// A worker named `name` with the Go demo allowed the secret ROUTE_TOKEN,
+/// read from `dir` (where it may be missing).
+fn route_token_worker(name: &str, dir: &std::path::Path) -> supervisor::config::WorkerConfig {
+    let mut e = go_demo("go", &[], None);
+    e.secrets = vec!["ROUTE_TOKEN".into()];
+    let mut cfg = fast_config(vec![e]);
+    cfg.name = Some(name.into());
+    cfg.secrets_dir = Some(dir.to_owned());
+    cfg
+}
+
 /// Steps that need a secret one worker lacks and another has all run on
 /// the one that has it (routing audit): the worker without it refused each
 /// (SECRET_UNAVAILABLE, "so another worker can run the step"), then leased
@@ -461,12 +472,8 @@ async fn steps_refused_for_a_missing_secret_run_on_the_worker_that_has_it() {
     );
     std::fs::write(with.path().join("ROUTE_TOKEN"), "route-token-123456\n").expect("secret");
     let config = |name: &str, dir: &std::path::Path| {
-        let mut e = go_demo("go", &[], None);
-        e.secrets = vec!["ROUTE_TOKEN".into()];
-        e.concurrency = 1;
-        let mut cfg = fast_config(vec![e]);
-        cfg.name = Some(name.into());
-        cfg.secrets_dir = Some(dir.to_owned());
+        let mut cfg = route_token_worker(name, dir);
+        cfg.executors[0].concurrency = 1;
         cfg
     };
     let lacks = RunningWorker::start(t.connect(10).await, config("lacks", without.path())).await;
@@ -502,15 +509,7 @@ async fn a_refused_step_is_announced_to_the_other_workers_when_it_comes_due() {
         tempfile::tempdir().expect("tempdir"),
     );
     std::fs::write(with.path().join("ROUTE_TOKEN"), "route-token-123456\n").expect("secret");
-    let config = |name: &str, dir: &std::path::Path| {
-        let mut e = go_demo("go", &[], None);
-        e.secrets = vec!["ROUTE_TOKEN".into()];
-        let mut cfg = fast_config(vec![e]);
-        cfg.name = Some(name.into());
-        cfg.secrets_dir = Some(dir.to_owned());
-        cfg
-    };
-    let mut lacks_cfg = config("lacks", without.path());
+    let mut lacks_cfg = route_token_worker("lacks", without.path());
     lacks_cfg.refusal_delay_ms = 3_000;
     let lacks = RunningWorker::start(t.connect(10).await, lacks_cfg).await;
     let run = t
@@ -532,7 +531,7 @@ async fn a_refused_step_is_announced_to_the_other_workers_when_it_comes_due() {
     }
     // the refusal's delay has ~3 s to go: the worker with the secret starts
     // now, finds nothing due, and would look again only in 30 s
-    let mut has_cfg = config("has", with.path());
+    let mut has_cfg = route_token_worker("has", with.path());
     has_cfg.poll_interval_ms = 30_000;
     let has = RunningWorker::start(t.connect(10).await, has_cfg).await;
     let st = t.wait_terminal(run, Duration::from_secs(60)).await;
