@@ -29,7 +29,7 @@ END $$;
 -- may be an attempt the worker gave up on after sending its job: the
 -- reclaim counts it, as before). Nothing of them ran: the attempt is given
 -- back, as a refusal's (not counted as one); a step with a cancel request
--- ends cancelled. Returns the new epoch and how many were given back.
+-- ends cancelled (RUN_FAILED when its run failed, as the other writes say). Returns the new epoch and how many were given back.
 CREATE FUNCTION durable.revoke_lost_leases(p_worker uuid, p_worker_name text, p_held uuid[],
                                            OUT epoch bigint, OUT given_back integer)
 LANGUAGE plpgsql AS $$
@@ -57,9 +57,12 @@ BEGIN
            error_retryable = NOT c.cancel, error_details = NULL,
            owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
            lease_token = CASE WHEN c.cancel THEN s.lease_token END,
-           transition_reason = CASE WHEN c.cancel THEN 'CANCEL_REQUESTED (LEASE_NOT_RECEIVED)' ELSE 'LEASE_NOT_RECEIVED' END,
+           transition_reason = CASE WHEN c.cancel AND c.run_failed THEN 'RUN_FAILED (LEASE_NOT_RECEIVED)'
+                                    WHEN c.cancel THEN 'CANCEL_REQUESTED (LEASE_NOT_RECEIVED)'
+                                    ELSE 'LEASE_NOT_RECEIVED' END,
            transition_by = p_worker_name
-      FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel
+      FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
+                   NOT r.cancel_requested AND r.steps_failed > 0 AS run_failed
               FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
              WHERE s2.id = ANY (ids)) c
      WHERE s.id = c.id AND s.owner_worker_id = p_worker AND s.state = 'leased';

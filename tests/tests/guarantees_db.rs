@@ -1625,3 +1625,34 @@ async fn a_lease_call_cut_off_before_its_answer_takes_no_attempt() {
             .expect("revoke");
     assert_eq!(given_back, 1, "only the step the worker does not hold");
 }
+
+/// A step a cut-off lease call took, whose run failed meanwhile, is given
+/// back cancelled with the run's failure as its reason, as every other
+/// write of such a step says it (re-check audit).
+#[tokio::test]
+async fn a_lost_lease_of_a_failed_run_is_given_back_naming_the_run_failure() {
+    let t = TestDb::new().await;
+    let l = a_run_failed_by_its_first_step(&t).await;
+    let wid: Uuid =
+        sqlx::query_scalar("SELECT owner_worker_id FROM durable.step_runs WHERE id = $1")
+            .bind(l[1].step_run_id())
+            .fetch_one(t.db.pool())
+            .await
+            .expect("owner");
+    let (_, given_back) =
+        t.db.revoke_lost_leases(wid, "w", &[])
+            .await
+            .expect("revoke");
+    assert_eq!(given_back, 1);
+    let (state, reason): (String, Option<String>) = sqlx::query_as(
+        "SELECT s.state, s.transition_reason FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(l[1].step_run_id())
+    .fetch_one(t.db.pool())
+    .await
+    .expect("step");
+    assert_eq!(
+        (state.as_str(), reason.as_deref()),
+        ("cancelled", Some("RUN_FAILED (LEASE_NOT_RECEIVED)"))
+    );
+}

@@ -284,6 +284,9 @@ impl<T> Ctx<T> for Result<T, sqlx::Error> {
 
 /// How long a pooled connection may sit idle before it is closed.
 const POOL_IDLE: StdDuration = StdDuration::from_secs(30);
+/// How long a pooled connection lives at most (closed when given back
+/// after it, or while idle).
+const POOL_LIFETIME: StdDuration = StdDuration::from_secs(60);
 
 /// When a BEGIN was last cut off before its answer came (milliseconds since
 /// the UNIX epoch; 0: never). sqlx's guard rolls back only a transaction
@@ -774,17 +777,23 @@ impl Db {
         // per statement batch (~3 per step, measured by bench_queue); a dead
         // connection surfaces as an error on the next statement instead, which
         // every caller already handles (commit retries, the loops retry).
-        // Idle connections are closed after POOL_IDLE: a burst's connections
-        // kept for sqlx's default 10 minutes filled a small server's
-        // max_connections, so that no worker's heartbeat could open its own
-        // and every worker stood still with idle connections in hand (DB
-        // fault audit). A slow acquire is the worker's own log's to tell (a
-        // timeout names what waited), not a WARN of the library's per call.
+        // A connection lives at most POOL_LIFETIME (sqlx's default: 30
+        // minutes), idle ones at most POOL_IDLE: a burst's connections kept
+        // filled a small server's max_connections, so that no worker's
+        // heartbeat could open its own and every worker stood still with
+        // idle connections in hand (DB fault audit). The idle bound alone
+        // never fired: the pool hands out its idle connections in turn, and
+        // a worker's once-a-second loops touched each of them every few
+        // seconds (re-check audit); one past its lifetime is closed and
+        // opened again only if the pool needs it. A slow acquire is the
+        // worker's own log's to tell (a timeout names what waited), not a
+        // WARN of the library's per call.
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .test_before_acquire(false)
             .acquire_timeout(StdDuration::from_secs(10))
             .idle_timeout(POOL_IDLE)
+            .max_lifetime(POOL_LIFETIME)
             .acquire_slow_level(tracing::log::LevelFilter::Debug)
             .after_release(|conn, _| close_if_left_in_a_transaction(conn))
             .connect_with(opts)

@@ -917,11 +917,14 @@ async fn lease_pass(
     ttl: Duration,
 ) -> bool {
     let mut leased_any_full = false;
-    if shared.renewals_failing.load(Ordering::SeqCst) {
-        // woken again by the first renewal that succeeds
+    // first, also while renewals fail: a heartbeat stalled for a lease's
+    // length let the steps a cut-off call leased expire, and the reclaim
+    // counted them (re-check audit)
+    if shared.lease_cut_off.load(Ordering::SeqCst) && !revoke_lost_leases(shared).await {
         return false;
     }
-    if shared.lease_cut_off.load(Ordering::SeqCst) && !revoke_lost_leases(shared).await {
+    if shared.renewals_failing.load(Ordering::SeqCst) {
+        // woken again by the first renewal that succeeds
         return false;
     }
     for exec in executors {
