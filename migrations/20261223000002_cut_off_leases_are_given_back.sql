@@ -39,6 +39,9 @@ BEGIN
     PERFORM pg_advisory_xact_lock(72546103, hashtext(p_worker::text));
     UPDATE durable.workers SET lease_epoch = lease_epoch + 1
      WHERE id = p_worker RETURNING lease_epoch INTO epoch;
+    -- a worker whose row is gone (the retention removes one silent for a
+    -- day) is not fenced: its calls lease as an unregistered worker's
+    epoch := coalesce(epoch, 0);
     SELECT array_agg(s.id ORDER BY s.id) INTO ids
       FROM durable.step_runs s
      WHERE s.owner_worker_id = p_worker AND s.state = 'leased' AND s.lease_expires_at > now()
