@@ -138,7 +138,20 @@ impl DevCluster {
         let mut status = pg_tool(&bin, "pg_ctl");
         status.arg("-D").arg(&data).arg("status");
         let running = status.output().map(|o| o.status.success()).unwrap_or(false);
-        if !running {
+        let mut port = port;
+        if running {
+            // another session's server: on the port it was started with,
+            // whatever --dev-port says now (new-user audit: a second session
+            // given another port printed that port's URL and failed to
+            // connect, blaming DATABASE_URL)
+            if let Some(actual) = running_port(&data).filter(|p| *p != port) {
+                eprintln!(
+                    "the dev PostgreSQL of {} already runs on port {actual} (not --dev-port {port}): using it",
+                    dir.display()
+                );
+                port = actual;
+            }
+        } else {
             if std::net::TcpStream::connect_timeout(
                 &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
                 std::time::Duration::from_millis(300),
@@ -194,6 +207,18 @@ impl DevCluster {
             Err(e) => tracing::warn!(error = %e, "dev cluster did not stop cleanly"),
         }
     }
+}
+
+/// The port a running server of `data` listens on: the fourth line of its
+/// `postmaster.pid`.
+fn running_port(data: &Path) -> Option<u16> {
+    std::fs::read_to_string(data.join("postmaster.pid"))
+        .ok()?
+        .lines()
+        .nth(3)?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// initdb runs as the `postgres` user when dev runs as root: a directory that

@@ -153,3 +153,60 @@ fn dev_runs_its_own_server_shares_it_between_sessions_and_names_a_taken_port() {
         "{err}"
     );
 }
+
+/// A second session in the same directory given another `--dev-port` uses
+/// the server that already runs there, on its own port, and says so
+/// (new-user audit: it printed the other port's URL, waited 10 s and failed
+/// to connect, blaming DATABASE_URL, which the user never set).
+#[test]
+fn a_second_session_given_another_port_uses_the_running_server() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = scratch(root.path());
+    let port = free_port();
+    let p = port.to_string();
+    let mut first = dev(&dir, &["--dev-port", &p], &[("DURABLE_NAME", "dev-1")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn dev");
+    let until = Instant::now() + Duration::from_secs(90);
+    while !listening(port) {
+        assert!(
+            first.try_wait().expect("wait").is_none(),
+            "the first dev session ended before its server listened"
+        );
+        assert!(Instant::now() < until, "the dev server never listened");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let other = free_port().to_string();
+    let out = dev(
+        &dir,
+        &[
+            "--dev-port",
+            &other,
+            "--submit",
+            &spec(),
+            "--exit-when-idle",
+        ],
+        &[("DURABLE_NAME", "dev-2")],
+    )
+    .output()
+    .expect("second dev session");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let st = wait_exit(&mut first, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "already runs on port {port} (not --dev-port {other})"
+        )) && stderr.contains(&format!(
+            "dev PostgreSQL: postgres://postgres@127.0.0.1:{port}/postgres"
+        )),
+        "the second session names the server's real port: {stderr}"
+    );
+    assert_eq!(st.code(), Some(0));
+}
