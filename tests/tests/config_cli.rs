@@ -836,3 +836,33 @@ fn checking_executors_needs_no_database_pool() {
         "a worker still needs the pool",
     );
 }
+
+/// An executor whose args name a file by a relative path fails its probe
+/// with a note that says why (new-user audit: only "can't open file
+/// '/tmp/durable-probe-…/pyexec/x.py'", the probe's directory, not the
+/// user's, in it).
+#[test]
+fn a_relative_path_in_args_is_named_when_the_probe_fails() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(
+        dir.path(),
+        "rel.toml",
+        &format!(
+            "[[executors]]\nname = \"py\"\ncommand = {:?}\nargs = [\"pyexec/demo_executor.py\"]\n",
+            tests::python().display().to_string()
+        ),
+    );
+    let out = Command::new(tests::supervisor_bin())
+        .args(["executors", "--config", &file])
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .output()
+        .expect("executors");
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("a relative path such as \"pyexec/demo_executor.py\"")
+            && err.contains("give an absolute path"),
+        "{err}"
+    );
+}

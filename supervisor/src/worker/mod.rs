@@ -444,10 +444,24 @@ pub async fn probe(
     cfg: &ExecutorConfig,
     wcfg: &WorkerConfig,
 ) -> Result<Hello, WorkerError> {
-    let fail = |why: String| WorkerError::Probe {
+    // args are handed over as they are, and the child runs in a directory
+    // of its own: a relative path among them names nothing there (new-user
+    // audit: "can't open file '/tmp/durable-probe-…/pyexec/x.py'")
+    let relative = cfg
+        .args
+        .iter()
+        .find(|a| !a.starts_with('/') && !a.starts_with('-') && a.contains('/'));
+    let fail = |why: String| {
+        WorkerError::Probe {
         name: cfg.name.clone(),
         command: cfg.command.clone(),
-        why,
+        why: match relative {
+            Some(a) => format!(
+                "{why} (note: its args are passed as they are and it runs in a directory of its own, where a relative path such as {a:?} names nothing: give an absolute path)"
+            ),
+            None => why,
+        },
+    }
     };
     // in work_dir, as every attempt's directory (it went to /tmp whatever
     // work_dir said)
