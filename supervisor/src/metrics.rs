@@ -48,6 +48,10 @@ const READY_DB_TIMEOUT: Duration = Duration::from_secs(1);
 const MAX_CONNECTIONS: usize = 32;
 /// One request's whole life: reading the head, answering.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may take to send its request head: an idle
+/// client holds one of the MAX_CONNECTIONS slots no longer (operator audit:
+/// 32 idle connections took /healthz down for 10 s).
+const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest request head read.
 const MAX_HEAD: usize = 8 * 1024;
 
@@ -115,6 +119,7 @@ struct Metrics {
     heartbeat_lag: Gauge<f64, AtomicU64>,
     ledger_batch: Histogram,
     queue_depth: Family<QueueLabels, Gauge>,
+    queue_depth_cut: Gauge,
     queue_depth_keys: Mutex<HashSet<QueueLabels>>,
     stderr_suppressed: Counter,
     ledger_aside: Counter,
@@ -150,6 +155,7 @@ impl Metrics {
             heartbeat_lag: Gauge::default(),
             ledger_batch: Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
             queue_depth: Family::default(),
+            queue_depth_cut: Gauge::default(),
             queue_depth_keys: Mutex::new(HashSet::new()),
             stderr_suppressed: Counter::default(),
             ledger_aside: Counter::default(),
@@ -244,6 +250,11 @@ impl Metrics {
             "queue_depth",
             "Ready steps (pending or retryable_failed, due now) per executor_kind and kind, whoever can run them; counted up to 10000",
             m.queue_depth.clone(),
+        );
+        r.register(
+            "queue_depth_cut",
+            "1 when more routes have open steps than durable_queue_depth reports (the first 100 by executor_kind and kind): the routes after them are not in it",
+            m.queue_depth_cut.clone(),
         );
         r.register(
             "stderr_lines_suppressed",
@@ -491,6 +502,7 @@ pub fn heartbeat_renewed(rtt: Duration) {
         now.saturating_sub(rtt.as_millis() as u64),
         Ordering::Relaxed,
     );
+    h.renewals_failing_since_ms.store(0, Ordering::Relaxed);
 }
 
 /// The heartbeat found `n` leases of running attempts lost.
@@ -501,7 +513,15 @@ pub fn heartbeat_lost_leases(n: usize) {
 /// A renewal failed (the loop still runs: liveness is fine, readiness tells).
 pub fn heartbeat_failed() {
     metrics().heartbeat_failures.inc();
-    health().hb_tick_ms.store(now_ms(), Ordering::Relaxed);
+    let h = health();
+    let now = now_ms();
+    h.hb_tick_ms.store(now, Ordering::Relaxed);
+    let _ = h.renewals_failing_since_ms.compare_exchange(
+        0,
+        now + 1,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -520,6 +540,8 @@ struct Health {
     hb_ok_ms: AtomicU64,
     /// ... and how long it may go without a pass before it counts as stuck.
     hb_stale_ms: AtomicU64,
+    /// When renewals began to fail, + 1 (0: the last one succeeded).
+    renewals_failing_since_ms: AtomicU64,
 }
 
 fn health() -> &'static Health {
@@ -530,6 +552,7 @@ fn health() -> &'static Health {
         hb_tick_ms: AtomicU64::new(0),
         hb_ok_ms: AtomicU64::new(0),
         hb_stale_ms: AtomicU64::new(u64::MAX),
+        renewals_failing_since_ms: AtomicU64::new(0),
     })
 }
 
@@ -622,12 +645,31 @@ pub async fn readiness(db: &Db) -> (bool, String) {
             report.push_str("executors: probed\nworker: draining (takes no new work)\n");
         }
     }
+    // a worker whose renewals fail leases nothing (a step leased now would
+    // lose its lease): it takes no work, though its database answers a
+    // SELECT 1 (operator audit: a role without UPDATE on step_runs, or a
+    // heartbeat that cannot open its connection, read as ready)
+    let since = h_renewals_failing_for();
+    if let Some(ms) = since {
+        ready = false;
+        report.push_str(&format!(
+            "leases: renewals failing for {ms} ms: nothing is leased until one succeeds (the worker's log says why)\n"
+        ));
+    }
     let (alive, why) = liveness();
     if !alive {
         ready = false;
         report.push_str(&format!("loops: {why}\n"));
     }
     (ready, report)
+}
+
+/// How long renewals have been failing, if the last one failed.
+fn h_renewals_failing_for() -> Option<u64> {
+    match health().renewals_failing_since_ms.load(Ordering::Relaxed) {
+        0 => None,
+        since => Some(now_ms().saturating_sub(since - 1)),
+    }
 }
 
 /// The metrics in the Prometheus text format (version 0.0.4).
@@ -703,11 +745,17 @@ pub async fn serve(addr: SocketAddr, db: &Db) -> Result<SocketAddr, MetricsError
             match bounded(
                 Duration::from_secs(3),
                 "reading the queue depth",
-                db2.queue_depth(QUEUE_DEPTH_MAX_KINDS, QUEUE_DEPTH_CAP),
+                // one route more than reported: whether the list was cut
+                db2.queue_depth(QUEUE_DEPTH_MAX_KINDS + 1, QUEUE_DEPTH_CAP),
             )
             .await
             {
-                Ok(rows) => set_queue_depth(rows),
+                Ok(mut rows) => {
+                    let cut = rows.len() > QUEUE_DEPTH_MAX_KINDS as usize;
+                    rows.truncate(QUEUE_DEPTH_MAX_KINDS as usize);
+                    metrics().queue_depth_cut.set(i64::from(cut));
+                    set_queue_depth(rows);
+                }
                 Err(e) => debug!(error = %e, "cannot read the queue depth"),
             }
             tokio::time::sleep(QUEUE_DEPTH_EVERY).await;
@@ -725,7 +773,20 @@ pub async fn serve(addr: SocketAddr, db: &Db) -> Result<SocketAddr, MetricsError
                 }
             };
             let Ok(permit) = permits.clone().try_acquire_owned() else {
-                continue; // too many at once: closed unanswered
+                // too many at once: closed unanswered, and said (once a
+                // minute): a liveness probe that fails for it is not the
+                // worker's health
+                let now = now_ms() + 1;
+                let last = TURNED_AWAY_LOGGED_MS.load(Ordering::Relaxed);
+                if last == 0 || now.saturating_sub(last) >= 60_000 {
+                    TURNED_AWAY_LOGGED_MS.store(now, Ordering::Relaxed);
+                    warn!(
+                        max = MAX_CONNECTIONS,
+                        "metrics: a connection was closed unanswered, {MAX_CONNECTIONS} are open at once (an idle one is closed {} s after it opened without a request)",
+                        HEAD_TIMEOUT.as_secs()
+                    );
+                }
+                continue;
             };
             let db = db.clone();
             tokio::spawn(async move {
@@ -738,10 +799,15 @@ pub async fn serve(addr: SocketAddr, db: &Db) -> Result<SocketAddr, MetricsError
     Ok(bound)
 }
 
-/// Reads one request head and answers it; the connection is closed after.
+/// When a connection turned away was last logged (+ 1; 0: never).
+static TURNED_AWAY_LOGGED_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Reads one request head (within [`HEAD_TIMEOUT`]) and answers it; the
+/// connection is closed after.
 async fn answer(mut stream: TcpStream, db: &Db) {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
+    let head_until = tokio::time::Instant::now() + HEAD_TIMEOUT;
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
         if head.len() >= MAX_HEAD {
             let _ = respond(
@@ -754,9 +820,9 @@ async fn answer(mut stream: TcpStream, db: &Db) {
             .await;
             return;
         }
-        match stream.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => head.extend_from_slice(&buf[..n]),
+        match tokio::time::timeout_at(head_until, stream.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) | Err(_) => return,
+            Ok(Ok(n)) => head.extend_from_slice(&buf[..n]),
         }
     }
     let text = String::from_utf8_lossy(&head);

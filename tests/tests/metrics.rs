@@ -316,3 +316,85 @@ async fn a_taken_metrics_port_stops_the_worker_naming_it() {
         "{err}"
     );
 }
+
+/// Waits (bounded) until `path` answers `status` with a body that holds
+/// `needle`, returning the body.
+async fn probe_until(addr: std::net::SocketAddr, path: &str, status: u16, needle: &str) -> String {
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        let (s, body) = http_get(addr, path).await;
+        if s == status && body.contains(needle) {
+            return body;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{path} never answered {status} with {needle:?}: {s} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What an operator's probes and gauges say of a worker that takes no work
+/// though its database answers (operator audit): `/readyz` said ready while
+/// every renewal failed (nothing is leased then); and `durable_queue_depth`
+/// dropped the routes after its first 100 without a sign. Now `/readyz`
+/// fails while renewals fail and `durable_queue_depth_cut` says the list was
+/// cut; an idle client no longer holds a probe's slot for 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_while_renewals_fail_and_a_cut_queue_depth_says_so() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
+    cfg.metrics_addr = Some("127.0.0.1:0".into());
+    let w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "json"], &[]);
+    let addr = w.metrics_addr(LONG).await;
+    probe_until(addr, "/readyz", 200, "worker: running").await;
+
+    // 101 routes with open steps: the gauge reports 100 and says it is cut
+    let steps: Vec<Value> = (0..=100)
+        .map(|i| json!({"name": format!("s{i}"), "executor_kind": "nobody", "kind": format!("k.{i:03}")}))
+        .collect();
+    t.submit(run(Value::Array(steps))).await;
+    let text = scrape_until(addr, "the cut queue depth", |m| {
+        metric(m, "durable_queue_depth_cut") == Some(1.0)
+    })
+    .await;
+    assert!(
+        metric(
+            &text,
+            "durable_queue_depth{executor_kind=\"nobody\",kind=\"k.100\"}"
+        )
+        .is_none(),
+        "{text}"
+    );
+
+    // idle connections hold their slots for 2 s at most
+    let idle: Vec<std::net::TcpStream> = (0..40)
+        .filter_map(|_| std::net::TcpStream::connect(addr).ok())
+        .collect();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let (status, body) = http_get(addr, "/healthz").await;
+    assert_eq!(status, 200, "the probe after idle clients: {body}");
+    drop(idle);
+
+    // the heartbeat cannot renew (its table is locked): not ready, and why
+    let admin = admin_of(&t).await;
+    let mut lock = admin.begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .expect("lock");
+    let body = probe_until(addr, "/readyz", 503, "leases: renewals failing").await;
+    assert!(body.contains("database: ok"), "{body}");
+    lock.rollback().await.expect("unlock");
+    probe_until(addr, "/readyz", 200, "worker: running").await;
+    drop(w);
+}
+
+async fn admin_of(t: &TestDb) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&t.url)
+        .await
+        .expect("admin connection")
+}
