@@ -82,13 +82,12 @@ type Options struct {
 	MaxJobsPerProcess int
 	// MaxFrameBytes caps frames in both directions; <= 0 means
 	// DefaultMaxFrameBytes. Give at least 64 KiB (65536): a supervisor
-	// refuses an executor whose Hello announces less, and a worker does not
-	// start with it. The Hello announces it (the supervisor sends no
-	// larger frame), and a job's frames are also held to the supervisor's own
-	// limit (Job.max_frame_bytes, protocol 1.1): a terminal over the smaller
-	// of the two is replaced by RESULT_TOO_LARGE (not retryable). Announce at
-	// least 64 KiB (65536): a supervisor refuses an executor whose Hello says
-	// less, since no job would fit.
+	// refuses an executor whose Hello announces less (no job would fit), and
+	// a worker does not start with it. The Hello announces it (the
+	// supervisor sends no larger frame), and a job's frames are also held to
+	// the supervisor's own limit (Job.max_frame_bytes, protocol 1.1): a
+	// terminal over the smaller of the two is replaced by RESULT_TOO_LARGE
+	// (not retryable).
 	MaxFrameBytes int
 	// StopGrace: see DefaultStopGrace (the default when <= 0).
 	StopGrace time.Duration
@@ -320,21 +319,23 @@ func (s *session) serve(in io.Reader) error {
 					<-cur.done
 					if stop, err := finish(); stop {
 						if err == nil {
-							err = s.refuse(f.Job, CodeExecutorBusy, "this executor is not taking more jobs (Shutdown received or max_jobs_per_process served)")
+							err = s.refuse(f.Job, CodeExecutorBusy, "this executor is not taking more jobs (Shutdown received or max_jobs_per_process served)", nil)
 						}
 						return err
 					}
 				}
 				if cur != nil {
 					s.e.log.Warn("protocol: a job arrived while another is running; refusing it", "job_id", f.Job.GetJobId(), "running_job_id", cur.job.ID)
-					if err := s.refuse(f.Job, CodeExecutorBusy, fmt.Sprintf("job %q is still running; this executor runs one job at a time", cur.job.ID)); err != nil {
+					if err := s.refuse(f.Job, CodeExecutorBusy, fmt.Sprintf("job %q is still running; this executor runs one job at a time", cur.job.ID), nil); err != nil {
 						return err
 					}
 					continue
 				}
 				h := s.handlers[f.Job.GetKind()]
 				if h == nil {
-					if err := s.refuse(f.Job, CodeUnsupportedKind, fmt.Sprintf("no handler for kind %q (this executor handles: %s)", f.Job.GetKind(), strings.Join(s.e.Kinds(), ", "))); err != nil {
+					if err := s.refuse(f.Job, CodeUnsupportedKind, fmt.Sprintf("no handler for kind %q (this executor handles: %s)", f.Job.GetKind(), strings.Join(s.e.Kinds(), ", ")),
+						// as the Python SDK's refusal says it (SDK audit)
+						map[string]any{"kind": f.Job.GetKind(), "handled_kinds": s.e.Kinds()}); err != nil {
 						return err
 					}
 					continue
@@ -407,13 +408,19 @@ func (s *session) endOfInput(cur *jobRun, err error, shuttingDown bool) error {
 }
 
 // refuse answers a job with a JobError before ACCEPTED: the job was not run.
-func (s *session) refuse(j *pb.Job, code, message string) error {
+func (s *session) refuse(j *pb.Job, code, message string, details map[string]any) error {
+	var d []byte
+	if details != nil {
+		// plain values (the job's kind, this executor's kinds): they encode
+		d, _ = json.Marshal(details)
+	}
 	err := s.w.write(&pb.ExecutorFrame{Frame: &pb.ExecutorFrame_Error{Error: &pb.JobError{
 		JobId:     j.GetJobId(),
 		Sequence:  1,
 		Code:      wireText(code),
 		Message:   wireText(message),
 		Retryable: false,
+		Details:   d,
 	}}})
 	if errors.Is(err, errOutputBroken) {
 		return fmt.Errorf("executor: refusing job %q: %w", j.GetJobId(), err)
@@ -539,13 +546,17 @@ func (s *session) terminal(ctx context.Context, job *Job, o handlerOutcome) func
 			c = &Cancellation{Reason: "UNSPECIFIED", Message: fmt.Sprint(context.Cause(cancelled))}
 		}
 		message := c.Error()
+		details := map[string]any{"reason": c.Reason}
 		switch {
 		case o.panicked:
 			message += fmt.Sprintf("; the handler then panicked: %v", o.panicVal)
+			// the supervisor keeps it beside its own cancel (PROTOCOL.md)
+			details["handler_error"] = fmt.Sprintf("panic: %v", o.panicVal)
 		case o.err != nil && !errors.Is(o.err, context.Canceled) && !errors.Is(o.err, context.Cause(cancelled)):
 			message += "; the handler returned: " + o.err.Error()
+			details["handler_error"] = o.err.Error()
 		}
-		return jobErr(CodeCancelled, message, false, s.details(job, map[string]any{"reason": c.Reason}), nil)
+		return jobErr(CodeCancelled, message, false, s.details(job, details), nil)
 	}
 
 	switch {

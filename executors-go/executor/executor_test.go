@@ -3,6 +3,7 @@ package executor_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -201,6 +202,10 @@ func TestUnknownKindIsRefusedBeforeAccepted(t *testing.T) {
 	if e.GetRetryable() || !strings.Contains(e.GetMessage(), `"demo.nope"`) || !strings.Contains(e.GetMessage(), "demo.echo") {
 		t.Fatalf("refusal = %v", e)
 	}
+	// the details say the same, as the Python SDK's do
+	if string(e.GetDetails()) != `{"handled_kinds":["demo.echo"],"kind":"demo.nope"}` {
+		t.Fatalf("refusal details = %s", e.GetDetails())
+	}
 	// Still serving.
 	h.SendJob(job("j2", "demo.echo", `1`))
 	h.Started("j2")
@@ -327,12 +332,20 @@ func TestErrorAfterCancelIsCancelled(t *testing.T) {
 			h.Started("j")
 			h.SendCancel(&pb.Cancel{JobId: "j", Reason: pb.CancelReason_CANCEL_REASON_REQUESTED, Message: "operator asked"})
 			e := h.JobError("j", 3, executor.CodeCancelled)
-			if e.GetRetryable() || string(e.GetDetails()) != `{"reason":"REQUESTED"}` ||
+			var details map[string]string
+			if err := json.Unmarshal(e.GetDetails(), &details); err != nil {
+				t.Fatalf("details %q: %v", e.GetDetails(), err)
+			}
+			if e.GetRetryable() || details["reason"] != "REQUESTED" ||
 				!strings.Contains(e.GetMessage(), "operator asked") || !strings.Contains(e.GetMessage(), tc.message) {
 				t.Fatalf("cancelled error = %v", e)
 			}
-			if tc.message == "" && strings.Contains(e.GetMessage(), "the handler") {
-				t.Fatalf("the message repeats the cancellation: %q", e.GetMessage())
+			if tc.message == "" && (strings.Contains(e.GetMessage(), "the handler") || len(details) != 1) {
+				t.Fatalf("the message repeats the cancellation: %q, details %v", e.GetMessage(), details)
+			}
+			// the handler's own error, for the supervisor to keep (PROTOCOL.md)
+			if h := details["handler_error"]; tc.message != "" && (h == "" || !strings.Contains(e.GetMessage(), strings.TrimPrefix(h, "panic: "))) {
+				t.Fatalf("details.handler_error = %q, message %q", h, e.GetMessage())
 			}
 		})
 	}

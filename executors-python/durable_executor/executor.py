@@ -245,7 +245,14 @@ class ExecutorError(Exception):
         if not isinstance(code, str) or not code or not set(code) <= _CODE_CHARS:
             raise ValueError(f"error code must be non-empty UPPER_SNAKE_CASE, got {code!r}")
         if details is not None and not isinstance(details, dict):
-            raise TypeError(f"details must be a dict (a JSON object) or None, got {type(details)}")
+            # imported only here: the SDK's start stays light (a one-shot
+            # process pays every import on every job)
+            from collections.abc import Mapping as _Mapping
+
+            if not isinstance(details, _Mapping):
+                raise TypeError(
+                    f"details must be a mapping (a JSON object) or None, got {type(details)}"
+                )
         if next_retry_delay_ms is not None and (
             isinstance(next_retry_delay_ms, bool)
             or not isinstance(next_retry_delay_ms, int)
@@ -258,7 +265,9 @@ class ExecutorError(Exception):
         self.code = code
         self.message = message
         self.retryable = bool(retryable)
-        self.details: Mapping[str, object] | None = details
+        # a copy as a dict: any Mapping is taken, as the type says (a
+        # MappingProxyType was refused at run time; SDK audit)
+        self.details: Mapping[str, object] | None = dict(details) if details is not None else None
         self.next_retry_delay_ms = next_retry_delay_ms
 
 
@@ -958,10 +967,15 @@ class Job:
 
     def _finish_cancelled(self, after: BaseException | None = None) -> None:
         message = self._cancelled_text()
+        details: dict[str, object] = {}
+        if self._cancel_reason:
+            details["reason"] = self._cancel_reason
         if after is not None and not _is_cancellation(after):
-            message += f"; the handler then raised {_exception_text(after)}"
-        details = {"reason": self._cancel_reason} if self._cancel_reason else None
-        self._finish_error(CANCELLED, message, False, details)
+            raised = _exception_text(after)
+            message += f"; the handler then raised {raised}"
+            # the supervisor keeps it beside its own cancel (PROTOCOL.md)
+            details["handler_error"] = raised
+        self._finish_error(CANCELLED, message, False, details or None)
 
     def _finish_result(self, value: object) -> None:
         result = value if isinstance(value, Result) else Result(value)

@@ -222,7 +222,11 @@ def test_any_exception_after_cancel_is_reported_as_cancelled(session_factory):
     err = s.frames.next().error
     assert err.code == "CANCELLED"
     assert not err.retryable
-    assert json.loads(err.details) == {"reason": "DEADLINE"}
+    # the handler's own error in the details too, for the supervisor to keep
+    assert json.loads(err.details) == {
+        "reason": "DEADLINE",
+        "handler_error": "ExecutorError: SOMETHING_ELSE: cleanup failed",
+    }
     assert "then raised ExecutorError: SOMETHING_ELSE: cleanup failed" in err.message
 
 
@@ -393,6 +397,11 @@ def test_executor_error_validates_its_arguments():
         ExecutorError("not-upper")
     with pytest.raises(TypeError, match="JSON object"):
         ExecutorError("X", details=[1])
+    # any Mapping, as the annotation says (a read-only view was refused)
+    import types
+
+    proxied = ExecutorError("X", details=types.MappingProxyType({"a": 1}))
+    assert proxied.details == {"a": 1}
     with pytest.raises(ValueError, match="next_retry_delay_ms"):
         ExecutorError("X", next_retry_delay_ms=-1)
     err = ExecutorError("X_1")

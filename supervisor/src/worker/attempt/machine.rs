@@ -277,6 +277,16 @@ pub(crate) fn precedence(
     }
 }
 
+/// A `CANCELLED` answer's `details.handler_error` (PROTOCOL.md): what the
+/// handler raised or panicked with after the cancel.
+fn handler_error(details: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(details).ok()?;
+    v.get("handler_error")?
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
 /// Codes only the supervisor (or the reclaimer) gives: its own verdicts. An
 /// executor that reports one is not believed (it cannot make its failure look
 /// like a lease expiry, a timeout or a shutdown).
@@ -904,6 +914,12 @@ impl Machine {
                 Some(Terminal::Error(e)) if e.code != "CANCELLED" => {
                     Some(format!("; the executor answered {}: {}", e.code, e.message))
                 }
+                // a confirmation, with what the handler did meanwhile when
+                // the SDK says it (`details.handler_error`: the handler's own
+                // error or panic after the cancel; SDK audit: it was in no
+                // table and no log)
+                Some(Terminal::Error(e)) => handler_error(&e.details)
+                    .map(|h| format!("; the handler's own error after the stop: {h}")),
                 Some(_) => None,
                 None => Some(format!("; the executor gave no terminal ({exit_text})")),
             });

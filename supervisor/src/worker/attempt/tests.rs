@@ -995,6 +995,23 @@ fn a_stop_records_how_the_executor_took_it() {
         ),
         "cancelled on request"
     );
+    // a confirmation that says what the handler raised meanwhile keeps it
+    // (SDK audit: the handler's own error was in no table and no log)
+    let mut confirmed = err(2, "CANCELLED", false);
+    confirmed.details =
+        br#"{"reason": "REQUESTED", "handler_error": "ExecutorError: OTHER: other error"}"#
+            .to_vec();
+    assert_eq!(
+        message(
+            vec![
+                accepted(),
+                Input::Cancel,
+                Input::Frame(FromExecutor::Error(confirmed))
+            ],
+            "exit status: 0"
+        ),
+        "cancelled on request; the handler's own error after the stop: ExecutorError: OTHER: other error"
+    );
     assert_eq!(
         message(
             vec![accepted(), Input::Cancel, Input::GraceEnded],
