@@ -121,7 +121,8 @@ def test_other_errors_after_the_cancel_are_cancelled_and_before_it_are_theirs(se
     assert err.code == "CANCELLED"
     assert "then raised ExecutorError: CLEANUP_FAILED: could not clean up" in err.message
     # and in the details, for the supervisor to keep beside its own cancel
-    assert json.loads(err.details)["handler_error"] == "ExecutorError: CLEANUP_FAILED: could not clean up"
+    handler_error = json.loads(err.details)["handler_error"]
+    assert handler_error == "ExecutorError: CLEANUP_FAILED: could not clean up"
 
     s.send(job_frame("fails", job_id="j2"))
     err = s.frames.until_terminal()[-1].error
