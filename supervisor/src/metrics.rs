@@ -542,6 +542,8 @@ struct Health {
     hb_stale_ms: AtomicU64,
     /// When renewals began to fail, + 1 (0: the last one succeeded).
     renewals_failing_since_ms: AtomicU64,
+    /// When lease calls began to fail, + 1 (0: the last one succeeded).
+    leases_failing_since_ms: AtomicU64,
 }
 
 fn health() -> &'static Health {
@@ -553,6 +555,7 @@ fn health() -> &'static Health {
         hb_ok_ms: AtomicU64::new(0),
         hb_stale_ms: AtomicU64::new(u64::MAX),
         renewals_failing_since_ms: AtomicU64::new(0),
+        leases_failing_since_ms: AtomicU64::new(0),
     })
 }
 
@@ -649,11 +652,21 @@ pub async fn readiness(db: &Db) -> (bool, String) {
     // lose its lease): it takes no work, though its database answers a
     // SELECT 1 (operator audit: a role without UPDATE on step_runs, or a
     // heartbeat that cannot open its connection, read as ready)
-    let since = h_renewals_failing_for();
-    if let Some(ms) = since {
+    if renewals_failing() {
+        // since the last success (the first failure is known only once its
+        // own timeout ran out: re-check audit)
+        let h = health();
+        let ms = now_ms().saturating_sub(h.hb_ok_ms.load(Ordering::Relaxed));
         ready = false;
         report.push_str(&format!(
-            "leases: renewals failing for {ms} ms: nothing is leased until one succeeds (the worker's log says why)\n"
+            "leases: renewals failing, the last succeeded {ms} ms ago: nothing is leased until one succeeds (the worker's log says why)\n"
+        ));
+    } else if let Some(ms) = failing_for(&health().leases_failing_since_ms) {
+        // a lease call that keeps failing (a privilege, a lock) leases
+        // nothing either (re-check audit)
+        ready = false;
+        report.push_str(&format!(
+            "leases: lease calls failing for {ms} ms: nothing is leased (the worker's log says why)\n"
         ));
     }
     let (alive, why) = liveness();
@@ -664,11 +677,27 @@ pub async fn readiness(db: &Db) -> (bool, String) {
     (ready, report)
 }
 
-/// How long renewals have been failing, if the last one failed.
-fn h_renewals_failing_for() -> Option<u64> {
-    match health().renewals_failing_since_ms.load(Ordering::Relaxed) {
+/// Whether the last renewal failed.
+fn renewals_failing() -> bool {
+    health().renewals_failing_since_ms.load(Ordering::Relaxed) != 0
+}
+
+/// How long something has been failing, by its `…_failing_since_ms`.
+fn failing_for(since: &AtomicU64) -> Option<u64> {
+    match since.load(Ordering::Relaxed) {
         0 => None,
         since => Some(now_ms().saturating_sub(since - 1)),
+    }
+}
+
+/// A lease call failed (`ok = false`) or succeeded: readiness says when they
+/// keep failing.
+pub fn lease_call(ok: bool) {
+    let since = &health().leases_failing_since_ms;
+    if ok {
+        since.store(0, Ordering::Relaxed);
+    } else {
+        let _ = since.compare_exchange(0, now_ms() + 1, Ordering::Relaxed, Ordering::Relaxed);
     }
 }
 

@@ -844,15 +844,19 @@ fn checking_executors_needs_no_database_pool() {
 #[test]
 fn a_relative_path_in_args_is_named_when_the_probe_fails() {
     let dir = tempfile::tempdir().expect("tempdir");
+    // the script is there, relative to where the worker runs
+    std::fs::create_dir(dir.path().join("pyexec")).expect("pyexec");
+    std::fs::write(dir.path().join("pyexec/demo_executor.py"), "").expect("script");
     let file = write(
         dir.path(),
         "rel.toml",
         &format!(
-            "[[executors]]\nname = \"py\"\ncommand = {:?}\nargs = [\"pyexec/demo_executor.py\"]\n",
+            "[[executors]]\nname = \"py\"\ncommand = {:?}\nargs = [\"pyexec/demo_executor.py\", \"application/json\"]\n",
             tests::python().display().to_string()
         ),
     );
     let out = Command::new(tests::supervisor_bin())
+        .current_dir(dir.path())
         .args(["executors", "--config", &file])
         .env("RUST_LOG", "error")
         .stdin(Stdio::null())

@@ -388,6 +388,29 @@ async fn readiness_fails_while_renewals_fail_and_a_cut_queue_depth_says_so() {
     assert!(body.contains("database: ok"), "{body}");
     lock.rollback().await.expect("unlock");
     probe_until(addr, "/readyz", 200, "worker: running").await;
+
+    // its lease calls fail (here: they wait past lock_timeout for the
+    // worker's lease lock), its renewals do not: not ready either
+    let worker: Uuid =
+        sqlx::query_scalar("SELECT id FROM durable.workers WHERE stopped_at IS NULL")
+            .fetch_one(&admin)
+            .await
+            .expect("the worker");
+    let mut held = admin.acquire().await.expect("a connection");
+    sqlx::query("SELECT pg_advisory_lock(72546103, hashtext($1::text))")
+        .bind(worker)
+        .execute(&mut *held)
+        .await
+        .expect("the lease lock");
+    let body = probe_until(addr, "/readyz", 503, "leases: lease calls failing").await;
+    assert!(!body.contains("renewals failing"), "{body}");
+    sqlx::query("SELECT pg_advisory_unlock(72546103, hashtext($1::text))")
+        .bind(worker)
+        .execute(&mut *held)
+        .await
+        .expect("unlock");
+    drop(held);
+    probe_until(addr, "/readyz", 200, "worker: running").await;
     drop(w);
 }
 

@@ -187,6 +187,19 @@ pub enum DbError {
 }
 
 impl DbError {
+    /// The server answered the statement with an error: it did not run (a
+    /// refused privilege, a lock timeout, a constraint), unlike a call cut
+    /// off or a connection lost on the way, whose statement may have run.
+    pub fn answered_by_the_server(&self) -> bool {
+        matches!(
+            self,
+            DbError::Query {
+                source: sqlx::Error::Database(_),
+                ..
+            }
+        )
+    }
+
     /// The SQLSTATE of a database error, if this is one.
     pub fn sqlstate(&self) -> Option<String> {
         match self {

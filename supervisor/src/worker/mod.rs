@@ -447,10 +447,11 @@ pub async fn probe(
     // args are handed over as they are, and the child runs in a directory
     // of its own: a relative path among them names nothing there (new-user
     // audit: "can't open file '/tmp/durable-probe-…/pyexec/x.py'")
-    let relative = cfg
-        .args
-        .iter()
-        .find(|a| !a.starts_with('/') && !a.starts_with('-') && a.contains('/'));
+    // (one that names a file here, where the worker runs: an argument that
+    // merely holds a slash, "application/json", is not one)
+    let relative = cfg.args.iter().find(|a| {
+        !a.starts_with('/') && !a.starts_with('-') && std::path::Path::new(a.as_str()).exists()
+    });
     let fail = |why: String| {
         WorkerError::Probe {
         name: cfg.name.clone(),
@@ -958,14 +959,21 @@ async fn lease_pass(
             continue;
         };
         let (steps, sent) = match lease_for(shared, &routes, free, ttl).await {
-            Ok(Some(leased)) => leased,
+            Ok(Some(leased)) => {
+                crate::metrics::lease_call(true);
+                leased
+            }
             Ok(None) => return false,
             Err(e) => {
                 error!(error = %e, "lease failed; retrying after the poll interval");
-                // it may have reached the server all the same, and run
-                // there once a stalled server goes on: its steps are given
-                // back before anything more is leased
-                shared.lease_cut_off.store(true, Ordering::SeqCst);
+                crate::metrics::lease_call(false);
+                // unless the server answered with an error (the statement
+                // did not run), it may have reached the server all the same,
+                // and run there once a stalled server goes on: its steps are
+                // given back before anything more is leased
+                if !e.answered_by_the_server() {
+                    shared.lease_cut_off.store(true, Ordering::SeqCst);
+                }
                 break;
             }
         };
