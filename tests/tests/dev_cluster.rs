@@ -77,19 +77,18 @@ fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
     }
 }
 
-#[test]
-fn dev_runs_its_own_server_shares_it_between_sessions_and_names_a_taken_port() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let dir = scratch(root.path());
-    let port = free_port();
-    let p = port.to_string();
-
-    // a first session that runs until stopped
-    let mut first = dev(&dir, &["--dev-port", &p], &[("DURABLE_NAME", "dev-1")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn dev");
+/// A first dev session in `dir` on `port` (named dev-1), running until
+/// stopped, once its server listens.
+fn first_session(dir: &Path, port: u16) -> Child {
+    let mut first = dev(
+        dir,
+        &["--dev-port", &port.to_string()],
+        &[("DURABLE_NAME", "dev-1")],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawn dev");
     let until = Instant::now() + Duration::from_secs(90);
     while !listening(port) {
         if let Some(st) = first.try_wait().expect("wait") {
@@ -101,6 +100,18 @@ fn dev_runs_its_own_server_shares_it_between_sessions_and_names_a_taken_port() {
         assert!(Instant::now() < until, "the dev server never listened");
         std::thread::sleep(Duration::from_millis(100));
     }
+    first
+}
+
+#[test]
+fn dev_runs_its_own_server_shares_it_between_sessions_and_names_a_taken_port() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = scratch(root.path());
+    let port = free_port();
+    let p = port.to_string();
+
+    // a first session that runs until stopped
+    let mut first = first_session(&dir, port);
 
     // a second session in the same directory runs the example to its end …
     let out = dev(
@@ -163,21 +174,7 @@ fn a_second_session_given_another_port_uses_the_running_server() {
     let root = tempfile::tempdir().expect("tempdir");
     let dir = scratch(root.path());
     let port = free_port();
-    let p = port.to_string();
-    let mut first = dev(&dir, &["--dev-port", &p], &[("DURABLE_NAME", "dev-1")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn dev");
-    let until = Instant::now() + Duration::from_secs(90);
-    while !listening(port) {
-        assert!(
-            first.try_wait().expect("wait").is_none(),
-            "the first dev session ended before its server listened"
-        );
-        assert!(Instant::now() < until, "the dev server never listened");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let mut first = first_session(&dir, port);
     let other = free_port().to_string();
     let out = dev(
         &dir,

@@ -1595,23 +1595,22 @@ async fn a_lease_call_cut_off_before_its_answer_takes_no_attempt() {
         );
     }
     // a call in the old epoch (one run late) leases nothing; the new one does
-    let late =
-        t.db.connection("a late lease")
-            .await
-            .expect("conn")
-            .conn()
-            .lease_except(wid, "w", &route, 10, ttl, &[], Some(0))
-            .await
-            .expect("late lease");
+    let in_epoch = |epoch: i64| {
+        let db = t.db.clone();
+        let route = route.clone();
+        async move {
+            db.connection("a lease")
+                .await
+                .expect("conn")
+                .conn()
+                .lease_except(wid, "w", &route, 10, ttl, &[], Some(epoch))
+                .await
+                .expect("lease")
+        }
+    };
+    let late = in_epoch(0).await;
     assert!(late.is_empty(), "a lease of the old epoch took steps");
-    let now =
-        t.db.connection("a lease")
-            .await
-            .expect("conn")
-            .conn()
-            .lease_except(wid, "w", &route, 10, ttl, &[], Some(1))
-            .await
-            .expect("lease");
+    let now = in_epoch(1).await;
     assert_eq!(now.len(), 2);
     assert!(
         now.iter().all(|s| s.lease.attempt() == 1),

@@ -445,6 +445,16 @@ async fn a_hello_that_no_longer_fits_is_refused_before_execution() {
     refuser.shutdown().await;
 }
 
+/// Two secrets directories: one without ROUTE_TOKEN, one with it.
+fn secret_dirs() -> (tempfile::TempDir, tempfile::TempDir) {
+    let (without, with) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    std::fs::write(with.path().join("ROUTE_TOKEN"), "route-token-123456\n").expect("secret");
+    (without, with)
+}
+
 /// A worker named `name` with the Go demo allowed the secret ROUTE_TOKEN,
 /// read from `dir` (where it may be missing).
 fn route_token_worker(name: &str, dir: &std::path::Path) -> supervisor::config::WorkerConfig {
@@ -466,11 +476,7 @@ fn route_token_worker(name: &str, dir: &std::path::Path) -> supervisor::config::
 async fn steps_refused_for_a_missing_secret_run_on_the_worker_that_has_it() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let (without, with) = (
-        tempfile::tempdir().expect("tempdir"),
-        tempfile::tempdir().expect("tempdir"),
-    );
-    std::fs::write(with.path().join("ROUTE_TOKEN"), "route-token-123456\n").expect("secret");
+    let (without, with) = secret_dirs();
     let config = |name: &str, dir: &std::path::Path| {
         let mut cfg = route_token_worker(name, dir);
         cfg.executors[0].concurrency = 1;
@@ -504,11 +510,7 @@ async fn steps_refused_for_a_missing_secret_run_on_the_worker_that_has_it() {
 async fn a_refused_step_is_announced_to_the_other_workers_when_it_comes_due() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let (without, with) = (
-        tempfile::tempdir().expect("tempdir"),
-        tempfile::tempdir().expect("tempdir"),
-    );
-    std::fs::write(with.path().join("ROUTE_TOKEN"), "route-token-123456\n").expect("secret");
+    let (without, with) = secret_dirs();
     let mut lacks_cfg = route_token_worker("lacks", without.path());
     lacks_cfg.refusal_delay_ms = 3_000;
     let lacks = RunningWorker::start(t.connect(10).await, lacks_cfg).await;
