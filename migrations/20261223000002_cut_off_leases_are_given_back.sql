@@ -65,7 +65,7 @@ BEGIN
                                     ELSE 'LEASE_NOT_RECEIVED' END,
            transition_by = p_worker_name
       FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
-                   NOT r.cancel_requested AND r.steps_failed > 0 AS run_failed
+                   durable.run_failed_it(s2.run_id) AS run_failed
               FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
              WHERE s2.id = ANY (ids)) c
      WHERE s.id = c.id AND s.owner_worker_id = p_worker AND s.state = 'leased';

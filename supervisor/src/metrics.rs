@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -502,7 +502,7 @@ pub fn heartbeat_renewed(rtt: Duration) {
         now.saturating_sub(rtt.as_millis() as u64),
         Ordering::Relaxed,
     );
-    h.renewals_failing_since_ms.store(0, Ordering::Relaxed);
+    h.renewals_failing.store(false, Ordering::Relaxed);
 }
 
 /// The heartbeat found `n` leases of running attempts lost.
@@ -514,14 +514,8 @@ pub fn heartbeat_lost_leases(n: usize) {
 pub fn heartbeat_failed() {
     metrics().heartbeat_failures.inc();
     let h = health();
-    let now = now_ms();
-    h.hb_tick_ms.store(now, Ordering::Relaxed);
-    let _ = h.renewals_failing_since_ms.compare_exchange(
-        0,
-        now + 1,
-        Ordering::Relaxed,
-        Ordering::Relaxed,
-    );
+    h.hb_tick_ms.store(now_ms(), Ordering::Relaxed);
+    h.renewals_failing.store(true, Ordering::Relaxed);
 }
 
 // ---------------------------------------------------------------------------
@@ -540,8 +534,8 @@ struct Health {
     hb_ok_ms: AtomicU64,
     /// ... and how long it may go without a pass before it counts as stuck.
     hb_stale_ms: AtomicU64,
-    /// When renewals began to fail, + 1 (0: the last one succeeded).
-    renewals_failing_since_ms: AtomicU64,
+    /// The last renewal failed.
+    renewals_failing: AtomicBool,
     /// When lease calls began to fail, + 1 (0: the last one succeeded).
     leases_failing_since_ms: AtomicU64,
 }
@@ -554,7 +548,7 @@ fn health() -> &'static Health {
         hb_tick_ms: AtomicU64::new(0),
         hb_ok_ms: AtomicU64::new(0),
         hb_stale_ms: AtomicU64::new(u64::MAX),
-        renewals_failing_since_ms: AtomicU64::new(0),
+        renewals_failing: AtomicBool::new(false),
         leases_failing_since_ms: AtomicU64::new(0),
     })
 }
@@ -652,7 +646,7 @@ pub async fn readiness(db: &Db) -> (bool, String) {
     // lose its lease): it takes no work, though its database answers a
     // SELECT 1 (operator audit: a role without UPDATE on step_runs, or a
     // heartbeat that cannot open its connection, read as ready)
-    if renewals_failing() {
+    if health().renewals_failing.load(Ordering::Relaxed) {
         // since the last success (the first failure is known only once its
         // own timeout ran out: re-check audit)
         let h = health();
@@ -675,11 +669,6 @@ pub async fn readiness(db: &Db) -> (bool, String) {
         report.push_str(&format!("loops: {why}\n"));
     }
     (ready, report)
-}
-
-/// Whether the last renewal failed.
-fn renewals_failing() -> bool {
-    health().renewals_failing_since_ms.load(Ordering::Relaxed) != 0
 }
 
 /// How long something has been failing, by its `…_failing_since_ms`.

@@ -187,6 +187,20 @@ pub enum DbError {
 }
 
 impl DbError {
+    /// A pool's error: it could not open a connection in time.
+    pub fn is_pool_timeout(&self) -> bool {
+        matches!(
+            self,
+            DbError::Query {
+                source: sqlx::Error::PoolTimedOut,
+                ..
+            } | DbError::Connect {
+                source: sqlx::Error::PoolTimedOut,
+                ..
+            }
+        )
+    }
+
     /// The server answered the statement with an error: it did not run (a
     /// refused privilege, a lock timeout, a constraint), unlike a call cut
     /// off or a connection lost on the way, whose statement may have run.
@@ -891,20 +905,6 @@ impl Db {
                 limit.as_millis()
             )),
         }
-    }
-
-    /// The error is a pool's that could not open a connection in time.
-    pub fn is_pool_timeout(e: &DbError) -> bool {
-        matches!(
-            e,
-            DbError::Query {
-                source: sqlx::Error::PoolTimedOut,
-                ..
-            } | DbError::Connect {
-                source: sqlx::Error::PoolTimedOut,
-                ..
-            }
-        )
     }
 
     /// What the connecting role lacks of what a worker needs: SELECT,

@@ -446,7 +446,7 @@ impl DbConn<'_> {
                                              WHEN s.refusals + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
                     transition_by = $3
                FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
-                            NOT r.cancel_requested AND r.steps_failed > 0 AS run_failed
+                            durable.run_failed_it(s2.run_id) AS run_failed
                        FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
                       WHERE s2.id = $1) c
               WHERE s.id = c.id AND s.lease_token = $2 AND s.state = 'leased'
@@ -493,7 +493,7 @@ impl DbConn<'_> {
                                              WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)' ELSE 'RELEASED' END,
                     transition_by = $3
                FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
-                            NOT r.cancel_requested AND r.steps_failed > 0 AS run_failed
+                            durable.run_failed_it(s2.run_id) AS run_failed
                        FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
                       WHERE s2.id = $1) c
               WHERE s.id = c.id AND s.lease_token = $2 AND s.state IN ('leased', 'running')

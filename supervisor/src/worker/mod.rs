@@ -444,25 +444,10 @@ pub async fn probe(
     cfg: &ExecutorConfig,
     wcfg: &WorkerConfig,
 ) -> Result<Hello, WorkerError> {
-    // args are handed over as they are, and the child runs in a directory
-    // of its own: a relative path among them names nothing there (new-user
-    // audit: "can't open file '/tmp/durable-probe-…/pyexec/x.py'")
-    // (one that names a file here, where the worker runs: an argument that
-    // merely holds a slash, "application/json", is not one)
-    let relative = cfg.args.iter().find(|a| {
-        !a.starts_with('/') && !a.starts_with('-') && std::path::Path::new(a.as_str()).exists()
-    });
-    let fail = |why: String| {
-        WorkerError::Probe {
+    let fail = |why: String| WorkerError::Probe {
         name: cfg.name.clone(),
         command: cfg.command.clone(),
-        why: match relative {
-            Some(a) => format!(
-                "{why} (note: its args are passed as they are and it runs in a directory of its own, where a relative path such as {a:?} names nothing: give an absolute path)"
-            ),
-            None => why,
-        },
-    }
+        why: why + &relative_args_note(&cfg.args),
     };
     // in work_dir, as every attempt's directory (it went to /tmp whatever
     // work_dir said)
@@ -996,6 +981,24 @@ async fn lease_pass(
     leased_any_full
 }
 
+/// A note for a failed probe whose args name a file by a relative path:
+/// args are handed over as they are, and the child runs in a directory of
+/// its own, where such a path names nothing (new-user audit: only "can't
+/// open file '/tmp/durable-probe-…/pyexec/x.py'"). Only an arg that is a
+/// file where the worker runs counts: one that merely holds a slash
+/// ("application/json") is not a path. Empty when there is none.
+fn relative_args_note(args: &[String]) -> String {
+    args.iter()
+        .find(|a| !a.starts_with('/') && !a.starts_with('-') && std::path::Path::new(a).exists())
+        .map(|a| {
+            format!(
+                " (note: its args are passed as they are and it runs in a directory of its own, \
+                 where a relative path such as {a:?} names nothing: give an absolute path)"
+            )
+        })
+        .unwrap_or_default()
+}
+
 /// After a lease call that failed (it may still have run, or run later,
 /// on the server: its steps would be leased to this worker, which never
 /// learned of them, and reclaimed a lease later as counted attempts): moves
@@ -1413,7 +1416,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 crate::metrics::heartbeat_failed();
                 // a pool that timed out says nothing of why: the server's
                 // reason, from one connection attempt of its own
-                let why = if Db::is_pool_timeout(&e) {
+                let why = if e.is_pool_timeout() {
                     shared.hb_db.connect_error(Duration::from_secs(2)).await
                 } else {
                     None
