@@ -1949,32 +1949,10 @@ async fn commit(
     control: watch::Receiver<LeaseView>,
     redactor: &Redact,
 ) -> Recorded {
-    let mut outcome = outcome;
-    if let Outcome::Abandoned { why } = &outcome {
-        if control.borrow().control == Control::LeaseLost {
-            // the database said the lease is gone (a renewal or a write
-            // found it moved on)
-            warn!(%why, "outcome discarded: this worker no longer owns the step");
-            crate::metrics::committed(&outcome.label());
-            return Recorded::LeaseLost;
-        }
-        // this attempt stopped on its own lease clock: no renewal came in
-        // time (the database did not answer, or this worker was paused). The
-        // lease may well still be ours — after a pause shorter than the TTL
-        // a renewal even lands as the worker wakes — and the step was then
-        // left running with no process for up to one TTL more, and charged
-        // LEASE_EXPIRED "for not renewing". If the database answers now, the
-        // fenced write fails this attempt at once, retryably and counted as
-        // the reclaim would; if not, the step is reclaimed when its lease
-        // expires, as before
-        warn!(%why, "the attempt stopped on its lease clock: recording it as LEASE_LOST if the database answers");
-        outcome = Outcome::failed(
-            "LEASE_LOST",
-            true,
-            "this worker's lease clock ran out before a renewal came (the worker or its host was paused, or the database did not answer in time): the attempt was stopped before its lease could expire",
-        );
-        crate::metrics::attempt_failed("LEASE_LOST");
-    }
+    let mut outcome = match to_record(outcome, &control) {
+        Ok(o) => o,
+        Err(lost) => return lost,
+    };
     if let Some(h) = handed {
         if behind_progress(shared, step, &outcome, h, &control).await {
             crate::metrics::committed(&outcome.label());
@@ -2042,6 +2020,38 @@ async fn commit(
             }
         }
     }
+}
+
+/// What [`commit`] records of `outcome`: itself, but for an abandoned
+/// attempt: nothing when the database said its lease is gone
+/// (`Err(LeaseLost)`), `LEASE_LOST` when it stopped on its own lease clock.
+fn to_record(outcome: Outcome, control: &watch::Receiver<LeaseView>) -> Result<Outcome, Recorded> {
+    let Outcome::Abandoned { why } = &outcome else {
+        return Ok(outcome);
+    };
+    if control.borrow().control == Control::LeaseLost {
+        // the database said the lease is gone (a renewal or a write
+        // found it moved on)
+        warn!(%why, "outcome discarded: this worker no longer owns the step");
+        crate::metrics::committed(&outcome.label());
+        return Err(Recorded::LeaseLost);
+    }
+    // this attempt stopped on its own lease clock: no renewal came in
+    // time (the database did not answer, or this worker was paused). The
+    // lease may well still be ours — after a pause shorter than the TTL
+    // a renewal even lands as the worker wakes — and the step was then
+    // left running with no process for up to one TTL more, and charged
+    // LEASE_EXPIRED "for not renewing". If the database answers now, the
+    // fenced write fails this attempt at once, retryably and counted as
+    // the reclaim would; if not, the step is reclaimed when its lease
+    // expires, as before
+    warn!(%why, "the attempt stopped on its lease clock: recording it as LEASE_LOST if the database answers");
+    crate::metrics::attempt_failed("LEASE_LOST");
+    Ok(Outcome::failed(
+        "LEASE_LOST",
+        true,
+        "this worker's lease clock ran out before a renewal came (the worker or its host was paused, or the database did not answer in time): the attempt was stopped before its lease could expire",
+    ))
 }
 
 /// The first try of a success without artifacts, handed to the ledger right
