@@ -1164,6 +1164,27 @@ async fn a_held_run_row_delays_the_reclaim_and_the_deadline_pass_for_that_run_al
     assert_eq!(state(late_held).await, "terminal_failed");
 }
 
+/// A pool of one connection to `url`, and its backend's pid: whatever
+/// runs on the pool runs on that backend.
+async fn one_connection(url: &str) -> (Db, i32) {
+    let db = Db::connect(url, 1).await.expect("connect");
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(db.pool())
+        .await
+        .expect("backend");
+    (db, backend)
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`) to a PostgreSQL backend.
+fn signal_backend(backend: i32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &backend.to_string()])
+        .status()
+        .expect("kill")
+        .success();
+    assert!(ok, "kill {sig} {backend}");
+}
+
 /// A transaction whose BEGIN is cut off before its answer (a call's time
 /// bound, a stop) leaves no transaction open on a connection the pool hands
 /// out again. sqlx gives such a connection back to the pool without a
@@ -1177,19 +1198,8 @@ async fn a_held_run_row_delays_the_reclaim_and_the_deadline_pass_for_that_run_al
 async fn a_begin_cut_off_before_its_answer_leaves_no_transaction_open() {
     let t = TestDb::new().await;
     // one connection: whatever runs next runs on the one the BEGIN was sent on
-    let db = Db::connect(&t.url, 1).await.expect("connect");
-    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(db.pool())
-        .await
-        .expect("backend");
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &backend.to_string()])
-            .status()
-            .expect("kill")
-            .success();
-        assert!(ok, "kill {sig} {backend}");
-    };
+    let (db, backend) = one_connection(&t.url).await;
+    let signal = |sig: &str| signal_backend(backend, sig);
     // the backend stops: the BEGIN is sent, its answer never comes in time
     // a connection kept across calls, as the ledger keeps its own; a read
     // whose first statement is its BEGIN
@@ -1521,11 +1531,7 @@ async fn a_lease_call_cut_off_before_its_answer_takes_no_attempt() {
     let wid = worker(&t.db, "w").await;
     // one connection, its lease statement prepared by a first call (as a
     // worker's is after its first lease)
-    let db = Db::connect(&t.url, 1).await.expect("connect");
-    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(db.pool())
-        .await
-        .expect("backend");
+    let (db, backend) = one_connection(&t.url).await;
     let mut conn = db.connection("the lease's").await.expect("a connection");
     let route = tests::route_go_k();
     let ttl = Duration::from_secs(30);
@@ -1535,14 +1541,7 @@ async fn a_lease_call_cut_off_before_its_answer_takes_no_attempt() {
         .await
         .expect("a first lease");
     assert!(first.is_empty());
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &backend.to_string()])
-            .status()
-            .expect("kill")
-            .success();
-        assert!(ok, "kill {sig} {backend}");
-    };
+    let signal = |sig: &str| signal_backend(backend, sig);
     let run = t
         .submit(json!({"name": "r", "steps": [
             {"name": "a", "executor_kind": "go", "kind": "k"},
