@@ -807,6 +807,22 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
     }
 }
 
+/// A live worker "w" that offers executor_kind "go", kind "demo.echo" with
+/// `labels`: its id.
+async fn live_go_worker(t: &TestDb, labels: Value) -> uuid::Uuid {
+    let w = uuid::Uuid::new_v4();
+    t.db.register_worker(
+        w,
+        "w",
+        "test",
+        &json!([{"executor": "go", "routes": [
+            {"executor_kind": "go", "kind": "demo.echo", "labels": labels}]}]),
+    )
+    .await
+    .expect("register");
+    w
+}
+
 /// `status` says why a step waits when no live worker offers what it needs
 /// (its executor_kind, kind and labels), and says nothing of a step a live
 /// worker could lease: before, such a step showed `pending 0` and nothing
@@ -814,16 +830,7 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
 #[tokio::test]
 async fn status_names_the_steps_no_live_worker_offers() {
     let t = TestDb::new().await;
-    let w = uuid::Uuid::new_v4();
-    t.db.register_worker(
-        w,
-        "w",
-        "test",
-        &json!([{"executor": "go", "routes": [
-            {"executor_kind": "go", "kind": "demo.echo", "labels": {"zone": "a"}}]}]),
-    )
-    .await
-    .expect("register");
+    let w = live_go_worker(&t, json!({"zone": "a"})).await;
     let run = t
         .submit(json!({"name": "routes", "steps": [
             {"name": "ok", "executor_kind": "go", "kind": "demo.echo"},
@@ -863,16 +870,7 @@ async fn status_names_the_steps_no_live_worker_offers() {
 #[tokio::test]
 async fn status_json_names_the_steps_no_live_worker_offers() {
     let t = TestDb::new().await;
-    let w = uuid::Uuid::new_v4();
-    t.db.register_worker(
-        w,
-        "w",
-        "test",
-        &json!([{"executor": "go", "routes": [
-            {"executor_kind": "go", "kind": "demo.echo", "labels": {}}]}]),
-    )
-    .await
-    .expect("register");
+    live_go_worker(&t, json!({})).await;
     let run = t
         .submit(json!({"name": "routes", "steps": [
             {"name": "ok", "executor_kind": "go", "kind": "demo.echo"},
