@@ -958,6 +958,57 @@ async fn an_unknown_step_of_a_big_run_names_twenty_of_its_steps() {
     assert!(err.contains("and 10 more"), "{err}");
 }
 
+/// `cancel RUN --step NOSUCH` names the missing step (exit 4) while another
+/// transaction holds the run's row: the step is looked for before the
+/// run's lock is taken (it waited for the lock, then failed on its bound
+/// with a lock error instead; re-check audit). A step the run has is
+/// still cancelled under the lock, once the holder lets go.
+#[tokio::test]
+async fn cancelling_an_unknown_step_does_not_wait_for_the_runs_lock() {
+    let t = TestDb::new().await;
+    let run = t.submit(tests::one_step("x", "go", "k", json!({}))).await;
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.workflow_runs WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(run)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the run");
+    let (url, id) = (t.url.clone(), run.to_string());
+    let o =
+        tokio::task::spawn_blocking(move || cli(Some(&url), &["cancel", &id, "--step", "nope"]))
+            .await
+            .expect("join");
+    expect_exit(
+        &o,
+        4,
+        &["no step named \"nope\""],
+        "unknown step of a held run",
+    );
+    let unknown = Uuid::new_v4().to_string();
+    let o = cli(Some(&t.url), &["cancel", &unknown, "--step", "nope"]);
+    expect_exit(&o, 4, &["unknown run", &unknown], "unknown run with a step");
+
+    // the step it has waits for the lock and is cancelled once it is free
+    let (url, id) = (t.url.clone(), run.to_string());
+    let cancel =
+        tokio::task::spawn_blocking(move || cli(Some(&url), &["cancel", &id, "--step", "s"]));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.rollback().await.expect("let go");
+    let o = cancel.await.expect("join");
+    expect_exit(
+        &o,
+        0,
+        &["cancellation requested"],
+        "cancel of a step it has",
+    );
+    let state: String = sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE run_id = $1")
+        .bind(run)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("step");
+    assert_eq!(state, "cancelled");
+}
+
 /// A worker is live while its last heartbeat is within three of its own
 /// heartbeat intervals (at least 30 s): one beating every 50 s, 45 s after
 /// its last beat, still offers its routes (routing audit: a fixed 30 s had
