@@ -347,6 +347,26 @@ impl WorkerConfig {
 }
 
 impl ExecutorConfig {
+    /// A note for a failed start whose args name a file by a relative path:
+    /// args are handed over as they are, and the child runs in a directory
+    /// of its own, where such a path names nothing (new-user audit: only
+    /// "can't open file '/tmp/durable-probe-…/pyexec/x.py'"). Only an arg
+    /// that is a file where the supervisor runs counts: one that merely
+    /// holds a slash ("application/json") is not a path. Empty when there
+    /// is none. The worker's probe and `conformance` add it to their errors.
+    pub fn relative_args_note(&self) -> String {
+        self.args
+            .iter()
+            .find(|a| !a.starts_with('/') && !a.starts_with('-') && Path::new(a).exists())
+            .map(|a| {
+                format!(
+                    " (note: its args are passed as they are and it runs in a directory of its own, \
+                     where a relative path such as {a:?} names nothing: give an absolute path)"
+                )
+            })
+            .unwrap_or_default()
+    }
+
     /// How to start this executor in `cwd`.
     pub fn spawn_spec(&self, cwd: &Path, stderr_tail_bytes: usize) -> crate::process::SpawnSpec {
         crate::process::SpawnSpec {

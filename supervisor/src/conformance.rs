@@ -255,6 +255,11 @@ impl Ctx<'_> {
     fn grace(&self) -> Duration {
         Duration::from_millis(self.wcfg.cancel_grace_ms)
     }
+    /// A start that said no valid hello, with the worker probe's note on a
+    /// relative path among the args.
+    fn start_failed(&self, why: String) -> String {
+        why + &self.cfg.relative_args_note()
+    }
 }
 
 /// The kinds of one executor's hello that the scenarios use.
@@ -440,7 +445,10 @@ impl Proc {
     /// A fresh process that said a valid hello.
     async fn ready(ctx: &Ctx<'_>) -> Result<(Proc, Hello), String> {
         let mut p = Proc::spawn(ctx).await?;
-        let hello = p.hello(ctx.handshake()).await?;
+        let hello = p
+            .hello(ctx.handshake())
+            .await
+            .map_err(|e| ctx.start_failed(e))?;
         Ok((p, hello))
     }
 
@@ -818,7 +826,10 @@ fn terminal_name(check: &JobCheck) -> String {
 async fn scenario_hello(ctx: &Ctx<'_>) -> Result<(String, Hello), String> {
     let started = Instant::now();
     let mut p = Proc::spawn(ctx).await?;
-    let h = p.hello(ctx.handshake()).await?;
+    let h = p
+        .hello(ctx.handshake())
+        .await
+        .map_err(|e| ctx.start_failed(e))?;
     let took = started.elapsed();
     if h.executor_kind.is_empty() {
         return Err("hello has an empty executor_kind".into());

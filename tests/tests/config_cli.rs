@@ -838,7 +838,7 @@ fn checking_executors_needs_no_database_pool() {
 }
 
 /// An executor whose args name a file by a relative path fails its probe
-/// with a note that says why (new-user audit: only "can't open file
+/// (and `conformance`) with a note that says why (new-user audit: only "can't open file
 /// '/tmp/durable-probe-…/pyexec/x.py'", the probe's directory, not the
 /// user's, in it).
 #[test]
@@ -855,18 +855,26 @@ fn a_relative_path_in_args_is_named_when_the_probe_fails() {
             tests::python().display().to_string()
         ),
     );
-    let out = Command::new(tests::supervisor_bin())
-        .current_dir(dir.path())
-        .args(["executors", "--config", &file])
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
-        .output()
-        .expect("executors");
-    assert_ne!(out.status.code(), Some(0));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("a relative path such as \"pyexec/demo_executor.py\"")
-            && err.contains("give an absolute path"),
-        "{err}"
-    );
+    // the worker's probe (`executors`, a worker's start) and `conformance`
+    for cmd in ["executors", "conformance"] {
+        let out = Command::new(tests::supervisor_bin())
+            .current_dir(dir.path())
+            .args([cmd, "--config", &file])
+            .env_remove("DATABASE_URL")
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .output()
+            .expect(cmd);
+        assert_ne!(out.status.code(), Some(0), "{cmd}");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            said.contains("a relative path such as \"pyexec/demo_executor.py\"")
+                && said.contains("give an absolute path"),
+            "{cmd}: {said}"
+        );
+    }
 }

@@ -447,7 +447,7 @@ pub async fn probe(
     let fail = |why: String| WorkerError::Probe {
         name: cfg.name.clone(),
         command: cfg.command.clone(),
-        why: why + &relative_args_note(&cfg.args),
+        why: why + &cfg.relative_args_note(),
     };
     // in work_dir, as every attempt's directory (it went to /tmp whatever
     // work_dir said)
@@ -979,24 +979,6 @@ async fn lease_pass(
         }
     }
     leased_any_full
-}
-
-/// A note for a failed probe whose args name a file by a relative path:
-/// args are handed over as they are, and the child runs in a directory of
-/// its own, where such a path names nothing (new-user audit: only "can't
-/// open file '/tmp/durable-probe-…/pyexec/x.py'"). Only an arg that is a
-/// file where the worker runs counts: one that merely holds a slash
-/// ("application/json") is not a path. Empty when there is none.
-fn relative_args_note(args: &[String]) -> String {
-    args.iter()
-        .find(|a| !a.starts_with('/') && !a.starts_with('-') && std::path::Path::new(a).exists())
-        .map(|a| {
-            format!(
-                " (note: its args are passed as they are and it runs in a directory of its own, \
-                 where a relative path such as {a:?} names nothing: give an absolute path)"
-            )
-        })
-        .unwrap_or_default()
 }
 
 /// After a lease call that failed (it may still have run, or run later,
