@@ -1044,6 +1044,84 @@ async fn a_locked_artifacts_table_delays_the_input_read_instead_of_refusing() {
     );
 }
 
+/// An outcome whose attempt gave up committing it (its lease clock ran out
+/// while the ledger's batch waited for a connection) is not written when
+/// the connection comes: the attempt logged it as not recorded and counted
+/// it so, and the step is reclaimed (`LEASE_EXPIRED`). Before, the batch
+/// shaped before the writer gave up was written once the connection came:
+/// an outcome landing seconds after its attempt said "the step will be
+/// reclaimed" (redeploy audit: a PostgreSQL restart of 15 s; here the
+/// worker's pool is held instead). The outcome is a timeout, which goes
+/// through the retrying commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_given_up_while_its_batch_waited_for_a_connection_is_not_written() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.name = Some("gives-up".into());
+    cfg.lease_ttl_ms = 4_000;
+    cfg.executors[0].concurrency = 1;
+    let db = t.connect(4).await;
+    let w = RunningWorker::start(db.clone(), cfg).await;
+    let run = t
+        .submit(json!({"name": "late", "steps": [{
+            "name": "s", "executor_kind": "go", "kind": "demo.sleep",
+            "input": {"ms": 30_000, "steps": 1},
+            "timeout_ms": 2_000, "retry": {"max_attempts": 1}}]}))
+        .await;
+    let until = Instant::now() + LONG;
+    loop {
+        let state: String =
+            sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("the step");
+        if state == "running" {
+            break;
+        }
+        assert!(Instant::now() < until, "never started: {state}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // from here the lease clock runs out 4 s after the last renewal
+    supervisor::fault::fail_renewals_of("gives-up", true);
+    // the ledger gives its connection back once idle (1 s after the start
+    // it wrote); then every connection of the worker's pool is held
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let mut held = Vec::new();
+    while let Ok(Ok(c)) =
+        tokio::time::timeout(Duration::from_millis(300), db.pool().acquire()).await
+    {
+        held.push(c);
+    }
+    assert!(!held.is_empty(), "no connection of the pool could be held");
+    // the attempt times out at ~2 s and its commit waits for a connection;
+    // the clock runs out at ~4 s and the attempt gives up; the connections
+    // come back at ~6 s, within the batch's bound
+    tokio::time::sleep(Duration::from_millis(4_500)).await;
+    drop(held);
+    supervisor::fault::fail_renewals_of("gives-up", false);
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    let reasons: Vec<(i32, String, Option<String>)> = sqlx::query_as(
+        "SELECT attempt, to_state, reason FROM durable.transitions
+          WHERE run_id = $1 AND step_run_id IS NOT NULL ORDER BY id",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("history");
+    assert_eq!(st.state, "failed", "{st:?} {reasons:?}");
+    let last = reasons.last().expect("a history");
+    assert_eq!(last.1, "terminal_failed", "{reasons:?}");
+    assert!(
+        last.2
+            .as_deref()
+            .is_some_and(|r| r.starts_with("LEASE_EXPIRED")),
+        "the timeout given up on landed: {reasons:?}"
+    );
+}
+
 /// A worker whose renewals fail (its heartbeat's own connection cannot be
 /// opened: max_connections reached) leases nothing until one succeeds. It
 /// went on leasing, and each step it leased lost its lease within seconds,

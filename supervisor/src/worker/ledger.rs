@@ -298,6 +298,16 @@ impl WriteReply {
         }
     }
 
+    /// Its writer gave up on it (see [`Request::abandoned`]).
+    fn is_closed(&self) -> bool {
+        match self {
+            WriteReply::Unit(r) => r.is_closed(),
+            WriteReply::Ids(r) => r.is_closed(),
+            WriteReply::Decision(r) => r.is_closed(),
+            WriteReply::State(r) => r.is_closed(),
+        }
+    }
+
     fn fail(self, e: DbError) {
         match self {
             WriteReply::Unit(r) => drop(r.send(Err(e))),
@@ -672,6 +682,33 @@ impl Shaped {
         }
     }
 
+    /// Takes out the intents whose writers gave up since the batch was
+    /// shaped ([`Request::abandoned`]), while it waited for its connection
+    /// (a server that came back after a writer's lease clock ran out wrote
+    /// an outcome its attempt had logged as not recorded, 6 s after it gave
+    /// up; redeploy audit). Merged events stay while one of their writers
+    /// waits. How many were taken out.
+    fn drop_abandoned(&mut self) -> usize {
+        let before = self.size();
+        let gone = |r: &Reply| r.is_closed();
+        let _ = split(&mut self.start_replies, &mut self.batch.starts, gone);
+        let _ = split(&mut self.event_replies, &mut self.batch.events, |rs| {
+            rs.iter().all(gone)
+        });
+        let mut tails: Vec<(Reply, bool)> = std::mem::take(&mut self.complete_replies)
+            .into_iter()
+            .zip(std::mem::take(&mut self.complete_behind))
+            .collect();
+        let _ = split(&mut tails, &mut self.batch.completes, |(r, _)| gone(r));
+        (self.complete_replies, self.complete_behind) = tails.into_iter().unzip();
+        let _ = split(
+            &mut self.write_replies,
+            &mut self.writes,
+            WriteReply::is_closed,
+        );
+        before - self.size()
+    }
+
     fn size(&self) -> usize {
         self.batch.starts.len()
             + self.batch.events.len()
@@ -787,11 +824,29 @@ async fn flush(
                 Some(c) => c,
                 None => held.insert(db.connection("beginning a ledger batch").await?),
             };
+            // a connection can take long to come (a server restarting):
+            // what its writers gave up on meanwhile is not written
+            let dropped = s.drop_abandoned();
+            if dropped > 0 {
+                debug!(
+                    dropped,
+                    "ledger writes whose writers gave up while the batch waited are not written"
+                );
+            }
+            if s.size() == 0 {
+                return Ok(None);
+            }
             conn.conn()
                 .write_ledger_within(worker, &s.batch, &s.writes, Some(LOCK_WAIT))
                 .await
+                .map(Some)
         })
         .await;
+        let res = match res {
+            Ok(None) => return,
+            Ok(Some(out)) => Ok(out),
+            Err(e) => Err(e),
+        };
         // a failed call, or a write of it that failed alone (each is a few
         // statements of its own: the connection may have broken in one of
         // them): back to the pool, whose check clears or closes it
