@@ -320,6 +320,77 @@ async fn a_run_larger_than_a_batch_goes_in_several() {
     );
 }
 
+/// Between the batches that remove a run larger than a batch, the run is
+/// not read: `status`, `events` and `watch` say it is being removed (not
+/// found), `runs` leaves it out; a run beside it reads as before. Before,
+/// a finished run showed its removed steps as "waiting" on nothing, and an
+/// interrupted `gc` left it so (scale audit).
+#[tokio::test]
+async fn a_run_partly_removed_is_not_read_as_a_half() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let steps: Vec<_> = (0..25)
+        .map(|i| json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "k"}))
+        .collect();
+    let run = t.submit(json!({"name": "wide", "steps": steps})).await;
+    finish_batch(db, &lease(db, wid, 100).await).await;
+    // finished after it: the first batch takes the wide run's steps
+    let small = t
+        .submit(tests::one_step("small", "go", "k", json!({})))
+        .await;
+    finish_batch(db, &lease(db, wid, 100).await).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let cutoff = db
+        .retention_cutoff(Duration::from_secs(1))
+        .await
+        .expect("cutoff");
+    let b = db.retention_batch(cutoff, 100, 10).await.expect("batch");
+    assert_eq!((b.runs, b.steps, b.more), (0, 10, true), "{b:?}");
+
+    let gone = |e: supervisor::db::DbError, what: &str| {
+        let msg = e.to_string();
+        assert!(
+            matches!(e, supervisor::db::DbError::NotFound(_)) && msg.contains("being removed"),
+            "{what}: {msg}"
+        );
+    };
+    gone(db.status(run).await.expect_err("status"), "status");
+    gone(
+        db.events(run, None, None).await.expect_err("events"),
+        "events",
+    );
+    gone(
+        db.watch_snapshot(run).await.expect_err("watch"),
+        "watch snapshot",
+    );
+    let listed: Vec<Uuid> = db
+        .runs(&supervisor::db::RunFilter {
+            state: None,
+            name: None,
+            since: None,
+            limit: 50,
+        })
+        .await
+        .expect("runs")
+        .into_iter()
+        .map(|r| r.run_id)
+        .collect();
+    assert_eq!(listed, vec![small], "only the run that is whole is listed");
+    assert_eq!(t.status(small).await.state, "succeeded");
+
+    // the pass ends it: unknown from then on, the mark gone with it
+    let r = pass_in_batches_of_10(db).await;
+    assert_eq!((r.runs, r.steps), (2, 16), "{r:?}");
+    let msg = db.status(run).await.expect_err("gone").to_string();
+    assert!(msg.contains("unknown run"), "{msg}");
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.runs_being_removed")
+            .await,
+        0
+    );
+}
+
 /// Several runs larger than a batch all go in one pass (soak audit: the
 /// batch that removed the last piece of one said there was no more, so a
 /// pass, and a worker's retention interval, removed one such run at most).

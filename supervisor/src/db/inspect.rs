@@ -330,6 +330,8 @@ const RUNS_QUERY: &str = "
          WHERE ($1::text IS NULL OR r.state = $1)
            AND ($2::text IS NULL OR r.name = $2)
            AND ($3::bigint IS NULL OR r.created_at >= now() - $3::bigint * interval '1 millisecond')
+           -- a run retention has taken part of is gone already
+           AND NOT durable.run_being_removed(r.id)
          ORDER BY r.created_at DESC, r.id DESC
          LIMIT $4
     ), ids AS MATERIALIZED (
@@ -359,14 +361,17 @@ const RUNS_QUERY: &str = "
 /// The names of a run's steps (created or waiting), in spec order, or
 /// `NotFound` for an unknown run.
 async fn step_names(conn: &mut sqlx::PgConnection, run_id: Uuid) -> Result<Vec<String>, DbError> {
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM durable.workflow_runs WHERE id = $1)")
-            .bind(run_id)
-            .fetch_one(&mut *conn)
-            .await
-            .ctx("reading a run")?;
-    if !exists {
-        return Err(DbError::NotFound(format!("unknown run {run_id}")));
+    let removing: Option<bool> = sqlx::query_scalar(
+        "SELECT durable.run_being_removed(id) FROM durable.workflow_runs WHERE id = $1",
+    )
+    .bind(run_id)
+    .fetch_optional(&mut *conn)
+    .await
+    .ctx("reading a run")?;
+    match removing {
+        None => return Err(DbError::NotFound(format!("unknown run {run_id}"))),
+        Some(true) => return Err(DbError::being_removed(run_id)),
+        Some(false) => {}
     }
     sqlx::query_scalar(
         "SELECT name FROM durable.step_defs WHERE run_id = $1 ORDER BY position, name",
@@ -494,7 +499,8 @@ impl DbConn<'_> {
         let mut tx = begin_read(self.conn).await?;
         let run = sqlx::query(
             "SELECT id, name, state, cancel_requested,
-                    (extract(epoch FROM coalesce(finished_at, now()) - created_at) * 1000)::bigint AS elapsed_ms
+                    (extract(epoch FROM coalesce(finished_at, now()) - created_at) * 1000)::bigint AS elapsed_ms,
+                    durable.run_being_removed(id) AS removing
                FROM durable.workflow_runs WHERE id = $1",
         )
         .bind(run_id)
@@ -502,6 +508,9 @@ impl DbConn<'_> {
         .await
         .ctx("reading a run")?
         .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
+        if run.get::<bool, _>("removing") {
+            return Err(DbError::being_removed(run_id));
+        }
         // the latest progress event of the step's current attempt only: a
         // retry starts from an empty bar, not from the last attempt's 90%
         let rows = sqlx::query(

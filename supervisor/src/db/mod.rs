@@ -187,6 +187,16 @@ pub enum DbError {
 }
 
 impl DbError {
+    /// A finished run retention has taken part of (it goes over several
+    /// batches): it reads as gone, not as the half of it that is left.
+    pub fn being_removed(run_id: Uuid) -> DbError {
+        DbError::NotFound(format!(
+            "run {run_id} is being removed by retention (it finished before the cutoff and part \
+             of it is gone already): it can no longer be read; `supervisor gc` or a worker's \
+             retention removes the rest"
+        ))
+    }
+
     /// A pool's error: it could not open a connection in time.
     pub fn is_pool_timeout(&self) -> bool {
         matches!(

@@ -203,7 +203,8 @@ impl DbConn<'_> {
     pub async fn status(&mut self, run_id: Uuid) -> Result<RunStatus, DbError> {
         let mut s = super::inspect::begin_read(self.conn).await?;
         let run = sqlx::query(
-            "SELECT id, name, state, idempotency_key, cancel_requested, created_at, finished_at
+            "SELECT id, name, state, idempotency_key, cancel_requested, created_at, finished_at,
+                    durable.run_being_removed(id) AS removing
                FROM durable.workflow_runs WHERE id = $1",
         )
         .bind(run_id)
@@ -211,6 +212,9 @@ impl DbConn<'_> {
         .await
         .ctx("reading a run")?
         .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
+        if run.get::<bool, _>("removing") {
+            return Err(DbError::being_removed(run_id));
+        }
         crate::fault::maybe_delay_status_read(run_id).await;
 
         let rows = sqlx::query(
