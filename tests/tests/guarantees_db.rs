@@ -904,6 +904,38 @@ async fn the_worker_checks_the_schema_version_instead_of_migrating() {
     drop(w);
 }
 
+/// A schema with a migration marked failed below its newest is refused by
+/// a worker, naming that migration and `migrate` (which refuses it too): the
+/// check compared the newest successful version alone, and the worker ran on
+/// it (redeploy audit).
+#[tokio::test]
+async fn a_worker_refuses_a_schema_with_a_failed_migration() {
+    let t = TestDb::new().await;
+    let failed: i64 = sqlx::query_scalar(
+        "SELECT version FROM durable._sqlx_migrations ORDER BY version DESC OFFSET 1 LIMIT 1",
+    )
+    .fetch_one(t.db.pool())
+    .await
+    .expect("a migration below the newest");
+    sqlx::query("UPDATE durable._sqlx_migrations SET success = false WHERE version = $1")
+        .bind(failed)
+        .execute(t.db.pool())
+        .await
+        .expect("mark it failed");
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let err = supervisor::worker::Worker::start(t.connect(4).await, cfg)
+        .await
+        .err()
+        .expect("a schema with a failed migration is refused")
+        .to_string();
+    assert!(
+        err.contains(&format!("migration {failed}"))
+            && err.contains("marked as failed")
+            && err.contains("supervisor migrate"),
+        "{err}"
+    );
+}
+
 /// `migrate` is safe from several processes at once on a fresh database (a
 /// fleet's init containers): `CREATE SCHEMA IF NOT EXISTS` raced before sqlx
 /// took its lock, and one of them failed on pg_namespace's unique index (1 in

@@ -181,6 +181,8 @@ pub enum DbError {
     SchemaTooOld { have: i64, need: i64 },
     #[error("the database has no durable schema (no migrations applied). Run `supervisor migrate` first")]
     SchemaMissing,
+    #[error("migration {version} of the database schema is marked as failed (durable._sqlx_migrations.success is false): the schema is not what any binary expects. Run `supervisor migrate`, which names what to fix")]
+    SchemaFailed { version: i64 },
     /// The connecting role lacks privileges the command needs (what to grant).
     #[error("missing privileges: {0}")]
     Privileges(String),
@@ -1178,13 +1180,17 @@ impl DbConn<'_> {
     /// See [`Db::check_schema`].
     pub async fn check_schema(&mut self) -> Result<i64, DbError> {
         let mut s = Scope::enter(self.conn).await?;
-        let res = sqlx::query_scalar::<_, Option<i64>>(
-            "SELECT max(version) FROM durable._sqlx_migrations WHERE success",
+        // a migration marked failed below the newest is a schema no binary
+        // was written for (`migrate` refuses it too)
+        let res = sqlx::query_as::<_, (Option<i64>, Option<i64>)>(
+            "SELECT max(version) FILTER (WHERE success), min(version) FILTER (WHERE NOT success)
+               FROM durable._sqlx_migrations",
         )
         .fetch_one(&mut *s)
         .await;
         let have = match res {
-            Ok(v) => v.ok_or(DbError::SchemaMissing)?,
+            Ok((_, Some(version))) => return Err(DbError::SchemaFailed { version }),
+            Ok((v, None)) => v.ok_or(DbError::SchemaMissing)?,
             Err(sqlx::Error::Database(e))
                 if matches!(e.code().as_deref(), Some("42P01") | Some("3F000")) =>
             {
