@@ -1685,13 +1685,16 @@ fn wrote_line(name: &str, size: i64, sha256: &str, out: &std::path::Path) -> Str
     )
 }
 
-/// Rows under a header, columns padded to their widest cell (the last is not).
+/// Rows under a header, columns padded to their widest cell (the last is
+/// not), in terminal columns: a CJK character or an emoji takes two (counted
+/// in characters, a row with one shifted the columns after it; scale audit).
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    use unicode_width::UnicodeWidthStr;
+    let mut widths: Vec<usize> = header.iter().map(|h| h.width()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
             if let Some(w) = widths.get_mut(i) {
-                *w = (*w).max(c.chars().count());
+                *w = (*w).max(c.width());
             }
         }
     }
@@ -1703,7 +1706,7 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
             if i + 1 == r.len() {
                 line.push_str(c);
             } else {
-                let pad = widths[i].saturating_sub(c.chars().count());
+                let pad = widths[i].saturating_sub(c.width());
                 line.push_str(c);
                 line.push_str(&" ".repeat(pad + 2));
             }
@@ -2000,6 +2003,19 @@ fn runs_text(runs: &[crate::db::RunSummary]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Columns line up in terminal columns: a name of wide characters (two
+    /// columns each) pads as wide as it shows.
+    #[test]
+    fn a_table_pads_wide_characters_by_their_width() {
+        let rows = vec![
+            vec!["ラン".to_owned(), "succeeded".to_owned()],
+            vec!["abc".to_owned(), "failed".to_owned()],
+        ];
+        let t = table(&["NAME", "STATE"], &rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines, ["NAME  STATE", "ラン  succeeded", "abc   failed"]);
+    }
 
     /// Each event on one line and no control character of a value reaches
     /// the terminal; the formatter's colours do with `ansi`.
