@@ -963,7 +963,12 @@ impl Shaped {
             writes,
             write_replies,
         } = self;
+        // each goes on its own, a connection wait each: what its writer gave
+        // up on meanwhile is not written (see Shaped::drop_abandoned)
         for (w, reply) in batch.starts.into_iter().zip(start_replies) {
+            if reply.is_closed() {
+                continue;
+            }
             let id = w.lease.step_run_id();
             let lease = w.lease.clone();
             let one = Batch {
@@ -977,6 +982,9 @@ impl Shaped {
             let _ = reply.send(res);
         }
         for (w, replies) in batch.events.into_iter().zip(event_replies) {
+            if replies.iter().all(|r| r.is_closed()) {
+                continue;
+            }
             let id = w.lease.step_run_id();
             let lease = w.lease.clone();
             let one = Batch {
@@ -997,6 +1005,9 @@ impl Shaped {
             .zip(complete_replies)
             .zip(complete_behind)
         {
+            if reply.is_closed() {
+                continue;
+            }
             if tainted.holds_back(&w, behind) {
                 let _ = reply.send(Err(behind_failed()));
                 continue;
@@ -1009,6 +1020,9 @@ impl Shaped {
             let _ = reply.send(single(db, worker, &one, id).await);
         }
         for (w, reply) in writes.iter().zip(write_replies) {
+            if reply.is_closed() {
+                continue;
+            }
             reply.send(single_write(db, worker, w).await);
         }
     }
