@@ -378,6 +378,13 @@ async fn a_run_partly_removed_is_not_read_as_a_half() {
         .collect();
     assert_eq!(listed, vec![small], "only the run that is whole is listed");
     assert_eq!(t.status(small).await.state, "succeeded");
+    gone(db.run_state(run).await.expect_err("run state"), "run state");
+    // a dry run counts what is left of it (it counted its 25)
+    let preview = db
+        .retention_preview(Duration::from_secs(1))
+        .await
+        .expect("preview");
+    assert_eq!((preview.runs, preview.steps), (2, 16), "{preview:?}");
 
     // the pass ends it: unknown from then on, the mark gone with it
     let r = pass_in_batches_of_10(db).await;
@@ -389,6 +396,67 @@ async fn a_run_partly_removed_is_not_read_as_a_half() {
             .await,
         0
     );
+}
+
+/// Whatever reads a run retention is removing treats it as gone, as
+/// `status` does: its artifacts (`artifact get`), a lineage through it (it
+/// named a derived artifact as a first input once its parents were gone),
+/// a submit of its idempotency key (it answered with the run about to
+/// vanish, the work never run; re-check audit). The mark is set here as the
+/// first batch of a larger run sets it.
+#[tokio::test]
+async fn what_reads_a_run_being_removed_treats_it_as_gone() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let spec = json!({"name": "old", "idempotency_key": "nightly-1", "steps": [
+        {"name": "s", "executor_kind": "go", "kind": "k"}]});
+    let old = t.submit(spec.clone()).await;
+    let s = lease(db, wid, 1).await.remove(0);
+    let parent = succeed(db, &s, &[artifact("in.txt", b"parent", vec![])]).await[0];
+    let young = t
+        .submit(tests::one_step("young", "go", "k", json!({})))
+        .await;
+    let s = lease(db, wid, 1).await.remove(0);
+    let child = succeed(db, &s, &[artifact("out.txt", b"child", vec![parent])]).await[0];
+    let whole = db.artifact_lineage(child).await.expect("whole lineage");
+    assert_eq!(whole.nodes.len(), 2);
+
+    sqlx::query("INSERT INTO durable.runs_being_removed (run_id) VALUES ($1)")
+        .bind(old)
+        .execute(db.pool())
+        .await
+        .expect("mark");
+    let said = |e: supervisor::db::DbError| e.to_string();
+    let msg = said(db.artifact_blob(parent).await.expect_err("its artifact"));
+    assert!(
+        msg.contains(&format!("run {old} is being removed")),
+        "{msg}"
+    );
+    let msg = said(db.artifact_lineage(parent).await.expect_err("its lineage"));
+    assert!(
+        msg.contains(&format!("run {old} is being removed")),
+        "{msg}"
+    );
+    let msg = said(
+        db.artifact_lineage(child)
+            .await
+            .expect_err("a lineage through it"),
+    );
+    assert!(
+        msg.contains(&format!("reaches run {old}, which is being removed")),
+        "{msg}"
+    );
+    let msg = said(db.submit(&spec).await.expect_err("its key"));
+    assert!(
+        msg.contains("\"nightly-1\"") && msg.contains("retention is removing"),
+        "{msg}"
+    );
+    // the other run reads as before
+    db.artifact_blob(child)
+        .await
+        .expect("the young run's artifact");
+    assert_eq!(t.status(young).await.state, "succeeded");
 }
 
 /// Several runs larger than a batch all go in one pass (soak audit: the

@@ -653,7 +653,7 @@ impl DbConn<'_> {
     pub async fn artifact_blob(&mut self, id: Uuid) -> Result<(ArtifactInfo, BlobRef), DbError> {
         let mut s = Scope::enter(self.conn).await?;
         let row = sqlx::query(&format!(
-            "SELECT {ARTIFACT_COLUMNS}, {BLOB_COLUMNS}
+            "SELECT {ARTIFACT_COLUMNS}, {BLOB_COLUMNS}, durable.run_being_removed(a.run_id) AS removing
                FROM durable.artifacts a
                JOIN durable.step_runs s ON s.id = a.step_run_id
                JOIN durable.artifact_blobs b ON b.sha256 = a.sha256
@@ -665,7 +665,12 @@ impl DbConn<'_> {
         .ctx("reading an artifact")?
         .ok_or_else(|| DbError::NotFound(format!("unknown artifact {id}")))?;
         s.done().await?;
-        Ok((artifact_info(&row), blob_ref(&row)?))
+        let info = artifact_info(&row);
+        if row.get::<bool, _>("removing") {
+            // its run reads as gone: so does what it made
+            return Err(DbError::being_removed(info.run_id));
+        }
+        Ok((info, blob_ref(&row)?))
     }
 
     /// See [`Db::artifact_lineage`]. Inside a caller's transaction it reads
@@ -679,7 +684,7 @@ impl DbConn<'_> {
                  SELECT $1::uuid
                  UNION
                  SELECT l.derived_from_id FROM durable.artifact_lineage l JOIN reach r ON l.artifact_id = r.id)
-             SELECT {ARTIFACT_COLUMNS}
+             SELECT {ARTIFACT_COLUMNS}, durable.run_being_removed(a.run_id) AS removing
                FROM reach JOIN durable.artifacts a ON a.id = reach.id
                JOIN durable.step_runs s ON s.id = a.step_run_id"
         ))
@@ -687,6 +692,21 @@ impl DbConn<'_> {
         .fetch_all(&mut *tx)
         .await
         .ctx("reading an artifact's lineage")?;
+        // a run retention has taken part of has lost artifacts and their
+        // edges already: a tree through it would name a derived artifact as
+        // a first input (re-check audit)
+        if let Some(r) = nodes.iter().find(|r| r.get::<bool, _>("removing")) {
+            let run: Uuid = r.get("run_id");
+            let a: Uuid = r.get("id");
+            return Err(if a == id {
+                DbError::being_removed(run)
+            } else {
+                DbError::NotFound(format!(
+                    "the lineage of artifact {id} reaches run {run}, which is being removed by \
+                     retention: it can no longer be read whole"
+                ))
+            });
+        }
         let nodes: BTreeMap<Uuid, ArtifactInfo> = nodes
             .iter()
             .map(|r| {

@@ -420,7 +420,12 @@ impl DbConn<'_> {
         let cutoff = DbConn::new(&mut s).retention_cutoff(older_than).await?;
         let row = sqlx::query(
             "WITH r AS (
-                 SELECT id, steps_total FROM durable.workflow_runs
+                 -- a run retention has taken part of: what is left of it
+                 -- (re-check audit: its counter counted the removed steps)
+                 SELECT id, CASE WHEN durable.run_being_removed(id)
+                                 THEN (SELECT count(*) FROM durable.step_runs s WHERE s.run_id = w.id)
+                                 ELSE steps_total END AS steps_total
+                   FROM durable.workflow_runs w
                   WHERE finished_at < $1 AND state IN ('succeeded', 'failed', 'cancelled')
              ), a AS (
                  SELECT a.sha256 FROM durable.artifacts a WHERE a.run_id IN (SELECT id FROM r)

@@ -331,15 +331,20 @@ impl DbConn<'_> {
     /// See [`Db::run_state`].
     pub async fn run_state(&mut self, run_id: Uuid) -> Result<RunState, DbError> {
         let mut s = Scope::enter(self.conn).await?;
-        let state: Option<String> =
-            sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
-                .bind(run_id)
-                .fetch_optional(&mut *s)
-                .await
-                .ctx("reading a run's state")?;
+        let state: Option<(String, bool)> = sqlx::query_as(
+            "SELECT state, durable.run_being_removed(id) FROM durable.workflow_runs WHERE id = $1",
+        )
+        .bind(run_id)
+        .fetch_optional(&mut *s)
+        .await
+        .ctx("reading a run's state")?;
         s.done().await?;
+        let (state, removing) =
+            state.ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?;
+        if removing {
+            return Err(DbError::being_removed(run_id));
+        }
         state
-            .ok_or_else(|| DbError::NotFound(format!("unknown run {run_id}")))?
             .parse()
             .map_err(|e| DbError::Corrupt(format!("run state: {e}")))
     }
