@@ -934,6 +934,35 @@ async fn a_worker_refuses_a_schema_with_a_failed_migration() {
             && err.contains("supervisor migrate"),
         "{err}"
     );
+
+    // one newer than this binary failed: its own binary's migrate names the
+    // fix, this one's has nothing to apply (re-check audit)
+    sqlx::query("UPDATE durable._sqlx_migrations SET success = true WHERE version = $1")
+        .bind(failed)
+        .execute(t.db.pool())
+        .await
+        .expect("restore");
+    let future = Db::schema_version_needed() + 1;
+    sqlx::query(
+        "INSERT INTO durable._sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'from the future', false, '\\x00'::bytea, 0)",
+    )
+    .bind(future)
+    .execute(t.db.pool())
+    .await
+    .expect("a newer migration that failed");
+    let cfg = tests::fast_config(vec![tests::go_demo("go", &[], None)]);
+    let err = supervisor::worker::Worker::start(t.connect(4).await, cfg)
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains(&format!("migration {future}"))
+            && err.contains("newer than this binary")
+            && err.contains("with the binary that has it"),
+        "{err}"
+    );
 }
 
 /// `migrate` is safe from several processes at once on a fresh database (a

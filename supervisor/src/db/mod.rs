@@ -181,8 +181,8 @@ pub enum DbError {
     SchemaTooOld { have: i64, need: i64 },
     #[error("the database has no durable schema (no migrations applied). Run `supervisor migrate` first")]
     SchemaMissing,
-    #[error("migration {version} of the database schema is marked as failed (durable._sqlx_migrations.success is false): the schema is not what any binary expects. Run `supervisor migrate`, which names what to fix")]
-    SchemaFailed { version: i64 },
+    #[error("migration {version} of the database schema is marked as failed (durable._sqlx_migrations.success is false): the schema is not what any binary expects. {fix}")]
+    SchemaFailed { version: i64, fix: &'static str },
     /// The connecting role lacks privileges the command needs (what to grant).
     #[error("missing privileges: {0}")]
     Privileges(String),
@@ -1189,7 +1189,18 @@ impl DbConn<'_> {
         .fetch_one(&mut *s)
         .await;
         let have = match res {
-            Ok((_, Some(version))) => return Err(DbError::SchemaFailed { version }),
+            Ok((_, Some(version))) => {
+                return Err(DbError::SchemaFailed {
+                    version,
+                    fix: if version > Db::schema_version_needed() {
+                        // this binary's migrate does not know it (re-check audit)
+                        "It is newer than this binary: run `supervisor migrate` with the binary \
+                         that has it, which names what to fix"
+                    } else {
+                        "Run `supervisor migrate`, which names what to fix"
+                    },
+                });
+            }
             Ok((v, None)) => v.ok_or(DbError::SchemaMissing)?,
             Err(sqlx::Error::Database(e))
                 if matches!(e.code().as_deref(), Some("42P01") | Some("3F000")) =>
