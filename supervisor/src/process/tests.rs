@@ -224,6 +224,50 @@ async fn environment_is_cleared_to_allowlist_and_explicit_pairs() {
     assert_group_empty(pid).await;
 }
 
+/// A descriptor this process holds without close-on-exec (inherited from
+/// whoever started the worker) does not reach the child: only its three
+/// pipes do (security audit: a secret file the worker's parent had open).
+#[tokio::test]
+async fn the_child_gets_no_fd_but_its_three_pipes() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    // SAFETY: open and dup2 on a path and fd numbers this test owns; the
+    // duplicate (no O_CLOEXEC, as an inherited fd is) is closed below.
+    let leaked = unsafe {
+        let fd = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+        assert!(fd >= 0);
+        let high = libc::dup2(fd, 987);
+        libc::close(fd);
+        high
+    };
+    assert_eq!(leaked, 987);
+    let mut child = spawner()
+        // stat only: a listing would show the directory fd it reads with
+        .spawn(sh(
+            "n=0; while [ $n -lt 1024 ]; do [ -e /proc/$$/fd/$n ] && echo $n; n=$((n+1)); done; true",
+        ))
+        .await
+        .unwrap();
+    let pid = child.pid;
+    let mut out = String::new();
+    child
+        .take_stdout()
+        .unwrap()
+        .read_to_string(&mut out)
+        .await
+        .unwrap();
+    let report = child.finish().await.unwrap();
+    // SAFETY: the fd dup2 made above.
+    unsafe { libc::close(leaked) };
+    assert!(report.status.success(), "{report:?}");
+    let fds: BTreeSet<&str> = out.lines().collect();
+    assert!(
+        !fds.contains("987"),
+        "the inherited fd reached the child: {fds:?}"
+    );
+    assert_eq!(fds, ["0", "1", "2"].into_iter().collect(), "{out}");
+    assert_group_empty(pid).await;
+}
+
 #[tokio::test]
 async fn cwd_is_set_and_stdin_stdout_work() {
     let _shared = KILL_ALL_LOCK.read().await;
