@@ -915,13 +915,27 @@ async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
         } else {
             cfg.name.clone()
         };
+        // a database URL with a credential in it is not printed (security
+        // audit: DURABLE_DATABASE_URL's password was): the worker reads it
+        // from the environment as dev did
+        let with_credential = cfg
+            .database_url
+            .as_deref()
+            .is_some_and(|u| crate::db::redact_url(u) != u);
         let printed = WorkerConfig {
             name,
+            database_url: cfg.database_url.clone().filter(|_| !with_credential),
             ..cfg.clone()
+        };
+        let note = if with_credential {
+            "# database_url is left out: it holds a credential (set DURABLE_DATABASE_URL or\n\
+             # DATABASE_URL where the worker runs, as for this command).\n"
+        } else {
+            ""
         };
         print!(
             "# `name` is the worker's process slot: give every worker its own (a restart under the\n\
-             # same name ends what its previous incarnation left behind).\n{}",
+             # same name ends what its previous incarnation left behind).\n{note}{}",
             toml::to_string_pretty(&printed).map_err(|e| CliError::Other(e.to_string()))?
         );
         return Ok(0);

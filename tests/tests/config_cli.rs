@@ -564,6 +564,54 @@ fn dev_takes_the_environments_overrides() {
     }
 }
 
+/// A credential in the database URL is not printed: not a password behind a
+/// misspelt parameter name in an error (the log promised an unknown
+/// parameter's value never is), not `DURABLE_DATABASE_URL`'s password in
+/// `dev --print-config` (DATABASE_URL's never was) (security audit).
+#[test]
+fn no_credential_of_the_database_url_is_printed() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        l.local_addr().expect("addr").port()
+    };
+    let url = format!("postgres://bob:PW_W1@127.0.0.1:{port}/app?pasword=MyRealPassw0rd");
+    let o = cli(&["runs"], &[("DATABASE_URL", url.as_str())]);
+    let said = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains("pasword=***"), "{said}");
+    assert!(
+        !said.contains("MyRealPassw0rd") && !said.contains("PW_W1"),
+        "{said}"
+    );
+
+    let o = cli(
+        &["dev", "--print-config"],
+        &[(
+            "DURABLE_DATABASE_URL",
+            "postgres://postgres:PRINTPW2@127.0.0.1:5432/x",
+        )],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!out.contains("PRINTPW2"), "{out}");
+    let cfg: toml::Table = toml::from_str(&out).expect("toml");
+    assert!(!cfg.contains_key("database_url"), "{out}");
+    assert!(out.contains("database_url is left out"), "{out}");
+    // one without a credential is printed as it is
+    let o = cli(
+        &["dev", "--print-config"],
+        &[(
+            "DURABLE_DATABASE_URL",
+            "postgres://postgres@127.0.0.1:5432/x",
+        )],
+    );
+    let cfg: toml::Table = toml::from_str(&String::from_utf8_lossy(&o.stdout)).expect("toml");
+    assert_eq!(
+        cfg["database_url"].as_str(),
+        Some("postgres://postgres@127.0.0.1:5432/x")
+    );
+}
+
 /// A stop signal while the worker starts (here: a probe process that never
 /// says hello) stops it at once, exit 0, leaving no process behind. It waited
 /// out the whole handshake timeout (configurable up to a day), then exited 1.

@@ -715,30 +715,59 @@ pub struct RunStatus {
     pub waiting: Vec<WaitingStep>,
 }
 
+/// The query parameters sqlx's PostgreSQL driver knows.
+const KNOWN_URL_PARAMETERS: [&str; 18] = [
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// `url` with the value of every query parameter the driver does not know
+/// replaced by `***`: a misspelt `pasword=` is a password all the same
+/// (security audit: printed in an error while the log said its value
+/// never is).
+fn mask_unknown_url_parameters(url: &str) -> String {
+    let Some((head, rest)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let (query, frag) = match rest.split_once('#') {
+        Some((q, f)) => (q, Some(f)),
+        None => (rest, None),
+    };
+    let query: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((k, _)) if !KNOWN_URL_PARAMETERS.contains(&k) => format!("{k}=***"),
+            _ => p.to_owned(),
+        })
+        .collect();
+    let mut out = format!("{head}?{}", query.join("&"));
+    if let Some(f) = frag {
+        out.push('#');
+        out.push_str(f);
+    }
+    out
+}
+
 /// The query parameters of a connection URL that the driver ignores (it
 /// logs them with their values, which the CLI's filter silences): every key
 /// but those `PgConnectOptions` reads.
 pub fn unknown_url_parameters(url: &str) -> Vec<String> {
-    const KNOWN: [&str; 18] = [
-        "sslmode",
-        "ssl-mode",
-        "sslrootcert",
-        "ssl-root-cert",
-        "ssl-ca",
-        "sslcert",
-        "ssl-cert",
-        "sslkey",
-        "ssl-key",
-        "statement-cache-capacity",
-        "host",
-        "hostaddr",
-        "port",
-        "dbname",
-        "user",
-        "password",
-        "application_name",
-        "options",
-    ];
     let Some((_, query)) = url.split_once('?') else {
         return Vec::new();
     };
@@ -747,7 +776,7 @@ pub fn unknown_url_parameters(url: &str) -> Vec<String> {
         .split('&')
         .filter(|p| !p.is_empty())
         .map(|p| p.split('=').next().unwrap_or_default())
-        .filter(|k| !KNOWN.contains(k))
+        .filter(|k| !KNOWN_URL_PARAMETERS.contains(k))
         .map(|k| k.escape_debug().to_string())
         .collect()
 }
@@ -1228,6 +1257,7 @@ pub fn redact_url(url: &str) -> String {
     // every form of credential a connection string carries (a `password=`
     // query parameter, a `key=value` DSN's), then the userinfo's as `***`
     let url = crate::secrets::Redactor::none().redact_string(url.to_owned());
+    let url = mask_unknown_url_parameters(&url);
     let url = url.as_str();
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
@@ -1271,6 +1301,13 @@ mod tests {
         assert_eq!(
             super::redact_url("postgres://bob:TopSecret77@h/x?password=TopSecret77"),
             "postgres://bob:***@h/x?password=[REDACTED]"
+        );
+        // a parameter the driver does not know: its value is masked
+        assert_eq!(
+            super::redact_url(
+                "postgres://bob:PW_W1@h:1/app?pasword=MyRealPassw0rd&sslmode=off&x#f"
+            ),
+            "postgres://bob:***@h:1/app?pasword=***&sslmode=off&x#f"
         );
         assert_eq!(
             super::redact_url("host=h port=1 user=bob password=TopSecret77 dbname=x"),
