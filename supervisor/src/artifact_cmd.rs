@@ -217,15 +217,22 @@ async fn copy_checked(
     check(info, written, &hex::encode(hasher.finalize()), sink)
 }
 
-/// Moves the verified temporary file to `out`: durable, mode 0644, and
-/// never over an existing file without `force`.
+/// Moves the verified temporary file to `out`: durable, with the mode a
+/// file the user creates gets (0666 less the umask), or the mode of the file
+/// it replaces (`force`), and never over an existing file without `force`.
+/// It was 0644 whatever the umask, and `--force` widened a 0600 file to it
+/// (security audit).
 fn place(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> Result<(), CliError> {
     use std::os::unix::fs::PermissionsExt;
     tmp.as_file()
         .sync_all()
         .map_err(|e| io_error(out, "write", e))?;
+    let mode = match std::fs::metadata(out) {
+        Ok(m) if force && m.is_file() => m.permissions().mode() & 0o7777,
+        _ => 0o666 & !umask(),
+    };
     tmp.as_file()
-        .set_permissions(std::fs::Permissions::from_mode(0o644))
+        .set_permissions(std::fs::Permissions::from_mode(mode))
         .map_err(|e| io_error(out, "write", e))?;
     let placed = if force {
         tmp.persist(out).map(|_| ())
@@ -244,6 +251,19 @@ fn place(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> Result<(), Cl
             io_error(out, "write", e.error)
         }
     })
+}
+
+/// This process's umask, read where it does not change it
+/// (`/proc/self/status`, Linux 4.7+); 022 where that says nothing.
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
 }
 
 fn check(info: &ArtifactInfo, size: i64, sha256: &str, sink: Sink) -> Result<(), CliError> {

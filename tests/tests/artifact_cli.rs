@@ -332,6 +332,60 @@ async fn get_writes_through_what_is_not_a_regular_file() {
     );
 }
 
+/// A file `artifact get` writes gets the mode any file the user creates
+/// gets (0666 less the umask), and one it replaces with `--force` keeps its
+/// own: it was 0644 whatever the umask, and `--force` widened a 0600 file
+/// (security audit).
+#[tokio::test]
+async fn get_writes_a_file_with_the_users_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(
+        t.connect(10).await,
+        fast_config(vec![go_demo("go", &[], None)]),
+    )
+    .await;
+    let run = t
+        .submit(
+            json!({"name": "one", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.artifact", "input": {"name": "a.txt", "content": "abc", "repeat": 10}}]}),
+        )
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(st.state, "succeeded");
+    let id = tests::step(&st, "s").artifacts[0].id.to_string();
+    w.shutdown().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let get = |umask: &str, out: &std::path::Path, force: bool| {
+        let script = format!(
+            "umask {umask} && exec \"$0\" artifact get {id} --out \"$1\"{}",
+            if force { " --force" } else { "" }
+        );
+        let o = Command::new("/bin/sh")
+            .args(["-c", &script])
+            .arg(tests::supervisor_bin())
+            .arg(out)
+            .env("DATABASE_URL", &t.url)
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .output()
+            .expect("sh");
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    };
+    let mode =
+        |p: &std::path::Path| std::fs::metadata(p).expect("written").permissions().mode() & 0o777;
+    let private = dir.path().join("private.txt");
+    get("077", &private, false);
+    assert_eq!(mode(&private), 0o600);
+    let shared = dir.path().join("shared.txt");
+    get("002", &shared, false);
+    assert_eq!(mode(&shared), 0o664);
+    // replaced: its own mode stays, whatever the umask
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+    get("022", &private, true);
+    assert_eq!(mode(&private), 0o640);
+}
+
 /// `artifact lineage` lists an artifact's inputs in the order they were
 /// given (the order of its bytes), not by when they were made: here `right`
 /// is made before `left`, and the join, which depends on [left, right], is
