@@ -328,6 +328,12 @@ impl CliError {
             CliError::NotJson(_) => {
                 Some("a spec is one JSON object: {\"name\": ..., \"steps\": [...]} (CONTRACT §3)")
             }
+            // the README's roles name what each command needs (security
+            // audit: a reader with SELECT alone read only "permission denied
+            // for schema durable")
+            CliError::Db(e) if e.sqlstate().as_deref() == Some("42501") => Some(
+                "this database role lacks a grant the command needs: readers need USAGE ON SCHEMA durable and SELECT ON ALL TABLES IN SCHEMA durable; submitters USAGE and EXECUTE on durable.submit_run and durable.cancel_run (README \"Database roles\" has the GRANTs)",
+            ),
             CliError::Db(e) if e.sqlstate().as_deref() == Some("55P03") => Some(
                 "another transaction held the rows for over 10 s (an open psql session, a long cancel or gc): this command gave up waiting, and made no change if it was to make one; end that transaction, or try again",
             ),
@@ -863,22 +869,28 @@ async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Resul
     let db = connect(url, 2, true).await?;
     // read first only to word the answer: cancel_run itself decides, under
     // the run's lock
-    let before = db.run_state(id).await.map_err(explain)?;
+    // a submitter's role may call cancel_run and read nothing (README
+    // "Database roles"): without SELECT the answer is worded from
+    // cancel_run's alone (security audit: such a cancel failed on the read)
+    fn readable<T>(r: Result<T, DbError>) -> Result<Option<T>, CliError> {
+        match r {
+            Err(e) if e.sqlstate().as_deref() == Some("42501") => Ok(None),
+            r => r.map(Some).map_err(explain),
+        }
+    }
+    let before = readable(db.run_state(id).await)?;
     // the named step's state before, likewise only for the wording
-    let step_before = match step {
-        Some(name) if !before.is_terminal() => db
-            .status(id)
-            .await
-            .map_err(explain)?
-            .steps
-            .into_iter()
-            .find(|s| s.name == name)
+    let step_before = match (step, &before) {
+        (Some(name), Some(b)) if !b.is_terminal() => readable(db.status(id).await)?
+            .and_then(|st| st.steps.into_iter().find(|s| s.name == name))
             .map(|s| s.state),
         _ => None,
     };
     let state = db.cancel(id, step).await.map_err(explain)?;
     match (step, step_before) {
-        _ if before.is_terminal() => eprintln!("run {id} already {state}; nothing to cancel"),
+        _ if before.is_some_and(|b| b.is_terminal()) => {
+            eprintln!("run {id} already {state}; nothing to cancel")
+        }
         (Some(name), Some(s))
             if s.parse::<crate::state::StepState>()
                 .is_ok_and(|s| s.is_terminal()) =>

@@ -305,3 +305,82 @@ async fn a_refused_connection_is_named_by_the_servers_reason() {
     db.pool().close().await;
     exec(&t.db, &format!("DROP ROLE {role}")).await;
 }
+
+/// The README's reader and submitter, granted as it says: a reader reads
+/// (`status`) and may not cancel; a submitter submits and cancels; a role
+/// with SELECT but not USAGE on the schema is told which GRANTs it needs
+/// (security audit: the recipe left USAGE out, said nothing of EXECUTE
+/// being PUBLIC's, and the error was only "permission denied for schema").
+#[tokio::test]
+async fn the_readmes_reader_reads_and_its_submitter_submits_and_cancels() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let (reader, app, bare) = (
+        format!("rd_{tag}"),
+        format!("app_{tag}"),
+        format!("bare_{tag}"),
+    );
+    exec(
+        &t.db,
+        &format!(
+            "CREATE ROLE {app} LOGIN; GRANT USAGE ON SCHEMA durable TO {app};
+             REVOKE EXECUTE ON FUNCTION durable.submit_run(jsonb), durable.cancel_run(uuid, text, text) FROM PUBLIC;
+             GRANT EXECUTE ON FUNCTION durable.submit_run(jsonb), durable.cancel_run(uuid, text, text) TO {app};
+             CREATE ROLE {reader} LOGIN; GRANT USAGE ON SCHEMA durable TO {reader};
+             GRANT SELECT ON ALL TABLES IN SCHEMA durable TO {reader};
+             CREATE ROLE {bare} LOGIN; GRANT SELECT ON ALL TABLES IN SCHEMA durable TO {bare};"
+        ),
+    )
+    .await;
+    let cli = |role: &str, args: &[&str]| {
+        let o = std::process::Command::new(tests::supervisor_bin())
+            .args(args)
+            .env("DATABASE_URL", as_role(&t.url, role))
+            .env("RUST_LOG", "error")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("supervisor");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (o.status.code(), said)
+    };
+    let spec = tempfile::NamedTempFile::new().expect("spec");
+    std::fs::write(
+        spec.path(),
+        json!({"name": "r", "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]})
+            .to_string(),
+    )
+    .expect("write");
+    let path = spec.path().to_string_lossy().into_owned();
+    let (code, said) = cli(&app, &["submit", &path, "--json"]);
+    assert_eq!(code, Some(0), "{said}");
+    let run = serde_json::from_str::<serde_json::Value>(said.trim()).expect("json")["run_id"]
+        .as_str()
+        .expect("run_id")
+        .to_owned();
+
+    let (code, said) = cli(&reader, &["status", &run]);
+    assert_eq!(code, Some(0), "{said}");
+    let (code, said) = cli(&reader, &["cancel", &run]);
+    assert_eq!(code, Some(1), "a reader may not cancel: {said}");
+    assert!(said.contains("permission denied"), "{said}");
+    let (code, said) = cli(&reader, &["submit", &path]);
+    assert_eq!(code, Some(1), "a reader may not submit: {said}");
+
+    let (code, said) = cli(&bare, &["status", &run]);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("permission denied") && said.contains("USAGE ON SCHEMA durable"),
+        "{said}"
+    );
+
+    let (code, said) = cli(&app, &["cancel", &run]);
+    assert_eq!(code, Some(0), "{said}");
+    assert_eq!(
+        t.status(run.parse().expect("uuid")).await.state,
+        "cancelled"
+    );
+}
