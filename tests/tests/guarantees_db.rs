@@ -1723,3 +1723,36 @@ async fn a_lost_lease_of_a_failed_run_is_given_back_naming_the_run_failure() {
         ("cancelled", Some("RUN_FAILED (LEASE_NOT_RECEIVED)"))
     );
 }
+
+/// History is append-only: an UPDATE of a run's transitions or a step's
+/// events is refused whoever asks (security audit: the worker's role, which
+/// has UPDATE on every table, rewrote a finished run's history). Retention's
+/// DELETE still removes them with their run.
+#[tokio::test]
+async fn history_and_events_are_append_only() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(tests::one_step("h", "go", "k", serde_json::json!({})))
+        .await;
+    for sql in [
+        "UPDATE durable.transitions SET reason = 'forged' WHERE run_id = $1",
+        "UPDATE durable.step_events SET message = 'forged'
+          WHERE step_run_id IN (SELECT id FROM durable.step_runs WHERE run_id = $1)",
+    ] {
+        let err = sqlx::query(sql)
+            .bind(run)
+            .execute(t.db.pool())
+            .await
+            .expect_err("refused");
+        let msg = err.to_string();
+        assert!(msg.contains("append-only"), "{sql}: {msg}");
+    }
+    let reasons: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT reason FROM durable.transitions WHERE run_id = $1")
+            .bind(run)
+            .fetch_all(t.db.pool())
+            .await
+            .expect("history");
+    assert!(!reasons.is_empty());
+    assert!(reasons.iter().all(|r| r.as_deref() != Some("forged")));
+}
