@@ -556,3 +556,51 @@ async fn a_refused_step_is_announced_to_the_other_workers_when_it_comes_due() {
         "the worker with the secret leased the step once it came due"
     );
 }
+
+/// In one worker, two executors serve the same kind and only one may hand
+/// out ROUTE_TOKEN: every step naming it runs on that one, every step
+/// naming nothing runs on either, and a step naming a secret neither may
+/// hand out still fails SECRET_NOT_ALLOWED. Before, whichever executor
+/// leased first took a step, and the one without the secret failed it for
+/// good (and its run with it: security audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_naming_a_secret_runs_on_the_executor_that_may_hand_it_out() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let (_without, with) = secret_dirs();
+    let mut cfg = route_token_worker("two-executors", with.path());
+    let mut plain = go_demo("go-plain", &[], None);
+    plain.concurrency = 4;
+    cfg.executors[0].concurrency = 2;
+    cfg.executors.push(plain);
+    let w = RunningWorker::start(t.connect(12).await, cfg).await;
+    let steps: Vec<Value> = (0..12)
+        .map(|i| {
+            let mut s = json!({"name": format!("s{i}"), "executor_kind": "go",
+                               "kind": "demo.echo", "input": {"i": i}});
+            if i % 2 == 0 {
+                s["secrets"] = json!(["ROUTE_TOKEN"]);
+            }
+            s
+        })
+        .collect();
+    let run = t.submit(json!({"name": "secret", "steps": steps})).await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    for s in &st.steps {
+        assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
+    }
+    let run = t
+        .submit(
+            json!({"name": "neither", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.echo", "input": {}, "secrets": ["OTHER_TOKEN"]}]}),
+        )
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    let s = tests::step(&st, "s");
+    assert_eq!(s.state, "terminal_failed");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("SECRET_NOT_ALLOWED")
+    );
+}

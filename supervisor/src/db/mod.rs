@@ -522,6 +522,28 @@ pub struct Route {
     pub labels: BTreeMap<String, String>,
 }
 
+/// What a route of one executor takes of the steps that name secrets, when
+/// other executors of the same worker serve the same kind: the steps whose
+/// secrets it may hand out (`mine`), and those no other one both may hand
+/// out and offers the labels for (which it leases and fails
+/// `SECRET_NOT_ALLOWED`, as an executor alone does). Without it, whichever
+/// executor leased first took a step, and one that may not hand out its
+/// secret failed it for good while another of the worker could have run it
+/// (security audit).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SecretFilter {
+    pub mine: Vec<String>,
+    pub others: Vec<OtherExecutor>,
+}
+
+/// Another executor serving a route: the labels it offers there and the
+/// secrets it may hand out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OtherExecutor {
+    pub labels: BTreeMap<String, String>,
+    pub secrets: Vec<String>,
+}
+
 /// Proof of ownership of one step attempt. Only [`Db::lease`] creates one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {

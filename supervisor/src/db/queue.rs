@@ -309,9 +309,45 @@ impl DbConn<'_> {
         except: &[Uuid],
         epoch: Option<i64>,
     ) -> Result<Vec<LeasedStep>, DbError> {
+        self.lease_routed(
+            worker_id,
+            worker_name,
+            routes,
+            &[],
+            limit,
+            ttl,
+            except,
+            epoch,
+        )
+        .await
+    }
+
+    /// [`DbConn::lease_except`], each route with its [`SecretFilter`] (by
+    /// position; a route without one takes steps whatever secrets they name).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn lease_routed(
+        &mut self,
+        worker_id: Uuid,
+        worker_name: &str,
+        routes: &[Route],
+        filters: &[Option<super::SecretFilter>],
+        limit: u32,
+        ttl: StdDuration,
+        except: &[Uuid],
+        epoch: Option<i64>,
+    ) -> Result<Vec<LeasedStep>, DbError> {
         if routes.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
+        let filters: Vec<serde_json::Value> = (0..routes.len())
+            .map(|i| {
+                filters
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .map(|f| serde_json::to_value(f).unwrap_or_default())
+                    .unwrap_or(serde_json::Value::Null)
+            })
+            .collect();
         let eks: Vec<&str> = routes.iter().map(|r| r.executor_kind.as_str()).collect();
         let kinds: Vec<&str> = routes.iter().map(|r| r.kind.as_str()).collect();
         let labels: Vec<serde_json::Value> = routes
@@ -321,7 +357,8 @@ impl DbConn<'_> {
         let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
             "WITH routes AS (
-                 SELECT * FROM unnest($3::text[], $4::text[], $5::jsonb[]) AS r(executor_kind, kind, labels)
+                 SELECT * FROM unnest($3::text[], $4::text[], $5::jsonb[], $10::jsonb[])
+                     AS r(executor_kind, kind, labels, secrets)
              ), candidates AS (
                  -- one ordered scan of the routing index per route, stopping
                  -- after `limit` rows: the cost does not grow with the backlog
@@ -339,6 +376,15 @@ impl DbConn<'_> {
                         -- lease counted an attempt that never ran)
                         AND (s.deadline IS NULL OR s.deadline > now())
                         AND s.id <> ALL ($8::uuid[])
+                        -- beside other executors of this worker: a step
+                        -- whose secrets this one may hand out, or that none
+                        -- of the others may run either (see SecretFilter)
+                        AND (jsonb_typeof(r.secrets) = 'null' OR cardinality(s.secrets) = 0
+                             OR s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(r.secrets -> 'mine'))
+                             OR NOT EXISTS (
+                                 SELECT 1 FROM jsonb_array_elements(r.secrets -> 'others') AS o
+                                  WHERE (o -> 'labels') @> s.labels
+                                    AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(o -> 'secrets'))))
                         -- a scalar subquery, one primary-key probe per
                         -- candidate: as NOT EXISTS the planner could make it
                         -- an anti-join over a seq scan of every run (it
@@ -383,6 +429,7 @@ impl DbConn<'_> {
         .bind(ttl.as_millis() as f64)
         .bind(except)
         .bind(epoch)
+        .bind(&filters)
         .fetch_all(&mut *s)
         .await
         .ctx("leasing steps")?;

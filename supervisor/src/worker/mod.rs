@@ -943,7 +943,15 @@ async fn lease_pass(
         let Some(routes) = routes_to_lease(shared, exec).await else {
             continue;
         };
-        let (steps, sent) = match lease_for(shared, &routes, free, ttl).await {
+        // beside other executors of this worker serving the same kinds, a
+        // step goes to one that may hand out its secrets
+        let others: Vec<(Vec<Route>, Vec<String>)> = executors
+            .iter()
+            .filter(|x| !Arc::ptr_eq(x, exec))
+            .map(|x| (x.routes(), x.cfg.secrets.clone()))
+            .collect();
+        let filters = routing::secret_filters(&routes, &exec.cfg.secrets, &others);
+        let (steps, sent) = match lease_for(shared, &routes, &filters, free, ttl).await {
             Ok(Some(leased)) => {
                 crate::metrics::lease_call(true);
                 leased
@@ -1066,6 +1074,7 @@ async fn routes_to_lease(shared: &Arc<Shared>, exec: &ExecutorRuntime) -> Option
 async fn lease_for(
     shared: &Arc<Shared>,
     routes: &[Route],
+    filters: &[Option<crate::db::SecretFilter>],
     free: u32,
     ttl: Duration,
 ) -> Result<Option<(Vec<crate::db::LeasedStep>, Instant)>, DbError> {
@@ -1084,10 +1093,11 @@ async fn lease_for(
         let except = shared.left_to_others();
         let steps = conn
             .conn()
-            .lease_except(
+            .lease_routed(
                 shared.id,
                 &shared.name,
                 routes,
+                filters,
                 free,
                 ttl,
                 &except,

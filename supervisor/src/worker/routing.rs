@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::config::ExecutorConfig;
-use crate::db::Route;
+use crate::db::{OtherExecutor, Route, SecretFilter};
 use crate::wire::{Hello, PROTOCOL_VERSION};
 
 /// The labels an executor offers: its hello's labels plus the host labels the
@@ -32,6 +32,39 @@ pub fn routes(hello: &Hello, cfg: &ExecutorConfig) -> Vec<Route> {
             executor_kind: hello.executor_kind.clone(),
             kind: k.clone(),
             labels: labels.clone(),
+        })
+        .collect()
+}
+
+/// The [`SecretFilter`] of each of one executor's routes (by position):
+/// `None` where no other executor of the worker serves the route's
+/// executor_kind and kind; else what it may hand out and, for each other
+/// one, the labels it offers there and what it may hand out. `others`: the
+/// other executors' routes and allowed secrets.
+pub fn secret_filters(
+    routes: &[Route],
+    secrets: &[String],
+    others: &[(Vec<Route>, Vec<String>)],
+) -> Vec<Option<SecretFilter>> {
+    routes
+        .iter()
+        .map(|r| {
+            let serving: Vec<OtherExecutor> = others
+                .iter()
+                .flat_map(|(routes, secrets)| {
+                    routes
+                        .iter()
+                        .filter(|o| o.executor_kind == r.executor_kind && o.kind == r.kind)
+                        .map(|o| OtherExecutor {
+                            labels: o.labels.clone(),
+                            secrets: secrets.clone(),
+                        })
+                })
+                .collect();
+            (!serving.is_empty()).then(|| SecretFilter {
+                mine: secrets.to_vec(),
+                others: serving,
+            })
         })
         .collect()
 }
