@@ -37,6 +37,16 @@ BEGIN
     -- RETENTION_LOCK: one batch at a time, whoever runs it
     PERFORM pg_advisory_xact_lock(7254610300000002);
 
+    -- a run an earlier batch began is finished first, whatever this pass's
+    -- cutoff (re-check audit: after an interrupted `gc --older-than 0s` it
+    -- read as gone, its key refused, until it was older than the next
+    -- pass's cutoff, 7 days by default)
+    SELECT r.id INTO partial_run
+      FROM durable.runs_being_removed m JOIN durable.workflow_runs r ON r.id = m.run_id
+     ORDER BY m.since, m.run_id
+     LIMIT 1
+       FOR UPDATE OF r SKIP LOCKED;
+    IF partial_run IS NULL THEN
     SELECT array_agg(c.id ORDER BY c.finished_at), array_agg(c.steps_total ORDER BY c.finished_at)
       INTO cand, cand_steps
       FROM (SELECT r.id, r.finished_at, r.steps_total FROM durable.workflow_runs r
@@ -44,6 +54,7 @@ BEGIN
              ORDER BY r.finished_at
              LIMIT p_max_runs + 1
              FOR UPDATE SKIP LOCKED) c;
+    END IF;
     FOR i IN 1 .. coalesce(cardinality(cand), 0) LOOP
         IF i > p_max_runs OR (i > 1 AND n_steps + cand_steps[i] > p_max_steps) THEN
             more := true;
@@ -68,9 +79,12 @@ BEGIN
         END IF;
         IF coalesce(cardinality(sids), 0) < p_max_steps THEN
             ids := ARRAY[partial_run];   -- that was the rest: the run itself goes now
-            -- and the runs behind it wait for the next batch (the pass
-            -- ended here, leaving every other old run to the next pass)
-            more := cardinality(cand) > 1;
+            -- and the runs behind it wait for the next batch: more while
+            -- another run is old enough or begun
+            more := EXISTS (SELECT 1 FROM durable.workflow_runs r
+                             WHERE r.id <> partial_run
+                               AND ((r.finished_at < p_before AND r.state IN ('succeeded', 'failed', 'cancelled'))
+                                    OR r.id IN (SELECT run_id FROM durable.runs_being_removed)));
         ELSE
             more := true;
             -- the rest of it goes in later batches: until then it is not read

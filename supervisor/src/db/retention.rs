@@ -426,7 +426,9 @@ impl DbConn<'_> {
                                  THEN (SELECT count(*) FROM durable.step_runs s WHERE s.run_id = w.id)
                                  ELSE steps_total END AS steps_total
                    FROM durable.workflow_runs w
-                  WHERE finished_at < $1 AND state IN ('succeeded', 'failed', 'cancelled')
+                  WHERE (finished_at < $1 AND state IN ('succeeded', 'failed', 'cancelled'))
+                     -- one a batch began goes first, whatever the cutoff
+                     OR durable.run_being_removed(id)
              ), a AS (
                  SELECT a.sha256 FROM durable.artifacts a WHERE a.run_id IN (SELECT id FROM r)
              )
