@@ -458,11 +458,11 @@ impl WorkerConfig {
         // the file alone first: its errors carry line numbers and name the key
         let parsed: WorkerConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
             path: path.to_owned(),
-            message: e.to_string(),
+            message: parse_error(&text, &e),
         })?;
         let mut table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Parse {
             path: path.to_owned(),
-            message: e.to_string(),
+            message: parse_error(&text, &e),
         })?;
         let applied = apply_env(&mut table, vars)?;
         let mut cfg = if applied.is_empty() {
@@ -1369,6 +1369,35 @@ pub fn apply_env(
         applied.push(var);
     }
     Ok(applied)
+}
+
+/// A config file's parse error by its line and column, without the excerpt
+/// of the file that toml's own message quotes: the line of an error may hold
+/// a `database_url` with its password or a secret in `env` (re-check audit:
+/// printed as it was).
+fn parse_error(text: &str, e: &toml::de::Error) -> String {
+    match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            // the key of that line (a key is no secret; its value may be)
+            let key = text
+                .lines()
+                .nth(line - 1)
+                .and_then(|l| l.split_once('='))
+                .map(|(k, _)| k.trim())
+                .filter(|k| {
+                    !k.is_empty()
+                        && k.len() <= 100
+                        && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.\" ".contains(c))
+                })
+                .map(|k| format!(" (key {k})"))
+                .unwrap_or_default();
+            format!("line {line}, column {column}{key}: {}", e.message().trim_end())
+        }
+        None => e.message().trim_end().to_owned(),
+    }
 }
 
 #[cfg(test)]

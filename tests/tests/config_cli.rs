@@ -567,7 +567,8 @@ fn dev_takes_the_environments_overrides() {
 /// A credential in the database URL is not printed: not a password behind a
 /// misspelt parameter name in an error (the log promised an unknown
 /// parameter's value never is), not `DURABLE_DATABASE_URL`'s password in
-/// `dev --print-config` (DATABASE_URL's never was) (security audit).
+/// `dev --print-config` (DATABASE_URL's never was) (security audit), not the
+/// line of a config file a parse error is on (re-check audit).
 #[test]
 fn no_credential_of_the_database_url_is_printed() {
     let port = {
@@ -583,6 +584,27 @@ fn no_credential_of_the_database_url_is_printed() {
         !said.contains("MyRealPassw0rd") && !said.contains("PW_W1"),
         "{said}"
     );
+
+    // a config file's parse error names the line, not what is on it
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (file, text) in [
+        (
+            "syntax.toml",
+            "name = \"x\"\ndatabase_url = \"postgres://u:Sup3rSecretPW@h/db\" junk\n",
+        ),
+        (
+            "type.toml",
+            "name = \"x\"\ndatabase_url = [\"postgres://u:Sup3rSecretPW@h/db\"]\n",
+        ),
+    ] {
+        let path = dir.path().join(file);
+        std::fs::write(&path, text).expect("write");
+        let o = cli(&["worker", "--config", &path.to_string_lossy()], &[]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{file}: {err}");
+        assert!(err.contains("line 2, column"), "{file}: {err}");
+        assert!(!err.contains("Sup3rSecretPW"), "{file}: {err}");
+    }
 
     let o = cli(
         &["dev", "--print-config"],
