@@ -1138,7 +1138,12 @@ async fn worker(
             None => tracing::warn!("{var} is not a worker setting and is ignored"),
         }
     }
-    let url = url.clone().or(cfg.database_url.clone());
+    // an empty DATABASE_URL is none (as for every command): the config's
+    // database_url then (re-check audit: the empty one hid it)
+    let url = url
+        .clone()
+        .filter(|u| !u.trim().is_empty())
+        .or(cfg.database_url.clone());
     // SIGTERM during start-up (probes, the sweep) is a clean stop too
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());

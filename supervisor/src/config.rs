@@ -1390,11 +1390,15 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
                 .filter(|k| {
                     !k.is_empty()
                         && k.len() <= 100
-                        && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.\" ".contains(c))
+                        && k.chars()
+                            .all(|c| c.is_ascii_alphanumeric() || "_-.\" ".contains(c))
                 })
                 .map(|k| format!(" (key {k})"))
                 .unwrap_or_default();
-            format!("line {line}, column {column}{key}: {}", e.message().trim_end())
+            format!(
+                "line {line}, column {column}{key}: {}",
+                e.message().trim_end()
+            )
         }
         None => e.message().trim_end().to_owned(),
     }

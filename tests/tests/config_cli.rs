@@ -948,3 +948,28 @@ fn a_relative_path_in_args_is_named_when_the_probe_fails() {
         );
     }
 }
+
+/// An empty `DATABASE_URL` is no database, as for every command: a worker
+/// then takes its config's `database_url` (re-check audit: the empty
+/// variable hid it, and the error named the very key it ignored).
+#[test]
+fn an_empty_database_url_leaves_the_configs() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        l.local_addr().expect("addr").port()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(
+        dir.path(),
+        "w.toml",
+        &format!(
+            "database_url = \"postgres://u@127.0.0.1:{port}/cfgdb\"\n[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n"
+        ),
+    );
+    let o = cli(&["worker", "--config", &file], &[("DATABASE_URL", "")]);
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!("127.0.0.1:{port}/cfgdb")) && !err.contains("no database"),
+        "{err}"
+    );
+}
