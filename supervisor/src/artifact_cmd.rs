@@ -228,7 +228,8 @@ fn place(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> Result<(), Cl
         .sync_all()
         .map_err(|e| io_error(out, "write", e))?;
     let mode = match std::fs::metadata(out) {
-        Ok(m) if force && m.is_file() => m.permissions().mode() & 0o7777,
+        // its permission bits, not setuid/setgid/sticky (re-check audit)
+        Ok(m) if force && m.is_file() => m.permissions().mode() & 0o777,
         _ => 0o666 & !umask(),
     };
     tmp.as_file()

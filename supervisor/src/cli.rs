@@ -332,7 +332,7 @@ impl CliError {
             // audit: a reader with SELECT alone read only "permission denied
             // for schema durable")
             CliError::Db(e) if e.sqlstate().as_deref() == Some("42501") => Some(
-                "this database role lacks a grant the command needs: readers need USAGE ON SCHEMA durable and SELECT ON ALL TABLES IN SCHEMA durable; submitters USAGE and EXECUTE on durable.submit_run and durable.cancel_run (README \"Database roles\" has the GRANTs)",
+                "this database role lacks a grant the command needs: readers need USAGE ON SCHEMA durable and SELECT ON ALL TABLES IN SCHEMA durable; submitters USAGE and EXECUTE on durable.submit_run and durable.cancel_run; gc and workers a worker's grants (SELECT, INSERT, UPDATE, DELETE on the schema's tables) (README \"Database roles\" has the GRANTs)",
             ),
             CliError::Db(e) if e.sqlstate().as_deref() == Some("55P03") => Some(
                 "another transaction held the rows for over 10 s (an open psql session, a long cancel or gc): this command gave up waiting, and made no change if it was to make one; end that transaction, or try again",
@@ -896,6 +896,15 @@ async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Resul
                 .is_ok_and(|s| s.is_terminal()) =>
         {
             eprintln!("step {name} already {s}; nothing to cancel (run is {state})")
+        }
+        // not read before (a role without SELECT): a run cancel_run found
+        // ended otherwise was over already (re-check audit: "cancellation
+        // requested; run is succeeded")
+        _ if before.is_none()
+            && state.is_terminal()
+            && state != crate::state::RunState::Cancelled =>
+        {
+            eprintln!("run {id} is {state}; nothing to cancel")
         }
         _ => eprintln!("cancellation requested; run is {state}"),
     }

@@ -384,6 +384,15 @@ async fn get_writes_a_file_with_the_users_mode() {
     std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o640)).expect("chmod");
     get("022", &private, true);
     assert_eq!(mode(&private), 0o640);
+    // its permission bits only: not setuid (re-check audit)
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o4755)).expect("chmod");
+    get("022", &private, true);
+    let all = std::fs::metadata(&private)
+        .expect("written")
+        .permissions()
+        .mode()
+        & 0o7777;
+    assert_eq!(all, 0o755);
 }
 
 /// `artifact lineage` lists an artifact's inputs in the order they were
