@@ -311,6 +311,19 @@ impl CliError {
     /// What to do about it, when the message alone does not say.
     pub fn hint(&self) -> Option<&'static str> {
         match self {
+            // the message names the fix (`migrate`): the database is fine
+            CliError::Watching(e)
+                if matches!(
+                    **e,
+                    CliError::Db(
+                        DbError::SchemaTooOld { .. }
+                            | DbError::SchemaMissing
+                            | DbError::SchemaFailed { .. }
+                    )
+                ) =>
+            {
+                None
+            }
             CliError::Watching(e) if e.exit_code() == 1 => Some(
                 "watch could not follow the run, which is not affected: check the database (DATABASE_URL), then run `supervisor watch RUN_ID` again",
             ),
@@ -595,6 +608,23 @@ async fn connect(url: &Option<String>, conns: u32, fail_fast: bool) -> Result<Db
     Ok(Db::connect_explained(url, conns, fail_fast).await?)
 }
 
+/// [`connect`] for the commands that read (and `cancel`), with the schema's
+/// version checked as `submit` checks it: on a schema older than the binary
+/// they failed on the first function it lacks, with a raw SQL error (and
+/// `watch` with exit 5, "database unreachable"; upgrade audit). A role that
+/// may not read the migrations' ledger (a submitter's: EXECUTE only) is
+/// not checked.
+async fn connect_checked(url: &Option<String>) -> Result<Db, CliError> {
+    let db = connect(url, 2, true).await?;
+    match db.check_schema().await {
+        Err(e) if e.sqlstate().as_deref() == Some("42501") => {}
+        r => {
+            r?;
+        }
+    }
+    Ok(db)
+}
+
 /// A query that failed because the schema is not there is a missing
 /// migration, not a mystery: say so.
 fn explain(e: DbError) -> CliError {
@@ -734,7 +764,7 @@ async fn submit(url: &Option<String>, file: &str, json: bool) -> Result<u8, CliE
 /// `supervisor status RUN`.
 async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, CliError> {
     let id = parse_run_id(run_id)?;
-    let db = connect(url, 2, true).await?;
+    let db = connect_checked(url).await?;
     let status = db.status(id).await.map_err(explain)?;
     let progress = db.latest_progress(id).await.map_err(explain)?;
     // why a step waits: no live worker offers what it needs
@@ -798,7 +828,7 @@ async fn events(
     json: bool,
 ) -> Result<u8, CliError> {
     let id = parse_run_id(run_id)?;
-    let db = connect(url, 2, true).await?;
+    let db = connect_checked(url).await?;
     let events = db.events(id, step, last).await.map_err(explain)?;
     if json {
         println!("{}", pretty_json(&events)?);
@@ -810,7 +840,7 @@ async fn events(
 
 /// `supervisor runs [filters]`.
 async fn runs(url: &Option<String>, filter: &RunFilter, json: bool) -> Result<u8, CliError> {
-    let db = connect(url, 2, true).await?;
+    let db = connect_checked(url).await?;
     let runs = db.runs(filter).await.map_err(explain)?;
     if json {
         println!("{}", pretty_json(&runs)?);
@@ -833,7 +863,7 @@ async fn watch(
 ) -> Result<u8, CliError> {
     let followed = async {
         let id = parse_run_id(run_id)?;
-        let db = connect(url, 2, true).await?;
+        let db = connect_checked(url).await?;
         let mut opts = crate::watch::WatchOptions::for_stdout(plain);
         opts.interval = std::time::Duration::from_millis(interval_ms);
         crate::watch::watch(
@@ -866,7 +896,7 @@ async fn watch(
 /// `supervisor cancel RUN [--step NAME]`.
 async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Result<u8, CliError> {
     let id = parse_run_id(run_id)?;
-    let db = connect(url, 2, true).await?;
+    let db = connect_checked(url).await?;
     // read first only to word the answer: cancel_run itself decides, under
     // the run's lock
     // a submitter's role may call cancel_run and read nothing (README
@@ -1000,7 +1030,7 @@ async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
 
 /// `supervisor artifact get|lineage`.
 async fn artifact(url: &Option<String>, command: ArtifactCommand) -> Result<u8, CliError> {
-    let db = connect(url, 2, true).await?;
+    let db = connect_checked(url).await?;
     match command {
         ArtifactCommand::Get {
             id,

@@ -1148,3 +1148,45 @@ async fn status_says_why_an_ended_step_was_not_retried_or_was_cancelled() {
         "{v}"
     );
 }
+
+/// On a schema older than the binary, the reading commands (and `cancel`)
+/// refuse as `submit` does, naming `migrate`: they failed on the first
+/// function the old schema lacked, with a raw SQL error, and `watch` said
+/// the database was unreachable (upgrade audit). Here the newest migration
+/// is taken out of the ledger.
+#[tokio::test]
+async fn the_reading_commands_name_migrate_on_an_older_schema() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(tests::one_step("x", "go", "k", json!({})))
+        .await
+        .to_string();
+    sqlx::query("DELETE FROM durable._sqlx_migrations WHERE version = $1")
+        .bind(supervisor::db::Db::schema_version_needed())
+        .execute(t.db.pool())
+        .await
+        .expect("an older ledger");
+    // watch's 1 is a failed run: it could not follow this one (5), with no
+    // hint to check a database that is fine
+    for (args, code) in [
+        (vec!["status", run.as_str()], 1),
+        (vec!["events", run.as_str()], 1),
+        (vec!["runs"], 1),
+        (vec!["watch", run.as_str(), "--plain"], 5),
+        (vec!["cancel", run.as_str()], 1),
+        (vec!["artifact", "lineage", run.as_str()], 1),
+    ] {
+        let o = cli(Some(&t.url), &args);
+        expect_exit(
+            &o,
+            code,
+            &["this binary needs at least", "supervisor migrate"],
+            &format!("{args:?}"),
+        );
+        assert!(
+            !stderr(&o).contains("check the database"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+}

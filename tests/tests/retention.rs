@@ -458,7 +458,12 @@ async fn what_reads_a_run_being_removed_treats_it_as_gone() {
         msg.contains(&format!("reaches run {old}, which is being removed")),
         "{msg}"
     );
-    let msg = said(db.submit(&spec).await.expect_err("its key"));
+    let err = db.submit(&spec).await.expect_err("its key");
+    assert!(
+        matches!(err, supervisor::db::DbError::KeyBeingFreed(_)),
+        "{err:?}"
+    );
+    let msg = said(err);
     assert!(
         msg.contains("\"nightly-1\"") && msg.contains("retention is removing"),
         "{msg}"

@@ -164,6 +164,10 @@ pub enum DbError {
     InvalidSpec(String),
     #[error("{0}")]
     NotFound(String),
+    /// A submit whose idempotency key names a run retention is removing:
+    /// the key is free again once the run is gone.
+    #[error("{0}")]
+    KeyBeingFreed(String),
     #[error("the lease on step {step_run_id} is lost (another owner, expired, or the step moved on); the outcome is discarded")]
     LeaseLost { step_run_id: Uuid },
     /// The database refused one row of a batch (its own subtransaction).

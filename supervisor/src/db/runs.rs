@@ -164,6 +164,10 @@ impl DbConn<'_> {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => {
                 Err(DbError::InvalidSpec(e.message().to_owned()))
             }
+            // a refusal by design, not a database error (upgrade audit)
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("P0D05") => {
+                Err(DbError::KeyBeingFreed(e.message().to_owned()))
+            }
             Err(e) => Err(DbError::Query {
                 context: "submitting a run",
                 source: e,
