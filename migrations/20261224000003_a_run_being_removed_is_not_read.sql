@@ -20,6 +20,13 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (SELECT 1 FROM durable.runs_being_removed WHERE run_id = p_run)
 $$;
 
+-- every marked run, for a reader of many runs: one call per statement
+-- (`id <> ALL (ARRAY(SELECT …))`), not one per row
+CREATE FUNCTION durable.runs_being_removed_ids() RETURNS SETOF uuid
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT run_id FROM durable.runs_being_removed
+$$;
+
 CREATE OR REPLACE FUNCTION durable.retention_batch(p_before timestamp with time zone, p_max_runs integer, p_max_steps integer, OUT runs integer, OUT steps integer, OUT blobs integer, OUT workers integer, OUT more boolean, OUT artifacts integer)
  RETURNS record
  LANGUAGE plpgsql
@@ -82,9 +89,9 @@ BEGIN
             -- and the runs behind it wait for the next batch: more while
             -- another run is old enough or begun
             more := EXISTS (SELECT 1 FROM durable.workflow_runs r
-                             WHERE r.id <> partial_run
-                               AND ((r.finished_at < p_before AND r.state IN ('succeeded', 'failed', 'cancelled'))
-                                    OR r.id IN (SELECT run_id FROM durable.runs_being_removed)));
+                             WHERE r.id <> partial_run AND r.finished_at < p_before
+                               AND r.state IN ('succeeded', 'failed', 'cancelled'))
+                 OR EXISTS (SELECT 1 FROM durable.runs_being_removed m WHERE m.run_id <> partial_run);
         ELSE
             more := true;
             -- the rest of it goes in later batches: until then it is not read

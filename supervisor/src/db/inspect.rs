@@ -331,7 +331,7 @@ const RUNS_QUERY: &str = "
            AND ($2::text IS NULL OR r.name = $2)
            AND ($3::bigint IS NULL OR r.created_at >= now() - $3::bigint * interval '1 millisecond')
            -- a run retention has taken part of is gone already
-           AND NOT durable.run_being_removed(r.id)
+           AND r.id <> ALL (ARRAY(SELECT durable.runs_being_removed_ids()))
          ORDER BY r.created_at DESC, r.id DESC
          LIMIT $4
     ), ids AS MATERIALIZED (

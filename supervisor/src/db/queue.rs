@@ -339,15 +339,7 @@ impl DbConn<'_> {
         if routes.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
-        let filters: Vec<serde_json::Value> = (0..routes.len())
-            .map(|i| {
-                filters
-                    .get(i)
-                    .and_then(Option::as_ref)
-                    .map(|f| serde_json::to_value(f).unwrap_or_default())
-                    .unwrap_or(serde_json::Value::Null)
-            })
-            .collect();
+        let filters = filter_params(routes.len(), filters);
         let eks: Vec<&str> = routes.iter().map(|r| r.executor_kind.as_str()).collect();
         let kinds: Vec<&str> = routes.iter().map(|r| r.kind.as_str()).collect();
         let labels: Vec<serde_json::Value> = routes
@@ -357,8 +349,10 @@ impl DbConn<'_> {
         let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
             "WITH routes AS (
-                 SELECT * FROM unnest($3::text[], $4::text[], $5::jsonb[], $10::jsonb[])
-                     AS r(executor_kind, kind, labels, secrets)
+                 -- a route's own secrets as an array once, not per candidate
+                 SELECT u.*, ARRAY(SELECT jsonb_array_elements_text(u.secrets -> 'mine')) AS mine
+                   FROM unnest($3::text[], $4::text[], $5::jsonb[], $10::jsonb[])
+                     AS u(executor_kind, kind, labels, secrets)
              ), candidates AS (
                  -- one ordered scan of the routing index per route, stopping
                  -- after `limit` rows: the cost does not grow with the backlog
@@ -380,7 +374,7 @@ impl DbConn<'_> {
                         -- whose secrets this one may hand out, or that none
                         -- of the others may run either (see SecretFilter)
                         AND (jsonb_typeof(r.secrets) = 'null' OR cardinality(s.secrets) = 0
-                             OR s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(r.secrets -> 'mine'))
+                             OR s.secrets <@ r.mine
                              OR NOT EXISTS (
                                  SELECT 1 FROM jsonb_array_elements(r.secrets -> 'others') AS o
                                   WHERE (o -> 'labels') @> s.labels
@@ -841,6 +835,20 @@ const MAX_INPUT_DEPTH: usize = 256;
 /// a lease pays no depth scan).
 fn decode_input(text: &str) -> Result<serde_json::Value, String> {
     crate::json::parse_bounded(text.as_bytes(), MAX_INPUT_DEPTH).map_err(|e| e.to_string())
+}
+
+/// The lease statement's per-route secret filters (JSON, `null` for a route
+/// without one), by position.
+fn filter_params(routes: usize, filters: &[Option<super::SecretFilter>]) -> Vec<serde_json::Value> {
+    (0..routes)
+        .map(|i| {
+            filters
+                .get(i)
+                .and_then(Option::as_ref)
+                .map(|f| serde_json::to_value(f).unwrap_or_default())
+                .unwrap_or(serde_json::Value::Null)
+        })
+        .collect()
 }
 
 pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, DbError> {

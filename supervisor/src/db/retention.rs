@@ -419,16 +419,18 @@ impl DbConn<'_> {
         let mut s = Scope::enter(self.conn).await?;
         let cutoff = DbConn::new(&mut s).retention_cutoff(older_than).await?;
         let row = sqlx::query(
-            "WITH r AS (
+            "WITH m AS MATERIALIZED (
+                 SELECT ARRAY(SELECT durable.runs_being_removed_ids()) AS ids
+             ), r AS (
                  -- a run retention has taken part of: what is left of it
                  -- (re-check audit: its counter counted the removed steps)
-                 SELECT id, CASE WHEN durable.run_being_removed(id)
+                 SELECT id, CASE WHEN w.id = ANY ((SELECT ids FROM m)::uuid[])
                                  THEN (SELECT count(*) FROM durable.step_runs s WHERE s.run_id = w.id)
                                  ELSE steps_total END AS steps_total
                    FROM durable.workflow_runs w
                   WHERE (finished_at < $1 AND state IN ('succeeded', 'failed', 'cancelled'))
                      -- one a batch began goes first, whatever the cutoff
-                     OR durable.run_being_removed(id)
+                     OR w.id = ANY ((SELECT ids FROM m)::uuid[])
              ), a AS (
                  SELECT a.sha256 FROM durable.artifacts a WHERE a.run_id IN (SELECT id FROM r)
              )

@@ -945,12 +945,17 @@ async fn lease_pass(
         };
         // beside other executors of this worker serving the same kinds, a
         // step goes to one that may hand out its secrets
-        let others: Vec<(Vec<Route>, Vec<String>)> = executors
-            .iter()
-            .filter(|x| !Arc::ptr_eq(x, exec))
-            .map(|x| (x.routes(), x.cfg.secrets.clone()))
-            .collect();
-        let filters = routing::secret_filters(&routes, &exec.cfg.secrets, &others);
+        // (a worker of one executor, the usual case: none to look at)
+        let filters = if executors.len() > 1 {
+            let others: Vec<(Vec<Route>, Vec<String>)> = executors
+                .iter()
+                .filter(|x| !Arc::ptr_eq(x, exec))
+                .map(|x| (x.routes(), x.cfg.secrets.clone()))
+                .collect();
+            routing::secret_filters(&routes, &exec.cfg.secrets, &others)
+        } else {
+            Vec::new()
+        };
         let (steps, sent) = match lease_for(shared, &routes, &filters, free, ttl).await {
             Ok(Some(leased)) => {
                 crate::metrics::lease_call(true);
