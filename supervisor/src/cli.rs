@@ -1278,7 +1278,11 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                 // check passes where the worker passes (operator audit: a
                 // list matching none of the kinds offered passed here, and
                 // the worker refused to start)
-                if let Err(err) = crate::worker::check_kinds(e, &h, &routes) {
+                // the line still says what the executor offers (what the
+                // list should name), and names the error: a script reading
+                // stdout alone does not take it for a usable executor
+                let refused = crate::worker::check_kinds(e, &h, &routes).err();
+                if let Some(err) = &refused {
                     misconfigured = true;
                     eprintln!("error: {err}");
                 }
@@ -1305,6 +1309,7 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                         "persistent": e.persistent,
                         "concurrency": e.concurrency,
                         "routes": routes.len(),
+                        "error": refused.map(|e| e.to_string()),
                     })
                 );
             }
@@ -1787,6 +1792,17 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// When a step waiting for its next attempt may run: a time to come, or,
+/// once it has passed, that it waits for a worker to lease it (a time in the
+/// past read as a schedule missed).
+fn next_attempt(t: &chrono::DateTime<chrono::Utc>, now: chrono::DateTime<chrono::Utc>) -> String {
+    if *t > now {
+        format!(" (next attempt at {})", when(t))
+    } else {
+        format!(" (due since {}: waiting for a worker to lease it)", when(t))
+    }
+}
+
 fn when(t: &chrono::DateTime<chrono::Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%SZ").to_string()
 }
@@ -1974,7 +1990,7 @@ fn status_text(
                     crate::watch::error_label(&s.state, &cell(&e.code, 40)),
                     cell(&e.message, 400),
                     s.next_attempt_at
-                        .map(|t| format!(" (next attempt at {})", when(&t)))
+                        .map(|t| next_attempt(&t, chrono::Utc::now()))
                         .unwrap_or_default(),
                     why_it_ended(s, e)
                 ));
@@ -2073,6 +2089,26 @@ fn runs_text(runs: &[crate::db::RunSummary]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A retry's time to come is a schedule; once passed, the step waits
+    /// for a worker, and the line says so rather than naming a past time as
+    /// the next attempt (routing audit).
+    #[test]
+    fn a_due_retry_reads_as_waiting_for_a_worker() {
+        let t = chrono::DateTime::parse_from_rfc3339("2026-12-05T10:00:00Z")
+            .map(|t| t.with_timezone(&chrono::Utc))
+            .unwrap();
+        let before = t - chrono::Duration::seconds(5);
+        let after = t + chrono::Duration::seconds(5);
+        assert_eq!(
+            next_attempt(&t, before),
+            " (next attempt at 2026-12-05 10:00:00Z)"
+        );
+        assert_eq!(
+            next_attempt(&t, after),
+            " (due since 2026-12-05 10:00:00Z: waiting for a worker to lease it)"
+        );
+    }
 
     /// Columns line up in terminal columns: a name of wide characters (two
     /// columns each) pads as wide as it shows.

@@ -866,9 +866,19 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
             stderr(&o),
         )
     };
-    let (code, _, err) = run(r#"["demo.nope"]"#);
+    let (code, out, err) = run(r#"["demo.nope"]"#);
     assert_eq!(code, Some(2), "a config error, as for the worker: {err}");
     assert!(err.contains("matches none of the kinds it offers"), "{err}");
+    // stdout still says what the executor offers, and that it is refused
+    // (routing audit: the line read as a usable executor's)
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json line");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("matches none of the kinds it offers")),
+        "{v}"
+    );
+    assert!(v["kinds"].as_array().is_some_and(|k| !k.is_empty()), "{v}");
     let (code, out, err) = run(r#"["demo.echo", "demo.typo"]"#);
     assert_eq!(code, Some(0), "{err}");
     assert!(
@@ -878,6 +888,7 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json line");
     assert_eq!(v["leased_kinds"], serde_json::json!(["demo.echo"]), "{v}");
     assert_eq!(v["persistent"], false);
+    assert_eq!(v["error"], serde_json::Value::Null, "{v}");
 }
 
 /// `executors` (and `conformance`) start the executors without a database:

@@ -844,6 +844,82 @@ async fn a_released_attempt_is_not_counted() {
     );
 }
 
+/// A step given back without being counted (a draining worker's release, a
+/// lease call cut off before its answer came) keeps its place in the queue:
+/// it is leased before steps that became due after it. It went to the back
+/// (its due time was set to the give-back), so every rolling restart pushed
+/// the oldest unstarted steps behind newer work (routing audit).
+#[tokio::test]
+async fn a_step_given_back_keeps_its_place_in_the_queue() {
+    let t = TestDb::new().await;
+    let one = |name: &str| json!({"name": name, "steps": [{"name": "s", "executor_kind": "go", "kind": "k"}]});
+    let first_of = |t: &TestDb, run: Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query_scalar::<_, Uuid>("SELECT id FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_one(db.pool())
+                .await
+                .expect("step")
+        }
+    };
+    let wid = worker(&t.db, "w").await;
+
+    // a drain's release
+    let old = t.submit(one("old")).await;
+    let s = lease_all(&t.db, wid, 1).await.remove(0);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let newer = t.submit(one("newer")).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    t.db.release(&s.lease, "w", "the worker shut down")
+        .await
+        .expect("release");
+    let next = lease_all(&t.db, wid, 1).await.remove(0);
+    assert_eq!(
+        next.lease.step_run_id(),
+        first_of(&t, old).await,
+        "the released step went behind a step submitted after it"
+    );
+    let rest = lease_all(&t.db, wid, 1).await.remove(0);
+    assert_eq!(rest.lease.step_run_id(), first_of(&t, newer).await);
+
+    // a cut-off lease's give-back
+    let old2 = t.submit(one("old2")).await;
+    lease_all(&t.db, wid, 1).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let newer2 = t.submit(one("newer2")).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let held = vec![next.lease.step_run_id(), rest.lease.step_run_id()];
+    let (_, given_back) =
+        t.db.revoke_lost_leases(wid, "w", &held)
+            .await
+            .expect("revoke");
+    assert_eq!(given_back, 1);
+    let next =
+        t.db.connection("a lease")
+            .await
+            .expect("conn")
+            .conn()
+            .lease_except(
+                wid,
+                "w",
+                &tests::route_go_k(),
+                1,
+                Duration::from_secs(30),
+                &[],
+                Some(1),
+            )
+            .await
+            .expect("lease")
+            .remove(0);
+    assert_eq!(
+        next.lease.step_run_id(),
+        first_of(&t, old2).await,
+        "the step given back went behind a step submitted after it"
+    );
+    assert_ne!(next.lease.step_run_id(), first_of(&t, newer2).await);
+}
+
 /// 13: a worker does not migrate; it refuses a schema older than it needs,
 /// with the fix in the message, and runs against a newer one.
 #[tokio::test]

@@ -122,7 +122,9 @@ impl Db {
     }
 
     /// A draining worker stopped the attempt (drain timeout): the step goes
-    /// back to the queue at once and the attempt does not count against
+    /// back to the queue at once, in its place (its due time is left as it
+    /// was: it is leased before steps that became due after it), and the
+    /// attempt does not count against
     /// `max_attempts` (a routine redeploy must not burn attempts). A step with
     /// a cancel request (its own or its run's) is cancelled instead. Fenced.
     pub async fn release(
@@ -470,7 +472,9 @@ impl DbConn<'_> {
     }
 
     /// A draining worker stopped the attempt (drain timeout): the step goes
-    /// back to the queue at once and the attempt does not count against
+    /// back to the queue at once, in its place (its due time is left as it
+    /// was: it is leased before steps that became due after it), and the
+    /// attempt does not count against
     /// `max_attempts` (a routine redeploy must not burn attempts). A step with
     /// a cancel request (its own or its run's) is cancelled instead. Fenced.
     pub async fn release(
@@ -484,7 +488,6 @@ impl DbConn<'_> {
             "UPDATE durable.step_runs s
                 SET state = CASE WHEN c.cancel THEN 'cancelled' ELSE 'retryable_failed' END,
                     uncounted_attempts = s.uncounted_attempts + CASE WHEN c.cancel THEN 0 ELSE 1 END,
-                    next_attempt_at = now(),
                     error_code = CASE WHEN c.cancel THEN 'CANCELLED' ELSE 'WORKER_SHUTDOWN' END,
                     error_message = $4, error_retryable = NOT c.cancel, error_details = NULL,
                     owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
