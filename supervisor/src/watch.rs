@@ -6,13 +6,13 @@
 //! plain line per change of a step, and the final state. Either way the
 //! database is only read ([`Db::watch_snapshot`], a few times a second).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use crate::db::{Db, DbError, WatchRun, WatchStep};
+use crate::db::{Db, DbError, StepHop, WatchRun, WatchStep};
 use crate::terminal::cell;
 
 /// How `watch` draws.
@@ -122,8 +122,8 @@ pub async fn watch<W: Write>(
     let mut failing_since: Option<Instant> = None;
     let mut first = true;
     let end = loop {
-        match db.watch_snapshot(run_id).await {
-            Ok(snap) => {
+        match read(db, run_id, &view).await {
+            Ok((snap, hops)) => {
                 failing_since = None;
                 first = false;
                 let done = run_is_terminal(&snap.state);
@@ -133,7 +133,7 @@ pub async fn watch<W: Write>(
                     (0, None)
                 };
                 view.rows = rows;
-                let text = view.frame(&snap, width, done);
+                let text = view.frame(&snap, &hops, width, done);
                 write_all(out, &text);
                 if done {
                     break WatchEnd::Terminal(snap.state.clone());
@@ -162,6 +162,15 @@ pub async fn watch<W: Write>(
         }
     };
     Ok(end)
+}
+
+/// One poll: the run's snapshot and, for a plain watch, the history rows
+/// the steps passed through since the last poll (the changes between two
+/// reads: a retry that failed and started again within one interval).
+async fn read(db: &Db, run_id: Uuid, view: &View) -> Result<(WatchRun, Vec<StepHop>), DbError> {
+    let snap = db.watch_snapshot(run_id).await?;
+    let hops = db.step_hops(&view.hops_to_read(&snap)).await?;
+    Ok((snap, hops))
 }
 
 /// Writes and flushes; a closed pipe (`watch … | head`) is not an error worth
@@ -208,6 +217,12 @@ struct View {
     drawn: usize,
     /// Plain: what was last printed per step.
     seen: BTreeMap<String, Seen>,
+    /// Plain: each created step's newest history row printed (or passed
+    /// over at the first frame: a watch starts from the run as it is).
+    known: HashMap<Uuid, i64>,
+    /// Plain: a frame was drawn (steps seen later are new: all their
+    /// history is printed).
+    drawn_once: bool,
     /// Live: the cursor is hidden and must be shown again.
     cursor_hidden: bool,
     /// Live: the terminal's height, when known. A frame is kept shorter: one
@@ -225,6 +240,8 @@ impl View {
             opts,
             drawn: 0,
             seen: BTreeMap::new(),
+            known: HashMap::new(),
+            drawn_once: false,
             cursor_hidden: false,
             rows: None,
         }
@@ -232,12 +249,29 @@ impl View {
 
     /// The text of one frame: live, the whole screen of bars drawn over the
     /// last; plain, a line per step that changed. `done`: the last frame.
-    fn frame(&mut self, run: &WatchRun, width: usize, done: bool) -> String {
+    fn frame(&mut self, run: &WatchRun, hops: &[StepHop], width: usize, done: bool) -> String {
         if self.opts.live {
             self.live_frame(run, width, done)
         } else {
-            self.plain_frame(run, done)
+            self.plain_frame(run, hops, done)
         }
+    }
+
+    /// Plain: the history to read before drawing `run`, `(step, after,
+    /// upto)`: each created step's rows since the last frame, up to the one
+    /// `run` saw (a step first seen after the first frame: all of them).
+    fn hops_to_read(&self, run: &WatchRun) -> Vec<(Uuid, i64, i64)> {
+        if self.opts.live || !self.drawn_once {
+            return Vec::new();
+        }
+        run.steps
+            .iter()
+            .filter_map(|s| {
+                let (id, upto) = (s.step_run_id?, s.last_transition?);
+                let after = self.known.get(&id).copied().unwrap_or(0);
+                (upto > after).then_some((id, after, upto))
+            })
+            .collect()
     }
 
     /// What to write when the watch stops early: the cursor back.
@@ -250,7 +284,7 @@ impl View {
         }
     }
 
-    fn plain_frame(&mut self, run: &WatchRun, done: bool) -> String {
+    fn plain_frame(&mut self, run: &WatchRun, hops: &[StepHop], done: bool) -> String {
         let mut out = String::new();
         for s in &run.steps {
             let now = Seen {
@@ -259,12 +293,24 @@ impl View {
                 percent: shown_fraction(s).map(|f| (f * 100.0).round() as u32),
                 message: s.message.as_deref().map(|m| cell(m, 200)),
             };
-            if self.seen.get(&s.name) != Some(&now) {
+            // the states passed through since the last frame, before the
+            // one the step is in (its own line, below, with its progress)
+            let mut passed = false;
+            if let (Some(id), Some(upto)) = (s.step_run_id, s.last_transition) {
+                for h in hops.iter().filter(|h| h.step_run_id == id && h.id < upto) {
+                    out.push_str(&hop_line(&s.name, h));
+                    out.push('\n');
+                    passed = true;
+                }
+                self.known.insert(id, upto);
+            }
+            if passed || self.seen.get(&s.name) != Some(&now) {
                 out.push_str(&plain_line(s));
                 out.push('\n');
                 self.seen.insert(s.name.clone(), now);
             }
         }
+        self.drawn_once = true;
         if done {
             out.push_str(&summary(run));
         }
@@ -451,6 +497,22 @@ fn plain_line(s: &WatchStep) -> String {
     line
 }
 
+/// A state a step passed through between two frames: its attempt, and why
+/// it got there where that says more than the state (a failure, a release,
+/// an expiry; not a lease or a start).
+fn hop_line(name: &str, h: &StepHop) -> String {
+    let mut line = format!("{}: {}", cell(name, 80), h.to_state);
+    if let Some(a) = h.attempt.filter(|a| *a > 0) {
+        line.push_str(&format!(", attempt {a}"));
+    }
+    if let Some(r) = h.reason.as_deref().filter(|r| !r.trim().is_empty()) {
+        if !matches!(h.to_state.as_str(), "leased" | "running") {
+            line.push_str(&format!(", {}", cell(r, 200)));
+        }
+    }
+    line
+}
+
 /// A step's error code as shown beside its state: the error of a step that
 /// is leased or running again is an earlier attempt's (operator audit:
 /// "running, attempt 2, … LEASE_LOST" read as a failure of the attempt that
@@ -591,6 +653,8 @@ mod tests {
             error_code: None,
             error_message: None,
             depends_on: vec![],
+            step_run_id: None,
+            last_transition: None,
         }
     }
 
@@ -623,20 +687,83 @@ mod tests {
             vec![step("a", "running", 1, Some(0.4), Some("slice 4/10"))],
         );
         assert_eq!(
-            v.frame(&a, 0, false),
+            v.frame(&a, &[], 0, false),
             "a: running, attempt 1, 40%, 1.5s, slice 4/10\n"
         );
-        assert_eq!(v.frame(&a, 0, false), "", "no change, no line");
+        assert_eq!(v.frame(&a, &[], 0, false), "", "no change, no line");
         let mut b = run(
             "succeeded",
             vec![step("a", "succeeded", 1, Some(0.9), None)],
         );
         b.steps[0].elapsed_ms = Some(61_000);
-        let text = v.frame(&b, 0, true);
+        let text = v.frame(&b, &[], 0, true);
         assert_eq!(
             text,
             "a: succeeded, attempt 1, 100%, 1m01s\nrun 00000000-0000-0000-0000-000000000000 r: succeeded in 2.0s\n"
         );
+    }
+
+    /// A plain watch prints the states a step passed through between two
+    /// reads, from the history: a retry that failed and started again
+    /// within one interval showed as one clean success (artifacts audit).
+    /// The first frame starts from the run as it is; a step first seen
+    /// later shows all its history.
+    #[test]
+    fn plain_prints_the_states_passed_between_two_reads() {
+        let id = Uuid::from_u128(7);
+        let late = Uuid::from_u128(8);
+        let hop = |step: Uuid, id: i64, to: &str, attempt: i32, reason: &str| StepHop {
+            step_run_id: step,
+            id,
+            to_state: to.into(),
+            attempt: Some(attempt),
+            reason: Some(reason.into()),
+        };
+        let mut v = View::new(opts(false));
+        let mut a = step("f", "running", 1, None, None);
+        (a.step_run_id, a.last_transition) = (Some(id), Some(3));
+        let first = run("running", vec![a.clone()]);
+        assert!(
+            v.hops_to_read(&first).is_empty(),
+            "history before the watch is not read"
+        );
+        assert_eq!(
+            v.frame(&first, &[], 0, false),
+            "f: running, attempt 1, 1.5s\n"
+        );
+
+        // attempts 1 and 2 failed and 3 started between the reads
+        a.attempt = 3;
+        a.last_transition = Some(10);
+        let mut b = step("g", "succeeded", 1, Some(1.0), None);
+        (b.step_run_id, b.last_transition) = (Some(late), Some(12));
+        let second = run("running", vec![a, b]);
+        assert_eq!(v.hops_to_read(&second), vec![(id, 3, 10), (late, 0, 12)]);
+        let hops = vec![
+            hop(id, 4, "retryable_failed", 1, "DEMO_FAILURE: retry in 50 ms"),
+            hop(id, 5, "leased", 2, "LEASED"),
+            hop(id, 6, "running", 2, "ACCEPTED"),
+            hop(id, 8, "retryable_failed", 2, "DEMO_FAILURE: retry in 50 ms"),
+            hop(id, 9, "leased", 3, "LEASED"),
+            hop(id, 10, "running", 3, "ACCEPTED"),
+            hop(late, 7, "pending", 0, "SUBMITTED"),
+            hop(late, 11, "running", 1, "ACCEPTED"),
+            hop(late, 12, "succeeded", 1, "SUCCEEDED"),
+        ];
+        assert_eq!(
+            v.frame(&second, &hops, 0, false),
+            "f: retryable_failed, attempt 1, DEMO_FAILURE: retry in 50 ms\n\
+             f: leased, attempt 2\n\
+             f: running, attempt 2\n\
+             f: retryable_failed, attempt 2, DEMO_FAILURE: retry in 50 ms\n\
+             f: leased, attempt 3\n\
+             f: running, attempt 3, 1.5s\n\
+             g: pending, SUBMITTED\n\
+             g: running, attempt 1\n\
+             g: succeeded, attempt 1, 100%, 1.5s\n"
+        );
+        assert!(v.hops_to_read(&second).is_empty(), "nothing new since");
+        assert_eq!(v.frame(&second, &[], 0, false), "", "no change, no line");
     }
 
     #[test]
@@ -648,7 +775,7 @@ mod tests {
             "running",
             vec![step("a", "running", 2, Some(0.5), Some("half")), w],
         );
-        let first = v.frame(&r, 80, false);
+        let first = v.frame(&r, &[], 80, false);
         assert!(first.starts_with(HIDE_CURSOR), "{first:?}");
         assert!(
             first.contains(
@@ -660,7 +787,7 @@ mod tests {
             first.contains("b  [--------------------]  waiting on a"),
             "{first:?}"
         );
-        let second = v.frame(&r, 80, true);
+        let second = v.frame(&r, &[], 80, true);
         assert!(
             second.starts_with("\r\x1b[3A"),
             "moves back over 3 lines: {second:?}"
@@ -682,7 +809,7 @@ mod tests {
         let r = run("running", steps);
         let mut v = View::new(opts(true));
         v.rows = Some(10);
-        let f = v.frame(&r, 80, false);
+        let f = v.frame(&r, &[], 80, false);
         assert_eq!(f.matches('\n').count(), 9, "{f}");
         assert!(f.contains("s27") && f.contains("s05"), "{f}");
         assert!(f.find("s05") < f.find("s27"), "in spec order: {f}");
@@ -690,12 +817,12 @@ mod tests {
             f.contains("… 23 more steps (23 succeeded): a taller terminal shows them"),
             "{f}"
         );
-        let again = v.frame(&r, 80, false);
+        let again = v.frame(&r, &[], 80, false);
         assert!(
             again.contains("\r\x1b[9A"),
             "moves back over 9 lines: {again:?}"
         );
-        let last = v.frame(&r, 80, true);
+        let last = v.frame(&r, &[], 80, true);
         assert!(
             last.contains("s29") && !last.contains("more steps"),
             "{last}"
@@ -703,7 +830,7 @@ mod tests {
         // a screen tall enough shows every step
         let mut v = View::new(opts(true));
         v.rows = Some(40);
-        let f = v.frame(&r, 80, false);
+        let f = v.frame(&r, &[], 80, false);
         assert_eq!(f.matches('\n').count(), 31, "{f}");
     }
 

@@ -118,6 +118,66 @@ async fn a_failed_run_exits_1_and_names_the_error() {
     w.shutdown().await;
 }
 
+/// The README's "one line per change of a step" holds between two reads:
+/// attempts that fail and retry within one interval are printed from the
+/// history (artifacts audit: three failed attempts showed as
+/// "running, attempt 1" then "succeeded, attempt 4").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_lines_include_the_attempts_between_two_reads() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "flaky", "steps": [
+            {"name": "f", "executor_kind": "go", "kind": "demo.fail",
+             "retry": {"max_attempts": 5, "initial_interval_ms": 50, "backoff_coefficient": 1.0},
+             "input": {"fail_attempts": 3}}]}))
+        .await;
+    // the watch's first read sees the step pending; the worker starts after
+    // it, and the next read is a few seconds later
+    let watch = tokio::process::Command::new(tests::supervisor_bin())
+        .args([
+            "watch",
+            &run.to_string(),
+            "--plain",
+            "--interval-ms",
+            "4000",
+        ])
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("watch");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let w = worker(&t).await;
+    let out = tokio::time::timeout(Duration::from_secs(60), watch.wait_with_output())
+        .await
+        .expect("watch ended")
+        .expect("watch output");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let failed: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("f: retryable_failed, attempt "))
+        .collect();
+    assert_eq!(failed.len(), 3, "each failed attempt has its line: {text}");
+    for (i, l) in failed.iter().enumerate() {
+        assert!(
+            l.starts_with(&format!("f: retryable_failed, attempt {}, ", i + 1)),
+            "in order, with the failure: {text}"
+        );
+    }
+    let at = |p: &str| lines.iter().position(|l| l.starts_with(p));
+    assert!(
+        at("f: pending") < at("f: retryable_failed, attempt 1")
+            && at("f: retryable_failed, attempt 3") < at("f: succeeded, attempt 4"),
+        "{text}"
+    );
+    w.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_run_exits_3() {
     let _serial = tests::exclusive().await;

@@ -460,6 +460,24 @@ pub struct WatchStep {
     pub error_message: Option<String>,
     /// The steps a waiting step waits on.
     pub depends_on: Vec<String>,
+    /// A created step's id.
+    pub step_run_id: Option<Uuid>,
+    /// The id of the step's newest history row (the transition into its
+    /// current state), read in the same snapshot.
+    pub last_transition: Option<i64>,
+}
+
+/// One transition of a step, as `watch --plain` prints the changes a poll
+/// missed (a retry that failed and started again between two reads).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepHop {
+    pub step_run_id: Uuid,
+    /// The history row's id: a step's rows are in its order by id (each is
+    /// written under the step row's lock).
+    pub id: i64,
+    pub to_state: String,
+    pub attempt: Option<i32>,
+    pub reason: Option<String>,
 }
 
 impl Db {
@@ -471,6 +489,42 @@ impl Db {
             .conn()
             .watch_snapshot(run_id)
             .await
+    }
+
+    /// The history rows of each asked step `(step, after, upto)` with
+    /// `after < id <= upto`, by step and in order. Rows up to an id a
+    /// snapshot saw are committed and never change: no snapshot is needed
+    /// to agree with the one that named `upto`.
+    pub async fn step_hops(&self, asks: &[(Uuid, i64, i64)]) -> Result<Vec<StepHop>, DbError> {
+        if asks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let steps: Vec<Uuid> = asks.iter().map(|a| a.0).collect();
+        let after: Vec<i64> = asks.iter().map(|a| a.1).collect();
+        let upto: Vec<i64> = asks.iter().map(|a| a.2).collect();
+        let rows = sqlx::query(
+            "SELECT t.step_run_id, t.id, t.to_state, t.attempt, t.reason
+               FROM unnest($1::uuid[], $2::bigint[], $3::bigint[]) AS a(step, after, upto)
+               JOIN durable.transitions t
+                 ON t.step_run_id = a.step AND t.id > a.after AND t.id <= a.upto
+              ORDER BY t.step_run_id, t.id",
+        )
+        .bind(&steps)
+        .bind(&after)
+        .bind(&upto)
+        .fetch_all(self.pool())
+        .await
+        .ctx("reading a run's history")?;
+        Ok(rows
+            .into_iter()
+            .map(|r| StepHop {
+                step_run_id: r.get("step_run_id"),
+                id: r.get("id"),
+                to_state: r.get("to_state"),
+                attempt: r.get("attempt"),
+                reason: r.get("reason"),
+            })
+            .collect())
     }
 }
 
@@ -514,7 +568,9 @@ impl DbConn<'_> {
         // the latest progress event of the step's current attempt only: a
         // retry starts from an empty bar, not from the last attempt's 90%
         let rows = sqlx::query(
-            "SELECT s.name, s.state, s.attempt, s.error_code, s.error_message,
+            "SELECT s.id, s.name, s.state, s.attempt, s.error_code, s.error_message,
+                    (SELECT t.id FROM durable.transitions t WHERE t.step_run_id = s.id
+                      ORDER BY t.id DESC LIMIT 1) AS last_transition,
                     CASE WHEN s.started_at IS NULL OR s.state IN ('pending', 'leased', 'retryable_failed') THEN NULL
                          ELSE (extract(epoch FROM coalesce(s.finished_at, now()) - s.started_at) * 1000)::bigint
                     END AS elapsed_ms,
@@ -554,6 +610,8 @@ impl DbConn<'_> {
                 error_code: r.get("error_code"),
                 error_message: r.get("error_message"),
                 depends_on: Vec::new(),
+                step_run_id: Some(r.get("id")),
+                last_transition: r.get("last_transition"),
             })
             .collect();
         steps.extend(waiting.into_iter().map(|r| WatchStep {
@@ -566,6 +624,8 @@ impl DbConn<'_> {
             error_code: None,
             error_message: None,
             depends_on: r.get("depends_on"),
+            step_run_id: None,
+            last_transition: None,
         }));
         Ok(WatchRun {
             run_id: run.get("id"),
