@@ -604,3 +604,67 @@ async fn a_step_naming_a_secret_runs_on_the_executor_that_may_hand_it_out() {
         Some("SECRET_NOT_ALLOWED")
     );
 }
+
+/// Across workers: a step naming a secret that one worker's executor may
+/// not hand out is left to a live worker whose executor may (routing audit:
+/// the worker without it leased the steps first and failed each
+/// SECRET_NOT_ALLOWED, and the run with them, while the other idled). Once
+/// no live worker may run such a step, it still fails SECRET_NOT_ALLOWED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_naming_a_secret_is_left_to_the_worker_that_may_hand_it_out() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let (_without, with) = secret_dirs();
+    let mut plain_cfg = fast_config(vec![go_demo("go-plain", &[], None)]);
+    plain_cfg.name = Some("plain".into());
+    plain_cfg.executors[0].concurrency = 4;
+    let plain = RunningWorker::start(t.connect(10).await, plain_cfg).await;
+    let mut holder_cfg = route_token_worker("holder", with.path());
+    holder_cfg.executors[0].concurrency = 1;
+    let holder = RunningWorker::start(t.connect(10).await, holder_cfg).await;
+    let steps: Vec<Value> = (0..8)
+        .map(|i| {
+            let mut s = json!({"name": format!("s{i}"), "executor_kind": "go",
+                               "kind": "demo.echo", "input": {"i": i}});
+            if i % 2 == 0 {
+                s["secrets"] = json!(["ROUTE_TOKEN"]);
+            }
+            s
+        })
+        .collect();
+    let run = t.submit(json!({"name": "secret", "steps": steps})).await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    for s in &st.steps {
+        assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
+    }
+    let by: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT s.name, (SELECT worker FROM durable.transitions
+                          WHERE step_run_id = s.id AND to_state = 'leased' ORDER BY id DESC LIMIT 1)
+           FROM durable.step_runs s WHERE s.run_id = $1 AND cardinality(s.secrets) > 0",
+    )
+    .bind(run)
+    .fetch_all(t.db.pool())
+    .await
+    .expect("steps");
+    assert_eq!(by.len(), 4);
+    for (name, worker) in &by {
+        assert_eq!(worker.as_deref(), Some("holder"), "{name}: {by:?}");
+    }
+    // the worker that may hand it out stops: no live worker may, and the
+    // step fails as it does when no executor may
+    holder.shutdown().await;
+    let run = t
+        .submit(
+            json!({"name": "alone", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.echo", "input": {}, "secrets": ["ROUTE_TOKEN"]}]}),
+        )
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    plain.shutdown().await;
+    let s = tests::step(&st, "s");
+    assert_eq!(s.state, "terminal_failed");
+    assert_eq!(
+        s.error.as_ref().map(|e| e.code.as_str()),
+        Some("SECRET_NOT_ALLOWED")
+    );
+}

@@ -526,14 +526,17 @@ pub struct Route {
     pub labels: BTreeMap<String, String>,
 }
 
-/// What a route of one executor takes of the steps that name secrets, when
-/// other executors of the same worker serve the same kind: the steps whose
-/// secrets it may hand out (`mine`), and those no other one both may hand
-/// out and offers the labels for (which it leases and fails
-/// `SECRET_NOT_ALLOWED`, as an executor alone does). Without it, whichever
-/// executor leased first took a step, and one that may not hand out its
-/// secret failed it for good while another of the worker could have run it
-/// (security audit).
+/// What a route of one executor takes of the steps that name secrets: the
+/// steps whose secrets it may hand out (`mine`), and those that no other
+/// executor both may hand out and offers the labels for (which it leases and
+/// fails `SECRET_NOT_ALLOWED`, as an executor alone does). The others are
+/// the worker's own (`others`, from its config) and the executors the other
+/// live workers registered (read by the lease statement: live as `status`
+/// counts a worker live; a worker that stops being so leaves its steps to
+/// the rest, which fail them). Without it, whichever executor leased first
+/// took a step, and one that may not hand out its secret failed it for good
+/// while another could have run it (security audit within a worker, routing
+/// audit across workers).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SecretFilter {
     pub mine: Vec<String>,

@@ -370,15 +370,27 @@ impl DbConn<'_> {
                         -- lease counted an attempt that never ran)
                         AND (s.deadline IS NULL OR s.deadline > now())
                         AND s.id <> ALL ($8::uuid[])
-                        -- beside other executors of this worker: a step
-                        -- whose secrets this one may hand out, or that none
-                        -- of the others may run either (see SecretFilter)
+                        -- a step whose secrets this executor may hand
+                        -- out, or that no other executor, of this worker or
+                        -- of another live one, may run either (see
+                        -- SecretFilter): it is left to the one that may
                         AND (jsonb_typeof(r.secrets) = 'null' OR cardinality(s.secrets) = 0
                              OR s.secrets <@ r.mine
-                             OR NOT EXISTS (
-                                 SELECT 1 FROM jsonb_array_elements(r.secrets -> 'others') AS o
-                                  WHERE (o -> 'labels') @> s.labels
-                                    AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(o -> 'secrets'))))
+                             OR (NOT EXISTS (
+                                     SELECT 1 FROM jsonb_array_elements(r.secrets -> 'others') AS o
+                                      WHERE (o -> 'labels') @> s.labels
+                                        AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(o -> 'secrets')))
+                                 AND NOT EXISTS (
+                                     SELECT 1 FROM durable.workers w
+                                      CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
+                                      CROSS JOIN LATERAL jsonb_array_elements(e -> 'routes') ro
+                                      WHERE w.id <> $1 AND w.stopped_at IS NULL
+                                        AND w.last_heartbeat_at > now() - greatest(interval '30 seconds',
+                                                3 * coalesce(w.heartbeat_interval_ms, 0) * interval '1 millisecond')
+                                        AND ro ->> 'executor_kind' = s.executor_kind AND ro ->> 'kind' = s.kind
+                                        AND coalesce(ro -> 'labels', '{}') @> s.labels
+                                        AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(
+                                                coalesce(e -> 'secrets', '[]'))))))
                         -- a scalar subquery, one primary-key probe per
                         -- candidate: as NOT EXISTS the planner could make it
                         -- an anti-join over a seq scan of every run (it

@@ -815,8 +815,9 @@ async fn stop_loops(vital: &mut JoinSet<&'static str>, background: &mut JoinSet<
 }
 
 /// The worker's row: its executors' routes (what `status` reads to say
-/// that no live worker offers a step) and its heartbeat interval (how long
-/// it counts as live).
+/// that no live worker offers a step) with the secret names each may hand
+/// out (what other workers' leases read to leave it a step naming them),
+/// and its heartbeat interval (how long it counts as live).
 async fn register(
     db: &Db,
     cfg: &WorkerConfig,
@@ -828,7 +829,10 @@ async fn register(
     let caps = serde_json::to_value(
         executors
             .iter()
-            .map(|e| serde_json::json!({"executor": e.cfg.name, "routes": e.routes()}))
+            .map(|e| {
+                serde_json::json!({"executor": e.cfg.name, "routes": e.routes(),
+                                   "secrets": e.cfg.secrets})
+            })
             .collect::<Vec<_>>(),
     )
     .unwrap_or_default();
@@ -943,19 +947,15 @@ async fn lease_pass(
         let Some(routes) = routes_to_lease(shared, exec).await else {
             continue;
         };
-        // beside other executors of this worker serving the same kinds, a
-        // step goes to one that may hand out its secrets
-        // (a worker of one executor, the usual case: none to look at)
-        let filters = if executors.len() > 1 {
-            let others: Vec<(Vec<Route>, Vec<String>)> = executors
-                .iter()
-                .filter(|x| !Arc::ptr_eq(x, exec))
-                .map(|x| (x.routes(), x.cfg.secrets.clone()))
-                .collect();
-            routing::secret_filters(&routes, &exec.cfg.secrets, &others)
-        } else {
-            Vec::new()
-        };
+        // beside other executors of this worker, or of another live
+        // worker, serving the same kinds, a step goes to one that may hand
+        // out its secrets
+        let others: Vec<(Vec<Route>, Vec<String>)> = executors
+            .iter()
+            .filter(|x| !Arc::ptr_eq(x, exec))
+            .map(|x| (x.routes(), x.cfg.secrets.clone()))
+            .collect();
+        let filters = routing::secret_filters(&routes, &exec.cfg.secrets, &others);
         let (steps, sent) = match lease_for(shared, &routes, &filters, free, ttl).await {
             Ok(Some(leased)) => {
                 crate::metrics::lease_call(true);

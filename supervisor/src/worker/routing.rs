@@ -37,10 +37,11 @@ pub fn routes(hello: &Hello, cfg: &ExecutorConfig) -> Vec<Route> {
 }
 
 /// The [`SecretFilter`] of each of one executor's routes (by position):
-/// `None` where no other executor of the worker serves the route's
-/// executor_kind and kind; else what it may hand out and, for each other
-/// one, the labels it offers there and what it may hand out. `others`: the
-/// other executors' routes and allowed secrets.
+/// what it may hand out and, for each other executor of the worker serving
+/// the route's executor_kind and kind, the labels it offers there and what
+/// it may hand out (none when it is alone; the lease statement also looks at
+/// the other live workers' registered executors). `others`: the other
+/// executors' routes and allowed secrets.
 pub fn secret_filters(
     routes: &[Route],
     secrets: &[String],
@@ -61,7 +62,7 @@ pub fn secret_filters(
                         })
                 })
                 .collect();
-            (!serving.is_empty()).then(|| SecretFilter {
+            Some(SecretFilter {
                 mine: secrets.to_vec(),
                 others: serving,
             })
