@@ -321,19 +321,37 @@ pub fn lineage_text(l: &Lineage) -> String {
     let mut out = String::new();
     let mut shown = BTreeSet::new();
     tree_line(l, l.root, "", "", &mut shown, &mut out);
-    let firsts = l.nodes.keys().filter(|id| !l.derived_from.contains_key(id));
+    let mut firsts = Vec::new();
+    first_inputs(l, l.root, &mut BTreeSet::new(), &mut firsts);
     let steps: BTreeSet<&str> = l.nodes.values().map(|n| n.step.as_str()).collect();
     out.push_str(&format!(
         "\n{} artifacts from {} steps; first inputs: {}\n",
         l.nodes.len(),
         steps.len(),
         firsts
+            .iter()
             .filter_map(|id| l.nodes.get(id))
             .map(|n| crate::terminal::shown(&n.name))
             .collect::<Vec<_>>()
             .join(", ")
     ));
     out
+}
+
+/// The first inputs (artifacts derived from nothing) under `id`, each once,
+/// in the order the tree draws them.
+fn first_inputs(l: &Lineage, id: Uuid, seen: &mut BTreeSet<Uuid>, out: &mut Vec<Uuid>) {
+    if !seen.insert(id) {
+        return;
+    }
+    match l.derived_from.get(&id) {
+        Some(from) if !from.is_empty() => {
+            for d in from {
+                first_inputs(l, *d, seen, out);
+            }
+        }
+        _ => out.push(id),
+    }
 }
 
 fn tree_line(
@@ -452,6 +470,26 @@ mod tests {
             None
         );
         assert_eq!(j["derived_from"][1]["derived_from"][0]["shown_above"], true);
+    }
+
+    /// The first inputs are named in the order the tree draws them (they
+    /// came in id order, matching neither the tree nor the names: artifacts
+    /// audit).
+    #[test]
+    fn first_inputs_are_named_in_tree_order() {
+        let id = Uuid::from_u128;
+        let nodes: BTreeMap<Uuid, ArtifactInfo> =
+            [node(4, "d", "s4"), node(9, "x", "s9"), node(2, "y", "s2")]
+                .into_iter()
+                .map(|n| (n.id, n))
+                .collect();
+        let l = Lineage {
+            root: id(4),
+            nodes,
+            derived_from: BTreeMap::from([(id(4), vec![id(9), id(2)])]),
+        };
+        let t = lineage_text(&l);
+        assert!(t.contains("first inputs: x, y\n"), "{t}");
     }
 
     /// A diamond-shaped workflow (each layer's two artifacts derived from
