@@ -2034,3 +2034,77 @@ async fn writes_an_attempt_gave_up_on_are_not_written_later() {
     }
     w.shutdown().await;
 }
+
+/// A worker started under a name marks stopped the rows of that name on its
+/// host whose process is gone (re-check audit: a killed predecessor's row
+/// counted as live for 30 s more, and the other workers left it a step
+/// naming a secret only it could hand out). A row whose process still
+/// exists, another name's, and another host's are left as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_marks_its_dead_predecessors_stopped() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let host = nix::unistd::gethostname()
+        .expect("hostname")
+        .into_string()
+        .expect("utf-8 hostname");
+    let mut gone = std::process::Command::new("true").spawn().expect("true");
+    let gone_pid = gone.id() as i32;
+    gone.wait().expect("wait");
+    let mut live = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .expect("sleep");
+    let rows = [
+        ("dead", "slot-1", host.as_str(), gone_pid),
+        ("running", "slot-1", host.as_str(), live.id() as i32),
+        ("other-name", "slot-2", host.as_str(), gone_pid),
+        ("other-host", "slot-1", "elsewhere", gone_pid),
+    ];
+    let mut ids = Vec::new();
+    for (_, name, h, pid) in rows {
+        let id = Uuid::new_v4();
+        sqlx::query("INSERT INTO durable.workers (id, name, host, pid) VALUES ($1, $2, $3, $4)")
+            .bind(id)
+            .bind(name)
+            .bind(h)
+            .bind(pid)
+            .execute(t.db.pool())
+            .await
+            .expect("a worker row");
+        ids.push(id);
+    }
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.name = Some("slot-1".into());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let stopped = |id: Uuid| {
+        let db = t.db.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT stopped_at IS NOT NULL FROM durable.workers WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(db.pool())
+            .await
+            .expect("row")
+        }
+    };
+    let mut seen = Vec::new();
+    for (i, (what, ..)) in rows.iter().enumerate() {
+        seen.push((*what, stopped(ids[i]).await));
+    }
+    let me = stopped(w.id).await;
+    w.shutdown().await;
+    let _ = live.kill();
+    let _ = live.wait();
+    assert_eq!(
+        seen,
+        vec![
+            ("dead", true),
+            ("running", false),
+            ("other-name", false),
+            ("other-host", false)
+        ]
+    );
+    assert!(!me, "the worker itself is live");
+}

@@ -55,6 +55,43 @@ impl Db {
             .await
     }
 
+    /// The other rows of workers named `name` on `host` not marked stopped:
+    /// (id, pid). A restarted worker's predecessors of the same slot.
+    pub async fn unstopped_namesakes(
+        &self,
+        id: Uuid,
+        name: &str,
+        host: &str,
+    ) -> Result<Vec<(Uuid, i32)>, DbError> {
+        sqlx::query_as(
+            "SELECT id, pid FROM durable.workers
+              WHERE name = $1 AND host = $2 AND id <> $3 AND stopped_at IS NULL",
+        )
+        .bind(name)
+        .bind(host)
+        .bind(id)
+        .fetch_all(self.pool())
+        .await
+        .ctx("reading the worker's predecessors")
+    }
+
+    /// Marks workers stopped that are known dead (a restarted worker's
+    /// predecessors whose process is gone): no longer live for `status` nor
+    /// for other workers' leases. Their leases still expire as leases do.
+    pub async fn mark_workers_stopped(&self, ids: &[Uuid]) -> Result<u64, DbError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let r = sqlx::query(
+            "UPDATE durable.workers SET stopped_at = now() WHERE id = ANY ($1) AND stopped_at IS NULL",
+        )
+        .bind(ids)
+        .execute(self.pool())
+        .await
+        .ctx("marking dead workers stopped")?;
+        Ok(r.rows_affected())
+    }
+
     pub async fn worker_stopped(&self, id: Uuid) -> Result<(), DbError> {
         self.connection("marking the worker stopped")
             .await?

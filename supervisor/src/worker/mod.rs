@@ -604,6 +604,9 @@ impl Worker {
             .clone()
             .unwrap_or_else(|| format!("{host}:{}", std::process::id()));
         register(&db, &cfg, &executors, id, &name, &host).await?;
+        if cfg.name.is_some() {
+            stop_dead_predecessors(&db, id, &name, &host).await;
+        }
         info!(schema_version = version, "schema checked");
         let hb_db = db.dedicated(heartbeat_timeout(&cfg));
         let (ledger, ledger_queue) = ledger::channel();
@@ -843,6 +846,53 @@ async fn register(
         db.register_worker_beating(id, name, host, &caps, Some(interval)),
     )
     .await
+}
+
+/// Marks stopped the rows of this worker's slot (its name, on this host)
+/// whose process is gone: a killed predecessor's row counted as live for
+/// up to 30 s after its last heartbeat, and other workers left it steps
+/// naming secrets only it could hand out (re-check audit). A process of the
+/// row's pid that still exists (a namesake running on, or the pid taken by
+/// another process) is left to the liveness window; this very process's pid
+/// is a predecessor's that is gone (a container restarted as pid 1).
+async fn stop_dead_predecessors(db: &Db, id: Uuid, name: &str, host: &str) {
+    let rows = match bounded(
+        DB_CALL_TIMEOUT,
+        "reading the worker's predecessors",
+        db.unstopped_namesakes(id, name, host),
+    )
+    .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            warn!(error = %e, "cannot look for the rows of this worker's dead predecessors: status counts them live until their heartbeats are old");
+            return;
+        }
+    };
+    let own = std::process::id() as i32;
+    let dead: Vec<Uuid> = rows
+        .into_iter()
+        .filter(|(_, pid)| *pid == own || !std::path::Path::new(&format!("/proc/{pid}")).exists())
+        .map(|(id, _)| id)
+        .collect();
+    if dead.is_empty() {
+        return;
+    }
+    match bounded(
+        DB_CALL_TIMEOUT,
+        "marking dead workers stopped",
+        db.mark_workers_stopped(&dead),
+    )
+    .await
+    {
+        Ok(n) => info!(
+            predecessors = n,
+            "marked this worker's dead predecessors stopped"
+        ),
+        Err(e) => {
+            warn!(error = %e, "cannot mark this worker's dead predecessors stopped: status counts them live until their heartbeats are old")
+        }
+    }
 }
 
 /// Every worker of this process, for the last word of a forced exit.
