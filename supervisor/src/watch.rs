@@ -285,7 +285,13 @@ impl View {
     }
 
     fn plain_frame(&mut self, run: &WatchRun, hops: &[StepHop], done: bool) -> String {
-        let mut out = String::new();
+        // lines keyed by the history row they tell of, so that the changes
+        // of several steps since the last frame come in the order they were
+        // made (a step's own rows are in its order by id; across steps, by
+        // id is the order they were written in, near enough for a reader);
+        // a line of progress alone, and every line of the first frame, come
+        // last, in spec order
+        let mut lines: Vec<(i64, String)> = Vec::new();
         for s in &run.steps {
             let now = Seen {
                 state: s.state.clone(),
@@ -294,21 +300,30 @@ impl View {
                 message: s.message.as_deref().map(|m| cell(m, 200)),
             };
             // the states passed through since the last frame, before the
-            // one the step is in (its own line, below, with its progress)
+            // one the step is in (its own line, with its progress)
             let mut passed = false;
+            let mut key = i64::MAX;
             if let (Some(id), Some(upto)) = (s.step_run_id, s.last_transition) {
                 for h in hops.iter().filter(|h| h.step_run_id == id && h.id < upto) {
-                    out.push_str(&hop_line(&s.name, h));
-                    out.push('\n');
+                    lines.push((h.id, hop_line(&s.name, h)));
                     passed = true;
+                }
+                if self.drawn_once && self.known.get(&id) != Some(&upto) {
+                    key = upto;
                 }
                 self.known.insert(id, upto);
             }
             if passed || self.seen.get(&s.name) != Some(&now) {
-                out.push_str(&plain_line(s));
-                out.push('\n');
+                lines.push((key, plain_line(s)));
                 self.seen.insert(s.name.clone(), now);
             }
+        }
+        // stable: equal keys keep spec order
+        lines.sort_by_key(|(k, _)| *k);
+        let mut out = String::new();
+        for (_, l) in lines {
+            out.push_str(&l);
+            out.push('\n');
         }
         self.drawn_once = true;
         if done {
@@ -707,7 +722,8 @@ mod tests {
     /// reads, from the history: a retry that failed and started again
     /// within one interval showed as one clean success (artifacts audit).
     /// The first frame starts from the run as it is; a step first seen
-    /// later shows all its history.
+    /// later shows all its history. The lines of several steps come in the
+    /// order of their history rows (re-check audit: they came step by step).
     #[test]
     fn plain_prints_the_states_passed_between_two_reads() {
         let id = Uuid::from_u128(7);
@@ -755,10 +771,10 @@ mod tests {
             "f: retryable_failed, attempt 1, DEMO_FAILURE: retry in 50 ms\n\
              f: leased, attempt 2\n\
              f: running, attempt 2\n\
+             g: pending, SUBMITTED\n\
              f: retryable_failed, attempt 2, DEMO_FAILURE: retry in 50 ms\n\
              f: leased, attempt 3\n\
              f: running, attempt 3, 1.5s\n\
-             g: pending, SUBMITTED\n\
              g: running, attempt 1\n\
              g: succeeded, attempt 1, 100%, 1.5s\n"
         );
