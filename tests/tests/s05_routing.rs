@@ -455,6 +455,21 @@ fn secret_dirs() -> (tempfile::TempDir, tempfile::TempDir) {
     (without, with)
 }
 
+/// A run of `n` echo steps, every other one naming the secret ROUTE_TOKEN.
+fn every_other_names_the_token(n: usize) -> Value {
+    let steps: Vec<Value> = (0..n)
+        .map(|i| {
+            let mut s = json!({"name": format!("s{i}"), "executor_kind": "go",
+                               "kind": "demo.echo", "input": {"i": i}});
+            if i % 2 == 0 {
+                s["secrets"] = json!(["ROUTE_TOKEN"]);
+            }
+            s
+        })
+        .collect();
+    json!({"name": "secret", "steps": steps})
+}
+
 /// A worker named `name` with the Go demo allowed the secret ROUTE_TOKEN,
 /// read from `dir` (where it may be missing).
 fn route_token_worker(name: &str, dir: &std::path::Path) -> supervisor::config::WorkerConfig {
@@ -574,17 +589,7 @@ async fn a_step_naming_a_secret_runs_on_the_executor_that_may_hand_it_out() {
     cfg.executors[0].concurrency = 2;
     cfg.executors.push(plain);
     let w = RunningWorker::start(t.connect(12).await, cfg).await;
-    let steps: Vec<Value> = (0..12)
-        .map(|i| {
-            let mut s = json!({"name": format!("s{i}"), "executor_kind": "go",
-                               "kind": "demo.echo", "input": {"i": i}});
-            if i % 2 == 0 {
-                s["secrets"] = json!(["ROUTE_TOKEN"]);
-            }
-            s
-        })
-        .collect();
-    let run = t.submit(json!({"name": "secret", "steps": steps})).await;
+    let run = t.submit(every_other_names_the_token(12)).await;
     let st = t.wait_terminal(run, Duration::from_secs(60)).await;
     for s in &st.steps {
         assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
@@ -622,17 +627,7 @@ async fn a_step_naming_a_secret_is_left_to_the_worker_that_may_hand_it_out() {
     let mut holder_cfg = route_token_worker("holder", with.path());
     holder_cfg.executors[0].concurrency = 1;
     let holder = RunningWorker::start(t.connect(10).await, holder_cfg).await;
-    let steps: Vec<Value> = (0..8)
-        .map(|i| {
-            let mut s = json!({"name": format!("s{i}"), "executor_kind": "go",
-                               "kind": "demo.echo", "input": {"i": i}});
-            if i % 2 == 0 {
-                s["secrets"] = json!(["ROUTE_TOKEN"]);
-            }
-            s
-        })
-        .collect();
-    let run = t.submit(json!({"name": "secret", "steps": steps})).await;
+    let run = t.submit(every_other_names_the_token(8)).await;
     let st = t.wait_terminal(run, Duration::from_secs(60)).await;
     for s in &st.steps {
         assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
