@@ -538,6 +538,8 @@ struct Health {
     renewals_failing: AtomicBool,
     /// When lease calls began to fail, + 1 (0: the last one succeeded).
     leases_failing_since_ms: AtomicU64,
+    /// When the work_dir stopped taking new directories, + 1 (0: it takes them).
+    work_dir_failing_since_ms: AtomicU64,
 }
 
 fn health() -> &'static Health {
@@ -550,6 +552,7 @@ fn health() -> &'static Health {
         hb_stale_ms: AtomicU64::new(u64::MAX),
         renewals_failing: AtomicBool::new(false),
         leases_failing_since_ms: AtomicU64::new(0),
+        work_dir_failing_since_ms: AtomicU64::new(0),
     })
 }
 
@@ -663,6 +666,15 @@ pub async fn readiness(db: &Db) -> (bool, String) {
             "leases: lease calls failing for {ms} ms: nothing is leased (the worker's log says why)\n"
         ));
     }
+    // a work_dir that takes no directory (full, read-only) leases nothing
+    // until a probe directory can be made (resource audit: it read as ready
+    // while every step it leased was refused)
+    if let Some(ms) = failing_for(&health().work_dir_failing_since_ms) {
+        ready = false;
+        report.push_str(&format!(
+            "work_dir: no directory can be made in it for {ms} ms: nothing is leased until one can (the worker's log says why)\n"
+        ));
+    }
     let (alive, why) = liveness();
     if !alive {
         ready = false;
@@ -683,6 +695,17 @@ fn failing_for(since: &AtomicU64) -> Option<u64> {
 /// keep failing.
 pub fn lease_call(ok: bool) {
     let since = &health().leases_failing_since_ms;
+    if ok {
+        since.store(0, Ordering::Relaxed);
+    } else {
+        let _ = since.compare_exchange(0, now_ms() + 1, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// The work_dir took a directory (`ok`) or refused one: readiness says
+/// while it refuses.
+pub fn work_dir(ok: bool) {
+    let since = &health().work_dir_failing_since_ms;
     if ok {
         since.store(0, Ordering::Relaxed);
     } else {

@@ -93,3 +93,142 @@ async fn a_broken_executor_command_refuses_and_pauses_instead_of_failing_steps()
     );
     w.shutdown().await;
 }
+
+/// An executor that exits before its hello (a host limit: no thread for its
+/// runtime, `ulimit -u`) has not been sent a job: the attempt is "this
+/// worker can't" (SPAWN_FAILED, uncounted) and the executor's breaker
+/// opens, as for a command that cannot be started. It counted as an attempt
+/// (HANDSHAKE_FAILED, retryable) and used a step's attempts in two seconds,
+/// failing its run (resource audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_that_exits_before_its_hello_refuses_and_pauses() {
+    use std::os::unix::fs::PermissionsExt;
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let flag = dir.path().join("broken");
+    let exe = dir.path().join("exec.sh");
+    std::fs::write(
+        &exe,
+        format!(
+            "#!/bin/sh\n[ -e '{}' ] && {{ echo 'runtime: failed to create new OS thread' >&2; exit 2; }}\nexec '{}' \"$@\"\n",
+            flag.display(),
+            tests::go_executor().display()
+        ),
+    )
+    .expect("script");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut ecfg = go_demo("go", &[], None);
+    ecfg.command = exe.to_string_lossy().into_owned();
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.refusal_delay_ms = 300;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    std::fs::write(&flag, "").expect("flag");
+
+    let run = t
+        .submit(json!({"name": "no-hello", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"x": 1},
+             "retry": {"max_attempts": 2, "initial_interval_ms": 50}}]}))
+        .await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let st = t.status(run).await;
+    let a = tests::step(&st, "a");
+    assert_eq!(
+        st.state,
+        "pending",
+        "the run waits for a worker that can start its executor: {}",
+        serde_json::to_string_pretty(&st).unwrap_or_default()
+    );
+    let (attempts, uncounted, refusals): (i32, i32, i32) = sqlx::query_as(
+        "SELECT attempt, uncounted_attempts, refusals FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(a.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("step");
+    assert_eq!(attempts - uncounted, 0, "no counted attempt");
+    assert!(
+        (1..=2).contains(&refusals),
+        "refused once, then not leased while the breaker is open: {refusals} refusals"
+    );
+    std::fs::remove_file(&flag).expect("unflag");
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(st.state, "succeeded");
+    w.shutdown().await;
+}
+
+/// A work_dir that takes no directory (full, read-only, gone) pauses the
+/// worker's leasing until a probe directory can be made: only the steps in
+/// flight are refused (WORK_DIR_UNAVAILABLE, uncounted), the rest wait.
+/// Before, every step the worker leased was refused, again every few
+/// seconds, and a disk full for 20 s failed its whole backlog
+/// EXECUTOR_REFUSED (resource audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_work_dir_that_takes_no_directory_pauses_leasing() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let real = dir.path().join("real");
+    std::fs::create_dir(&real).expect("work dir");
+    let link = dir.path().join("work");
+    std::os::unix::fs::symlink(&real, &link).expect("symlink");
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.work_dir = Some(link.clone());
+    cfg.refusal_delay_ms = 300;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    // the work_dir is gone (a volume unmounted): no directory can be made
+    std::fs::remove_file(&link).expect("unlink");
+    std::os::unix::fs::symlink(dir.path().join("nowhere"), &link).expect("dangling symlink");
+
+    let one = |i: u32| {
+        json!({"name": format!("r{i}"), "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"i": i}}]})
+    };
+    let first = t.submit(one(0)).await;
+    let id = tests::only_step_id(&t, first).await;
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while t
+        .scalar_i64(&format!(
+            "SELECT refusals::int8 FROM durable.step_runs WHERE id = '{id}'"
+        ))
+        .await
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "the step was never refused"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut runs = vec![first];
+    for i in 1..=4 {
+        runs.push(t.submit(one(i)).await);
+    }
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let leased = t
+        .scalar_i64(
+            "SELECT count(DISTINCT step_run_id) FROM durable.transitions WHERE to_state = 'leased'",
+        )
+        .await;
+    assert_eq!(
+        leased, 1,
+        "nothing more was leased while the work_dir took no directory"
+    );
+    let reason: String = sqlx::query_scalar(
+        "SELECT reason FROM durable.transitions WHERE step_run_id = $1 AND to_state = 'retryable_failed'",
+    )
+    .bind(id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("history");
+    assert!(reason.contains("WORK_DIR_UNAVAILABLE"), "{reason}");
+
+    // the volume is back: a probe directory is made, and everything runs
+    std::fs::remove_file(&link).expect("unlink");
+    std::os::unix::fs::symlink(&real, &link).expect("symlink");
+    for run in runs {
+        let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+        assert_eq!(st.state, "succeeded", "{run}");
+    }
+    w.shutdown().await;
+}

@@ -1349,6 +1349,7 @@ fn before_job_outcome(c: Control) -> Outcome {
 /// the child; the error is then the attempt's outcome.
 async fn hello_of(
     shared: &Shared,
+    exec: &ExecutorRuntime,
     step: &LeasedStep,
     session: &mut Session,
     control: &mut watch::Receiver<LeaseView>,
@@ -1399,6 +1400,25 @@ async fn hello_of(
                 HandshakeError::Wire(w) => wire_failure(w).1,
                 other => other.stored_message(),
             };
+            if matches!(e, HandshakeError::Eof) {
+                // gone before its hello: no job was sent, and what ended it
+                // is not the step's (the job comes after the hello): a start
+                // that failed here, as a command that cannot be run is — a
+                // refusal, and the executor's breaker opens (resource audit:
+                // a process limit used a step's attempts in two seconds)
+                exec.process_failed(
+                    Duration::from_millis(cfg.refusal_delay_ms),
+                    &format!(
+                        "{msg} (stderr: {})",
+                        one_line(&redactor.text(&child.stderr().tail_marked()))
+                    ),
+                );
+                let out = Outcome::Refused {
+                    code: "SPAWN_FAILED".into(),
+                    message: format!("{msg}: the executor could not be started here (the worker's log has its stderr)"),
+                };
+                return Err(stop_now(child, cfg, out).await);
+            }
             Err(stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await)
         }
     }
@@ -1414,7 +1434,7 @@ async fn converse(
     control: &mut watch::Receiver<LeaseView>,
     redactor: &Redact,
 ) -> Conversed {
-    let hello = match hello_of(shared, step, session, control, redactor).await {
+    let hello = match hello_of(shared, exec, step, session, control, redactor).await {
         Ok(h) => h,
         Err(outcome) => return Conversed::Decided(outcome),
     };
@@ -2190,6 +2210,9 @@ async fn write_outcome(
                 .await
         }
         Outcome::Refused { code, message } => {
+            if code == "WORK_DIR_UNAVAILABLE" {
+                shared.work_dir_failed(message);
+            }
             let state = shared
                 .ledger
                 .refuse(RefuseWrite {

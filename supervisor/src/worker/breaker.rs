@@ -14,7 +14,9 @@
 //! worker that can run them, or for this one once it can.
 //!
 //! A pure state machine with the clock as an input; [`ExecutorRuntime`]
-//! (`worker/mod.rs`) owns one per executor.
+//! (`worker/mod.rs`) owns one per executor, and the worker one for its
+//! `work_dir` (a directory that cannot be made there: nothing is leased
+//! until a probe directory can be).
 //!
 //! [`ExecutorRuntime`]: super::ExecutorRuntime
 
@@ -54,8 +56,14 @@ impl SpawnBreaker {
     }
 
     /// A process of the executor could not be started: the breaker opens
-    /// (again) for the returned pause.
+    /// (again) for the returned pause. While it is open, a failure of a
+    /// start begun before it opened (a burst of attempts that all hit the
+    /// same fault) leaves the pause as it is: only a failed probe doubles it
+    /// (resource audit: six failures of one burst paused for 30 s at once).
     pub fn failed(&mut self, now: Instant, base: Duration) -> Duration {
+        if let Some(t) = self.retry_at.filter(|t| now < *t) {
+            return t - now;
+        }
         self.failures = self.failures.saturating_add(1);
         let pause = backoff(base, self.failures);
         self.retry_at = Some(now + pause);
@@ -117,6 +125,11 @@ mod tests {
         // the probe fails: a longer pause
         assert_eq!(b.failed(t0 + ms(100), ms(100)), ms(200));
         assert_eq!(b.lease(t0 + ms(299)), Lease::NotYet);
+        assert_eq!(b.lease(t0 + ms(300)), Lease::ProbeFirst);
+
+        // failures of starts begun before it opened do not lengthen it
+        assert_eq!(b.failed(t0 + ms(150), ms(100)), ms(150));
+        assert_eq!(b.failed(t0 + ms(150), ms(100)), ms(150));
         assert_eq!(b.lease(t0 + ms(300)), Lease::ProbeFirst);
 
         // the probe starts: lease as usual, and the next failure starts over

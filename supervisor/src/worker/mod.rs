@@ -287,9 +287,62 @@ pub(crate) struct Shared {
     /// A lease call failed: it may have leased steps this worker never
     /// received; they are given back before the next lease.
     lease_cut_off: AtomicBool,
+    /// The work_dir refused a directory (full, read-only): nothing is
+    /// leased until a pause has passed and a probe directory can be made.
+    /// Every step leased meanwhile was refused WORK_DIR_UNAVAILABLE, and a
+    /// disk full for 20 s failed a worker's whole backlog EXECUTOR_REFUSED
+    /// (resource audit).
+    work_breaker: std::sync::Mutex<breaker::SpawnBreaker>,
 }
 
 impl Shared {
+    /// No directory could be made in the work_dir: leasing pauses (see
+    /// `work_breaker`).
+    pub(crate) fn work_dir_failed(&self, why: &str) {
+        let pause = self
+            .work_breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failed(
+                Instant::now(),
+                Duration::from_millis(self.cfg.refusal_delay_ms),
+            );
+        crate::metrics::work_dir(false);
+        warn!(work_dir = %self.work.base().display(), error = %why, retry_in_ms = pause.as_millis() as u64,
+              "no directory can be made in the work_dir: nothing is leased until a probe directory can be made (free space or inodes on its filesystem, or fix its permissions)");
+    }
+
+    /// Whether steps may be leased as far as the work_dir goes: after a
+    /// failure, once its pause has passed, a probe directory is made (and
+    /// removed) first.
+    fn work_dir_usable(&self) -> bool {
+        let now = self
+            .work_breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .lease(Instant::now());
+        match now {
+            breaker::Lease::Yes => true,
+            breaker::Lease::NotYet => false,
+            breaker::Lease::ProbeFirst => match self.work.tempdir("durable-probe-") {
+                Ok(dir) => {
+                    drop(dir);
+                    self.work_breaker
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .started();
+                    crate::metrics::work_dir(true);
+                    info!(work_dir = %self.work.base().display(), "the work_dir takes directories again: leasing");
+                    true
+                }
+                Err(e) => {
+                    self.work_dir_failed(&e.to_string());
+                    false
+                }
+            },
+        }
+    }
+
     /// The attempt's commit resolved (or it was abandoned): its lease leaves
     /// the renewal set. Until then the heartbeat keeps renewing it, so a
     /// commit that waits on a busy database does not lose a valid lease.
@@ -630,6 +683,7 @@ impl Worker {
             announcing: Default::default(),
             lease_epoch: AtomicI64::new(0),
             lease_cut_off: AtomicBool::new(false),
+            work_breaker: Default::default(),
         });
         {
             let mut workers = WORKERS
@@ -979,6 +1033,10 @@ async fn lease_pass(
     }
     if shared.renewals_failing.load(Ordering::SeqCst) {
         // woken again by the first renewal that succeeds
+        return false;
+    }
+    if !shared.work_dir_usable() {
+        // looked at again at the next poll
         return false;
     }
     for exec in executors {
