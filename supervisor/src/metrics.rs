@@ -627,9 +627,24 @@ pub async fn readiness(db: &Db) -> (bool, String) {
         Ok(()) => report.push_str("database: ok\n"),
         Err(e) => {
             ready = false;
+            // a server that refuses connections answers at once, but the
+            // pool retries until the wait runs out: say what it said
+            // (resource audit: "did not answer within 1000 ms" for "too
+            // many connections for role")
+            let why = if e.is_timeout() || e.is_pool_timeout() {
+                db.connect_error(READY_DB_TIMEOUT)
+                    .await
+                    .map(|w| format!(" (a new connection: {w})"))
+                    .unwrap_or_else(|| {
+                        " (a new connection opens: the pool's connections are busy, or the server is slow to answer)"
+                            .into()
+                    })
+            } else {
+                String::new()
+            };
             report.push_str(&format!(
                 "database: unreachable: {}\n",
-                crate::secrets::Redactor::none().redact_str(&e.to_string())
+                crate::secrets::Redactor::none().redact_str(&format!("{e}{why}"))
             ));
         }
     }

@@ -306,6 +306,45 @@ async fn a_refused_connection_is_named_by_the_servers_reason() {
     exec(&t.db, &format!("DROP ROLE {role}")).await;
 }
 
+/// `/readyz`'s report names the server's refusal too: the pool retries a
+/// role's connection limit until the readiness check's second runs out, and
+/// the report said only that the database "did not answer within 1000 ms"
+/// (resource audit).
+#[tokio::test]
+async fn readiness_names_the_servers_refusal() {
+    let t = TestDb::new().await;
+    let role = format!("lim_{}", Uuid::new_v4().simple());
+    exec(&t.db, &format!("CREATE ROLE {role} LOGIN")).await;
+    let db = Db::connect(&as_role(&t.url, &role), 1)
+        .await
+        .expect("connect as the role");
+    // the server takes no more of the role's connections, and ends the one
+    // the pool holds
+    exec(
+        &t.db,
+        &format!(
+            "ALTER ROLE {role} CONNECTION LIMIT 0;
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+        ),
+    )
+    .await;
+    // the first check may meet the ended connection; the next opens one
+    let mut reports = Vec::new();
+    for _ in 0..3 {
+        let (ready, report) = supervisor::metrics::readiness(&db).await;
+        assert!(!ready, "{report}");
+        if report.contains("database: unreachable: ")
+            && report.contains("too many connections for role")
+        {
+            break;
+        }
+        reports.push(report);
+        assert!(reports.len() < 3, "{reports:?}");
+    }
+    db.pool().close().await;
+    exec(&t.db, &format!("DROP ROLE {role}")).await;
+}
+
 /// The README's reader and submitter, granted as it says: a reader reads
 /// (`status`) and may not cancel; a submitter submits and cancels; a role
 /// with SELECT but not USAGE on the schema is told which GRANTs it needs

@@ -203,6 +203,11 @@ impl DbError {
         ))
     }
 
+    /// The call's own time ran out ([`bounded`]).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, DbError::Timeout { .. })
+    }
+
     /// A pool's error: it could not open a connection in time.
     pub fn is_pool_timeout(&self) -> bool {
         matches!(

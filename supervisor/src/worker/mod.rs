@@ -39,7 +39,7 @@ pub enum WorkerError {
     Db(#[from] DbError),
     #[error("cannot start the process spawner: {0}")]
     Spawner(#[source] ProcessError),
-    #[error("executor {name:?} ({command}) failed its handshake: {why}. Check its command and that it speaks the executor protocol (proto/PROTOCOL.md)")]
+    #[error("executor {name:?} ({command}) failed its handshake: {why}. {}", probe_advice(.why))]
     Probe {
         name: String,
         command: String,
@@ -47,10 +47,31 @@ pub enum WorkerError {
     },
     #[error("invalid worker setup: {0}")]
     Setup(String),
+    /// The host cannot give the worker what it needs now (a full disk).
+    #[error("{0}")]
+    Host(String),
     #[error("the worker's {0} loop stopped unexpectedly; its children were stopped and the worker exits so that no step runs without a renewed lease")]
     LoopDied(&'static str),
     #[error("the drain ended with {0} step outcome(s) not recorded: the database did not take them before their leases ran out (is it reachable?). Those steps are run again once their leases expire, so their side effects may repeat; the worker's log names each one")]
     Unrecorded(u64),
+}
+
+/// What to do about a probe that failed: a limit of the host's, where its
+/// message names one (resource audit: "too many open files" was answered
+/// with "check its command"), else the command and the protocol.
+fn probe_advice(why: &str) -> &'static str {
+    if why.contains("os error 24") || why.contains("Too many open files") {
+        "The worker is out of file descriptors: raise its open-file limit (`ulimit -n`, systemd's LimitNOFILE=, docker's --ulimit nofile=) or lower the executors' concurrency"
+    } else if why.contains("os error 11")
+        || why.contains("failed to create new OS thread")
+        || why.contains("can't start new thread")
+    {
+        "The host refused a process or thread: raise the worker user's process limit (`ulimit -u`, systemd's TasksMax=/LimitNPROC=, a container's pids limit) or lower the executors' concurrency"
+    } else if why.contains("os error 28") {
+        "A filesystem it needs is full: free space (or inodes) there, or set work_dir elsewhere"
+    } else {
+        "Check its command and that it speaks the executor protocol (proto/PROTOCOL.md)"
+    }
 }
 
 /// How long any single database call of the worker may take (the heartbeat
@@ -1071,7 +1092,20 @@ async fn lease_pass(
             }
             Ok(None) => return false,
             Err(e) => {
-                error!(error = %e, "lease failed; retrying after the poll interval");
+                if e.is_pool_timeout() || e.is_timeout() {
+                    // the server's own word on why, where it refuses
+                    // connections (the pool's error says "timed out")
+                    let why = shared
+                        .db
+                        .connect_error(Duration::from_secs(1))
+                        .await
+                        .unwrap_or_else(|| {
+                            "a new connection opens: the pool's connections are all in use".into()
+                        });
+                    error!(error = %e, why = %why, "lease failed; retrying after the poll interval");
+                } else {
+                    error!(error = %e, "lease failed; retrying after the poll interval");
+                }
                 crate::metrics::lease_call(false);
                 // unless the server answered with an error (the statement
                 // did not run), it may have reached the server all the same,
@@ -1439,10 +1473,19 @@ fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
 async fn open_work_dir(cfg: &WorkerConfig, id: Uuid) -> Result<Arc<workdir::WorkDir>, WorkerError> {
     let base = cfg.work_base();
     let work = workdir::WorkDir::open(base.clone(), id).map_err(|e| {
-        WorkerError::Setup(format!(
-            "work_dir {} is not writable ({e}): attempts could not create their directories. Fix its permissions or set work_dir",
+        let what = format!(
+            "work_dir {} is not writable ({e}): attempts could not create their directories",
             base.display()
-        ))
+        );
+        // a full filesystem is the host's state, not the config's: a
+        // runtime error (1), with the fix that fits (resource audit: "fix
+        // its permissions", exit 2, for a disk without free inodes)
+        match e.raw_os_error() {
+            Some(nix::libc::ENOSPC) | Some(nix::libc::EDQUOT) => WorkerError::Host(format!(
+                "{what}. Free space (or inodes) on its filesystem, or set work_dir elsewhere"
+            )),
+            _ => WorkerError::Setup(format!("{what}. Fix its permissions or set work_dir")),
+        }
     })?;
     let work = Arc::new(work);
     let w = work.clone();
@@ -1779,7 +1822,42 @@ fn hostname() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{leasable, usable_hello};
+    use super::{leasable, probe_advice, usable_hello};
+
+    /// A probe that failed on a host limit is answered with that limit's
+    /// fix, not "check its command" (resource audit).
+    #[test]
+    fn a_failed_probe_is_answered_by_its_cause() {
+        let table = [
+            (
+                "failed to spawn: Too many open files (os error 24)",
+                "open-file limit",
+            ),
+            (
+                "exited with code 2; stderr: runtime: failed to create new OS thread",
+                "process limit",
+            ),
+            (
+                "failed to spawn: Resource temporarily unavailable (os error 11)",
+                "process limit",
+            ),
+            (
+                "cannot create a directory: No space left on device (os error 28)",
+                "free space",
+            ),
+            (
+                "the executor exited or closed stdout before its hello",
+                "Check its command",
+            ),
+        ];
+        for (why, fix) in table {
+            assert!(
+                probe_advice(why).contains(fix),
+                "{why}: {}",
+                probe_advice(why)
+            );
+        }
+    }
     use crate::wire::Hello;
 
     /// A hello's frame limit: 0 (the default) or at least 64 KiB.
