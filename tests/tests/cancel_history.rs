@@ -129,6 +129,46 @@ async fn a_run_ended_by_a_step_cancelled_by_name_names_the_step() {
     );
 }
 
+/// A run closed by another step's end, when what makes it cancelled is a
+/// step cancelled by name earlier, names the cancelled step: it named the
+/// step that ended last ("step s succeeded" on a run that ended cancelled:
+/// operator race audit).
+#[tokio::test]
+async fn a_run_closed_later_names_the_step_cancelled_by_name() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "later", "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "k"},
+            {"name": "c", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    lease(&t, run, "s").await;
+    sql(
+        &t,
+        "UPDATE durable.step_runs SET state = 'running', started_at = now(), transition_reason = 'ACCEPTED'
+          WHERE run_id = $1 AND name = 's'",
+        run,
+    )
+    .await;
+    t.db.cancel(run, Some("c")).await.expect("cancel c");
+    assert_eq!(t.status(run).await.state, "running", "s still runs");
+    sql(
+        &t,
+        "UPDATE durable.step_runs SET state = 'succeeded', output = '{}', transition_reason = 'SUCCEEDED'
+          WHERE run_id = $1 AND name = 's'",
+        run,
+    )
+    .await;
+    assert_eq!(t.status(run).await.state, "cancelled");
+    assert_eq!(
+        run_hops(&t, run).await,
+        vec![
+            hop(None, "pending", "SUBMITTED"),
+            hop(Some("pending"), "running", "step s running"),
+            hop(Some("running"), "cancelled", "step c cancelled"),
+        ]
+    );
+}
+
 /// `durable.cancel_run`'s reason is one bounded line: it runs as the
 /// schema's owner and wrote any text it was given, of any length, into the
 /// history (cancellation audit). A code or a few words are recorded; NULL
