@@ -631,20 +631,19 @@ pub async fn readiness(db: &Db) -> (bool, String) {
             // pool retries until the wait runs out: say what it said
             // (resource audit: "did not answer within 1000 ms" for "too
             // many connections for role")
-            let why = if e.is_timeout() || e.is_pool_timeout() {
-                db.connect_error(READY_DB_TIMEOUT)
-                    .await
-                    .map(|w| format!(" (a new connection: {w})"))
-                    .unwrap_or_else(|| {
-                        " (a new connection opens: the pool's connections are busy, or the server is slow to answer)"
-                            .into()
-                    })
+            let text = if e.is_timeout() || e.is_pool_timeout() {
+                match db.connect_error(READY_DB_TIMEOUT).await {
+                    Some(w) => format!("a new connection fails: {w}"),
+                    None => format!(
+                        "{e} (a new connection opens: the pool's connections are busy, or the server is slow to answer)"
+                    ),
+                }
             } else {
-                String::new()
+                e.to_string()
             };
             report.push_str(&format!(
                 "database: unreachable: {}\n",
-                crate::secrets::Redactor::none().redact_str(&format!("{e}{why}"))
+                crate::secrets::Redactor::none().redact_str(&text)
             ));
         }
     }
@@ -687,7 +686,7 @@ pub async fn readiness(db: &Db) -> (bool, String) {
     if let Some(ms) = failing_for(&health().work_dir_failing_since_ms) {
         ready = false;
         report.push_str(&format!(
-            "work_dir: no directory can be made in it for {ms} ms: nothing is leased until one can (the worker's log says why)\n"
+            "work_dir: attempts cannot write in it for {ms} ms: nothing is leased until a probe can (the worker's log says why)\n"
         ));
     }
     let (alive, why) = liveness();

@@ -232,3 +232,112 @@ async fn a_work_dir_that_takes_no_directory_pauses_leasing() {
     }
     w.shutdown().await;
 }
+
+/// A script executor that fails before its hello on every `nth` start (a
+/// counter in `dir`), and otherwise runs the Go demo.
+fn flaky_executor(dir: &std::path::Path, nth: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let exe = dir.join("flaky.sh");
+    let count = dir.join("starts");
+    std::fs::write(
+        &exe,
+        format!(
+            "#!/bin/sh\nn=$(cat '{c}' 2>/dev/null || echo 0); n=$((n + 1)); echo $n > '{c}'\n\
+             [ $((n % {nth})) -eq 0 ] && {{ echo 'crashed at start' >&2; exit 2; }}\nexec '{demo}' \"$@\"\n",
+            c = count.display(),
+            demo = tests::go_executor().display()
+        ),
+    )
+    .expect("script");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    exe
+}
+
+/// Refusals that are the host's (SPAWN_FAILED here) never fail a step: an
+/// executor that failed every third start had the first step in line
+/// refused until `max_refusals` and failed EXECUTOR_REFUSED, with its run
+/// (re-check audit). They are still counted in `refusals`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_failing_every_third_start_fails_no_step() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exe = flaky_executor(dir.path(), 3);
+    let mut ecfg = go_demo("go", &[], None);
+    ecfg.command = exe.to_string_lossy().into_owned();
+    ecfg.concurrency = 2;
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.refusal_delay_ms = 100;
+    cfg.max_refusals = 1;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let steps: Vec<serde_json::Value> = (0..6)
+        .map(|i| json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "demo.echo", "input": {"i": i}}))
+        .collect();
+    let run = t.submit(json!({"name": "flaky", "steps": steps})).await;
+    let st = t.wait_terminal(run, Duration::from_secs(90)).await;
+    w.shutdown().await;
+    for s in &st.steps {
+        assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
+    }
+    let refused = t
+        .scalar_i64(&format!(
+            "SELECT sum(refusals)::int8 FROM durable.step_runs WHERE run_id = '{run}'"
+        ))
+        .await;
+    assert!(refused > 0, "the failed starts were refusals, counted");
+}
+
+/// A persistent executor whose processes die before their hello: neither a
+/// job's start nor the warm pool's closes the breaker by spawning a process
+/// (only a hello does), so nothing more is leased while no process can say
+/// hello. Each spawn closed it, and the step was leased and refused again
+/// after every warm start (re-check audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persistent_executor_that_cannot_say_hello_is_not_leased_for() {
+    use std::os::unix::fs::PermissionsExt;
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let flag = dir.path().join("broken");
+    let exe = dir.path().join("exec.sh");
+    std::fs::write(
+        &exe,
+        format!(
+            "#!/bin/sh\n[ -e '{}' ] && exit 1\nexec '{}' \"$@\"\n",
+            flag.display(),
+            tests::go_executor().display()
+        ),
+    )
+    .expect("script");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut ecfg = go_demo("go", &[], None);
+    ecfg.command = exe.to_string_lossy().into_owned();
+    ecfg.persistent = true;
+    ecfg.warm_processes = 1;
+    ecfg.max_jobs_per_process = Some(1);
+    ecfg.concurrency = 2;
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.refusal_delay_ms = 500;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    std::fs::write(&flag, "").expect("flag");
+    // no process can say hello from now on (a warm one started before may
+    // serve one job); the warm pool keeps trying, with its own backoff
+    let run = t
+        .submit(json!({"name": "r", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {}}]}))
+        .await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let refusals = t
+        .scalar_i64(&format!(
+            "SELECT refusals::int8 FROM durable.step_runs WHERE run_id = '{run}'"
+        ))
+        .await;
+    assert!(
+        refusals <= 1,
+        "leased and refused again while no process could say hello: {refusals} refusals"
+    );
+    std::fs::remove_file(&flag).expect("unflag");
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(st.state, "succeeded");
+    w.shutdown().await;
+}

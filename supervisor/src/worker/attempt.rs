@@ -1388,10 +1388,42 @@ async fn hello_of(
         }
         r = handshake => r,
     };
+    // gone before its hello (a whole frame or none): see below
+    let gone = matches!(
+        read,
+        Err(HandshakeError::Eof) | Err(HandshakeError::Wire(wire::WireError::Truncated { .. }))
+    );
     match read {
         Ok(h) => {
             session.hello = Some(h.clone());
+            exec.process_started();
             Ok(h)
+        }
+        Err(e) if gone => {
+            // no job was sent, and what ended it is not the step's (the job
+            // comes after the hello; a banner printed before a crash is a
+            // cut frame): a start that failed here, as a command that cannot
+            // be run is — a refusal, and the executor's breaker opens
+            // (resource audit: a process limit used a step's attempts in two
+            // seconds). The raw bytes stay in the log.
+            let msg = match &e {
+                HandshakeError::Wire(w) => wire_failure(w).1,
+                other => other.stored_message(),
+            };
+            let tail = one_line(&redactor.text(&child.stderr().tail_marked()));
+            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
+                  "the executor exited before its hello: it cannot be started here (SPAWN_FAILED)");
+            exec.process_failed(
+                Duration::from_millis(cfg.refusal_delay_ms),
+                &format!("{msg} (stderr: {tail})"),
+            );
+            let out = Outcome::Refused {
+                code: "SPAWN_FAILED".into(),
+                message: format!(
+                    "{msg}: the executor could not be started here (the worker's log has its stderr)"
+                ),
+            };
+            Err(stop_now(child, cfg, out).await)
         }
         Err(e) => {
             warn!(error = %redactor.text(&e.to_string()), stderr_tail = %one_line(&redactor.text(&child.stderr().tail_marked())), "handshake failed");
@@ -1400,25 +1432,6 @@ async fn hello_of(
                 HandshakeError::Wire(w) => wire_failure(w).1,
                 other => other.stored_message(),
             };
-            if matches!(e, HandshakeError::Eof) {
-                // gone before its hello: no job was sent, and what ended it
-                // is not the step's (the job comes after the hello): a start
-                // that failed here, as a command that cannot be run is — a
-                // refusal, and the executor's breaker opens (resource audit:
-                // a process limit used a step's attempts in two seconds)
-                exec.process_failed(
-                    Duration::from_millis(cfg.refusal_delay_ms),
-                    &format!(
-                        "{msg} (stderr: {})",
-                        one_line(&redactor.text(&child.stderr().tail_marked()))
-                    ),
-                );
-                let out = Outcome::Refused {
-                    code: "SPAWN_FAILED".into(),
-                    message: format!("{msg}: the executor could not be started here (the worker's log has its stderr)"),
-                };
-                return Err(stop_now(child, cfg, out).await);
-            }
             Err(stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await)
         }
     }
@@ -2137,6 +2150,21 @@ fn retry_delay(ms: u64) -> chrono::Duration {
 }
 
 /// A refusal that ended its step says so (the usual one leaves it ready).
+/// How many refusals of this kind a step may get: `max_refusals`, but for a
+/// fault of this worker's host (an executor that cannot be started, a
+/// work_dir that takes nothing), which nothing of the step can have caused:
+/// those are paced by the breakers (nothing is leased while one is open),
+/// and a step is not failed for them (re-check audit: an executor that
+/// failed every other start failed the first step in line EXECUTOR_REFUSED).
+/// They are still counted in `refusals`.
+fn refusals_allowed(code: &str, max_refusals: u32) -> u32 {
+    if matches!(code, "SPAWN_FAILED" | "WORK_DIR_UNAVAILABLE") {
+        i32::MAX as u32
+    } else {
+        max_refusals
+    }
+}
+
 fn log_refusal_end(state: &str, code: &str, max_refusals: u32) {
     match state {
         "terminal_failed" => {
@@ -2220,7 +2248,7 @@ async fn write_outcome(
                     code: code.clone(),
                     message: message.clone(),
                     delay: Duration::from_millis(shared.cfg.refusal_delay_ms),
-                    max_refusals: shared.cfg.max_refusals,
+                    max_refusals: refusals_allowed(code, shared.cfg.max_refusals),
                 })
                 .await?;
             log_refusal_end(&state, code, shared.cfg.max_refusals);

@@ -69,6 +69,8 @@ fn probe_advice(why: &str) -> &'static str {
         "The host refused a process or thread: raise the worker user's process limit (`ulimit -u`, systemd's TasksMax=/LimitNPROC=, a container's pids limit) or lower the executors' concurrency"
     } else if why.contains("os error 28") {
         "A filesystem it needs is full: free space (or inodes) there, or set work_dir elsewhere"
+    } else if why.contains("before its hello") {
+        "It exited before its hello: its stderr (above) says why — a crash at start, a missing library or module, a host limit"
     } else {
         "Check its command and that it speaks the executor protocol (proto/PROTOCOL.md)"
     }
@@ -183,8 +185,12 @@ impl ExecutorRuntime {
 
     /// Starts a process of this executor in `dir` ([`session::Session::start`]),
     /// counted under `metric_kind` (`job`, `warm`), and tells the breaker
-    /// how it went: a command that cannot be started opens it (a session
-    /// directory that cannot be made is not the executor's fault).
+    /// of a command that cannot be started: that opens it (a session
+    /// directory that cannot be made is not the executor's fault). A process
+    /// started closes it only once it says its hello ([`Self::process_started`]):
+    /// one that dies before it is a failed start too (re-check audit: each
+    /// spawn closed the breaker, and steps were leased, and refused, while no
+    /// process could say hello).
     pub(crate) async fn start_process(
         &self,
         shared: &Shared,
@@ -197,7 +203,6 @@ impl ExecutorRuntime {
         match &res {
             Ok(_) => {
                 crate::metrics::executor_process_started(&self.cfg.name, metric_kind);
-                self.process_started();
             }
             Err(e @ (session::StartError::Spawn(_) | session::StartError::NoPipes)) => {
                 let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
@@ -208,8 +213,8 @@ impl ExecutorRuntime {
         res
     }
 
-    /// A process of this executor started: it is leased for as usual.
-    fn process_started(&self) {
+    /// A process of this executor said its hello: it is leased for as usual.
+    pub(crate) fn process_started(&self) {
         self.breaker
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -238,7 +243,7 @@ impl ExecutorRuntime {
 
     /// A process of this executor could not be started: nothing more is
     /// leased for it until a pause has passed and a probe process starts.
-    fn process_failed(&self, base: Duration, why: &str) {
+    pub(crate) fn process_failed(&self, base: Duration, why: &str) {
         let pause = self.pause_leasing(base);
         warn!(executor = %self.cfg.name, error = %why, retry_in_ms = pause.as_millis() as u64,
               "the executor cannot be started here: no step is leased for it until a probe process starts");
@@ -330,7 +335,7 @@ impl Shared {
             );
         crate::metrics::work_dir(false);
         warn!(work_dir = %self.work.base().display(), error = %why, retry_in_ms = pause.as_millis() as u64,
-              "no directory can be made in the work_dir: nothing is leased until a probe directory can be made (free space or inodes on its filesystem, or fix its permissions)");
+              "an attempt could not write in the work_dir: nothing is leased until a probe can (free space or inodes on its filesystem, or fix its permissions)");
     }
 
     /// Whether steps may be leased as far as the work_dir goes: after a
@@ -345,15 +350,14 @@ impl Shared {
         match now {
             breaker::Lease::Yes => true,
             breaker::Lease::NotYet => false,
-            breaker::Lease::ProbeFirst => match self.work.tempdir("durable-probe-") {
-                Ok(dir) => {
-                    drop(dir);
+            breaker::Lease::ProbeFirst => match self.work.probe() {
+                Ok(()) => {
                     self.work_breaker
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .started();
                     crate::metrics::work_dir(true);
-                    info!(work_dir = %self.work.base().display(), "the work_dir takes directories again: leasing");
+                    info!(work_dir = %self.work.base().display(), "the work_dir can be written again: leasing");
                     true
                 }
                 Err(e) => {
@@ -1472,7 +1476,9 @@ fn check_setup(db: &Db, cfg: &WorkerConfig) -> Result<(), WorkerError> {
 /// writable) and removes what dead workers left there (worker/workdir.rs).
 async fn open_work_dir(cfg: &WorkerConfig, id: Uuid) -> Result<Arc<workdir::WorkDir>, WorkerError> {
     let base = cfg.work_base();
-    let work = workdir::WorkDir::open(base.clone(), id).map_err(|e| {
+    let work = workdir::WorkDir::open(base.clone(), id)
+        .and_then(|w| w.probe().map(|()| w))
+        .map_err(|e| {
         let what = format!(
             "work_dir {} is not writable ({e}): attempts could not create their directories",
             base.display()
@@ -1483,6 +1489,12 @@ async fn open_work_dir(cfg: &WorkerConfig, id: Uuid) -> Result<Arc<workdir::Work
         match e.raw_os_error() {
             Some(nix::libc::ENOSPC) | Some(nix::libc::EDQUOT) => WorkerError::Host(format!(
                 "{what}. Free space (or inodes) on its filesystem, or set work_dir elsewhere"
+            )),
+            Some(nix::libc::EMFILE) | Some(nix::libc::ENFILE) => WorkerError::Host(format!(
+                "{what}. The worker is out of file descriptors: raise its open-file limit (`ulimit -n`, systemd's LimitNOFILE=)"
+            )),
+            Some(nix::libc::EROFS) => WorkerError::Setup(format!(
+                "{what}. Its filesystem is read-only: set work_dir to a writable directory"
             )),
             _ => WorkerError::Setup(format!("{what}. Fix its permissions or set work_dir")),
         }
@@ -1847,6 +1859,10 @@ mod tests {
             ),
             (
                 "the executor exited or closed stdout before its hello",
+                "its stderr",
+            ),
+            (
+                "the executor's first frame was a job, not a hello",
                 "Check its command",
             ),
         ];

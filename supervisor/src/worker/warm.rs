@@ -176,6 +176,16 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
         Duration::from_millis(shared.cfg.handshake_timeout_ms),
     )
     .await;
+    // gone before its hello: the executor cannot be started here, and its
+    // breaker opens as for a command that cannot run (a job's start does
+    // the same); a hello closes it
+    let gone = matches!(
+        read,
+        Err(wire::HandshakeError::Eof)
+            | Err(wire::HandshakeError::Wire(
+                wire::WireError::Truncated { .. }
+            ))
+    );
     let usable = match read {
         Ok(h) => super::usable_hello(h, shared.cfg.max_frame_bytes),
         Err(e) => Err(format!("handshake failed: {e}")),
@@ -183,12 +193,17 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
     match usable {
         Ok(h) => {
             session.hello = Some(h);
+            exec.process_started();
             Ok(session)
         }
         Err(why) => {
             let tail = session.child.stderr().tail_string();
             let _ = super::attempt::stop_child(&mut session.child, &shared.cfg).await;
-            Err(format!("{why}; stderr: {}", tail.trim()))
+            let why = format!("{why}; stderr: {}", tail.trim());
+            if gone {
+                exec.process_failed(Duration::from_millis(shared.cfg.refusal_delay_ms), &why);
+            }
+            Err(why)
         }
     }
 }

@@ -95,6 +95,17 @@ impl WorkDir {
             .tempdir_in(&self.base)
     }
 
+    /// Whether an attempt could work here now: a directory is made and a
+    /// page written into it, then both removed. A directory alone is not
+    /// enough: a filesystem full of data still makes directories (re-check
+    /// audit: the pause after WORK_DIR_UNAVAILABLE ended at once on a full
+    /// tmpfs).
+    pub fn probe(&self) -> io::Result<()> {
+        let dir = self.tempdir("durable-probe-")?;
+        std::fs::write(dir.path().join("probe"), [0u8; 4096])?;
+        dir.close()
+    }
+
     /// Removes what dead workers left in `work_dir` (see the module doc).
     /// Errors on single entries are logged and skipped.
     pub fn sweep(&self) -> Swept {
