@@ -11,6 +11,36 @@ use std::time::Duration;
 use serde_json::json;
 use tests::{fast_config, go_demo, RunningWorker, TestDb};
 
+/// The one-step run `run` (its step `a`) waits, its step refused once or
+/// twice and no attempt counted: the breaker held the rest back.
+async fn waits_refused_uncounted(t: &TestDb, run: uuid::Uuid) -> supervisor::db::StepStatus {
+    let st = t.status(run).await;
+    let a = tests::step(&st, "a").clone();
+    assert_eq!(
+        st.state,
+        "pending",
+        "the run waits for a worker that can start its executor: {}",
+        serde_json::to_string_pretty(&st).unwrap_or_default()
+    );
+    let (attempts, uncounted, refusals): (i32, i32, i32) = sqlx::query_as(
+        "SELECT attempt, uncounted_attempts, refusals FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(a.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("step");
+    assert_eq!(
+        attempts - uncounted,
+        0,
+        "no counted attempt ({attempts} attempts, {uncounted} uncounted)"
+    );
+    assert!(
+        (1..=2).contains(&refusals),
+        "refused once, then not leased while the breaker is open: {refusals} refusals"
+    );
+    a
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_executor_command_refuses_and_pauses_instead_of_failing_steps() {
     let _serial = tests::exclusive().await;
@@ -34,30 +64,7 @@ async fn a_broken_executor_command_refuses_and_pauses_instead_of_failing_steps()
     // long enough for a counted failure to have used both attempts many
     // times over, and for several probes to have failed
     tokio::time::sleep(Duration::from_millis(2_500)).await;
-    let st = t.status(run).await;
-    let a = tests::step(&st, "a");
-    assert_eq!(
-        st.state,
-        "pending",
-        "the run waits for a worker that can start its executor: {}",
-        serde_json::to_string_pretty(&st).unwrap_or_default()
-    );
-    let (attempts, uncounted, refusals): (i32, i32, i32) = sqlx::query_as(
-        "SELECT attempt, uncounted_attempts, refusals FROM durable.step_runs WHERE id = $1",
-    )
-    .bind(a.step_run_id)
-    .fetch_one(t.db.pool())
-    .await
-    .expect("step");
-    assert_eq!(
-        attempts - uncounted,
-        0,
-        "no counted attempt ({attempts} attempts, {uncounted} uncounted)"
-    );
-    assert!(
-        (1..=2).contains(&refusals),
-        "refused once, then not leased while the breaker is open: {refusals} refusals"
-    );
+    let a = waits_refused_uncounted(&t, run).await;
     let codes: Vec<String> = sqlx::query_scalar(
         "SELECT reason FROM durable.transitions WHERE step_run_id = $1 AND from_state = 'leased'
             AND to_state = 'retryable_failed'",
@@ -131,26 +138,7 @@ async fn an_executor_that_exits_before_its_hello_refuses_and_pauses() {
              "retry": {"max_attempts": 2, "initial_interval_ms": 50}}]}))
         .await;
     tokio::time::sleep(Duration::from_millis(2_500)).await;
-    let st = t.status(run).await;
-    let a = tests::step(&st, "a");
-    assert_eq!(
-        st.state,
-        "pending",
-        "the run waits for a worker that can start its executor: {}",
-        serde_json::to_string_pretty(&st).unwrap_or_default()
-    );
-    let (attempts, uncounted, refusals): (i32, i32, i32) = sqlx::query_as(
-        "SELECT attempt, uncounted_attempts, refusals FROM durable.step_runs WHERE id = $1",
-    )
-    .bind(a.step_run_id)
-    .fetch_one(t.db.pool())
-    .await
-    .expect("step");
-    assert_eq!(attempts - uncounted, 0, "no counted attempt");
-    assert!(
-        (1..=2).contains(&refusals),
-        "refused once, then not leased while the breaker is open: {refusals} refusals"
-    );
+    waits_refused_uncounted(&t, run).await;
     std::fs::remove_file(&flag).expect("unflag");
     let st = t.wait_terminal(run, Duration::from_secs(60)).await;
     assert_eq!(st.state, "succeeded");
