@@ -248,6 +248,91 @@ impl Db {
     }
 }
 
+/// The lease statement (see [`DbConn::lease_routed`]), made once: it reads
+/// other live workers' routes as `status` does ([`super::runs::routes_of`]).
+static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        r#"WITH others_live AS (
+                 -- the routes other live workers registered (inlined where
+                 -- read: only for a candidate naming a secret its executor
+                 -- may not hand out)
+                 {others_live}
+             ), routes AS (
+                 -- a route's own secrets as an array once, not per candidate
+                 SELECT u.*, ARRAY(SELECT jsonb_array_elements_text(u.secrets -> 'mine')) AS mine
+                   FROM unnest($3::text[], $4::text[], $5::jsonb[], $10::jsonb[])
+                     AS u(executor_kind, kind, labels, secrets)
+             ), candidates AS (
+                 -- one ordered scan of the routing index per route, stopping
+                 -- after `limit` rows: the cost does not grow with the backlog
+                 -- nor with ready steps of kinds this worker cannot run
+                 SELECT c.id FROM routes r
+                 CROSS JOIN LATERAL (
+                     SELECT s.id, s.next_attempt_at FROM durable.step_runs s
+                      WHERE s.executor_kind = r.executor_kind AND s.kind = r.kind
+                        AND s.state IN ('pending', 'retryable_failed')
+                        AND s.next_attempt_at <= now()
+                        AND r.labels @> s.labels
+                        AND NOT s.cancel_requested
+                        -- a step past its deadline is the deadline pass's:
+                        -- ended by it at the attempt it had (time audit: a
+                        -- lease counted an attempt that never ran)
+                        AND (s.deadline IS NULL OR s.deadline > now())
+                        AND s.id <> ALL ($8::uuid[])
+                        -- a step whose secrets this executor may hand
+                        -- out, or that no other executor, of this worker or
+                        -- of another live one, may run either (see
+                        -- SecretFilter): it is left to the one that may
+                        AND (jsonb_typeof(r.secrets) = 'null' OR cardinality(s.secrets) = 0
+                             OR s.secrets <@ r.mine
+                             OR (NOT EXISTS (
+                                     SELECT 1 FROM jsonb_array_elements(r.secrets -> 'others') AS o
+                                      WHERE (o -> 'labels') @> s.labels
+                                        AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(o -> 'secrets')))
+                                 AND NOT EXISTS (
+                                     SELECT 1 FROM others_live o
+                                      WHERE o.executor_kind = s.executor_kind AND o.kind = s.kind
+                                        AND o.labels @> s.labels
+                                        AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(o.secrets)))))
+                        -- a scalar subquery, one primary-key probe per
+                        -- candidate: as NOT EXISTS the planner could make it
+                        -- an anti-join over a seq scan of every run (it
+                        -- expects few cancelled ones), O(runs) per lease.
+                        -- A run already terminal (made so by hand) runs no
+                        -- step again: its side effects would run for a run
+                        -- that is over, every outcome refused (re-check audit)
+                        AND NOT coalesce((SELECT wr.cancel_requested
+                                                 OR durable.run_state_is_terminal(wr.state)
+                                            FROM durable.workflow_runs wr
+                                           WHERE wr.id = s.run_id), false)
+                      ORDER BY s.next_attempt_at
+                      LIMIT $6
+                      FOR NO KEY UPDATE OF s SKIP LOCKED
+                 ) c
+                 -- the worker's lease epoch (NULL: not fenced), once per
+                 -- call: a call cut off and run late leases nothing
+                 WHERE (SELECT durable.lease_epoch_ok($1, $9))
+                 ORDER BY c.next_attempt_at
+                 LIMIT $6
+             )
+             UPDATE durable.step_runs s
+                SET state = 'leased', owner_worker_id = $1, lease_token = gen_random_uuid(),
+                    lease_expires_at = now() + make_interval(secs => $7::double precision / 1000.0),
+                    leased_at = now(), started_at = NULL, attempt = s.attempt + 1,
+                    transition_reason = 'LEASED', transition_by = $2
+               FROM candidates c
+              WHERE s.id = c.id
+          RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input::text AS input, s.idempotency_key,
+                    s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
+                    s.secrets, s.checkpoint, s.cancel_requested,
+                    EXISTS (SELECT 1 FROM durable.step_defs d
+                             WHERE d.run_id = s.run_id AND d.name = s.name
+                               AND cardinality(d.depends_on) > 0) AS has_dependencies"#,
+        others_live =
+            super::runs::routes_of(&format!("{} AND w.id <> $1", super::runs::LIVE_WORKER))
+    )
+});
+
 impl DbConn<'_> {
     /// See [`Db::register_worker`].
     pub async fn register_worker(
@@ -384,98 +469,20 @@ impl DbConn<'_> {
             .map(|r| serde_json::to_value(&r.labels).unwrap_or_default())
             .collect();
         let mut s = Scope::enter(self.conn).await?;
-        let rows = sqlx::query(
-            "WITH routes AS (
-                 -- a route's own secrets as an array once, not per candidate
-                 SELECT u.*, ARRAY(SELECT jsonb_array_elements_text(u.secrets -> 'mine')) AS mine
-                   FROM unnest($3::text[], $4::text[], $5::jsonb[], $10::jsonb[])
-                     AS u(executor_kind, kind, labels, secrets)
-             ), candidates AS (
-                 -- one ordered scan of the routing index per route, stopping
-                 -- after `limit` rows: the cost does not grow with the backlog
-                 -- nor with ready steps of kinds this worker cannot run
-                 SELECT c.id FROM routes r
-                 CROSS JOIN LATERAL (
-                     SELECT s.id, s.next_attempt_at FROM durable.step_runs s
-                      WHERE s.executor_kind = r.executor_kind AND s.kind = r.kind
-                        AND s.state IN ('pending', 'retryable_failed')
-                        AND s.next_attempt_at <= now()
-                        AND r.labels @> s.labels
-                        AND NOT s.cancel_requested
-                        -- a step past its deadline is the deadline pass's:
-                        -- ended by it at the attempt it had (time audit: a
-                        -- lease counted an attempt that never ran)
-                        AND (s.deadline IS NULL OR s.deadline > now())
-                        AND s.id <> ALL ($8::uuid[])
-                        -- a step whose secrets this executor may hand
-                        -- out, or that no other executor, of this worker or
-                        -- of another live one, may run either (see
-                        -- SecretFilter): it is left to the one that may
-                        AND (jsonb_typeof(r.secrets) = 'null' OR cardinality(s.secrets) = 0
-                             OR s.secrets <@ r.mine
-                             OR (NOT EXISTS (
-                                     SELECT 1 FROM jsonb_array_elements(r.secrets -> 'others') AS o
-                                      WHERE (o -> 'labels') @> s.labels
-                                        AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(o -> 'secrets')))
-                                 AND NOT EXISTS (
-                                     SELECT 1 FROM durable.workers w
-                                      CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
-                                      CROSS JOIN LATERAL jsonb_array_elements(e -> 'routes') ro
-                                      WHERE w.id <> $1 AND w.stopped_at IS NULL
-                                        AND w.last_heartbeat_at > now() - greatest(interval '30 seconds',
-                                                3 * coalesce(w.heartbeat_interval_ms, 0) * interval '1 millisecond')
-                                        AND ro ->> 'executor_kind' = s.executor_kind AND ro ->> 'kind' = s.kind
-                                        AND coalesce(ro -> 'labels', '{}') @> s.labels
-                                        AND s.secrets <@ ARRAY(SELECT jsonb_array_elements_text(
-                                                coalesce(e -> 'secrets', '[]'))))))
-                        -- a scalar subquery, one primary-key probe per
-                        -- candidate: as NOT EXISTS the planner could make it
-                        -- an anti-join over a seq scan of every run (it
-                        -- expects few cancelled ones), O(runs) per lease.
-                        -- A run already terminal (made so by hand) runs no
-                        -- step again: its side effects would run for a run
-                        -- that is over, every outcome refused (re-check audit)
-                        AND NOT coalesce((SELECT wr.cancel_requested
-                                                 OR durable.run_state_is_terminal(wr.state)
-                                            FROM durable.workflow_runs wr
-                                           WHERE wr.id = s.run_id), false)
-                      ORDER BY s.next_attempt_at
-                      LIMIT $6
-                      FOR NO KEY UPDATE OF s SKIP LOCKED
-                 ) c
-                 -- the worker's lease epoch (NULL: not fenced), once per
-                 -- call: a call cut off and run late leases nothing
-                 WHERE (SELECT durable.lease_epoch_ok($1, $9))
-                 ORDER BY c.next_attempt_at
-                 LIMIT $6
-             )
-             UPDATE durable.step_runs s
-                SET state = 'leased', owner_worker_id = $1, lease_token = gen_random_uuid(),
-                    lease_expires_at = now() + make_interval(secs => $7::double precision / 1000.0),
-                    leased_at = now(), started_at = NULL, attempt = s.attempt + 1,
-                    transition_reason = 'LEASED', transition_by = $2
-               FROM candidates c
-              WHERE s.id = c.id
-          RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input::text AS input, s.idempotency_key,
-                    s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
-                    s.secrets, s.checkpoint, s.cancel_requested,
-                    EXISTS (SELECT 1 FROM durable.step_defs d
-                             WHERE d.run_id = s.run_id AND d.name = s.name
-                               AND cardinality(d.depends_on) > 0) AS has_dependencies",
-        )
-        .bind(worker_id)
-        .bind(worker_name)
-        .bind(&eks)
-        .bind(&kinds)
-        .bind(&labels)
-        .bind(limit as i64)
-        .bind(ttl.as_millis() as f64)
-        .bind(except)
-        .bind(epoch)
-        .bind(&filters)
-        .fetch_all(&mut *s)
-        .await
-        .ctx("leasing steps")?;
+        let rows = sqlx::query(&LEASE_SQL)
+            .bind(worker_id)
+            .bind(worker_name)
+            .bind(&eks)
+            .bind(&kinds)
+            .bind(&labels)
+            .bind(limit as i64)
+            .bind(ttl.as_millis() as f64)
+            .bind(except)
+            .bind(epoch)
+            .bind(&filters)
+            .fetch_all(&mut *s)
+            .await
+            .ctx("leasing steps")?;
         s.done().await?;
         rows.into_iter().map(leased_from_row).collect()
     }

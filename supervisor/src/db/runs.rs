@@ -90,12 +90,21 @@ pub struct WorkFor {
     pub stuck: Vec<StuckStep>,
 }
 
+/// A live worker, a row `w` of `durable.workers`: not stopped, its last
+/// heartbeat within three of its intervals, at least 30 s (README,
+/// `status`). Other workers' leases and `status` judge by it alike.
+pub(super) const LIVE_WORKER: &str = "w.stopped_at IS NULL
+     AND w.last_heartbeat_at > now() - greatest(interval '30 seconds',
+             3 * coalesce(w.heartbeat_interval_ms, 0) * interval '1 millisecond')";
+
 /// The routes the workers `which` selects (a condition on `w`, a row of
-/// `durable.workers`) registered: rows of (executor_kind, kind, labels).
-fn routes_of(which: &str) -> String {
+/// `durable.workers`) registered: rows of (executor_kind, kind, labels,
+/// secrets: the names the route's executor may hand out, a JSON array).
+pub(super) fn routes_of(which: &str) -> String {
     format!(
         "SELECT r->>'executor_kind' AS executor_kind, r->>'kind' AS kind,
-                coalesce(r->'labels', '{{}}'::jsonb) AS labels
+                coalesce(r->'labels', '{{}}'::jsonb) AS labels,
+                coalesce(e->'secrets', '[]'::jsonb) AS secrets
            FROM durable.workers w
           CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
           CROSS JOIN LATERAL jsonb_array_elements(e->'routes') r
@@ -313,11 +322,7 @@ impl DbConn<'_> {
     /// See [`Db::unroutable_steps`].
     pub async fn unroutable_steps(&mut self, run_id: Uuid) -> Result<Vec<StuckStep>, DbError> {
         let mut s = Scope::enter(self.conn).await?;
-        let routes = routes_of(
-            "w.stopped_at IS NULL
-             AND w.last_heartbeat_at > now() - greatest(interval '30 seconds',
-                     3 * coalesce(w.heartbeat_interval_ms, 0) * interval '1 millisecond')",
-        );
+        let routes = routes_of(LIVE_WORKER);
         let rows = sqlx::query_as::<_, StuckStep>(&format!(
             "WITH routes AS ({routes})
              SELECT {STUCK_COLUMNS} FROM durable.step_runs s

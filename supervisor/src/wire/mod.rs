@@ -391,6 +391,16 @@ pub enum HandshakeError {
 }
 
 impl HandshakeError {
+    /// The process was gone before its hello: its stdout ended with no
+    /// frame, or inside one (a banner printed before a crash). No job can
+    /// have been sent: a start that failed, not an attempt.
+    pub fn gone_before_hello(&self) -> bool {
+        matches!(
+            self,
+            HandshakeError::Eof | HandshakeError::Wire(WireError::Truncated { .. })
+        )
+    }
+
     /// The failure as a stored step error may carry it: what happened, never
     /// the executor's raw bytes (CONTRACT §5: evidence goes to the log).
     pub fn stored_message(&self) -> String {

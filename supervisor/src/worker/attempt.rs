@@ -1388,11 +1388,9 @@ async fn hello_of(
         }
         r = handshake => r,
     };
-    // gone before its hello (a whole frame or none): see below
-    let gone = matches!(
-        read,
-        Err(HandshakeError::Eof) | Err(HandshakeError::Wire(wire::WireError::Truncated { .. }))
-    );
+    let gone = read
+        .as_ref()
+        .is_err_and(wire::HandshakeError::gone_before_hello);
     match read {
         Ok(h) => {
             session.hello = Some(h.clone());

@@ -179,13 +179,9 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
     // gone before its hello: the executor cannot be started here, and its
     // breaker opens as for a command that cannot run (a job's start does
     // the same); a hello closes it
-    let gone = matches!(
-        read,
-        Err(wire::HandshakeError::Eof)
-            | Err(wire::HandshakeError::Wire(
-                wire::WireError::Truncated { .. }
-            ))
-    );
+    let gone = read
+        .as_ref()
+        .is_err_and(wire::HandshakeError::gone_before_hello);
     let usable = match read {
         Ok(h) => super::usable_hello(h, shared.cfg.max_frame_bytes),
         Err(e) => Err(format!("handshake failed: {e}")),
