@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use supervisor::db::Db;
+use supervisor::db::{Db, DbError};
 use tests::TestDb;
 use uuid::Uuid;
 
@@ -341,6 +341,26 @@ async fn readiness_names_the_servers_refusal() {
         reports.push(report);
         assert!(reports.len() < 3, "{reports:?}");
     }
+    // the worker's background statements (reclaim, LISTEN, the heartbeat)
+    // log the same reason beside a pool's "timed out"
+    let timed_out = DbError::Query {
+        context: "reclaiming expired leases",
+        source: sqlx::Error::PoolTimedOut,
+    };
+    let why = db
+        .server_reason(&timed_out, Duration::from_secs(2))
+        .await
+        .expect("a reason for a pool that timed out");
+    assert!(why.contains("too many connections for role"), "{why}");
+    // any other error already says what the server did
+    let refused = DbError::Query {
+        context: "reclaiming expired leases",
+        source: sqlx::Error::RowNotFound,
+    };
+    assert_eq!(
+        db.server_reason(&refused, Duration::from_secs(2)).await,
+        None
+    );
     db.pool().close().await;
     exec(&t.db, &format!("DROP ROLE {role}")).await;
 }

@@ -982,6 +982,17 @@ impl Db {
         }
     }
 
+    /// The server's reason behind `e`, where `e` is the pool's "timed out"
+    /// (which says nothing of why): see [`Db::connect_error`]. `None` for
+    /// any other error, whose own message already says what the server did.
+    pub async fn server_reason(&self, e: &DbError, limit: StdDuration) -> Option<String> {
+        if e.is_pool_timeout() {
+            self.connect_error(limit).await
+        } else {
+            None
+        }
+    }
+
     /// What the connecting role lacks of what a worker needs: SELECT,
     /// INSERT, UPDATE and DELETE on every table of the runtime's schema (the
     /// migrations' bookkeeping: SELECT), USAGE on its sequences, EXECUTE on

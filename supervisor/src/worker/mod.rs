@@ -1576,11 +1576,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 crate::metrics::heartbeat_failed();
                 // a pool that timed out says nothing of why: the server's
                 // reason, from one connection attempt of its own
-                let why = if e.is_pool_timeout() {
-                    shared.hb_db.connect_error(Duration::from_secs(2)).await
-                } else {
-                    None
-                };
+                let why = shared.hb_db.server_reason(&e, Duration::from_secs(2)).await;
                 match why {
                     Some(why) => {
                         error!(error = %e, server_says = %why, leases = leases.len(), "heartbeat failed: no connection could be opened")
@@ -1686,7 +1682,10 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
                     shared.due_at(kind, *at);
                 }
             }
-            Err(e) => error!(error = %e, "reclaim failed"),
+            Err(e) => match shared.db.server_reason(&e, Duration::from_secs(1)).await {
+                Some(why) => error!(error = %e, server_says = %why, "reclaim failed"),
+                None => error!(error = %e, "reclaim failed"),
+            },
         }
         let overdue = bounded(
             DB_CALL_TIMEOUT,
@@ -1702,7 +1701,10 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
                 failed = n,
                 "failed steps whose deadline passed before any attempt"
             ),
-            Err(e) => error!(error = %e, "failing overdue steps failed"),
+            Err(e) => match shared.db.server_reason(&e, Duration::from_secs(1)).await {
+                Some(why) => error!(error = %e, server_says = %why, "failing overdue steps failed"),
+                None => error!(error = %e, "failing overdue steps failed"),
+            },
         }
     }
 }
@@ -1798,7 +1800,12 @@ async fn listen_loop(shared: Arc<Shared>, heartbeat_now: Arc<Notify>, stop: Canc
         let mut listener = match listen_db.listener().await {
             Ok(l) => l,
             Err(e) => {
-                warn!(error = %e, "LISTEN unavailable; polling only");
+                match listen_db.server_reason(&e, Duration::from_secs(1)).await {
+                    Some(why) => {
+                        warn!(error = %e, server_says = %why, "LISTEN unavailable; polling only")
+                    }
+                    None => warn!(error = %e, "LISTEN unavailable; polling only"),
+                }
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(backoff) => {}
