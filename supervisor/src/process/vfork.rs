@@ -193,6 +193,9 @@ struct ChildArgs {
     /// at most 65,536), read before the clone: where `close_range` is
     /// missing the child closes up to it one by one.
     fd_limit: libc::c_int,
+    /// The open-file limit the child starts with, where the worker raised
+    /// its own (see `limits`); read before the clone.
+    nofile: Option<libc::rlimit>,
     /// 0 until the child fails before or at exec.
     errno: libc::c_int,
 }
@@ -226,6 +229,7 @@ pub(crate) fn spawn(p: &Prepared) -> io::Result<Spawned> {
         parent: unsafe { libc::getpid() },
         sigmax: libc::SIGRTMAX(),
         fd_limit: fd_limit(),
+        nofile: super::limits::for_children(),
         errno: 0,
     };
     // SAFETY: sigset_t is plain old data; sigfillset/pthread_sigmask get
@@ -558,6 +562,12 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             for fd in 3..a.fd_limit {
                 libc::close(fd);
             }
+        }
+        // the limit the worker was started with (it raised its own): a
+        // lower soft limit is always allowed, and no descriptor above it is
+        // open any more
+        if let Some(r) = &a.nofile {
+            libc::setrlimit(libc::RLIMIT_NOFILE, r);
         }
         if libc::chdir(a.cwd) != 0 {
             fail(a);

@@ -631,6 +631,19 @@ impl Worker {
         check_privileges(&db).await?;
         check_setup(&db, &cfg)?;
         crate::process::set_stderr_log_rate(cfg.stderr_log_lines_per_sec);
+        match crate::process::raise_open_file_limit() {
+            crate::process::OpenFileLimit::Raised { from, to } => {
+                info!(from, to, "raised the open-file limit (soft) to the hard limit; executors start with the one the worker was given")
+            }
+            crate::process::OpenFileLimit::AlreadyAtMost(at) => {
+                debug!(limit = at, "the open-file limit is the hard limit already")
+            }
+            crate::process::OpenFileLimit::Refused { at, errno } => warn!(
+                limit = at,
+                error = %std::io::Error::from_raw_os_error(errno),
+                "cannot raise the open-file limit; each running step needs about three open files"
+            ),
+        }
         let id = Uuid::new_v4();
         let host = hostname();
         // every child carries this worker's slot (its name, or the host) and
