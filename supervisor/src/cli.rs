@@ -102,7 +102,9 @@ pub enum Command {
         json: bool,
     },
     /// Follow a run until it is terminal: live progress bars on a terminal,
-    /// plain lines otherwise. Exit 0 succeeded, 1 failed, 3 cancelled.
+    /// plain lines otherwise. Exit 0 succeeded, 1 failed, 3 cancelled; 4
+    /// unknown run; 5 could not follow it (the run goes on); 128 + the
+    /// signal when one stopped the watch.
     Watch {
         /// The run's id.
         run_id: String,
@@ -323,6 +325,13 @@ impl CliError {
                 ) =>
             {
                 None
+            }
+            // a role that may not read the run: the grants, not the
+            // database, are to check (docs audit)
+            CliError::Watching(e)
+                if matches!(&**e, CliError::Db(d) if d.sqlstate().as_deref() == Some("42501")) =>
+            {
+                e.hint()
             }
             CliError::Watching(e) if e.exit_code() == 1 => Some(
                 "watch could not follow the run, which is not affected: check the database (DATABASE_URL), then run `supervisor watch RUN_ID` again",
@@ -1316,6 +1325,28 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
             Err(err) => {
                 all_ok = false;
                 eprintln!("error: {err}");
+                // a line for it too, with what could not be learned null: a
+                // script reading stdout sees every entry (docs audit: the
+                // one that did not answer was missing from stdout)
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "executor": e.name,
+                        "executor_kind": null,
+                        "kinds": null,
+                        "leased_kinds": null,
+                        "labels": null,
+                        "sdk": null,
+                        "protocol_version": null,
+                        "protocol_versions": null,
+                        "features": null,
+                        "max_frame_bytes": null,
+                        "persistent": e.persistent,
+                        "concurrency": e.concurrency,
+                        "routes": 0,
+                        "error": err.to_string(),
+                    })
+                );
             }
         }
     }

@@ -631,18 +631,24 @@ pub async fn readiness(db: &Db) -> (bool, String) {
             // pool retries until the wait runs out: say what it said
             // (resource audit: "did not answer within 1000 ms" for "too
             // many connections for role")
-            let text = if e.is_timeout() || e.is_pool_timeout() {
+            // a server that takes connections but does not answer in time
+            // is slow or blocked (a lock, a full pool), not unreachable
+            // (observability audit: a held table lock read "unreachable")
+            let (state, text) = if e.is_timeout() || e.is_pool_timeout() {
                 match db.connect_error(READY_DB_TIMEOUT).await {
-                    Some(w) => format!("a new connection fails: {w}"),
-                    None => format!(
-                        "{e} (a new connection opens: the pool's connections are busy, or the server is slow to answer)"
+                    Some(w) => ("unreachable", format!("a new connection fails: {w}")),
+                    None => (
+                        "slow or blocked",
+                        format!(
+                            "{e} (a new connection opens: the pool's connections are busy, or the server is slow to answer: a lock, a long statement, an overloaded host)"
+                        ),
                     ),
                 }
             } else {
-                e.to_string()
+                ("unreachable", e.to_string())
             };
             report.push_str(&format!(
-                "database: unreachable: {}\n",
+                "database: {state}: {}\n",
                 crate::secrets::Redactor::none().redact_str(&text)
             ));
         }

@@ -506,7 +506,16 @@ fn plain_line(s: &WatchStep) -> String {
     if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
         line.push_str(&format!(", {}", cell(m, 200)));
     }
-    if let Some(code) = &s.error_code {
+    // a retry's line says when, as its history row does (docs audit: the
+    // same retry read "HANDLER_ERROR" or "HANDLER_ERROR: retry in 80 ms"
+    // depending on whether a read saw it or the history between two reads)
+    let retry_reason = s
+        .last_reason
+        .as_deref()
+        .filter(|r| s.state == "retryable_failed" && !r.trim().is_empty());
+    if let Some(r) = retry_reason {
+        line.push_str(&format!(", {}", cell(r, 200)));
+    } else if let Some(code) = &s.error_code {
         line.push_str(&format!(", {}", error_label(&s.state, &cell(code, 40))));
     }
     line
@@ -670,6 +679,7 @@ mod tests {
             depends_on: vec![],
             step_run_id: None,
             last_transition: None,
+            last_reason: None,
         }
     }
 
@@ -780,6 +790,26 @@ mod tests {
         );
         assert!(v.hops_to_read(&second).is_empty(), "nothing new since");
         assert_eq!(v.frame(&second, &[], 0, false), "", "no change, no line");
+    }
+
+    #[test]
+    fn a_retry_read_directly_says_when_as_its_history_row_does() {
+        let mut v = View::new(opts(false));
+        let mut a = step("ex", "retryable_failed", 1, None, None);
+        a.elapsed_ms = None;
+        a.error_code = Some("HANDLER_ERROR".into());
+        a.last_reason = Some("HANDLER_ERROR: retry in 80 ms".into());
+        assert_eq!(
+            v.frame(&run("running", vec![a.clone()]), &[], 0, false),
+            "ex: retryable_failed, attempt 1, HANDLER_ERROR: retry in 80 ms\n"
+        );
+        // a terminal failure keeps its code (its reason is the run's story)
+        a.state = "terminal_failed".into();
+        a.last_reason = Some("HANDLER_ERROR: attempts exhausted (3/3)".into());
+        assert_eq!(
+            v.frame(&run("running", vec![a]), &[], 0, false),
+            "ex: terminal_failed, attempt 1, HANDLER_ERROR\n"
+        );
     }
 
     #[test]

@@ -891,6 +891,48 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
     assert_eq!(v["error"], serde_json::Value::Null, "{v}");
 }
 
+/// An executor that does not answer still gets its JSON line, with its
+/// error and `null` for what its hello would have said (docs audit: stdout
+/// had a line for the working entry only, so a script reading it lost the
+/// other entry); exit 1.
+#[test]
+fn executors_prints_a_line_for_an_executor_that_does_not_answer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let demo = tests::go_demo("go", &[], None).command;
+    let file = write(
+        dir.path(),
+        "silent.toml",
+        &format!(
+            "handshake_timeout_ms = 1000\n[[executors]]\nname = \"go\"\ncommand = {demo:?}\n\
+             [[executors]]\nname = \"silent\"\ncommand = \"sleep\"\nargs = [\"100\"]\n"
+        ),
+    );
+    let o = Command::new(tests::supervisor_bin())
+        .args(["executors", "--config", &file])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("executors");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0]["executor"], "go");
+    assert_eq!(lines[0]["error"], serde_json::Value::Null);
+    assert_eq!(lines[1]["executor"], "silent");
+    assert!(
+        lines[1]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no hello within 1000 ms")),
+        "{}",
+        lines[1]
+    );
+    assert_eq!(lines[1]["kinds"], serde_json::Value::Null);
+    assert_eq!(lines[1]["routes"], 0);
+}
+
 /// `executors` (and `conformance`) start the executors without a database:
 /// a pool too small for a worker's concurrency is no reason to refuse them
 /// (SDK audit: a developer checking an executor had to raise

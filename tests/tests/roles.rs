@@ -365,6 +365,31 @@ async fn readiness_names_the_servers_refusal() {
     exec(&t.db, &format!("DROP ROLE {role}")).await;
 }
 
+/// A database that takes connections but does not answer the readiness
+/// check in time (here: the pool's one connection is held) is "slow or
+/// blocked", not "unreachable" (observability audit: a held table lock
+/// read as a network fault).
+#[tokio::test]
+async fn readiness_calls_a_busy_database_slow_not_unreachable() {
+    let t = TestDb::new().await;
+    let db = Db::connect(&t.url, 1).await.expect("connect");
+    let held = db
+        .pool()
+        .acquire()
+        .await
+        .expect("the pool's one connection");
+    let (ready, report) = supervisor::metrics::readiness(&db).await;
+    assert!(!ready, "{report}");
+    assert!(report.contains("database: slow or blocked: "), "{report}");
+    assert!(!report.contains("unreachable"), "{report}");
+    drop(held);
+    let (ready, report) = supervisor::metrics::readiness(&db).await;
+    assert!(report.contains("database: ok"), "{report}");
+    // the worker's other checks (not started here) keep it unready
+    let _ = ready;
+    db.pool().close().await;
+}
+
 /// The README's reader and submitter, granted as it says: a reader reads
 /// (`status`) and may not cancel; a submitter submits and cancels; a role
 /// with SELECT but not USAGE on the schema is told which GRANTs it needs
@@ -428,6 +453,15 @@ async fn the_readmes_reader_reads_and_its_submitter_submits_and_cancels() {
     assert!(said.contains("permission denied"), "{said}");
     let (code, said) = cli(&reader, &["submit", &path]);
     assert_eq!(code, Some(1), "a reader may not submit: {said}");
+
+    // a submitter may not read the run: watch cannot follow it (5, not the
+    // run's 1), and its hint names the grants, not the database
+    let (code, said) = cli(&app, &["watch", &run, "--plain"]);
+    assert_eq!(code, Some(5), "{said}");
+    assert!(
+        said.contains("lacks a grant") && !said.contains("DATABASE_URL"),
+        "{said}"
+    );
 
     let (code, said) = cli(&bare, &["status", &run]);
     assert_eq!(code, Some(1), "{said}");

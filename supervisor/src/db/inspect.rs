@@ -465,6 +465,8 @@ pub struct WatchStep {
     /// The id of the step's newest history row (the transition into its
     /// current state), read in the same snapshot.
     pub last_transition: Option<i64>,
+    /// That row's reason (`DEMO_FAILURE: retry in 50 ms` for a retry).
+    pub last_reason: Option<String>,
 }
 
 /// One transition of a step, as `watch --plain` prints the changes a poll
@@ -569,13 +571,15 @@ impl DbConn<'_> {
         // retry starts from an empty bar, not from the last attempt's 90%
         let rows = sqlx::query(
             "SELECT s.id, s.name, s.state, s.attempt, s.error_code, s.error_message,
-                    (SELECT t.id FROM durable.transitions t WHERE t.step_run_id = s.id
-                      ORDER BY t.id DESC LIMIT 1) AS last_transition,
+                    lt.id AS last_transition, lt.reason AS last_reason,
                     CASE WHEN s.started_at IS NULL OR s.state IN ('pending', 'leased', 'retryable_failed') THEN NULL
                          ELSE (extract(epoch FROM coalesce(s.finished_at, now()) - s.started_at) * 1000)::bigint
                     END AS elapsed_ms,
                     p.fraction, p.message
                FROM durable.step_runs s
+               LEFT JOIN LATERAL (
+                    SELECT t.id, t.reason FROM durable.transitions t WHERE t.step_run_id = s.id
+                     ORDER BY t.id DESC LIMIT 1) lt ON true
                LEFT JOIN LATERAL (
                     SELECT e.fraction, e.message FROM durable.step_events e
                      WHERE e.step_run_id = s.id AND e.attempt = s.attempt AND e.kind = 'progress'
@@ -612,6 +616,7 @@ impl DbConn<'_> {
                 depends_on: Vec::new(),
                 step_run_id: Some(r.get("id")),
                 last_transition: r.get("last_transition"),
+                last_reason: r.get("last_reason"),
             })
             .collect();
         steps.extend(waiting.into_iter().map(|r| WatchStep {
@@ -626,6 +631,7 @@ impl DbConn<'_> {
             depends_on: r.get("depends_on"),
             step_run_id: None,
             last_transition: None,
+            last_reason: None,
         }));
         Ok(WatchRun {
             run_id: run.get("id"),
