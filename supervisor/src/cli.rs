@@ -925,7 +925,18 @@ async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Resul
             .map(|s| s.state),
         _ => None,
     };
-    let state = db.cancel(id, step).await.map_err(explain)?;
+    let state = match (db.cancel(id, step).await, step) {
+        // the run's steps named, as `events --step` does (docs audit),
+        // where this role may read them
+        (Err(DbError::NotFound(m)), Some(_)) if m.contains("has no step") => {
+            let names = readable(db.step_names(id).await).ok().flatten();
+            return Err(CliError::Db(DbError::NotFound(match names {
+                Some(names) => format!("{m}; {}", crate::db::its_steps_are(id, &names)),
+                None => m,
+            })));
+        }
+        (r, _) => r.map_err(explain)?,
+    };
     match (step, step_before) {
         _ if before.is_some_and(|b| b.is_terminal()) => {
             eprintln!("run {id} already {state}; nothing to cancel")

@@ -511,6 +511,8 @@ async fn cancel_of_a_finished_run_says_so_and_refuses_an_unknown_step() {
     let (code, msg) = cancel(&["--step", "nope"]);
     assert_eq!(code, Some(4), "{msg}");
     assert!(msg.contains("has no step named \"nope\""), "{msg}");
+    // and names the run's steps, as `events --step` does
+    assert!(msg.contains("; its steps are: "), "{msg}");
     // what the user typed is quoted back without its control characters
     // (an escape sequence that clears the screen was echoed as it is)
     let (code, msg) = cancel(&["--step", "\u{1b}[2Jzz"]);

@@ -189,20 +189,9 @@ impl DbConn<'_> {
         let steps: Vec<String> = step_names(&mut s, run_id).await?;
         if let Some(name) = step {
             if !steps.iter().any(|s| s == name) {
-                // a 1,000-step run named all of them (7 KB of message)
-                const NAMED: usize = 20;
-                let more = match steps.len().saturating_sub(NAMED) {
-                    0 => String::new(),
-                    n => format!(" and {n} more (`supervisor status {run_id}` lists them)"),
-                };
                 return Err(DbError::NotFound(format!(
-                    "run {run_id} has no step {name:?}; its steps are: {}{more}",
-                    steps
-                        .iter()
-                        .take(NAMED)
-                        .map(String::as_str)
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    "run {run_id} has no step {name:?}; {}",
+                    its_steps_are(run_id, &steps)
                 )));
             }
         }
@@ -360,6 +349,34 @@ const RUNS_QUERY: &str = "
 
 /// The names of a run's steps (created or waiting), in spec order, or
 /// `NotFound` for an unknown run.
+/// "its steps are: a, b" for a message naming a step a run does not have
+/// (the first 20 of them: a 1,000-step run named all of them, 7 KB).
+pub fn its_steps_are(run_id: Uuid, steps: &[String]) -> String {
+    const NAMED: usize = 20;
+    let more = match steps.len().saturating_sub(NAMED) {
+        0 => String::new(),
+        n => format!(" and {n} more (`supervisor status {run_id}` lists them)"),
+    };
+    format!(
+        "its steps are: {}{more}",
+        steps
+            .iter()
+            .take(NAMED)
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+impl Db {
+    /// A run's step names in spec order (also those not created yet), or
+    /// `NotFound`.
+    pub async fn step_names(&self, run_id: Uuid) -> Result<Vec<String>, DbError> {
+        let mut c = self.connection("reading a run's step names").await?;
+        step_names(c.conn().conn, run_id).await
+    }
+}
+
 async fn step_names(conn: &mut sqlx::PgConnection, run_id: Uuid) -> Result<Vec<String>, DbError> {
     let removing: Option<bool> = sqlx::query_scalar(
         "SELECT durable.run_being_removed(id) FROM durable.workflow_runs WHERE id = $1",

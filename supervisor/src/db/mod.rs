@@ -81,8 +81,8 @@ mod writes;
 
 pub use blobs::{BlobPlace, BlobRef, Recorded};
 pub use inspect::{
-    ArtifactInfo, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary, StepHop,
-    WatchRun, WatchStep,
+    its_steps_are, ArtifactInfo, ConnectError, EventRow, Lineage, Progress, RunFilter, RunSummary,
+    StepHop, WatchRun, WatchStep,
 };
 pub use ledger::{
     Batch, BatchOutcome, CancelWrite, CheckpointEvent, CheckpointWrite, CompleteStoredWrite,
