@@ -778,13 +778,72 @@ async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, Cl
     let progress = db.latest_progress(id).await.map_err(explain)?;
     // why a step waits: no live worker offers what it needs
     let unroutable = db.unroutable_steps(id).await.map_err(explain)?;
+    // or every live worker that offers it has paused what would run it
+    let paused = db.steps_paused_for(id).await.map_err(explain)?;
     if json {
-        println!("{}", status_json(&status, &progress, &unroutable));
+        println!("{}", status_json(&status, &progress, &unroutable, &paused));
     } else {
         print!("{}", status_text(&status, &progress));
         print!("{}", unroutable_text(&unroutable));
+        print!("{}", paused_text(&paused));
     }
     Ok(0)
+}
+
+/// Why steps wait although live workers offer them: each of those workers
+/// paused the executor that would run them (or itself). Steps waiting for
+/// the same pauses are one line past [`UNROUTABLE_LINES`].
+fn paused_text(steps: &[crate::db::PausedStep]) -> String {
+    let mut by_cause: Vec<(String, Vec<&str>)> = Vec::new();
+    for p in steps {
+        let who = p
+            .paused_by
+            .iter()
+            .map(|b| {
+                let since = chrono::DateTime::parse_from_rfc3339(&b.since)
+                    .map(|t| format!(" since {}", when(&t.with_timezone(&chrono::Utc))))
+                    .unwrap_or_default();
+                format!(
+                    "worker {} executor {}{since}: {}",
+                    cell(&b.worker, 80),
+                    cell(&b.executor, 80),
+                    cell(&b.why, 300)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        let cause = format!(
+            "every live worker that offers {} has paused it ({who})",
+            p.step.needs()
+        );
+        match by_cause.iter_mut().find(|(c, _)| *c == cause) {
+            Some((_, names)) => names.push(&p.step.step),
+            None => by_cause.push((cause, vec![&p.step.step])),
+        }
+    }
+    let mut out = String::new();
+    for (cause, names) in by_cause {
+        if names.len() <= UNROUTABLE_LINES {
+            for name in names {
+                out.push_str(&format!(
+                    "{}: {cause}: it waits for one to resume\n",
+                    cell(name, 40)
+                ));
+            }
+        } else {
+            let first: Vec<String> = names
+                .iter()
+                .take(UNROUTABLE_LINES)
+                .map(|n| cell(n, 40))
+                .collect();
+            out.push_str(&format!(
+                "{} steps ({}, …): {cause}: they wait for one to resume\n",
+                names.len(),
+                first.join(", ")
+            ));
+        }
+    }
+    out
 }
 
 /// Why steps wait: a line per step that needs what no live worker offers.
@@ -1892,12 +1951,17 @@ struct StepOut<'a> {
     /// tell a step waiting for its turn from one waiting for a worker).
     #[serde(skip_serializing_if = "Option::is_none")]
     no_live_worker_offers: Option<String>,
+    /// A step waiting to be leased whose every offering live worker paused
+    /// the executor that would run it (or itself): who, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    offering_workers_paused: Option<&'a [crate::db::PausedBy]>,
 }
 
 fn status_json(
     st: &crate::db::RunStatus,
     progress: &std::collections::BTreeMap<Uuid, crate::db::Progress>,
     unroutable: &[crate::db::StuckStep],
+    paused: &[crate::db::PausedStep],
 ) -> String {
     // tests/tests/cli_inspect.rs checks that every key of RunStatus is here
     let crate::db::RunStatus {
@@ -1929,6 +1993,10 @@ fn status_json(
                     .iter()
                     .find(|u| u.step == step.name)
                     .map(crate::db::StuckStep::needs),
+                offering_workers_paused: paused
+                    .iter()
+                    .find(|p| p.step.step == step.name)
+                    .map(|p| p.paused_by.as_slice()),
             })
             .collect(),
         waiting,

@@ -101,6 +101,91 @@ async fn a_broken_executor_command_refuses_and_pauses_instead_of_failing_steps()
     w.shutdown().await;
 }
 
+/// `status` says why a step waits when every live worker that offers it
+/// has paused the executor that would run it: who, since when, and why
+/// (left open by the routing audit: it read only "due since …: waiting for
+/// a worker to lease it"); the pause is cleared once the executor starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_the_workers_that_paused_a_steps_executor_and_why() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exe = dir.path().join("demo-go");
+    std::fs::copy(tests::go_executor(), &exe).expect("copy the demo executor");
+    let mut ecfg = go_demo("go", &[], None);
+    ecfg.command = exe.to_string_lossy().into_owned();
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.refusal_delay_ms = 300;
+    cfg.name = Some("w-paused".into());
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    std::fs::remove_file(&exe).expect("remove the command");
+    let run = t
+        .submit(json!({"name": "paused", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"x": 1}}]}))
+        .await;
+
+    let status = |json: bool| {
+        let mut args = vec!["status".to_string(), run.to_string()];
+        if json {
+            args.push("--json".into());
+        }
+        let o = std::process::Command::new(tests::supervisor_bin())
+            .args(&args)
+            .env("DATABASE_URL", &t.url)
+            .env("RUST_LOG", "error")
+            .output()
+            .expect("status");
+        assert_eq!(o.status.code(), Some(0), "{o:?}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let text = status(false);
+        if text.contains("has paused it") {
+            break text;
+        }
+        assert!(std::time::Instant::now() < until, "{text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        text.contains(
+            "a: every live worker that offers executor_kind \"go\", kind \"demo.echo\" has paused it (worker w-paused executor go since "
+        ) && text.contains(": cannot be started: ")
+            && text.contains("it waits for one to resume"),
+        "{text}"
+    );
+    assert!(!text.contains("no live worker offers"), "{text}");
+    let v: serde_json::Value = serde_json::from_str(&status(true)).expect("json");
+    let by = &v["steps"][0]["offering_workers_paused"][0];
+    assert_eq!(by["worker"], "w-paused", "{v}");
+    assert_eq!(by["executor"], "go", "{v}");
+    assert!(
+        by["why"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("cannot be started: ")),
+        "{v}"
+    );
+
+    // the command is back: the probe starts it, the pause is cleared
+    std::fs::copy(tests::go_executor(), &exe).expect("restore the command");
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    assert_eq!(st.state, "succeeded");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let paused: serde_json::Value =
+            sqlx::query_scalar("SELECT paused FROM durable.workers WHERE name = 'w-paused'")
+                .fetch_one(t.db.pool())
+                .await
+                .expect("paused");
+        if paused == json!({}) {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "still paused: {paused}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    w.shutdown().await;
+}
+
 /// An executor that exits before its hello (a host limit: no thread for its
 /// runtime, `ulimit -u`) has not been sent a job: the attempt is "this
 /// worker can't" (SPAWN_FAILED, uncounted) and the executor's breaker

@@ -55,6 +55,23 @@ impl Db {
             .await
     }
 
+    /// What the worker `id` leases nothing for now and why
+    /// (`durable.workers.paused`: executor name, or `*` for the whole
+    /// worker, to `{"why", "since"}`).
+    pub async fn set_worker_paused(
+        &self,
+        id: Uuid,
+        paused: &serde_json::Value,
+    ) -> Result<(), DbError> {
+        sqlx::query("UPDATE durable.workers SET paused = $2 WHERE id = $1")
+            .bind(id)
+            .bind(paused)
+            .execute(self.pool())
+            .await
+            .ctx("recording what the worker paused")
+            .map(drop)
+    }
+
     /// The other rows of workers named `name` on `host` not marked stopped:
     /// (id, pid). A restarted worker's predecessors of the same slot.
     pub async fn unstopped_namesakes(

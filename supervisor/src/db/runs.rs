@@ -61,6 +61,18 @@ impl Db {
             .await
     }
 
+    /// The run's steps waiting to be leased that live workers offer, each
+    /// of those workers having paused the executor that would run it (it
+    /// cannot be started there, its hello changed) or itself (its work_dir
+    /// takes no directory), in spec order, with who paused and why.
+    pub async fn steps_paused_for(&self, run_id: Uuid) -> Result<Vec<PausedStep>, DbError> {
+        self.connection("finding steps whose workers paused")
+            .await?
+            .conn()
+            .steps_paused_for(run_id)
+            .await
+    }
+
     /// A run's state alone, or `NotFound`.
     pub async fn run_state(&self, run_id: Uuid) -> Result<RunState, DbError> {
         self.connection("reading a run's state")
@@ -128,6 +140,27 @@ pub struct StuckStep {
     pub executor_kind: String,
     pub kind: String,
     pub labels: serde_json::Value,
+}
+
+/// A live worker's executor that offers a step and leases nothing now
+/// (`durable.workers.paused`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PausedBy {
+    pub worker: String,
+    pub executor: String,
+    /// Why: `cannot be started: …`, `its work_dir … takes no new directory`.
+    pub why: String,
+    /// Since when (RFC 3339), as the worker wrote it.
+    pub since: String,
+}
+
+/// An open step that live workers offer, every one of them paused for it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct PausedStep {
+    #[sqlx(flatten)]
+    pub step: StuckStep,
+    /// The offering workers' executors, each with why it is paused.
+    pub paused_by: sqlx::types::Json<Vec<PausedBy>>,
 }
 
 impl StuckStep {
@@ -333,6 +366,43 @@ impl DbConn<'_> {
         .fetch_all(&mut *s)
         .await
         .ctx("finding steps no worker offers")?;
+        s.done().await?;
+        Ok(rows)
+    }
+
+    /// See [`Db::steps_paused_for`].
+    pub async fn steps_paused_for(&mut self, run_id: Uuid) -> Result<Vec<PausedStep>, DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        // the live workers' routes with what each paused: its executor (by
+        // its name) or itself ("*": its work_dir)
+        let rows = sqlx::query_as::<_, PausedStep>(&format!(
+            "WITH routes AS (
+                 SELECT r->>'executor_kind' AS executor_kind, r->>'kind' AS kind,
+                        coalesce(r->'labels', '{{}}'::jsonb) AS labels,
+                        w.name AS worker, e->>'executor' AS executor,
+                        coalesce(w.paused->'*', w.paused->(e->>'executor')) AS pause
+                   FROM durable.workers w
+                  CROSS JOIN LATERAL jsonb_array_elements(w.capabilities) e
+                  CROSS JOIN LATERAL jsonb_array_elements(e->'routes') r
+                  WHERE {LIVE_WORKER})
+             SELECT {STUCK_COLUMNS}, p.paused_by
+               FROM durable.step_runs s
+              CROSS JOIN LATERAL (
+                    SELECT bool_and(r.pause IS NOT NULL) AS all_paused,
+                           jsonb_agg(DISTINCT jsonb_build_object(
+                               'worker', r.worker, 'executor', coalesce(r.executor, ''),
+                               'why', coalesce(r.pause->>'why', ''),
+                               'since', coalesce(r.pause->>'since', ''))) AS paused_by
+                      FROM routes r
+                     WHERE r.executor_kind = s.executor_kind AND r.kind = s.kind
+                       AND r.labels @> s.labels) p
+              WHERE s.run_id = $1 AND s.state IN ('pending', 'retryable_failed') AND p.all_paused
+              ORDER BY s.position"
+        ))
+        .bind(run_id)
+        .fetch_all(&mut *s)
+        .await
+        .ctx("finding steps whose workers paused")?;
         s.done().await?;
         Ok(rows)
     }

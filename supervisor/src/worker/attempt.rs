@@ -1394,7 +1394,7 @@ async fn hello_of(
     match read {
         Ok(h) => {
             session.hello = Some(h.clone());
-            exec.process_started();
+            exec.process_started(shared);
             Ok(h)
         }
         Err(e) if gone => {
@@ -1412,6 +1412,7 @@ async fn hello_of(
             warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
                   "the executor exited before its hello: it cannot be started here (SPAWN_FAILED)");
             exec.process_failed(
+                shared,
                 Duration::from_millis(cfg.refusal_delay_ms),
                 &format!("{msg} (stderr: {tail})"),
             );

@@ -7,6 +7,7 @@ mod breaker;
 mod jobdir;
 mod leases;
 mod ledger;
+mod pauses;
 pub mod routing;
 mod session;
 mod warm;
@@ -206,7 +207,7 @@ impl ExecutorRuntime {
             }
             Err(e @ (session::StartError::Spawn(_) | session::StartError::NoPipes)) => {
                 let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
-                self.process_failed(base, &e.to_string());
+                self.process_failed(shared, base, &e.to_string());
             }
             Err(session::StartError::WorkDir { .. }) => {}
         }
@@ -214,11 +215,12 @@ impl ExecutorRuntime {
     }
 
     /// A process of this executor said its hello: it is leased for as usual.
-    pub(crate) fn process_started(&self) {
+    pub(crate) fn process_started(&self, shared: &Shared) {
         self.breaker
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .started();
+        shared.pauses.clear(&self.cfg.name);
     }
 
     /// A process's hello no longer matches what this executor's routes say
@@ -226,7 +228,11 @@ impl ExecutorRuntime {
     /// for it until a pause has passed and a probe process's hello gives the
     /// routes again, whatever one process said.
     pub(crate) fn hello_changed(&self, shared: &Shared, why: &str) {
-        let pause = self.pause_leasing(Duration::from_millis(shared.cfg.refusal_delay_ms));
+        let pause = self.pause_leasing(
+            shared,
+            Duration::from_millis(shared.cfg.refusal_delay_ms),
+            &format!("a process's hello differs from its probe's: {why}"),
+        );
         warn!(executor = %self.cfg.name, why, retry_in_ms = pause.as_millis() as u64,
               "a process's hello differs from the executor's probe: nothing is leased for it until a probe process's hello says what it offers");
     }
@@ -235,7 +241,14 @@ impl ExecutorRuntime {
     /// or none the config's `kinds` allows): probed again after a pause that
     /// doubles up to 30 s, as for a process that cannot start.
     fn offers_nothing(&self, shared: &Shared, hello: &wire::Hello) {
-        let pause = self.pause_leasing(Duration::from_millis(shared.cfg.refusal_delay_ms));
+        let pause = self.pause_leasing(
+            shared,
+            Duration::from_millis(shared.cfg.refusal_delay_ms),
+            &format!(
+                "its probe's hello offers no kind this worker leases (offered {:?}, allowed {:?})",
+                hello.kinds, self.cfg.kinds
+            ),
+        );
         warn!(executor = %self.cfg.name, offered = ?hello.kinds, allowed = ?self.cfg.kinds,
               retry_in_ms = pause.as_millis() as u64,
               "the executor offers no kind this worker leases (its hello's kinds, filtered by the config's kinds): nothing is leased for it; probed again after the pause");
@@ -243,18 +256,21 @@ impl ExecutorRuntime {
 
     /// A process of this executor could not be started: nothing more is
     /// leased for it until a pause has passed and a probe process starts.
-    pub(crate) fn process_failed(&self, base: Duration, why: &str) {
-        let pause = self.pause_leasing(base);
+    pub(crate) fn process_failed(&self, shared: &Shared, base: Duration, why: &str) {
+        let pause = self.pause_leasing(shared, base, &format!("cannot be started: {why}"));
         warn!(executor = %self.cfg.name, error = %why, retry_in_ms = pause.as_millis() as u64,
               "the executor cannot be started here: no step is leased for it until a probe process starts");
     }
 
     /// Opens the spawn breaker (or lengthens its pause): the pause.
-    fn pause_leasing(&self, base: Duration) -> Duration {
-        self.breaker
+    fn pause_leasing(&self, shared: &Shared, base: Duration, why: &str) -> Duration {
+        let pause = self
+            .breaker
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .failed(Instant::now(), base)
+            .failed(Instant::now(), base);
+        shared.pauses.set(&self.cfg.name, why);
+        pause
     }
 
     fn lease_now(&self) -> breaker::Lease {
@@ -319,6 +335,8 @@ pub(crate) struct Shared {
     /// disk full for 20 s failed a worker's whole backlog EXECUTOR_REFUSED
     /// (resource audit).
     work_breaker: std::sync::Mutex<breaker::SpawnBreaker>,
+    /// What leases nothing now and why, recorded for `status`.
+    pauses: pauses::Pauses,
 }
 
 impl Shared {
@@ -334,6 +352,13 @@ impl Shared {
                 Duration::from_millis(self.cfg.refusal_delay_ms),
             );
         crate::metrics::work_dir(false);
+        self.pauses.set(
+            pauses::WHOLE_WORKER,
+            &format!(
+                "its work_dir {} takes no new directory: {why}",
+                self.work.base().display()
+            ),
+        );
         warn!(work_dir = %self.work.base().display(), error = %why, retry_in_ms = pause.as_millis() as u64,
               "an attempt could not write in the work_dir: nothing is leased until a probe can (free space or inodes on its filesystem, or fix its permissions)");
     }
@@ -357,6 +382,7 @@ impl Shared {
                         .unwrap_or_else(|p| p.into_inner())
                         .started();
                     crate::metrics::work_dir(true);
+                    self.pauses.clear(pauses::WHOLE_WORKER);
                     info!(work_dir = %self.work.base().display(), "the work_dir can be written again: leasing");
                     true
                 }
@@ -722,6 +748,7 @@ impl Worker {
             lease_epoch: AtomicI64::new(0),
             lease_cut_off: AtomicBool::new(false),
             work_breaker: Default::default(),
+            pauses: Default::default(),
         });
         {
             let mut workers = WORKERS
@@ -758,6 +785,8 @@ impl Worker {
             spawn_vital_loops(&shared, &self.heartbeat_now, self.ledger_queue, &loops_stop);
         let mut background = JoinSet::new();
         spawn_retention_loop(&mut background, &shared, &loops_stop);
+        background
+            .spawn(pauses::publish_loop(shared.clone(), loops_stop.clone()).in_current_span());
         background.spawn(
             listen_loop(
                 shared.clone(),
@@ -1211,10 +1240,10 @@ async fn routes_to_lease(shared: &Arc<Shared>, exec: &ExecutorRuntime) -> Option
                         return None;
                     }
                     info!(executor = %exec.cfg.name, routes = exec.routes().len(), "the executor starts again: leasing for it");
-                    exec.process_started();
+                    exec.process_started(shared);
                 }
                 Err(e) => {
-                    exec.process_failed(base, &e.to_string());
+                    exec.process_failed(shared, base, &e.to_string());
                     return None;
                 }
             }

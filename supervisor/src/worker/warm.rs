@@ -189,7 +189,7 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
     match usable {
         Ok(h) => {
             session.hello = Some(h);
-            exec.process_started();
+            exec.process_started(shared);
             Ok(session)
         }
         Err(why) => {
@@ -197,7 +197,11 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
             let _ = super::attempt::stop_child(&mut session.child, &shared.cfg).await;
             let why = format!("{why}; stderr: {}", tail.trim());
             if gone {
-                exec.process_failed(Duration::from_millis(shared.cfg.refusal_delay_ms), &why);
+                exec.process_failed(
+                    shared,
+                    Duration::from_millis(shared.cfg.refusal_delay_ms),
+                    &why,
+                );
             }
             Err(why)
         }
