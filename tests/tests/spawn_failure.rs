@@ -414,3 +414,50 @@ async fn a_persistent_executor_that_cannot_say_hello_is_not_leased_for() {
     assert_eq!(st.state, "succeeded");
     w.shutdown().await;
 }
+
+/// A persistent executor of which only one process may run at a time (it
+/// takes a lock at start: a device, a fixed port) and whose warm process is
+/// alive and idle: a second process exits before its hello, which opens the
+/// breaker, and every probe after that (a new process) failed the same way
+/// while the idle process that could serve the jobs sat in the pool: the
+/// executor was paused for good and its steps waited for ever. An idle
+/// process that said its hello is a started process: the breaker closes on
+/// it, and every step runs on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_warm_process_closes_the_breaker_its_probes_cannot() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lock = dir.path().join("one-at-a-time");
+    let mut ecfg = tests::wrap_in_shell(
+        go_demo("go", &[], None),
+        &format!("exec flock -n '{}' \"$0\" \"$@\"", lock.display()),
+    );
+    ecfg.persistent = true;
+    ecfg.warm_processes = 1;
+    ecfg.concurrency = 2;
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.db_max_connections = 4;
+    cfg.refusal_delay_ms = 200;
+    let t = TestDb::new().await;
+    // in the queue before the worker starts: its first lease takes two, so
+    // a second process is started beside the warm one
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        runs.push(
+            t.submit(json!({"name": format!("r{i}"), "steps": [
+                {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"i": i}}]}))
+                .await,
+        );
+    }
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    for run in runs {
+        let st = t.wait_terminal(run, Duration::from_secs(45)).await;
+        assert_eq!(
+            st.state,
+            "succeeded",
+            "{}",
+            serde_json::to_string_pretty(&st).unwrap_or_default()
+        );
+    }
+    w.shutdown().await;
+}

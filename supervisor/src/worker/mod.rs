@@ -1119,7 +1119,9 @@ async fn lease_pass(
         if free == 0 {
             continue;
         }
-        let Some(routes) = routes_to_lease(shared, exec).await else {
+        // (`idle_only`: leased for idle processes alone, which the attempts
+        // take from the pool after this pass: not leased again at once)
+        let Some((routes, free, idle_only)) = routes_to_lease(shared, exec, free).await else {
             continue;
         };
         // beside other executors of this worker, or of another live
@@ -1172,7 +1174,7 @@ async fn lease_pass(
             give_back(shared, steps).await;
             return false;
         }
-        if steps.len() as u32 == free {
+        if steps.len() as u32 == free && !idle_only {
             leased_any_full = true;
         }
         for step in steps {
@@ -1218,14 +1220,38 @@ async fn revoke_lost_leases(shared: &Arc<Shared>) -> bool {
     }
 }
 
-/// What an executor may lease with now: none while its breaker holds it
-/// back, or while its last hello (a probe's, when the breaker asks for one
-/// first) offers nothing this worker can lease.
-async fn routes_to_lease(shared: &Arc<Shared>, exec: &ExecutorRuntime) -> Option<Vec<Route>> {
+/// What an executor may lease with now, and how many of its `free` slots:
+/// none while its breaker holds it back, or while its last hello (a
+/// probe's, when the breaker asks for one first) offers nothing this worker
+/// can lease. While the breaker holds new processes back, a persistent
+/// executor's idle processes (each said its hello) still serve a step each
+/// (the third value says the count is theirs):
+/// an executor of which one process may run at a time (a lock, a device, a
+/// fixed port) failed every probe beside its idle process, and its steps
+/// waited for ever.
+async fn routes_to_lease(
+    shared: &Arc<Shared>,
+    exec: &ExecutorRuntime,
+    free: u32,
+) -> Option<(Vec<Route>, u32, bool)> {
+    let idle_only = || {
+        let idle = if exec.cfg.persistent {
+            exec.pool.idle() as u32
+        } else {
+            0
+        };
+        let routes = exec.routes();
+        (idle > 0 && !routes.is_empty()).then(|| (routes, free.min(idle), true))
+    };
     match exec.lease_now() {
         breaker::Lease::Yes => {}
-        breaker::Lease::NotYet => return None,
+        breaker::Lease::NotYet => return idle_only(),
         breaker::Lease::ProbeFirst => {
+            if let Some(idle) = idle_only() {
+                // no probe: a new process would meet what the last one met,
+                // and an idle one is there
+                return Some(idle);
+            }
             let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
             match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
                 Ok(hello) => {
@@ -1258,7 +1284,7 @@ async fn routes_to_lease(shared: &Arc<Shared>, exec: &ExecutorRuntime) -> Option
         );
         return None;
     }
-    Some(routes)
+    Some((routes, free, false))
 }
 
 /// One lease call of at most `free` steps over `routes`, with the time it
