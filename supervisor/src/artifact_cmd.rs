@@ -218,8 +218,9 @@ async fn copy_checked(
 }
 
 /// Moves the verified temporary file to `out`: durable, with the mode a
-/// file the user creates gets (0666 less the umask), or the mode of the file
-/// it replaces (`force`), and never over an existing file without `force`.
+/// file the user creates gets (0666 less the umask), or the mode, owner and
+/// group of the file it replaces (`force`; the owner where this process may
+/// give it), and never over an existing file without `force`.
 /// It was 0644 whatever the umask, and `--force` widened a 0600 file to it
 /// (security audit).
 fn place(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> Result<(), CliError> {
@@ -227,11 +228,19 @@ fn place(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> Result<(), Cl
     tmp.as_file()
         .sync_all()
         .map_err(|e| io_error(out, "write", e))?;
-    let mode = match std::fs::metadata(out) {
+    let replaced = std::fs::metadata(out).ok().filter(|m| force && m.is_file());
+    let mode = match &replaced {
         // its permission bits, not setuid/setgid/sticky (re-check audit)
-        Ok(m) if force && m.is_file() => m.permissions().mode() & 0o777,
-        _ => 0o666 & !umask(),
+        Some(m) => m.permissions().mode() & 0o777,
+        None => 0o666 & !umask(),
     };
+    // and its owner and group, where this process may give them (root
+    // replacing a user's file left it root's); otherwise ours, as for a
+    // new file
+    if let Some(m) = &replaced {
+        use std::os::unix::fs::MetadataExt;
+        let _ = std::os::unix::fs::fchown(tmp.as_file(), Some(m.uid()), Some(m.gid()));
+    }
     tmp.as_file()
         .set_permissions(std::fs::Permissions::from_mode(mode))
         .map_err(|e| io_error(out, "write", e))?;

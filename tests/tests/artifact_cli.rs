@@ -143,6 +143,12 @@ async fn a_three_step_chain_shows_its_whole_lineage_and_get_writes_the_exact_byt
         text(&out.stderr)
     );
     assert_eq!(sha256_hex(&std::fs::read(&file).expect("file")), c.sha256);
+    // the file replaced is someone else's (this runs as root in CI): the
+    // new one keeps its owner and group, as its mode
+    let root = nix::unistd::geteuid().is_root();
+    if root {
+        std::os::unix::fs::chown(&file, Some(65534), Some(65534)).expect("chown");
+    }
     let out = cli(
         &t.url,
         &[
@@ -156,6 +162,11 @@ async fn a_three_step_chain_shows_its_whole_lineage_and_get_writes_the_exact_byt
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(sha256_hex(&std::fs::read(&file).expect("file")), a.sha256);
+    if root {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(&file).expect("metadata");
+        assert_eq!((m.uid(), m.gid()), (65534, 65534), "the owner is kept");
+    }
     // no temporary file is left beside it
     let names: Vec<String> = std::fs::read_dir(dir.path())
         .expect("dir")
