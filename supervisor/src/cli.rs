@@ -1345,6 +1345,11 @@ async fn conformance(
 /// `supervisor executors`: probes every configured executor.
 async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
     let cfg = WorkerConfig::load_for_probe(config)?;
+    // what the worker warns of at start, said here too (persistent-pool
+    // audit: a one-shot executor's max_jobs_per_process passed silently)
+    for ignored in cfg.ignored_settings() {
+        eprintln!("warning: {ignored}");
+    }
     let spawner = crate::process::Spawner::start().map_err(WorkerError::Spawner)?;
     let mut all_ok = true;
     // a kinds list the worker would refuse is a config error, 2, as there

@@ -933,6 +933,35 @@ fn executors_prints_a_line_for_an_executor_that_does_not_answer() {
     assert_eq!(lines[1]["routes"], 0);
 }
 
+/// `executors` warns of a persistent executor's settings on a one-shot one,
+/// as the worker does at start (persistent-pool audit: they passed silently).
+#[test]
+fn executors_warns_of_settings_a_one_shot_executor_ignores() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let demo = tests::go_demo("go", &[], None).command;
+    let file = write(
+        dir.path(),
+        "oneshot.toml",
+        &format!(
+            "[[executors]]\nname = \"go\"\ncommand = {demo:?}\nmax_jobs_per_process = 3\nidle_timeout_ms = 5\n"
+        ),
+    );
+    let o = Command::new(tests::supervisor_bin())
+        .args(["executors", "--config", &file])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("executors");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "warning: executor \"go\": max_jobs_per_process = 3 and idle_timeout_ms = 5 have no effect"
+        ),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// `executors` (and `conformance`) start the executors without a database:
 /// a pool too small for a worker's concurrency is no reason to refuse them
 /// (SDK audit: a developer checking an executor had to raise

@@ -616,3 +616,80 @@ async fn a_warm_process_that_dies_while_idle_is_reaped_and_replaced() {
     assert_eq!(pid, Some(now[0]));
     w.shutdown().await;
 }
+
+/// With `max_jobs_per_process = 1` and a warm process, a chain of jobs
+/// longer than a process start never waits for one: a process serving its
+/// last job is not counted as coming back, so the keeper starts its
+/// replacement while it runs (persistent-pool audit: 4 of a chain of 10
+/// steps started their own process, the replacement being started only once the
+/// last one was retired).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_on_its_last_job_is_replaced_while_it_runs() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut py = tests::python_demo("python", &[], None);
+    py.persistent = true;
+    py.max_jobs_per_process = Some(1);
+    py.warm_processes = 1;
+    py.concurrency = 1;
+    let mut cfg = fast_config(vec![py]);
+    cfg.metrics_addr = Some("127.0.0.1:0".into());
+    let mut w = tests::WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "json"], &[]);
+    let addr = w.metrics_addr(Duration::from_secs(30)).await;
+    // the pool is warm before the backlog arrives
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, text) = tests::http_get(addr, "/metrics").await;
+        if tests::metric(
+            &text,
+            "durable_executor_idle_processes{executor=\"python\"}",
+        ) == Some(1.0)
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the pool did not warm up:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // a chain: each job is leased a moment after the one before ended
+    let steps: Vec<serde_json::Value> = (0..6)
+        .map(|i| {
+            let mut s = json!({"name": format!("s{i}"), "executor_kind": "python",
+                               "kind": "demo.sleep", "input": {"ms": 300, "steps": 1}});
+            if i > 0 {
+                s["depends_on"] = json!([format!("s{}", i - 1)]);
+            }
+            s
+        })
+        .collect();
+    t.submit(json!({"name": "chain", "steps": steps})).await;
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while t
+        .scalar_i64("SELECT count(*) FROM durable.step_runs WHERE state <> 'succeeded'")
+        .await
+        > 0
+    {
+        assert!(std::time::Instant::now() < until, "the steps did not end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, text) = tests::http_get(addr, "/metrics").await;
+    let by = |how: &str| {
+        tests::metric(
+            &text,
+            &format!(
+                "durable_executor_processes_started_total{{executor=\"python\",by=\"{how}\"}}"
+            ),
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(
+        by("job"),
+        0.0,
+        "a job waited for a start of its own:\n{text}"
+    );
+    assert!(by("warm") >= 6.0, "{text}");
+    w.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(w.wait(Duration::from_secs(30)).await, Some(0));
+}

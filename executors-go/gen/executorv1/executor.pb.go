@@ -23,7 +23,8 @@
 // frame it accepts; the supervisor picks one revision and the common features
 // and states them in the Job, with the largest frame it accepts.
 //
-// Persistent mode: an executor whose Hello sets max_jobs_per_process != 1 may
+// Persistent mode: an executor whose Hello sets max_jobs_per_process > 1 (or
+// negative: unlimited; 0 and 1 mean one job) may
 // receive another Job after it sent the previous job's terminal, on the same
 // streams. Every job-scoped frame carries job_id so frames are never ambiguous.
 

@@ -514,8 +514,13 @@ async fn session_for(
     workdir: &tempfile::TempDir,
 ) -> Result<Session, Outcome> {
     if exec.cfg.persistent {
-        if let Some(s) = exec.pool.take() {
+        if let Some(mut s) = exec.pool.take() {
             debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
+            if s.jobs.saturating_add(1) >= s.job_limit(exec.cfg.max_jobs_per_process) {
+                // its last job: the keeper starts its replacement now
+                s.last_job_mark = Some(exec.last_jobs.mark());
+                exec.slot_back.notify_one();
+            }
             return Ok(s);
         }
     }
@@ -564,6 +569,8 @@ async fn finish_session(shared: &Shared, exec: &ExecutorRuntime, session: Sessio
             .retire(&shared.cfg, "max_jobs_per_process served")
             .await;
     } else {
+        // (not its last job after all: the keeper counts it again)
+        session.last_job_mark = None;
         exec.pool.put(session, &shared.cfg).await;
     }
 }

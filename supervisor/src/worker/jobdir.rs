@@ -52,7 +52,13 @@ impl JobDirs {
             }
         }
         let d = work.tempdir(&self.prefix)?;
-        std::fs::create_dir(d.path().join("out"))?;
+        let out = d.path().join("out");
+        std::fs::create_dir(&out)?;
+        // the mode a clean one has (the umask's would be lost on reuse)
+        std::fs::set_permissions(
+            &out,
+            std::os::unix::fs::PermissionsExt::from_mode(CLEAN_MODE),
+        )?;
         Ok(d)
     }
 
@@ -74,7 +80,13 @@ impl JobDirs {
     }
 }
 
-/// `dir` holds an empty `out/` directory (not a link to one) and nothing else.
+/// The mode of a clean job directory and of its `out/`.
+const CLEAN_MODE: u32 = 0o700;
+
+/// `dir` holds an empty `out/` directory (not a link to one) and nothing else,
+/// both this process's with mode 0700 (persistent-pool audit: a job that
+/// made its `out/` read-only handed it on, and every attempt of a later step
+/// failed on it with "Permission denied").
 ///
 /// Checked twice per job (given back, taken again), so it reads each of the
 /// two directories with `getdents64` into a buffer on the stack:
@@ -88,10 +100,18 @@ fn is_clean(dir: &Path) -> bool {
     let Ok(job) = openat(CWD, dir, flags, Mode::empty()) else {
         return false;
     };
-    if !holds_only(&job, Some(c"out")) {
+    if !as_made(&job) || !holds_only(&job, Some(c"out")) {
         return false;
     }
-    openat(&job, c"out", flags, Mode::empty()).is_ok_and(|out| holds_only(&out, None))
+    openat(&job, c"out", flags, Mode::empty())
+        .is_ok_and(|out| as_made(&out) && holds_only(&out, None))
+}
+
+/// The open directory is this process's, with [`CLEAN_MODE`] and no more.
+fn as_made(dir: &rustix::fd::OwnedFd) -> bool {
+    rustix::fs::fstat(dir).is_ok_and(|st| {
+        st.st_uid == nix::unistd::geteuid().as_raw() && st.st_mode & 0o7777 == CLEAN_MODE
+    })
 }
 
 /// The open directory `dir` holds exactly the entry `name` (`None`: no
@@ -122,6 +142,7 @@ mod tests {
 
     #[test]
     fn a_clean_directory_is_reused_and_any_other_removed() {
+        use std::os::unix::fs::PermissionsExt;
         let base = tempfile::tempdir().expect("base");
         let work = WorkDir::open(base.path().to_path_buf(), uuid::Uuid::new_v4()).expect("work");
         let dirs = JobDirs::new("py demo", 2);
@@ -142,7 +163,14 @@ mod tests {
 
         // for each way of not being clean: not kept, removed, the next is new
         type Dirty = fn(&Path);
-        let dirty: [(&str, Dirty); 6] = [
+        let dirty: [(&str, Dirty); 8] = [
+            ("out/ made read-only", |d| {
+                std::fs::set_permissions(d.join("out"), PermissionsExt::from_mode(0o555))
+                    .expect("chmod")
+            }),
+            ("the job directory opened to others", |d| {
+                std::fs::set_permissions(d, PermissionsExt::from_mode(0o755)).expect("chmod")
+            }),
             ("a file in out/", |d| {
                 std::fs::write(d.join("out/result.txt"), b"x").expect("write")
             }),

@@ -125,6 +125,8 @@ pub struct ExecutorRuntime {
     /// Told whenever a slot is given back: the warm pool's keeper then
     /// replaces a process that was retired or killed (`warm_processes`).
     slot_back: Notify,
+    /// Busy processes serving their last job (see [`session::LastJobs`]).
+    last_jobs: session::LastJobs,
     /// Open while this executor's processes cannot be started: nothing is
     /// leased for it (see `breaker.rs`).
     breaker: std::sync::Mutex<breaker::SpawnBreaker>,
@@ -713,6 +715,7 @@ impl Worker {
                 // committed, and up to twice the concurrency hold a lease
                 job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
                 slot_back: Notify::new(),
+                last_jobs: Default::default(),
                 breaker: Default::default(),
             }));
         }

@@ -47,6 +47,39 @@ pub(crate) struct Session {
     /// in a later one that named no secret, so each job's redaction covers
     /// them all.
     handed_secrets: Vec<(String, String)>,
+    /// Set while the process serves its last job (`max_jobs_per_process`):
+    /// counted in its executor's [`LastJobs`] until the session is gone.
+    pub last_job_mark: Option<LastJobMark>,
+}
+
+/// How many of an executor's busy processes serve their last job: they
+/// will not come back to the pool, so the warm pool's keeper starts their
+/// replacements while they still run (persistent-pool audit: with
+/// `max_jobs_per_process = 1` a backlog waited for a start at every job,
+/// the replacement being started only once the last one was retired).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct LastJobs(std::sync::Arc<std::sync::atomic::AtomicU32>);
+
+impl LastJobs {
+    pub fn get(&self) -> u32 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// One more process serves its last job, until the mark is dropped.
+    pub fn mark(&self) -> LastJobMark {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        LastJobMark(self.clone())
+    }
+}
+
+/// See [`LastJobs::mark`].
+#[derive(Debug)]
+pub(crate) struct LastJobMark(LastJobs);
+
+impl Drop for LastJobMark {
+    fn drop(&mut self) {
+        (self.0).0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// Why a process of an executor could not be started.
@@ -119,6 +152,7 @@ impl Session {
             _dir: dir,
             reusable: false,
             handed_secrets: Vec::new(),
+            last_job_mark: None,
         })
     }
 
@@ -229,8 +263,20 @@ impl Pool {
     pub fn take(&self) -> Option<Session> {
         loop {
             // the most recently used: the others age, and retire when idle
-            // long enough (`expired`)
-            let (mut s, _) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+            // long enough (`expired`); where none has served a job yet (a
+            // fresh pool, or one of a process per job), the one waiting
+            // longest (the keeper may start a replacement while its
+            // predecessor's last job runs: it is not taken before the older
+            // ones). Taken from anywhere, the rest stay in the order they
+            // were put, oldest first, as `expired` reads them.
+            let (mut s, _) = {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                match idle.iter().rposition(|(s, _)| s.jobs > 0) {
+                    Some(i) => idle.remove(i),
+                    None if idle.is_empty() => return None,
+                    None => idle.remove(0),
+                }
+            };
             crate::metrics::idle_processes(&self.executor, -1);
             if s.healthy() {
                 return Some(s);

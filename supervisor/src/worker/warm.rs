@@ -4,7 +4,9 @@
 //! than N are busy — the first jobs after the worker starts included.
 //!
 //! One keeper task per such executor owns the top-up: whenever the idle
-//! sessions plus the slots in use fall below N (at start; after a process was
+//! sessions plus the slots in use fall below N (a slot whose process serves
+//! its last job, `max_jobs_per_process`, is not counted: its replacement is
+//! started while it runs) (at start; after a process was
 //! retired at `max_jobs_per_process`, killed after a violation, or found dead
 //! while idle), it starts one more, reads its hello, and puts it in the pool.
 //! It never starts more than that: an attempt that finds the pool empty still
@@ -129,7 +131,15 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
     let want = exec.cfg.warm_processes;
     let mut backoff = MIN_BACKOFF;
     loop {
-        while missing(want, exec.pool.idle(), exec.running.load(Ordering::SeqCst)) > 0 {
+        // a busy process on its last job will not come back: not counted
+        while missing(
+            want,
+            exec.pool.idle(),
+            exec.running
+                .load(Ordering::SeqCst)
+                .saturating_sub(exec.last_jobs.get()),
+        ) > 0
+        {
             let started = tokio::select! {
                 _ = stop.cancelled() => return,
                 s = start_one(&shared, &exec) => s,
