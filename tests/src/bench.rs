@@ -551,9 +551,27 @@ where
     let names = created.lock().unwrap_or_else(|p| p.into_inner()).clone();
     drop_databases(admin_url, &names).await;
     if let Err(e) = res {
-        eprintln!("{name} failed: {e:#}");
+        eprintln!("{name} failed: {}", chain_text(&e));
         std::process::exit(1);
     }
+}
+
+/// An error and its causes, each cause left out where the text before it
+/// already says it (the runtime's errors quote their source: "… pool timed
+/// out …: pool timed out" was printed twice).
+pub fn chain_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 /// A `kB` field of /proc/<pid>/status (VmRSS, VmHWM, …), in KiB.
@@ -600,4 +618,20 @@ pub async fn fresh_database(
     db.migrate().await?;
     db.pool().close().await;
     Ok((name, url))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cause_quoted_by_the_error_before_it_is_not_repeated() {
+        let e = anyhow::anyhow!("pool timed out while waiting")
+            .context("cannot connect: pool timed out while waiting. Is the server running?")
+            .context("connecting to DATABASE_URL");
+        assert_eq!(
+            chain_text(&e),
+            "connecting to DATABASE_URL: cannot connect: pool timed out while waiting. Is the server running?"
+        );
+    }
 }

@@ -38,6 +38,9 @@ pub fn init_tracing() {
     // what the test prints (RUST_LOG, default warn) ...
     let shown = tracing_subscriber::fmt::layer()
         .with_test_writer()
+        // colours only on a terminal (a benchmark's output redirected to a
+        // file carried escape codes)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),

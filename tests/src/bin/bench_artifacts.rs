@@ -264,7 +264,7 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     report.figure("download + hash time", copy_s, "s", setup.clone());
     report.target(
         "artifact.worker_hwm_mb",
-        &format!("worker peak RSS (VmHWM) with a {mib:.0} MiB artifact up and down < 100 MB"),
+        &format!("worker peak RSS (VmHWM) with a {mib:.0} MiB artifact up and down ≤ 100 MB"),
         mb(copy_hwm),
         Want::AtMost,
         RSS_TARGET_MB,

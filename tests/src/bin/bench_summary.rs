@@ -83,7 +83,8 @@ fn main() -> Result<()> {
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&summary)?)?;
+    std::fs::write(&args.out, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("writing the summary to {}", args.out.display()))?;
     println!("== summary: {met} of {} targets met", targets.len());
     let s = &summary["setup"];
     println!(
