@@ -794,8 +794,7 @@ async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, Cl
 /// paused the executor that would run them (or itself). Steps waiting for
 /// the same pauses are one line past [`UNROUTABLE_LINES`].
 fn paused_text(steps: &[crate::db::PausedStep]) -> String {
-    let mut by_cause: Vec<(String, Vec<&str>)> = Vec::new();
-    for p in steps {
+    let why = steps.iter().map(|p| {
         let who = p
             .paused_by
             .iter()
@@ -812,38 +811,15 @@ fn paused_text(steps: &[crate::db::PausedStep]) -> String {
             })
             .collect::<Vec<_>>()
             .join("; ");
-        let cause = format!(
-            "every live worker that offers {} has paused it ({who})",
-            p.step.needs()
-        );
-        match by_cause.iter_mut().find(|(c, _)| *c == cause) {
-            Some((_, names)) => names.push(&p.step.step),
-            None => by_cause.push((cause, vec![&p.step.step])),
-        }
-    }
-    let mut out = String::new();
-    for (cause, names) in by_cause {
-        if names.len() <= UNROUTABLE_LINES {
-            for name in names {
-                out.push_str(&format!(
-                    "{}: {cause}: it waits for one to resume\n",
-                    cell(name, 40)
-                ));
-            }
-        } else {
-            let first: Vec<String> = names
-                .iter()
-                .take(UNROUTABLE_LINES)
-                .map(|n| cell(n, 40))
-                .collect();
-            out.push_str(&format!(
-                "{} steps ({}, …): {cause}: they wait for one to resume\n",
-                names.len(),
-                first.join(", ")
-            ));
-        }
-    }
-    out
+        (
+            p.step.step.as_str(),
+            format!(
+                "every live worker that offers {} has paused it ({who})",
+                p.step.needs()
+            ),
+        )
+    });
+    waiting_lines(why, "one to resume")
 }
 
 /// Why steps wait: a line per step that needs what no live worker offers.
@@ -851,20 +827,32 @@ fn paused_text(steps: &[crate::db::PausedStep]) -> String {
 /// counts them and names the first few (a 1,000-step run printed 1,000 alike
 /// lines).
 fn unroutable_text(steps: &[crate::db::StuckStep]) -> String {
-    let mut by_need: Vec<(String, Vec<&str>)> = Vec::new();
-    for s in steps {
-        let need = s.needs();
-        match by_need.iter_mut().find(|(n, _)| *n == need) {
-            Some((_, names)) => names.push(&s.step),
-            None => by_need.push((need, vec![&s.step])),
+    let why = steps.iter().map(|s| {
+        (
+            s.step.as_str(),
+            format!("no live worker offers {}", s.needs()),
+        )
+    });
+    waiting_lines(why, "one")
+}
+
+/// `step: WHY: it waits for FOR` per (step, why), in order; more than
+/// [`UNROUTABLE_LINES`] steps with the same why are one line that counts
+/// them and names the first few.
+fn waiting_lines<'a>(why: impl Iterator<Item = (&'a str, String)>, waits_for: &str) -> String {
+    let mut by_why: Vec<(String, Vec<&str>)> = Vec::new();
+    for (step, w) in why {
+        match by_why.iter_mut().find(|(c, _)| *c == w) {
+            Some((_, names)) => names.push(step),
+            None => by_why.push((w, vec![step])),
         }
     }
     let mut out = String::new();
-    for (need, names) in by_need {
+    for (w, names) in by_why {
         if names.len() <= UNROUTABLE_LINES {
             for name in names {
                 out.push_str(&format!(
-                    "{}: no live worker offers {need}: it waits for one\n",
+                    "{}: {w}: it waits for {waits_for}\n",
                     cell(name, 40)
                 ));
             }
@@ -875,7 +863,7 @@ fn unroutable_text(steps: &[crate::db::StuckStep]) -> String {
                 .map(|n| cell(n, 40))
                 .collect();
             out.push_str(&format!(
-                "{} steps ({}, …): no live worker offers {need}: they wait for one\n",
+                "{} steps ({}, …): {w}: they wait for {waits_for}\n",
                 names.len(),
                 first.join(", ")
             ));

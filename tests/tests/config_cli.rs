@@ -12,6 +12,16 @@ use serde_json::json;
 use supervisor::config::{ExecutorConfig, WorkerConfig};
 use tests::TestDb;
 
+/// `supervisor executors --config FILE` (warnings logged), its output.
+fn executors_with(file: &str) -> Output {
+    Command::new(tests::supervisor_bin())
+        .args(["executors", "--config", file])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("executors")
+}
+
 /// Runs the binary with a clean environment as far as the config goes: no
 /// database URL and no `DURABLE_*` variable unless given.
 fn cli(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -854,12 +864,7 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
             "kinds.toml",
             &format!("[[executors]]\nname = \"go\"\ncommand = {demo:?}\nkinds = {kinds}\n"),
         );
-        let o = Command::new(tests::supervisor_bin())
-            .args(["executors", "--config", &file])
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .output()
-            .expect("executors");
+        let o = executors_with(&file);
         (
             o.status.code(),
             String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -907,12 +912,7 @@ fn executors_prints_a_line_for_an_executor_that_does_not_answer() {
              [[executors]]\nname = \"silent\"\ncommand = \"sleep\"\nargs = [\"100\"]\n"
         ),
     );
-    let o = Command::new(tests::supervisor_bin())
-        .args(["executors", "--config", &file])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .output()
-        .expect("executors");
+    let o = executors_with(&file);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
         .lines()
@@ -946,12 +946,7 @@ fn executors_warns_of_settings_a_one_shot_executor_ignores() {
             "[[executors]]\nname = \"go\"\ncommand = {demo:?}\nmax_jobs_per_process = 3\nidle_timeout_ms = 5\n"
         ),
     );
-    let o = Command::new(tests::supervisor_bin())
-        .args(["executors", "--config", &file])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .output()
-        .expect("executors");
+    let o = executors_with(&file);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(
         stderr(&o).contains(
@@ -974,12 +969,7 @@ fn checking_executors_needs_no_database_pool() {
         .map(|i| format!("[[executors]]\nname = \"go{i}\"\ncommand = {demo:?}\nconcurrency = 4\n"))
         .collect();
     let file = write(dir.path(), "three.toml", &entries);
-    let o = Command::new(tests::supervisor_bin())
-        .args(["executors", "--config", &file])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .output()
-        .expect("executors");
+    let o = executors_with(&file);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 3);
     assert_invalid(
