@@ -87,6 +87,9 @@ pub(crate) async fn publish_loop(shared: Arc<Shared>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = shared.pauses.changed.notified() => {}
         }
+        // one warning per outage (the database away: every other loop of
+        // the worker says so too), tried again every second meanwhile
+        let mut failed = false;
         loop {
             let picture = shared.pauses.snapshot();
             let write = bounded(
@@ -97,7 +100,9 @@ pub(crate) async fn publish_loop(shared: Arc<Shared>, stop: CancellationToken) {
             match write.await {
                 Ok(()) => break,
                 Err(e) => {
-                    warn!(error = %e, "cannot record what this worker paused; status may not say why its steps wait");
+                    if !std::mem::replace(&mut failed, true) {
+                        warn!(error = %e, "cannot record what this worker paused; status may not say why its steps wait until it can");
+                    }
                     tokio::select! {
                         _ = stop.cancelled() => return,
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {}
