@@ -60,27 +60,92 @@ const WRITER_QUEUE: usize = 256;
 /// executor waits in its pipe (volume audit: four executors sending 7 MiB
 /// checkpoints back to back took the worker to 548 MB).
 const WRITER_QUEUE_BYTES: usize = 32 << 20;
+/// ... and all the attempts of a worker together: the per-attempt bound let
+/// each flooding attempt hold its own 32 MiB (and the copies around it), so
+/// ten of them took a worker past a gigabyte. An attempt may always queue
+/// while the worker is below this (one checkpoint may take it over), so the
+/// ledger, which frees them, always has work and none waits for ever.
+pub(crate) const WORKER_QUEUE_BYTES: usize = 64 << 20;
 
-/// The checkpoint bytes of an attempt's writes not yet answered.
-#[derive(Default)]
-struct QueuedBytes {
+/// Checkpoint bytes of writes not yet answered: an attempt's, counted in
+/// its worker's too (`parent`).
+pub(crate) struct QueuedBytes {
     n: std::sync::atomic::AtomicUsize,
     freed: tokio::sync::Notify,
+    limit: usize,
+    parent: Option<Arc<QueuedBytes>>,
 }
 
 impl QueuedBytes {
+    /// A worker's: every attempt's bytes, below `limit`.
+    pub(crate) fn worker(limit: usize) -> QueuedBytes {
+        QueuedBytes {
+            n: Default::default(),
+            freed: Default::default(),
+            limit,
+            parent: None,
+        }
+    }
+
+    /// An attempt's, below `limit` and below its worker's.
+    fn attempt(limit: usize, worker: Arc<QueuedBytes>) -> QueuedBytes {
+        QueuedBytes {
+            parent: Some(worker),
+            ..QueuedBytes::worker(limit)
+        }
+    }
+
+    fn below_own(&self) -> bool {
+        self.n.load(std::sync::atomic::Ordering::Acquire) < self.limit
+    }
+
     fn under_budget(&self) -> bool {
-        self.n.load(std::sync::atomic::Ordering::Acquire) < WRITER_QUEUE_BYTES
+        self.below_own() && self.parent.as_ref().is_none_or(|p| p.below_own())
     }
 
     fn add(&self, n: usize) {
         self.n.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+        if let Some(p) = &self.parent {
+            p.add(n);
+        }
     }
 
     fn free(&self, n: usize) {
         if n > 0 {
             self.n.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
             self.freed.notify_waiters();
+            if let Some(p) = &self.parent {
+                p.free(n);
+            }
+        }
+    }
+
+    /// Resolves once under budget (or at once if it is).
+    async fn below_budget(&self) {
+        loop {
+            let own = self.freed.notified();
+            tokio::pin!(own);
+            own.as_mut().enable();
+            let parent = match &self.parent {
+                Some(p) => Some(p.freed.notified()),
+                None => None,
+            };
+            tokio::pin!(parent);
+            if let Some(p) = parent.as_mut().as_pin_mut() {
+                p.enable();
+            }
+            if self.under_budget() {
+                return;
+            }
+            match parent.as_mut().as_pin_mut() {
+                Some(p) => {
+                    tokio::select! {
+                        _ = own => {}
+                        _ = p => {}
+                    }
+                }
+                None => own.await,
+            }
         }
     }
 }
@@ -914,7 +979,10 @@ impl Writer {
     ) -> Writer {
         let (tx, rx) = mpsc::channel(WRITER_QUEUE);
         let (handed_tx, handed) = watch::channel(HandedSoFar::default());
-        let bytes = Arc::new(QueuedBytes::default());
+        let bytes = Arc::new(QueuedBytes::attempt(
+            WRITER_QUEUE_BYTES,
+            shared.checkpoint_bytes.clone(),
+        ));
         let task = tokio::spawn(
             write_loop(shared, run_id, lease, rx, control, handed_tx, bytes.clone())
                 .in_current_span(),
@@ -938,18 +1006,10 @@ impl Writer {
 
     /// Resolves once [`Writer::has_room`] (never, if the writer is gone).
     async fn room(&self) {
-        loop {
-            let freed = self.bytes.freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            if self.bytes.under_budget() {
-                match self.tx.reserve().await {
-                    Ok(permit) => drop(permit),
-                    Err(_) => std::future::pending().await,
-                }
-                return;
-            }
-            freed.await;
+        self.bytes.below_budget().await;
+        match self.tx.reserve().await {
+            Ok(permit) => drop(permit),
+            Err(_) => std::future::pending().await,
         }
     }
 

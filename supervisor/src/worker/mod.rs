@@ -339,6 +339,8 @@ pub(crate) struct Shared {
     work_breaker: std::sync::Mutex<breaker::SpawnBreaker>,
     /// What leases nothing now and why, recorded for `status`.
     pauses: pauses::Pauses,
+    /// The checkpoint bytes of every attempt's writes not yet answered.
+    checkpoint_bytes: Arc<attempt::QueuedBytes>,
 }
 
 impl Shared {
@@ -752,6 +754,7 @@ impl Worker {
             lease_cut_off: AtomicBool::new(false),
             work_breaker: Default::default(),
             pauses: Default::default(),
+            checkpoint_bytes: Arc::new(attempt::QueuedBytes::worker(attempt::WORKER_QUEUE_BYTES)),
         });
         {
             let mut workers = WORKERS

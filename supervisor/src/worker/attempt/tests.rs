@@ -1076,3 +1076,39 @@ fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
     assert!(m.on(Input::Unanswered { after_ms: 1000 }).is_empty());
     assert_eq!(m.phase(), Phase::Running);
 }
+
+/// An attempt's checkpoint bytes count against its own budget and its
+/// worker's: one attempt below its own is held back while the worker's is
+/// used up by others, and goes on once another attempt's bytes are freed.
+#[tokio::test]
+async fn checkpoint_bytes_are_bounded_per_attempt_and_per_worker() {
+    let worker = Arc::new(QueuedBytes::worker(100));
+    let a = QueuedBytes::attempt(60, worker.clone());
+    let b = QueuedBytes::attempt(60, worker.clone());
+    a.add(59);
+    assert!(a.under_budget() && b.under_budget());
+    // one write may take an attempt over its own limit: then it waits
+    a.add(10);
+    assert!(!a.under_budget());
+    b.add(20);
+    assert!(b.under_budget(), "b at 20 of 60, the worker at 89 of 100");
+    // the worker over its limit: b waits although below its own
+    b.add(20);
+    assert!(!b.under_budget(), "b at 40 of 60, the worker at 109 of 100");
+    assert!(!QueuedBytes::attempt(60, worker.clone()).under_budget());
+    let waiting = tokio::spawn(async move {
+        b.below_budget().await;
+        b
+    });
+    tokio::task::yield_now().await;
+    assert!(!waiting.is_finished());
+    // woken by another attempt's bytes freed
+    a.free(69);
+    let b = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+        .await
+        .expect("woken by another attempt's freed bytes")
+        .expect("task");
+    assert!(b.under_budget());
+    b.free(40);
+    assert_eq!(worker.n.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
