@@ -126,10 +126,7 @@ impl QueuedBytes {
             let own = self.freed.notified();
             tokio::pin!(own);
             own.as_mut().enable();
-            let parent = match &self.parent {
-                Some(p) => Some(p.freed.notified()),
-                None => None,
-            };
+            let parent = self.parent.as_ref().map(|p| p.freed.notified());
             tokio::pin!(parent);
             if let Some(p) = parent.as_mut().as_pin_mut() {
                 p.enable();
