@@ -42,11 +42,12 @@ async fn a_worker_given_a_low_open_file_limit_runs_its_whole_concurrency() {
     e.concurrency = STEPS as u32;
     let mut cfg = fast_config(vec![e]);
     cfg.db_max_connections = STEPS as u32 + 1;
+    // (the shell's ulimit, as a service manager's LimitNOFILE=SOFT:HARD)
     let mut w = WorkerProcess::spawn_with(
         &[
-            "prlimit".to_string(),
-            format!("--nofile={SOFT}:{HARD}"),
-            "--".to_string(),
+            "/bin/sh".to_string(),
+            "-c".to_string(),
+            format!("ulimit -Sn {SOFT} && ulimit -Hn {HARD} && exec \"$0\" \"$@\""),
         ],
         &t.url,
         &cfg,
