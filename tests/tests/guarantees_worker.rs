@@ -1768,6 +1768,44 @@ async fn routes_narrowed_by_an_upgrade_widen_again_after_a_rollback() {
     w.shutdown().await;
 }
 
+/// Narrowed routes widen again after a rollback with no step of a kind
+/// still offered to start a new process (re-check audit: they widened only
+/// when a new process said more, and none was started unless such a step
+/// came, so the dropped kind's steps waited until the worker restarted):
+/// a narrowed executor is probed again now and then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narrowed_routes_are_probed_again_without_other_work() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kinds = dir.path().join("kinds");
+    let cfg = fast_config(vec![hostile(
+        "hostile",
+        None,
+        &[("HOSTILE_KINDS_FILE", kinds.to_str().expect("utf-8 path"))],
+    )]);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    std::fs::write(&kinds, "hostile.sleep").expect("kinds");
+    let echo = t
+        .submit(spec("hostile.echo", json!({"retry": {"max_attempts": 3}})))
+        .await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while t
+        .db
+        .unroutable_steps(echo)
+        .await
+        .expect("unroutable")
+        .is_empty()
+    {
+        assert!(Instant::now() < until, "the routes never narrowed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // the rollback, and nothing else submitted
+    std::fs::remove_file(&kinds).expect("rollback");
+    let st = t.wait_terminal(echo, Duration::from_secs(30)).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    w.shutdown().await;
+}
+
 /// A secret that straddles a cut is not logged in part (observability
 /// audit): a stderr line is cut at 1024 bytes and a crashed executor's tail
 /// to its last `stderr_tail_bytes`, and each was cut before the redactor

@@ -107,11 +107,30 @@ fn is_clean(dir: &Path) -> bool {
         .is_ok_and(|out| as_made(&out) && holds_only(&out, None))
 }
 
-/// The open directory is this process's, with [`CLEAN_MODE`] and no more.
+/// The open directory is this process's, with [`CLEAN_MODE`] and no more,
+/// and carries no attribute a job may have set on it that a later job would
+/// inherit (a `user.` extended attribute, a POSIX ACL; re-check audit: an
+/// xattr set on `out/` was there for the next three jobs). The filesystem's
+/// own (`security.selinux`) do not count.
 fn as_made(dir: &rustix::fd::OwnedFd) -> bool {
-    rustix::fs::fstat(dir).is_ok_and(|st| {
+    let owned = rustix::fs::fstat(dir).is_ok_and(|st| {
         st.st_uid == nix::unistd::geteuid().as_raw() && st.st_mode & 0o7777 == CLEAN_MODE
-    })
+    });
+    owned && !has_job_attributes(dir)
+}
+
+/// Whether `dir` has a `user.*` or `system.posix_acl_*` extended attribute
+/// (a filesystem without extended attributes has none).
+fn has_job_attributes(dir: &rustix::fd::OwnedFd) -> bool {
+    let mut names = [0u8; 1024];
+    match rustix::fs::flistxattr(dir, &mut names[..]) {
+        Ok(n) => names[..n]
+            .split(|b| *b == 0)
+            .any(|name| name.starts_with(b"user.") || name.starts_with(b"system.posix_acl_")),
+        // names longer than the buffer: more than a clean one has
+        Err(rustix::io::Errno::RANGE) => true,
+        Err(_) => false,
+    }
 }
 
 /// The open directory `dir` holds exactly the entry `name` (`None`: no
@@ -139,6 +158,26 @@ fn holds_only(dir: &rustix::fd::OwnedFd, name: Option<&std::ffi::CStr>) -> bool 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_directory_with_a_users_extended_attribute_is_not_clean() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("out");
+        std::fs::create_dir(&out).expect("out");
+        for d in [dir.path(), out.as_path()] {
+            std::fs::set_permissions(d, PermissionsExt::from_mode(CLEAN_MODE)).expect("chmod");
+        }
+        assert!(is_clean(dir.path()));
+        let set = rustix::fs::setxattr(&out, "user.job", b"1", rustix::fs::XattrFlags::empty());
+        if let Err(rustix::io::Errno::NOTSUP) = set {
+            // a filesystem without user xattrs: no job can set one either
+            eprintln!("skipped: {} takes no user xattr", dir.path().display());
+            return;
+        }
+        set.expect("setxattr");
+        assert!(!is_clean(dir.path()), "an xattr on out/ is handed on");
+    }
 
     #[test]
     fn a_clean_directory_is_reused_and_any_other_removed() {

@@ -676,7 +676,15 @@ impl Shaped {
                 // the whole batch failed and nothing of it committed: every
                 // intent gets the error; each caller retries a transient one
                 // while its lease clock allows
-                warn!(error = %e, size, "a ledger batch failed; its writers retry");
+                match db
+                    .server_reason(&e, std::time::Duration::from_secs(1))
+                    .await
+                {
+                    Some(why) => {
+                        warn!(error = %e, server_says = %why, size, "a ledger batch failed; its writers retry")
+                    }
+                    None => warn!(error = %e, size, "a ledger batch failed; its writers retry"),
+                }
                 self.fail(&e, tainted);
             }
         }

@@ -71,7 +71,7 @@ fn probe_advice(why: &str) -> &'static str {
     } else if why.contains("os error 28") {
         "A filesystem it needs is full: free space (or inodes) there, or set work_dir elsewhere"
     } else if why.contains("before its hello") {
-        "It exited before its hello: its stderr (above) says why — a crash at start, a missing library or module, a host limit"
+        "It exited before its hello: what it wrote on stderr, if anything, says why — a crash at start, a missing library or module, a host limit"
     } else {
         "Check its command and that it speaks the executor protocol (proto/PROTOCOL.md)"
     }
@@ -80,6 +80,11 @@ fn probe_advice(why: &str) -> &'static str {
 /// How long any single database call of the worker may take (the heartbeat
 /// has its own bound: see `heartbeat_timeout`).
 pub(crate) const DB_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The first pause before an executor whose routes narrowed is probed
+/// again (at least; `refusal_delay_ms` if longer), doubled after each
+/// probe up to [`REPROBE_MAX`].
+const REPROBE_FIRST: Duration = Duration::from_secs(1);
+const REPROBE_MAX: Duration = Duration::from_secs(60);
 
 /// How long a lease call in flight when the stop signal arrives may still
 /// take before the drain starts without it.
@@ -127,6 +132,15 @@ pub struct ExecutorRuntime {
     slot_back: Notify,
     /// Busy processes serving their last job (see [`session::LastJobs`]).
     last_jobs: session::LastJobs,
+    /// The routes its probe at start gave.
+    initial_routes: Vec<Route>,
+    /// While the routes are narrower than at start (a hello that dropped a
+    /// kind: an upgrade), when to probe again and the pause after that.
+    /// They widened only when a new process said more, and none was started
+    /// unless a step of a kind still offered came: after a rollback, the
+    /// dropped kinds' steps waited until the worker restarted (re-check
+    /// audit).
+    reprobe: std::sync::Mutex<Option<(Instant, Duration)>>,
     /// Open while this executor's processes cannot be started: nothing is
     /// leased for it (see `breaker.rs`).
     breaker: std::sync::Mutex<breaker::SpawnBreaker>,
@@ -151,7 +165,38 @@ impl ExecutorRuntime {
         }
         *now = routes.clone();
         drop(now);
+        // narrower than at start: probed again now and then (see `reprobe`)
+        let narrowed = !self.initial_routes.iter().all(|r| routes.contains(r));
+        let mut reprobe = self.reprobe.lock().unwrap_or_else(|p| p.into_inner());
+        match (narrowed, *reprobe) {
+            (false, _) => *reprobe = None,
+            (true, None) => {
+                let pause = Duration::from_millis(shared.cfg.refusal_delay_ms).max(REPROBE_FIRST);
+                *reprobe = Some((Instant::now() + pause, pause));
+            }
+            (true, Some(_)) => {}
+        }
+        drop(reprobe);
         self.publish_routes(shared, routes);
+    }
+
+    /// Whether the routes are narrower than at start and a probe is due to
+    /// see whether the executor offers them again.
+    fn reprobe_due(&self) -> bool {
+        self.reprobe
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|(at, _)| Instant::now() >= at)
+    }
+
+    /// A re-probe ran: the next one after twice the pause (at most
+    /// [`REPROBE_MAX`]), unless the routes are whole again.
+    fn reprobed(&self) {
+        let mut reprobe = self.reprobe.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, pause)) = *reprobe {
+            let pause = (pause * 2).min(REPROBE_MAX);
+            *reprobe = Some((Instant::now() + pause, pause));
+        }
     }
 
     /// A process's hello (a job's or a warm one's) offers more than the
@@ -709,7 +754,7 @@ impl Worker {
                   labels = ?routing::effective_labels(&hello, ecfg), sdk = %hello.sdk_name, "executor ready");
             executors.push(Arc::new(ExecutorRuntime {
                 cfg: ecfg.clone(),
-                routes: RwLock::new(routes),
+                routes: RwLock::new(routes.clone()),
                 running: AtomicU32::new(0),
                 held: AtomicU32::new(0),
                 pool: session::Pool::new(&ecfg.name, ecfg.concurrency as usize),
@@ -718,6 +763,8 @@ impl Worker {
                 job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
                 slot_back: Notify::new(),
                 last_jobs: Default::default(),
+                initial_routes: routes,
+                reprobe: Default::default(),
                 breaker: Default::default(),
             }));
         }
@@ -1247,9 +1294,38 @@ async fn routes_to_lease(
             0
         };
         let routes = exec.routes();
-        (idle > 0 && !routes.is_empty()).then(|| (routes, free.min(idle), true))
+        let some = (idle > 0 && !routes.is_empty()).then(|| (routes, free.min(idle), true));
+        if some.is_some() {
+            // its steps do not wait for a resume: status must not say so
+            // (re-check audit); a start that fails again says it again
+            shared.pauses.clear(&exec.cfg.name);
+        }
+        some
     };
     match exec.lease_now() {
+        breaker::Lease::Yes if exec.reprobe_due() => {
+            // narrowed routes: does a new process offer more again?
+            let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
+            match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
+                Ok(hello) => {
+                    let routes = routing::routes(&hello, &exec.cfg);
+                    if !routes.is_empty() {
+                        let (before, after) = (exec.routes().len(), routes.len());
+                        exec.set_routes(shared, routes);
+                        if after > before {
+                            info!(executor = %exec.cfg.name, routes = after, before,
+                                  "a probe of the narrowed executor offers more again: leasing for all of it");
+                        }
+                    }
+                    exec.reprobed();
+                }
+                Err(e) => {
+                    exec.reprobed();
+                    exec.process_failed(shared, base, &e.to_string());
+                    return idle_only();
+                }
+            }
+        }
         breaker::Lease::Yes => {}
         breaker::Lease::NotYet => return idle_only(),
         breaker::Lease::ProbeFirst => {
@@ -1899,7 +1975,14 @@ async fn listen_loop(shared: Arc<Shared>, heartbeat_now: Arc<Notify>, stop: Canc
                 n = listener.recv() => match n {
                     Ok(n) if n.channel() == crate::db::CHANNEL_CANCEL => heartbeat_now.notify_one(),
                     Ok(_) => shared.wake.notify_one(),
-                    Err(e) => { warn!(error = %e, "LISTEN connection lost; reconnecting"); break; }
+                    Err(e) => {
+                        let e = DbError::Query { context: "listening for wake-ups", source: e };
+                        match listen_db.server_reason(&e, Duration::from_secs(1)).await {
+                            Some(why) => warn!(error = %e, server_says = %why, "LISTEN connection lost; reconnecting"),
+                            None => warn!(error = %e, "LISTEN connection lost; reconnecting"),
+                        }
+                        break;
+                    }
                 }
             }
         }
