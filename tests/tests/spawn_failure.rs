@@ -41,16 +41,25 @@ async fn waits_refused_uncounted(t: &TestDb, run: uuid::Uuid) -> supervisor::db:
     a
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broken_executor_command_refuses_and_pauses_instead_of_failing_steps() {
-    let _serial = tests::exclusive().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let exe = dir.path().join("demo-go");
+/// A worker config whose one executor is a copy of the Go demo in `dir`
+/// (the copy's path, to remove and restore it), refusal_delay_ms 300.
+fn removable_go_demo(
+    dir: &std::path::Path,
+) -> (std::path::PathBuf, supervisor::config::WorkerConfig) {
+    let exe = dir.join("demo-go");
     std::fs::copy(tests::go_executor(), &exe).expect("copy the demo executor");
     let mut ecfg = go_demo("go", &[], None);
     ecfg.command = exe.to_string_lossy().into_owned();
     let mut cfg = fast_config(vec![ecfg]);
     cfg.refusal_delay_ms = 300;
+    (exe, cfg)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_executor_command_refuses_and_pauses_instead_of_failing_steps() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (exe, cfg) = removable_go_demo(dir.path());
     let t = TestDb::new().await;
     // the worker probes its executor at start: the command is there then
     let w = RunningWorker::start(t.connect(5).await, cfg).await;
@@ -109,12 +118,7 @@ async fn a_broken_executor_command_refuses_and_pauses_instead_of_failing_steps()
 async fn status_names_the_workers_that_paused_a_steps_executor_and_why() {
     let _serial = tests::exclusive().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let exe = dir.path().join("demo-go");
-    std::fs::copy(tests::go_executor(), &exe).expect("copy the demo executor");
-    let mut ecfg = go_demo("go", &[], None);
-    ecfg.command = exe.to_string_lossy().into_owned();
-    let mut cfg = fast_config(vec![ecfg]);
-    cfg.refusal_delay_ms = 300;
+    let (exe, mut cfg) = removable_go_demo(dir.path());
     cfg.name = Some("w-paused".into());
     let t = TestDb::new().await;
     let w = RunningWorker::start(t.connect(5).await, cfg).await;
