@@ -71,7 +71,7 @@ fn probe_advice(why: &str) -> &'static str {
     } else if why.contains("os error 28") {
         "A filesystem it needs is full: free space (or inodes) there, or set work_dir elsewhere"
     } else if why.contains("before its hello") {
-        "It exited before its hello: what it wrote on stderr, if anything, says why — a crash at start, a missing library or module, a host limit"
+        "It exited before its hello: its stderr, where it wrote any, says why — a crash at start, a missing library or module, a host limit"
     } else {
         "Check its command and that it speaks the executor protocol (proto/PROTOCOL.md)"
     }
