@@ -676,15 +676,10 @@ impl Shaped {
                 // the whole batch failed and nothing of it committed: every
                 // intent gets the error; each caller retries a transient one
                 // while its lease clock allows
-                match db
+                let why = db
                     .server_reason(&e, std::time::Duration::from_secs(1))
-                    .await
-                {
-                    Some(why) => {
-                        warn!(error = %e, server_says = %why, size, "a ledger batch failed; its writers retry")
-                    }
-                    None => warn!(error = %e, size, "a ledger batch failed; its writers retry"),
-                }
+                    .await;
+                warn!(error = %e, server_says = why.as_deref(), size, "a ledger batch failed; its writers retry");
                 self.fail(&e, tainted);
             }
         }

@@ -687,6 +687,24 @@ pub(crate) fn usable_hello(h: Hello, max_frame_bytes: usize) -> Result<Hello, St
     }
 }
 
+/// Raises the process's soft open-file limit to its hard one
+/// ([`crate::process::raise_open_file_limit`]), and says what it did.
+fn raise_open_file_limit() {
+    match crate::process::raise_open_file_limit() {
+        crate::process::OpenFileLimit::Raised { from, to } => {
+            info!(from, to, "raised the open-file limit (soft) to the hard limit; executors start with the one the worker was given")
+        }
+        crate::process::OpenFileLimit::AlreadyAtMost(at) => {
+            debug!(limit = at, "the open-file limit is the hard limit already")
+        }
+        crate::process::OpenFileLimit::Refused { at, errno } => warn!(
+            limit = at,
+            error = %std::io::Error::from_raw_os_error(errno),
+            "cannot raise the open-file limit; each running step needs about three open files"
+        ),
+    }
+}
+
 /// A running worker.
 pub struct Worker {
     shared: Arc<Shared>,
@@ -706,19 +724,7 @@ impl Worker {
         check_privileges(&db).await?;
         check_setup(&db, &cfg)?;
         crate::process::set_stderr_log_rate(cfg.stderr_log_lines_per_sec);
-        match crate::process::raise_open_file_limit() {
-            crate::process::OpenFileLimit::Raised { from, to } => {
-                info!(from, to, "raised the open-file limit (soft) to the hard limit; executors start with the one the worker was given")
-            }
-            crate::process::OpenFileLimit::AlreadyAtMost(at) => {
-                debug!(limit = at, "the open-file limit is the hard limit already")
-            }
-            crate::process::OpenFileLimit::Refused { at, errno } => warn!(
-                limit = at,
-                error = %std::io::Error::from_raw_os_error(errno),
-                "cannot raise the open-file limit; each running step needs about three open files"
-            ),
-        }
+        raise_open_file_limit();
         let id = Uuid::new_v4();
         let host = hostname();
         // every child carries this worker's slot (its name, or the host) and
@@ -1832,10 +1838,10 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
                     shared.due_at(kind, *at);
                 }
             }
-            Err(e) => match shared.db.server_reason(&e, Duration::from_secs(1)).await {
-                Some(why) => error!(error = %e, server_says = %why, "reclaim failed"),
-                None => error!(error = %e, "reclaim failed"),
-            },
+            Err(e) => {
+                let why = shared.db.server_reason(&e, Duration::from_secs(1)).await;
+                error!(error = %e, server_says = why.as_deref(), "reclaim failed")
+            }
         }
         let overdue = bounded(
             DB_CALL_TIMEOUT,
@@ -1851,10 +1857,10 @@ async fn reclaim_loop(shared: Arc<Shared>, stop: CancellationToken) {
                 failed = n,
                 "failed steps whose deadline passed before any attempt"
             ),
-            Err(e) => match shared.db.server_reason(&e, Duration::from_secs(1)).await {
-                Some(why) => error!(error = %e, server_says = %why, "failing overdue steps failed"),
-                None => error!(error = %e, "failing overdue steps failed"),
-            },
+            Err(e) => {
+                let why = shared.db.server_reason(&e, Duration::from_secs(1)).await;
+                error!(error = %e, server_says = why.as_deref(), "failing overdue steps failed")
+            }
         }
     }
 }
@@ -1950,12 +1956,8 @@ async fn listen_loop(shared: Arc<Shared>, heartbeat_now: Arc<Notify>, stop: Canc
         let mut listener = match listen_db.listener().await {
             Ok(l) => l,
             Err(e) => {
-                match listen_db.server_reason(&e, Duration::from_secs(1)).await {
-                    Some(why) => {
-                        warn!(error = %e, server_says = %why, "LISTEN unavailable; polling only")
-                    }
-                    None => warn!(error = %e, "LISTEN unavailable; polling only"),
-                }
+                let why = listen_db.server_reason(&e, Duration::from_secs(1)).await;
+                warn!(error = %e, server_says = why.as_deref(), "LISTEN unavailable; polling only");
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(backoff) => {}
@@ -1977,10 +1979,8 @@ async fn listen_loop(shared: Arc<Shared>, heartbeat_now: Arc<Notify>, stop: Canc
                     Ok(_) => shared.wake.notify_one(),
                     Err(e) => {
                         let e = DbError::Query { context: "listening for wake-ups", source: e };
-                        match listen_db.server_reason(&e, Duration::from_secs(1)).await {
-                            Some(why) => warn!(error = %e, server_says = %why, "LISTEN connection lost; reconnecting"),
-                            None => warn!(error = %e, "LISTEN connection lost; reconnecting"),
-                        }
+                        let why = listen_db.server_reason(&e, Duration::from_secs(1)).await;
+                        warn!(error = %e, server_says = why.as_deref(), "LISTEN connection lost; reconnecting");
                         break;
                     }
                 }
