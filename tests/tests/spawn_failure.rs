@@ -198,23 +198,13 @@ async fn status_names_the_workers_that_paused_a_steps_executor_and_why() {
 /// failing its run (resource audit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_that_exits_before_its_hello_refuses_and_pauses() {
-    use std::os::unix::fs::PermissionsExt;
     let _serial = tests::exclusive().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let flag = dir.path().join("broken");
-    let exe = dir.path().join("exec.sh");
-    std::fs::write(
-        &exe,
-        format!(
-            "#!/bin/sh\n[ -e '{}' ] && {{ echo 'runtime: failed to create new OS thread' >&2; exit 2; }}\nexec '{}' \"$@\"\n",
-            flag.display(),
-            tests::go_executor().display()
-        ),
-    )
-    .expect("script");
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let mut ecfg = go_demo("go", &[], None);
-    ecfg.command = exe.to_string_lossy().into_owned();
+    let ecfg = go_demo_after(&format!(
+        "[ -e '{}' ] && {{ echo 'runtime: failed to create new OS thread' >&2; exit 2; }}",
+        flag.display()
+    ));
     let mut cfg = fast_config(vec![ecfg]);
     cfg.refusal_delay_ms = 300;
     let t = TestDb::new().await;
@@ -310,24 +300,24 @@ async fn a_work_dir_that_takes_no_directory_pauses_leasing() {
     w.shutdown().await;
 }
 
-/// A script executor that fails before its hello on every `nth` start (a
-/// counter in `dir`), and otherwise runs the Go demo.
-fn flaky_executor(dir: &std::path::Path, nth: u32) -> std::path::PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let exe = dir.join("flaky.sh");
-    let count = dir.join("starts");
-    std::fs::write(
-        &exe,
-        format!(
-            "#!/bin/sh\nn=$(cat '{c}' 2>/dev/null || echo 0); n=$((n + 1)); echo $n > '{c}'\n\
-             [ $((n % {nth})) -eq 0 ] && {{ echo 'crashed at start' >&2; exit 2; }}\nexec '{demo}' \"$@\"\n",
-            c = count.display(),
-            demo = tests::go_executor().display()
-        ),
+/// The Go demo, started after `script` (a shell script that may exit
+/// first, as a start that fails before its hello).
+fn go_demo_after(script: &str) -> supervisor::config::ExecutorConfig {
+    tests::wrap_in_shell(
+        go_demo("go", &[], None),
+        &format!("{script}\nexec \"$0\" \"$@\""),
     )
-    .expect("script");
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    exe
+}
+
+/// An executor that fails before its hello on every `nth` start (a counter
+/// in `dir`), and otherwise runs the Go demo.
+fn flaky_executor(dir: &std::path::Path, nth: u32) -> supervisor::config::ExecutorConfig {
+    let count = dir.join("starts");
+    go_demo_after(&format!(
+        "n=$(cat '{c}' 2>/dev/null || echo 0); n=$((n + 1)); echo $n > '{c}'\n\
+         [ $((n % {nth})) -eq 0 ] && {{ echo 'crashed at start' >&2; exit 2; }}",
+        c = count.display()
+    ))
 }
 
 /// Refusals that are the host's (SPAWN_FAILED here) never fail a step: an
@@ -338,9 +328,7 @@ fn flaky_executor(dir: &std::path::Path, nth: u32) -> std::path::PathBuf {
 async fn an_executor_failing_every_third_start_fails_no_step() {
     let _serial = tests::exclusive().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let exe = flaky_executor(dir.path(), 3);
-    let mut ecfg = go_demo("go", &[], None);
-    ecfg.command = exe.to_string_lossy().into_owned();
+    let mut ecfg = flaky_executor(dir.path(), 3);
     ecfg.concurrency = 2;
     let mut cfg = fast_config(vec![ecfg]);
     cfg.refusal_delay_ms = 100;
@@ -371,23 +359,10 @@ async fn an_executor_failing_every_third_start_fails_no_step() {
 /// after every warm start (re-check audit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_persistent_executor_that_cannot_say_hello_is_not_leased_for() {
-    use std::os::unix::fs::PermissionsExt;
     let _serial = tests::exclusive().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let flag = dir.path().join("broken");
-    let exe = dir.path().join("exec.sh");
-    std::fs::write(
-        &exe,
-        format!(
-            "#!/bin/sh\n[ -e '{}' ] && exit 1\nexec '{}' \"$@\"\n",
-            flag.display(),
-            tests::go_executor().display()
-        ),
-    )
-    .expect("script");
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let mut ecfg = go_demo("go", &[], None);
-    ecfg.command = exe.to_string_lossy().into_owned();
+    let mut ecfg = go_demo_after(&format!("[ -e '{}' ] && exit 1", flag.display()));
     ecfg.persistent = true;
     ecfg.warm_processes = 1;
     ecfg.max_jobs_per_process = Some(1);
