@@ -24,8 +24,11 @@ use crate::worker::{Worker, WorkerError};
     about = "Durable workflow runtime: leases steps from PostgreSQL and runs them in Go/Python executors"
 )]
 pub struct Cli {
-    /// PostgreSQL URL (or DATABASE_URL).
-    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    /// PostgreSQL URL [default: the DATABASE_URL environment variable].
+    // DATABASE_URL is read after parsing (`Cli::with_database_url_from_env`), not by clap's
+    // `env`: clap counted a value from the environment as given, and every
+    // usage line then said `--database-url <DATABASE_URL>` as if required
+    #[arg(long, global = true)]
     pub database_url: Option<String>,
     /// Log format on stderr: text, or json (one object per line, with the
     /// fields of every enclosing span: worker, and run_id, step, step_run_id,
@@ -581,6 +584,23 @@ pub fn check_log_format_env() -> Result<(), String> {
             "DURABLE_LOG_FORMAT={v:?} is not a log format: set it to text or json, or unset it"
         )),
         _ => Ok(()),
+    }
+}
+
+impl Cli {
+    /// `--database-url`, or else DATABASE_URL (as clap's `env` would, but
+    /// without the usage lines naming the flag as given).
+    pub fn with_database_url_from_env(mut self) -> Result<Cli, String> {
+        if self.database_url.is_none() {
+            self.database_url = match std::env::var("DATABASE_URL") {
+                Ok(url) => Some(url),
+                Err(std::env::VarError::NotPresent) => None,
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    return Err("DATABASE_URL is not valid UTF-8: set it to a PostgreSQL URL such as postgres://user@localhost/db, or unset it".into())
+                }
+            };
+        }
+        Ok(self)
     }
 }
 

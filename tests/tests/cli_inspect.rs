@@ -698,6 +698,21 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
     expect_exit(&o, 2, &["--bogus"], "unknown flag");
     let o = cli(Some(&t.url), &["events"]);
     expect_exit(&o, 2, &["RUN_ID"], "missing argument");
+    // a URL from DATABASE_URL is not a flag the user gave: the usage line
+    // does not tell them to pass one (it said `--database-url <DATABASE_URL>`)
+    assert!(
+        stderr(&o).contains("Usage: supervisor events <RUN_ID>")
+            && !stderr(&o).contains("--database-url"),
+        "usage with DATABASE_URL set: {}",
+        stderr(&o)
+    );
+    let o = cli(Some(&t.url), &["runs", "--json"]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "DATABASE_URL is read: {}",
+        stderr(&o)
+    );
 
     // 2: no database configured, or a URL that is not one
     let o = cli(None, &["runs"]);
