@@ -101,6 +101,12 @@ pub async fn stop_signal() -> i32 {
     }
 }
 
+fn step_ended(state: &str) -> bool {
+    state
+        .parse::<crate::state::StepState>()
+        .is_ok_and(crate::state::StepState::is_terminal)
+}
+
 fn run_is_terminal(state: &str) -> bool {
     matches!(state, "succeeded" | "failed" | "cancelled")
 }
@@ -303,9 +309,17 @@ impl View {
             // one the step is in (its own line, with its progress)
             let mut passed = false;
             let mut key = i64::MAX;
+            // a step that ended without running (created only to be
+            // cancelled or failed with its run, or past its deadline) is
+            // told by its end alone: its momentary `pending` was never a
+            // step ready to run (DAG audit: "d: pending,
+            // DEPENDENCY_NOT_SUCCEEDED", then "d: cancelled")
+            let never_ran = s.attempt == 0 && step_ended(&s.state);
             if let (Some(id), Some(upto)) = (s.step_run_id, s.last_transition) {
                 for h in hops.iter().filter(|h| h.step_run_id == id && h.id < upto) {
-                    lines.push((h.id, hop_line(&s.name, h)));
+                    if !never_ran {
+                        lines.push((h.id, hop_line(&s.name, h)));
+                    }
                     passed = true;
                 }
                 if self.drawn_once && self.known.get(&id) != Some(&upto) {
@@ -513,10 +527,23 @@ fn plain_line(s: &WatchStep) -> String {
         .last_reason
         .as_deref()
         .filter(|r| s.state == "retryable_failed" && !r.trim().is_empty());
+    // a cancelled step says why, as `status` does: a step that never ran
+    // its reason (RUN_FAILED, DEPENDENCY_CANCELLED), one whose last attempt
+    // had failed that error and then the cancel (DAG audit: "cancelled,
+    // attempt 1, DEMO_FAILURE" read as cancelled by its failure)
+    let cancel_reason = s
+        .last_reason
+        .as_deref()
+        .filter(|r| s.state == "cancelled" && !r.trim().is_empty());
     if let Some(r) = retry_reason {
         line.push_str(&format!(", {}", cell(r, 200)));
     } else if let Some(code) = &s.error_code {
         line.push_str(&format!(", {}", error_label(&s.state, &cell(code, 40))));
+        if let Some(r) = cancel_reason.filter(|r| !r.starts_with(code.as_str())) {
+            line.push_str(&format!(" (then cancelled: {})", cell(r, 200)));
+        }
+    } else if let Some(r) = cancel_reason {
+        line.push_str(&format!(", {}", cell(r, 200)));
     }
     line
 }
@@ -790,6 +817,47 @@ mod tests {
         );
         assert!(v.hops_to_read(&second).is_empty(), "nothing new since");
         assert_eq!(v.frame(&second, &[], 0, false), "", "no change, no line");
+    }
+
+    /// A step that ended without running is told by its end, with why; a
+    /// cancelled step whose attempt had failed says both (DAG audit: "d:
+    /// pending, DEPENDENCY_NOT_SUCCEEDED", then "d: cancelled"; "g:
+    /// cancelled, attempt 1, DEMO_FAILURE").
+    #[test]
+    fn a_cancelled_step_says_why_and_one_that_never_ran_no_pending() {
+        let (d_id, g_id) = (Uuid::from_u128(9), Uuid::from_u128(10));
+        let mut v = View::new(opts(false));
+        let mut g = step("g", "retryable_failed", 1, None, None);
+        g.elapsed_ms = None;
+        g.error_code = Some("DEMO_FAILURE".into());
+        g.last_reason = Some("DEMO_FAILURE: retry in 2000 ms".into());
+        (g.step_run_id, g.last_transition) = (Some(g_id), Some(4));
+        let mut w = step("d", "waiting", 0, None, None);
+        w.depends_on = vec!["g".into()];
+        assert_eq!(
+            v.frame(&run("running", vec![g.clone(), w]), &[], 0, false),
+            "g: retryable_failed, attempt 1, DEMO_FAILURE: retry in 2000 ms\n\
+             d: waiting on g\n"
+        );
+        g.state = "cancelled".into();
+        g.last_reason = Some("CANCEL_REQUESTED".into());
+        g.last_transition = Some(6);
+        let mut d = step("d", "cancelled", 0, None, None);
+        d.elapsed_ms = None;
+        d.last_reason = Some("DEPENDENCY_CANCELLED".into());
+        (d.step_run_id, d.last_transition) = (Some(d_id), Some(8));
+        let hops = vec![StepHop {
+            step_run_id: d_id,
+            id: 7,
+            to_state: "pending".into(),
+            attempt: Some(0),
+            reason: Some("DEPENDENCY_CANCELLED".into()),
+        }];
+        assert_eq!(
+            v.frame(&run("cancelled", vec![g, d]), &hops, 0, false),
+            "g: cancelled, attempt 1, DEMO_FAILURE (then cancelled: CANCEL_REQUESTED)\n\
+             d: cancelled, DEPENDENCY_CANCELLED\n"
+        );
     }
 
     #[test]
