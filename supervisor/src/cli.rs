@@ -908,6 +908,11 @@ async fn events(
     let events = db.events(id, step, last).await.map_err(explain)?;
     if json {
         println!("{}", pretty_json(&events)?);
+    } else if events.is_empty() {
+        // "yet" only of what may still run (a step cancelled before it ran
+        // was said to have "no progress events yet")
+        let st = db.status(id).await.map_err(explain)?;
+        print!("{}", no_events_text(&st, step));
     } else {
         print!("{}", events_text(&events));
     }
@@ -2143,6 +2148,58 @@ fn why_it_ended(s: &crate::db::StepStatus, e: &crate::db::StepError) -> String {
             format!(" (then cancelled: {})", cell(reason, 200))
         }
         _ => String::new(),
+    }
+}
+
+/// `events` without `--json` when there is none: of a step (or run) that
+/// has ended, why none will come.
+fn no_events_text(st: &crate::db::RunStatus, step: Option<&str>) -> String {
+    use crate::state::{RunState, StepState};
+    let step_ended = |s: &crate::db::StepStatus| {
+        s.state
+            .parse::<StepState>()
+            .is_ok_and(StepState::is_terminal)
+    };
+    let run_ended = st
+        .state
+        .parse::<RunState>()
+        .is_ok_and(RunState::is_terminal);
+    match step {
+        Some(name) => match st.steps.iter().find(|s| s.name == name) {
+            Some(s) if step_ended(s) && s.attempt == 0 => {
+                format!(
+                    "no progress events: step {name} is {} (it never ran)\n",
+                    s.state
+                )
+            }
+            Some(s) if step_ended(s) => format!(
+                "no progress events: step {name} is {} (attempt {}: its executor sent none)\n",
+                s.state, s.attempt
+            ),
+            // a step whose dependencies never succeeded has no row when its
+            // run ends without it
+            None if run_ended => {
+                format!(
+                    "no progress events: step {name} never ran (the run is {})\n",
+                    st.state
+                )
+            }
+            _ => "no progress events yet\n".into(),
+        },
+        None if run_ended => {
+            if st.steps.iter().all(|s| s.attempt == 0) {
+                format!(
+                    "no progress events: the run is {} (no step ran)\n",
+                    st.state
+                )
+            } else {
+                format!(
+                    "no progress events: the run is {} (its executors sent none)\n",
+                    st.state
+                )
+            }
+        }
+        None => "no progress events yet\n".into(),
     }
 }
 

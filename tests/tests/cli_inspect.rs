@@ -629,6 +629,42 @@ async fn runs_lists_fifty_by_default() {
     assert_eq!(v[0]["name"], "r54");
 }
 
+/// `events` of a run or step that ended without any does not say "yet"
+/// (audit: a step cancelled before it ran had "no progress events yet").
+#[tokio::test]
+async fn events_of_what_ended_without_any_say_why_none_will_come() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "never", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]}))
+        .await
+        .to_string();
+    // open: nothing yet
+    let o = cli(Some(&t.url), &["events", &run]);
+    assert_eq!(stdout(&o), "no progress events yet\n", "{}", stderr(&o));
+    let o = cli(Some(&t.url), &["events", &run, "--step", "b"]);
+    assert_eq!(stdout(&o), "no progress events yet\n", "{}", stderr(&o));
+    let o = cli(Some(&t.url), &["cancel", &run]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = cli(Some(&t.url), &["events", &run]);
+    assert_eq!(
+        stdout(&o),
+        "no progress events: the run is cancelled (no step ran)\n",
+        "{}",
+        stderr(&o)
+    );
+    for step in ["a", "b"] {
+        let o = cli(Some(&t.url), &["events", &run, "--step", step]);
+        assert_eq!(
+            stdout(&o),
+            format!("no progress events: step {step} is cancelled (it never ran)\n"),
+            "{}",
+            stderr(&o)
+        );
+    }
+}
+
 /// A TCP port on 127.0.0.1 where nothing listens.
 fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
