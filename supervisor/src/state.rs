@@ -222,7 +222,10 @@ pub struct Failure {
 /// The step's retry-relevant facts at the moment of a failure.
 #[derive(Debug, Clone)]
 pub struct StepFacts<'a> {
+    /// The attempts counted against `max_attempts`.
     pub attempt: u32,
+    /// Attempts given back uncounted (a drain): only named in the reason.
+    pub uncounted: u32,
     pub policy: &'a RetryPolicy,
     pub deadline: Option<DateTime<Utc>>,
     pub cancel_requested: bool,
@@ -285,9 +288,16 @@ pub fn decide_failure(
         return FailureDecision {
             to: StepState::TerminalFailed,
             next_attempt_at: None,
+            // "attempt 2 … (1/1)" read as a miscount (DAG audit)
             reason: format!(
-                "{}: attempts exhausted ({}/{})",
-                failure.code, facts.attempt, facts.policy.max_attempts
+                "{}: attempts exhausted ({}/{}){}",
+                failure.code,
+                facts.attempt,
+                facts.policy.max_attempts,
+                match facts.uncounted {
+                    0 => String::new(),
+                    n => format!(" after {n} given back uncounted"),
+                }
             ),
         };
     }
@@ -339,6 +349,7 @@ mod tests {
         ] {
             let facts = StepFacts {
                 attempt: 1,
+                uncounted: 0,
                 policy: &policy,
                 deadline: None,
                 cancel_requested: false,
@@ -496,6 +507,7 @@ mod tests {
         let now = Utc::now();
         let facts = |attempt, deadline, cancel| StepFacts {
             attempt,
+            uncounted: 0,
             policy: &p,
             deadline,
             cancel_requested: cancel,
@@ -528,6 +540,19 @@ mod tests {
         assert_eq!(
             decide_failure(&facts(1, None, false), &f("BAD_INPUT", true), now, 0.5).reason,
             "BAD_INPUT: in the step's non_retryable_codes"
+        );
+        assert_eq!(
+            decide_failure(&facts(3, None, false), &f("X", true), now, 0.5).reason,
+            "X: attempts exhausted (3/3)"
+        );
+        // attempts given back by a drain are named, not counted
+        let drained = StepFacts {
+            uncounted: 1,
+            ..facts(3, None, false)
+        };
+        assert_eq!(
+            decide_failure(&drained, &f("X", true), now, 0.5).reason,
+            "X: attempts exhausted (3/3) after 1 given back uncounted"
         );
         assert_eq!(
             decide_failure(&facts(1, None, true), &f("X", true), now, 0.5).to,

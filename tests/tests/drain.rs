@@ -89,6 +89,16 @@ async fn drain_timeout_stops_the_child_and_the_step_goes_back_to_the_queue() {
     .expect("events");
     assert_eq!(last.0, "retryable_failed", "{last:?}");
     assert!(last.1.starts_with("WORKER_SHUTDOWN: "), "{last:?}");
+    // the history names it as the events and status do (DAG audit: it
+    // said RELEASED there, WORKER_SHUTDOWN here)
+    let reason: String = sqlx::query_scalar(
+        "SELECT reason FROM durable.transitions WHERE step_run_id = $1 ORDER BY id DESC LIMIT 1",
+    )
+    .bind(step)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("history");
+    assert_eq!(reason, "WORKER_SHUTDOWN: given back uncounted");
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
 }
 

@@ -600,7 +600,7 @@ impl DbConn<'_> {
                 continue;
             };
             let row = sqlx::query(
-                "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, retry, deadline,
+                "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, uncounted_attempts AS uncounted, retry, deadline,
                         cancel_requested, now() AS db_now, executor_kind,
                         durable.run_failed_it(run_id) AS run_failed
                    FROM durable.step_runs
@@ -744,7 +744,7 @@ async fn take_and_fail_overdue(
                            AND NOT coalesce((SELECT wr.cancel_requested FROM durable.workflow_runs wr
                                               WHERE wr.id = c.run_id), false)
                            FOR NO KEY UPDATE SKIP LOCKED)
-      RETURNING s.lease_token, s.attempt, s.attempt - s.uncounted_attempts AS counted,
+      RETURNING s.lease_token, s.attempt, s.attempt - s.uncounted_attempts AS counted, s.uncounted_attempts AS uncounted,
                 s.retry, s.deadline, false AS cancel_requested, now() AS db_now",
     )
     .bind(id)
@@ -865,6 +865,10 @@ async fn fail_locked_row(
         attempt: row
             .try_get::<i32, _>("counted")
             .map_err(|e| col("counted", e))?
+            .max(0) as u32,
+        uncounted: row
+            .try_get::<i32, _>("uncounted")
+            .map_err(|e| col("uncounted", e))?
             .max(0) as u32,
         policy: &policy,
         deadline: row.try_get("deadline").map_err(|e| col("deadline", e))?,

@@ -315,7 +315,7 @@ impl DbConn<'_> {
     ) -> Result<FailureDecision, DbError> {
         let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
         let row = sqlx::query(
-            "SELECT attempt - uncounted_attempts AS counted, retry, deadline, cancel_requested, now() AS db_now,
+            "SELECT attempt - uncounted_attempts AS counted, uncounted_attempts AS uncounted, retry, deadline, cancel_requested, now() AS db_now,
                     durable.run_failed_it(run_id) AS run_failed
                FROM durable.step_runs
               WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running') FOR NO KEY UPDATE",
@@ -332,6 +332,7 @@ impl DbConn<'_> {
             .map_err(|e| DbError::Corrupt(format!("retry policy: {e}")))?;
         let facts = StepFacts {
             attempt: row.get::<i32, _>("counted").max(0) as u32,
+            uncounted: row.get::<i32, _>("uncounted").max(0) as u32,
             policy: &policy,
             deadline: row.get("deadline"),
             cancel_requested: row.get("cancel_requested"),
@@ -493,7 +494,8 @@ impl DbConn<'_> {
                     owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
                     lease_token = CASE WHEN c.cancel THEN s.lease_token END,
                     transition_reason = CASE WHEN c.cancel AND c.run_failed THEN 'RUN_FAILED (WORKER_SHUTDOWN)'
-                                             WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)' ELSE 'RELEASED' END,
+                                             WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)'
+                                             ELSE 'WORKER_SHUTDOWN: given back uncounted' END,
                     transition_by = $3
                FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
                             durable.run_failed_it(s2.run_id) AS run_failed
