@@ -709,9 +709,11 @@ async fn materialize_inputs(
     };
     let store = ArtifactStore::new(shared.db.clone(), &shared.cfg);
     let mut out = Vec::with_capacity(arts.len());
-    let mut taken = std::collections::HashSet::new();
-    for a in arts {
-        let path = input_path(in_dir, &mut taken, &a.step_name, &a.name);
+    let paths = input_paths(
+        in_dir,
+        arts.iter().map(|a| (a.step_name.as_str(), a.name.as_str())),
+    );
+    for (a, path) in arts.into_iter().zip(paths) {
         let dir = path.parent().unwrap_or(in_dir).to_path_buf();
         if let Err(e) = tokio::fs::create_dir_all(&dir).await {
             return Err(Outcome::Refused {
@@ -740,6 +742,31 @@ async fn materialize_inputs(
         });
     }
     Ok(out)
+}
+
+/// Where each input artifact (step, name) is written, in order: a name and
+/// step that need no sanitizing keep `in/<step>/<name>` whatever comes
+/// before them (DAG audit: a real `x_y.txt` became `x_y~3.txt` behind `x
+/// y.txt` and `x?y.txt`); the others get theirs by [`input_path`].
+pub(super) fn input_paths<'a>(
+    in_dir: &Path,
+    inputs: impl Iterator<Item = (&'a str, &'a str)> + Clone,
+) -> Vec<PathBuf> {
+    let mut taken = std::collections::HashSet::new();
+    let natural: Vec<Option<PathBuf>> = inputs
+        .clone()
+        .map(|(step, name)| {
+            let path = in_dir.join(step).join(name);
+            (sanitize(step) == step && sanitize(name) == name && taken.insert(path.clone()))
+                .then_some(path)
+        })
+        .collect();
+    inputs
+        .zip(natural)
+        .map(|((step, name), path)| {
+            path.unwrap_or_else(|| input_path(in_dir, &mut taken, step, name))
+        })
+        .collect()
 }
 
 /// Where an input artifact is written: `in/<step>/<name>`, both sanitized

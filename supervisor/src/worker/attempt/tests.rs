@@ -403,6 +403,37 @@ fn inputs_whose_names_sanitize_alike_get_files_of_their_own() {
 }
 
 #[test]
+fn a_name_that_needs_no_change_keeps_its_path() {
+    let in_dir = std::path::Path::new("/w/in");
+    let paths: Vec<String> = input_paths(
+        in_dir,
+        [
+            ("p", "x y.txt"),
+            ("p", "x?y.txt"),
+            ("p", "x_y.txt"),
+            ("b/c", "out"),
+            ("b_c", "out"),
+            ("p", "x_y.txt"),
+        ]
+        .into_iter(),
+    )
+    .iter()
+    .map(|p| p.to_string_lossy().into_owned())
+    .collect();
+    assert_eq!(
+        paths,
+        [
+            "/w/in/p/x_y~2.txt",
+            "/w/in/p/x_y~3.txt",
+            "/w/in/p/x_y.txt",
+            "/w/in/b_c/out~2",
+            "/w/in/b_c/out",
+            "/w/in/p/x_y~4.txt",
+        ]
+    );
+}
+
+#[test]
 fn sanitizes_names() {
     assert_eq!(sanitize("report.csv"), "report.csv");
     assert_eq!(sanitize("../etc/passwd"), "_.._etc_passwd");
