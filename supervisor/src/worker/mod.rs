@@ -672,6 +672,14 @@ pub(crate) fn usable_hello(h: Hello, max_frame_bytes: usize) -> Result<Hello, St
             wire::PROTOCOL_VERSION
         ));
     }
+    // a step names its executor_kind, never an empty one (`submit` refuses
+    // it): such an executor could run nothing, and was "ready" all the same
+    // (third-party audit; `conformance` failed it)
+    if h.executor_kind.trim().is_empty() {
+        return Err(
+            "its hello has an empty executor_kind, which no step can name: set it in the executor's hello (the SDKs' executor_kind)".into(),
+        );
+    }
     // PROTOCOL.md: announce at least 64 KiB. Below it no job would fit (a
     // job with its identity, deadlines and input is hundreds of bytes at
     // least), so every attempt would fail JOB_TOO_LARGE, not retried
@@ -2060,6 +2068,17 @@ mod tests {
                 assert!(why.contains("at least 65536"), "{why}");
             }
         }
+    }
+
+    #[test]
+    fn a_hello_must_name_its_executor_kind() {
+        for ek in ["", "  "] {
+            let h = crate::worker::routing::tests::hello(ek, &["k"], &[]);
+            let why = usable_hello(h, 8 << 20).expect_err("an empty executor_kind");
+            assert!(why.contains("empty executor_kind"), "{why}");
+        }
+        let h = crate::worker::routing::tests::hello("go", &["k"], &[]);
+        assert!(usable_hello(h, 8 << 20).is_ok());
     }
 
     /// (concurrency, running, held) → how many steps may be leased now.

@@ -120,6 +120,15 @@ pub(crate) fn on_frame(
             format!("frame for job {frame_job:?} while running job {job_id:?}"),
         );
     }
+    if seq == 0 && st.last_seq == 0 {
+        // the first frame: nothing came before it to regress from
+        // (third-party audit: an ACCEPTED at 0 was a "regression", where
+        // PROTOCOL.md's table says out of range)
+        return violation(
+            "PROTOCOL_SEQUENCE_OUT_OF_RANGE",
+            "sequence 0: a job's frames count from 1, accepted first".into(),
+        );
+    }
     if seq <= st.last_seq {
         return violation(
             "PROTOCOL_SEQUENCE_REGRESSION",

@@ -102,9 +102,15 @@ fn frame_sequences() {
             vec![ev(5, Accepted, "")],
             vec!["PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
         ),
+        // ...0 too, as PROTOCOL.md's table says (it was a "regression" from
+        // no frame at all), and a first frame of any kind at 0
         (
             vec![ev(0, Accepted, "")],
-            vec!["PROTOCOL_SEQUENCE_REGRESSION"],
+            vec!["PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
+        ),
+        (
+            vec![FromExecutor::Error(err(0, "EXECUTOR_BUSY", true))],
+            vec!["PROTOCOL_SEQUENCE_OUT_OF_RANGE"],
         ),
         (
             vec![ev(1, Accepted, ""), FromExecutor::Result(res(u64::MAX))],
