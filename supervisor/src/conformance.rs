@@ -568,7 +568,8 @@ impl Proc {
         let report = self.child.finish().await.map_err(|e| e.to_string())?;
         if let Some(name) = stray {
             return Err(format!(
-                "a {name} frame after the job's terminal / EOF on stdin"
+                "{} frame after the job's terminal / EOF on stdin",
+                wire::a(name)
             ));
         }
         if !report.status.success() {
@@ -620,8 +621,8 @@ impl JobCheck {
     fn feed(&mut self, f: FromExecutor) -> Result<(), String> {
         if self.terminal.is_some() {
             return Err(format!(
-                "a {} frame after the job's terminal (PROTOCOL_FRAME_AFTER_TERMINAL)",
-                f.name()
+                "{} frame after the job's terminal (PROTOCOL_FRAME_AFTER_TERMINAL)",
+                wire::a(f.name())
             ));
         }
         let (job_id, seq) = match &f {
@@ -630,15 +631,15 @@ impl JobCheck {
             FromExecutor::Error(e) => (&e.job_id, e.sequence),
             other => {
                 return Err(format!(
-                    "a {} frame during a job (PROTOCOL_UNEXPECTED_FRAME)",
-                    other.name()
+                    "{} frame during a job (PROTOCOL_UNEXPECTED_FRAME)",
+                    wire::a(other.name())
                 ))
             }
         };
         if *job_id != self.job_id {
             return Err(format!(
-                "a {} frame with job_id {job_id:?}, expected {:?}",
-                f.name(),
+                "{} frame with job_id {job_id:?}, expected {:?}",
+                wire::a(f.name()),
                 self.job_id
             ));
         }
@@ -671,13 +672,13 @@ impl JobCheck {
                     Ok(())
                 }
                 FromExecutor::Event(e) => Err(format!(
-                    "first frame is a {} event with sequence {}, expected ACCEPTED with sequence 1",
-                    e.kind.as_str(),
+                    "first frame is {} event with sequence {}, expected ACCEPTED with sequence 1",
+                    wire::a(e.kind.as_str()),
                     e.sequence
                 )),
                 other => Err(format!(
-                    "a {} before ACCEPTED (only an error may come before it)",
-                    other.name()
+                    "{} before ACCEPTED (only an error may come before it)",
+                    wire::a(other.name())
                 )),
             };
         }
@@ -963,6 +964,17 @@ async fn scenario_result_too_large(ctx: &Ctx<'_>, k: &Chosen) -> Res {
             return Err(format!(
                 "error {} (retryable {}), expected RESULT_TOO_LARGE, not retryable",
                 e.code, e.retryable
+            ))
+        }
+        // a result small enough: the echo did not echo its input (third-
+        // party audit: 11 bytes were called an "oversized frame")
+        Some(Terminal::Result(r)) if (r.output.len() as u64) < LIMIT => {
+            return Err(format!(
+                "a result of {} output bytes for an echo of more than {} input bytes: the echo kind must \
+                 return its input as its output (here too large for the job's max_frame_bytes \
+                 of {LIMIT}, so RESULT_TOO_LARGE was expected)",
+                r.output.len(),
+                3 * LIMIT
             ))
         }
         Some(Terminal::Result(r)) => {

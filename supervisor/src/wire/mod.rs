@@ -144,6 +144,15 @@ impl FromExecutor {
     }
 }
 
+/// `word` with its indefinite article: "an event", "a result".
+pub fn a(word: &str) -> String {
+    let article = match word.chars().next() {
+        Some(c) if "aeiouAEIOU".contains(c) => "an",
+        _ => "a",
+    };
+    format!("{article} {word}")
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct InputArtifact {
     pub id: String,
@@ -380,7 +389,7 @@ pub fn job_frame_len(j: &Job) -> u64 {
 /// Why no hello was read.
 #[derive(Debug, thiserror::Error)]
 pub enum HandshakeError {
-    #[error("the executor's first frame was a {0}, not a hello")]
+    #[error("the executor's first frame was {}, not a hello", a(.0))]
     NotHello(&'static str),
     #[error(transparent)]
     Wire(#[from] WireError),
@@ -524,6 +533,14 @@ mod fraction_tests {
             FromExecutor::Event(e) => e.fraction,
             other => panic!("not an event: {other:?}"),
         }
+    }
+
+    #[test]
+    fn words_get_their_article() {
+        assert_eq!(a("event"), "an event");
+        assert_eq!(a("accepted"), "an accepted");
+        assert_eq!(a("result"), "a result");
+        assert_eq!(a("hello"), "a hello");
     }
 
     /// An executor's fraction is stored within [0, 1]: 7.0 and -3.0 were

@@ -1872,12 +1872,39 @@ impl Conversation<'_> {
     async fn drive(&mut self, mut machine: Machine) -> (Machine, Finish) {
         loop {
             let input = self.next_input(&machine).await;
+            let stale_before = machine.stale_frames();
             for action in machine.on(input) {
                 if let Some(finish) = self.act(action).await {
+                    self.log_unfinished_frame();
                     return (machine, finish);
                 }
             }
+            if stale_before == 0 && machine.stale_frames() > 0 {
+                // said as it happens: an executor answering this job with
+                // the previous one's id leaves this one waiting, and the
+                // warning came only once the job ended (third-party audit:
+                // after a cancel 20 s later)
+                warn!(
+                    previous_job = machine.previous_job().unwrap_or_default(),
+                    "the executor wrote a frame of its previous job during this one: it is dropped (is the executor answering this job with the previous one's job_id?)"
+                );
+            }
         }
+    }
+
+    /// The evidence of a frame begun and never completed when the attempt
+    /// ends (at EOF the stream error shows it; a timeout, a cancel or a
+    /// kill said nothing of it): most often text printed to stdout.
+    fn log_unfinished_frame(&self) {
+        let buffered = self.frames.read_buffer();
+        if buffered.is_empty() {
+            return;
+        }
+        warn!(
+            bytes = buffered.len(),
+            first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
+            "the executor's stdout holds a frame it never completed: did it print something there? stdout carries frames only (logs go to stderr)"
+        );
     }
 
     /// Waits for the next input the machine's phase listens to. Biased:
@@ -1898,7 +1925,9 @@ impl Conversation<'_> {
                     },
                     _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
                     _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
-                    _ = sleep_opt(c.silence_at) => return Input::Silent,
+                    _ = sleep_opt(c.silence_at) => return Input::Silent {
+                        unfinished: self.frames.read_buffer().len(),
+                    },
                     _ = sleep_opt(c.answer_at) => {
                         c.answer_at = None;
                         return Input::Unanswered { after_ms: c.answer_ms };

@@ -436,8 +436,11 @@ pub(crate) enum Input {
     LeaseLost,
     DeadlinePassed,
     AttemptTimedOut,
-    /// No frame for `heartbeat_timeout_ms`.
-    Silent,
+    /// No frame for `heartbeat_timeout_ms`; `unfinished`: bytes of a frame
+    /// begun but never completed (text printed to stdout reads as one).
+    Silent {
+        unfinished: usize,
+    },
     /// No frame at all for this job within `after_ms`
     /// (`handshake_timeout_ms`) of sending it (the SDKs accept at once): the
     /// process is stuck.
@@ -557,6 +560,11 @@ impl Machine {
     pub(crate) fn after_job(mut self, previous: Option<String>) -> Machine {
         self.previous_job = previous;
         self
+    }
+
+    /// The job this process served before this one.
+    pub(crate) fn previous_job(&self) -> Option<&str> {
+        self.previous_job.as_deref()
     }
 
     /// Frames of the previous job seen during this one.
@@ -699,13 +707,24 @@ impl Machine {
                     CancelReason::AttemptTimeout,
                 )
             }
-            Input::Silent => {
+            Input::Silent { unfinished } => {
                 let ms = self.limits.silence_ms.unwrap_or(0);
+                // a frame begun and never completed is most often text
+                // printed to stdout, whose first bytes read as a length
+                // (third-party audit: "no frame … for 3000 ms" after the
+                // executor had written its result behind a console.log);
+                // the bytes themselves go to the log, not into the message
+                let why = match unfinished {
+                    0 => String::new(),
+                    n => format!(
+                        "; {n} bytes of a frame never completed are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes"
+                    ),
+                };
                 self.impose_and_cancel(
                     Outcome::failed(
                         "HEARTBEAT_TIMEOUT",
                         true,
-                        format!("no frame from the executor for {ms} ms"),
+                        format!("no frame from the executor for {ms} ms{why}"),
                     ),
                     CancelReason::AttemptTimeout,
                 )

@@ -779,7 +779,7 @@ fn attempt_machine_table() {
         (
             "silence: a heartbeat timeout",
             false,
-            vec![accepted(), Silent, Exited],
+            vec![accepted(), Silent { unfinished: 0 }, Exited],
             vec!["persist start", "cancel AttemptTimeout", "grace", "finish"],
             Phase::Finished,
             Some("failed (HEARTBEAT_TIMEOUT)"),
@@ -851,6 +851,38 @@ fn attempt_machine_table() {
         assert_eq!(phase, want_phase, "{name}: phase");
         assert_eq!(verdict.as_deref(), want_verdict, "{name}: verdict");
     }
+}
+
+/// A heartbeat timeout with a frame begun and never completed on stdout
+/// says so (text printed to stdout reads as a frame's length): the message
+/// names the bytes, not what they are (those go to the log).
+#[test]
+fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
+    let limits = Limits {
+        timeout_ms: None,
+        silence_ms: Some(3000),
+    };
+    let message = |unfinished| {
+        let mut m = Machine::new("j", 7, false, limits);
+        m.on(accepted());
+        m.on(Input::Silent { unfinished });
+        m.on(Input::Exited);
+        match m.verdict(false, "exited with code 0") {
+            Verdict::Outcome(Outcome::Failed { code, message, .. }) => {
+                assert_eq!(code, "HEARTBEAT_TIMEOUT");
+                message
+            }
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(!message(0).contains("never completed"), "{}", message(0));
+    let m = message(89);
+    assert!(
+        m.starts_with(
+            "no frame from the executor for 3000 ms; 89 bytes of a frame never completed"
+        ) && m.contains("did it print something there"),
+        "{m}"
+    );
 }
 
 #[test]
