@@ -119,6 +119,11 @@ impl LeaseSet {
         }
     }
 
+    /// How many attempts hold a lease.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
     /// Each attempt's step, and whether its outcome is being committed.
     pub fn attempts(&self) -> Vec<(Uuid, bool)> {
         self.map()

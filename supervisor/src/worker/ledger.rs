@@ -63,6 +63,23 @@ pub(crate) const MAX_SINGLES: usize = 64;
 /// (the runs of its steps, their rows). Writers of the runtime hold these
 /// for milliseconds; past this, the rows' writes are set aside (`aside`).
 pub(crate) const LOCK_WAIT: Duration = Duration::from_millis(250);
+/// How long a batch of starts alone (and the events behind them) waits for
+/// more before it is written, while other attempts run: a short job's
+/// completion arrives within it, and its start and completion are then one
+/// write of the step and one of its run (the fused start) instead of two
+/// round trips of each. At 4 concurrent one-shot Go no-op steps it took the
+/// database's CPU per step from ~1.35 to ~1.1 ms and throughput up ~10 %
+/// (`bench_executors`). An idle worker (one attempt) writes its start at
+/// once: submit → `accepted` is not delayed.
+pub(crate) const START_LINGER: Duration = Duration::from_millis(1);
+
+/// When the ledger may hold a batch of starts back ([`START_LINGER`]).
+pub(crate) struct Linger {
+    pub(crate) after_starts: Duration,
+    /// Whether other attempts run, whose writes may join the batch.
+    pub(crate) busy: Box<dyn Fn() -> bool + Send>,
+}
+
 /// Requests queued at most: a full queue back-pressures the attempts.
 const QUEUE: usize = 4096;
 /// The ledger keeps its connection between batches (the pool checks every
@@ -458,7 +475,13 @@ impl Ledger {
 }
 
 /// Runs until `stop` is cancelled and every queued request is written.
-pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: CancellationToken) {
+pub(crate) async fn run(
+    db: Db,
+    worker: String,
+    mut queue: LedgerQueue,
+    stop: CancellationToken,
+    linger: Linger,
+) {
     // what a batch's end left behind goes first in the next one
     let mut carried: Vec<Request> = Vec::new();
     let mut tainted = Tainted::default();
@@ -486,6 +509,22 @@ pub(crate) async fn run(db: Db, worker: String, mut queue: LedgerQueue, stop: Ca
             if n == 0 {
                 aside.close().await;
                 return;
+            }
+            let starts_only = buf
+                .iter()
+                .all(|r| matches!(r, Request::Start(..) | Request::Events(..)));
+            if starts_only && !linger.after_starts.is_zero() && (linger.busy)() {
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => {}
+                    _ = tokio::time::sleep(linger.after_starts) => {}
+                }
+                while buf.len() < MAX_BATCH {
+                    match queue.rx.try_recv() {
+                        Ok(r) => buf.push(r),
+                        Err(_) => break,
+                    }
+                }
             }
         } else {
             // and what is queued already joins it, without waiting
