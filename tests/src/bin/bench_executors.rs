@@ -84,6 +84,10 @@ fn extra_steps(steps: u32, c: u32) -> u32 {
 }
 
 const WARMUP_ROUNDS: u32 = 3;
+/// Jobs per bare-exchange cell at least: a warm process answers a no-op
+/// job in ~50 µs, so the quick sizes' 40–200 jobs took a few ms, too short
+/// to time (left open two stops ago).
+const EXCHANGE_MIN_JOBS: u32 = 3000;
 const POLL: Duration = Duration::from_millis(10);
 
 /// Runs done before the clock starts in a worker measurement.
@@ -897,7 +901,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
          \x20             completions (as the ledger writes a batch; the database's limit, which target (a) uses);\n\
          \x20             clock from the first claim until none is pending.\n\
          \x20             bare exchange (persistent executors) = c processes started and handshaken (untimed), then\n\
-         \x20             each fed its share of K jobs back to back; no database.\n\
+         \x20             each fed its share of max(K, 3000) jobs back to back (fewer took a few ms: too short to\n\
+         \x20             time); no database.\n\
          \x20             CPU: children = executors (reaped: getrusage RUSAGE_CHILDREN; live persistent ones: their\n\
          \x20             threads' /proc/<pid>/task/*/schedstat), bench = this process (incl.\n\
          \x20             the in-process worker), db = backends connected to the bench database (/proc/<pid>/stat).",
@@ -950,7 +955,8 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         }
         if cfg.persistent {
             for (c, steps) in cells(which) {
-                let x = bare_exchange(&spawner, cfg, which, c, steps).await?;
+                let x =
+                    bare_exchange(&spawner, cfg, which, c, steps.max(EXCHANGE_MIN_JOBS)).await?;
                 eprintln!(
                     "[{which}] bare exchange c={c}: {} jobs in {:.2} s = {:.0} jobs/s",
                     x.jobs.len(),
