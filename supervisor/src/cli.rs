@@ -589,18 +589,25 @@ pub fn check_log_format_env() -> Result<(), String> {
 
 impl Cli {
     /// `--database-url`, or else DATABASE_URL (as clap's `env` would, but
-    /// without the usage lines naming the flag as given).
-    pub fn with_database_url_from_env(mut self) -> Result<Cli, String> {
-        if self.database_url.is_none() {
-            self.database_url = match std::env::var("DATABASE_URL") {
-                Ok(url) => Some(url),
-                Err(std::env::VarError::NotPresent) => None,
-                Err(std::env::VarError::NotUnicode(_)) => {
-                    return Err("DATABASE_URL is not valid UTF-8: set it to a PostgreSQL URL such as postgres://user@localhost/db, or unset it".into())
-                }
-            };
+    /// without the usage lines naming the flag as given). An empty flag is
+    /// none, as an empty variable is. A value that is not UTF-8 is kept,
+    /// lossily, for the commands that connect to refuse (naming it); the
+    /// others never read it (re-check audit: `worker
+    /// --print-default-config` failed on it).
+    pub fn with_database_url_from_env(mut self) -> Cli {
+        if self
+            .database_url
+            .as_deref()
+            .is_some_and(|u| u.trim().is_empty())
+        {
+            self.database_url = None;
         }
-        Ok(self)
+        if self.database_url.is_none() {
+            self.database_url = std::env::var_os("DATABASE_URL")
+                .map(|v| v.to_string_lossy().into_owned())
+                .filter(|u| !u.trim().is_empty());
+        }
+        self
     }
 }
 
@@ -1948,7 +1955,12 @@ struct StatusOut<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     idempotency_key: Option<&'a str>,
     cancel_requested: bool,
+    // as `runs --json` and the library's RunStatus write them: always six
+    // fractional digits (chrono's default dropped trailing zeros, so one run
+    // in a thousand read "…05.219Z" here and "…05.219000Z" there)
+    #[serde(serialize_with = "crate::json::utc_micros")]
     created_at: chrono::DateTime<chrono::Utc>,
+    #[serde(serialize_with = "crate::json::utc_micros_opt")]
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
     steps: Vec<StepOut<'a>>,
     waiting: &'a [crate::db::WaitingStep],
@@ -2269,6 +2281,30 @@ fn runs_text(runs: &[crate::db::RunSummary]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `status --json` writes its times as `runs --json` does: six
+    /// fractional digits, also when they end in zeros.
+    #[test]
+    fn status_json_times_keep_six_digits() {
+        let at = chrono::DateTime::parse_from_rfc3339("2026-12-06T05:50:05.219Z")
+            .expect("time")
+            .with_timezone(&chrono::Utc);
+        let st = crate::db::RunStatus {
+            run_id: Uuid::nil(),
+            name: "r".into(),
+            state: "succeeded".into(),
+            idempotency_key: None,
+            cancel_requested: false,
+            created_at: at,
+            finished_at: Some(at),
+            steps: vec![],
+            waiting: vec![],
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&status_json(&st, &Default::default(), &[], &[])).expect("json");
+        assert_eq!(v["created_at"], "2026-12-06T05:50:05.219000Z");
+        assert_eq!(v["finished_at"], "2026-12-06T05:50:05.219000Z");
+    }
 
     /// A retry's time to come is a schedule; once passed, the step waits
     /// for a worker, and the line says so rather than naming a past time as

@@ -9,13 +9,7 @@ async fn main() -> ExitCode {
         eprintln!("error: {msg}");
         return ExitCode::from(2);
     }
-    let cli = match Cli::parse().with_database_url_from_env() {
-        Ok(cli) => cli,
-        Err(msg) => {
-            eprintln!("error: {msg}");
-            return ExitCode::from(2);
-        }
-    };
+    let cli = Cli::parse().with_database_url_from_env();
     if runs_executors(&cli.command) {
         start_reaping();
     }

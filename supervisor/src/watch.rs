@@ -442,8 +442,9 @@ impl View {
         if let Some(ms) = s.elapsed_ms {
             line.push_str(&format!("  {}", elapsed(ms)));
         }
-        if let Some(code) = &s.error_code {
-            line.push_str(&format!("  {}", error_label(&s.state, &cell(code, 40))));
+        if let Some(why) = why_text(s).filter(|_| s.error_code.is_some() || s.state == "cancelled")
+        {
+            line.push_str(&format!("  {why}"));
         } else if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
             line.push_str(&format!("  {}", cell(m, 200)));
         }
@@ -520,32 +521,42 @@ fn plain_line(s: &WatchStep) -> String {
     if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
         line.push_str(&format!(", {}", cell(m, 200)));
     }
-    // a retry's line says when, as its history row does (docs audit: the
-    // same retry read "HANDLER_ERROR" or "HANDLER_ERROR: retry in 80 ms"
-    // depending on whether a read saw it or the history between two reads)
-    let retry_reason = s
-        .last_reason
-        .as_deref()
-        .filter(|r| s.state == "retryable_failed" && !r.trim().is_empty());
-    // a cancelled step says why, as `status` does: a step that never ran
-    // its reason (RUN_FAILED, DEPENDENCY_CANCELLED), one whose last attempt
-    // had failed that error and then the cancel (DAG audit: "cancelled,
-    // attempt 1, DEMO_FAILURE" read as cancelled by its failure)
-    let cancel_reason = s
-        .last_reason
-        .as_deref()
-        .filter(|r| s.state == "cancelled" && !r.trim().is_empty());
-    if let Some(r) = retry_reason {
-        line.push_str(&format!(", {}", cell(r, 200)));
-    } else if let Some(code) = &s.error_code {
-        line.push_str(&format!(", {}", error_label(&s.state, &cell(code, 40))));
-        if let Some(r) = cancel_reason.filter(|r| !r.starts_with(code.as_str())) {
-            line.push_str(&format!(" (then cancelled: {})", cell(r, 200)));
-        }
-    } else if let Some(r) = cancel_reason {
-        line.push_str(&format!(", {}", cell(r, 200)));
+    if let Some(why) = why_text(s) {
+        line.push_str(&format!(", {why}"));
     }
     line
+}
+
+/// Why a step is where it is, when that says more than its state (both
+/// views): a retry's reason, with when (docs audit: the same retry read
+/// "HANDLER_ERROR" or "HANDLER_ERROR: retry in 80 ms" depending on whether
+/// a read saw it or the history between two reads); an error; and why a
+/// cancelled step was cancelled, as `status` says it: a step that never ran
+/// its reason (RUN_FAILED, DEPENDENCY_CANCELLED), one whose last attempt had
+/// failed that error and then the cancel (DAG audit: "cancelled, attempt 1,
+/// DEMO_FAILURE" read as cancelled by its failure). An attempt that ended
+/// `CANCELLED` was the cancel itself (re-check audit: "CANCELLED (then
+/// cancelled: RUN_FAILED)").
+fn why_text(s: &WatchStep) -> Option<String> {
+    let reason = s.last_reason.as_deref().filter(|r| !r.trim().is_empty());
+    if s.state == "retryable_failed" {
+        if let Some(r) = reason {
+            return Some(cell(r, 200));
+        }
+    }
+    let cancel_reason = reason.filter(|_| s.state == "cancelled");
+    match &s.error_code {
+        Some(code) => {
+            let mut why = error_label(&s.state, &cell(code, 40));
+            if let Some(r) =
+                cancel_reason.filter(|r| code != "CANCELLED" && !r.starts_with(code.as_str()))
+            {
+                why.push_str(&format!(" (then cancelled: {})", cell(r, 200)));
+            }
+            Some(why)
+        }
+        None => cancel_reason.map(|r| cell(r, 200)),
+    }
 }
 
 /// A state a step passed through between two frames: its attempt, and why
@@ -853,11 +864,29 @@ mod tests {
             attempt: Some(0),
             reason: Some("DEPENDENCY_CANCELLED".into()),
         }];
+        // an attempt that ended CANCELLED was the cancel itself
+        let mut l = step("long", "cancelled", 1, None, None);
+        l.elapsed_ms = None;
+        l.error_code = Some("CANCELLED".into());
+        l.last_reason = Some("RUN_FAILED (CANCELLED)".into());
+        let end = run("cancelled", vec![g, d, l]);
         assert_eq!(
-            v.frame(&run("cancelled", vec![g, d]), &hops, 0, false),
+            v.frame(&end, &hops, 0, false),
             "g: cancelled, attempt 1, DEMO_FAILURE (then cancelled: CANCEL_REQUESTED)\n\
-             d: cancelled, DEPENDENCY_CANCELLED\n"
+             d: cancelled, DEPENDENCY_CANCELLED\n\
+             long: cancelled, attempt 1, CANCELLED\n"
         );
+        // the live view says the same (re-check audit: only --plain did)
+        let mut live = View::new(opts(true));
+        let frame = live.frame(&end, &[], 200, true);
+        for want in [
+            "DEMO_FAILURE (then cancelled: CANCEL_REQUESTED)",
+            "cancelled        DEPENDENCY_CANCELLED",
+            "attempt 1  CANCELLED",
+        ] {
+            assert!(frame.contains(want), "{want:?} in {frame}");
+        }
+        assert!(!frame.contains("then cancelled: RUN_FAILED"), "{frame}");
     }
 
     #[test]

@@ -749,6 +749,34 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
         "DATABASE_URL is read: {}",
         stderr(&o)
     );
+    // an empty flag is none, as an empty variable is: the variable's URL
+    let o = cli(Some(&t.url), &["--database-url", "", "runs", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "empty flag: {}", stderr(&o));
+    // a DATABASE_URL that is not UTF-8 is refused, naming why, by the
+    // commands that connect; the others never read it (re-check audit:
+    // `worker --print-default-config` exited 2 on it)
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let bad = std::ffi::OsStr::from_bytes(b"postgres://\xff@127.0.0.1/db");
+        let run = |args: &[&str]| {
+            Command::new(tests::supervisor_bin())
+                .args(args)
+                .env("DATABASE_URL", bad)
+                .env("RUST_LOG", "error")
+                .stdin(Stdio::null())
+                .output()
+                .expect("run supervisor")
+        };
+        let o = run(&["worker", "--print-default-config"]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let o = run(&["runs"]);
+        expect_exit(
+            &o,
+            2,
+            &["not valid UTF-8"],
+            "a DATABASE_URL that is not UTF-8",
+        );
+    }
 
     // 2: no database configured, or a URL that is not one
     let o = cli(None, &["runs"]);

@@ -110,6 +110,14 @@ impl Db {
         max_connections: u32,
         fail_fast: bool,
     ) -> Result<Db, ConnectError> {
+        // read lossily from an environment variable that is not UTF-8
+        if url.contains(char::REPLACEMENT_CHARACTER) {
+            return Err(ConnectError::BadUrl {
+                url: redact_url(url),
+                message: "it is not valid UTF-8 (each byte that is not text shows as \u{fffd})"
+                    .into(),
+            });
+        }
         if let Some((scheme, _)) = url.split_once("://") {
             if !matches!(scheme, "postgres" | "postgresql") {
                 return Err(ConnectError::BadUrl {

@@ -1870,12 +1870,23 @@ struct Conversation<'a> {
 impl Conversation<'_> {
     /// Feeds the machine until it finishes; returns it with how to end.
     async fn drive(&mut self, mut machine: Machine) -> (Machine, Finish) {
+        // a stream that broke (a malformed frame) left its rest in the
+        // buffer: that is not a frame begun and never finished
+        let mut broke = false;
         loop {
             let input = self.next_input(&machine).await;
+            broke |= matches!(input, Input::StreamError { .. });
+            machine.saw_unfinished(if broke {
+                0
+            } else {
+                self.frames.read_buffer().len()
+            });
             let stale_before = machine.stale_frames();
             for action in machine.on(input) {
                 if let Some(finish) = self.act(action).await {
-                    self.log_unfinished_frame();
+                    if !broke {
+                        self.log_unfinished_frame();
+                    }
                     return (machine, finish);
                 }
             }
@@ -1925,9 +1936,7 @@ impl Conversation<'_> {
                     },
                     _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
                     _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
-                    _ = sleep_opt(c.silence_at) => return Input::Silent {
-                        unfinished: self.frames.read_buffer().len(),
-                    },
+                    _ = sleep_opt(c.silence_at) => return Input::Silent,
                     _ = sleep_opt(c.answer_at) => {
                         c.answer_at = None;
                         return Input::Unanswered { after_ms: c.answer_ms };

@@ -677,7 +677,7 @@ pub(crate) fn usable_hello(h: Hello, max_frame_bytes: usize) -> Result<Hello, St
     // (third-party audit; `conformance` failed it)
     if h.executor_kind.trim().is_empty() {
         return Err(
-            "its hello has an empty executor_kind, which no step can name: set it in the executor's hello (the SDKs' executor_kind)".into(),
+            "its hello has an empty or blank executor_kind, which no step can name: set it in the executor's hello (the SDKs' executor_kind)".into(),
         );
     }
     // PROTOCOL.md: announce at least 64 KiB. Below it no job would fit (a
@@ -2080,7 +2080,7 @@ mod tests {
         for ek in ["", "  "] {
             let h = crate::worker::routing::tests::hello(ek, &["k"], &[]);
             let why = usable_hello(h, 8 << 20).expect_err("an empty executor_kind");
-            assert!(why.contains("empty executor_kind"), "{why}");
+            assert!(why.contains("empty or blank executor_kind"), "{why}");
         }
         let h = crate::worker::routing::tests::hello("go", &["k"], &[]);
         assert!(usable_hello(h, 8 << 20).is_ok());

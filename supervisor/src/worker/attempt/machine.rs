@@ -436,11 +436,8 @@ pub(crate) enum Input {
     LeaseLost,
     DeadlinePassed,
     AttemptTimedOut,
-    /// No frame for `heartbeat_timeout_ms`; `unfinished`: bytes of a frame
-    /// begun but never completed (text printed to stdout reads as one).
-    Silent {
-        unfinished: usize,
-    },
+    /// No frame for `heartbeat_timeout_ms`.
+    Silent,
     /// No frame at all for this job within `after_ms`
     /// (`handshake_timeout_ms`) of sending it (the SDKs accept at once): the
     /// process is stuck.
@@ -527,6 +524,8 @@ pub(crate) struct Machine {
     /// Frames of the previous job seen during this one (dropped; the
     /// process is not trusted with another job).
     stale_frames: u32,
+    /// Bytes of an unfinished frame on stdout ([`Machine::saw_unfinished`]).
+    unfinished: usize,
     /// The supervisor sent the job a cancel (its imposed outcome waits for
     /// the owed terminal, or the grace).
     asked_to_stop: bool,
@@ -549,6 +548,7 @@ impl Machine {
             reused: false,
             previous_job: None,
             stale_frames: 0,
+            unfinished: 0,
             asked_to_stop: false,
         }
     }
@@ -560,6 +560,27 @@ impl Machine {
     pub(crate) fn after_job(mut self, previous: Option<String>) -> Machine {
         self.previous_job = previous;
         self
+    }
+
+    /// How many bytes of a frame begun and never completed the executor's
+    /// stdout holds now (the driver says so before each input).
+    pub(crate) fn saw_unfinished(&mut self, bytes: usize) {
+        self.unfinished = bytes;
+    }
+
+    /// What a timeout's message adds when a frame was begun and never
+    /// completed: most often text printed to stdout, whose first bytes read
+    /// as a length (third-party audit: "no frame … for 3000 ms" after the
+    /// executor had written its result behind a console.log; re-check
+    /// audit: "answered nothing", then EXECUTOR_REFUSED). The bytes
+    /// themselves go to the log, not into the message.
+    fn unfinished_note(&self) -> String {
+        match self.unfinished {
+            0 => String::new(),
+            n => format!(
+                "; {n} bytes of a frame never completed are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes"
+            ),
+        }
     }
 
     /// The job this process served before this one.
@@ -698,28 +719,19 @@ impl Machine {
             ),
             Input::AttemptTimedOut => {
                 let ms = self.limits.timeout_ms.unwrap_or(0);
+                let why = self.unfinished_note();
                 self.impose_and_cancel(
                     Outcome::failed(
                         "ATTEMPT_TIMEOUT",
                         true,
-                        format!("the attempt ran past timeout_ms = {ms}"),
+                        format!("the attempt ran past timeout_ms = {ms}{why}"),
                     ),
                     CancelReason::AttemptTimeout,
                 )
             }
-            Input::Silent { unfinished } => {
+            Input::Silent => {
                 let ms = self.limits.silence_ms.unwrap_or(0);
-                // a frame begun and never completed is most often text
-                // printed to stdout, whose first bytes read as a length
-                // (third-party audit: "no frame … for 3000 ms" after the
-                // executor had written its result behind a console.log);
-                // the bytes themselves go to the log, not into the message
-                let why = match unfinished {
-                    0 => String::new(),
-                    n => format!(
-                        "; {n} bytes of a frame never completed are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes"
-                    ),
-                };
+                let why = self.unfinished_note();
                 self.impose_and_cancel(
                     Outcome::failed(
                         "HEARTBEAT_TIMEOUT",
@@ -735,11 +747,18 @@ impl Machine {
             // process held its job leased for ever when the step set no
             // heartbeat_timeout_ms (throughput-core audit)
             Input::Unanswered { after_ms } if self.frames.last_seq == 0 && self.terminal.is_none() => {
+                let what = match self.unfinished {
+                    0 => format!("answered nothing to the job within handshake_timeout_ms = {after_ms}"),
+                    n => format!(
+                        "wrote {n} bytes to stdout that never became a frame within handshake_timeout_ms = {after_ms}: \
+                         did it print something there (stdout carries frames only; logs go to stderr)? \
+                         The worker's log shows their first bytes"
+                    ),
+                };
                 self.imposed = Some(Outcome::Refused {
                     code: "EXECUTOR_UNRESPONSIVE".into(),
                     message: format!(
-                        "the executor answered nothing to the job within handshake_timeout_ms = {after_ms}; \
-                         its process is replaced and the job goes back to the queue, uncounted"
+                        "the executor {what}; its process is replaced and the job goes back to the queue, uncounted"
                     ),
                 });
                 self.finish(false, false)

@@ -779,7 +779,7 @@ fn attempt_machine_table() {
         (
             "silence: a heartbeat timeout",
             false,
-            vec![accepted(), Silent { unfinished: 0 }, Exited],
+            vec![accepted(), Silent, Exited],
             vec!["persist start", "cancel AttemptTimeout", "grace", "finish"],
             Phase::Finished,
             Some("failed (HEARTBEAT_TIMEOUT)"),
@@ -865,7 +865,8 @@ fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
     let message = |unfinished| {
         let mut m = Machine::new("j", 7, false, limits);
         m.on(accepted());
-        m.on(Input::Silent { unfinished });
+        m.saw_unfinished(unfinished);
+        m.on(Input::Silent);
         m.on(Input::Exited);
         match m.verdict(false, "exited with code 0") {
             Verdict::Outcome(Outcome::Failed { code, message, .. }) => {
@@ -1144,6 +1145,23 @@ fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
     m.on(accepted());
     assert!(m.on(Input::Unanswered { after_ms: 1000 }).is_empty());
     assert_eq!(m.phase(), Phase::Running);
+    // bytes that never became a frame (text printed to stdout) are named,
+    // not called "answered nothing" (re-check audit)
+    let mut m = Machine::new("j", 7, false, Limits::default());
+    m.saw_unfinished(113);
+    m.on(Input::Unanswered { after_ms: 3000 });
+    match m.verdict(false, "killed by SIGKILL") {
+        Verdict::Outcome(Outcome::Refused { code, message }) => {
+            assert_eq!(code, "EXECUTOR_UNRESPONSIVE");
+            assert!(
+                message.starts_with(
+                    "the executor wrote 113 bytes to stdout that never became a frame within handshake_timeout_ms = 3000: did it print something there"
+                ),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 /// An attempt's checkpoint bytes count against its own budget and its
