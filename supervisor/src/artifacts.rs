@@ -128,10 +128,13 @@ enum FileFate {
 /// What a pass did with one removed blob's file.
 enum Removal {
     Deleted,
-    /// Not there (deleted by another pass, or never written here).
+    /// Not there, its fan-out directory is: deleted by another pass.
     Missing,
     /// Kept, its entry queued for a later pass ([`FileFate::Wait`]).
     Waits,
+    /// Not in this directory at all (no fan-out directory for it): kept
+    /// queued for a process that mounts the store's directory.
+    NotHere,
 }
 
 fn file_fate(
@@ -156,6 +159,25 @@ fn file_fate(
 /// for [`ORPHAN_FILE_AGE`] (its entry stays queued until then; before, it
 /// was dropped and the file stayed for good). Returns how many were deleted.
 pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError> {
+    // a directory that is not there (a typo, a volume not mounted) would
+    // read as "every file already deleted" and drop the queue, leaving the
+    // real files for ever (retention audit)
+    let meta = tokio::fs::metadata(dir).await;
+    match meta {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(StoreError::Directory {
+                dir: dir.to_path_buf(),
+                source: std::io::Error::other("not a directory"),
+            })
+        }
+        Err(source) => {
+            return Err(StoreError::Directory {
+                dir: dir.to_path_buf(),
+                source,
+            })
+        }
+    }
     let mut deleted = 0;
     loop {
         let queued = db.removed_blob_files(500).await?;
@@ -164,6 +186,8 @@ pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError
         }
         let mut done = Vec::with_capacity(queued.len());
         let mut waiting = 0;
+        // the last round reads every entry still queued: its count is theirs
+        let mut not_here = 0u64;
         for (sha, removed_at) in queued {
             if !is_sha256_hex(&sha) {
                 done.push(sha);
@@ -179,13 +203,26 @@ pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError
                         FileFate::Wait => Ok(Removal::Waits),
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Removal::Missing),
+                // gone from its fan-out directory: deleted already (by
+                // another pass); no fan-out directory at all: this is not
+                // the directory the file was stored in (an empty mount
+                // point), and the entry stays for one that is
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    match path.parent().map(std::fs::metadata) {
+                        Some(Ok(_)) => Ok(Removal::Missing),
+                        _ => Ok(Removal::NotHere),
+                    }
+                }
                 Err(e) => Err(e),
             })
             .await;
             match res {
                 Ok(Removal::Deleted) => deleted += 1,
                 Ok(Removal::Missing) => {}
+                Ok(Removal::NotHere) => {
+                    not_here += 1;
+                    continue;
+                }
                 Ok(Removal::Waits) => {
                     waiting += 1;
                     continue;
@@ -201,6 +238,13 @@ pub async fn remove_deleted_files(db: &Db, dir: &Path) -> Result<u64, StoreError
             tracing::debug!(
                 files = waiting,
                 "removed blobs' files written near their removal are kept for a later pass"
+            );
+        }
+        if not_here > 0 && done.is_empty() {
+            tracing::warn!(
+                files = not_here,
+                dir = %dir.display(),
+                "removed blobs' files are queued for deletion, but this artifact directory has no fan-out directory for them: is it the store's directory (mounted)? They stay queued for a process that mounts it"
             );
         }
         if done.is_empty() {

@@ -944,6 +944,28 @@ async fn unreferenced_uploads_are_collected_and_removed_files_follow_their_rows(
         .open(dir.path().join(&e[..2]).join(&e))
         .and_then(|file| file.set_modified(old))
         .expect("mtime");
+    // a directory that is not the store's (a typo, a volume not mounted)
+    // deletes nothing and drops nothing from the queue (retention audit:
+    // every entry was dropped as "already deleted", the real files kept
+    // for ever)
+    let queue = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM durable.artifact_files_removed")
+            .fetch_one(t.db.pool())
+            .await
+            .expect("queue")
+    };
+    let missing = dir.path().join("not-mounted");
+    let err = supervisor::artifacts::remove_deleted_files(&t.db, &missing)
+        .await
+        .expect_err("a directory that is not there");
+    assert!(err.to_string().contains("not-mounted"), "{err}");
+    assert_eq!(queue().await, 2, "nothing dropped for a missing directory");
+    let empty = tempfile::tempdir().expect("empty dir");
+    let deleted = supervisor::artifacts::remove_deleted_files(&t.db, empty.path())
+        .await
+        .expect("an empty directory");
+    assert_eq!(deleted, 0);
+    assert_eq!(queue().await, 2, "nothing dropped for an empty directory");
     let deleted = supervisor::artifacts::remove_deleted_files(&t.db, dir.path())
         .await
         .expect("remove files");
