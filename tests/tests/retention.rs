@@ -118,6 +118,64 @@ async fn blob_exists(db: &Db, content: &[u8]) -> bool {
 /// Old finished runs (one succeeded `a → b` with artifacts and lineage, one
 /// failed, one cancelled) go with all their rows; a young finished run, an
 /// open run, and the bytes the old run shared with the young one stay.
+/// An upload of bytes an old run stored claims its blob and skips writing
+/// them; a retention pass between that claim and the commit deleted the
+/// blob with the old run, and the commit failed for good (COMMIT_REJECTED,
+/// a succeeded step recorded terminal_failed: retention audit). A blob
+/// claimed since its removed references committed stays, and the commit
+/// that claimed it references it.
+#[tokio::test]
+async fn a_blob_claimed_by_an_upload_in_flight_outlives_the_old_runs_removal() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let bytes = b"the daily report, the same as a week ago";
+    let old = t.submit(tests::one_step("old", "go", "k", json!({}))).await;
+    let o = lease(db, wid, 10).await.remove(0);
+    succeed(db, &o, &[artifact("report", bytes, vec![])]).await;
+    assert_eq!(t.status(old).await.state, "succeeded");
+    let other = t
+        .submit(tests::one_step("other", "go", "k", json!({})))
+        .await;
+    let n = lease(db, wid, 10).await.remove(0);
+    db.mark_running(&n.lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // the new attempt's upload finds the bytes stored and claims them
+    let a = artifact("report", bytes, vec![]);
+    assert!(
+        db.claim_blob(&a.meta.sha256)
+            .await
+            .expect("claim")
+            .is_some(),
+        "the old run's blob is there to claim"
+    );
+    let preview = db
+        .retention_preview(Duration::from_secs(1))
+        .await
+        .expect("preview");
+    let report = db
+        .retention_pass(&options(Duration::from_secs(1)), &CancellationToken::new())
+        .await
+        .expect("pass");
+    assert_eq!((report.runs, report.artifacts), (1, 1), "{report:?}");
+    assert_eq!(report.blobs, 0, "the claimed blob stays: {report:?}");
+    assert_eq!(preview.blobs, 0, "the preview agrees: {preview:?}");
+    assert!(blob_exists(db, bytes).await);
+    // and the claiming commit references it
+    db.complete(
+        &n.lease,
+        "w",
+        &json!({"ok": true}),
+        &[a.meta.clone()],
+        Some(2),
+    )
+    .await
+    .expect("the commit finds the bytes it claimed");
+    assert_eq!(t.status(other).await.state, "succeeded");
+}
+
 #[tokio::test]
 async fn gc_removes_exactly_the_old_finished_runs() {
     let t = TestDb::new().await;

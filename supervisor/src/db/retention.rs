@@ -432,14 +432,20 @@ impl DbConn<'_> {
                      -- one a batch began goes first, whatever the cutoff
                      OR w.id = ANY ((SELECT ids FROM m)::uuid[])
              ), a AS (
-                 SELECT a.sha256 FROM durable.artifacts a WHERE a.run_id IN (SELECT id FROM r)
+                 SELECT a.sha256, a.created_at FROM durable.artifacts a
+                  WHERE a.run_id IN (SELECT id FROM r)
              )
              SELECT (SELECT count(*) FROM r) AS runs,
                     (SELECT coalesce(sum(steps_total), 0)::bigint FROM r) AS steps,
                     (SELECT count(*) FROM a) AS artifacts,
-                    (SELECT count(DISTINCT a.sha256) FROM a
-                      WHERE NOT EXISTS (SELECT 1 FROM durable.artifacts k
-                                         WHERE k.sha256 = a.sha256
+                    -- as durable.retention_batch: no other reference, and
+                    -- not claimed since the last of these committed
+                    (SELECT count(*)
+                       FROM (SELECT a.sha256, max(a.created_at) AS last FROM a GROUP BY a.sha256) x
+                       JOIN durable.artifact_blobs b ON b.sha256 = x.sha256
+                      WHERE b.claimed_at <= x.last
+                        AND NOT EXISTS (SELECT 1 FROM durable.artifacts k
+                                         WHERE k.sha256 = x.sha256
                                            AND k.run_id NOT IN (SELECT id FROM r))) AS blobs",
         )
         .bind(cutoff)
