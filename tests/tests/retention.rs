@@ -168,7 +168,7 @@ async fn a_blob_claimed_by_an_upload_in_flight_outlives_the_old_runs_removal() {
         &n.lease,
         "w",
         &json!({"ok": true}),
-        &[a.meta.clone()],
+        std::slice::from_ref(&a.meta),
         Some(2),
     )
     .await
