@@ -40,6 +40,22 @@ fn left_behind(sink: Sink) -> &'static str {
     }
 }
 
+/// A read that failed on missing bytes: an artifact removed meanwhile
+/// (retention) is said to be so, as an unknown artifact (exit 4), not called
+/// damaged (retention audit: "chunk 168 of 245 is missing; the stored bytes
+/// are damaged" of a run `gc` removed during the read).
+async fn read_failure(db: &Db, id: Uuid, e: StoreError, sink: Sink) -> CliError {
+    if matches!(e, StoreError::Corrupt { .. })
+        && matches!(db.artifact_blob(id).await, Err(DbError::NotFound(_)))
+    {
+        return CliError::Db(DbError::NotFound(format!(
+            "artifact {id} was removed while it was being read (its run was older than the retention age) {}",
+            left_behind(sink)
+        )));
+    }
+    store_error(e, sink)
+}
+
 fn store_error(e: StoreError, sink: Sink) -> CliError {
     match e {
         StoreError::Db(e) => CliError::Db(e),
@@ -150,11 +166,14 @@ pub async fn get(
         Target::Through(_) => Sink::Through,
         Target::File(_) => Sink::File,
     };
-    let mut reader = store.open(&blob).await.map_err(|e| store_error(e, sink))?;
+    let mut reader = match store.open(&blob).await {
+        Ok(r) => r,
+        Err(e) => return Err(read_failure(db, id, e, sink).await),
+    };
     let file = match target {
         Target::Stdout => {
             let stdout = std::io::stdout();
-            copy_checked(&mut reader, &mut stdout.lock(), &info, out, sink).await?;
+            copy_checked(db, &mut reader, &mut stdout.lock(), &info, out, sink).await?;
             return Ok(info);
         }
         Target::Through(path) => {
@@ -162,7 +181,7 @@ pub async fn get(
                 .write(true)
                 .open(&path)
                 .map_err(|e| io_error(out, "open", e))?;
-            copy_checked(&mut reader, &mut w, &info, out, sink).await?;
+            copy_checked(db, &mut reader, &mut w, &info, out, sink).await?;
             return Ok(info);
         }
         Target::File(path) => path,
@@ -179,7 +198,7 @@ pub async fn get(
     // a signal, a read error or a mismatch drops `tmp`, which removes it:
     // no partial or wrong bytes are left beside FILE or under its name
     tokio::select! {
-        r = copy_checked(&mut reader, &mut tmp, &info, out, sink) => r,
+        r = copy_checked(db, &mut reader, &mut tmp, &info, out, sink) => r,
         _ = interrupted() => Err(CliError::Other(format!(
             "interrupted by a signal: nothing was written to {}",
             out.display()
@@ -196,6 +215,7 @@ fn io_error(out: &Path, what: &str, e: std::io::Error) -> CliError {
 /// Streams the blob into `w` chunk by chunk, hashing as it goes, then
 /// checks size and sha256 against the artifact row.
 async fn copy_checked(
+    db: &Db,
     reader: &mut crate::artifacts::BlobReader,
     w: &mut impl Write,
     info: &ArtifactInfo,
@@ -204,11 +224,12 @@ async fn copy_checked(
 ) -> Result<(), CliError> {
     let mut hasher = Sha256::new();
     let mut written: i64 = 0;
-    while let Some(chunk) = reader
-        .next_chunk()
-        .await
-        .map_err(|e| store_error(e, sink))?
-    {
+    loop {
+        let chunk = match reader.next_chunk().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(e) => return Err(read_failure(db, info.id, e, sink).await),
+        };
         hasher.update(&chunk);
         written += chunk.len() as i64;
         w.write_all(&chunk).map_err(|e| io_error(out, "write", e))?;

@@ -1213,7 +1213,18 @@ async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
                     dir.display()
                 ))
             })?,
-        None => 0,
+        None => {
+            // files only a process that mounts the directory can delete
+            // (retention audit: "0 files", and no word of 330 waiting)
+            let waiting = db.removed_blob_files(1000).await.map_err(explain)?.len();
+            if waiting > 0 {
+                eprintln!(
+                    "note: {waiting}{} removed blobs' files wait in the shared artifact directory: run `supervisor gc --artifact-dir DIR` where it is mounted (or a worker whose config has artifact_dir deletes them)",
+                    if waiting == 1000 { "+" } else { "" }
+                );
+            }
+            0
+        }
     };
     if json {
         let mut v = serde_json::to_value(&r).unwrap_or_default();

@@ -883,6 +883,25 @@ async fn the_gc_command() {
         t.db.status(run).await,
         Err(supervisor::db::DbError::NotFound(_))
     ));
+    assert!(
+        String::from_utf8_lossy(&again.stderr).is_empty(),
+        "{again:?}"
+    );
+    // files of removed directory-store blobs wait for a process that mounts
+    // the directory: a gc without --artifact-dir says so (retention audit:
+    // it said "0 files" and nothing of them)
+    sqlx::query("INSERT INTO durable.artifact_files_removed (sha256) VALUES ($1)")
+        .bind("ab".repeat(32))
+        .execute(t.db.pool())
+        .await
+        .expect("queue a file");
+    let waiting = gc(&["--older-than", "1s"]);
+    assert!(waiting.status.success(), "{waiting:?}");
+    assert!(
+        String::from_utf8_lossy(&waiting.stderr)
+            .contains("1 removed blobs' files wait in the shared artifact directory"),
+        "{waiting:?}"
+    );
     let bad = gc(&["--older-than", "7x"]);
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
     assert!(
