@@ -176,6 +176,58 @@ async fn a_blob_claimed_by_an_upload_in_flight_outlives_the_old_runs_removal() {
     assert_eq!(t.status(other).await.state, "succeeded");
 }
 
+/// An attempt pins the bytes it stores: an earlier upload still waiting
+/// for its commit keeps them while a later run that claimed the same bytes
+/// commits and is removed (faults audit: the claim's time alone kept only
+/// the latest claimer's bytes, and the earlier attempt's success was
+/// recorded COMMIT_REJECTED).
+#[tokio::test]
+async fn a_pinned_blob_outlives_the_removal_of_a_later_claimer() {
+    let t = TestDb::new().await;
+    let db = &t.db;
+    let wid = worker(db).await;
+    let bytes = b"bytes two runs produce";
+    let a = artifact("out", bytes, vec![]);
+    let waiting = t
+        .submit(tests::one_step("waiting", "go", "k", json!({})))
+        .await;
+    let w = lease(db, wid, 10).await.remove(0);
+    db.mark_running(&w.lease, "w", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    // its upload: pinned, then stored; its commit is held up (its run's row
+    // in another session's hands, say)
+    db.pin_blob(&a.meta.sha256, &w.lease).await.expect("pin");
+    db.record_inline_blob(&a.meta.sha256, bytes)
+        .await
+        .expect("upload");
+    // a later run claims the same bytes, commits, and is old enough to go
+    let later = t
+        .submit(tests::one_step("later", "go", "k", json!({})))
+        .await;
+    let l = lease(db, wid, 10).await.remove(0);
+    succeed(db, &l, &[artifact("out", bytes, vec![])]).await;
+    assert_eq!(t.status(later).await.state, "succeeded");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let report = db
+        .retention_pass(&options(Duration::from_secs(1)), &CancellationToken::new())
+        .await
+        .expect("pass");
+    assert_eq!((report.runs, report.artifacts), (1, 1), "{report:?}");
+    assert_eq!(report.blobs, 0, "the pinned blob stays: {report:?}");
+    assert!(blob_exists(db, bytes).await);
+    db.complete(
+        &w.lease,
+        "w",
+        &json!({"ok": true}),
+        std::slice::from_ref(&a.meta),
+        Some(2),
+    )
+    .await
+    .expect("the waiting commit finds its bytes");
+    assert_eq!(t.status(waiting).await.state, "succeeded");
+}
+
 #[tokio::test]
 async fn gc_removes_exactly_the_old_finished_runs() {
     let t = TestDb::new().await;

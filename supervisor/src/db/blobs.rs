@@ -76,6 +76,18 @@ pub(crate) fn blob_ref(r: &sqlx::postgres::PgRow) -> Result<BlobRef, DbError> {
 }
 
 impl Db {
+    /// Pins the bytes `sha256` for the attempt holding `lease`, before it
+    /// uploads or claims them: while that lease is live, retention and the
+    /// garbage pass leave the blob alone, whoever else referenced it
+    /// (migration 20261227000002). The pin needs no release.
+    pub async fn pin_blob(&self, sha256: &str, lease: &super::Lease) -> Result<(), DbError> {
+        self.connection("pinning an artifact blob")
+            .await?
+            .conn()
+            .pin_blob(sha256, lease)
+            .await
+    }
+
     /// Claims the blob `sha256` if it is stored (refreshing `claimed_at`, so
     /// garbage collection leaves it alone until the commit references it);
     /// its size, or `None` when no such blob exists.
@@ -184,6 +196,22 @@ impl Db {
 }
 
 impl DbConn<'_> {
+    /// See [`Db::pin_blob`].
+    pub async fn pin_blob(&mut self, sha256: &str, lease: &super::Lease) -> Result<(), DbError> {
+        let mut s = Scope::enter(self.conn).await?;
+        sqlx::query(
+            "INSERT INTO durable.blob_pins (sha256, step_run_id, lease_token) VALUES ($1, $2, $3)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(sha256)
+        .bind(lease.step_run_id())
+        .bind(lease.token())
+        .execute(&mut *s)
+        .await
+        .ctx("pinning an artifact blob")?;
+        s.done().await
+    }
+
     /// See [`Db::claim_blob`].
     pub async fn claim_blob(&mut self, sha256: &str) -> Result<Option<i64>, DbError> {
         let mut s = Scope::enter(self.conn).await?;

@@ -443,7 +443,7 @@ impl DbConn<'_> {
                     (SELECT count(*)
                        FROM (SELECT a.sha256, max(a.created_at) AS last FROM a GROUP BY a.sha256) x
                        JOIN durable.artifact_blobs b ON b.sha256 = x.sha256
-                      WHERE b.claimed_at <= x.last
+                      WHERE b.claimed_at <= x.last AND NOT durable.blob_is_pinned(x.sha256)
                         AND NOT EXISTS (SELECT 1 FROM durable.artifacts k
                                          WHERE k.sha256 = x.sha256
                                            AND k.run_id NOT IN (SELECT id FROM r))) AS blobs",

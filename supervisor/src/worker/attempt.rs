@@ -1794,6 +1794,7 @@ async fn conclude(
         Verdict::Verify(r) => {
             verify_result(
                 &ArtifactStore::new(shared.db.clone(), cfg),
+                (&shared.db, &step.lease),
                 job,
                 r,
                 accepted,
@@ -2470,6 +2471,7 @@ const INLINE_RESULT_CHECK_BYTES: usize = 64 * 1024;
 /// stays stored). The commit then only references the stored blobs.
 async fn verify_result(
     store: &ArtifactStore,
+    (db, lease): (&crate::db::Db, &Lease),
     job: &wire::Job,
     r: JobResult,
     accepted: bool,
@@ -2509,6 +2511,15 @@ async fn verify_result(
     };
     let mut artifacts = checked.artifacts;
     for (a, (path, declared_sha)) in artifacts.iter_mut().zip(checked.files) {
+        // pinned first, so no removal can take the bytes between their
+        // upload (or claim) and this attempt's commit (faults audit)
+        if let Err(e) = db.pin_blob(&declared_sha.to_ascii_lowercase(), lease).await {
+            return Outcome::failed(
+                "ARTIFACT_STORE_FAILED",
+                true,
+                format!("artifact {:?}: pinning its bytes failed: {e}", a.name),
+            );
+        }
         match store
             .put_file(&a.name, &path, a.size.max(0) as u64, &declared_sha)
             .await
