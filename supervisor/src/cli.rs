@@ -1085,7 +1085,8 @@ async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
         };
         print!(
             "# `name` is the worker's process slot: give every worker its own (a restart under the\n\
-             # same name ends what its previous incarnation left behind).\n{note}{}",
+             # same name ends the processes its previous incarnation left behind; that one's\n\
+             # leases still run out on their own).\n{note}{}",
             toml::to_string_pretty(&printed).map_err(|e| CliError::Other(e.to_string()))?
         );
         return Ok(0);
