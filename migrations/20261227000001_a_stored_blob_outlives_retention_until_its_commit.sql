@@ -1,13 +1,37 @@
--- A blob that retention frees is kept when an upload of the same bytes
--- claimed it after the removed run committed its artifact (retention audit):
--- that upload skips writing the bytes again and references them at its
--- commit, and a pass between its claim and its commit deleted them, so the
--- commit failed for good (COMMIT_REJECTED: the blob is not stored) and a
--- succeeded step was recorded terminal_failed. The claim is the mark: a
--- blob's `claimed_at` is its upload's (before the commit that references it:
--- the artifact's `created_at`), and every later claim refreshes it. A blob
--- kept so and never referenced is the garbage pass's (nobody claimed for a
--- day). Otherwise unchanged from 20261224000003.
+-- Retention could lose the bytes of an artifact an attempt had stored (or
+-- claimed: an upload of bytes already stored only claims the blob) but not
+-- yet committed: a pass that removed another run referencing the same bytes
+-- deleted the blob in between, and the commit failed for good
+-- (COMMIT_REJECTED: the blob is not stored), a succeeded step recorded
+-- terminal_failed (retention audit; faults audit for an earlier upload whose
+-- commit waited while a later claimer committed and was removed).
+--
+-- An attempt now pins the bytes of each artifact it stores, before it
+-- uploads or claims them, and the pin holds while its lease is live:
+-- retention and the garbage pass leave a pinned blob alone. A pin needs no
+-- release: the step's commit ends its lease (the pin is then dead), and it
+-- goes with the step's row. A blob claimed since the last of its removed
+-- references committed (`claimed_at` later than those artifacts'
+-- `created_at`) is kept too, for a claimer of an older worker that pins
+-- nothing; one never referenced goes with the day-old garbage.
+-- Otherwise unchanged from 20261224000003 (retention_batch) and
+-- 20261203000005 (collect_blob_garbage).
+
+CREATE TABLE durable.blob_pins (
+    sha256      text NOT NULL,
+    step_run_id uuid NOT NULL REFERENCES durable.step_runs (id) ON DELETE CASCADE,
+    lease_token uuid NOT NULL,
+    PRIMARY KEY (sha256, step_run_id, lease_token)
+);
+CREATE INDEX blob_pins_step ON durable.blob_pins (step_run_id);
+
+-- whether an attempt that still holds its lease pinned these bytes
+CREATE FUNCTION durable.blob_is_pinned(p_sha text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM durable.blob_pins p
+                     JOIN durable.step_runs s ON s.id = p.step_run_id AND s.lease_token = p.lease_token
+                    WHERE p.sha256 = p_sha AND s.state IN ('leased', 'running'))
+$$;
 
 CREATE OR REPLACE FUNCTION durable.retention_batch(p_before timestamp with time zone, p_max_runs integer, p_max_steps integer, OUT runs integer, OUT steps integer, OUT blobs integer, OUT workers integer, OUT more boolean, OUT artifacts integer)
  RETURNS record
@@ -124,7 +148,8 @@ BEGIN
                -- not committed yet; it stays (the garbage pass takes it
                -- once nobody has claimed it for a day)
                AND b.claimed_at <= (SELECT max(c.last) FROM unnest(c_shas, c_last) AS c(sha, last)
-                                     WHERE c.sha = b.sha256);
+                                     WHERE c.sha = b.sha256)
+               AND NOT durable.blob_is_pinned(b.sha256);
             GET DIAGNOSTICS blobs = ROW_COUNT;
         END IF;
     END IF;
@@ -139,3 +164,36 @@ BEGIN
                         WHERE s.owner_worker_id = w.id AND durable.step_is_live(s.state));
     GET DIAGNOSTICS workers = ROW_COUNT;
 END $function$;
+
+CREATE OR REPLACE FUNCTION durable.collect_blob_garbage(p_before timestamptz, p_limit integer,
+                                             OUT blobs integer, OUT chunks integer)
+LANGUAGE plpgsql AS $$
+DECLARE
+    locked text[];
+BEGIN
+    blobs := 0; chunks := 0;
+    -- the retention lock: one remover at a time
+    PERFORM pg_advisory_xact_lock(7254610300000002);
+    SELECT array_agg(b.sha256 ORDER BY b.sha256) INTO locked
+      FROM (SELECT x.sha256 FROM durable.artifact_blobs x
+             WHERE x.claimed_at < p_before
+               AND NOT EXISTS (SELECT 1 FROM durable.artifacts a WHERE a.sha256 = x.sha256)
+               AND NOT durable.blob_is_pinned(x.sha256)
+             ORDER BY x.sha256
+             LIMIT p_limit
+             FOR UPDATE SKIP LOCKED) b;
+    IF locked IS NOT NULL THEN
+        DELETE FROM durable.artifact_blobs b
+         WHERE b.sha256 = ANY (locked) AND b.claimed_at < p_before
+           AND NOT EXISTS (SELECT 1 FROM durable.artifacts a WHERE a.sha256 = b.sha256)
+           AND NOT durable.blob_is_pinned(b.sha256);
+        GET DIAGNOSTICS blobs = ROW_COUNT;
+    END IF;
+    DELETE FROM durable.artifact_chunks c
+     WHERE (c.upload_id, c.n) IN (
+           SELECT s.upload_id, s.n FROM durable.artifact_chunks s
+            WHERE s.created_at < p_before
+              AND NOT EXISTS (SELECT 1 FROM durable.artifact_blobs b WHERE b.upload_id = s.upload_id)
+            LIMIT p_limit * 16);
+    GET DIAGNOSTICS chunks = ROW_COUNT;
+END $$;
