@@ -2178,16 +2178,8 @@ fn why_it_ended(s: &crate::db::StepStatus, e: &crate::db::StepError) -> String {
 /// `events` without `--json` when there is none: of a step (or run) that
 /// has ended, why none will come.
 fn no_events_text(st: &crate::db::RunStatus, step: Option<&str>) -> String {
-    use crate::state::{RunState, StepState};
-    let step_ended = |s: &crate::db::StepStatus| {
-        s.state
-            .parse::<StepState>()
-            .is_ok_and(StepState::is_terminal)
-    };
-    let run_ended = st
-        .state
-        .parse::<RunState>()
-        .is_ok_and(RunState::is_terminal);
+    let step_ended = |s: &crate::db::StepStatus| crate::watch::step_ended(&s.state);
+    let run_ended = crate::watch::run_is_terminal(&st.state);
     match step {
         Some(name) => match st.steps.iter().find(|s| s.name == name) {
             Some(s) if step_ended(s) && s.attempt == 0 => {

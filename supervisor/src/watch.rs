@@ -101,14 +101,18 @@ pub async fn stop_signal() -> i32 {
     }
 }
 
-fn step_ended(state: &str) -> bool {
+/// Whether a step state read as text is terminal (the state module decides).
+pub(crate) fn step_ended(state: &str) -> bool {
     state
         .parse::<crate::state::StepState>()
         .is_ok_and(crate::state::StepState::is_terminal)
 }
 
-fn run_is_terminal(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "cancelled")
+/// Whether a run state read as text is terminal.
+pub(crate) fn run_is_terminal(state: &str) -> bool {
+    state
+        .parse::<crate::state::RunState>()
+        .is_ok_and(crate::state::RunState::is_terminal)
 }
 
 /// Watches `run_id` until it is terminal or `stop` resolves (with the signal

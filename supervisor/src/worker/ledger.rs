@@ -73,12 +73,9 @@ pub(crate) const LOCK_WAIT: Duration = Duration::from_millis(250);
 /// once: submit → `accepted` is not delayed.
 pub(crate) const START_LINGER: Duration = Duration::from_millis(1);
 
-/// When the ledger may hold a batch of starts back ([`START_LINGER`]).
-pub(crate) struct Linger {
-    pub(crate) after_starts: Duration,
-    /// Whether other attempts run, whose writes may join the batch.
-    pub(crate) busy: Box<dyn Fn() -> bool + Send>,
-}
+/// Whether other attempts run, whose writes may join a batch of starts
+/// ([`START_LINGER`]).
+pub(crate) type Busy = Box<dyn Fn() -> bool + Send>;
 
 /// Requests queued at most: a full queue back-pressures the attempts.
 const QUEUE: usize = 4096;
@@ -480,7 +477,7 @@ pub(crate) async fn run(
     worker: String,
     mut queue: LedgerQueue,
     stop: CancellationToken,
-    linger: Linger,
+    busy: Busy,
 ) {
     // what a batch's end left behind goes first in the next one
     let mut carried: Vec<Request> = Vec::new();
@@ -513,11 +510,11 @@ pub(crate) async fn run(
             let starts_only = buf
                 .iter()
                 .all(|r| matches!(r, Request::Start(..) | Request::Events(..)));
-            if starts_only && !linger.after_starts.is_zero() && (linger.busy)() {
+            if starts_only && busy() {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => {}
-                    _ = tokio::time::sleep(linger.after_starts) => {}
+                    _ = tokio::time::sleep(START_LINGER) => {}
                 }
                 while buf.len() < MAX_BATCH {
                     match queue.rx.try_recv() {

@@ -975,13 +975,10 @@ fn spawn_vital_loops(
     );
     let (db3, name3, t3) = (shared.db.clone(), shared.name.clone(), loops_stop.clone());
     let s3 = Arc::downgrade(shared);
-    let linger = ledger::Linger {
-        after_starts: ledger::START_LINGER,
-        busy: Box::new(move || s3.upgrade().is_some_and(|s| s.leases.len() > 1)),
-    };
+    let busy: ledger::Busy = Box::new(move || s3.upgrade().is_some_and(|s| s.leases.len() > 1));
     vital.spawn(
         async move {
-            ledger::run(db3, name3, queue, t3, linger).await;
+            ledger::run(db3, name3, queue, t3, busy).await;
             "ledger"
         }
         .in_current_span(),
