@@ -782,19 +782,44 @@ async fn submit(url: &Option<String>, file: &str, json: bool) -> Result<u8, CliE
     // no DDL here: a submitter needs no schema rights, and an older CLI never
     // migrates a newer schema; it only checks the version
     db.check_schema().await?;
-    let id = db.submit(&spec).await.map_err(|e| {
+    let submitted = db.submit_telling(&spec).await.map_err(|e| {
         if e.outcome_unknown() {
             CliError::SubmitUncertain(e)
         } else {
             CliError::Db(e)
         }
     })?;
+    let id = submitted.id;
+    if let Some(note) = known_key_note(&spec, &submitted) {
+        eprintln!("{note}");
+    }
     if json {
         println!("{}", serde_json::json!({ "run_id": id }));
     } else {
         println!("{id}");
     }
     Ok(0)
+}
+
+/// What to tell the submitter on stderr when the spec's idempotency key named
+/// a run that exists: its id is printed all the same (a retried submit is
+/// safe), but a spec that differs from the run's was not submitted at all.
+fn known_key_note(spec: &serde_json::Value, submitted: &crate::db::Submitted) -> Option<String> {
+    use crate::db::SubmitOutcome;
+    let key = spec.get("idempotency_key").map(|k| k.to_string())?;
+    let id = submitted.id;
+    match submitted.outcome? {
+        SubmitOutcome::Created => None,
+        SubmitOutcome::KnownSameSpec => Some(format!(
+            "idempotency key {key} already names run {id}, made from this same spec: \
+             nothing new was submitted"
+        )),
+        SubmitOutcome::KnownOtherSpec => Some(format!(
+            "warning: idempotency key {key} already names run {id}, made from a different \
+             spec: this spec was NOT submitted, and the id printed is that run's. To run it \
+             as a new run, give it another idempotency key (or none)"
+        )),
+    }
 }
 
 /// `supervisor status RUN`.
@@ -1485,7 +1510,11 @@ async fn dev_session(
     // behind it, which `status` took for a live one for 30 s (operator audit)
     let mut run_id = None;
     if let Some(spec) = spec {
-        let id = db.submit(&spec).await?;
+        let submitted = db.submit_telling(&spec).await?;
+        let id = submitted.id;
+        if let Some(note) = known_key_note(&spec, &submitted) {
+            eprintln!("{note}");
+        }
         println!("{}", serde_json::json!({ "run_id": id }));
         run_id = Some(id);
     }

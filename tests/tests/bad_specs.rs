@@ -760,6 +760,75 @@ async fn a_known_idempotency_key_does_not_let_an_invalid_spec_through() {
     }
 }
 
+/// A submit whose idempotency key names a run that exists says so on stderr:
+/// a retried submit of the same spec that nothing new was submitted, and a
+/// changed spec that it was NOT submitted (before, both exited 0 with the
+/// first run's id and said nothing, and a changed spec was silently dropped).
+/// The id on stdout and the exit code stay what CONTRACT §3 promises, and SQL
+/// callers read the same outcome from `durable.submit_outcome`.
+#[tokio::test]
+async fn a_known_idempotency_key_says_whether_this_spec_was_submitted() {
+    let t = TestDb::new().await;
+    let first_spec = json!({"name": "once", "idempotency_key": "k1", "steps": [step()]});
+    let out = tests::submit_stdin(&t.url, &first_spec.to_string());
+    let run_id = |out: &std::process::Output| {
+        let v: Value = serde_json::from_slice(&out.stdout).expect("submit --json prints JSON");
+        v["run_id"].as_str().expect("run_id").to_owned()
+    };
+    let first = run_id(&out);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        out.stderr.is_empty(),
+        "a new run: nothing on stderr, got {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let out = tests::submit_stdin(&t.url, &first_spec.to_string());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(run_id(&out), first);
+    assert!(
+        stderr.contains(&format!(
+            "idempotency key \"k1\" already names run {first}, made from this same spec: nothing new was submitted"
+        )),
+        "{stderr}"
+    );
+
+    let changed = json!({"name": "twice", "idempotency_key": "k1", "steps": [step()]});
+    let out = tests::submit_stdin(&t.url, &changed.to_string());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(run_id(&out), first);
+    assert!(
+        stderr.contains(&format!(
+            "warning: idempotency key \"k1\" already names run {first}, made from a different spec: this spec was NOT submitted"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+            .await,
+        1,
+        "no second run"
+    );
+
+    // through SQL, in the caller's transaction
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT durable.submit_run($1)")
+        .bind(&changed)
+        .fetch_one(&mut *tx)
+        .await
+        .expect("submit through SQL");
+    assert_eq!(id.to_string(), first);
+    let outcome: Option<String> =
+        sqlx::query_scalar("SELECT current_setting('durable.submit_outcome', true)")
+            .fetch_one(&mut *tx)
+            .await
+            .expect("read the outcome");
+    assert_eq!(outcome.as_deref(), Some("known, other spec"));
+    tx.rollback().await.expect("rollback");
+}
+
 /// `cancel RUN --step NAME` of a step that already ended says so, and the run
 /// goes on: before, it answered "cancellation requested; run is running" as
 /// if the finished step had been cancelled.

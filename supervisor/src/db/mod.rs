@@ -94,7 +94,7 @@ pub use retention::{
     RetentionBatch, RetentionOptions, RetentionPreview, RetentionReport, BLOB_GARBAGE_AGE,
     RETENTION_TABLES,
 };
-pub use runs::{PausedBy, PausedStep, StuckStep, WorkFor};
+pub use runs::{PausedBy, PausedStep, StuckStep, SubmitOutcome, Submitted, WorkFor};
 use writes::{begin_step_write_unless_held, insert_ending_event, write_failure};
 
 use std::collections::BTreeMap;

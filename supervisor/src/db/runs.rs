@@ -5,15 +5,53 @@ use std::collections::HashMap;
 
 use sqlx::postgres::PgRow;
 
+/// What a submit did: the run's id, and whether it is new.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Submitted {
+    pub id: Uuid,
+    /// `None` from a schema older than 20261228000001, which does not say.
+    pub outcome: Option<SubmitOutcome>,
+}
+
+/// Whether a submit made a run or found one by its idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitOutcome {
+    /// A new run, made from this spec.
+    Created,
+    /// The key named a run made from this very spec (a retried submit).
+    KnownSameSpec,
+    /// The key named a run made from another spec: this one was valid but
+    /// not submitted; the id is the other run's.
+    KnownOtherSpec,
+}
+
+impl SubmitOutcome {
+    /// From `durable.submit_outcome`'s value.
+    fn from_setting(s: &str) -> Option<SubmitOutcome> {
+        match s {
+            "created" => Some(SubmitOutcome::Created),
+            "known, same spec" => Some(SubmitOutcome::KnownSameSpec),
+            "known, other spec" => Some(SubmitOutcome::KnownOtherSpec),
+            _ => None,
+        }
+    }
+}
+
 impl Db {
     /// Validates and submits a spec through `durable.submit_run`. An invalid
     /// spec is `DbError::InvalidSpec` with a message that names the field;
     /// nothing is written then.
     pub async fn submit(&self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
+        Ok(self.submit_telling(spec).await?.id)
+    }
+
+    /// [`Db::submit`], saying whether the run is new or one its idempotency
+    /// key already named.
+    pub async fn submit_telling(&self, spec: &serde_json::Value) -> Result<Submitted, DbError> {
         self.connection("submitting a run")
             .await?
             .conn()
-            .submit(spec)
+            .submit_telling(spec)
             .await
     }
 
@@ -181,6 +219,11 @@ impl StuckStep {
 impl DbConn<'_> {
     /// See [`Db::submit`].
     pub async fn submit(&mut self, spec: &serde_json::Value) -> Result<Uuid, DbError> {
+        Ok(self.submit_telling(spec).await?.id)
+    }
+
+    /// See [`Db::submit_telling`].
+    pub async fn submit_telling(&mut self, spec: &serde_json::Value) -> Result<Submitted, DbError> {
         // what jsonb cannot hold would fail the whole value, naming nothing
         if let Some((path, what)) = crate::json::unstorable(spec, "") {
             let path = if path.is_empty() { "spec" } else { &path };
@@ -197,12 +240,22 @@ impl DbConn<'_> {
             }));
         }
         let mut s = Scope::enter(self.conn).await?;
-        let res = sqlx::query_scalar::<_, Uuid>("SELECT durable.submit_run($1)")
-            .bind(spec)
-            .fetch_one(&mut *s)
-            .await;
+        // the outcome is the call's transaction-local setting
+        // (20261228000001), read in the same statement after the call: the
+        // CTE is evaluated before the outer row that reads it. A schema
+        // before it sets none: `None`.
+        let res = sqlx::query_as::<_, (Uuid, Option<String>)>(
+            "WITH s AS MATERIALIZED (SELECT durable.submit_run($1) AS id)
+             SELECT id, current_setting('durable.submit_outcome', true) FROM s",
+        )
+        .bind(spec)
+        .fetch_one(&mut *s)
+        .await;
         let res = match res {
-            Ok(id) => Ok(id),
+            Ok((id, outcome)) => Ok(Submitted {
+                id,
+                outcome: outcome.as_deref().and_then(SubmitOutcome::from_setting),
+            }),
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => {
                 Err(DbError::InvalidSpec(e.message().to_owned()))
             }
