@@ -1031,7 +1031,7 @@ async fn an_unknown_step_of_a_big_run_names_twenty_of_its_steps() {
             .await
             .expect_err("no such step")
             .to_string();
-    assert!(err.contains("has no step \"nosuch\""), "{err}");
+    assert!(err.contains("has no step named \"nosuch\""), "{err}");
     assert!(err.contains("s01, s02") && err.contains("s20"), "{err}");
     assert!(!err.contains("s21"), "{err}");
     assert!(err.contains("and 10 more"), "{err}");

@@ -198,7 +198,7 @@ impl DbConn<'_> {
         if let Some(name) = step {
             if !steps.iter().any(|s| s == name) {
                 return Err(DbError::NotFound(format!(
-                    "run {run_id} has no step {name:?}; {}",
+                    "run {run_id} has no step named {name:?}; {}",
                     its_steps_are(run_id, &steps)
                 )));
             }
