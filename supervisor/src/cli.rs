@@ -427,12 +427,31 @@ impl<'a, M: tracing_subscriber::fmt::MakeWriter<'a>> tracing_subscriber::fmt::Ma
 
 impl<W: std::io::Write> std::io::Write for OneLine<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.inner.write_all(&one_line(buf, self.ansi))?;
-        Ok(buf.len())
+        match self.inner.write_all(&one_line(buf, self.ansi)) {
+            // nobody reads the log any more (`worker 2>&1 | head`, a
+            // collector that died): the line is dropped and the worker goes
+            // on. As an error it reached tracing's fallback, an eprintln!,
+            // which panicked on the same closed pipe: the worker died
+            // (exit 101) instead of draining (deployment audit)
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(buf.len()),
+            Err(e) => Err(e),
+            Ok(()) => Ok(buf.len()),
+        }
     }
     fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
+        match self.inner.flush() {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+            other => other,
+        }
     }
+}
+
+/// Writes a line to stderr, or nothing when stderr is closed: `eprintln!`
+/// panics then, and a command's last word is not worth exit 101 instead of
+/// its own code.
+fn say(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// Whether the parameters of an SGR sequence (`ESC [ params m`) are ones
@@ -560,6 +579,9 @@ fn init_tracing(format: &str, default_filter: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
+        // a failed write is reported by tracing on stderr: the stream that
+        // just failed (a closed pipe is no failure: see OneLine)
+        .log_internal_errors(false)
         .with_writer(OneLine {
             inner: std::io::stderr,
             ansi,
@@ -624,9 +646,9 @@ pub async fn main_with(cli: Cli) -> ExitCode {
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {}", printable(&e.to_string()));
+            say(format_args!("error: {}", printable(&e.to_string())));
             if let Some(hint) = e.hint() {
-                eprintln!("hint: {hint}");
+                say(format_args!("hint: {hint}"));
             }
             ExitCode::from(e.exit_code())
         }
@@ -1347,6 +1369,7 @@ async fn worker(
         }
     };
     let res = worker.run(shutdown).await;
+    WORKER_ENDED.store(true, Ordering::SeqCst);
     // the last line of defence: no child outlives the worker process, not
     // even one that left its process group and cgroup
     crate::process::kill_all_groups();
@@ -1541,6 +1564,7 @@ async fn dev_session(
         );
     }
     let res = worker.run(shutdown).await;
+    WORKER_ENDED.store(true, Ordering::SeqCst);
     crate::process::kill_all_groups();
     let print_left_open = || {
         for line in left_open.lock().unwrap_or_else(|p| p.into_inner()).iter() {
@@ -1734,6 +1758,12 @@ fn spawn_interrupt_handler(token: CancellationToken) {
     });
 }
 
+/// Set once the worker's run (its drain included) has returned: a later
+/// signal has nothing left to force, and the command exits with its own
+/// code. A third signal that raced a drain that had just finished logged
+/// "the forced stop did not finish" and exited 1 (deployment audit).
+static WORKER_ENDED: AtomicBool = AtomicBool::new(false);
+
 /// How long a forced stop (a second signal) may take to give the steps back
 /// before the process kills every executor and exits 1 (a third signal does
 /// that at once).
@@ -1777,12 +1807,18 @@ fn spawn_signal_handler(token: CancellationToken) {
         // the drain stops every attempt now, without graces, and gives the
         // steps back (uncounted); if that cannot finish (a database that does
         // not answer), the last resort after a few seconds
+        if WORKER_ENDED.load(Ordering::SeqCst) {
+            return;
+        }
         tracing::warn!("second signal: stopping all executors now");
         crate::worker::force_stop();
         tokio::select! {
             _ = tokio::time::sleep(FORCED_EXIT_AFTER) => {}
             _ = term.recv() => {}
             _ = int.recv() => {}
+        }
+        if WORKER_ENDED.load(Ordering::SeqCst) {
+            return;
         }
         tracing::warn!("the forced stop did not finish: killing every executor and exiting");
         crate::worker::log_abandoned_attempts();

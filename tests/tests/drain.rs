@@ -454,3 +454,67 @@ async fn a_job_whose_executor_was_starting_at_the_signal_is_not_sent() {
         w.stderr()
     );
 }
+
+/// A worker whose log reader went away (`supervisor worker 2>&1 | head -3`,
+/// a log collector that died) still drains on SIGTERM and exits 0, its
+/// attempt finished and recorded. Before, its next log line failed with
+/// EPIPE, tracing's fallback `eprintln!` panicked on the same closed pipe,
+/// and the worker died with exit 101: its running steps came back only when
+/// their leases expired, each counted as a failed attempt (deployment audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_log_pipe_does_not_stop_the_drain() {
+    use std::io::Read;
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![go_demo("go", &[], None)]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg_path = dir.path().join("worker.toml");
+    std::fs::write(&cfg_path, toml::to_string(&cfg).expect("config")).expect("write config");
+    let mut child = std::process::Command::new(tests::supervisor_bin())
+        .args(["worker", "--config"])
+        .arg(&cfg_path)
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn worker");
+    // read its first line, then close the pipe, as `head -1` does
+    let mut stderr = child.stderr.take().expect("stderr");
+    let mut first = [0u8; 1];
+    stderr.read_exact(&mut first).expect("the worker logs");
+    drop(stderr);
+    let run = t
+        .submit(tests::one_step(
+            "drain",
+            "go",
+            "demo.sleep",
+            json!({"ms": 1500, "steps": 3}),
+        ))
+        .await;
+    let step = wait_running(&t, run).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let until = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(Instant::now() < until, "the worker did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.code(), Some(0), "a clean drain exits 0: {status:?}");
+    let st = t.status(run).await;
+    assert_eq!(st.steps[0].step_run_id, step);
+    assert_eq!(
+        (st.steps[0].state.as_str(), st.steps[0].attempt),
+        ("succeeded", 1),
+        "the attempt finished during the drain: {st:?}"
+    );
+    let stopped = t
+        .scalar_i64("SELECT count(*) FROM durable.workers WHERE stopped_at IS NOT NULL")
+        .await;
+    assert_eq!(stopped, 1, "the worker marked itself stopped");
+}

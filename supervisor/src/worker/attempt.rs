@@ -2857,10 +2857,18 @@ pub(crate) async fn stop_child(
         };
         if tokio::time::timeout(grace, child.exited()).await.is_err() {
             crate::metrics::executor_signal("SIGKILL");
-            warn!(
-                pid = child.pid,
-                "executor ignored SIGTERM; sending SIGKILL to its group"
-            );
+            if grace.is_zero() {
+                // a second stop signal: no grace was given, nothing ignored
+                info!(
+                    pid = child.pid,
+                    "forced stop: SIGKILL to the executor's process group without a grace"
+                );
+            } else {
+                warn!(
+                    pid = child.pid,
+                    "executor ignored SIGTERM; sending SIGKILL to its group"
+                );
+            }
         }
         kill_and_reap(child).await
     };
