@@ -1176,7 +1176,15 @@ async fn a_run_deleted_by_hand_takes_its_history_with_it() {
             .all(|(table, n)| *n > 0 || table.starts_with("artifact")),
         "{before:?}"
     );
-    // one step alone first: its events and transitions go, the run's stay
+    // one step alone first (of a run that ended and is marked for removal,
+    // as retention marks it: 20261228000002): its events and transitions
+    // go, the run's stay
+    t.db.cancel(gone, None).await.expect("cancel");
+    sqlx::query("INSERT INTO durable.runs_being_removed (run_id) VALUES ($1)")
+        .bind(gone)
+        .execute(t.db.pool())
+        .await
+        .expect("mark the run");
     let a = gone_steps[0];
     sqlx::query("DELETE FROM durable.step_runs WHERE id = $1")
         .bind(a)
@@ -1269,4 +1277,110 @@ async fn an_interrupted_gc_exits_130() {
     }
     assert_eq!(out.status.code(), Some(130), "{text}");
     assert!(text.contains("interrupted: run it again"), "{text}");
+}
+
+/// History and results go only with their whole run (deployment audit): a
+/// role that may DELETE (the worker's, for retention) deleted a finished
+/// run's transitions and events while the run stayed. Now each of
+/// transitions, step_events, artifacts and step_runs refuses a DELETE of
+/// rows of a run that stays, unless the run is finished and marked for
+/// removal (as retention marks it); an open run's, never. Deleting the run
+/// whole still takes everything, and retention still removes it.
+#[tokio::test]
+async fn history_is_removed_only_with_its_whole_run() {
+    let t = TestDb::new().await;
+    let wid = worker(&t.db).await;
+    let done = t
+        .submit(
+            json!({"name": "done", "steps": [{"name": "a", "executor_kind": "go", "kind": "k"}]}),
+        )
+        .await;
+    let open = t
+        .submit(
+            json!({"name": "open", "steps": [{"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]}),
+        )
+        .await;
+    for s in lease(&t.db, wid, 2).await {
+        succeed(&t.db, &s, &[artifact("out.txt", b"result", vec![])]).await;
+    }
+    assert_eq!(t.status(done).await.state, "succeeded");
+    assert_eq!(t.status(open).await.state, "running");
+    let statements = [
+        "DELETE FROM durable.transitions WHERE run_id = $1",
+        "DELETE FROM durable.step_events WHERE step_run_id IN (SELECT id FROM durable.step_runs WHERE run_id = $1)",
+        "DELETE FROM durable.artifacts WHERE run_id = $1",
+        "DELETE FROM durable.step_runs WHERE run_id = $1",
+    ];
+    let counts = |run: Uuid| {
+        let db = t.db.clone();
+        async move {
+            let mut v = Vec::new();
+            for sql in [
+                "SELECT count(*) FROM durable.transitions WHERE run_id = $1",
+                "SELECT count(*) FROM durable.step_events e JOIN durable.step_runs s ON s.id = e.step_run_id WHERE s.run_id = $1",
+                "SELECT count(*) FROM durable.artifacts WHERE run_id = $1",
+                "SELECT count(*) FROM durable.step_runs WHERE run_id = $1",
+            ] {
+                v.push(
+                    sqlx::query_scalar::<_, i64>(sql)
+                        .bind(run)
+                        .fetch_one(db.pool())
+                        .await
+                        .expect("count"),
+                );
+            }
+            v
+        }
+    };
+    let before = (counts(done).await, counts(open).await);
+    assert!(before.0.iter().all(|n| *n > 0), "{before:?}");
+    for run in [done, open] {
+        for sql in statements {
+            let err = sqlx::query(sql)
+                .bind(run)
+                .execute(t.db.pool())
+                .await
+                .expect_err(sql);
+            let msg = err.to_string();
+            assert!(
+                msg.contains(&format!("of run {run} are removed only with the whole run")),
+                "{sql}: {msg}"
+            );
+        }
+    }
+    // marked for removal: an open run's rows are still refused
+    sqlx::query("INSERT INTO durable.runs_being_removed (run_id) VALUES ($1)")
+        .bind(open)
+        .execute(t.db.pool())
+        .await
+        .expect("mark");
+    let err = sqlx::query(statements[0])
+        .bind(open)
+        .execute(t.db.pool())
+        .await
+        .expect_err("an open run's history");
+    assert!(
+        err.to_string().contains("removed only with the whole run"),
+        "{err}"
+    );
+    assert_eq!(
+        (counts(done).await, counts(open).await),
+        before,
+        "nothing was deleted"
+    );
+    sqlx::query("DELETE FROM durable.runs_being_removed WHERE run_id = $1")
+        .bind(open)
+        .execute(t.db.pool())
+        .await
+        .expect("unmark");
+
+    // retention removes the finished run whole; the open one keeps all
+    let removed =
+        t.db.retention_pass(&options(Duration::ZERO), &CancellationToken::new())
+            .await
+            .expect("retention");
+    assert_eq!(removed.runs, 1, "{removed:?}");
+    assert_eq!(counts(done).await, vec![0, 0, 0, 0]);
+    assert_eq!(counts(open).await, before.1);
 }
