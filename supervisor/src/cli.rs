@@ -289,6 +289,43 @@ pub enum CliError {
     /// The connection broke while the submit was on its way.
     #[error(transparent)]
     SubmitUncertain(DbError),
+    /// Standard output refused the command's output (a full disk,
+    /// `> /dev/full`): `println!` panicked (exit 101). A closed pipe is not
+    /// this: it ends a printing command quietly (SIGPIPE, as for `cat`).
+    #[error("cannot write to standard output: {0}")]
+    Stdout(#[source] std::io::Error),
+    /// The run was made, but its id could not be printed: said on stderr,
+    /// so that whoever retries does not submit it twice.
+    #[error("run {id} was submitted, but its id could not be written to standard output ({source}): it exists; do not submit it again")]
+    SubmittedUnprinted {
+        id: Uuid,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `print!` for a command's output: a write that fails ends the command with
+/// [`CliError::Stdout`] (exit 1) instead of a panic. Flushed, so the failure
+/// is seen where it happens.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        write!(stdout, $($arg)*)
+            .and_then(|()| stdout.flush())
+            .map_err(CliError::Stdout)?
+    }};
+}
+
+/// `println!` as [`out!`] is `print!`.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, $($arg)*)
+            .and_then(|()| stdout.flush())
+            .map_err(CliError::Stdout)?
+    }};
 }
 
 impl CliError {
@@ -815,12 +852,26 @@ async fn submit(url: &Option<String>, file: &str, json: bool) -> Result<u8, CliE
     if let Some(note) = known_key_note(&spec, &submitted) {
         eprintln!("{note}");
     }
-    if json {
-        println!("{}", serde_json::json!({ "run_id": id }));
+    let line = if json {
+        serde_json::json!({ "run_id": id }).to_string()
     } else {
-        println!("{id}");
-    }
+        id.to_string()
+    };
+    print_submitted(id, &line)?;
     Ok(0)
+}
+
+/// A submitted run's id line on stdout; one that cannot be written is
+/// [`CliError::SubmittedUnprinted`], which names the run on stderr.
+fn print_submitted(id: Uuid, line: &str) -> Result<(), CliError> {
+    let print = || -> Result<(), CliError> {
+        outln!("{line}");
+        Ok(())
+    };
+    print().map_err(|e| match e {
+        CliError::Stdout(source) => CliError::SubmittedUnprinted { id, source },
+        e => e,
+    })
 }
 
 /// What to tell the submitter on stderr when the spec's idempotency key named
@@ -855,11 +906,11 @@ async fn status(url: &Option<String>, run_id: &str, json: bool) -> Result<u8, Cl
     // or every live worker that offers it has paused what would run it
     let paused = db.steps_paused_for(id).await.map_err(explain)?;
     if json {
-        println!("{}", status_json(&status, &progress, &unroutable, &paused));
+        outln!("{}", status_json(&status, &progress, &unroutable, &paused));
     } else {
-        print!("{}", status_text(&status, &progress));
-        print!("{}", unroutable_text(&unroutable));
-        print!("{}", paused_text(&paused));
+        out!("{}", status_text(&status, &progress));
+        out!("{}", unroutable_text(&unroutable));
+        out!("{}", paused_text(&paused));
     }
     Ok(0)
 }
@@ -961,14 +1012,14 @@ async fn events(
     let db = connect_checked(url).await?;
     let events = db.events(id, step, last).await.map_err(explain)?;
     if json {
-        println!("{}", pretty_json(&events)?);
+        outln!("{}", pretty_json(&events)?);
     } else if events.is_empty() {
         // "yet" only of what may still run (a step cancelled before it ran
         // was said to have "no progress events yet")
         let st = db.status(id).await.map_err(explain)?;
-        print!("{}", no_events_text(&st, step));
+        out!("{}", no_events_text(&st, step));
     } else {
-        print!("{}", events_text(&events));
+        out!("{}", events_text(&events));
     }
     Ok(0)
 }
@@ -978,9 +1029,9 @@ async fn runs(url: &Option<String>, filter: &RunFilter, json: bool) -> Result<u8
     let db = connect_checked(url).await?;
     let runs = db.runs(filter).await.map_err(explain)?;
     if json {
-        println!("{}", pretty_json(&runs)?);
+        outln!("{}", pretty_json(&runs)?);
     } else {
-        print!("{}", runs_text(&runs));
+        out!("{}", runs_text(&runs));
     }
     Ok(0)
 }
@@ -1130,7 +1181,7 @@ async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
         } else {
             ""
         };
-        print!(
+        out!(
             "# `name` is the worker's process slot: give every worker its own (a restart under the\n\
              # same name ends the processes its previous incarnation left behind; that one's\n\
              # leases still run out on their own).\n{note}{}",
@@ -1201,13 +1252,13 @@ async fn artifact(url: &Option<String>, command: ArtifactCommand) -> Result<u8, 
             let id = crate::artifact_cmd::parse_artifact_id(&id)?;
             let l = db.artifact_lineage(id).await.map_err(explain)?;
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&crate::artifact_cmd::lineage_json(&l))
                         .unwrap_or_default()
                 );
             } else {
-                print!("{}", crate::artifact_cmd::lineage_text(&l));
+                out!("{}", crate::artifact_cmd::lineage_text(&l));
             }
         }
     }
@@ -1230,9 +1281,9 @@ async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
     if dry_run {
         let p = db.retention_preview(older_than).await.map_err(explain)?;
         if json {
-            println!("{}", serde_json::to_string(&p).unwrap_or_default());
+            outln!("{}", serde_json::to_string(&p).unwrap_or_default());
         } else {
-            println!(
+            outln!(
                 "would remove {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs no other run references)",
                 p.runs,
                 when(&p.cutoff),
@@ -1277,9 +1328,9 @@ async fn gc(url: &Option<String>, args: GcArgs) -> Result<u8, CliError> {
     if json {
         let mut v = serde_json::to_value(&r).unwrap_or_default();
         v["files_deleted"] = serde_json::json!(files);
-        println!("{v}");
+        outln!("{v}");
     } else {
-        println!(
+        outln!(
             "removed {} runs finished before {} ({} steps, {} artifacts, {} artifact blobs, {} unreferenced blobs and {} staged chunks of uncommitted uploads, {} files, {} worker rows) in {} {}; longest batch {:.1} ms{}{}",
             r.runs,
             r.cutoff.as_ref().map(when).unwrap_or_default(),
@@ -1317,7 +1368,7 @@ async fn worker(
     print_default_config: bool,
 ) -> Result<u8, CliError> {
     if print_default_config {
-        print!("{}", WorkerConfig::default_config_toml());
+        out!("{}", WorkerConfig::default_config_toml());
         return Ok(0);
     }
     let config = config.ok_or_else(|| {
@@ -1411,9 +1462,9 @@ async fn conformance(
             _ => CliError::Usage(e.to_string()),
         })?;
     if json {
-        println!("{}", conformance::render_json(&reports));
+        outln!("{}", conformance::render_json(&reports));
     } else {
-        print!("{}", conformance::render(&reports));
+        out!("{}", conformance::render(&reports));
     }
     Ok(if reports.iter().all(|r| r.passed()) {
         0
@@ -1457,7 +1508,7 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                     .filter(|s| !s.is_empty())
                     .collect::<Vec<_>>()
                     .join(" ");
-                println!(
+                outln!(
                     "{}",
                     serde_json::json!({
                         "executor": e.name,
@@ -1483,7 +1534,7 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                 // a line for it too, with what could not be learned null: a
                 // script reading stdout sees every entry (docs audit: the
                 // one that did not answer was missing from stdout)
-                println!(
+                outln!(
                     "{}",
                     serde_json::json!({
                         "executor": e.name,
@@ -1538,7 +1589,7 @@ async fn dev_session(
         if let Some(note) = known_key_note(&spec, &submitted) {
             eprintln!("{note}");
         }
-        println!("{}", serde_json::json!({ "run_id": id }));
+        print_submitted(id, &serde_json::json!({ "run_id": id }).to_string())?;
         run_id = Some(id);
     }
     let worker = Worker::start(db.clone(), cfg).await?;
@@ -1720,22 +1771,45 @@ fn read_input(file: &str) -> Result<String, CliError> {
     })
 }
 
+/// The most of a spec's text `submit` reads: a spec is at most 16 MiB as
+/// PostgreSQL stores it, and its file may be larger by its indentation. More
+/// is refused without reading it all (`submit /dev/zero` read until the
+/// machine's memory ran out; audit of the operator's tools).
+const MAX_SPEC_INPUT: u64 = 64 * 1024 * 1024;
+
 fn read_raw_input(file: &str) -> Result<String, CliError> {
-    if file == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .map_err(|source| CliError::Read {
-                path: "stdin".into(),
-                source,
-            })?;
-        Ok(s)
+    let (path, reader): (&str, Box<dyn Read>) = if file == "-" {
+        ("stdin", Box::new(std::io::stdin()))
     } else {
-        std::fs::read_to_string(file).map_err(|source| CliError::Read {
+        let f = std::fs::File::open(file).map_err(|source| CliError::Read {
             path: file.to_owned(),
             source,
-        })
+        })?;
+        (file, Box::new(f))
+    };
+    let mut bytes = Vec::new();
+    reader
+        .take(MAX_SPEC_INPUT + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|source| CliError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+    if bytes.len() as u64 > MAX_SPEC_INPUT {
+        return Err(CliError::BadSpec(format!(
+            "{path} is larger than {} MiB; a spec is at most 16 MiB as stored: pass large \
+             data as an artifact",
+            MAX_SPEC_INPUT / (1024 * 1024)
+        )));
     }
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        CliError::BadSpec(format!(
+            "{path} is not UTF-8 text: the byte at offset {at} (0x{:02x}) is not valid UTF-8; \
+             a spec is JSON, which is UTF-8",
+            e.as_bytes().get(at).copied().unwrap_or(0)
+        ))
+    })
 }
 
 /// `gc`: the first SIGINT/SIGTERM ends the pass after its current batch

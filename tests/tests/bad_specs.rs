@@ -1075,3 +1075,114 @@ async fn a_retried_submit_of_a_run_made_before_a_check_was_tightened_returns_it(
         r => panic!("{r:?}"),
     }
 }
+
+/// A spec's input is read up to a bound and as UTF-8 with the offending
+/// byte named: `submit /dev/zero` read until memory ran out, and a stray
+/// byte said only "stream did not contain valid UTF-8" (operator's tools
+/// audit). Both are exit 2, and nothing is written.
+#[tokio::test]
+async fn an_endless_or_binary_spec_is_refused_by_what_was_read() {
+    let t = TestDb::new().await;
+    let out = Command::new(tests::supervisor_bin())
+        .args(["submit", "/dev/zero"])
+        .env("DATABASE_URL", &t.url)
+        .output()
+        .expect("submit /dev/zero");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("/dev/zero is larger than 64 MiB; a spec is at most 16 MiB as stored"),
+        "{stderr}"
+    );
+    let out = tests::submit_stdin(&t.url, "{\"name\": \"caf\u{e9}\"}");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "valid UTF-8 passes the read (and fails on its missing steps)"
+    );
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["submit", "-"])
+        .env("DATABASE_URL", &t.url)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("submit -");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(b"{\"name\": \"\xff\"}").expect("write");
+    }
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("stdin is not UTF-8 text: the byte at offset 10 (0xff) is not valid UTF-8"),
+        "{stderr}"
+    );
+    assert_eq!(
+        t.scalar_i64("SELECT count(*) FROM durable.workflow_runs")
+            .await,
+        0
+    );
+}
+
+/// A command whose output cannot be written (a full disk, `> /dev/full`)
+/// fails with exit 1 and says so, instead of panicking (exit 101, a
+/// backtrace); `submit` names the run it made, so that whoever retries does
+/// not make it twice (operator's tools audit).
+#[tokio::test]
+async fn output_that_cannot_be_written_is_an_error_naming_the_submitted_run() {
+    let t = TestDb::new().await;
+    let full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full")
+    };
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["submit", "-"])
+        .env("DATABASE_URL", &t.url)
+        .stdin(std::process::Stdio::piped())
+        .stdout(full())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("submit");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin
+            .write_all(
+                json!({"name": "full", "steps": [step()]})
+                    .to_string()
+                    .as_bytes(),
+            )
+            .expect("write");
+    }
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let id: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM durable.workflow_runs WHERE name = 'full'")
+            .fetch_one(t.db.pool())
+            .await
+            .expect("the run was made");
+    assert!(
+        stderr.contains(&format!(
+            "run {id} was submitted, but its id could not be written to standard output"
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let out = Command::new(tests::supervisor_bin())
+        .args(["runs"])
+        .env("DATABASE_URL", &t.url)
+        .stdout(full())
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot write to standard output: No space left on device"),
+        "{stderr}"
+    );
+}
