@@ -37,6 +37,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `stderr_cut_secret`: ACCEPTED, a stderr line whose 1024-byte cut falls 8 bytes into its
   (first) secret, then stderr bytes whose last input `tail` bytes start 6 bytes before the
   secret's end, and a crash (exit 3, no terminal).
+- `burst_exit`: ACCEPTED, then the input's `heartbeats` (default 3000) HEARTBEAT events and
+  a result with output `{"burst": n}`, all in one write, and exits 0 at once (without
+  waiting for EOF, as an SDK does after its `max_jobs_per_process`-th job).
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
@@ -63,7 +66,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "executors-python"))
 
 from durable_executor._gen.durable.executor.v1 import executor_pb2 as pb  # noqa: E402
-from durable_executor.framing import read_frame, write_frame  # noqa: E402
+from durable_executor.framing import encode_frame, read_frame, write_frame  # noqa: E402
 
 MODES = [
     "refuse_bad_input",
@@ -89,6 +92,7 @@ MODES = [
     "checkpoint_flood",
     "sleep",
     "stderr_cut_secret",
+    "burst_exit",
 ]
 
 
@@ -304,6 +308,21 @@ def main() -> int:
             if count is not None:
                 time.sleep(3600)  # deaf and silent: ended by a timeout or a cancel
             result(json.dumps({"checkpoints": n}).encode())
+        elif mode == "burst_exit":
+            # a pipe's worth and more of frames, the result behind them, in
+            # one write; then gone before the supervisor reads any of it
+            event(pb.EVENT_KIND_ACCEPTED)
+            n = int(json.loads(job.input or b"{}").get("heartbeats", 3000))
+            burst = bytearray()
+            for _ in range(n):
+                seq += 1
+                burst += encode_frame(pb.ExecutorFrame(event=pb.ProgressEvent(
+                    job_id=job.job_id, sequence=seq, kind=pb.EVENT_KIND_HEARTBEAT)).SerializeToString())
+            seq += 1
+            burst += encode_frame(pb.ExecutorFrame(result=pb.JobResult(
+                job_id=job.job_id, sequence=seq, output=json.dumps({"burst": n}).encode())).SerializeToString())
+            out.write(bytes(burst))
+            os._exit(0)
         elif mode == "mute":
             time.sleep(3600)  # reads the job, answers nothing (SIGTERM ends it)
         elif mode == "stray_bytes":

@@ -188,3 +188,41 @@ async fn every_misbehaviour_has_its_code_and_the_worker_keeps_serving() {
     );
     w.shutdown().await;
 }
+
+/// An executor that writes its result behind more frames than its stdout
+/// pipe holds and exits at once (as both SDKs do after their
+/// `max_jobs_per_process`-th job) has its result read and recorded: the
+/// drain after the exit stopped at 1,024 frames, ~1,100-1,450 heartbeats
+/// fill a 64 KiB pipe, and the step was recorded `EXECUTOR_CRASHED` ("ended
+/// without a terminal") though its result had been written (SDK audit: 6 of
+/// 8 steps with 3,000 heartbeats).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_written_behind_a_full_pipe_before_the_exit_is_kept() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut e = tests::hostile("hostile", None, &[]);
+    e.concurrency = 2;
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
+    let n = 6000;
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        runs.push(
+            t.submit(json!({"name": format!("burst-{i}"), "steps": [
+                {"name": "s", "executor_kind": "hostile", "kind": "hostile.burst_exit",
+                 "input": {"heartbeats": n}, "retry": {"max_attempts": 1}}]}))
+                .await,
+        );
+    }
+    for run in runs {
+        let st = t.wait_terminal(run, LONG).await;
+        let s = &st.steps[0];
+        assert_eq!(
+            (st.state.as_str(), s.state.as_str()),
+            ("succeeded", "succeeded"),
+            "the result written before the exit is the outcome: {:?}",
+            s.error
+        );
+        assert_eq!(s.output, Some(json!({"burst": n})));
+    }
+    w.shutdown().await;
+}

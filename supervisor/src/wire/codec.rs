@@ -17,6 +17,8 @@ pub const DEFAULT_MAX_FRAME_BYTES: usize = 8 * 1024 * 1024;
 #[derive(Debug)]
 pub struct FrameDecoder<M> {
     max: usize,
+    /// Bytes of the whole frames decoded so far, prefixes included.
+    consumed: u64,
     _m: PhantomData<fn() -> M>,
 }
 
@@ -24,8 +26,14 @@ impl<M> FrameDecoder<M> {
     pub fn new(max: usize) -> Self {
         FrameDecoder {
             max,
+            consumed: 0,
             _m: PhantomData,
         }
+    }
+
+    /// Bytes of the whole frames decoded so far (prefixes included).
+    pub fn consumed(&self) -> u64 {
+        self.consumed
     }
 }
 
@@ -73,6 +81,7 @@ impl<M: Message + Default> Decoder for FrameDecoder<M> {
             return Ok(None);
         }
         let evidence = first_bytes(&src[..(prefix + len).min(src.len())], 32);
+        self.consumed += (prefix + len) as u64;
         src.advance(prefix);
         let body = src.split_to(len);
         M::decode(body.freeze())

@@ -14,6 +14,7 @@
 //! in the worker's renewal set.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::os::fd::AsRawFd;
 use std::panic::AssertUnwindSafe;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -49,10 +50,17 @@ use crate::wire::{self, FromExecutor, HandshakeError, Hello, JobResult, ToExecut
 /// After the leader exited, how long stdout may stay idle before we stop
 /// reading (a grandchild may hold the pipe open, so EOF may never come) ...
 const EXIT_DRAIN_IDLE: Duration = Duration::from_millis(150);
-/// ... and the bounds of that drain in time and in frames: a grandchild that
-/// keeps writing must not keep the attempt open.
+/// ... and its bound in time: a grandchild that keeps writing must not keep
+/// the attempt open. The drain goes on past it until it has read as many
+/// bytes as the pipe and the reader's buffer held when it began: all that
+/// the leader wrote before it exited, its terminal among them. It stopped
+/// at 1,024 frames: an SDK that exits right after its N-th job
+/// (`max_jobs_per_process`) behind a burst of heartbeats had its result
+/// (~1,100-1,450 small frames fill a 64 KiB pipe) thrown away and the step
+/// recorded `EXECUTOR_CRASHED` (SDK audit).
 const EXIT_DRAIN_MAX: Duration = Duration::from_secs(2);
-const EXIT_DRAIN_MAX_FRAMES: usize = 1024;
+/// A pipe's capacity when it cannot be asked (Linux's default).
+const PIPE_CAPACITY_DEFAULT: u64 = 64 * 1024;
 /// Intents queued between the attempt's loop and its writer task.
 const WRITER_QUEUE: usize = 256;
 /// Checkpoint bytes an attempt may have queued or in flight to the ledger
@@ -1815,12 +1823,43 @@ struct Clocks {
     silence_at: Option<Instant>,
     grace: Duration,
     grace_until: Option<Instant>,
-    /// A drain of stdout in progress: until when, and frames read so far.
-    drain: Option<(Instant, usize)>,
+    /// A drain of stdout in progress.
+    drain: Option<Drain>,
     /// Until the job's first frame: when its silence means a stuck process
     /// (`handshake_timeout_ms` after the job is sent), and that bound.
     answer_at: Option<Instant>,
     answer_ms: u64,
+}
+
+/// The reading of stdout after the leader exited (see [`EXIT_DRAIN_MAX`]).
+#[derive(Debug, Clone, Copy)]
+struct Drain {
+    /// Past this, the drain ends once `owed` bytes were read.
+    until: Instant,
+    /// The decoder's consumed bytes when the drain began.
+    from: u64,
+    /// What was written before the exit and not yet decoded, at most: the
+    /// pipe's capacity and the reader's buffer.
+    owed: u64,
+}
+
+impl Drain {
+    /// Whether the drain may stop: past its time, with what was owed read.
+    fn done(&self, consumed: u64, now: Instant) -> bool {
+        now >= self.until && consumed.saturating_sub(self.from) >= self.owed
+    }
+}
+
+/// The capacity of the pipe behind `fd` (F_GETPIPE_SZ; an executor may
+/// have raised it), or Linux's default when it cannot be asked.
+fn pipe_capacity(fd: std::os::fd::RawFd) -> u64 {
+    // SAFETY: F_GETPIPE_SZ only reads the pipe's size; an fd that is not a
+    // pipe gives -1 (EBADF/EINVAL), taken as the default
+    let n = unsafe { libc::fcntl(fd, libc::F_GETPIPE_SZ) };
+    u64::try_from(n)
+        .ok()
+        .filter(|&n| n > 0)
+        .unwrap_or(PIPE_CAPACITY_DEFAULT)
 }
 
 impl Clocks {
@@ -1957,22 +1996,21 @@ impl Conversation<'_> {
                 }
             },
             Phase::DrainingAfterExit | Phase::DrainingAfterTerminal => {
-                let Some((until, read)) = self.clocks.drain else {
+                let Some(drain) = self.clocks.drain else {
                     return Input::DrainEnded;
                 };
-                if read >= EXIT_DRAIN_MAX_FRAMES || Instant::now() >= until {
+                let consumed = self.frames.decoder().consumed();
+                if drain.done(consumed, Instant::now()) {
                     warn!(
-                        frames = read,
+                        bytes = consumed - drain.from,
                         "stdout still busy after the executor exited; not reading further"
                     );
                     return Input::DrainEnded;
                 }
-                let idle = EXIT_DRAIN_IDLE.min(until.saturating_duration_since(Instant::now()));
-                match tokio::time::timeout(idle, self.frames.next()).await {
-                    Ok(frame) => {
-                        self.clocks.drain = Some((until, read + 1));
-                        self.frame_input(frame)
-                    }
+                // what is in the pipe comes at once: a silence means the
+                // writers are done (or a grandchild holds it, silent)
+                match tokio::time::timeout(EXIT_DRAIN_IDLE, self.frames.next()).await {
+                    Ok(frame) => self.frame_input(frame),
                     Err(_) => Input::DrainEnded,
                 }
             }
@@ -2045,7 +2083,12 @@ impl Conversation<'_> {
                 self.clocks.grace_until = Instant::now().checked_add(grace)
             }
             Action::StartDrain => {
-                self.clocks.drain = Some((Instant::now() + EXIT_DRAIN_MAX, 0));
+                let capacity = pipe_capacity(self.frames.get_ref().as_raw_fd());
+                self.clocks.drain = Some(Drain {
+                    until: Instant::now() + EXIT_DRAIN_MAX,
+                    from: self.frames.decoder().consumed(),
+                    owed: capacity + self.frames.read_buffer().len() as u64,
+                });
             }
             Action::Finish(f) => return Some(f),
         }
