@@ -262,7 +262,12 @@ async fn events_are_listed_in_order_per_step_attempt_and_sequence() {
     let o = cli(Some(&t.url), &["events", &run_s, "--step", "c", "--json"]);
     assert_eq!(json_of(&o, "events --step c"), json!([]));
     let o = cli(Some(&t.url), &["events", &run_s, "--step", "nope"]);
-    expect_exit(&o, 4, &["no step \"nope\"", "a, b, c"], "unknown step");
+    expect_exit(
+        &o,
+        4,
+        &["has no step named \"nope\"", "a, b, c"],
+        "unknown step",
+    );
     let other = Uuid::new_v4().to_string();
     let o = cli(Some(&t.url), &["events", &other]);
     expect_exit(

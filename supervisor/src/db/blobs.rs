@@ -79,7 +79,9 @@ impl Db {
     /// Pins the bytes `sha256` for the attempt holding `lease`, before it
     /// uploads or claims them: while that lease is live, retention and the
     /// garbage pass leave the blob alone, whoever else referenced it
-    /// (migration 20261227000001). The pin needs no release.
+    /// (migration 20261227000001). The pin needs no release: once its
+    /// attempt ended it protects nothing, and a retention pass prunes it
+    /// ([`Db::prune_blob_pins`]).
     pub async fn pin_blob(&self, sha256: &str, lease: &super::Lease) -> Result<(), DbError> {
         self.connection("pinning an artifact blob")
             .await?

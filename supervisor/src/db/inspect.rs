@@ -247,11 +247,19 @@ impl DbConn<'_> {
     ) -> Result<BTreeMap<Uuid, Progress>, DbError> {
         let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
-            "SELECT DISTINCT ON (e.step_run_id)
-                    e.step_run_id, e.attempt, e.sequence, e.fraction, e.message, e.at
-               FROM durable.step_events e JOIN durable.step_runs s ON s.id = e.step_run_id
-              WHERE s.run_id = $1 AND e.kind = 'progress'
-              ORDER BY e.step_run_id, e.attempt DESC, e.sequence DESC",
+            // per step, its newest progress event read backwards by the
+            // (step, attempt, sequence) index: a DISTINCT ON over the run's
+            // events sorted all of them (0.9 s, on disk, at 600,000 events;
+            // operator's tools audit)
+            "SELECT s.id AS step_run_id, e.attempt, e.sequence, e.fraction, e.message, e.at
+               FROM durable.step_runs s
+               CROSS JOIN LATERAL (
+                     SELECT e.attempt, e.sequence, e.fraction, e.message, e.at
+                       FROM durable.step_events e
+                      WHERE e.step_run_id = s.id AND e.kind = 'progress'
+                      ORDER BY e.attempt DESC, e.sequence DESC
+                      LIMIT 1) e
+              WHERE s.run_id = $1",
         )
         .bind(run_id)
         .fetch_all(&mut *s)

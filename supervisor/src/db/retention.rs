@@ -88,6 +88,9 @@ pub struct RetentionReport {
     pub garbage_chunks: u64,
 }
 
+/// Pins of ended attempts one retention pass prunes at most.
+pub const PIN_PRUNE_LIMIT: u32 = 50_000;
+
 /// How long an unreferenced blob (or a staged chunk) is left alone before it
 /// is garbage: far longer than any upload takes to commit (its lease).
 pub const BLOB_GARBAGE_AGE: Duration = Duration::from_secs(24 * 3600);
@@ -116,8 +119,9 @@ pub struct RetentionPreview {
     pub blobs: i64,
 }
 
+/// Milliseconds to the microsecond (`508.597`, not `508.59692599999994`).
 fn as_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64() * 1000.0)
+    s.serialize_f64((d.as_secs_f64() * 1_000_000.0).round() / 1000.0)
 }
 
 impl Db {
@@ -220,6 +224,7 @@ impl Db {
                 .await?;
             report.garbage_blobs = blobs;
             report.garbage_chunks = chunks;
+            self.prune_blob_pins(PIN_PRUNE_LIMIT).await?;
         }
         if opts.vacuum && report.removed_anything() && !stop.is_cancelled() {
             let started = Instant::now();
@@ -228,6 +233,31 @@ impl Db {
             report.vacuum_time = started.elapsed();
         }
         Ok(report)
+    }
+
+    /// Deletes up to `limit` pins of attempts that no longer hold their
+    /// lease (their step ended or was leased again). Such a pin protects
+    /// nothing, but it stayed as long as its step's row: a blob that many
+    /// steps produced had one pin per step, and every "is it pinned" probe
+    /// walked them all (`gc --dry-run` took 2-4 s at 1,800 artifacts of one
+    /// content; audit of the operator's tools). A live attempt's pin is
+    /// never touched. Returns how many went.
+    pub async fn prune_blob_pins(&self, limit: u32) -> Result<u64, DbError> {
+        let mut c = self.connection("pruning ended attempts' blob pins").await?;
+        let done = sqlx::query(
+            "DELETE FROM durable.blob_pins p
+              WHERE (p.sha256, p.step_run_id, p.lease_token) IN (
+                    SELECT q.sha256, q.step_run_id, q.lease_token FROM durable.blob_pins q
+                     WHERE NOT EXISTS (SELECT 1 FROM durable.step_runs s
+                                        WHERE s.id = q.step_run_id AND s.lease_token = q.lease_token
+                                          AND s.state IN ('leased', 'running'))
+                     LIMIT $1)",
+        )
+        .bind(i64::from(limit))
+        .execute(c.conn().conn)
+        .await
+        .ctx("pruning ended attempts' blob pins")?;
+        Ok(done.rows_affected())
     }
 
     /// Removes up to `limit` unreferenced blobs nobody claimed for `age`,
@@ -440,13 +470,19 @@ impl DbConn<'_> {
                     (SELECT count(*) FROM a) AS artifacts,
                     -- as durable.retention_batch: no other reference, and
                     -- not claimed since the last of these committed
+                    -- (the pin, a probe per pin of the blob, last: on the
+                    -- blobs left, not on every artifact row, where the
+                    -- planner put it once inlined; OFFSET 0 keeps it out)
                     (SELECT count(*)
-                       FROM (SELECT a.sha256, max(a.created_at) AS last FROM a GROUP BY a.sha256) x
-                       JOIN durable.artifact_blobs b ON b.sha256 = x.sha256
-                      WHERE b.claimed_at <= x.last AND NOT durable.blob_is_pinned(x.sha256)
-                        AND NOT EXISTS (SELECT 1 FROM durable.artifacts k
-                                         WHERE k.sha256 = x.sha256
-                                           AND k.run_id NOT IN (SELECT id FROM r))) AS blobs",
+                       FROM (SELECT x.sha256
+                               FROM (SELECT a.sha256, max(a.created_at) AS last FROM a GROUP BY a.sha256) x
+                               JOIN durable.artifact_blobs b ON b.sha256 = x.sha256
+                              WHERE b.claimed_at <= x.last
+                                AND NOT EXISTS (SELECT 1 FROM durable.artifacts k
+                                                 WHERE k.sha256 = x.sha256
+                                                   AND k.run_id NOT IN (SELECT id FROM r))
+                             OFFSET 0) y
+                      WHERE NOT durable.blob_is_pinned(y.sha256)) AS blobs",
         )
         .bind(cutoff)
         .fetch_one(&mut *s)
