@@ -289,6 +289,10 @@ pub enum CliError {
     /// The connection broke while the submit was on its way.
     #[error(transparent)]
     SubmitUncertain(DbError),
+    /// `migrate` failed: a lacking grant is the owner's, not a reader's or
+    /// a worker's (their GRANTs were the hint: deployment audit).
+    #[error(transparent)]
+    Migrate(DbError),
     /// Standard output refused the command's output (a full disk,
     /// `> /dev/full`): `println!` panicked (exit 101). A closed pipe is not
     /// this: it ends a printing command quietly (SIGPIPE, as for `cat`).
@@ -396,12 +400,29 @@ impl CliError {
             CliError::Db(e) if e.sqlstate().as_deref() == Some("42501") => Some(
                 "this database role lacks a grant the command needs: readers need USAGE ON SCHEMA durable and SELECT ON ALL TABLES IN SCHEMA durable; submitters USAGE and EXECUTE on durable.submit_run and durable.cancel_run; gc and workers a worker's grants (SELECT, INSERT, UPDATE, DELETE on the schema's tables) (README \"Database roles\" has the GRANTs)",
             ),
+            CliError::Migrate(e) if e.sqlstate().as_deref() == Some("42501") => Some(
+                "migrate creates and changes the durable schema: run it as the schema's owner (README \"Database roles\", steps 1 and 2); the first migrate needs CREATE on the database, or a schema a DBA made for the owner (CREATE SCHEMA durable AUTHORIZATION <owner>)",
+            ),
             CliError::Db(e) if e.sqlstate().as_deref() == Some("55P03") => Some(
                 "another transaction held the rows for over 10 s (an open psql session, a long cancel or gc): this command gave up waiting, and made no change if it was to make one; end that transaction, or try again",
             ),
             _ => None,
         }
     }
+}
+
+/// The subcommand this process runs (`status`), as typed: the first
+/// argument that names one.
+fn subcommand_name() -> String {
+    use clap::CommandFactory;
+    let names: Vec<String> = Cli::command()
+        .get_subcommands()
+        .map(|c| c.get_name().to_owned())
+        .collect();
+    std::env::args()
+        .skip(1)
+        .find(|a| names.contains(a))
+        .unwrap_or_else(|| "supervisor".to_owned())
 }
 
 /// Whether `dev --submit` shows the watch view: stdout is a terminal and
@@ -671,8 +692,15 @@ impl Cli {
 }
 
 pub async fn main_with(cli: Cli) -> ExitCode {
+    crate::db::name_sessions(&format!("durable {}", subcommand_name()));
+    // a fatal error is a log line of its own with the json format on
+    // stderr (not when the log goes to dev's file: it is said on stderr)
+    let mut json_log = cli.log_format == "json";
     match dev_log_file(&cli) {
-        Some(file) => init_tracing_to(&cli.log_format, file),
+        Some(file) => {
+            json_log = false;
+            init_tracing_to(&cli.log_format, file)
+        }
         // watch draws on the terminal and says itself when the database is
         // away: sqlx's own warnings (a lost connection) tore its view
         None if matches!(cli.command, Command::Watch { .. }) => {
@@ -680,12 +708,23 @@ pub async fn main_with(cli: Cli) -> ExitCode {
         }
         None => init_tracing(&cli.log_format, "info,sqlx=warn"),
     }
+    let json_log = json_log && tracing::enabled!(tracing::Level::ERROR);
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            say(format_args!("error: {}", printable(&e.to_string())));
-            if let Some(hint) = e.hint() {
-                say(format_args!("hint: {hint}"));
+            if json_log {
+                // one JSON object per line, as the log promises (a
+                // collector parsing it met two plain lines; operator's
+                // tools audit)
+                match e.hint() {
+                    Some(hint) => tracing::error!(exit_code = e.exit_code(), hint, "{e}"),
+                    None => tracing::error!(exit_code = e.exit_code(), "{e}"),
+                }
+            } else {
+                say(format_args!("error: {}", printable(&e.to_string())));
+                if let Some(hint) = e.hint() {
+                    say(format_args!("hint: {hint}"));
+                }
             }
             ExitCode::from(e.exit_code())
         }
@@ -814,7 +853,8 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
 /// `supervisor migrate`.
 async fn migrate(url: &Option<String>) -> Result<u8, CliError> {
     let db = connect(url, 2, false).await?;
-    let crate::db::Migrated { version, applied } = db.migrate_counted().await?;
+    let crate::db::Migrated { version, applied } =
+        db.migrate_counted().await.map_err(CliError::Migrate)?;
     let mine = Db::schema_version_needed();
     if version > mine {
         eprintln!(
@@ -1010,6 +1050,9 @@ async fn events(
 ) -> Result<u8, CliError> {
     let id = parse_run_id(run_id)?;
     let db = connect_checked(url).await?;
+    if last.is_none() {
+        return all_events(&db, id, step, json).await;
+    }
     let events = db.events(id, step, last).await.map_err(explain)?;
     if json {
         outln!("{}", pretty_json(&events)?);
@@ -1022,6 +1065,83 @@ async fn events(
         out!("{}", events_text(&events));
     }
     Ok(0)
+}
+
+/// Events a page of `events`' table holds: its columns are as wide as its
+/// own rows need (a run with fewer events prints one table, as before).
+const EVENTS_PAGE: usize = 5000;
+
+/// `events` without `--last`: every event, printed as it comes from the
+/// database, a page at a time; the same text and JSON as one read.
+async fn all_events(db: &Db, id: Uuid, step: Option<&str>, json: bool) -> Result<u8, CliError> {
+    use std::io::Write;
+    let mut failed: Option<std::io::Error> = None;
+    let mut page: Vec<crate::db::EventRow> = Vec::new();
+    let mut printed = 0u64;
+    let handed = db
+        .for_each_event(id, step, |e| {
+            let res = if json {
+                serde_json::to_string_pretty(&e)
+                    .map_err(std::io::Error::other)
+                    .and_then(|one| {
+                        let indented = one.replace('\n', "\n  ");
+                        let sep = if printed == 0 { "[\n  " } else { ",\n  " };
+                        let mut stdout = std::io::stdout().lock();
+                        write!(stdout, "{sep}{indented}")
+                    })
+            } else {
+                page.push(e);
+                if page.len() >= EVENTS_PAGE {
+                    print_events_page(&mut page, printed < EVENTS_PAGE as u64)
+                } else {
+                    Ok(())
+                }
+            };
+            printed += 1;
+            match res {
+                Ok(()) => true,
+                Err(e) => {
+                    failed = Some(e);
+                    false
+                }
+            }
+        })
+        .await
+        .map_err(explain)?;
+    if let Some(e) = failed {
+        return Err(CliError::Stdout(e));
+    }
+    if handed == 0 {
+        if json {
+            outln!("[]");
+        } else {
+            let st = db.status(id).await.map_err(explain)?;
+            out!("{}", no_events_text(&st, step));
+        }
+    } else if json {
+        outln!("\n]");
+    } else if !page.is_empty() {
+        let first = handed <= EVENTS_PAGE as u64;
+        print_events_page(&mut page, first).map_err(CliError::Stdout)?;
+    }
+    Ok(0)
+}
+
+/// A page of `events`' table (a later one without its header line), and
+/// the page emptied.
+fn print_events_page(page: &mut Vec<crate::db::EventRow>, first: bool) -> std::io::Result<()> {
+    use std::io::Write;
+    let text = events_text(page);
+    let text = if first {
+        text.as_str()
+    } else {
+        text.split_once('\n').map_or("", |(_, rows)| rows)
+    };
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(text.as_bytes())?;
+    stdout.flush()?;
+    page.clear();
+    Ok(())
 }
 
 /// `supervisor runs [filters]`.
@@ -1392,6 +1512,9 @@ async fn worker(
         .clone()
         .filter(|u| !u.trim().is_empty())
         .or(cfg.database_url.clone());
+    if let Some(name) = &cfg.name {
+        crate::db::name_sessions(&format!("durable worker {name}"));
+    }
     // SIGTERM during start-up (probes, the sweep) is a clean stop too
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());

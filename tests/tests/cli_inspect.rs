@@ -1274,3 +1274,101 @@ async fn the_reading_commands_name_migrate_on_an_older_schema() {
         );
     }
 }
+
+/// `events` without `--last` prints events as they are read, a page at a
+/// time, instead of reading every one into memory first (600,000 events took
+/// 526 MB, and `events | head` waited for all of them; operator's tools
+/// audit). What it prints is what one read printed: one header, every event
+/// in order; its JSON is the same array `--last` gives for all of them.
+#[tokio::test]
+async fn events_of_a_long_step_are_printed_as_read_and_in_order() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "long", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let n: i64 = 12_345;
+    sqlx::query(
+        "INSERT INTO durable.step_events (step_run_id, attempt, sequence, kind, message)
+         SELECT s.id, 1, g, 'progress', 'event ' || g
+           FROM durable.step_runs s, generate_series(1, $2::bigint) g WHERE s.run_id = $1",
+    )
+    .bind(run)
+    .bind(n)
+    .execute(t.db.pool())
+    .await
+    .expect("events");
+    let id = run.to_string();
+    let text = cli(Some(&t.url), &["events", &id]);
+    assert_eq!(text.status.code(), Some(0), "{}", stderr(&text));
+    let out = stdout(&text);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len() as i64, n + 1, "one header and every event");
+    assert!(lines[0].starts_with("STEP"), "{}", lines[0]);
+    assert_eq!(
+        lines.iter().filter(|l| l.starts_with("STEP")).count(),
+        1,
+        "one header"
+    );
+    for (i, l) in lines[1..].iter().enumerate() {
+        assert!(l.ends_with(&format!("event {}", i + 1)), "row {i}: {l}");
+    }
+    let all = cli(Some(&t.url), &["events", &id, "--json"]);
+    let last = cli(
+        Some(&t.url),
+        &["events", &id, "--json", "--last", &n.to_string()],
+    );
+    assert_eq!(all.status.code(), Some(0), "{}", stderr(&all));
+    assert_eq!(
+        stdout(&all),
+        stdout(&last),
+        "the streamed JSON is the one read's"
+    );
+    let v: Value = serde_json::from_str(&stdout(&all)).expect("JSON");
+    assert_eq!(v.as_array().map(Vec::len), Some(n as usize));
+    // and of a run without any: an empty array, as before
+    let none = t
+        .submit(json!({"name": "none", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let o = cli(Some(&t.url), &["events", &none.to_string(), "--json"]);
+    assert_eq!(stdout(&o).trim(), "[]");
+}
+
+/// With `--log-format json`, a command's fatal error is a JSON log line too
+/// (with its hint and exit code as fields): it was two plain lines,
+/// `error: …` and `hint: …`, among the JSON ones (operator's tools audit).
+#[tokio::test]
+async fn a_fatal_error_in_the_json_log_format_is_a_json_line() {
+    let o = Command::new(tests::supervisor_bin())
+        .args([
+            "--log-format",
+            "json",
+            "status",
+            &Uuid::new_v4().to_string(),
+        ])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run supervisor");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(!err.is_empty());
+    let mut fatal = None;
+    for line in err.lines() {
+        let v: Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line:?}"));
+        if v["level"] == "ERROR" && v["fields"]["exit_code"] == 1 {
+            fatal = Some(v);
+        }
+    }
+    let fatal = fatal.expect("the fatal error's line");
+    assert!(
+        fatal["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("127.0.0.1")),
+        "{fatal}"
+    );
+    assert!(fatal["fields"]["hint"].is_string() || fatal["fields"]["hint"].is_null());
+}
