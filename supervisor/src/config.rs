@@ -485,14 +485,18 @@ impl WorkerConfig {
             cfg.db_max_connections = cfg.db_max_connections.max(cfg.min_db_connections());
         }
         cfg.validate().map_err(|e| match e {
-            ConfigError::Invalid(m) if applied.is_empty() => {
-                ConfigError::Invalid(format!("{m} (in {})", path.display()))
+            ConfigError::Invalid(m) => {
+                let involved = env_involved(&applied, &m);
+                if involved.is_empty() {
+                    ConfigError::Invalid(format!("{m} (in {})", path.display()))
+                } else {
+                    ConfigError::Invalid(format!(
+                        "{m} (in {}, with {} from the environment)",
+                        path.display(),
+                        involved.join(", ")
+                    ))
+                }
             }
-            ConfigError::Invalid(m) => ConfigError::Invalid(format!(
-                "{m} (in {}, with {} from the environment)",
-                path.display(),
-                applied.join(", ")
-            )),
             other => other,
         })?;
         cfg.check_commands()
@@ -522,10 +526,17 @@ impl WorkerConfig {
                     message: e.to_string(),
                 })?;
         cfg.validate().map_err(|e| match e {
-            ConfigError::Invalid(m) => ConfigError::Invalid(format!(
-                "{m} (with {} from the environment)",
-                applied.join(", ")
-            )),
+            ConfigError::Invalid(m) => {
+                let involved = env_involved(&applied, &m);
+                if involved.is_empty() {
+                    ConfigError::Invalid(m)
+                } else {
+                    ConfigError::Invalid(format!(
+                        "{m} (with {} from the environment)",
+                        involved.join(", ")
+                    ))
+                }
+            }
             other => other,
         })?;
         Ok(cfg)
@@ -1404,9 +1415,59 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
     }
 }
 
+/// The `DURABLE_<KEY>` variables of `applied` whose key a validation
+/// message names: a config error listed every variable set, as if each were
+/// to blame (`with DURABLE_METRICS_ADDR, DURABLE_NAME, DURABLE_WORK_DIR from
+/// the environment` of a work_dir error; deployment audit).
+fn env_involved(applied: &[String], message: &str) -> Vec<String> {
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    applied
+        .iter()
+        .filter(|var| {
+            let key = var
+                .get(ENV_PREFIX.len()..)
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            !key.is_empty()
+                && message.match_indices(key.as_str()).any(|(i, _)| {
+                    let before = message[..i].chars().next_back();
+                    let after = message[i + key.len()..].chars().next();
+                    !before.is_some_and(is_word) && !after.is_some_and(is_word)
+                })
+        })
+        .cloned()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_error_names_only_the_variables_it_is_about() {
+        let applied: Vec<String> = ["DURABLE_METRICS_ADDR", "DURABLE_NAME", "DURABLE_WORK_DIR"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(
+            env_involved(&applied, "work_dir \"/x\" does not exist"),
+            vec!["DURABLE_WORK_DIR"]
+        );
+        assert_eq!(
+            env_involved(&applied, "db_max_connections = 10 is smaller than 12"),
+            Vec::<String>::new(),
+            "no variable named: none"
+        );
+        // a key inside a longer word is not that key
+        assert_eq!(
+            env_involved(&applied, "work_dir_mode is bad; rename it"),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            env_involved(&applied, "name and metrics_addr clash"),
+            vec!["DURABLE_METRICS_ADDR", "DURABLE_NAME"]
+        );
+    }
 
     #[test]
     fn defaults_and_unknown_fields() {

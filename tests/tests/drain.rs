@@ -518,3 +518,31 @@ async fn a_closed_log_pipe_does_not_stop_the_drain() {
         .await;
     assert_eq!(stopped, 1, "the worker marked itself stopped");
 }
+
+/// A worker's sessions say whose they are in `pg_stat_activity`
+/// (`application_name` "durable worker NAME"): every session of every
+/// worker and command was nameless (operator's tools audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_sessions_carry_its_name() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.name = Some("named-sessions".into());
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND application_name = 'durable worker named-sessions'",
+        )
+        .fetch_one(t.db.pool())
+        .await
+        .expect("pg_stat_activity");
+        if n > 0 {
+            break;
+        }
+        assert!(Instant::now() < until, "no session of the worker is named");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    w.signal(Signal::SIGTERM);
+    assert_eq!(w.wait(Duration::from_secs(30)).await, Some(0));
+}

@@ -477,3 +477,40 @@ async fn the_readmes_reader_reads_and_its_submitter_submits_and_cancels() {
         "cancelled"
     );
 }
+
+/// `supervisor migrate` as a role that may not create the schema (no CREATE
+/// on the database, no schema made for it) says that migrate is the owner's
+/// (README "Database roles", steps 1 and 2). Its hint listed the grants of
+/// readers, submitters and workers, none of which migrates (deployment
+/// audit).
+#[tokio::test]
+async fn migrate_denied_by_the_database_names_the_owners_step() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let user = format!("mig_{tag}");
+    exec(
+        &t.db,
+        &format!(
+            "DROP SCHEMA durable CASCADE;
+             CREATE ROLE {user} LOGIN;
+             REVOKE CREATE ON DATABASE {name} FROM PUBLIC;",
+            name = t.name
+        ),
+    )
+    .await;
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .arg("migrate")
+        .env("DATABASE_URL", as_role(&t.url, &user))
+        .output()
+        .expect("migrate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("permission denied"), "{stderr}");
+    assert!(
+        stderr.contains(
+            "hint: migrate creates and changes the durable schema: run it as the schema's owner"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("readers need"), "{stderr}");
+}

@@ -135,6 +135,37 @@ fn permission_denied(e: &sqlx::migrate::MigrateError) -> Option<String> {
     (db.code().as_deref() == Some("42501")).then(|| db.message().to_owned())
 }
 
+/// The `application_name` of this process's sessions ([`name_sessions`]).
+static APPLICATION_NAME: std::sync::RwLock<Option<String>> = std::sync::RwLock::new(None);
+
+/// Names the database sessions this process opens from now on
+/// (`application_name`, as `pg_stat_activity` shows it): `durable worker w1`,
+/// `durable status`. A URL's own `application_name` (or PGAPPNAME) wins.
+pub fn name_sessions(name: &str) {
+    // PostgreSQL keeps 63 bytes of it, printable ASCII
+    let name: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                '?'
+            }
+        })
+        .take(63)
+        .collect();
+    *APPLICATION_NAME
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(name);
+}
+
+fn application_name() -> Option<String> {
+    APPLICATION_NAME
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
 /// The first migration's first statement (see `Db::migrator_for_existing_schema`).
 const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS durable;";
 
@@ -840,6 +871,13 @@ impl Db {
             url: redact_url(url),
             source,
         })?;
+        // who this session is in pg_stat_activity, unless the URL or
+        // PGAPPNAME says (audit of the operator's tools: every session of
+        // every worker and command was nameless)
+        let opts = match (opts.get_application_name(), application_name()) {
+            (None, Some(name)) => opts.application_name(&name),
+            _ => opts,
+        };
         // No statement waits forever on a lock or runs away (a transient
         // error the callers retry); the heartbeat's own connection is tighter.
         // Every statement is planned once per connection (generic plans): by
