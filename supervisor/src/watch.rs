@@ -131,12 +131,26 @@ pub async fn watch<W: Write>(
     tokio::pin!(interrupted);
     let mut failing_since: Option<Instant> = None;
     let mut first = true;
+    let mut stuck_asked: Option<Instant> = None;
     let end = loop {
         match read(db, run_id, &view).await {
             Ok((snap, hops)) => {
                 failing_since = None;
                 first = false;
                 let done = run_is_terminal(&snap.state);
+                let waits = snap
+                    .steps
+                    .iter()
+                    .any(|s| s.state == "pending" || s.state == "retryable_failed");
+                if done || !waits {
+                    view.stuck.clear();
+                } else if stuck_asked.is_none_or(|t| t.elapsed() >= STUCK_EVERY) {
+                    stuck_asked = Some(Instant::now());
+                    // a failed ask keeps what the last one said
+                    if let Ok(stuck) = db.unroutable_steps(run_id).await {
+                        view.stuck = stuck.iter().map(|s| (s.step.clone(), s.needs())).collect();
+                    }
+                }
                 let (width, rows) = if opts.live {
                     terminal_size()
                 } else {
@@ -239,7 +253,18 @@ struct View {
     /// taller than the screen scrolls at every redraw, leaving a stale copy
     /// in the scrollback each time.
     rows: Option<usize>,
+    /// The steps waiting for a worker that no live worker offers, with
+    /// what they need (as `status` says it), as last asked.
+    stuck: BTreeMap<String, String>,
+    /// Plain: the stuck steps whose line was printed (again once a step
+    /// stopped being stuck and is again).
+    stuck_said: BTreeMap<String, String>,
 }
+
+/// How often a watch asks which waiting steps no live worker offers (a
+/// query over the workers' routes): a step stuck for that reason looked
+/// `pending` for ever, and only `status` said why (operator's tools audit).
+const STUCK_EVERY: Duration = Duration::from_secs(5);
 
 const HIDE_CURSOR: &str = "\x1b[?25l";
 const SHOW_CURSOR: &str = "\x1b[?25h";
@@ -254,6 +279,8 @@ impl View {
             drawn_once: false,
             cursor_hidden: false,
             rows: None,
+            stuck: BTreeMap::new(),
+            stuck_said: BTreeMap::new(),
         }
     }
 
@@ -342,6 +369,18 @@ impl View {
         for (_, l) in lines {
             out.push_str(&l);
             out.push('\n');
+        }
+        // a waiting step no live worker offers: said once, as it starts
+        self.stuck_said
+            .retain(|name, _| self.stuck.contains_key(name));
+        for (name, needs) in &self.stuck {
+            if self.stuck_said.get(name) != Some(needs) {
+                out.push_str(&format!(
+                    "{}: waits: no live worker offers {needs}\n",
+                    cell(name, 40)
+                ));
+                self.stuck_said.insert(name.clone(), needs.clone());
+            }
         }
         self.drawn_once = true;
         if done {
@@ -449,6 +488,8 @@ impl View {
         if let Some(why) = why_text(s).filter(|_| s.error_code.is_some() || s.state == "cancelled")
         {
             line.push_str(&format!("  {why}"));
+        } else if self.stuck.contains_key(&s.name) {
+            line.push_str("  no live worker offers it (status says what it needs)");
         } else if let Some(m) = s.message.as_deref().filter(|m| !m.trim().is_empty()) {
             line.push_str(&format!("  {}", cell(m, 200)));
         }
@@ -744,6 +785,30 @@ mod tests {
             interval: Duration::from_millis(1),
             patience: Duration::from_secs(1),
         }
+    }
+
+    /// A waiting step that no live worker offers is said to be so, once in
+    /// the plain view (again when it is stuck anew), and on its line in the
+    /// live view: it looked `pending` for ever (operator's tools audit).
+    #[test]
+    fn a_step_no_worker_offers_is_said_to_wait_for_one() {
+        let needs = r#"executor_kind "go", kind "demo.nope""#.to_owned();
+        let r = run("running", vec![step("a", "pending", 0, None, None)]);
+        let mut v = View::new(opts(false));
+        v.stuck.insert("a".into(), needs.clone());
+        let f = v.frame(&r, &[], 0, false);
+        let line = format!("a: waits: no live worker offers {needs}");
+        assert!(f.contains(&line), "{f}");
+        assert!(!v.frame(&r, &[], 0, false).contains("waits"), "once");
+        v.stuck.clear();
+        assert!(!v.frame(&r, &[], 0, false).contains("waits"));
+        v.stuck.insert("a".into(), needs.clone());
+        assert!(v.frame(&r, &[], 0, false).contains(&line), "stuck anew");
+
+        let mut live = View::new(opts(true));
+        live.stuck.insert("a".into(), needs);
+        let f = live.frame(&r, &[], 120, false);
+        assert!(f.contains("no live worker offers it"), "{f}");
     }
 
     #[test]

@@ -657,3 +657,42 @@ async fn dev_with_a_refused_spec_leaves_no_live_worker_behind() {
         "no worker looks live"
     );
 }
+
+/// `watch --plain` of a step that no live worker offers says so (once),
+/// as `status` does: it printed `pending` and then nothing for ever
+/// (operator's tools audit). A worker offering it later runs it, and the
+/// watch ends with the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_no_live_worker_offers_is_said_to_wait_for_one() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "orphan", "steps": [
+            {"name": "o", "executor_kind": "go", "kind": "demo.echo"}]}))
+        .await;
+    let watch = tokio::process::Command::new(tests::supervisor_bin())
+        .args(["watch", &run.to_string(), "--plain", "--interval-ms", "100"])
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("watch");
+    // no worker yet: the first read finds the step stuck
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let w = worker(&t).await;
+    let out = tokio::time::timeout(Duration::from_secs(60), watch.wait_with_output())
+        .await
+        .expect("watch ended")
+        .expect("watch output");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    let said = r#"o: waits: no live worker offers executor_kind "go", kind "demo.echo""#;
+    assert_eq!(text.matches(said).count(), 1, "{text}");
+    assert!(
+        text.find(said) < text.find("o: succeeded"),
+        "then it ran: {text}"
+    );
+    w.shutdown().await;
+}
