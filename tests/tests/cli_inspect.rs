@@ -1372,3 +1372,41 @@ async fn a_fatal_error_in_the_json_log_format_is_a_json_line() {
     );
     assert!(fatal["fields"]["hint"].is_string() || fatal["fields"]["hint"].is_null());
 }
+
+/// `status --json` names each step's worker: the one that holds its lease
+/// or held its last (README "Many hosts": a worker's name is the owner);
+/// `null` for a step never leased. It was only in `durable.transitions`
+/// (new developer's audit).
+#[tokio::test]
+async fn status_names_the_worker_of_each_step() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "who", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "k"},
+            {"name": "b", "executor_kind": "go", "kind": "k", "depends_on": ["a"]}]}))
+        .await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "eu-1a", "test", &json!([]))
+        .await
+        .expect("register");
+    let a =
+        t.db.lease(w, "eu-1a", &tests::route_go_k(), 1, Duration::from_secs(30))
+            .await
+            .expect("lease")
+            .remove(0);
+    let o = cli(Some(&t.url), &["status", &run.to_string(), "--json"]);
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    assert_eq!(v["steps"][0]["worker"], "eu-1a", "{v}");
+    t.db.mark_running(&a.lease, "eu-1a", 1, &tests::accepted_event())
+        .await
+        .expect("running");
+    t.db.complete(&a.lease, "eu-1a", &json!({}), &[], Some(2))
+        .await
+        .expect("complete");
+    let o = cli(Some(&t.url), &["status", &run.to_string(), "--json"]);
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    let steps = v["steps"].as_array().expect("steps");
+    let by = |n: &str| steps.iter().find(|s| s["name"] == n).cloned().expect(n);
+    assert_eq!(by("a")["worker"], "eu-1a", "the worker that ran it: {v}");
+    assert!(by("b")["worker"].is_null(), "never leased: {v}");
+}

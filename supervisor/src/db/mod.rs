@@ -754,6 +754,10 @@ pub struct StepStatus {
     pub error: Option<StepError>,
     pub events: i64,
     pub artifacts: Vec<ArtifactSummary>,
+    /// The worker that holds the step's lease, or held its last one (its
+    /// `name`); `null` before the first lease, or once that worker's row was
+    /// removed (README "Many hosts": the owner by name).
+    pub worker: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]

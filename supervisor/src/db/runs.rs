@@ -321,7 +321,8 @@ impl DbConn<'_> {
                     s.cancel_requested, s.next_attempt_at, s.output::text AS output,
                     s.error_code, s.error_message, s.error_retryable,
                     s.error_details::text AS error_details, s.transition_reason,
-                    (SELECT count(*) FROM durable.step_events e WHERE e.step_run_id = s.id) AS events
+                    (SELECT count(*) FROM durable.step_events e WHERE e.step_run_id = s.id) AS events,
+                    (SELECT w.name FROM durable.workers w WHERE w.id = s.owner_worker_id) AS worker
                FROM durable.step_runs s WHERE s.run_id = $1 ORDER BY s.position",
         )
         .bind(run_id)
@@ -572,5 +573,6 @@ fn step_status(r: &PgRow, artifacts: Vec<ArtifactSummary>) -> StepStatus {
         error,
         events: r.get("events"),
         artifacts,
+        worker: r.get("worker"),
     }
 }
