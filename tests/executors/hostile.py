@@ -40,6 +40,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `burst_exit`: ACCEPTED, then the input's `heartbeats` (default 3000) HEARTBEAT events and
   a result with output `{"burst": n}`, all in one write, and exits 0 at once (without
   waiting for EOF, as an SDK does after its `max_jobs_per_process`-th job).
+- `print_hang`: ACCEPTED, then a line of text on its stdout (as a stray `print` would write it),
+  then sleeps (no terminal: ended by a cancel or a timeout).
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
@@ -93,6 +95,7 @@ MODES = [
     "sleep",
     "stderr_cut_secret",
     "burst_exit",
+    "print_hang",
 ]
 
 
@@ -323,6 +326,10 @@ def main() -> int:
                 job_id=job.job_id, sequence=seq, output=json.dumps({"burst": n}).encode())).SerializeToString())
             out.write(bytes(burst))
             os._exit(0)
+        elif mode == "print_hang":
+            event(pb.EVENT_KIND_ACCEPTED)
+            out.write(b"debug: hello from the handler\n")
+            time.sleep(3600)
         elif mode == "mute":
             time.sleep(3600)  # reads the job, answers nothing (SIGTERM ends it)
         elif mode == "stray_bytes":

@@ -369,3 +369,46 @@ async fn executor_stderr_is_logged_in_the_attempt_redacted_and_rate_limited() {
         "{metrics}"
     );
 }
+
+/// Text an executor printed to its stdout reads as a frame that never
+/// completes: with no heartbeat timeout the step stayed `running` for ever
+/// and the log said nothing (new developer's audit). Now the worker says
+/// so, once, while the attempt waits, with the bytes' start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_that_never_completes_is_said_while_the_attempt_waits() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = fast_config(vec![tests::hostile("hostile", None, &[])]);
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(one("printed", "hostile", "hostile.print_hang", json!({})))
+        .await;
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    let said = loop {
+        let log = w.stderr();
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("has held a frame that does not complete"))
+        {
+            break l.to_owned();
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no word of the unfinished frame: {log}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(said.contains("did it print something there"), "{said}");
+    assert!(said.contains("debug: hello"), "its first bytes: {said}");
+    assert_eq!(t.status(run).await.steps[0].state, "running");
+    t.db.cancel(run, None).await.expect("cancel");
+    t.wait_terminal(run, LONG).await;
+    stop(&mut w).await;
+    assert_eq!(
+        w.stderr()
+            .matches("has held a frame that does not complete")
+            .count(),
+        1,
+        "once"
+    );
+}

@@ -59,6 +59,11 @@ const EXIT_DRAIN_IDLE: Duration = Duration::from_millis(150);
 /// (~1,100-1,450 small frames fill a 64 KiB pipe) thrown away and the step
 /// recorded `EXECUTOR_CRASHED` (SDK audit).
 const EXIT_DRAIN_MAX: Duration = Duration::from_secs(2);
+/// How long an unfinished frame may sit on stdout, not growing, before the
+/// worker says so (once per attempt): text printed to stdout reads as a frame
+/// that never completes, and with no heartbeat timeout the step stayed
+/// `running` for ever with nothing in the log (new developer's audit).
+const STALL_WARN_AFTER: Duration = Duration::from_secs(10);
 /// A pipe's capacity when it cannot be asked (Linux's default).
 const PIPE_CAPACITY_DEFAULT: u64 = 64 * 1024;
 /// Intents queued between the attempt's loop and its writer task.
@@ -1825,6 +1830,11 @@ struct Clocks {
     grace_until: Option<Instant>,
     /// A drain of stdout in progress.
     drain: Option<Drain>,
+    /// The next stall check; the unfinished frame's bytes at the last one
+    /// (0 after any input); whether the stall was said.
+    stall_check_at: Option<Instant>,
+    stall_len: usize,
+    stall_said: bool,
     /// Until the job's first frame: when its silence means a stuck process
     /// (`handshake_timeout_ms` after the job is sent), and that bound.
     answer_at: Option<Instant>,
@@ -1878,6 +1888,9 @@ impl Clocks {
             grace: Duration::from_millis(cancel_grace_ms),
             grace_until: None,
             drain: None,
+            stall_check_at: Instant::now().checked_add(STALL_WARN_AFTER),
+            stall_len: 0,
+            stall_said: false,
         }
     }
 
@@ -1915,6 +1928,8 @@ impl Conversation<'_> {
         let mut broke = false;
         loop {
             let input = self.next_input(&machine).await;
+            // the stall check compares two reads with no input between
+            self.clocks.stall_len = 0;
             broke |= matches!(input, Input::StreamError { .. });
             machine.saw_unfinished(if broke {
                 0
@@ -1986,6 +2001,21 @@ impl Conversation<'_> {
                         return Input::Exited;
                     }
                     _ = self.writer.room(), if !room => continue,
+                    _ = sleep_opt(c.stall_check_at), if !c.stall_said => {
+                        c.stall_check_at = Instant::now().checked_add(STALL_WARN_AFTER);
+                        let buffered = self.frames.read_buffer();
+                        if !buffered.is_empty() && buffered.len() == c.stall_len {
+                            c.stall_said = true;
+                            warn!(
+                                bytes = buffered.len(),
+                                first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
+                                "the executor's stdout has held a frame that does not complete for {} s: did it print something there? stdout carries frames only (logs go to stderr); without a heartbeat_timeout_ms the attempt waits for it",
+                                STALL_WARN_AFTER.as_secs()
+                            );
+                        }
+                        c.stall_len = buffered.len();
+                        continue;
+                    }
                     frame = self.frames.next(), if room => {
                         if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
                             c.silence_at = instant_in(s);
