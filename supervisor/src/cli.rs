@@ -377,6 +377,7 @@ impl CliError {
             {
                 e.hint()
             }
+            CliError::Watching(e) if matches!(**e, CliError::Stdout(_)) => None,
             CliError::Watching(e) if e.exit_code() == 1 => Some(
                 "watch could not follow the run, which is not affected: check the database (DATABASE_URL), then run `supervisor watch RUN_ID` again",
             ),
@@ -1194,6 +1195,9 @@ async fn watch(
         })
     };
     match followed.await {
+        Ok(crate::watch::WatchEnd::OutputFailed(e)) => Err(CliError::Watching(Box::new(
+            CliError::Stdout(std::io::Error::other(e)),
+        ))),
         Ok(end) => Ok(end.exit_code()),
         Err(e) => Err(CliError::Watching(Box::new(e))),
     }

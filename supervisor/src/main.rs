@@ -41,6 +41,9 @@ fn runs_executors(command: &Command) -> bool {
 }
 
 /// The commands that start no executor: they read the database and print.
+/// Not `submit`: its output is the id of a run it made, and a closed pipe
+/// killed it silently after the run was made, so a retry made another
+/// (re-check audit); it says which run it made instead, exit 1.
 fn only_prints(command: &Command) -> bool {
     !matches!(
         command,
@@ -48,6 +51,7 @@ fn only_prints(command: &Command) -> bool {
             | Command::Dev { .. }
             | Command::Executors { .. }
             | Command::Conformance { .. }
+            | Command::Submit { .. }
     )
 }
 

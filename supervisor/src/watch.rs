@@ -67,6 +67,10 @@ pub enum WatchEnd {
     /// Stopped by this signal (SIGINT: Ctrl-C, SIGTERM, SIGHUP), or by its
     /// caller (0): the run goes on; only the watch stopped.
     Interrupted(i32),
+    /// Its output could not be written (a full disk; not a closed pipe,
+    /// which ends it as `cat`): the run goes on. It exited 0 with every
+    /// line lost (re-check audit).
+    OutputFailed(String),
 }
 
 impl WatchEnd {
@@ -78,6 +82,9 @@ impl WatchEnd {
             WatchEnd::Terminal(s) if s == "cancelled" => 3,
             WatchEnd::Terminal(_) => 1,
             WatchEnd::Interrupted(sig) => u8::try_from(128 + sig).unwrap_or(130),
+            // as any watch that could not follow the run (CONTRACT §2's 1
+            // is the run's failure)
+            WatchEnd::OutputFailed(_) => 5,
         }
     }
 }
@@ -158,21 +165,24 @@ pub async fn watch<W: Write>(
                 };
                 view.rows = rows;
                 let text = view.frame(&snap, &hops, width, done);
-                write_all(out, &text);
+                if let Err(e) = write_all(out, &text) {
+                    let _ = write_all(out, &view.abandon());
+                    break WatchEnd::OutputFailed(e);
+                }
                 if done {
                     break WatchEnd::Terminal(snap.state.clone());
                 }
             }
             // an unknown run, or a schema that is not there, is the answer
             Err(e) if first || !e.is_transient() => {
-                write_all(out, &view.abandon());
+                let _ = write_all(out, &view.abandon());
                 return Err(e);
             }
             // a database restart is not the end of the run: keep trying
             Err(e) => {
                 let since = *failing_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > opts.patience {
-                    write_all(out, &view.abandon());
+                    let _ = write_all(out, &view.abandon());
                     return Err(e);
                 }
             }
@@ -180,7 +190,7 @@ pub async fn watch<W: Write>(
         tokio::select! {
             _ = tokio::time::sleep(opts.interval) => {}
             sig = &mut interrupted => {
-                write_all(out, &view.abandon());
+                let _ = write_all(out, &view.abandon());
                 break WatchEnd::Interrupted(sig);
             }
         }
@@ -198,13 +208,16 @@ async fn read(db: &Db, run_id: Uuid, view: &View) -> Result<(WatchRun, Vec<StepH
 }
 
 /// Writes and flushes; a closed pipe (`watch … | head`) is not an error worth
-/// stopping for: the exit code still tells the run's end.
-fn write_all<W: Write>(out: &mut W, text: &str) {
+/// stopping for: the exit code still tells the run's end. Any other failure
+/// (a full disk) is the error.
+fn write_all<W: Write>(out: &mut W, text: &str) -> Result<(), String> {
     if text.is_empty() {
-        return;
+        return Ok(());
     }
-    let _ = out.write_all(text.as_bytes());
-    let _ = out.flush();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.to_string()),
+        _ => Ok(()),
+    }
 }
 
 /// The width of the terminal on stdout (80 when it cannot be asked), and

@@ -1173,6 +1173,43 @@ async fn output_that_cannot_be_written_is_an_error_naming_the_submitted_run() {
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+    // a pipe nobody reads any more: said the same way (a SIGPIPE ended it
+    // silently after the run was made; re-check audit)
+    let (read_end, write_end) = nix::unistd::pipe().expect("pipe");
+    drop(read_end);
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["submit", "-"])
+        .env("DATABASE_URL", &t.url)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::from(write_end))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("submit");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin
+            .write_all(
+                json!({"name": "piped", "steps": [step()]})
+                    .to_string()
+                    .as_bytes(),
+            )
+            .expect("write");
+    }
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let id: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM durable.workflow_runs WHERE name = 'piped'")
+            .fetch_one(t.db.pool())
+            .await
+            .expect("the run was made");
+    assert!(
+        stderr.contains(&format!(
+            "run {id} was submitted, but its id could not be written"
+        )),
+        "{stderr}"
+    );
     let out = Command::new(tests::supervisor_bin())
         .args(["runs"])
         .env("DATABASE_URL", &t.url)

@@ -1284,8 +1284,8 @@ async fn an_interrupted_gc_exits_130() {
 /// run's transitions and events while the run stayed. Now each of
 /// transitions, step_events, artifacts and step_runs refuses a DELETE of
 /// rows of a run that stays, unless the run is finished and marked for
-/// removal (as retention marks it); an open run's, never. Deleting the run
-/// whole still takes everything, and retention still removes it.
+/// removal (as retention marks it; readers then treat it as gone); an open
+/// run cannot be marked. Retention still removes the finished run whole.
 #[tokio::test]
 async fn history_is_removed_only_with_its_whole_run() {
     let t = TestDb::new().await;
@@ -1311,6 +1311,7 @@ async fn history_is_removed_only_with_its_whole_run() {
         "DELETE FROM durable.step_events WHERE step_run_id IN (SELECT id FROM durable.step_runs WHERE run_id = $1)",
         "DELETE FROM durable.artifacts WHERE run_id = $1",
         "DELETE FROM durable.step_runs WHERE run_id = $1",
+        "DELETE FROM durable.step_defs WHERE run_id = $1",
     ];
     let counts = |run: Uuid| {
         let db = t.db.clone();
@@ -1349,19 +1350,52 @@ async fn history_is_removed_only_with_its_whole_run() {
             );
         }
     }
-    // marked for removal: an open run's rows are still refused
-    sqlx::query("INSERT INTO durable.runs_being_removed (run_id) VALUES ($1)")
+    // nor an open run's edges (its waiting step would never be made), nor
+    // can a result move to another run (to be deleted as that one's), nor a
+    // mark be taken back (a run stripped while marked read as whole again)
+    let err = sqlx::query("DELETE FROM durable.step_dependents WHERE run_id = $1")
         .bind(open)
         .execute(t.db.pool())
         .await
-        .expect("mark");
-    let err = sqlx::query(statements[0])
-        .bind(open)
-        .execute(t.db.pool())
-        .await
-        .expect_err("an open run's history");
+        .expect_err("an open run's edges");
     assert!(
         err.to_string().contains("removed only with the whole run"),
+        "{err}"
+    );
+    let err = sqlx::query("UPDATE durable.artifacts SET run_id = $1 WHERE run_id = $2")
+        .bind(done)
+        .bind(open)
+        .execute(t.db.pool())
+        .await
+        .expect_err("moving a result");
+    assert!(err.to_string().contains("append-only"), "{err}");
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    sqlx::query("INSERT INTO durable.runs_being_removed (run_id) VALUES ($1)")
+        .bind(done)
+        .execute(&mut *tx)
+        .await
+        .expect("mark a finished run");
+    let err = sqlx::query("DELETE FROM durable.runs_being_removed WHERE run_id = $1")
+        .bind(done)
+        .execute(&mut *tx)
+        .await
+        .expect_err("unmarking");
+    assert!(
+        err.to_string().contains("the mark goes only with the run"),
+        "{err}"
+    );
+    tx.rollback().await.expect("rollback");
+    // an open run cannot even be marked for removal (re-check audit: a
+    // marked run's rows could be deleted, and readers called it gone)
+    let err = sqlx::query("INSERT INTO durable.runs_being_removed (run_id) VALUES ($1)")
+        .bind(open)
+        .execute(t.db.pool())
+        .await
+        .expect_err("marking an open run");
+    assert!(
+        err.to_string().contains(&format!(
+            "run {open} is not finished: retention removes only finished runs"
+        )),
         "{err}"
     );
     assert_eq!(
@@ -1369,11 +1403,6 @@ async fn history_is_removed_only_with_its_whole_run() {
         before,
         "nothing was deleted"
     );
-    sqlx::query("DELETE FROM durable.runs_being_removed WHERE run_id = $1")
-        .bind(open)
-        .execute(t.db.pool())
-        .await
-        .expect("unmark");
 
     // retention removes the finished run whole; the open one keeps all
     let removed =

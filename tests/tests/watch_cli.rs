@@ -696,3 +696,34 @@ async fn a_step_no_live_worker_offers_is_said_to_wait_for_one() {
     );
     w.shutdown().await;
 }
+
+/// A watch whose output cannot be written (a full disk) says so and exits
+/// 5, as any watch that could not follow the run: it exited 0 with every
+/// line lost (re-check audit).
+#[tokio::test]
+async fn a_watch_that_cannot_write_exits_5_naming_stdout() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(json!({"name": "full", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "demo.echo"}]}))
+        .await;
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    // std's output() keeps the stdout given (tokio's pipes it whatever)
+    let out = std::process::Command::new(tests::supervisor_bin())
+        .args(["watch", &run.to_string(), "--plain", "--interval-ms", "100"])
+        .env("DATABASE_URL", &t.url)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(full)
+        .output()
+        .expect("watch");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert!(
+        stderr.contains("cannot write to standard output: No space left on device"),
+        "{stderr}"
+    );
+}
