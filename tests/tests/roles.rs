@@ -514,3 +514,63 @@ async fn migrate_denied_by_the_database_names_the_owners_step() {
     );
     assert!(!stderr.contains("readers need"), "{stderr}");
 }
+
+/// `gc` as the worker's role (README "Database roles") removes what it
+/// should and reports no VACUUM: only the tables' owner may VACUUM them,
+/// PostgreSQL skipped every table with a warning only its log showed, and
+/// gc said "VACUUM 1.0 ms", `"vacuumed": true` (retention faults audit).
+#[tokio::test]
+async fn gc_as_the_worker_role_does_not_claim_a_vacuum() {
+    let t = TestDb::new().await;
+    let tag = Uuid::new_v4().simple().to_string();
+    let wrk = format!("gcw_{tag}");
+    exec(
+        &t.db,
+        &format!(
+            "CREATE ROLE {wrk} LOGIN; GRANT USAGE ON SCHEMA durable TO {wrk};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO {wrk};
+             GRANT USAGE ON ALL SEQUENCES IN SCHEMA durable TO {wrk};"
+        ),
+    )
+    .await;
+    let run = t
+        .submit(
+            json!({"name": "old", "steps": [{"name": "a", "executor_kind": "go", "kind": "k"}]}),
+        )
+        .await;
+    t.db.cancel(run, None).await.expect("cancel");
+    let gc = |url: String| {
+        std::process::Command::new(tests::supervisor_bin())
+            .args(["gc", "--older-than", "0s", "--json"])
+            .env("DATABASE_URL", url)
+            .output()
+            .expect("gc")
+    };
+    let out = gc(as_role(&t.url, &wrk));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        (v["runs"].as_u64(), v["vacuumed"].as_bool()),
+        (Some(1), Some(false)),
+        "{v}"
+    );
+    // the owner's does
+    let run = t
+        .submit(
+            json!({"name": "old2", "steps": [{"name": "a", "executor_kind": "go", "kind": "k"}]}),
+        )
+        .await;
+    t.db.cancel(run, None).await.expect("cancel");
+    let out = gc(t.url.clone());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        (v["runs"].as_u64(), v["vacuumed"].as_bool()),
+        (Some(1), Some(true)),
+        "{v}"
+    );
+}
