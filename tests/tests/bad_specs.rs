@@ -1139,77 +1139,31 @@ async fn output_that_cannot_be_written_is_an_error_naming_the_submitted_run() {
             .open("/dev/full")
             .expect("/dev/full")
     };
-    let mut child = Command::new(tests::supervisor_bin())
-        .args(["submit", "-"])
-        .env("DATABASE_URL", &t.url)
-        .stdin(std::process::Stdio::piped())
-        .stdout(full())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("submit");
-    {
-        use std::io::Write;
-        let mut stdin = child.stdin.take().expect("stdin");
-        stdin
-            .write_all(
-                json!({"name": "full", "steps": [step()]})
-                    .to_string()
-                    .as_bytes(),
-            )
-            .expect("write");
-    }
-    let out = child.wait_with_output().expect("wait");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    let id: uuid::Uuid =
-        sqlx::query_scalar("SELECT id FROM durable.workflow_runs WHERE name = 'full'")
-            .fetch_one(t.db.pool())
-            .await
-            .expect("the run was made");
-    assert!(
-        stderr.contains(&format!(
-            "run {id} was submitted, but its id could not be written to standard output"
-        )),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    // a pipe nobody reads any more: said the same way (a SIGPIPE ended it
-    // silently after the run was made; re-check audit)
+    // a full disk, then a pipe nobody reads any more (a SIGPIPE ended the
+    // latter silently after the run was made; re-check audit)
     let (read_end, write_end) = nix::unistd::pipe().expect("pipe");
     drop(read_end);
-    let mut child = Command::new(tests::supervisor_bin())
-        .args(["submit", "-"])
-        .env("DATABASE_URL", &t.url)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::from(write_end))
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("submit");
-    {
-        use std::io::Write;
-        let mut stdin = child.stdin.take().expect("stdin");
-        stdin
-            .write_all(
-                json!({"name": "piped", "steps": [step()]})
-                    .to_string()
-                    .as_bytes(),
-            )
-            .expect("write");
+    for (name, stdout) in [
+        ("full", std::process::Stdio::from(full())),
+        ("piped", std::process::Stdio::from(write_end)),
+    ] {
+        let out = submit_to(&t.url, &json!({"name": name, "steps": [step()]}), stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        let id: uuid::Uuid =
+            sqlx::query_scalar("SELECT id FROM durable.workflow_runs WHERE name = $1")
+                .bind(name)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("the run was made");
+        assert!(
+            stderr.contains(&format!(
+                "run {id} was submitted, but its id could not be written to standard output"
+            )),
+            "{name}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
     }
-    let out = child.wait_with_output().expect("wait");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    let id: uuid::Uuid =
-        sqlx::query_scalar("SELECT id FROM durable.workflow_runs WHERE name = 'piped'")
-            .fetch_one(t.db.pool())
-            .await
-            .expect("the run was made");
-    assert!(
-        stderr.contains(&format!(
-            "run {id} was submitted, but its id could not be written"
-        )),
-        "{stderr}"
-    );
     let out = Command::new(tests::supervisor_bin())
         .args(["runs"])
         .env("DATABASE_URL", &t.url)
@@ -1222,4 +1176,24 @@ async fn output_that_cannot_be_written_is_an_error_naming_the_submitted_run() {
         stderr.contains("cannot write to standard output: No space left on device"),
         "{stderr}"
     );
+}
+
+/// `supervisor submit -` of `spec` with its stdout on `stdout`.
+fn submit_to(url: &str, spec: &Value, stdout: std::process::Stdio) -> std::process::Output {
+    use std::io::Write;
+    let mut child = Command::new(tests::supervisor_bin())
+        .args(["submit", "-"])
+        .env("DATABASE_URL", url)
+        .stdin(std::process::Stdio::piped())
+        .stdout(stdout)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("submit");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(spec.to_string().as_bytes())
+        .expect("write the spec");
+    child.wait_with_output().expect("wait")
 }
