@@ -905,14 +905,11 @@ async fn submit(url: &Option<String>, file: &str, json: bool) -> Result<u8, CliE
 /// A submitted run's id line on stdout; one that cannot be written is
 /// [`CliError::SubmittedUnprinted`], which names the run on stderr.
 fn print_submitted(id: Uuid, line: &str) -> Result<(), CliError> {
-    let print = || -> Result<(), CliError> {
-        outln!("{line}");
-        Ok(())
-    };
-    print().map_err(|e| match e {
-        CliError::Stdout(source) => CliError::SubmittedUnprinted { id, source },
-        e => e,
-    })
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{line}")
+        .and_then(|()| stdout.flush())
+        .map_err(|source| CliError::SubmittedUnprinted { id, source })
 }
 
 /// What to tell the submitter on stderr when the spec's idempotency key named

@@ -211,6 +211,15 @@ impl DbConn<'_> {
         step: Option<&str>,
         last: Option<u32>,
     ) -> Result<Vec<EventRow>, DbError> {
+        let Some(last) = last else {
+            let mut all = Vec::new();
+            self.for_each_event(run_id, step, |e| {
+                all.push(e);
+                true
+            })
+            .await?;
+            return Ok(all);
+        };
         let mut s = Scope::enter(self.conn).await?;
         check_step_named(&mut s, run_id, step).await?;
         // the newest `last` read backwards (by the index of each step's
@@ -227,7 +236,7 @@ impl DbConn<'_> {
         )
         .bind(run_id)
         .bind(step)
-        .bind(last.map(i64::from))
+        .bind(i64::from(last))
         .fetch_all(&mut *s)
         .await
         .ctx("reading a run's events")?;

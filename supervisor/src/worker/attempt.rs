@@ -1830,9 +1830,11 @@ struct Clocks {
     grace_until: Option<Instant>,
     /// A drain of stdout in progress.
     drain: Option<Drain>,
-    /// The next stall check; the unfinished frame's bytes at the last one
-    /// (0 after any input); whether the stall was said.
-    stall_check_at: Option<Instant>,
+    /// The next stall check: one timer for the attempt, reset as it fires
+    /// (a fresh one per frame read was a timer-wheel entry per frame); the
+    /// unfinished frame's bytes at the last check (0 after any input);
+    /// whether the stall was said.
+    stall_check: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall_len: usize,
     stall_said: bool,
     /// Until the job's first frame: when its silence means a stuck process
@@ -1888,7 +1890,7 @@ impl Clocks {
             grace: Duration::from_millis(cancel_grace_ms),
             grace_until: None,
             drain: None,
-            stall_check_at: Instant::now().checked_add(STALL_WARN_AFTER),
+            stall_check: Box::pin(tokio::time::sleep(STALL_WARN_AFTER)),
             stall_len: 0,
             stall_said: false,
         }
@@ -2001,8 +2003,8 @@ impl Conversation<'_> {
                         return Input::Exited;
                     }
                     _ = self.writer.room(), if !room => continue,
-                    _ = sleep_opt(c.stall_check_at), if !c.stall_said => {
-                        c.stall_check_at = Instant::now().checked_add(STALL_WARN_AFTER);
+                    _ = c.stall_check.as_mut(), if !c.stall_said => {
+                        c.stall_check.as_mut().reset(Instant::now() + STALL_WARN_AFTER);
                         let buffered = self.frames.read_buffer();
                         if !buffered.is_empty() && buffered.len() == c.stall_len {
                             c.stall_said = true;
