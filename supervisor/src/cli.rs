@@ -668,6 +668,64 @@ pub fn check_log_format_env() -> Result<(), String> {
     }
 }
 
+/// Clap refused the command line (or was asked for help or the version,
+/// which it prints as usual). With the JSON log format asked for on the
+/// command line or in `DURABLE_LOG_FORMAT`, the refusal is one JSON log
+/// line, as every other fatal error is, with the usage as its hint: a
+/// collector parsing the log met clap's plain lines among the JSON ones.
+pub fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    let code = u8::try_from(e.exit_code()).unwrap_or(2);
+    let asked_for = matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion);
+    if asked_for || !json_log_asked(std::env::args_os().skip(1)) {
+        // clap's own output (help on stdout, an error on stderr); a failed
+        // write is no panic
+        let _ = e.print();
+        return ExitCode::from(code);
+    }
+    init_tracing("json", "info");
+    let (message, hint) = if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        // clap's answer is the whole help text
+        (
+            "no command given".to_owned(),
+            Some("`supervisor --help` lists the commands".to_owned()),
+        )
+    } else {
+        let text = e.render().to_string();
+        let mut parts = text.trim().splitn(2, "\n\n");
+        let first = parts.next().unwrap_or_default();
+        let first = first.strip_prefix("error: ").unwrap_or(first);
+        let message = first.split_whitespace().collect::<Vec<_>>().join(" ");
+        let hint = parts
+            .next()
+            .map(|h| h.split_whitespace().collect::<Vec<_>>().join(" "));
+        (message, hint)
+    };
+    match hint {
+        Some(hint) => tracing::error!(exit_code = code, hint, "{message}"),
+        None => tracing::error!(exit_code = code, "{message}"),
+    }
+    ExitCode::from(code)
+}
+
+/// Whether the arguments (before a `--`) or `DURABLE_LOG_FORMAT` ask for
+/// the JSON log format (the arguments win, as clap's `env` has them).
+fn json_log_asked(args: impl Iterator<Item = std::ffi::OsString>) -> bool {
+    let mut asked = std::env::var("DURABLE_LOG_FORMAT").ok();
+    let mut args = args.map(|a| a.to_string_lossy().into_owned());
+    while let Some(a) = args.next() {
+        if a == "--" {
+            break;
+        }
+        if a == "--log-format" {
+            asked = args.next();
+        } else if let Some(v) = a.strip_prefix("--log-format=") {
+            asked = Some(v.to_owned());
+        }
+    }
+    asked.as_deref() == Some("json")
+}
+
 impl Cli {
     /// `--database-url`, or else DATABASE_URL (as clap's `env` would, but
     /// without the usage lines naming the flag as given). An empty flag is

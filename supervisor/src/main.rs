@@ -9,7 +9,10 @@ async fn main() -> ExitCode {
         eprintln!("error: {msg}");
         return ExitCode::from(2);
     }
-    let cli = Cli::parse().with_database_url_from_env();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli.with_database_url_from_env(),
+        Err(e) => return supervisor::cli::usage_error(e),
+    };
     if runs_executors(&cli.command) {
         start_reaping();
     }

@@ -1373,6 +1373,64 @@ async fn a_fatal_error_in_the_json_log_format_is_a_json_line() {
     assert!(fatal["fields"]["hint"].is_string() || fatal["fields"]["hint"].is_null());
 }
 
+/// A command line clap refuses is a JSON log line too under the JSON log
+/// format, asked for by the flag or by `DURABLE_LOG_FORMAT`: it was clap's
+/// plain lines among the JSON ones. Help stays plain text on stdout, and
+/// without the JSON format the refusal is clap's usual text.
+#[test]
+fn a_usage_error_in_the_json_log_format_is_a_json_line() {
+    let run = |args: &[&str], env_json: bool| {
+        let mut c = Command::new(tests::supervisor_bin());
+        c.args(args).env_remove("RUST_LOG").stdin(Stdio::null());
+        if env_json {
+            c.env("DURABLE_LOG_FORMAT", "json");
+        } else {
+            c.env_remove("DURABLE_LOG_FORMAT");
+        }
+        c.output().expect("run supervisor")
+    };
+    for (args, env_json) in [
+        (&["--log-format", "json", "stauts"][..], false),
+        (&["--log-format=json", "status"][..], false),
+        (&["runs", "--limit", "x"][..], true),
+        (&["--log-format", "json"][..], false),
+    ] {
+        let o = run(args, env_json);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        let err = stderr(&o);
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 1, "{args:?}: one line: {err}");
+        let v: Value = serde_json::from_str(lines[0])
+            .unwrap_or_else(|e| panic!("{args:?}: not a JSON line ({e}): {err:?}"));
+        assert_eq!(v["level"], "ERROR", "{v}");
+        assert_eq!(v["fields"]["exit_code"], 2, "{v}");
+        let message = v["fields"]["message"].as_str().unwrap_or_default();
+        assert!(!message.is_empty() && !message.starts_with("error:"), "{v}");
+        assert!(v["fields"]["hint"].is_string(), "{v}");
+    }
+    let o = run(&["--log-format", "json", "stauts"], false);
+    assert!(
+        stderr(&o).contains("unrecognized subcommand 'stauts'"),
+        "{}",
+        stderr(&o)
+    );
+    // the text format, and help, are clap's own
+    let o = run(&["stauts"], false);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).starts_with("error: unrecognized subcommand"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["--log-format", "json", "--help"], false);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("Usage: supervisor"), "{}", stdout(&o));
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    // `--log-format text` after the variable wins over it
+    let o = run(&["--log-format", "text", "stauts"], true);
+    assert!(stderr(&o).starts_with("error: "), "{}", stderr(&o));
+}
+
 /// `status --json` names each step's worker: the one that holds its lease
 /// or held its last (README "Many hosts": a worker's name is the owner);
 /// `null` for a step never leased. It was only in `durable.transitions`
