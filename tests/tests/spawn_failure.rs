@@ -352,6 +352,46 @@ async fn an_executor_failing_every_third_start_fails_no_step() {
     assert!(refused > 0, "the failed starts were refusals, counted");
 }
 
+/// A persistent executor whose starts fail every other time, one job per
+/// process, one at a time: the breaker's probe took every good start and was
+/// stopped after its hello, so every job's own start was a bad one, refused
+/// (uncounted) and the breaker opened again: the steps waited for ever. The
+/// probe's process is now kept for the next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persistent_executor_failing_every_other_start_runs_every_step() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut ecfg = flaky_executor(dir.path(), 2);
+    ecfg.persistent = true;
+    ecfg.warm_processes = 0;
+    ecfg.max_jobs_per_process = Some(1);
+    ecfg.concurrency = 1;
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.refusal_delay_ms = 100;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let steps: Vec<serde_json::Value> = (0..3)
+        .map(|i| json!({"name": format!("s{i}"), "executor_kind": "go", "kind": "demo.echo", "input": {"i": i}}))
+        .collect();
+    let run = t
+        .submit(json!({"name": "every-other", "steps": steps}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    for s in &st.steps {
+        assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
+    }
+    let starts: u32 = std::fs::read_to_string(dir.path().join("starts"))
+        .expect("the start counter")
+        .trim()
+        .parse()
+        .expect("a count");
+    assert!(
+        starts >= 4,
+        "starts failed and were probed: {starts} starts"
+    );
+}
+
 /// A persistent executor whose processes die before their hello: neither a
 /// job's start nor the warm pool's closes the breaker by spawning a process
 /// (only a hello does), so nothing more is leased while no process can say

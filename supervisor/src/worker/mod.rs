@@ -1351,8 +1351,28 @@ async fn routes_to_lease(
                 return Some(idle);
             }
             let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
-            match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
-                Ok(hello) => {
+            // a persistent executor's probe process is kept for the next
+            // job (see `warm::probe_process`); a one-shot one is stopped
+            let probed = if exec.cfg.persistent {
+                warm::probe_process(shared, exec)
+                    .await
+                    .map(|(h, s)| (h, Some(s)))
+                    .map_err(|why| {
+                        WorkerError::Probe {
+                            name: exec.cfg.name.clone(),
+                            command: exec.cfg.command.clone(),
+                            why: why + &exec.cfg.relative_args_note(),
+                        }
+                        .to_string()
+                    })
+            } else {
+                probe(&shared.spawner, &exec.cfg, &shared.cfg)
+                    .await
+                    .map(|h| (h, None))
+                    .map_err(|e| e.to_string())
+            };
+            match probed {
+                Ok((hello, session)) => {
                     // the probe's hello says what the executor offers now
                     let routes = routing::routes(&hello, &exec.cfg);
                     let none = routes.is_empty();
@@ -1360,14 +1380,21 @@ async fn routes_to_lease(
                     if none {
                         // not a start that went well: the pause keeps
                         // doubling while the executor offers nothing
+                        if let Some(s) = session {
+                            s.retire(&shared.cfg, "its hello offers nothing this worker leases")
+                                .await;
+                        }
                         exec.offers_nothing(shared, &hello);
                         return None;
                     }
                     info!(executor = %exec.cfg.name, routes = exec.routes().len(), "the executor starts again: leasing for it");
                     exec.process_started(shared);
+                    if let Some(s) = session {
+                        exec.pool.put(s, &shared.cfg).await;
+                    }
                 }
-                Err(e) => {
-                    exec.process_failed(shared, base, &e.to_string());
+                Err(why) => {
+                    exec.process_failed(shared, base, &why);
                     return None;
                 }
             }

@@ -177,18 +177,68 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
 async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, String> {
     // a persistent process runs in a session directory of its own: no
     // attempt directory to give it
-    let mut session = exec
+    let session = exec
         .start_process(shared, shared.work.base(), "warm")
         .await
         .map_err(|e| e.to_string())?;
+    match handshake(shared, session).await {
+        Ok((_, session)) => {
+            exec.process_started(shared);
+            Ok(session)
+        }
+        Err((why, gone)) => {
+            // gone before its hello: the executor cannot be started here,
+            // and its breaker opens as for a command that cannot run (a
+            // job's start does the same); a hello closes it
+            if gone {
+                exec.process_failed(
+                    shared,
+                    Duration::from_millis(shared.cfg.refusal_delay_ms),
+                    &why,
+                );
+            }
+            Err(why)
+        }
+    }
+}
+
+/// The probe of a persistent executor whose breaker asks for one before
+/// more is leased for it (`routes_to_lease`): a process of the pool's own,
+/// started and handshaken, which the caller keeps for the next job when its
+/// hello offers something. A probe that was stopped after its hello left
+/// the next job to start a process of its own: an executor whose starts
+/// failed every other time had every probe succeed and every job's start
+/// fail, and its steps waited for ever. The breaker is left to the caller,
+/// which judges the hello.
+pub(crate) async fn probe_process(
+    shared: &Shared,
+    exec: &ExecutorRuntime,
+) -> Result<(wire::Hello, Session), String> {
+    let session = Session::start(
+        &shared.spawner,
+        &shared.cfg,
+        &shared.work,
+        &exec.cfg,
+        shared.work.base(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    crate::metrics::executor_process_started(&exec.cfg.name, "warm");
+    handshake(shared, session).await.map_err(|(why, _)| why)
+}
+
+/// Reads a started process's hello (kept in the session too). An unusable
+/// one (or none) stops the process: why, and whether it was gone before its
+/// hello.
+async fn handshake(
+    shared: &Shared,
+    mut session: Session,
+) -> Result<(wire::Hello, Session), (String, bool)> {
     let read = wire::read_hello(
         &mut session.frames,
         Duration::from_millis(shared.cfg.handshake_timeout_ms),
     )
     .await;
-    // gone before its hello: the executor cannot be started here, and its
-    // breaker opens as for a command that cannot run (a job's start does
-    // the same); a hello closes it
     let gone = read
         .as_ref()
         .is_err_and(wire::HandshakeError::gone_before_hello);
@@ -198,22 +248,13 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
     };
     match usable {
         Ok(h) => {
-            session.hello = Some(h);
-            exec.process_started(shared);
-            Ok(session)
+            session.hello = Some(h.clone());
+            Ok((h, session))
         }
         Err(why) => {
             let tail = session.child.stderr().tail_string();
             let _ = super::attempt::stop_child(&mut session.child, &shared.cfg).await;
-            let why = format!("{why}; stderr: {}", tail.trim());
-            if gone {
-                exec.process_failed(
-                    shared,
-                    Duration::from_millis(shared.cfg.refusal_delay_ms),
-                    &why,
-                );
-            }
-            Err(why)
+            Err((format!("{why}; stderr: {}", tail.trim()), gone))
         }
     }
 }
