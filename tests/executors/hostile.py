@@ -31,7 +31,13 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   the input's `size` bytes (`%08d` of its number, repeated), back to back for the
   input's `ms`, then a result `{"checkpoints": n}`; with the input's `count`,
   that many, then it sleeps (no result, no reading).
-- `stray_bytes`: ACCEPTED, a result, then bytes that are no whole frame.
+- `stray_bytes`: ACCEPTED, a result, then bytes that are no whole frame; with the input's
+  `on_next_job` true, a frame that is no protobuf message is written once the process
+  has read its next job, before anything else of it (as a print after a terminal lands
+  once the next job was sent).
+- `refuse_once`: the first job of a step this process sees is refused (a retryable
+  EXECUTOR_REFUSED before ACCEPTED); a later one (the same step again) gets ACCEPTED and a
+  result with output = input.
 - `mute`: reads the job and answers nothing, not even ACCEPTED; sleeps.
 - `sleep`: ACCEPTED, then a result after the input's `ms`.
 - `stderr_cut_secret`: ACCEPTED, a stderr line whose 1024-byte cut falls 8 bytes into its
@@ -90,6 +96,7 @@ MODES = [
     "secret_memory",
     "late_frame",
     "stray_bytes",
+    "refuse_once",
     "mute",
     "checkpoint_flood",
     "sleep",
@@ -151,6 +158,8 @@ def main() -> int:
         time.sleep(3600)  # never reads its stdin
         return 0
     seen_secrets: list[str] = []
+    refused_steps: set[str] = set()
+    stray_owed = False
     for _ in range(jobs):
         raw = read_frame(inp)
         if raw is None:
@@ -160,6 +169,10 @@ def main() -> int:
         if frame.WhichOneof("frame") != "job":
             return 0
         job = frame.job
+        if stray_owed:
+            stray_owed = False
+            # a whole frame of 3 bytes that are no protobuf message
+            out.write(b"\x03\xff\xff\xff")
         seen_secrets.extend(v for v in job.secrets.values() if v not in seen_secrets)
         job_log = os.environ.get("HOSTILE_JOB_LOG")
         if job_log:
@@ -336,7 +349,17 @@ def main() -> int:
             # a result, then bytes that are no whole frame (a stray print)
             event(pb.EVENT_KIND_ACCEPTED)
             result(b'{"stray": true}')
-            out.write(b"\xffGARBAGE between jobs\n")
+            if json.loads(job.input or b"{}").get("on_next_job"):
+                stray_owed = True
+            else:
+                out.write(b"\xffGARBAGE between jobs\n")
+        elif mode == "refuse_once":
+            if job.step_run_id not in refused_steps:
+                refused_steps.add(job.step_run_id)
+                error("EXECUTOR_REFUSED", "not this time", True)
+            else:
+                event(pb.EVENT_KIND_ACCEPTED)
+                result(job.input or b"{}")
         else:
             error("BAD_INPUT", "unknown mode " + mode, False)
     # wait for EOF / shutdown, as an executor should

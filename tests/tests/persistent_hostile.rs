@@ -141,3 +141,63 @@ async fn a_late_frame_of_the_previous_job_does_not_fail_the_next_one() {
         "the process that wrote a late frame served another job"
     );
 }
+
+/// A job refused by a persistent process and leased again (a refusal gives
+/// its attempt number back) goes to the same idle process with an id of its
+/// own: it had the refused job's id, its frames were dropped as a late
+/// answer of that previous job, and the step hung in `leased` (or ran out
+/// of `timeout_ms` at every attempt) although the executor answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_sent_again_after_its_refusal_is_answered() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "refused once", "steps": [
+            step_spec("a", "hostile.refuse_once", json!({"input": {"n": 1}, "timeout_ms": 8000}))]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    let a = step(&st, "a");
+    assert_eq!(a.state, "succeeded", "{:?}", a.error);
+    assert_eq!(a.attempt, 1, "the refusal gave its attempt back");
+    assert_eq!(a.output, Some(json!({"n": 1})));
+    let refusals = t
+        .scalar_i64(&format!(
+            "SELECT refusals::int8 FROM durable.step_runs WHERE id = '{}'",
+            a.step_run_id
+        ))
+        .await;
+    assert_eq!(refusals, 1, "the first job was refused");
+}
+
+/// Bytes a persistent process writes after its job's terminal, once the
+/// next job was already sent to it (here: once it read it), come before
+/// that job's first frame: they are not its doing. The job goes back to the queue uncounted
+/// and runs on a new process; it failed for good
+/// (PROTOCOL_MALFORMED_FRAME, not retryable) and its run with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stray_bytes_arriving_after_the_next_job_was_sent_do_not_fail_it() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "stray later", "steps": [
+            step_spec("a", "hostile.stray_bytes", json!({"input": {"on_next_job": true}})),
+            step_spec("b", "hostile.echo", json!({"input": {"b": true}, "depends_on": ["a"]}))]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    for name in ["a", "b"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+        assert_eq!(s.attempt, 1, "{name}");
+    }
+    assert_ne!(
+        executor_pid(&t.db, step(&st, "a").step_run_id).await,
+        executor_pid(&t.db, step(&st, "b").step_run_id).await,
+        "b ran on the process that wrote the bytes"
+    );
+}

@@ -322,7 +322,8 @@ func (*SupervisorFrame_Shutdown) isSupervisorFrame_Frame() {}
 type Job struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Opaque correlation id chosen by the supervisor, echoed on every frame of
-	// this job. Unique per attempt.
+	// this job. Unique per job sent (a job sent again after a refusal has a
+	// new one).
 	JobId string `protobuf:"bytes,1,opt,name=job_id,json=jobId,proto3" json:"job_id,omitempty"`
 	// Execution identity.
 	WorkflowRunId string `protobuf:"bytes,2,opt,name=workflow_run_id,json=workflowRunId,proto3" json:"workflow_run_id,omitempty"`

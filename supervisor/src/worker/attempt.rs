@@ -546,6 +546,18 @@ fn attempt_workdir(
     })
 }
 
+/// A job's id: its step and attempt, and a number this worker gives each
+/// job it sends. The step and attempt alone are not unique: a refusal gives
+/// its attempt number back, and the same step's next job on the same
+/// persistent process had the id of the job the process had just refused,
+/// whose frames are dropped as the previous job's: its answer was thrown
+/// away, and the step hung or timed out (pool audit).
+fn job_id(step: &LeasedStep) -> String {
+    static SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    format!("{}:{}:{n}", step.lease.step_run_id(), step.lease.attempt())
+}
+
 /// The job frame of this attempt (before protocol 1.1's agreement is added).
 fn job_for(
     step: &LeasedStep,
@@ -555,7 +567,7 @@ fn job_for(
 ) -> wire::Job {
     let now_ms = Utc::now().timestamp_millis();
     wire::Job {
-        job_id: format!("{}:{}", step.lease.step_run_id(), step.lease.attempt()),
+        job_id: job_id(step),
         workflow_run_id: step.run_id.to_string(),
         step_run_id: step.lease.step_run_id().to_string(),
         idempotency_key: step.idempotency_key.clone(),

@@ -518,6 +518,9 @@ pub(crate) struct Machine {
     grace_frames: usize,
     /// A warm process that served jobs before this one.
     reused: bool,
+    /// The imposed outcome is a protocol violation on stdout (bytes that
+    /// are no frame, a frame out of place), not the supervisor's stop.
+    violated: bool,
     /// The job this process served before this one: a frame of it is the
     /// process's fault, not this job's.
     previous_job: Option<String>,
@@ -546,6 +549,7 @@ impl Machine {
             exited: false,
             grace_frames: 0,
             reused: false,
+            violated: false,
             previous_job: None,
             stale_frames: 0,
             unfinished: 0,
@@ -780,11 +784,13 @@ impl Machine {
                 }
                 FrameVerdict::Impose(o) => {
                     self.imposed = Some(o);
+                    self.violated = true;
                     self.finish(false, false)
                 }
             },
             Input::StreamError { code, message } => {
                 self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
+                self.violated = true;
                 self.finish(false, false)
             }
             // stdout closed while the leader runs: no terminal can come. The
@@ -829,6 +835,7 @@ impl Machine {
                     }
                     FrameVerdict::Impose(o) => {
                         self.imposed = Some(o);
+                        self.violated = true;
                         Vec::new()
                     }
                 }
@@ -838,6 +845,7 @@ impl Machine {
                     self.after_terminal_violation = true;
                 } else if self.imposed.is_none() {
                     self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
+                    self.violated = true;
                 }
                 self.finish(false, false)
             }
@@ -949,6 +957,28 @@ impl Machine {
                 ),
             });
         }
+        // a warm process whose stdout broke the protocol before one frame of
+        // this job (bytes that are no frame, a frame out of place): what it
+        // wrote after its previous job's terminal, once this job was already
+        // sent, reads as this job's first bytes. It is not this job's doing:
+        // the job goes back to the queue uncounted, as above, and the
+        // process is replaced (audit: a stray print 20 ms after a terminal
+        // failed the next job for good, PROTOCOL_MALFORMED_FRAME). A job
+        // that starts a fresh process meets no such leftover: its own
+        // violations count.
+        if self.reused && self.violated && self.terminal.is_none() && self.frames.last_seq == 0 {
+            let what = match &self.imposed {
+                Some(Outcome::Failed { code, message, .. }) => format!("{code}: {message}"),
+                Some(o) => o.label(),
+                None => String::new(),
+            };
+            return Verdict::Outcome(Outcome::Refused {
+                code: "EXECUTOR_CRASHED".into(),
+                message: format!(
+                    "the warm process broke the protocol before its first frame for this job ({what}): most likely bytes it wrote after its previous job's terminal; the job goes back to the queue, uncounted, for a new process"
+                ),
+            });
+        }
         // how the executor took the stop, for the imposed outcome's message:
         // what it answered (other than CANCELLED), or that it gave nothing
         // (the cancellation audit found both in no record: an answer of
@@ -968,7 +998,9 @@ impl Machine {
                 Some(Terminal::Error(e)) => handler_error(&e.details)
                     .map(|h| format!("; the handler's own error after the stop: {h}")),
                 Some(_) => None,
-                None => Some(format!("; the executor gave no terminal ({exit_text})")),
+                None => Some(format!(
+                    "; the executor gave no terminal within its grace ({exit_text})"
+                )),
             });
         let verdict = precedence(
             self.imposed,

@@ -1025,6 +1025,55 @@ fn a_reused_process_that_ends_before_answering_is_a_refusal() {
     );
 }
 
+/// A warm process that breaks the protocol before one frame of its job
+/// (bytes left from its previous job) gives the job back uncounted; a fresh
+/// process's violation, and one after the job's first frame, are the job's.
+#[test]
+fn a_reused_process_that_breaks_the_protocol_before_answering_is_a_refusal() {
+    let limits = || Limits {
+        timeout_ms: None,
+        silence_ms: None,
+    };
+    let malformed = || Input::StreamError {
+        code: "PROTOCOL_MALFORMED_FRAME",
+        message: "malformed frame".into(),
+    };
+    let wrong_job = || of_job("other", ev(1, EventKind::Accepted, ""));
+    let run = |reused: bool, inputs: Vec<Input>| {
+        let mut m = Machine::new("j", 7, true, limits()).reused(reused);
+        for i in inputs {
+            m.on(i);
+        }
+        label(&m.verdict(false, "exit status: 0"))
+    };
+    for (reused, inputs, want) in [
+        (true, vec![malformed()], "refused (EXECUTOR_CRASHED)"),
+        (true, vec![wrong_job()], "refused (EXECUTOR_CRASHED)"),
+        (
+            false,
+            vec![malformed()],
+            "failed (PROTOCOL_MALFORMED_FRAME)",
+        ),
+        (
+            false,
+            vec![wrong_job()],
+            "failed (PROTOCOL_UNEXPECTED_FRAME)",
+        ),
+        (
+            true,
+            vec![accepted(), malformed()],
+            "failed (PROTOCOL_MALFORMED_FRAME)",
+        ),
+        (
+            true,
+            vec![Input::Exited, malformed()],
+            "refused (EXECUTOR_CRASHED)",
+        ),
+    ] {
+        assert_eq!(run(reused, inputs), want, "reused {reused}");
+    }
+}
+
 /// An imposed outcome says how the executor took the stop: what it
 /// answered (not CANCELLED), or that it gave no terminal and how it ended.
 /// Before, an answer of its own was dropped and an executor killed at the
@@ -1087,7 +1136,7 @@ fn a_stop_records_how_the_executor_took_it() {
             vec![accepted(), Input::Cancel, Input::GraceEnded],
             "killed by SIGKILL"
         ),
-        "cancelled on request; the executor gave no terminal (killed by SIGKILL)"
+        "cancelled on request; the executor gave no terminal within its grace (killed by SIGKILL)"
     );
     assert_eq!(
         message(
