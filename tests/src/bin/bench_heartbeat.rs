@@ -99,6 +99,10 @@ async fn statement_count(counter: Counter, reader: &Db, measured: &Db) -> Result
         Counter::PgStatStatements => Ok(sqlx::query_scalar(
             "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements
               WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                -- statements the client sent: with pg_stat_statements.track
+                -- = all, those run inside renew_leases are counted too, and
+                -- one call read as two statements (audit)
+                AND toplevel
                 AND (query LIKE '%UPDATE durable.workers SET last_heartbeat_at%'
                      OR query LIKE '%lease_expires_at = now()%'
                      OR query LIKE '%durable.renew_leases(%')",
