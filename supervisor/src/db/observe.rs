@@ -47,7 +47,8 @@ impl DbConn<'_> {
     }
 
     /// Ready steps per (executor_kind, kind), whoever can run them. A skip
-    /// scan of the partial routing index `step_runs_route` finds the distinct
+    /// scan of the partial routing index (`step_runs_route_labels`, led by
+    /// `executor_kind, kind`) finds the distinct
     /// routes that have open steps (at most `max_kinds`, one index probe
     /// each), then each route's ready steps (`next_attempt_at <= now()`) are
     /// counted up to `cap` (an index range scan that stops there). Steps of

@@ -265,6 +265,33 @@ impl Db {
     }
 }
 
+/// A route's labels up to which the lease lists the label sets it may take
+/// (`2^n` of them, one index probe each); a route with more reads the sets
+/// its ready steps have from the index instead.
+const LISTED_LABELS: usize = 6;
+
+/// The label sets a route with `labels` may lease (every step's labels
+/// must be offered: each subset of them, `{}` included), as a JSON array of
+/// objects, or JSON null past [`LISTED_LABELS`].
+fn label_sets(labels: &std::collections::BTreeMap<String, String>) -> serde_json::Value {
+    if labels.len() > LISTED_LABELS {
+        return serde_json::Value::Null;
+    }
+    let pairs: Vec<(&String, &String)> = labels.iter().collect();
+    let sets = (0u32..1 << pairs.len())
+        .map(|mask| {
+            let set: serde_json::Map<String, serde_json::Value> = pairs
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| mask & (1 << i) != 0)
+                .map(|(_, (k, v))| ((*k).clone(), serde_json::Value::String((*v).clone())))
+                .collect();
+            serde_json::Value::Object(set)
+        })
+        .collect();
+    serde_json::Value::Array(sets)
+}
+
 /// The lease statement (see [`DbConn::lease_routed`]), made once: it reads
 /// other live workers' routes as `status` does ([`super::runs::routes_of`]).
 static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
@@ -277,16 +304,38 @@ static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
              ), routes AS (
                  -- a route's own secrets as an array once, not per candidate
                  SELECT u.*, ARRAY(SELECT jsonb_array_elements_text(u.secrets -> 'mine')) AS mine
-                   FROM unnest($3::text[], $4::text[], $5::jsonb[], $10::jsonb[])
-                     AS u(executor_kind, kind, labels, secrets)
+                   FROM unnest($3::text[], $4::text[], $5::jsonb[], $10::jsonb[], $11::jsonb[])
+                     AS u(executor_kind, kind, labels, secrets, label_sets)
              ), candidates AS (
-                 -- one ordered scan of the routing index per route, stopping
-                 -- after `limit` rows: the cost does not grow with the backlog
-                 -- nor with ready steps of kinds this worker cannot run
+                 -- one ordered scan of the routing index per route and label
+                 -- set it offers, stopping after `limit` rows: the cost does
+                 -- not grow with the backlog, nor with ready steps of kinds or
+                 -- labels this worker cannot run
                  SELECT c.id FROM routes r
+                 CROSS JOIN LATERAL (
+                 -- a route's label sets merged in queue order, `limit` rows
+                 -- at most (so the plan expects as many rows per route as
+                 -- before: with a hundred per label set it joined the
+                 -- candidates to a sequential scan of every step)
+                 SELECT p.id, p.next_attempt_at FROM (
+                     -- the label sets: every subset of the route's labels
+                     -- (`label_sets`), or, for a route with too many labels
+                     -- to list them (null), those of its ready steps that
+                     -- it offers, read from the index
+                     SELECT l.value AS labels
+                       FROM jsonb_array_elements(CASE WHEN jsonb_typeof(r.label_sets) = 'array'
+                                                      THEN r.label_sets ELSE '[]' END) AS l
+                     UNION ALL
+                     SELECT DISTINCT s.labels FROM durable.step_runs s
+                      WHERE jsonb_typeof(r.label_sets) IS DISTINCT FROM 'array'
+                        AND s.executor_kind = r.executor_kind AND s.kind = r.kind
+                        AND s.state IN ('pending', 'retryable_failed')
+                        AND r.labels @> s.labels
+                 ) l
                  CROSS JOIN LATERAL (
                      SELECT s.id, s.next_attempt_at FROM durable.step_runs s
                       WHERE s.executor_kind = r.executor_kind AND s.kind = r.kind
+                        AND s.labels = l.labels
                         AND s.state IN ('pending', 'retryable_failed')
                         AND s.next_attempt_at <= now()
                         AND r.labels @> s.labels
@@ -325,6 +374,9 @@ static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
                       ORDER BY s.next_attempt_at
                       LIMIT $6
                       FOR NO KEY UPDATE OF s SKIP LOCKED
+                 ) p
+                 ORDER BY p.next_attempt_at
+                 LIMIT $6
                  ) c
                  -- the worker's lease epoch (NULL: not fenced), once per
                  -- call: a call cut off and run late leases nothing
@@ -342,9 +394,12 @@ static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
           RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input::text AS input, s.idempotency_key,
                     s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
                     s.secrets, s.checkpoint, s.cancel_requested,
-                    EXISTS (SELECT 1 FROM durable.step_defs d
-                             WHERE d.run_id = s.run_id AND d.name = s.name
-                               AND cardinality(d.depends_on) > 0) AS has_dependencies"#,
+                    -- a probe per row: as EXISTS the planner may hash a
+                    -- scan of every definition when it expects many rows
+                    coalesce((SELECT true FROM durable.step_defs d
+                               WHERE d.run_id = s.run_id AND d.name = s.name
+                                 AND cardinality(d.depends_on) > 0
+                               LIMIT 1), false) AS has_dependencies"#,
         others_live =
             super::runs::routes_of(&format!("{} AND w.id <> $1", super::runs::LIVE_WORKER))
     )
@@ -485,6 +540,8 @@ impl DbConn<'_> {
             .iter()
             .map(|r| serde_json::to_value(&r.labels).unwrap_or_default())
             .collect();
+        let label_sets: Vec<serde_json::Value> =
+            routes.iter().map(|r| label_sets(&r.labels)).collect();
         let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(&LEASE_SQL)
             .bind(worker_id)
@@ -497,6 +554,7 @@ impl DbConn<'_> {
             .bind(except)
             .bind(epoch)
             .bind(&filters)
+            .bind(&label_sets)
             .fetch_all(&mut *s)
             .await
             .ctx("leasing steps")?;
@@ -990,5 +1048,44 @@ mod input_tests {
             decode_input(r#"{"a": [1, 2]}"#).expect("plain"),
             serde_json::json!({"a": [1, 2]})
         );
+    }
+}
+
+#[cfg(test)]
+mod label_set_tests {
+    use super::{label_sets, LISTED_LABELS};
+    use serde_json::json;
+    use std::collections::BTreeMap;
+
+    fn labels(n: usize) -> BTreeMap<String, String> {
+        (0..n).map(|i| (format!("k{i}"), format!("v{i}"))).collect()
+    }
+
+    #[test]
+    fn a_route_offers_every_subset_of_its_labels_up_to_the_listed_count() {
+        assert_eq!(label_sets(&BTreeMap::new()), json!([{}]));
+        let two: BTreeMap<String, String> =
+            [("gpu".into(), "a100".into()), ("zone".into(), "a".into())].into();
+        let sets = label_sets(&two);
+        let mut got: Vec<String> = sets
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        got.sort();
+        let mut want = vec![
+            json!({}).to_string(),
+            json!({"gpu": "a100"}).to_string(),
+            json!({"zone": "a"}).to_string(),
+            json!({"gpu": "a100", "zone": "a"}).to_string(),
+        ];
+        want.sort();
+        assert_eq!(got, want);
+        assert_eq!(
+            label_sets(&labels(LISTED_LABELS)).as_array().map(Vec::len),
+            Some(1 << LISTED_LABELS)
+        );
+        assert_eq!(label_sets(&labels(LISTED_LABELS + 1)), json!(null));
     }
 }
