@@ -718,7 +718,10 @@ fn json_log_asked(args: impl Iterator<Item = std::ffi::OsString>) -> bool {
             break;
         }
         if a == "--log-format" {
-            asked = args.next();
+            // a flag without its value leaves the variable's word
+            if let Some(v) = args.next() {
+                asked = Some(v);
+            }
         } else if let Some(v) = a.strip_prefix("--log-format=") {
             asked = Some(v.to_owned());
         }

@@ -201,3 +201,42 @@ async fn stray_bytes_arriving_after_the_next_job_was_sent_do_not_fail_it() {
         "b ran on the process that wrote the bytes"
     );
 }
+
+/// What a persistent process leaves after every job (a frame that is no
+/// message, read with its next job) is no later step's doing: those steps
+/// go back uncounted and are never failed for it, whatever `max_refusals`
+/// says. They ended EXECUTOR_REFUSED once such leftovers had met them
+/// `max_refusals` times, the run with them (re-check audit: 1 step in 30).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leftovers_of_earlier_jobs_never_fail_a_later_step() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![persistent_hostile()]);
+    cfg.max_refusals = 1;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let steps: Vec<Value> = (0..4)
+        .map(|i| {
+            step_spec(
+                &format!("s{i}"),
+                "hostile.stray_bytes",
+                json!({"input": {"on_next_job": true}}),
+            )
+        })
+        .collect();
+    let run = t.submit(json!({"name": "leftovers", "steps": steps})).await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    for s in &st.steps {
+        assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
+        assert_eq!(s.attempt, 1, "{}", s.name);
+    }
+    let refusals = t
+        .scalar_i64(&format!(
+            "SELECT sum(refusals)::int8 FROM durable.step_runs WHERE run_id = '{run}'"
+        ))
+        .await;
+    assert!(
+        refusals >= 1,
+        "a leftover met a later job (else nothing was tested)"
+    );
+}

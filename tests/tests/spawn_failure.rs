@@ -356,7 +356,9 @@ async fn an_executor_failing_every_third_start_fails_no_step() {
 /// process, one at a time: the breaker's probe took every good start and was
 /// stopped after its hello, so every job's own start was a bad one, refused
 /// (uncounted) and the breaker opened again: the steps waited for ever. The
-/// probe's process is now kept for the next job.
+/// probe's process is now kept for the next job, and a step refused for a
+/// failed start is not held off from this worker (5 s at least), past the
+/// pool's idle timeout that retired the kept probe (re-check audit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_persistent_executor_failing_every_other_start_runs_every_step() {
     let _serial = tests::exclusive().await;
@@ -366,6 +368,7 @@ async fn a_persistent_executor_failing_every_other_start_runs_every_step() {
     ecfg.warm_processes = 0;
     ecfg.max_jobs_per_process = Some(1);
     ecfg.concurrency = 1;
+    ecfg.idle_timeout_ms = 1_000;
     let mut cfg = fast_config(vec![ecfg]);
     cfg.refusal_delay_ms = 100;
     let t = TestDb::new().await;
@@ -376,7 +379,7 @@ async fn a_persistent_executor_failing_every_other_start_runs_every_step() {
     let run = t
         .submit(json!({"name": "every-other", "steps": steps}))
         .await;
-    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    let st = t.wait_terminal(run, Duration::from_secs(30)).await;
     w.shutdown().await;
     for s in &st.steps {
         assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);

@@ -266,8 +266,9 @@ impl Db {
 }
 
 /// A route's labels up to which the lease lists the label sets it may take
-/// (`2^n` of them, one index probe each); a route with more reads the sets
-/// its ready steps have from the index instead.
+/// (`2^n` of them, one index probe each); a route with more finds the sets
+/// its kind's ready steps have by a skip scan of the index instead (one
+/// probe per distinct set, those it cannot take included).
 const LISTED_LABELS: usize = 6;
 
 /// The label sets a route with `labels` may lease (every step's labels
@@ -320,17 +321,30 @@ static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
                  SELECT p.id, p.next_attempt_at FROM (
                      -- the label sets: every subset of the route's labels
                      -- (`label_sets`), or, for a route with too many labels
-                     -- to list them (null), those of its ready steps that
-                     -- it offers, read from the index
+                     -- to list them (null), the distinct sets of its kind's
+                     -- ready steps that it offers, found by a skip scan of
+                     -- the index (one probe per set, not per step)
                      SELECT l.value AS labels
                        FROM jsonb_array_elements(CASE WHEN jsonb_typeof(r.label_sets) = 'array'
                                                       THEN r.label_sets ELSE '[]' END) AS l
                      UNION ALL
-                     SELECT DISTINCT s.labels FROM durable.step_runs s
-                      WHERE jsonb_typeof(r.label_sets) IS DISTINCT FROM 'array'
-                        AND s.executor_kind = r.executor_kind AND s.kind = r.kind
-                        AND s.state IN ('pending', 'retryable_failed')
-                        AND r.labels @> s.labels
+                     SELECT d.labels FROM (
+                         WITH RECURSIVE d(labels) AS (
+                             (SELECT s.labels FROM durable.step_runs s
+                               WHERE jsonb_typeof(r.label_sets) IS DISTINCT FROM 'array'
+                                 AND s.executor_kind = r.executor_kind AND s.kind = r.kind
+                                 AND s.state IN ('pending', 'retryable_failed')
+                               ORDER BY s.labels LIMIT 1)
+                             UNION ALL
+                             SELECT (SELECT s.labels FROM durable.step_runs s
+                                      WHERE s.executor_kind = r.executor_kind AND s.kind = r.kind
+                                        AND s.state IN ('pending', 'retryable_failed')
+                                        AND s.labels > d.labels
+                                      ORDER BY s.labels LIMIT 1)
+                               FROM d WHERE d.labels IS NOT NULL
+                         )
+                         SELECT d.labels FROM d WHERE d.labels IS NOT NULL AND r.labels @> d.labels
+                     ) d
                  ) l
                  CROSS JOIN LATERAL (
                      SELECT s.id, s.next_attempt_at FROM durable.step_runs s

@@ -2366,15 +2366,26 @@ fn retry_delay(ms: u64) -> chrono::Duration {
 }
 
 /// A refusal that ended its step says so (the usual one leaves it ready).
-/// How many refusals of this kind a step may get: `max_refusals`, but for a
-/// fault of this worker's host (an executor that cannot be started, a
-/// work_dir that takes nothing), which nothing of the step can have caused:
-/// those are paced by the breakers (nothing is leased while one is open),
-/// and a step is not failed for them (re-check audit: an executor that
-/// failed every other start failed the first step in line EXECUTOR_REFUSED).
-/// They are still counted in `refusals`.
+/// How many refusals of this kind a step may get: `max_refusals`, but for
+/// refusals nothing of the step can have caused, for which a step is not
+/// failed (they are still counted in `refusals`):
+/// - a fault of this worker's host (an executor that cannot be started, a
+///   work_dir that takes nothing), paced by the breakers (nothing is leased
+///   while one is open; re-check audit: an executor that failed every other
+///   start failed the first step in line EXECUTOR_REFUSED);
+/// - `EXECUTOR_CRASHED`, a warm process that ended, or broke the protocol,
+///   before its first frame for a job after serving an earlier one: what
+///   the earlier job left (bytes written after its terminal) fell on a later
+///   step, which ended EXECUTOR_REFUSED once such leftovers had met it
+///   `max_refusals` times (re-check audit: 1 step in 30 with an executor
+///   printing after every result). It cannot repeat for ever: the process
+///   is replaced each time, and a job a fresh process takes is its first,
+///   whose violations and crashes count as the attempt's.
 fn refusals_allowed(code: &str, max_refusals: u32) -> u32 {
-    if matches!(code, "SPAWN_FAILED" | "WORK_DIR_UNAVAILABLE") {
+    if matches!(
+        code,
+        "SPAWN_FAILED" | "WORK_DIR_UNAVAILABLE" | "EXECUTOR_CRASHED"
+    ) {
         i32::MAX as u32
     } else {
         max_refusals
@@ -2475,8 +2486,18 @@ async fn write_outcome(
                 shared.due_at(&step.executor_kind, due);
             }
             // a warm process that died between jobs is no reason to leave
-            // the step to others; any other refusal says this worker can't
-            if code != "EXECUTOR_CRASHED" {
+            // the step to others, nor is a host fault: its breaker keeps
+            // this worker from leasing for the executor until a probe
+            // starts one (other workers take the step meanwhile), and a
+            // persistent executor's probe process waits in the pool for
+            // the next job; held off past the pool's idle_timeout_ms (5 s
+            // at least), the step came back after the probe was retired
+            // and met a failing start again, for ever (re-check audit).
+            // Any other refusal says this worker can't.
+            if !matches!(
+                code.as_str(),
+                "EXECUTOR_CRASHED" | "SPAWN_FAILED" | "WORK_DIR_UNAVAILABLE"
+            ) {
                 shared.leave_to_others(lease.step_run_id());
             }
             Ok(())

@@ -608,6 +608,12 @@ impl Machine {
         on_frame(&mut self.frames, &self.job_id, self.pid, f)
     }
 
+    /// Whether a frame names this job (job ids are never reused: a frame
+    /// that breaks the protocol under this job's id is this job's doing).
+    fn names_this_job(&self, f: &FromExecutor) -> bool {
+        job_frame(f).is_some_and(|(job, _)| job == self.job_id)
+    }
+
     /// The job runs on a warm process that served jobs before it.
     pub(crate) fn reused(mut self, reused: bool) -> Machine {
         self.reused = reused;
@@ -775,19 +781,23 @@ impl Machine {
                 self.phase = Phase::DrainingAfterExit;
                 vec![Action::StartDrain]
             }
-            Input::Frame(f) => match self.check(f) {
-                FrameVerdict::Continue => Vec::new(),
-                FrameVerdict::Write(i) => vec![Action::Persist(i)],
-                FrameVerdict::Terminal(t) => {
-                    self.terminal = Some(t);
-                    self.job_done()
+            Input::Frame(f) => {
+                let own = self.names_this_job(&f);
+                match self.check(f) {
+                    FrameVerdict::Continue => Vec::new(),
+                    FrameVerdict::Write(i) => vec![Action::Persist(i)],
+                    FrameVerdict::Terminal(t) => {
+                        self.terminal = Some(t);
+                        self.job_done()
+                    }
+                    FrameVerdict::Impose(o) => {
+                        self.imposed = Some(o);
+                        // a frame naming this job is this job's doing
+                        self.violated = !own;
+                        self.finish(false, false)
+                    }
                 }
-                FrameVerdict::Impose(o) => {
-                    self.imposed = Some(o);
-                    self.violated = true;
-                    self.finish(false, false)
-                }
-            },
+            }
             Input::StreamError { code, message } => {
                 self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
                 self.violated = true;
@@ -826,6 +836,7 @@ impl Machine {
                     // a violation decided it; the rest is not looked at
                     return Vec::new();
                 }
+                let own = self.names_this_job(&f);
                 match self.check(f) {
                     FrameVerdict::Continue => Vec::new(),
                     FrameVerdict::Write(i) => vec![Action::Persist(i)],
@@ -835,7 +846,7 @@ impl Machine {
                     }
                     FrameVerdict::Impose(o) => {
                         self.imposed = Some(o);
-                        self.violated = true;
+                        self.violated = !own;
                         Vec::new()
                     }
                 }
@@ -975,7 +986,7 @@ impl Machine {
             return Verdict::Outcome(Outcome::Refused {
                 code: "EXECUTOR_CRASHED".into(),
                 message: format!(
-                    "the warm process broke the protocol before its first frame for this job ({what}): most likely bytes it wrote after its previous job's terminal; the job goes back to the queue, uncounted, for a new process"
+                    "the warm process wrote what is no frame of this job before its first frame for it ({what}): most likely left on its stdout after its previous job's terminal; the job goes back to the queue, uncounted, for a new process"
                 ),
             });
         }

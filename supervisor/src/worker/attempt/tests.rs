@@ -1069,6 +1069,12 @@ fn a_reused_process_that_breaks_the_protocol_before_answering_is_a_refusal() {
             vec![Input::Exited, malformed()],
             "refused (EXECUTOR_CRASHED)",
         ),
+        // a frame under this job's own id is this job's (ids are unique)
+        (
+            true,
+            vec![of_job("j", ev(0, EventKind::Accepted, ""))],
+            "failed (PROTOCOL_SEQUENCE_OUT_OF_RANGE)",
+        ),
     ] {
         assert_eq!(run(reused, inputs), want, "reused {reused}");
     }
