@@ -35,6 +35,7 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   `on_next_job` true, a frame that is no protobuf message is written once the process
   has read its next job, before anything else of it (as a print after a terminal lands
   once the next job was sent).
+- `crash_at_once`: exits 3 as soon as it has read the job (no frame; a poison input).
 - `refuse_once`: the first job of a step this process sees is refused (a retryable
   EXECUTOR_REFUSED before ACCEPTED); a later one (the same step again) gets ACCEPTED and a
   result with output = input.
@@ -97,6 +98,7 @@ MODES = [
     "late_frame",
     "stray_bytes",
     "refuse_once",
+    "crash_at_once",
     "mute",
     "checkpoint_flood",
     "sleep",
@@ -353,6 +355,8 @@ def main() -> int:
                 stray_owed = True
             else:
                 out.write(b"\xffGARBAGE between jobs\n")
+        elif mode == "crash_at_once":
+            os._exit(3)
         elif mode == "refuse_once":
             if job.step_run_id not in refused_steps:
                 refused_steps.add(job.step_run_id)

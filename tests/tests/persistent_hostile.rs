@@ -240,3 +240,63 @@ async fn leftovers_of_earlier_jobs_never_fail_a_later_step() {
         "a leftover met a later job (else nothing was tested)"
     );
 }
+
+/// A step that crashes every process it meets, before any frame, while
+/// other steps keep the warm processes busy: each crash of a process that
+/// had served a job was an uncounted refusal, and the step came back to
+/// another such process for as long as the traffic lasted (re-check audit:
+/// 111 refusals in two minutes). After such a crash its next attempt takes
+/// a process that served no job, where the crash counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_that_crashes_every_process_fails_while_other_steps_flow() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut e = persistent_hostile();
+    e.concurrency = 2;
+    e.warm_processes = 2;
+    let mut cfg = fast_config(vec![e]);
+    cfg.refusal_delay_ms = 200;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let echo = |i: u32| {
+        json!({"name": format!("feed {i}"), "steps": [
+        step_spec("s", "hostile.sleep", json!({"input": {"ms": 100}}))]})
+    };
+    // the warm processes have served jobs before the poison comes
+    for i in 0..4 {
+        t.submit(echo(i)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let poison = t
+        .submit(json!({"name": "poison", "steps": [
+            step_spec("p", "hostile.crash_at_once", json!({"retry": {"max_attempts": 2}}))]}))
+        .await;
+    // traffic for as long as the check below waits
+    let started = std::time::Instant::now();
+    let mut i = 4;
+    let mut state = String::new();
+    while started.elapsed() < Duration::from_secs(20) {
+        t.submit(echo(i)).await;
+        t.submit(echo(i + 1)).await;
+        i += 2;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        state = sqlx::query_scalar("SELECT state FROM durable.workflow_runs WHERE id = $1")
+            .bind(poison)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("the poison run's state");
+        if state == "failed" {
+            break;
+        }
+    }
+    let refusals = t
+        .scalar_i64(&format!(
+            "SELECT refusals::int8 FROM durable.step_runs WHERE run_id = '{poison}'"
+        ))
+        .await;
+    w.shutdown().await;
+    assert_eq!(
+        state, "failed",
+        "the poison step still goes round after 20 s of traffic ({refusals} refusals)"
+    );
+    assert!(refusals <= 2, "{refusals} uncounted refusals");
+}

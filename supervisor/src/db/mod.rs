@@ -637,6 +637,10 @@ pub struct LeasedStep {
     /// Whether the step's definition names dependencies (only then can it
     /// have input artifacts to fetch).
     pub has_dependencies: bool,
+    /// The code of the step's last error or refusal, if any (an earlier
+    /// attempt's: the lease leaves it). After `EXECUTOR_CRASHED` the attempt
+    /// takes a process that served no job (see `worker::attempt`).
+    pub last_error: Option<String>,
     /// Why `input` could not be decoded (it is `null` then): nested deeper
     /// than the JSON decoder takes, stored before submit refused that. The
     /// attempt fails the step (`INPUT_UNDECODABLE`) instead of the worker dying

@@ -407,7 +407,7 @@ static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
               WHERE s.id = c.id
           RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input::text AS input, s.idempotency_key,
                     s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
-                    s.secrets, s.checkpoint, s.cancel_requested,
+                    s.secrets, s.checkpoint, s.cancel_requested, s.error_code AS last_error,
                     -- a probe per row: as EXISTS the planner may hash a
                     -- scan of every definition when it expects many rows
                     coalesce((SELECT true FROM durable.step_defs d
@@ -1036,6 +1036,7 @@ pub(super) fn leased_from_row(r: sqlx::postgres::PgRow) -> Result<LeasedStep, Db
         checkpoint: r.get("checkpoint"),
         cancel_requested: r.get("cancel_requested"),
         has_dependencies: r.get("has_dependencies"),
+        last_error: r.get("last_error"),
         input_error,
     })
 }

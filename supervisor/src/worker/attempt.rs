@@ -437,7 +437,13 @@ async fn execute(
         Ok(v) => v,
         Err(o) => return o,
     };
-    let mut session = match session_for(shared, exec, &workdir).await {
+    // a step whose last attempt or refusal crashed a process goes to one
+    // that served no job, where a crash is its own and counts: given back
+    // uncounted each time it crashed a warm process, a step that crashes
+    // every process it meets went round for as long as other steps kept
+    // the warm processes busy (re-check audit: 111 refusals in 2 minutes)
+    let fresh = step.last_error.as_deref() == Some("EXECUTOR_CRASHED");
+    let mut session = match session_for(shared, exec, &workdir, fresh).await {
         Ok(s) => s,
         Err(o) => return o,
     };
@@ -595,13 +601,20 @@ fn job_for(
 
 /// A warm process of a persistent executor, or a new one (a one-shot
 /// process runs in the attempt's directory; a persistent one in its own).
+/// `fresh`: a process that served no job (a new one, when the pool has none).
 async fn session_for(
     shared: &Arc<Shared>,
     exec: &ExecutorRuntime,
     workdir: &tempfile::TempDir,
+    fresh: bool,
 ) -> Result<Session, Outcome> {
     if exec.cfg.persistent {
-        if let Some(mut s) = exec.pool.take() {
+        let taken = if fresh {
+            exec.pool.take_unused()
+        } else {
+            exec.pool.take()
+        };
+        if let Some(mut s) = taken {
             debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
             if s.jobs.saturating_add(1) >= s.job_limit(exec.cfg.max_jobs_per_process) {
                 // its last job: the keeper starts its replacement now

@@ -284,6 +284,22 @@ impl Pool {
         }
     }
 
+    /// An idle, healthy session that has served no job (a warm pool's
+    /// process, a kept probe), the one waiting longest, if there is one.
+    pub fn take_unused(&self) -> Option<Session> {
+        loop {
+            let (mut s, _) = {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                let i = idle.iter().position(|(s, _)| s.jobs == 0)?;
+                idle.remove(i)
+            };
+            crate::metrics::idle_processes(&self.executor, -1);
+            if s.healthy() {
+                return Some(s);
+            }
+        }
+    }
+
     /// Keeps `s` idle, unless `cap` sessions already are: then it is retired.
     pub async fn put(&self, s: Session, cfg: &WorkerConfig) {
         let surplus = {
