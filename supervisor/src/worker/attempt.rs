@@ -2395,14 +2395,20 @@ fn retry_delay(ms: u64) -> chrono::Duration {
 ///   is replaced each time, and a job a fresh process takes is its first,
 ///   whose violations and crashes count as the attempt's.
 fn refusals_allowed(code: &str, max_refusals: u32) -> u32 {
-    if matches!(
-        code,
-        "SPAWN_FAILED" | "WORK_DIR_UNAVAILABLE" | "EXECUTOR_CRASHED"
-    ) {
+    if not_the_steps_doing(code) {
         i32::MAX as u32
     } else {
         max_refusals
     }
+}
+
+/// A refusal nothing of the step can have caused (see [`refusals_allowed`]):
+/// it never fails the step, nor leaves it to other workers.
+fn not_the_steps_doing(code: &str) -> bool {
+    matches!(
+        code,
+        "SPAWN_FAILED" | "WORK_DIR_UNAVAILABLE" | "EXECUTOR_CRASHED"
+    )
 }
 
 fn log_refusal_end(state: &str, code: &str, max_refusals: u32) {
@@ -2507,10 +2513,7 @@ async fn write_outcome(
             // at least), the step came back after the probe was retired
             // and met a failing start again, for ever (re-check audit).
             // Any other refusal says this worker can't.
-            if !matches!(
-                code.as_str(),
-                "EXECUTOR_CRASHED" | "SPAWN_FAILED" | "WORK_DIR_UNAVAILABLE"
-            ) {
+            if !not_the_steps_doing(code) {
                 shared.leave_to_others(lease.step_run_id());
             }
             Ok(())

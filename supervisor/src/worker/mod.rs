@@ -320,6 +320,32 @@ impl ExecutorRuntime {
         pause
     }
 
+    /// The probe the breaker asks for before more is leased: the hello,
+    /// and for a persistent executor the probe's process, kept for the
+    /// next job (see `warm::probe_process`); a one-shot one is stopped.
+    async fn probe_for_leasing(
+        &self,
+        shared: &Shared,
+    ) -> Result<(wire::Hello, Option<session::Session>), String> {
+        if !self.cfg.persistent {
+            return probe(&shared.spawner, &self.cfg, &shared.cfg)
+                .await
+                .map(|h| (h, None))
+                .map_err(|e| e.to_string());
+        }
+        warm::probe_process(shared, self)
+            .await
+            .map(|(h, s)| (h, Some(s)))
+            .map_err(|why| {
+                WorkerError::Probe {
+                    name: self.cfg.name.clone(),
+                    command: self.cfg.command.clone(),
+                    why: why + &self.cfg.relative_args_note(),
+                }
+                .to_string()
+            })
+    }
+
     fn lease_now(&self) -> breaker::Lease {
         self.breaker
             .lock()
@@ -1351,27 +1377,7 @@ async fn routes_to_lease(
                 return Some(idle);
             }
             let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
-            // a persistent executor's probe process is kept for the next
-            // job (see `warm::probe_process`); a one-shot one is stopped
-            let probed = if exec.cfg.persistent {
-                warm::probe_process(shared, exec)
-                    .await
-                    .map(|(h, s)| (h, Some(s)))
-                    .map_err(|why| {
-                        WorkerError::Probe {
-                            name: exec.cfg.name.clone(),
-                            command: exec.cfg.command.clone(),
-                            why: why + &exec.cfg.relative_args_note(),
-                        }
-                        .to_string()
-                    })
-            } else {
-                probe(&shared.spawner, &exec.cfg, &shared.cfg)
-                    .await
-                    .map(|h| (h, None))
-                    .map_err(|e| e.to_string())
-            };
-            match probed {
+            match exec.probe_for_leasing(shared).await {
                 Ok((hello, session)) => {
                     // the probe's hello says what the executor offers now
                     let routes = routing::routes(&hello, &exec.cfg);
