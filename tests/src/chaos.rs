@@ -535,7 +535,7 @@ pub struct Orphan {
 pub async fn owned_steps(db: &Db, id: Uuid) -> Vec<Orphan> {
     let rows = retry(Duration::from_secs(30), || {
         sqlx::query(
-            "SELECT id, name, kind, state, attempt, lease_expires_at FROM durable.step_runs
+            "SELECT id, name, kind, state, attempt, durable.lease_expiry(id) AS lease_expires_at FROM durable.step_runs
               WHERE owner_worker_id = $1 AND state IN ('leased', 'running') ORDER BY id",
         )
         .bind(id)

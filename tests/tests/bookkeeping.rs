@@ -806,14 +806,13 @@ async fn fence_holds(db: &Db, lease: &supervisor::db::Lease) -> bool {
     .expect("fence")
 }
 
-/// A renewal skips the per-row guard (its trigger's WHEN): the lease expiry
+/// A renewal writes the lease clock, not the step row: the lease expiry
 /// moves, updated_at does not, and no history is written; but the guard still
-/// sees every update it must: a renewal-shaped update of a terminal row or
-/// one that also changes an identity column is refused, and the first
-/// renewal after a transition clears prev_state (no transition is recorded
-/// twice when the step moves on).
+/// sees every update of the row it must: a renewal-shaped update of a
+/// terminal row or one that also changes an identity column is refused, and
+/// no transition is recorded twice when the step moves on.
 #[tokio::test]
-async fn a_renewal_skips_the_guard_and_nothing_else_does() {
+async fn a_renewal_leaves_the_step_row_alone_and_a_hand_edit_is_still_guarded() {
     let t = TestDb::new().await;
     let wid = worker(&t.db, "w").await;
     let run = t.submit(tests::one_step("r", "go", "k", json!({}))).await;
@@ -835,7 +834,7 @@ async fn a_renewal_skips_the_guard_and_nothing_else_does() {
                 Option<String>,
             ),
         >(
-            "SELECT updated_at, lease_expires_at, prev_state FROM durable.step_runs WHERE id = $1"
+            "SELECT updated_at, durable.lease_expiry(id), prev_state FROM durable.step_runs WHERE id = $1"
         )
         .bind(id)
         .fetch_one(db.pool())
@@ -843,16 +842,18 @@ async fn a_renewal_skips_the_guard_and_nothing_else_does() {
         .expect("row")
     };
     let id = lease.step_run_id();
-    let (upd0, _, prev0) = row(t.db.clone(), id).await;
+    let (upd0, exp0, prev0) = row(t.db.clone(), id).await;
     assert_eq!(prev0.as_deref(), Some("leased"), "the start set prev_state");
-    // the first renewal goes through the guard (it clears prev_state) ...
+    // a renewal writes the lease clock, not the step row: the expiry moves,
+    // the row (updated_at, prev_state) stays as the start left it
+    tokio::time::sleep(Duration::from_millis(20)).await;
     t.db.heartbeat(wid, std::slice::from_ref(&lease), ttl)
         .await
         .expect("hb 1");
     let (upd1, exp1, prev1) = row(t.db.clone(), id).await;
-    assert_eq!(prev1, None, "the first renewal cleared prev_state");
-    assert!(upd1 >= upd0);
-    // ... the next ones skip it: the expiry moves, updated_at stays
+    assert!(exp1 > exp0, "the first renewal moved the expiry");
+    assert_eq!(upd1, upd0, "a renewal does not move updated_at");
+    assert_eq!(prev1.as_deref(), Some("leased"));
     tokio::time::sleep(Duration::from_millis(20)).await;
     t.db.heartbeat(wid, std::slice::from_ref(&lease), ttl)
         .await
@@ -860,7 +861,7 @@ async fn a_renewal_skips_the_guard_and_nothing_else_does() {
     let (upd2, exp2, prev2) = row(t.db.clone(), id).await;
     assert!(exp2 > exp1, "the renewal moved the expiry");
     assert_eq!(upd2, upd1, "a renewal does not move updated_at");
-    assert_eq!(prev2, None);
+    assert_eq!(prev2.as_deref(), Some("leased"));
     // a renewal-shaped update that also changes an identity column is refused
     let err = sqlx::query(
         "UPDATE durable.step_runs SET lease_expires_at = now() + interval '1 hour', name = 'other' WHERE id = $1",

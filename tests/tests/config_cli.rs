@@ -433,7 +433,7 @@ async fn a_worker_runs_with_the_overridden_settings() {
     let id = st.steps[0].step_run_id;
     // the lease lasts 4 s from its last renewal, not the file's 30 s
     let left_ms: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM lease_expires_at - now())::float8 * 1000 FROM durable.step_runs WHERE id = $1",
+        "SELECT extract(epoch FROM durable.lease_expiry(id) - now())::float8 * 1000 FROM durable.step_runs WHERE id = $1",
     )
     .bind(id)
     .fetch_one(t.db.pool())

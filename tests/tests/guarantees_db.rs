@@ -200,6 +200,25 @@ async fn hold_step_write(db: &Db, lease: &Lease) -> sqlx::Transaction<'static, s
     tx
 }
 
+/// Opens a transaction holding a checkpoint write of `lease`: it holds the
+/// step's row and the lease clock's row (the write renews the lease).
+async fn hold_lease_write(db: &Db, lease: &Lease) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = db.pool().begin().await.expect("begin");
+    let cp = supervisor::db::NewEvent {
+        sequence: 1,
+        kind: "progress",
+        message: "m",
+        fraction: None,
+        checkpoint: Some(b"state"),
+        executor_at: None,
+    };
+    DbConn::new(&mut tx)
+        .record_events_renewing(lease, &[cp], Some(Duration::from_secs(60)))
+        .await
+        .expect("checkpoint in a transaction");
+    tx
+}
+
 /// A checkpoint write renews the lease it proves alive (never an expired
 /// one, never shortening it), and a heartbeat that finds the row held says
 /// how long its last committed renewal holds (volume audit: checkpoints back
@@ -213,7 +232,7 @@ async fn a_checkpoint_renews_its_lease_and_a_held_lease_says_how_long_it_holds()
         let pool = t.db.pool().clone();
         async move {
             sqlx::query_scalar::<_, f64>(
-                "SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM durable.step_runs WHERE id = $1",
+                "SELECT extract(epoch FROM durable.lease_expiry(id) - now())::float8 FROM durable.step_runs WHERE id = $1",
             )
             .bind(id)
             .fetch_one(&pool)
@@ -404,10 +423,155 @@ async fn the_heartbeat_never_waits_on_a_step_writer() {
     assert_eq!(hb.renewed, 2);
 }
 
+/// A renewed lease lives on the lease clock, whatever the step row's own
+/// expiry says; an expiry or a token set on the step row by hand counts
+/// again (the clock's row goes); a lease that ends leaves no clock row.
+#[tokio::test]
+async fn a_renewed_lease_lives_on_its_clock_until_the_step_row_is_set_by_hand() {
+    let t = TestDb::new().await;
+    for name in ["a", "b", "c"] {
+        t.submit(json!({"name": name, "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+            .await;
+    }
+    let wid = worker(&t.db, "w").await;
+    let mut leases: Vec<Lease> =
+        t.db.lease(wid, "w", &tests::route_go_k(), 3, Duration::from_secs(1))
+            .await
+            .expect("lease")
+            .into_iter()
+            .map(|s| s.lease)
+            .collect();
+    leases.sort_by_key(|l| l.step_run_id());
+    let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id()).collect();
+    let hb =
+        t.db.heartbeat(wid, &leases, Duration::from_secs(300))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.renewed, 3, "{hb:?}");
+    // the lease's own 1 s pass: the clock keeps every lease alive
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let row_expired: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM durable.step_runs WHERE id = ANY ($1) AND lease_expires_at < now()",
+    )
+    .bind(&ids)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("count");
+    assert_eq!(
+        row_expired, 3,
+        "the step rows keep the expiry the lease set"
+    );
+    assert_eq!(t.db.reclaim_expired("r", 10).await.expect("reclaim"), 0);
+    for id in &ids {
+        assert!(lease_left_s(&t.db, *id).await > 200.0);
+    }
+    let hb =
+        t.db.heartbeat(wid, &leases, Duration::from_secs(300))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.renewed, 3, "{hb:?}");
+
+    // an expiry set on the row by hand is the lease's again
+    expire_and_reclaim(&t.db, ids[0]).await;
+    let state: String = sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE id = $1")
+        .bind(ids[0])
+        .fetch_one(t.db.pool())
+        .await
+        .expect("state");
+    assert_eq!(state, "retryable_failed");
+    // so is a token set by hand: the lease holder hears it lost
+    sqlx::query("UPDATE durable.step_runs SET lease_token = gen_random_uuid() WHERE id = $1")
+        .bind(ids[1])
+        .execute(t.db.pool())
+        .await
+        .expect("take the token");
+    let hb =
+        t.db.heartbeat(wid, &leases, Duration::from_secs(300))
+            .await
+            .expect("heartbeat");
+    let mut lost = hb.lost.clone();
+    lost.sort();
+    assert_eq!(lost, vec![ids[0], ids[1]], "{hb:?}");
+    assert_eq!(hb.renewed_ids, vec![ids[2]]);
+
+    // a lease that ends leaves no clock row behind
+    t.db.complete(&leases[2], "w", &json!({}), &[], Some(1))
+        .await
+        .expect("complete");
+    let clock_rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM durable.lease_clock WHERE step_run_id = ANY ($1)")
+            .bind(&ids)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("count");
+    assert_eq!(clock_rows, 0);
+    let hb =
+        t.db.heartbeat(wid, &leases[2..], Duration::from_secs(300))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.lost, vec![ids[2]], "{hb:?}");
+}
+
+/// A reclaim that finds a lease expired as last committed waits for a
+/// renewal in flight on its clock row, and keeps the lease if the renewal
+/// commits: a heartbeat never says "renewed" of a lease being reclaimed.
+#[tokio::test]
+async fn a_reclaim_waits_for_a_renewal_in_flight_and_keeps_the_lease() {
+    let t = TestDb::new().await;
+    t.submit(json!({"name": "r", "steps": [
+        {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let lease =
+        t.db.lease(wid, "w", &tests::route_go_k(), 1, Duration::from_secs(30))
+            .await
+            .expect("lease")
+            .remove(0)
+            .lease;
+    let id = lease.step_run_id();
+    // a clock row that expires in 1.5 s
+    let hb =
+        t.db.heartbeat(
+            wid,
+            std::slice::from_ref(&lease),
+            Duration::from_millis(1_500),
+        )
+        .await
+        .expect("heartbeat");
+    assert_eq!(hb.renewed, 1);
+    // a renewal in flight: done, not committed
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    let hb = DbConn::new(&mut tx)
+        .heartbeat(wid, std::slice::from_ref(&lease), Duration::from_secs(300))
+        .await
+        .expect("heartbeat in a transaction");
+    assert_eq!(hb.renewed, 1);
+    // the lease expires as committed; the reclaim meets the held clock row
+    tokio::time::sleep(Duration::from_millis(1_800)).await;
+    let other = t.connect(2).await;
+    let reclaim = tokio::spawn(async move { other.reclaim_expired("r", 10).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tx.commit().await.expect("commit the renewal");
+    let n = tokio::time::timeout(Duration::from_secs(10), reclaim)
+        .await
+        .expect("the reclaim ended")
+        .expect("join")
+        .expect("reclaim");
+    assert_eq!(n, 0, "the reclaim took a lease the heartbeat had renewed");
+    let state: String = sqlx::query_scalar("SELECT state FROM durable.step_runs WHERE id = $1")
+        .bind(id)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("state");
+    assert_eq!(state, "leased");
+    assert!(lease_left_s(&t.db, id).await > 200.0);
+}
+
 /// Seconds left on a step's lease.
 async fn lease_left_s(db: &Db, step: Uuid) -> f64 {
     sqlx::query_scalar(
-        "SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM durable.step_runs WHERE id = $1",
+        "SELECT extract(epoch FROM durable.lease_expiry(id) - now())::float8 FROM durable.step_runs WHERE id = $1",
     )
     .bind(step)
     .fetch_one(db.pool())
@@ -510,8 +674,8 @@ async fn the_heartbeat_tells_a_steps_own_cancel_flag_with_few_and_many_leases() 
 }
 
 /// 3, every outcome at once: of four leases (each its own run) one is fine,
-/// one is held by a writer in flight, one was reclaimed, one's run has a
-/// cancel request. With nothing held the heartbeat renews in one pass; with
+/// one is held by a writer in flight (a checkpoint write: it holds the lease
+/// clock's row), one was reclaimed, one's run has a cancel request. With nothing held the heartbeat renews in one pass; with
 /// a held row it gives way after a short wait and skips only that row. Either
 /// way each lease is reported for what it is, and only renewed rows move.
 #[tokio::test]
@@ -552,7 +716,7 @@ async fn the_heartbeat_reports_each_lease_for_what_it_is() {
     }
 
     // one row held past the wait: skipped, the others renewed
-    let tx = hold_step_write(&t.db, &leases[1]).await;
+    let tx = hold_lease_write(&t.db, &leases[1]).await;
     let other = t.connect(1).await;
     let hb = tokio::time::timeout(
         Duration::from_secs(3),
@@ -638,7 +802,7 @@ async fn the_heartbeat_of_many_leases_fences_each_by_its_token() {
     );
     let renewed: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM durable.step_runs
-          WHERE owner_worker_id = $1 AND lease_expires_at > now() + interval '200 seconds'",
+          WHERE owner_worker_id = $1 AND durable.lease_expiry(id) > now() + interval '200 seconds'",
     )
     .bind(wid)
     .fetch_one(t.db.pool())
@@ -668,7 +832,7 @@ async fn the_heartbeat_leaves_the_callers_lock_timeout_alone() {
     let other = t.connect(1).await;
     for hold in [false, true] {
         let held = if hold {
-            Some(hold_step_write(&t.db, &leases[0]).await)
+            Some(hold_lease_write(&t.db, &leases[0]).await)
         } else {
             None
         };

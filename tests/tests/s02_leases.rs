@@ -350,12 +350,13 @@ async fn an_expired_lease_is_not_renewed_before_a_reclaimer_sees_it() {
         .expect("heartbeat");
     assert_eq!(hb.lost, vec![lease.step_run_id()], "{hb:?}");
     assert_eq!(hb.renewed, 0);
-    let still_expired: bool =
-        sqlx::query_scalar("SELECT lease_expires_at < now() FROM durable.step_runs WHERE id = $1")
-            .bind(lease.step_run_id())
-            .fetch_one(t.db.pool())
-            .await
-            .expect("row");
+    let still_expired: bool = sqlx::query_scalar(
+        "SELECT durable.lease_expiry(id) < now() FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(lease.step_run_id())
+    .fetch_one(t.db.pool())
+    .await
+    .expect("row");
     assert!(still_expired, "the renewal moved an expired lease's expiry");
     assert_eq!(
         t.connect(2)

@@ -646,7 +646,8 @@ impl DbConn<'_> {
         let mut s = Scope::enter(self.conn).await?;
         let candidates: Vec<(Uuid, Uuid)> = sqlx::query_as(
             "SELECT s.id, s.run_id FROM durable.step_runs s
-              WHERE durable.step_is_live(s.state) AND s.lease_expires_at < now()
+               LEFT JOIN durable.lease_clock c ON c.step_run_id = s.id AND c.lease_token = s.lease_token
+              WHERE durable.step_is_live(s.state) AND coalesce(c.expires_at, s.lease_expires_at) < now()
                 -- rows no fenced write can fail (changed by hand: a live
                 -- step without a token, or under a run already terminal)
                 -- are left out: skipped at every pass, a limit's worth of
@@ -654,7 +655,7 @@ impl DbConn<'_> {
                 AND s.lease_token IS NOT NULL
                 AND NOT EXISTS (SELECT 1 FROM durable.workflow_runs w
                                  WHERE w.id = s.run_id AND durable.run_state_is_terminal(w.state))
-              ORDER BY s.lease_expires_at
+              ORDER BY coalesce(c.expires_at, s.lease_expires_at)
               LIMIT $1",
         )
         .bind(limit as i64)
@@ -675,8 +676,11 @@ impl DbConn<'_> {
                 "SELECT id, lease_token, attempt, attempt - uncounted_attempts AS counted, uncounted_attempts AS uncounted, retry, deadline,
                         cancel_requested, now() AS db_now, executor_kind,
                         durable.run_failed_it(run_id) AS run_failed
-                   FROM durable.step_runs
-                  WHERE id = $1 AND state IN ('leased', 'running') AND lease_expires_at < now()
+                   FROM durable.step_runs s
+                  WHERE id = $1 AND state IN ('leased', 'running')
+                    AND coalesce((SELECT c.expires_at FROM durable.lease_clock c
+                                   WHERE c.step_run_id = s.id AND c.lease_token = s.lease_token),
+                                 lease_expires_at) < now()
                   FOR NO KEY UPDATE SKIP LOCKED",
             )
             .bind(id)
@@ -686,6 +690,22 @@ impl DbConn<'_> {
             let Some(row) = row else {
                 continue;
             };
+            // the lease clock's row too, once a renewal in flight has
+            // committed: a heartbeat that renewed the lease meanwhile keeps it
+            let token: Option<Uuid> = row.try_get("lease_token").ctx("reading a lease")?;
+            let renewed: Option<bool> = sqlx::query_scalar(
+                "SELECT c.expires_at >= now() FROM durable.lease_clock c
+                  WHERE c.step_run_id = $1 AND c.lease_token = $2
+                  FOR UPDATE",
+            )
+            .bind(id)
+            .bind(token)
+            .fetch_optional(&mut *tx)
+            .await
+            .ctx("locking an expired lease's clock")?;
+            if renewed == Some(true) {
+                continue;
+            }
             let failure = Failure {
                 code: "LEASE_EXPIRED".into(),
                 retryable: true,

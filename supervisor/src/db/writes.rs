@@ -217,12 +217,22 @@ impl DbConn<'_> {
         let ats: Vec<Option<DateTime<Utc>>> = events.iter().map(|e| e.executor_at).collect();
         let checkpoint = events.iter().rev().find_map(|e| e.checkpoint);
         let fence = if checkpoint.is_some() {
-            "UPDATE durable.step_runs SET checkpoint = $3,
-                    lease_expires_at = CASE WHEN $10::float8 IS NOT NULL AND lease_expires_at > now()
-                        THEN greatest(lease_expires_at, now() + make_interval(secs => $10::float8 / 1000.0))
-                        ELSE lease_expires_at END
+            // the renewal goes to the lease clock (never shorter, never once
+            // expired); the step row stays locked by this write, so a
+            // heartbeat's first renewal of the lease skips it meanwhile
+            "UPDATE durable.step_runs s SET checkpoint = $3
               WHERE id = $1 AND lease_token = $2 AND state IN ('leased', 'running')
-          RETURNING id, attempt"
+          RETURNING id, attempt, lease_token,
+                    coalesce((SELECT c.expires_at FROM durable.lease_clock c
+                               WHERE c.step_run_id = s.id AND c.lease_token = s.lease_token),
+                             s.lease_expires_at) AS expiry
+         ), renewal AS (
+             INSERT INTO durable.lease_clock (step_run_id, lease_token, expires_at)
+             SELECT s.id, s.lease_token, greatest(s.expiry, now() + make_interval(secs => $10::float8 / 1000.0))
+               FROM s
+              WHERE $10::float8 IS NOT NULL AND s.expiry > now()
+             ON CONFLICT (step_run_id) DO UPDATE SET expires_at = greatest(lease_clock.expires_at, excluded.expires_at)
+              WHERE lease_clock.lease_token = excluded.lease_token AND lease_clock.expires_at > now()"
         } else {
             // (no row lock: no renewal; $10 is only typed)
             "SELECT id, attempt, $10::float8 AS renew_ms FROM durable.step_runs
