@@ -522,6 +522,35 @@ BEGIN
     RETURN NULL;
 END $function$;
 
+-- The reclaim's lock of a lease's clock row, once it holds the step row: a
+-- renewal in flight commits first (and keeps the lease: 'renewed'); a row
+-- held past p_wait (never by the runtime's own writes, which lock the step
+-- row first) leaves the step for a later pass ('held'), so one held row
+-- cannot stop every other reclaim. 'expired' or 'absent' (the step row's
+-- own expiry counts) lets the reclaim go on.
+CREATE FUNCTION durable.lock_lease_clock(p_step uuid, p_token uuid, p_wait text)
+ RETURNS text
+ LANGUAGE plpgsql
+AS $function$
+DECLARE
+    caller_timeout text := current_setting('lock_timeout');
+    expiry timestamptz;
+BEGIN
+    PERFORM set_config('lock_timeout', p_wait, true);
+    BEGIN
+        SELECT c.expires_at INTO expiry FROM durable.lease_clock c
+         WHERE c.step_run_id = p_step AND c.lease_token = p_token
+           FOR UPDATE;
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', caller_timeout, true);
+        RETURN 'held';
+    END;
+    PERFORM set_config('lock_timeout', caller_timeout, true);
+    RETURN CASE WHEN expiry IS NULL THEN 'absent'
+                WHEN expiry >= now() THEN 'renewed'
+                ELSE 'expired' END;
+END $function$;
+
 -- revoke_lost_leases reads a lease's expiry by the clock's rule
 CREATE OR REPLACE FUNCTION durable.revoke_lost_leases(p_worker uuid, p_worker_name text, p_held uuid[], OUT epoch bigint, OUT given_back integer)
  RETURNS record

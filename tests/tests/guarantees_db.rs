@@ -568,6 +568,63 @@ async fn a_reclaim_waits_for_a_renewal_in_flight_and_keeps_the_lease() {
     assert!(lease_left_s(&t.db, id).await > 200.0);
 }
 
+/// A lease clock row held by another transaction (by hand: the runtime's own
+/// writes lock the step row first) leaves its step for a later pass; every
+/// other expired lease is reclaimed meanwhile (audit: one held row held up
+/// every worker's reclaim for as long as it was held).
+#[tokio::test]
+async fn a_held_clock_row_holds_up_its_own_reclaim_alone() {
+    let t = TestDb::new().await;
+    for name in ["a", "b"] {
+        t.submit(json!({"name": name, "steps": [
+            {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+            .await;
+    }
+    let wid = worker(&t.db, "w").await;
+    let mut leases: Vec<Lease> =
+        t.db.lease(wid, "w", &tests::route_go_k(), 2, Duration::from_secs(30))
+            .await
+            .expect("lease")
+            .into_iter()
+            .map(|s| s.lease)
+            .collect();
+    leases.sort_by_key(|l| l.step_run_id());
+    let (held, free) = (leases[0].step_run_id(), leases[1].step_run_id());
+    let hb =
+        t.db.heartbeat(wid, &leases, Duration::from_secs(1))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.renewed, 2);
+    let mut tx = t.db.pool().begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM durable.lease_clock WHERE step_run_id = $1 FOR UPDATE")
+        .bind(held)
+        .execute(&mut *tx)
+        .await
+        .expect("hold the clock row");
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let other = t.connect(2).await;
+    let n = tokio::time::timeout(Duration::from_secs(5), other.reclaim_expired("r", 10))
+        .await
+        .expect("the reclaim waited on a held clock row")
+        .expect("reclaim");
+    assert_eq!(n, 1);
+    let state = |id: Uuid| {
+        let pool = t.db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT state FROM durable.step_runs WHERE id = $1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .expect("state")
+        }
+    };
+    assert_eq!(state(free).await, "retryable_failed");
+    assert_eq!(state(held).await, "leased");
+    tx.rollback().await.expect("release");
+    assert_eq!(other.reclaim_expired("r", 10).await.expect("reclaim"), 1);
+    assert_eq!(state(held).await, "retryable_failed");
+}
+
 /// Seconds left on a step's lease.
 async fn lease_left_s(db: &Db, step: Uuid) -> f64 {
     sqlx::query_scalar(

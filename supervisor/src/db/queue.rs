@@ -691,20 +691,23 @@ impl DbConn<'_> {
                 continue;
             };
             // the lease clock's row too, once a renewal in flight has
-            // committed: a heartbeat that renewed the lease meanwhile keeps it
+            // committed: a heartbeat that renewed the lease meanwhile keeps
+            // it; a row held longer (by hand) leaves the step for a later pass
             let token: Option<Uuid> = row.try_get("lease_token").ctx("reading a lease")?;
-            let renewed: Option<bool> = sqlx::query_scalar(
-                "SELECT c.expires_at >= now() FROM durable.lease_clock c
-                  WHERE c.step_run_id = $1 AND c.lease_token = $2
-                  FOR UPDATE",
-            )
-            .bind(id)
-            .bind(token)
-            .fetch_optional(&mut *tx)
-            .await
-            .ctx("locking an expired lease's clock")?;
-            if renewed == Some(true) {
-                continue;
+            let clock: String = sqlx::query_scalar("SELECT durable.lock_lease_clock($1, $2, $3)")
+                .bind(id)
+                .bind(token)
+                .bind(format!("{}ms", super::writes::PASS_LOCK_WAIT_MS))
+                .fetch_one(&mut *tx)
+                .await
+                .ctx("locking an expired lease's clock")?;
+            match clock.as_str() {
+                "renewed" => continue,
+                "held" => {
+                    tracing::info!(step_run_id = %id, "another transaction holds this lease's clock row: the step is left for a later pass, the others go on");
+                    continue;
+                }
+                _ => {}
             }
             let failure = Failure {
                 code: "LEASE_EXPIRED".into(),
