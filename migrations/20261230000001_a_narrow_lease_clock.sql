@@ -87,12 +87,24 @@ BEGIN
         -- each clock row is fenced by its own token; an expired lease is
         -- never renewed (the reclaim may be moving it on). `= ANY` walks
         -- the primary key for just these rows (as a join alone the planner
-        -- may scan every worker's leases)
-        UPDATE durable.lease_clock c SET expires_at = expires
-          FROM unnest(p_ids, p_tokens) AS h(id, token)
-         WHERE c.step_run_id = ANY (p_ids) AND c.step_run_id = h.id AND c.lease_token = h.token
-           AND c.expires_at > now();
-        GET DIAGNOSTICS n_renewed = ROW_COUNT;
+        -- may scan every worker's leases). From 640 leases reading the clock
+        -- whole and hashing them is cheaper than as many probes: that
+        -- statement is planned (at its first call, and again after an
+        -- ANALYZE) with sequential scans allowed
+        IF cardinality(p_ids) < 640 THEN
+            UPDATE durable.lease_clock c SET expires_at = expires
+              FROM unnest(p_ids, p_tokens) AS h(id, token)
+             WHERE c.step_run_id = ANY (p_ids) AND c.step_run_id = h.id AND c.lease_token = h.token
+               AND c.expires_at > now();
+            GET DIAGNOSTICS n_renewed = ROW_COUNT;
+        ELSE
+            PERFORM set_config('enable_seqscan', 'on', true);
+            UPDATE durable.lease_clock c SET expires_at = expires
+              FROM unnest(p_ids, p_tokens) AS h(id, token)
+             WHERE c.step_run_id = h.id AND c.lease_token = h.token AND c.expires_at > now();
+            GET DIAGNOSTICS n_renewed = ROW_COUNT;
+            PERFORM set_config('enable_seqscan', 'off', true);
+        END IF;
     EXCEPTION WHEN lock_not_available THEN
         -- a writer held a clock row longer than p_wait: the renewals are
         -- undone and done again, skipping the rows that are held
@@ -178,7 +190,8 @@ END $function$;
 -- The clock holds every worker's renewed leases and is small next to the
 -- queue: the planner would read a small one whole (a sequential scan of a few
 -- pages) rather than probe its key, and keep that plan while the table grows
--- between two ANALYZEs. A heartbeat reads its own leases by key, always.
+-- between two ANALYZEs. A heartbeat reads its own leases by key (but for the
+-- renewal of 640 or more, planned for the call, above).
 ALTER FUNCTION durable.renew_leases(uuid, uuid[], uuid[], double precision, text) SET enable_seqscan = off;
 
 -- the step transition trigger also ends a lease's clock row
