@@ -609,3 +609,63 @@ BEGIN
      WHERE s.id = c.id AND s.owner_worker_id = p_worker AND s.state = 'leased';
     GET DIAGNOSTICS given_back = ROW_COUNT;
 END $function$;
+
+-- the step guard refuses an expired-lease reclaim of a lease the clock
+-- still holds (a worker older than the clock judges by the step row alone)
+CREATE OR REPLACE FUNCTION durable.guard_step_update()
+ RETURNS trigger
+ LANGUAGE plpgsql
+AS $function$
+BEGIN
+    IF durable.step_state_is_terminal(OLD.state) THEN
+        RAISE EXCEPTION 'step % (%) is %: a terminal step never changes', OLD.name, OLD.id, OLD.state
+            USING ERRCODE = 'P0D01';
+    END IF;
+    IF NEW.id <> OLD.id OR NEW.run_id <> OLD.run_id OR NEW.name <> OLD.name
+       OR NEW.idempotency_key <> OLD.idempotency_key THEN
+        RAISE EXCEPTION 'step % (%): identity columns never change', OLD.name, OLD.id
+            USING ERRCODE = 'P0D02';
+    END IF;
+    IF NEW.state IS DISTINCT FROM OLD.state THEN
+        -- a writer that did not say why must not inherit the previous reason
+        IF NEW.transition_reason IS NOT DISTINCT FROM OLD.transition_reason
+           AND NEW.transition_by IS NOT DISTINCT FROM OLD.transition_by THEN
+            NEW.transition_reason := NULL;
+            NEW.transition_by := NULL;
+        END IF;
+        IF NEW.via_state IS NOT NULL THEN
+            -- two transitions in one write: each hop must be legal
+            IF NOT (durable.step_hop_is_legal(OLD.state, NEW.via_state)
+                    AND durable.step_hop_is_legal(NEW.via_state, NEW.state)) THEN
+                RAISE EXCEPTION 'illegal step transition % -> % -> % for step % (%)', OLD.state, NEW.via_state,
+                    NEW.state, OLD.name, OLD.id
+                    USING ERRCODE = 'P0D03';
+            END IF;
+        ELSIF NOT durable.step_hop_is_legal(OLD.state, NEW.state) THEN
+            RAISE EXCEPTION 'illegal step transition % -> % for step % (%)', OLD.state, NEW.state, OLD.name, OLD.id
+                USING ERRCODE = 'P0D03';
+        END IF;
+        -- a reclaim of a lease the lease clock still holds: a worker older
+        -- than the clock reads the step row's expiry alone, which renewals
+        -- no longer move (migrations are additive, and older workers run on
+        -- a newer schema); its reclaim of a live lease is refused
+        IF OLD.state IN ('leased', 'running') AND NEW.state NOT IN ('leased', 'running')
+           AND (NEW.error_code = 'LEASE_EXPIRED' OR NEW.transition_reason LIKE '%LEASE_EXPIRED%')
+           AND EXISTS (SELECT 1 FROM durable.lease_clock c
+                        WHERE c.step_run_id = OLD.id AND c.lease_token = OLD.lease_token
+                          AND c.expires_at > now()) THEN
+            RAISE EXCEPTION 'step % (%): its lease is renewed on durable.lease_clock and has not expired: a reclaim that read only step_runs.lease_expires_at (a worker older than schema 20261230000001) is refused; upgrade that worker', OLD.name, OLD.id
+                USING ERRCODE = 'P0D06';
+        END IF;
+        IF durable.step_state_is_terminal(NEW.state) THEN
+            NEW.finished_at := now();
+            NEW.lease_expires_at := NULL;
+        END IF;
+        NEW.prev_state := OLD.state;
+    ELSE
+        NEW.prev_state := NULL;
+        NEW.via_state := NULL;
+    END IF;
+    NEW.updated_at := now();
+    RETURN NEW;
+END $function$;

@@ -625,6 +625,67 @@ async fn a_held_clock_row_holds_up_its_own_reclaim_alone() {
     assert_eq!(state(held).await, "retryable_failed");
 }
 
+/// A worker older than the lease clock judges a lease by the step row's
+/// expiry alone, which renewals no longer move; older workers run on a newer
+/// schema (migrations are additive), so its reclaim of a lease the clock
+/// still holds is refused by the step guard, naming why.
+#[tokio::test]
+async fn an_older_workers_reclaim_of_a_lease_the_clock_holds_is_refused() {
+    let t = TestDb::new().await;
+    t.submit(json!({"name": "r", "steps": [
+        {"name": "s", "executor_kind": "go", "kind": "k"}]}))
+        .await;
+    let wid = worker(&t.db, "w").await;
+    let lease =
+        t.db.lease(wid, "w", &tests::route_go_k(), 1, Duration::from_secs(1))
+            .await
+            .expect("lease")
+            .remove(0)
+            .lease;
+    let hb =
+        t.db.heartbeat(wid, std::slice::from_ref(&lease), Duration::from_secs(300))
+            .await
+            .expect("heartbeat");
+    assert_eq!(hb.renewed, 1);
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    // the write the reclaim made before the lease clock (its candidates
+    // read `lease_expires_at < now()`)
+    let old_reclaim = "UPDATE durable.step_runs
+            SET state = 'retryable_failed', error_code = 'LEASE_EXPIRED',
+                error_message = 'the owning worker stopped renewing its lease', error_retryable = true,
+                transition_reason = 'LEASE_EXPIRED', transition_by = 'old-worker'
+          WHERE id = $1 AND state IN ('leased', 'running') AND lease_expires_at < now()";
+    let err = sqlx::query(old_reclaim)
+        .bind(lease.step_run_id())
+        .execute(t.db.pool())
+        .await
+        .expect_err("the reclaim of a live lease is refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("lease_clock") && msg.contains("upgrade that worker"),
+        "{msg}"
+    );
+    assert_eq!(
+        err.as_database_error().and_then(|e| e.code()).as_deref(),
+        Some("P0D06")
+    );
+    // once the clock's expiry passes too, the same write goes through
+    sqlx::query(
+        "UPDATE durable.lease_clock SET expires_at = now() - interval '1 s' WHERE step_run_id = $1",
+    )
+    .bind(lease.step_run_id())
+    .execute(t.db.pool())
+    .await
+    .expect("expire the clock");
+    let n = sqlx::query(old_reclaim)
+        .bind(lease.step_run_id())
+        .execute(t.db.pool())
+        .await
+        .expect("an expired lease is reclaimed")
+        .rows_affected();
+    assert_eq!(n, 1);
+}
+
 /// Seconds left on a step's lease.
 async fn lease_left_s(db: &Db, step: Uuid) -> f64 {
     sqlx::query_scalar(
