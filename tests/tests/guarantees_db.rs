@@ -423,32 +423,46 @@ async fn the_heartbeat_never_waits_on_a_step_writer() {
     assert_eq!(hb.renewed, 2);
 }
 
-/// A renewed lease lives on the lease clock, whatever the step row's own
-/// expiry says; an expiry or a token set on the step row by hand counts
-/// again (the clock's row goes); a lease that ends leaves no clock row.
-#[tokio::test]
-async fn a_renewed_lease_lives_on_its_clock_until_the_step_row_is_set_by_hand() {
-    let t = TestDb::new().await;
-    for name in ["a", "b", "c"] {
-        t.submit(json!({"name": name, "steps": [
+/// `n` one-step runs leased by one worker for `lease_ttl` (in id order), then
+/// renewed by a heartbeat for `renew_ttl`: each lease has its clock row.
+async fn leased_and_renewed(
+    t: &TestDb,
+    n: u32,
+    lease_ttl: Duration,
+    renew_ttl: Duration,
+) -> (Uuid, Vec<Lease>) {
+    for i in 0..n {
+        t.submit(json!({"name": format!("r{i}"), "steps": [
             {"name": "s", "executor_kind": "go", "kind": "k"}]}))
             .await;
     }
     let wid = worker(&t.db, "w").await;
     let mut leases: Vec<Lease> =
-        t.db.lease(wid, "w", &tests::route_go_k(), 3, Duration::from_secs(1))
+        t.db.lease(wid, "w", &tests::route_go_k(), n, lease_ttl)
             .await
             .expect("lease")
             .into_iter()
             .map(|s| s.lease)
             .collect();
     leases.sort_by_key(|l| l.step_run_id());
-    let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id()).collect();
+    assert_eq!(leases.len(), n as usize);
     let hb =
-        t.db.heartbeat(wid, &leases, Duration::from_secs(300))
+        t.db.heartbeat(wid, &leases, renew_ttl)
             .await
             .expect("heartbeat");
-    assert_eq!(hb.renewed, 3, "{hb:?}");
+    assert_eq!(hb.renewed, n as usize, "{hb:?}");
+    (wid, leases)
+}
+
+/// A renewed lease lives on the lease clock, whatever the step row's own
+/// expiry says; an expiry or a token set on the step row by hand counts
+/// again (the clock's row goes); a lease that ends leaves no clock row.
+#[tokio::test]
+async fn a_renewed_lease_lives_on_its_clock_until_the_step_row_is_set_by_hand() {
+    let t = TestDb::new().await;
+    let (wid, leases) =
+        leased_and_renewed(&t, 3, Duration::from_secs(1), Duration::from_secs(300)).await;
+    let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id()).collect();
     // the lease's own 1 s pass: the clock keeps every lease alive
     tokio::time::sleep(Duration::from_millis(1_300)).await;
     let row_expired: i64 = sqlx::query_scalar(
@@ -519,27 +533,11 @@ async fn a_renewed_lease_lives_on_its_clock_until_the_step_row_is_set_by_hand() 
 #[tokio::test]
 async fn a_reclaim_waits_for_a_renewal_in_flight_and_keeps_the_lease() {
     let t = TestDb::new().await;
-    t.submit(json!({"name": "r", "steps": [
-        {"name": "s", "executor_kind": "go", "kind": "k"}]}))
-        .await;
-    let wid = worker(&t.db, "w").await;
-    let lease =
-        t.db.lease(wid, "w", &tests::route_go_k(), 1, Duration::from_secs(30))
-            .await
-            .expect("lease")
-            .remove(0)
-            .lease;
-    let id = lease.step_run_id();
     // a clock row that expires in 1.5 s
-    let hb =
-        t.db.heartbeat(
-            wid,
-            std::slice::from_ref(&lease),
-            Duration::from_millis(1_500),
-        )
-        .await
-        .expect("heartbeat");
-    assert_eq!(hb.renewed, 1);
+    let (wid, mut leases) =
+        leased_and_renewed(&t, 1, Duration::from_secs(30), Duration::from_millis(1_500)).await;
+    let lease = leases.remove(0);
+    let id = lease.step_run_id();
     // a renewal in flight: done, not committed
     let mut tx = t.db.pool().begin().await.expect("begin");
     let hb = DbConn::new(&mut tx)
@@ -575,26 +573,9 @@ async fn a_reclaim_waits_for_a_renewal_in_flight_and_keeps_the_lease() {
 #[tokio::test]
 async fn a_held_clock_row_holds_up_its_own_reclaim_alone() {
     let t = TestDb::new().await;
-    for name in ["a", "b"] {
-        t.submit(json!({"name": name, "steps": [
-            {"name": "s", "executor_kind": "go", "kind": "k"}]}))
-            .await;
-    }
-    let wid = worker(&t.db, "w").await;
-    let mut leases: Vec<Lease> =
-        t.db.lease(wid, "w", &tests::route_go_k(), 2, Duration::from_secs(30))
-            .await
-            .expect("lease")
-            .into_iter()
-            .map(|s| s.lease)
-            .collect();
-    leases.sort_by_key(|l| l.step_run_id());
+    let (_, leases) =
+        leased_and_renewed(&t, 2, Duration::from_secs(30), Duration::from_secs(1)).await;
     let (held, free) = (leases[0].step_run_id(), leases[1].step_run_id());
-    let hb =
-        t.db.heartbeat(wid, &leases, Duration::from_secs(1))
-            .await
-            .expect("heartbeat");
-    assert_eq!(hb.renewed, 2);
     let mut tx = t.db.pool().begin().await.expect("begin");
     sqlx::query("SELECT 1 FROM durable.lease_clock WHERE step_run_id = $1 FOR UPDATE")
         .bind(held)
@@ -632,21 +613,9 @@ async fn a_held_clock_row_holds_up_its_own_reclaim_alone() {
 #[tokio::test]
 async fn an_older_workers_reclaim_of_a_lease_the_clock_holds_is_refused() {
     let t = TestDb::new().await;
-    t.submit(json!({"name": "r", "steps": [
-        {"name": "s", "executor_kind": "go", "kind": "k"}]}))
-        .await;
-    let wid = worker(&t.db, "w").await;
-    let lease =
-        t.db.lease(wid, "w", &tests::route_go_k(), 1, Duration::from_secs(1))
-            .await
-            .expect("lease")
-            .remove(0)
-            .lease;
-    let hb =
-        t.db.heartbeat(wid, std::slice::from_ref(&lease), Duration::from_secs(300))
-            .await
-            .expect("heartbeat");
-    assert_eq!(hb.renewed, 1);
+    let (_, mut leases) =
+        leased_and_renewed(&t, 1, Duration::from_secs(1), Duration::from_secs(300)).await;
+    let lease = leases.remove(0);
     tokio::time::sleep(Duration::from_millis(1_300)).await;
     // the write the reclaim made before the lease clock (its candidates
     // read `lease_expires_at < now()`)
