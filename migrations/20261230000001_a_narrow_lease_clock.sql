@@ -654,7 +654,7 @@ BEGIN
            AND EXISTS (SELECT 1 FROM durable.lease_clock c
                         WHERE c.step_run_id = OLD.id AND c.lease_token = OLD.lease_token
                           AND c.expires_at > now()) THEN
-            RAISE EXCEPTION 'step % (%): its lease is renewed on durable.lease_clock and has not expired: a reclaim that read only step_runs.lease_expires_at (a worker older than schema 20261230000001) is refused; upgrade that worker', OLD.name, OLD.id
+            RAISE EXCEPTION 'step % (%): its lease is renewed on durable.lease_clock and has not expired: a reclaim that read only step_runs.lease_expires_at (a worker older than schema 20261230000001) is refused (P0D06); upgrade that worker: this lease is healthy', OLD.name, OLD.id
                 USING ERRCODE = 'P0D06';
         END IF;
         IF durable.step_state_is_terminal(NEW.state) THEN
