@@ -194,12 +194,24 @@ END $function$;
 -- renewal of 640 or more, planned for the call, above).
 ALTER FUNCTION durable.renew_leases(uuid, uuid[], uuid[], double precision, text) SET enable_seqscan = off;
 
+-- The clock rows of leases that ended, read by key: the clock is small next
+-- to the queue, and the planner would read a small one whole (every
+-- worker's leases) for each batch of completions.
+CREATE FUNCTION durable.end_lease_clocks(p_ids uuid[]) RETURNS void
+ LANGUAGE plpgsql
+ SET enable_seqscan = off
+AS $$
+BEGIN
+    DELETE FROM durable.lease_clock WHERE step_run_id = ANY (p_ids);
+END $$;
+
 -- the step transition trigger also ends a lease's clock row
 CREATE OR REPLACE FUNCTION durable.on_step_transition()
  RETURNS trigger
  LANGUAGE plpgsql
 AS $function$
 DECLARE
+    ended_leases uuid[];
     n_changed bigint; c record; ready_defs durable.step_defs[];
     dep_runs uuid[]; dep_names text[]; dep_counts integer[];
     f_wake boolean; f_terminal boolean; f_cascade boolean; f_running boolean;
@@ -245,10 +257,12 @@ BEGIN
     -- row goes (a probe per such row; a step shorter than a heartbeat
     -- interval never had one)
     IF f_wake OR f_terminal THEN
-        DELETE FROM durable.lease_clock lc
-         WHERE lc.step_run_id = ANY (ARRAY(SELECT n.id FROM new_rows n
-                                           WHERE n.prev_state IN ('leased', 'running')
-                                             AND n.state NOT IN ('leased', 'running')));
+        ended_leases := ARRAY(SELECT n.id FROM new_rows n
+                               WHERE n.prev_state IN ('leased', 'running')
+                                 AND n.state NOT IN ('leased', 'running'));
+        IF cardinality(ended_leases) > 0 THEN
+            PERFORM durable.end_lease_clocks(ended_leases);
+        END IF;
     END IF;
     IF f_wake THEN
         PERFORM pg_notify('durable_steps', k.executor_kind)
