@@ -1001,10 +1001,10 @@ fn spawn_vital_loops(
     );
     let (db3, name3, t3) = (shared.db.clone(), shared.name.clone(), loops_stop.clone());
     let s3 = Arc::downgrade(shared);
-    let busy: ledger::Busy = Box::new(move || s3.upgrade().is_some_and(|s| s.leases.len() > 1));
+    let live: ledger::LiveLeases = Box::new(move || s3.upgrade().map_or(0, |s| s.leases.len()));
     vital.spawn(
         async move {
-            ledger::run(db3, name3, queue, t3, busy).await;
+            ledger::run(db3, name3, queue, t3, live).await;
             "ledger"
         }
         .in_current_span(),
