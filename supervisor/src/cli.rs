@@ -1208,11 +1208,30 @@ async fn runs(url: &Option<String>, filter: &RunFilter, json: bool) -> Result<u8
     let db = connect_checked(url).await?;
     let runs = db.runs(filter).await.map_err(explain)?;
     if json {
+        let runs: Vec<RunJson> = runs.iter().map(RunJson::from).collect();
         outln!("{}", pretty_json(&runs)?);
     } else {
         out!("{}", runs_text(&runs));
     }
     Ok(0)
+}
+
+/// One run of `runs --json`: its counts by state under `"step_counts"`, as
+/// `status --json` has them, and under `"steps"` as before.
+#[derive(serde::Serialize)]
+struct RunJson<'a> {
+    #[serde(flatten)]
+    run: &'a crate::db::RunSummary,
+    step_counts: &'a std::collections::BTreeMap<String, i64>,
+}
+
+impl<'a> From<&'a crate::db::RunSummary> for RunJson<'a> {
+    fn from(run: &'a crate::db::RunSummary) -> Self {
+        RunJson {
+            run,
+            step_counts: &run.steps,
+        }
+    }
 }
 
 fn pretty_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {

@@ -562,9 +562,12 @@ async fn runs_are_listed_newest_first_and_filtered() {
     assert_eq!(beta["name"], "beta");
     assert_eq!(beta["state"], "pending");
     assert_eq!(beta["steps"], json!({"pending": 1, "waiting": 1}));
+    // the name `status --json` gives the same counts
+    assert_eq!(beta["step_counts"], json!({"pending": 1, "waiting": 1}));
     assert!(beta["created_at"].is_string() && beta["finished_at"].is_null());
     assert_eq!(v[1]["state"], "cancelled");
     assert_eq!(v[1]["steps"], json!({"cancelled": 1}));
+    assert_eq!(v[1]["step_counts"], v[1]["steps"]);
     assert!(v[1]["finished_at"].is_string());
 
     for (args, want) in [
