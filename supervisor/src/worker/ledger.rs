@@ -1316,9 +1316,7 @@ mod tests {
         assert_eq!(buf.len(), 1);
     }
 
-    /// A request whose writer gave up waiting (its answer's receiver is
-    /// gone) is not written; one still awaited is (re-check audit: a
-    /// success given up on landed later, behind dropped checkpoints).
+    /// When a batch waits for more writes before it is flushed (`linger`).
     #[test]
     fn a_batch_lingers_for_company_only_where_it_can_find_some() {
         let ms = Duration::from_millis;
@@ -1349,6 +1347,9 @@ mod tests {
         }
     }
 
+    /// A request whose writer gave up waiting (its answer's receiver is
+    /// gone) is not written; one still awaited is (re-check audit: a
+    /// success given up on landed later, behind dropped checkpoints).
     #[test]
     fn a_request_nobody_waits_for_is_not_written() {
         let (live, _waiting) = oneshot::channel();
