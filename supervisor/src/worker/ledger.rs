@@ -82,7 +82,8 @@ pub(crate) const START_LINGER: Duration = Duration::from_millis(1);
 /// each; 2 / 4 / 8 ms gave 2.28 / 2.01 / 1.89 ms). A ledger with writes
 /// queued behind a flush does not wait: its batches fill while it writes.
 /// An idle worker (one attempt) writes at once: submit → `accepted` is not
-/// delayed.
+/// delayed. Nor does a ledger whose waits have stopped paying
+/// ([`Company`]).
 pub(crate) const IDLE_LINGER: Duration = Duration::from_millis(4);
 
 /// How many leases the worker holds now (attempts running or committing).
@@ -91,16 +92,66 @@ pub(crate) type LiveLeases = Box<dyn Fn() -> usize + Send>;
 /// How long a batch just taken from the queue waits for more writes:
 /// `waited` — the ledger was idle (the queue empty when it looked);
 /// `starts_only` — the batch holds starts and events alone; `live` — the
-/// worker's leases.
-fn linger(waited: bool, starts_only: bool, live: usize) -> Option<Duration> {
+/// worker's leases; `worth` — whether waiting has paid lately
+/// ([`Company::worth_waiting`]).
+fn linger(waited: bool, starts_only: bool, live: usize, worth: bool) -> Option<Duration> {
     if live < 2 {
         None
-    } else if waited {
+    } else if waited && worth {
         Some(IDLE_LINGER)
     } else if starts_only {
         Some(START_LINGER)
     } else {
         None
+    }
+}
+
+/// Whether an idle ledger's wait for company ([`IDLE_LINGER`]) has paid
+/// lately: whether other leases' writes joined the batches that waited. A
+/// worker whose other leases are long quiet steps (a chain of short steps
+/// beside one that sleeps for minutes) gains nothing by waiting, and each of
+/// its short steps paid the wait (audit: a 20-step chain of no-op steps
+/// beside a long sleep took 295 ms instead of 158). The score is a moving
+/// average of the waits that paid (each wait counts 1/8); below a quarter
+/// the ledger writes at once, and waits one idle batch in 8 to see whether
+/// company has come back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Company {
+    /// In 1/256: 256 = every recent wait paid.
+    score: u32,
+    /// Idle batches seen since the score last allowed a wait.
+    skipped: u32,
+}
+
+impl Company {
+    const FULL: u32 = 256;
+    const WORTH: u32 = Company::FULL / 4;
+    const PROBE_EVERY: u32 = 8;
+
+    fn new() -> Company {
+        Company {
+            score: Company::FULL,
+            skipped: 0,
+        }
+    }
+
+    /// Whether the idle batch at hand should wait.
+    fn worth_waiting(&mut self) -> bool {
+        if self.score >= Company::WORTH {
+            self.skipped = 0;
+            return true;
+        }
+        self.skipped += 1;
+        if self.skipped >= Company::PROBE_EVERY {
+            self.skipped = 0;
+            return true;
+        }
+        false
+    }
+
+    /// A wait ended: `paid` — another lease's write joined the batch.
+    fn waited(&mut self, paid: bool) {
+        self.score = self.score - self.score / 8 + if paid { Company::FULL / 8 } else { 0 };
     }
 }
 
@@ -513,6 +564,7 @@ pub(crate) async fn run(
     // ledger is busy (given back after an error, or once idle)
     let mut held: Option<DbConnection> = None;
     let mut aside = aside::Aside::start(db.clone(), worker.clone());
+    let mut company = Company::new();
     loop {
         let mut buf = std::mem::take(&mut carried);
         if buf.is_empty() {
@@ -538,17 +590,27 @@ pub(crate) async fn run(
             let starts_only = buf
                 .iter()
                 .all(|r| matches!(r, Request::Start(..) | Request::Events(..)));
-            if let Some(wait) = linger(waited, starts_only, live()) {
+            let live = live();
+            let worth = waited && live >= 2 && company.worth_waiting();
+            if let Some(wait) = linger(waited, starts_only, live, worth) {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => {}
                     _ = tokio::time::sleep(wait) => {}
                 }
+                let before: HashSet<LeaseKey> = buf.iter().map(Request::lease_key).collect();
+                let mut paid = false;
                 while buf.len() < MAX_BATCH {
                     match queue.rx.try_recv() {
-                        Ok(r) => buf.push(r),
+                        Ok(r) => {
+                            paid |= !before.contains(&r.lease_key());
+                            buf.push(r);
+                        }
                         Err(_) => break,
                     }
+                }
+                if worth {
+                    company.waited(paid);
                 }
             }
         } else {
@@ -1321,29 +1383,80 @@ mod tests {
     fn a_batch_lingers_for_company_only_where_it_can_find_some() {
         let ms = Duration::from_millis;
         // (the ledger was idle, the batch holds starts and events alone,
-        // the worker's leases) → how long the batch waits for more
-        let table: &[(bool, bool, usize, Option<Duration>)] = &[
+        // the worker's leases, waiting paid lately) → how long it waits
+        let table: &[(bool, bool, usize, bool, Option<Duration>)] = &[
             // one attempt: nobody else can write, so nothing is waited for
             // (submit → accepted is not delayed)
-            (true, true, 1, None),
-            (true, false, 1, None),
-            (false, true, 1, None),
-            (false, false, 0, None),
+            (true, true, 1, true, None),
+            (true, false, 1, true, None),
+            (false, true, 1, true, None),
+            (false, false, 0, true, None),
             // an idle ledger waits for the other attempts' writes
-            (true, false, 2, Some(ms(4))),
-            (true, true, 64, Some(ms(4))),
+            (true, false, 2, true, Some(ms(4))),
+            (true, true, 64, true, Some(ms(4))),
+            // ... unless waiting has stopped paying: then as before, a
+            // batch of starts waits 1 ms for their completions
+            (true, false, 2, false, None),
+            (true, true, 2, false, Some(ms(1))),
             // writes queued behind a flush fill the batch already: only a
             // batch of starts waits, for the completions behind them
-            (false, true, 2, Some(ms(1))),
-            (false, false, 2, None),
-            (false, false, 128, None),
+            (false, true, 2, false, Some(ms(1))),
+            (false, false, 2, false, None),
+            (false, false, 128, false, None),
         ];
-        for &(waited, starts_only, live, want) in table {
+        for &(waited, starts_only, live, worth, want) in table {
             assert_eq!(
-                linger(waited, starts_only, live),
+                linger(waited, starts_only, live, worth),
                 want,
-                "waited {waited}, starts only {starts_only}, {live} leases"
+                "waited {waited}, starts only {starts_only}, {live} leases, worth {worth}"
             );
+        }
+    }
+
+    /// Waits that bring no other lease's write stop within a dozen, one in
+    /// eight idle batches still waits to look again, and waits that pay
+    /// bring waiting back.
+    #[test]
+    fn waiting_for_company_stops_when_it_does_not_pay_and_comes_back_when_it_does() {
+        let mut c = Company::new();
+        // fruitless waits: the score falls below a quarter after 11
+        let mut waits = 0;
+        while c.worth_waiting() {
+            c.waited(false);
+            waits += 1;
+            assert!(waits < 100, "never stops waiting: {c:?}");
+        }
+        assert_eq!(waits, 11, "{c:?}");
+        // then one idle batch in 8 waits (the first refusal above was 1)
+        let pattern: Vec<bool> = (0..16)
+            .map(|_| {
+                let w = c.worth_waiting();
+                if w {
+                    c.waited(false);
+                }
+                w
+            })
+            .collect();
+        let probes: Vec<usize> = (0..16).filter(|&i| pattern[i]).collect();
+        assert_eq!(probes, [6, 14], "{pattern:?}");
+        // probes that pay raise the score until waiting is the rule again
+        let mut batches = 0;
+        loop {
+            batches += 1;
+            assert!(batches < 100, "never waits again: {c:?}");
+            if c.worth_waiting() {
+                c.waited(true);
+                if c.score >= Company::WORTH {
+                    break;
+                }
+            }
+        }
+        assert!(c.worth_waiting() && c.worth_waiting(), "{c:?}");
+        // a wait that pays half the time keeps waiting on
+        let mut c = Company::new();
+        for i in 0..200 {
+            assert!(c.worth_waiting(), "wait {i} refused: {c:?}");
+            c.waited(i % 2 == 0);
         }
     }
 
