@@ -738,7 +738,7 @@ impl WorkerConfig {
         self.check_stop_budget().map_err(ConfigError::Invalid)?;
         if self.db_max_connections < self.min_db_connections() {
             return bad(format!(
-                "db_max_connections = {} is smaller than the executors' total concurrency ({}) + 1: every running attempt may need a connection for its writes, plus one for leasing. Raise db_max_connections to at least {}",
+                "db_max_connections = {} is smaller than the executors' total concurrency ({}) + 1: every running attempt may need a connection at once for its artifacts (reading its inputs, storing its outputs' bytes), and the worker's one writer and its leasing share one more. Raise db_max_connections to at least {}",
                 self.db_max_connections,
                 self.total_concurrency(),
                 self.min_db_connections()
