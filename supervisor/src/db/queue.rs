@@ -697,7 +697,7 @@ impl DbConn<'_> {
             let clock: String = sqlx::query_scalar("SELECT durable.lock_lease_clock($1, $2, $3)")
                 .bind(id)
                 .bind(token)
-                .bind(format!("{}ms", super::writes::PASS_LOCK_WAIT_MS))
+                .bind(super::writes::PASS_LOCK_WAIT)
                 .fetch_one(&mut *tx)
                 .await
                 .ctx("locking an expired lease's clock")?;
@@ -796,7 +796,7 @@ impl DbConn<'_> {
                 sqlx::query_scalar("SELECT durable.create_overdue_waiting_step($1, $2, $3)")
                     .bind(run)
                     .bind(&name)
-                    .bind(format!("{}ms", super::writes::PASS_LOCK_WAIT_MS))
+                    .bind(super::writes::PASS_LOCK_WAIT)
                     .fetch_one(&mut *tx)
                     .await
                     .ctx("creating an overdue waiting step")?;

@@ -553,12 +553,13 @@ pub(super) async fn begin_step_write(
     Ok(tx)
 }
 
-/// How long the reclaim and the deadline pass wait for a run row another
-/// transaction holds before they leave its steps for a later pass.
-pub(super) const PASS_LOCK_WAIT_MS: u64 = 250;
+/// How long the reclaim and the deadline pass wait for a row another
+/// transaction holds (a run's, a lease clock's) before they leave its steps
+/// for a later pass, as the database functions they call take it.
+pub(super) const PASS_LOCK_WAIT: &str = "250ms";
 
 /// [`begin_step_write`] for the reclaim and the deadline pass: `None` when
-/// another transaction held the run row for over [`PASS_LOCK_WAIT_MS`] (the
+/// another transaction held the run row for over [`PASS_LOCK_WAIT`] (the
 /// transaction is rolled back; the caller goes on with other runs' steps).
 pub(super) async fn begin_step_write_unless_held(
     conn: &mut PgConnection,
@@ -567,7 +568,7 @@ pub(super) async fn begin_step_write_unless_held(
     let mut tx = super::begin(conn).await.ctx("beginning a step write")?;
     let locked: bool = sqlx::query_scalar("SELECT durable.lock_run_of_step($1, $2)")
         .bind(step_run_id)
-        .bind(format!("{PASS_LOCK_WAIT_MS}ms"))
+        .bind(PASS_LOCK_WAIT)
         .fetch_one(&mut *tx)
         .await
         .ctx("locking the step's run")?;
