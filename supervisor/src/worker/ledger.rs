@@ -89,20 +89,21 @@ pub(crate) const IDLE_LINGER: Duration = Duration::from_millis(4);
 /// How many leases the worker holds now (attempts running or committing).
 pub(crate) type LiveLeases = Box<dyn Fn() -> usize + Send>;
 
-/// How long a batch just taken from the queue waits for more writes:
-/// `waited` — the ledger was idle (the queue empty when it looked);
-/// `starts_only` — the batch holds starts and events alone; `live` — the
-/// worker's leases; `worth` — whether waiting has paid lately
-/// ([`Company::worth_waiting`]).
-fn linger(waited: bool, starts_only: bool, live: usize, worth: bool) -> Option<Duration> {
-    if live < 2 {
-        None
-    } else if waited && worth {
-        Some(IDLE_LINGER)
-    } else if starts_only {
-        Some(START_LINGER)
-    } else {
-        None
+/// Why a batch just taken from the queue waits for more writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// The ledger was idle: for other leases' writes ([`IDLE_LINGER`]).
+    Company,
+    /// A batch of starts alone: for their completions ([`START_LINGER`]).
+    Starts,
+}
+
+impl Wait {
+    fn duration(self) -> Duration {
+        match self {
+            Wait::Company => IDLE_LINGER,
+            Wait::Starts => START_LINGER,
+        }
     }
 }
 
@@ -152,6 +153,22 @@ impl Company {
     /// A wait ended: `paid` — another lease's write joined the batch.
     fn waited(&mut self, paid: bool) {
         self.score = self.score - self.score / 8 + if paid { Company::FULL / 8 } else { 0 };
+    }
+
+    /// Whether a batch just taken from the queue waits for more writes:
+    /// `waited` — the ledger was idle (the queue empty when it looked);
+    /// `starts_only` — the batch holds starts and events alone; `live` —
+    /// the worker's leases. Only a wait for company is counted.
+    fn linger(&mut self, waited: bool, starts_only: bool, live: usize) -> Option<Wait> {
+        if live < 2 {
+            None
+        } else if waited && self.worth_waiting() {
+            Some(Wait::Company)
+        } else if starts_only {
+            Some(Wait::Starts)
+        } else {
+            None
+        }
     }
 }
 
@@ -590,15 +607,17 @@ pub(crate) async fn run(
             let starts_only = buf
                 .iter()
                 .all(|r| matches!(r, Request::Start(..) | Request::Events(..)));
-            let live = live();
-            let worth = waited && live >= 2 && company.worth_waiting();
-            if let Some(wait) = linger(waited, starts_only, live, worth) {
+            if let Some(wait) = company.linger(waited, starts_only, live()) {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => {}
-                    _ = tokio::time::sleep(wait) => {}
+                    _ = tokio::time::sleep(wait.duration()) => {}
                 }
-                let before: HashSet<LeaseKey> = buf.iter().map(Request::lease_key).collect();
+                // (only a wait for company asks whose writes joined)
+                let before: HashSet<LeaseKey> = match wait {
+                    Wait::Company => buf.iter().map(Request::lease_key).collect(),
+                    Wait::Starts => HashSet::new(),
+                };
                 let mut paid = false;
                 while buf.len() < MAX_BATCH {
                     match queue.rx.try_recv() {
@@ -609,7 +628,7 @@ pub(crate) async fn run(
                         Err(_) => break,
                     }
                 }
-                if worth {
+                if wait == Wait::Company {
                     company.waited(paid);
                 }
             }
@@ -1378,13 +1397,19 @@ mod tests {
         assert_eq!(buf.len(), 1);
     }
 
-    /// When a batch waits for more writes before it is flushed (`linger`).
+    /// When a batch waits for more writes before it is flushed
+    /// (`Company::linger`).
     #[test]
     fn a_batch_lingers_for_company_only_where_it_can_find_some() {
-        let ms = Duration::from_millis;
+        // a ledger whose waits for company paid, and one whose did not
+        let paying = Company::new();
+        let fruitless = Company {
+            score: 0,
+            skipped: 0,
+        };
         // (the ledger was idle, the batch holds starts and events alone,
-        // the worker's leases, waiting paid lately) → how long it waits
-        let table: &[(bool, bool, usize, bool, Option<Duration>)] = &[
+        // the worker's leases, waiting paid lately) → why it waits
+        let table: &[(bool, bool, usize, bool, Option<Wait>)] = &[
             // one attempt: nobody else can write, so nothing is waited for
             // (submit → accepted is not delayed)
             (true, true, 1, true, None),
@@ -1392,25 +1417,28 @@ mod tests {
             (false, true, 1, true, None),
             (false, false, 0, true, None),
             // an idle ledger waits for the other attempts' writes
-            (true, false, 2, true, Some(ms(4))),
-            (true, true, 64, true, Some(ms(4))),
+            (true, false, 2, true, Some(Wait::Company)),
+            (true, true, 64, true, Some(Wait::Company)),
             // ... unless waiting has stopped paying: then as before, a
             // batch of starts waits 1 ms for their completions
             (true, false, 2, false, None),
-            (true, true, 2, false, Some(ms(1))),
+            (true, true, 2, false, Some(Wait::Starts)),
             // writes queued behind a flush fill the batch already: only a
             // batch of starts waits, for the completions behind them
-            (false, true, 2, false, Some(ms(1))),
-            (false, false, 2, false, None),
-            (false, false, 128, false, None),
+            (false, true, 2, true, Some(Wait::Starts)),
+            (false, false, 2, true, None),
+            (false, false, 128, true, None),
         ];
         for &(waited, starts_only, live, worth, want) in table {
+            let mut c = if worth { paying } else { fruitless };
             assert_eq!(
-                linger(waited, starts_only, live, worth),
+                c.linger(waited, starts_only, live),
                 want,
                 "waited {waited}, starts only {starts_only}, {live} leases, worth {worth}"
             );
         }
+        assert_eq!(Wait::Company.duration(), Duration::from_millis(4));
+        assert_eq!(Wait::Starts.duration(), Duration::from_millis(1));
     }
 
     /// Waits that bring no other lease's write stop within a dozen, one in
