@@ -1484,3 +1484,80 @@ async fn a_failing_run_notifies_the_workers_of_its_live_steps() {
             .expect("sib");
     assert!(requested);
 }
+
+/// A start whose completion is in the same batch has its state change
+/// deferred to that completion (leased → running → succeeded as one row
+/// version): the starts' UPDATE runs only for the starts that are not
+/// deferred. It ran over no row at all for a batch of fused starts alone,
+/// and its statement trigger with it, once per batch — nearly every batch
+/// since a start waits for its completion (`START_LINGER`). The history is
+/// whole either way.
+#[tokio::test]
+async fn a_batch_of_fused_starts_runs_no_update_of_its_own() {
+    use supervisor::db::DbConn;
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 4).await;
+    // (the batch, the step transition trigger's calls it makes)
+    let cases = [
+        // every start fused: only the completions' UPDATE
+        (
+            Batch {
+                starts: vec![start(&s[0]), start(&s[1])],
+                events: vec![],
+                completes: vec![complete(&s[0], 2), complete(&s[1], 2)],
+            },
+            1,
+        ),
+        // s[2]'s start alone is not deferred: both UPDATEs
+        (
+            Batch {
+                starts: vec![start(&s[2]), start(&s[3])],
+                events: vec![],
+                completes: vec![complete(&s[3], 2)],
+            },
+            2,
+        ),
+    ];
+    for (b, triggers) in cases {
+        let mut tx = t.db.pool().begin().await.expect("begin");
+        sqlx::query("SET LOCAL track_functions = 'pl'")
+            .execute(&mut *tx)
+            .await
+            .expect("track functions");
+        let out = DbConn::new(&mut tx)
+            .write_batch("w", &b)
+            .await
+            .expect("the batch");
+        assert!(out.starts.iter().all(|o| *o == RowOutcome::Ok), "{out:?}");
+        assert!(
+            out.completes.iter().all(|o| *o == RowOutcome::Ok),
+            "{out:?}"
+        );
+        assert_eq!(
+            function_calls(&mut tx, "on_step_transition").await,
+            triggers,
+            "{} starts, {} completions",
+            b.starts.len(),
+            b.completes.len()
+        );
+        tx.commit().await.expect("commit");
+    }
+    let hops = |to: &[&str]| -> Vec<String> { to.iter().map(|x| x.to_string()).collect() };
+    for (x, want) in [
+        (0, hops(&["pending", "leased", "running", "succeeded"])),
+        (1, hops(&["pending", "leased", "running", "succeeded"])),
+        (2, hops(&["pending", "leased", "running"])),
+        (3, hops(&["pending", "leased", "running", "succeeded"])),
+    ] {
+        let h = history(&t.db, s[x].lease.step_run_id()).await;
+        let states: Vec<String> = h.iter().map(|(_, to, _)| to.clone()).collect();
+        assert_eq!(states, want, "step {x}: {h:?}");
+        assert_eq!(
+            h.iter()
+                .find(|(_, to, _)| to == "running")
+                .map(|r| r.2.as_deref()),
+            Some(Some("ACCEPTED")),
+            "step {x}: the start's reason"
+        );
+    }
+}
