@@ -679,14 +679,17 @@ pub(crate) async fn run(
                 aside.close().await;
                 return;
             }
-            // a start whose ending is not in the batch (yet)
-            let open_start = Gathering::new(Wait::Starts, 0, &buf, Instant::now())
-                .until(Instant::now())
-                .is_some();
             let live = live();
-            if let Some(wait) = company.linger(waited, open_start, live) {
+            // (a worker with one lease never waits: nothing to gather)
+            let now = Instant::now();
+            let mut gathering = (live >= 2).then(|| Gathering::new(Wait::Starts, live, &buf, now));
+            // a start whose ending is not in the batch (yet)
+            let open_start = gathering.as_ref().is_some_and(|g| g.until(now).is_some());
+            if let (Some(wait), Some(gathering)) =
+                (company.linger(waited, open_start, live), gathering.as_mut())
+            {
                 // the wait ends early once what it waits for has come
-                let mut gathering = Gathering::new(wait, live, &buf, Instant::now());
+                gathering.wait = wait;
                 while buf.len() < MAX_BATCH {
                     let Some(until) = gathering.until(Instant::now()) else {
                         break;
