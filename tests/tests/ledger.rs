@@ -1110,6 +1110,17 @@ async fn a_flush_of_set_writes_is_one_statement() {
     assert_eq!(tests::event_count(&db, s[0].lease.step_run_id()).await, 3);
 }
 
+/// A transaction that counts its calls of PL/pgSQL functions
+/// ([`function_calls`]).
+async fn tracked_transaction(db: &Db) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = db.pool().begin().await.expect("begin");
+    sqlx::query("SET LOCAL track_functions = 'pl'")
+        .execute(&mut *tx)
+        .await
+        .expect("track functions");
+    tx
+}
+
 /// Calls of `durable.<name>` so far in the transaction of `tx` (with
 /// `track_functions` on for it).
 async fn function_calls(tx: &mut sqlx::PgConnection, name: &str) -> i64 {
@@ -1175,11 +1186,7 @@ async fn a_starts_events_in_the_same_batch_go_with_the_start() {
         ),
         (false, batch),
     ] {
-        let mut tx = t.db.pool().begin().await.expect("begin");
-        sqlx::query("SET LOCAL track_functions = 'pl'")
-            .execute(&mut *tx)
-            .await
-            .expect("track functions");
+        let mut tx = tracked_transaction(&t.db).await;
         let out = DbConn::new(&mut tx)
             .write_batch("w", &b)
             .await
@@ -1519,11 +1526,7 @@ async fn a_batch_of_fused_starts_runs_no_update_of_its_own() {
         ),
     ];
     for (b, triggers) in cases {
-        let mut tx = t.db.pool().begin().await.expect("begin");
-        sqlx::query("SET LOCAL track_functions = 'pl'")
-            .execute(&mut *tx)
-            .await
-            .expect("track functions");
+        let mut tx = tracked_transaction(&t.db).await;
         let out = DbConn::new(&mut tx)
             .write_batch("w", &b)
             .await

@@ -1588,148 +1588,136 @@ mod tests {
         // began, what arrives and when after the wait began) → when the
         // wait ends after its beginning if nothing more arrives (None: at
         // once), and whether it paid (another lease's write joined)
-        struct Case {
-            wait: Wait,
-            live: usize,
-            first: &'static [(Make, u128)],
-            then: &'static [(Make, u128, u64)],
-            ends: Option<Duration>,
-            paid: bool,
-        }
-        let cases = [
+        type Case = (
+            Wait,
+            usize,
+            &'static [(Make, u128)],
+            &'static [(Make, u128, u64)],
+            Option<Duration>,
+            bool,
+        );
+        const S: Wait = Wait::Starts;
+        const C: Wait = Wait::Company;
+        let cases: &[Case] = &[
             // a start alone waits START_LINGER for its ending
-            Case {
-                wait: Wait::Starts,
-                live: 4,
-                first: &[(start, 1)],
-                then: &[],
-                ends: Some(START_LINGER),
-                paid: false,
-            },
+            (S, 4, &[(start, 1)], &[], Some(START_LINGER), false),
             // its events are no ending; its completion is
-            Case {
-                wait: Wait::Starts,
-                live: 4,
-                first: &[(start, 1)],
-                then: &[(events, 1, 1), (complete, 1, 2)],
-                ends: None,
-                paid: false,
-            },
+            (
+                S,
+                4,
+                &[(start, 1)],
+                &[(events, 1, 1), (complete, 1, 2)],
+                None,
+                false,
+            ),
             // every start of the batch, each by its own ending: a release
             // counts, a checkpoint does not
-            Case {
-                wait: Wait::Starts,
-                live: 4,
-                first: &[(start, 1), (events, 1), (start, 2)],
-                then: &[(complete, 1, 1), (checkpoint, 2, 1), (release, 2, 2)],
-                ends: None,
-                paid: false,
-            },
-            Case {
-                wait: Wait::Starts,
-                live: 4,
-                first: &[(start, 1), (start, 2)],
-                then: &[(complete, 1, 1), (checkpoint, 2, 1)],
-                ends: Some(START_LINGER),
-                paid: false,
-            },
+            (
+                S,
+                4,
+                &[(start, 1), (events, 1), (start, 2)],
+                &[(complete, 1, 1), (checkpoint, 2, 1), (release, 2, 2)],
+                None,
+                false,
+            ),
+            (
+                S,
+                4,
+                &[(start, 1), (start, 2)],
+                &[(complete, 1, 1), (checkpoint, 2, 1)],
+                Some(START_LINGER),
+                false,
+            ),
             // a start that arrives during the wait is waited for, from its
             // own arrival
-            Case {
-                wait: Wait::Starts,
-                live: 4,
-                first: &[(start, 1)],
-                then: &[(start, 3, 2), (complete, 1, 3)],
-                ends: Some(2 * MS + START_LINGER),
-                paid: true,
-            },
+            (
+                S,
+                4,
+                &[(start, 1)],
+                &[(start, 3, 2), (complete, 1, 3)],
+                Some(2 * MS + START_LINGER),
+                true,
+            ),
             // ... but no wait lasts past MAX_LINGER
-            Case {
-                wait: Wait::Starts,
-                live: 4,
-                first: &[(start, 1)],
-                then: &[(start, 3, 4), (start, 4, 8)],
-                ends: Some(MAX_LINGER),
-                paid: true,
-            },
+            (
+                S,
+                4,
+                &[(start, 1)],
+                &[(start, 3, 4), (start, 4, 8)],
+                Some(MAX_LINGER),
+                true,
+            ),
             // another lease's ending does not end the wait
-            Case {
-                wait: Wait::Starts,
-                live: 4,
-                first: &[(start, 1)],
-                then: &[(complete, 2, 1), (complete, 3, 1)],
-                ends: Some(START_LINGER),
-                paid: true,
-            },
+            (
+                S,
+                4,
+                &[(start, 1)],
+                &[(complete, 2, 1), (complete, 3, 1)],
+                Some(START_LINGER),
+                true,
+            ),
             // a batch that holds its start's ending already
-            Case {
-                wait: Wait::Starts,
-                live: 2,
-                first: &[(start, 1), (complete, 1)],
-                then: &[],
-                ends: None,
-                paid: false,
-            },
+            (S, 2, &[(start, 1), (complete, 1)], &[], None, false),
             // company: IDLE_LINGER ...
-            Case {
-                wait: Wait::Company,
-                live: 3,
-                first: &[(complete, 1)],
-                then: &[(events, 2, 1)],
-                ends: Some(IDLE_LINGER),
-                paid: true,
-            },
+            (
+                C,
+                3,
+                &[(complete, 1)],
+                &[(events, 2, 1)],
+                Some(IDLE_LINGER),
+                true,
+            ),
             // ... unless every lease has written and no start is open
-            Case {
-                wait: Wait::Company,
-                live: 3,
-                first: &[(complete, 1)],
-                then: &[(events, 2, 1), (complete, 3, 2)],
-                ends: None,
-                paid: true,
-            },
-            Case {
-                wait: Wait::Company,
-                live: 2,
-                first: &[(start, 1)],
-                then: &[(complete, 2, 1)],
-                ends: Some(START_LINGER),
-                paid: true,
-            },
-            Case {
-                wait: Wait::Company,
-                live: 2,
-                first: &[(start, 1)],
-                then: &[(complete, 2, 1), (complete, 1, 2)],
-                ends: None,
-                paid: true,
-            },
+            (
+                C,
+                3,
+                &[(complete, 1)],
+                &[(events, 2, 1), (complete, 3, 2)],
+                None,
+                true,
+            ),
+            (
+                C,
+                2,
+                &[(start, 1)],
+                &[(complete, 2, 1)],
+                Some(START_LINGER),
+                true,
+            ),
+            (
+                C,
+                2,
+                &[(start, 1)],
+                &[(complete, 2, 1), (complete, 1, 2)],
+                None,
+                true,
+            ),
             // the start's own completion is no company
-            Case {
-                wait: Wait::Company,
-                live: 2,
-                first: &[(start, 1)],
-                then: &[(complete, 1, 1)],
-                ends: Some(IDLE_LINGER),
-                paid: false,
-            },
+            (
+                C,
+                2,
+                &[(start, 1)],
+                &[(complete, 1, 1)],
+                Some(IDLE_LINGER),
+                false,
+            ),
         ];
         let t0 = Instant::now();
-        for (i, c) in cases.iter().enumerate() {
-            let first: Vec<Request> = c.first.iter().map(|(f, n)| f(*n)).collect();
-            let mut g = Gathering::new(c.wait, c.live, &first, t0);
+        for (i, &(wait, live, first, then, ends, paid)) in cases.iter().enumerate() {
+            let first: Vec<Request> = first.iter().map(|(f, n)| f(*n)).collect();
+            let mut g = Gathering::new(wait, live, &first, t0);
             let mut at = t0;
-            for (f, n, ms) in c.then {
+            for (f, n, ms) in then {
                 at = t0 + *ms as u32 * MS;
                 assert!(g.until(at).is_some(), "case {i}: ended before {ms} ms");
                 g.add(&f(*n), at);
             }
             assert_eq!(
                 g.until(at).map(|u| u - t0),
-                c.ends,
+                ends,
                 "case {i}: when the wait ends"
             );
-            assert_eq!(g.paid(), c.paid, "case {i}");
+            assert_eq!(g.paid(), paid, "case {i}");
         }
         // a wait whose time has come ends
         let g = Gathering::new(Wait::Starts, 2, &[start(1)], t0);
