@@ -74,6 +74,8 @@ pub(crate) const LOCK_WAIT: Duration = Duration::from_millis(250);
 /// starts were fused with it against ~50 % with a 1 ms wait for starts-only
 /// batches, and the database's CPU per step fell by ~a fifth
 /// (`bench_executors`). A worker with one attempt writes its start at once.
+/// Meanwhile the step is still `leased`: a worker killed then leaves it so,
+/// and the reclaim counts it as it counts a `running` one (`LEASE_EXPIRED`).
 pub(crate) const START_LINGER: Duration = Duration::from_millis(5);
 
 /// How long the first write to reach an idle ledger waits for more while
