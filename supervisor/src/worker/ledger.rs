@@ -548,8 +548,7 @@ impl Ledger {
         make: impl FnOnce(Reply<T>) -> Request,
     ) -> Result<Pending<T>, DbError> {
         let (reply, answer) = oneshot::channel();
-        let req = make(reply);
-        self.tx.send(req).await.map_err(|_| gone())?;
+        self.tx.send(make(reply)).await.map_err(|_| gone())?;
         Ok(Pending(answer))
     }
 
@@ -690,34 +689,8 @@ pub(crate) async fn run(
             if let (Some(wait), Some(gathering)) =
                 (company.linger(waited, open_start, live), gathering.as_mut())
             {
-                // the wait ends early once what it waits for has come
                 gathering.wait = wait;
-                while buf.len() < MAX_BATCH {
-                    let Some(until) = gathering.until(Instant::now()) else {
-                        break;
-                    };
-                    tokio::select! {
-                        biased;
-                        _ = stop.cancelled() => break,
-                        r = queue.rx.recv() => match r {
-                            Some(r) => {
-                                gathering.add(&r, Instant::now());
-                                buf.push(r);
-                            }
-                            None => break,
-                        },
-                        _ = tokio::time::sleep_until(until.into()) => break,
-                    }
-                }
-                while buf.len() < MAX_BATCH {
-                    match queue.rx.try_recv() {
-                        Ok(r) => {
-                            gathering.add(&r, Instant::now());
-                            buf.push(r);
-                        }
-                        Err(_) => break,
-                    }
-                }
+                gather(&mut queue, &stop, &mut buf, gathering).await;
                 // (only a wait for company asks whose writes joined)
                 if wait == Wait::Company {
                     company.waited(gathering.paid());
@@ -755,6 +728,43 @@ pub(crate) async fn run(
             &mut aside,
         )
         .await;
+    }
+}
+
+/// Takes writes from the queue into `buf` (up to [`MAX_BATCH`]) until the
+/// wait of `gathering` ends (early once nothing it waits for can still
+/// come) or the ledger is stopped, then what is queued already.
+async fn gather(
+    queue: &mut LedgerQueue,
+    stop: &CancellationToken,
+    buf: &mut Vec<Request>,
+    gathering: &mut Gathering,
+) {
+    while buf.len() < MAX_BATCH {
+        let Some(until) = gathering.until(Instant::now()) else {
+            break;
+        };
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => break,
+            r = queue.rx.recv() => match r {
+                Some(r) => {
+                    gathering.add(&r, Instant::now());
+                    buf.push(r);
+                }
+                None => break,
+            },
+            _ = tokio::time::sleep_until(until.into()) => break,
+        }
+    }
+    while buf.len() < MAX_BATCH {
+        match queue.rx.try_recv() {
+            Ok(r) => {
+                gathering.add(&r, Instant::now());
+                buf.push(r);
+            }
+            Err(_) => break,
+        }
     }
 }
 
