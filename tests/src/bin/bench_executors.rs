@@ -281,6 +281,27 @@ struct BareCell {
     busy: Option<f64>,
 }
 
+impl BareCell {
+    /// Round trips per second of wall time.
+    fn rate(&self) -> f64 {
+        self.trips.len() as f64 / self.secs
+    }
+
+    /// Two measurements of the same cell as one: their trips, times and
+    /// CPU added up (the machine's busy share weighted by time).
+    fn merge(mut self, other: BareCell) -> BareCell {
+        self.busy = match (self.busy, other.busy) {
+            (Some(a), Some(b)) => Some((a * self.secs + b * other.secs) / (self.secs + other.secs)),
+            (a, b) => a.or(b),
+        };
+        self.trips.extend(other.trips);
+        self.secs += other.secs;
+        self.child_cpu += other.child_cpu;
+        self.bench_cpu += other.bench_cpu;
+        self
+    }
+}
+
 async fn bare(
     spawner: &Spawner,
     cfg: &ExecutorConfig,
@@ -885,7 +906,9 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
     println!(
         "method      : bare = spawn (Spawner, the worker's spawn spec, fresh directory with out/ and in/) → hello →\n\
          \x20             Job → events until the terminal → close stdin → stdout EOF → exit → reap; no database;\n\
-         \x20             {WARMUP_ROUNDS} untimed warm-up trips per executor first; with concurrency c, c loops run at once.\n\
+         \x20             {WARMUP_ROUNDS} untimed warm-up trips per executor first; with concurrency c, c loops run at once;\n\
+         \x20             half of a cell's round trips run right before its worker measurement and half right after,\n\
+         \x20             merged (trips over their summed time): a bracket against the host's drift.\n\
          \x20             worker = submit max(5, 2c) warm-up runs and then K one-step demo.echo runs (untimed,\n\
          \x20             reported), start an in-process RunningWorker (tests::fast_config, one executor with\n\
          \x20             concurrency c; startup untimed); the clock runs from the end of the warm-up runs until no\n\
@@ -943,18 +966,14 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
         for i in 0..WARMUP_ROUNDS {
             round_trip(&spawner, cfg, 1_000_000 + i as u64).await?;
         }
-        for (c, _) in cells(which) {
-            let b = bare(&spawner, cfg, which, c, args.rounds).await?;
-            eprintln!(
-                "[{which}] bare c={c}: {} round trips in {:.2} s, mean {} ms",
-                b.trips.len(),
-                b.secs,
-                fmt_ms(mean(&b.trips.iter().map(|t| t.total).collect::<Vec<_>>()))
-            );
-            bares.push(b);
-        }
-        if cfg.persistent {
-            for (c, steps) in cells(which) {
+        for (c, steps) in cells(which) {
+            // the bare rate brackets the worker's measurement: half of the
+            // round trips before it, half after, merged (the host's speed
+            // drifts within seconds here; one bare burst before a worker
+            // measurement several times its length put the ratio anywhere
+            // in 55–91 % over three runs of the same build)
+            let before = bare(&spawner, cfg, which, c, args.rounds.div_ceil(2)).await?;
+            if cfg.persistent {
                 let x =
                     bare_exchange(&spawner, cfg, which, c, steps.max(EXCHANGE_MIN_JOBS)).await?;
                 eprintln!(
@@ -965,8 +984,6 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
                 );
                 exchanges.push(x);
             }
-        }
-        for (c, steps) in cells(which) {
             let w = through_worker(
                 &url,
                 which,
@@ -982,6 +999,20 @@ async fn run(args: &Args, created: Arc<Mutex<Vec<String>>>) -> Result<()> {
                 w.steps as f64 / w.secs
             );
             workers.push(w);
+            let after = bare(&spawner, cfg, which, c, (args.rounds / 2).max(1)).await?;
+            eprintln!(
+                "[{which}] bare c={c}: {:.1} round trips/s before the worker, {:.1} after",
+                before.rate(),
+                after.rate()
+            );
+            let b = before.merge(after);
+            eprintln!(
+                "[{which}] bare c={c}: {} round trips in {:.2} s, mean {} ms",
+                b.trips.len(),
+                b.secs,
+                fmt_ms(mean(&b.trips.iter().map(|t| t.total).collect::<Vec<_>>()))
+            );
+            bares.push(b);
         }
     }
     drop_databases(&args.database_url, std::slice::from_ref(&name)).await;
