@@ -1564,3 +1564,136 @@ async fn a_batch_of_fused_starts_runs_no_update_of_its_own() {
         );
     }
 }
+
+/// A batch whose every start is fused with its completion is written in one
+/// pass (`complete_fused_set`: one fence, one INSERT of the starts', the
+/// queued and the completions' events, one UPDATE), not a pass of starts
+/// (`start_steps`) and one of completions (`complete_steps`) fencing the same
+/// rows twice. A start is answered as its completion's fence is: a lease
+/// taken over is lost for both. Each step's events stay in sequence order,
+/// also by id. A pass that fails (a completion refused by a site rule) is
+/// rolled back and the batch written in two passes as before: the refusal
+/// is its completion's alone and its start is written on its own.
+#[tokio::test]
+async fn a_batch_whose_every_start_is_fused_is_written_in_one_pass() {
+    use supervisor::db::DbConn;
+    let t = TestDb::new().await;
+    let s = lease_one_each(&t, 6).await;
+    // s[2]'s lease is another owner's now
+    steal(&t, &s[2]).await;
+    // s[5]'s success is refused by the database
+    refuse_entering(&t, &s[5], "succeeded", "refused by a site rule").await;
+    let queued = EventsWrite {
+        lease: s[0].lease.clone(),
+        events: vec![ev(2, "running"), ev(3, "progress")],
+    };
+    let one_pass = Batch {
+        starts: vec![start(&s[0]), start(&s[1]), start(&s[2])],
+        events: vec![queued],
+        completes: vec![complete(&s[0], 4), complete(&s[1], 2), complete(&s[2], 2)],
+    };
+    let refused = Batch {
+        starts: vec![start(&s[3]), start(&s[4]), start(&s[5])],
+        events: vec![],
+        completes: vec![complete(&s[3], 2), complete(&s[4], 2), complete(&s[5], 2)],
+    };
+    // (the batch, whether its one pass held, the answers of its starts and completions)
+    let lost = RowOutcome::Lost;
+    let cases = [
+        (
+            one_pass,
+            true,
+            [RowOutcome::Ok, RowOutcome::Ok, lost.clone()],
+        ),
+        (
+            refused,
+            false,
+            [RowOutcome::Ok, RowOutcome::Ok, RowOutcome::Ok],
+        ),
+    ];
+    for (b, held, starts) in cases {
+        let mut tx = tracked_transaction(&t.db).await;
+        let out = DbConn::new(&mut tx)
+            .write_batch("w", &b)
+            .await
+            .expect("the batch");
+        assert_eq!(out.starts, starts, "{out:?}");
+        assert_eq!(
+            out.events.iter().filter(|o| **o != RowOutcome::Ok).count(),
+            0
+        );
+        // the one pass held: no other pass, one fence. (A pass that failed
+        // is not counted: PostgreSQL counts a function's call when it
+        // returns; the batch then took both passes.)
+        let (fused, passes) = if held { (1, 0) } else { (0, 1) };
+        assert_eq!(function_calls(&mut tx, "complete_fused_set").await, fused);
+        assert_eq!(function_calls(&mut tx, "start_steps").await, passes);
+        assert_eq!(function_calls(&mut tx, "complete_steps").await, passes);
+        if held {
+            assert_eq!(function_calls(&mut tx, "lock_batch").await, 1);
+        }
+        if held {
+            assert_eq!(out.completes, starts, "{out:?}");
+        } else {
+            assert_eq!(out.completes[..2], [RowOutcome::Ok, RowOutcome::Ok]);
+            assert!(
+                matches!(&out.completes[2], RowOutcome::Refused { sqlstate, .. } if sqlstate == "22023"),
+                "{out:?}"
+            );
+        }
+        tx.commit().await.expect("commit");
+    }
+    for (x, want) in [
+        (0, "succeeded"),
+        (1, "succeeded"),
+        (2, "leased"),
+        (3, "succeeded"),
+        (4, "succeeded"),
+        (5, "running"),
+    ] {
+        assert_eq!(
+            state_of(&t.db, s[x].lease.step_run_id()).await,
+            want,
+            "step {x}"
+        );
+    }
+    // every hop recorded, the start's reason first
+    for x in [0, 1, 3, 4] {
+        let h = history(&t.db, s[x].lease.step_run_id()).await;
+        let states: Vec<&str> = h.iter().map(|(_, to, _)| to.as_str()).collect();
+        assert_eq!(
+            states,
+            ["pending", "leased", "running", "succeeded"],
+            "step {x}"
+        );
+        assert_eq!(h[2].2.as_deref(), Some("ACCEPTED"), "step {x}: {h:?}");
+    }
+    // a step's events in sequence order by id too; nothing for the lost lease
+    let events: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT sequence, kind FROM durable.step_events WHERE step_run_id = $1 ORDER BY id",
+    )
+    .bind(s[0].lease.step_run_id())
+    .fetch_all(t.db.pool())
+    .await
+    .expect("events");
+    let events: Vec<(i64, &str)> = events.iter().map(|(n, k)| (*n, k.as_str())).collect();
+    assert_eq!(
+        events,
+        [
+            (1, "accepted"),
+            (2, "running"),
+            (3, "progress"),
+            (4, "succeeded")
+        ]
+    );
+    assert_eq!(tests::event_count(&t.db, s[2].lease.step_run_id()).await, 0);
+    // the refused completion's start is written, its completion event is not
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM durable.step_events WHERE step_run_id = $1 ORDER BY id",
+    )
+    .bind(s[5].lease.step_run_id())
+    .fetch_all(t.db.pool())
+    .await
+    .expect("events");
+    assert_eq!(kinds, ["accepted"]);
+}
