@@ -50,6 +50,66 @@ async fn stop(w: &mut WorkerProcess) {
     assert_eq!(w.wait(LONG).await, Some(0), "{}", w.stderr());
 }
 
+/// An outcome the database refuses for good is recorded as a
+/// `COMMIT_REJECTED` failure instead, and the attempt's last line says so:
+/// it said `recorded="yes"` beside `outcome=succeeded` for a step stored
+/// `terminal_failed` (audit 63).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_outcome_is_logged_as_not_recorded() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.poison() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.state = 'succeeded' AND NEW.output ? 'poison' THEN
+                 RAISE EXCEPTION 'poisoned output refused by a site constraint' USING ERRCODE = '22023';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER poison BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.poison();",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("poison trigger");
+    let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
+    let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "json"], &[]);
+    let bad = t
+        .submit(one(
+            "bad",
+            "go",
+            "demo.echo",
+            json!({"input": {"poison": true}}),
+        ))
+        .await;
+    let ok = t
+        .submit(one("ok", "go", "demo.echo", json!({"input": {"x": 1}})))
+        .await;
+    let bad_st = t.wait_terminal(bad, LONG).await;
+    let ok_st = t.wait_terminal(ok, LONG).await;
+    stop(&mut w).await;
+    assert_eq!(bad_st.steps[0].state, "terminal_failed");
+    let lines = w.json_log();
+    for (st, recorded) in [
+        (&bad_st, "no: refused, COMMIT_REJECTED recorded instead"),
+        (&ok_st, "yes"),
+    ] {
+        let id = st.steps[0].step_run_id.to_string();
+        let finished: Vec<&Value> = lines
+            .iter()
+            .filter(|l| {
+                l["fields"]["message"] == "attempt finished"
+                    && attempt_span(l).is_some_and(|a| a["step_run_id"] == id.as_str())
+            })
+            .collect();
+        assert_eq!(finished.len(), 1, "{finished:?}");
+        assert_eq!(
+            finished[0]["fields"]["outcome"], "succeeded",
+            "{finished:?}"
+        );
+        assert_eq!(finished[0]["fields"]["recorded"], recorded, "{finished:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_lines_carry_the_attempts_ids() {
     let _serial = tests::exclusive().await;

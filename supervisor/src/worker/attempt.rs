@@ -2177,6 +2177,9 @@ fn redact_intent(r: &Redact, i: Intent) -> Intent {
 enum Recorded {
     /// The database took it.
     Yes,
+    /// The database refused it for good and took a `COMMIT_REJECTED`
+    /// failure that names the cause instead.
+    Instead,
     /// Another owner or the reclaimer had moved the step on: not this
     /// attempt's to record.
     LeaseLost,
@@ -2191,6 +2194,7 @@ impl Recorded {
     fn as_str(self) -> &'static str {
         match self {
             Recorded::Yes => "yes",
+            Recorded::Instead => "no: refused, COMMIT_REJECTED recorded instead",
             Recorded::LeaseLost => "no (lease lost)",
             Recorded::GaveUp => "no (gave up)",
         }
@@ -2223,6 +2227,8 @@ async fn commit(
     }
     let mut delay = Duration::from_millis(50);
     let committing_since = Instant::now();
+    // the outcome is a COMMIT_REJECTED failure that replaced the attempt's own
+    let mut instead = false;
     loop {
         let valid_until = control.borrow().valid_until;
         let limit = valid_until
@@ -2237,7 +2243,11 @@ async fn commit(
         match res {
             Ok(()) => {
                 crate::metrics::committed(&outcome.label());
-                return Recorded::Yes;
+                return if instead {
+                    Recorded::Instead
+                } else {
+                    Recorded::Yes
+                };
             }
             Err(DbError::LeaseLost { .. }) => {
                 crate::metrics::committed("abandoned (lease lost)");
@@ -2258,8 +2268,7 @@ async fn commit(
                 delay = (delay * 2).min(Duration::from_secs(1));
             }
             Err(e) => {
-                let rejected =
-                    matches!(&outcome, Outcome::Failed { code, .. } if code == "COMMIT_REJECTED");
+                let rejected = instead;
                 error!(error = %redactor.text(&e.to_string()), sqlstate = ?e.sqlstate(), outcome = %outcome.label(), "the database refused the outcome for good");
                 if rejected {
                     crate::metrics::committed("abandoned (commit rejected)");
@@ -2271,6 +2280,7 @@ async fn commit(
                     .chars()
                     .take(1000)
                     .collect();
+                instead = true;
                 outcome = Outcome::failed(
                     "COMMIT_REJECTED",
                     false,
