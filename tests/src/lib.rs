@@ -498,6 +498,25 @@ pub async fn step_transitions(db: &Db, step_run_id: Uuid) -> Vec<StepTransition>
 }
 
 /// How many progress events a step has (all attempts).
+/// A site constraint of the operator's (a trigger raising SQLSTATE 22023)
+/// that refuses every success whose output has a `poison` key: a demo echo
+/// of the input `{"poison": true}` is an outcome the database refuses for good.
+pub async fn refuse_poisoned_successes(db: &Db) {
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.poison() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.state = 'succeeded' AND NEW.output ? 'poison' THEN
+                 RAISE EXCEPTION 'poisoned output refused by a site constraint' USING ERRCODE = '22023';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER poison BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.poison();",
+    )
+    .execute(db.pool())
+    .await
+    .expect("poison trigger");
+}
+
 pub async fn event_count(db: &Db, step_run_id: Uuid) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM durable.step_events WHERE step_run_id = $1")
         .bind(step_run_id)

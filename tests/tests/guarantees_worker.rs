@@ -101,19 +101,7 @@ async fn unstorable_outcomes_end_with_their_own_code() {
 async fn a_permanent_commit_error_is_a_terminal_failure_naming_it() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION public.poison() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.state = 'succeeded' AND NEW.output ? 'poison' THEN
-                 RAISE EXCEPTION 'poisoned output refused by a site constraint' USING ERRCODE = '22023';
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER poison BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.poison();",
-    )
-    .execute(t.db.pool())
-    .await
-    .expect("poison trigger");
+    tests::refuse_poisoned_successes(&t.db).await;
     let w = RunningWorker::start(
         t.connect(10).await,
         fast_config(vec![go_demo("go", &[], None)]),

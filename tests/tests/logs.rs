@@ -58,19 +58,7 @@ async fn stop(w: &mut WorkerProcess) {
 async fn a_refused_outcome_is_logged_as_not_recorded() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION public.poison() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.state = 'succeeded' AND NEW.output ? 'poison' THEN
-                 RAISE EXCEPTION 'poisoned output refused by a site constraint' USING ERRCODE = '22023';
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER poison BEFORE UPDATE ON durable.step_runs FOR EACH ROW EXECUTE FUNCTION public.poison();",
-    )
-    .execute(t.db.pool())
-    .await
-    .expect("poison trigger");
+    tests::refuse_poisoned_successes(&t.db).await;
     let cfg = fast_config(vec![tests::go_demo("go", &[], None)]);
     let mut w = WorkerProcess::spawn_args(&t.url, &cfg, &["--log-format", "json"], &[]);
     let bad = t
