@@ -1598,12 +1598,11 @@ async fn a_batch_whose_every_start_is_fused_is_written_in_one_pass() {
         completes: vec![complete(&s[3], 2), complete(&s[4], 2), complete(&s[5], 2)],
     };
     // (the batch, whether its one pass held, the answers of its starts and completions)
-    let lost = RowOutcome::Lost;
     let cases = [
         (
             one_pass,
             true,
-            [RowOutcome::Ok, RowOutcome::Ok, lost.clone()],
+            [RowOutcome::Ok, RowOutcome::Ok, RowOutcome::Lost],
         ),
         (
             refused,

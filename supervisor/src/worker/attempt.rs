@@ -2268,9 +2268,9 @@ async fn commit(
                 delay = (delay * 2).min(Duration::from_secs(1));
             }
             Err(e) => {
-                let rejected = instead;
                 error!(error = %redactor.text(&e.to_string()), sqlstate = ?e.sqlstate(), outcome = %outcome.label(), "the database refused the outcome for good");
-                if rejected {
+                // even the COMMIT_REJECTED failure that replaced it
+                if instead {
                     crate::metrics::committed("abandoned (commit rejected)");
                     return Recorded::GaveUp;
                 }
