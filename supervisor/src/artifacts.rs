@@ -533,6 +533,9 @@ impl ArtifactStore {
         })
         .await
         .map_err(dir_err)?;
+        // removed unless it becomes the blob, also when the upload is
+        // abandoned midway (the attempt's future dropped at a stop)
+        let mut part = PartFile(Some(tmp.clone()));
         let res = self.fill_file(file, src, declared, &tmp).await;
         let res = match res {
             Ok(sha) => {
@@ -552,18 +555,11 @@ impl ArtifactStore {
             }
             Err(e) => Err(e),
         };
-        match res {
-            Ok(sha) => {
-                let size = i64::try_from(src.size).unwrap_or(i64::MAX);
-                self.db.record_directory_blob(&sha, size).await?;
-                Ok(sha)
-            }
-            Err(e) => {
-                let t = tmp.clone();
-                let _ = blocking(move || std::fs::remove_file(t)).await;
-                Err(e)
-            }
-        }
+        let sha = res?;
+        part.0 = None;
+        let size = i64::try_from(src.size).unwrap_or(i64::MAX);
+        self.db.record_directory_blob(&sha, size).await?;
+        Ok(sha)
     }
 
     async fn fill_file(
@@ -802,10 +798,44 @@ impl BlobReader {
     }
 }
 
+/// The `.part` file of an upload into the directory store: removed when
+/// dropped still armed (the upload failed, or was abandoned midway by an
+/// attempt stopped at a worker's stop).
+struct PartFile(Option<PathBuf>);
+
+impl Drop for PartFile {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::{Duration, SystemTime};
+
+    /// An upload's `.part` file goes with an upload that does not finish
+    /// (its future dropped midway, as at a worker's stop), and stays once
+    /// it became the blob (disarmed).
+    #[test]
+    fn a_part_file_is_removed_unless_the_upload_finished() {
+        let dir = tempfile::tempdir().expect("dir");
+        let abandoned = dir.path().join(".a.part");
+        let kept = dir.path().join(".b.part");
+        std::fs::write(&abandoned, b"half").expect("write");
+        std::fs::write(&kept, b"whole").expect("write");
+        drop(PartFile(Some(abandoned.clone())));
+        let mut done = PartFile(Some(kept.clone()));
+        done.0 = None;
+        drop(done);
+        assert!(
+            !abandoned.exists(),
+            "an abandoned upload's part file is removed"
+        );
+        assert!(kept.exists(), "a finished upload's file is not touched");
+    }
 
     #[test]
     fn a_removed_blobs_file_is_deleted_when_it_predates_the_removal_or_nobody_claims_it() {

@@ -546,3 +546,67 @@ async fn a_workers_sessions_carry_its_name() {
     w.signal(Signal::SIGTERM);
     assert_eq!(w.wait(Duration::from_secs(30)).await, Some(0));
 }
+
+/// Storing a result's artifacts is still the attempt's running time: the
+/// drain's timeout ends it as it stops an executor, and the step goes back
+/// uncounted (WORKER_SHUTDOWN). Here the upload cannot go on (the test holds
+/// `durable.blob_pins`, which every artifact is pinned in first); with a
+/// drain timeout of 300 ms the worker exits 0 at once instead of waiting
+/// out the upload (redeploy audit: a 1.28 GB upload ran 15 s past the
+/// drain's timeout, past the stop budget the README gives a worker's
+/// supervisor, and on a second signal the worker exited with its step still
+/// `running`, charged LEASE_EXPIRED later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_in_progress_is_stopped_by_the_drain_timeout_and_its_step_given_back() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.drain_timeout_ms = 300;
+    cfg.lease_ttl_ms = 60_000;
+    let mut hold = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.blob_pins IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut *hold)
+        .await
+        .expect("hold the pins");
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(
+            json!({"name": "upload", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.artifact", "input": {"name": "a.txt", "content": "abc", "repeat": 1000},
+            "retry": {"max_attempts": 3, "initial_interval_ms": 0}}]}),
+        )
+        .await;
+    // the result is in and its artifact's pin waits on the held table
+    let waiting = "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+                    WHERE c.relname = 'blob_pins' AND NOT l.granted";
+    let until = Instant::now() + Duration::from_secs(30);
+    while t.scalar_i64(waiting).await == 0 {
+        assert!(
+            Instant::now() < until,
+            "the upload never began; stderr: {}",
+            w.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let step = t.status(run).await.steps[0].step_run_id;
+    let asked = Instant::now();
+    w.signal(Signal::SIGTERM);
+    let code = w.wait(Duration::from_secs(30)).await;
+    let took = asked.elapsed();
+    hold.rollback().await.expect("release the pins");
+    assert_eq!(code, Some(0), "stderr: {}", w.stderr());
+    assert!(
+        took < Duration::from_secs(5),
+        "the drain waited for the upload (the pin waits out its 10 s lock timeout): {took:?}"
+    );
+    let (state, code, uncounted): (String, Option<String>, i32) = sqlx::query_as(
+        "SELECT state, error_code, uncounted_attempts FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(step)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("step");
+    assert_eq!(state, "retryable_failed");
+    assert_eq!(code.as_deref(), Some("WORKER_SHUTDOWN"));
+    assert_eq!(uncounted, 1, "given back uncounted");
+    tests::assert_no_survivors(step, None, Duration::from_secs(1)).await;
+}

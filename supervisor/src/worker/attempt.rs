@@ -1830,16 +1830,35 @@ async fn conclude(
     let outcome = match machine.verdict(own_cancel, &exit_text) {
         Verdict::Outcome(o) => o,
         Verdict::Verify(r) => {
-            verify_result(
-                &ArtifactStore::new(shared.db.clone(), cfg),
+            let store = ArtifactStore::new(shared.db.clone(), cfg);
+            let verify = verify_result(
+                &store,
                 (&shared.db, &step.lease),
                 job,
                 r,
                 accepted,
                 cfg.max_artifact_bytes,
                 cfg.max_result_bytes,
-            )
-            .await
+            );
+            // storing the artifacts is still the attempt's running time, not
+            // its outcome's write: the drain's timeout and a second stop
+            // signal end it as they stop an executor, and the step goes
+            // back uncounted. A 1.28 GB upload ran 15 s past a drain's
+            // timeout, past the stop budget the README gives a worker's
+            // supervisor, and on a second signal the worker exited with the
+            // step still `running`, charged LEASE_EXPIRED later (redeploy
+            // audit). A result with nothing to store is checked at the
+            // first poll and kept.
+            tokio::select! {
+                biased;
+                o = verify => o,
+                _ = shared.abort.cancelled() => {
+                    warn!("the worker stopped while this result's artifacts were being stored: the upload is abandoned and the step given back");
+                    Outcome::Released {
+                        message: "the worker stopped while the result's artifacts were being stored; the upload was abandoned".into(),
+                    }
+                }
+            }
         }
     };
     (outcome, handed)
