@@ -403,8 +403,9 @@ static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
                     lease_expires_at = now() + make_interval(secs => $7::double precision / 1000.0),
                     leased_at = now(), started_at = NULL, attempt = s.attempt + 1,
                     transition_reason = 'LEASED', transition_by = $2
-               FROM candidates c
-              WHERE s.id = c.id
+              -- the picks' keys probed (as a join with the picks the
+              -- planner read a small step_runs whole and hashed it)
+              WHERE s.id = ANY (ARRAY(SELECT c.id FROM candidates c))
           RETURNING s.id, s.run_id, s.name, s.executor_kind, s.kind, s.labels, s.input::text AS input, s.idempotency_key,
                     s.attempt, s.lease_token, s.retry, s.timeout_ms, s.heartbeat_timeout_ms, s.deadline,
                     s.secrets, s.checkpoint, s.cancel_requested, s.error_code AS last_error,
