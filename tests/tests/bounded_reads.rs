@@ -835,3 +835,58 @@ async fn a_lease_on_a_small_queue_probes_its_picks_by_key() {
         );
     }
 }
+
+/// The ledger's batches probe the rows they name on a small queue too: the
+/// fenced completion joined its arrays (~10 rows to the planner) to
+/// `step_runs`, and the runs' bookkeeping its runs to `workflow_runs`, and
+/// with a few hundred rows the planner hashed a scan of each whole table
+/// for those joins, at every flush until the next ANALYZE (a batch of 2
+/// completions read 404 step rows among 400 runs). Here 400 one-step runs
+/// are analyzed, 2 leased, and the batch of their starts and the batch of
+/// their completions (each ending its run) must each read a handful of step
+/// and run rows.
+#[tokio::test]
+async fn batches_on_a_small_queue_probe_their_rows_by_key() {
+    const RUNS: i64 = 400;
+    let t = TestDb::new().await;
+    let wid = Uuid::new_v4();
+    t.db.register_worker(wid, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    leasable_runs(&t.db, RUNS).await;
+    analyze(&t.db).await;
+    let leased =
+        t.db.lease(wid, "w", &tests::route_go_k(), 2, TTL)
+            .await
+            .expect("lease");
+    assert_eq!(leased.len(), 2);
+    let two: Vec<&LeasedStep> = leased.iter().collect();
+    // a connection of its own: its plans are made now, with those statistics
+    let db = t.connect(1).await;
+    let mut read = Reads::new();
+    let starts = starts_of(&two);
+    read.insert(
+        "start batch",
+        measured(&db, |c| Box::pin(write_all(c, starts))).await,
+    );
+    let completes = completes_of(&two);
+    read.insert(
+        "complete batch",
+        measured(&db, |c| Box::pin(write_all(c, completes))).await,
+    );
+    db.pool().close().await;
+    for (op, tables) in &read {
+        for table in ["step_runs", "workflow_runs"] {
+            let rows = tables.get(table).copied().unwrap_or(0);
+            assert!(
+                rows <= 12,
+                "{op} of 2 read {rows} rows of {table} among {RUNS} runs: it read the table \
+                 whole instead of probing its keys\n{read:#?}"
+            );
+        }
+    }
+    let ended = t
+        .scalar_i64("SELECT count(*) FROM durable.workflow_runs WHERE state = 'succeeded'")
+        .await;
+    assert_eq!(ended, 2, "both runs ended with their steps");
+}
