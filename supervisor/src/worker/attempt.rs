@@ -1830,6 +1830,7 @@ async fn conclude(
     let outcome = match machine.verdict(own_cancel, &exit_text) {
         Verdict::Outcome(o) => o,
         Verdict::Verify(r) => {
+            let uploads = !r.artifacts.is_empty();
             let store = ArtifactStore::new(shared.db.clone(), cfg);
             let verify = verify_result(
                 &store,
@@ -1847,12 +1848,12 @@ async fn conclude(
             // timeout, past the stop budget the README gives a worker's
             // supervisor, and on a second signal the worker exited with the
             // step still `running`, charged LEASE_EXPIRED later (redeploy
-            // audit). A result with nothing to store is checked at the
-            // first poll and kept.
+            // audit). A result with no artifact (its output only checked)
+            // is kept, also one answering the stop.
             tokio::select! {
                 biased;
                 o = verify => o,
-                _ = shared.abort.cancelled() => {
+                _ = shared.abort.cancelled(), if uploads => {
                     warn!("the worker stopped while this result's artifacts were being stored: the upload is abandoned and the step given back");
                     Outcome::Released {
                         message: "the worker stopped while the result's artifacts were being stored; the upload was abandoned".into(),
