@@ -110,6 +110,19 @@ fn mark_reaping(pgid: i32) {
     }
 }
 
+/// Test hook: records `pid` as a leader being reaped right now (the state a
+/// dropped spawn's killed leader is in until its reaper thread reaps it).
+#[cfg(test)]
+pub(crate) fn mark_reaping_for_test(pid: i32) {
+    registry().groups.insert(pid, Entry::Reaping);
+}
+
+/// Test hook: forgets `pid` (see [`mark_reaping_for_test`]).
+#[cfg(test)]
+pub(crate) fn release_for_test(pid: i32) {
+    release(pid);
+}
+
 /// Forgets `pgid` entirely. Called after the leader was reaped, or when a
 /// killed leader is handed over to the orphan reaper.
 fn release(pgid: i32) {

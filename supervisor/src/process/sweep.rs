@@ -354,6 +354,20 @@ fn pidfd_kill(fd: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Whether `pid` is a child of `me` that no spawn of this process accounts
+/// for: alive (not a zombie) and neither a registered group leader nor one
+/// this process is reaping right now. A cancelled spawn's leader is
+/// SIGKILLed and handed to a reaper thread (`Reaping`) before it is a
+/// zombie; in that window it is still ours, not an orphan that left its
+/// group (redeploy audit: a stop during the executors' start-up probes
+/// reported such a child as an escaped process).
+pub(crate) fn is_unaccounted_child(pid: i32, me: i32) -> bool {
+    if group::registry().owns(pid) {
+        return false;
+    }
+    group::read_stat(pid).is_some_and(|s| s.ppid == me && !s.is_dead())
+}
+
 /// Kills this process's children that no spawn registered: orphans the
 /// subreaper adopted after they left their attempt's process group and
 /// cgroup (`setsid`, then a write to another cgroup's `cgroup.procs`, which
@@ -365,24 +379,19 @@ fn pidfd_kill(fd: &OwnedFd) -> std::io::Result<()> {
 /// Returns how many were killed. Call it when no executor is running.
 pub fn kill_adopted_orphans() -> usize {
     let me = std::process::id() as i32;
-    let registered: HashSet<i32> = super::live_groups().into_iter().collect();
     let mut killed = 0;
     for _pass in 0..MAX_SWEEP_PASSES {
         let mut this_pass = 0;
         for pid in group::proc_pids() {
-            if registered.contains(&pid) {
-                continue;
-            }
-            let is_live_child =
-                |pid| group::read_stat(pid).is_some_and(|s| s.ppid == me && !s.is_dead());
-            if !is_live_child(pid) {
+            if !is_unaccounted_child(pid, me) {
                 continue;
             }
             let Ok(fd) = group::pidfd_open(pid) else {
                 continue;
             };
-            // still our un-reaped child once the pidfd is held: it is that process
-            if !is_live_child(pid) {
+            // still our un-reaped, unaccounted child once the pidfd is held:
+            // it is that process
+            if !is_unaccounted_child(pid, me) {
                 continue;
             }
             if pidfd_kill(&fd).is_ok() {

@@ -989,3 +989,34 @@ async fn a_child_starts_with_no_signal_blocked_or_ignored() {
     assert_eq!(mask("SigIgn:") & sigpipe, 0, "SIGPIPE ignored:\n{status}");
     assert_eq!(mask("SigCgt:"), 0, "caught signals:\n{status}");
 }
+
+/// A leader this process is reaping (a cancelled spawn's, SIGKILLed and
+/// handed to its reaper thread) is not an orphan that left its group, even
+/// in the instant before it is a zombie: the exit sweep neither kills nor
+/// counts it (before, only live registrations were excluded, and a stop
+/// during the executors' start-up probes logged a killed "escaped" process).
+/// An unregistered child is still one.
+#[test]
+fn a_child_being_reaped_is_not_counted_as_an_adopted_orphan() {
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("spawn sleep");
+    let pid = child.id() as i32;
+    let me = std::process::id() as i32;
+    let unregistered = sweep::is_unaccounted_child(pid, me);
+    group::mark_reaping_for_test(pid);
+    let reaping = sweep::is_unaccounted_child(pid, me);
+    group::release_for_test(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        unregistered,
+        "an unregistered live child is unaccounted for"
+    );
+    assert!(!reaping, "a child being reaped was counted as an orphan");
+    assert!(
+        !sweep::is_unaccounted_child(pid, me),
+        "a reaped child is nobody's"
+    );
+}
