@@ -1957,7 +1957,7 @@ fn parse_spec(text: &str) -> Result<serde_json::Value, CliError> {
              nests at most {MAX_VALUE_DEPTH} levels (the spec, `steps` and its step take three \
              more); flatten it, or pass deeply structured data as an artifact"
         )),
-        ParseError::Json(e) => CliError::NotJson(e.to_string()),
+        ParseError::Json(e) => CliError::NotJson(explain_json_error(&e)),
     })?;
     if let Some(dup) = json::duplicate_key(text.as_bytes()) {
         return Err(CliError::BadSpec(format!(
@@ -1965,6 +1965,20 @@ fn parse_spec(text: &str) -> Result<serde_json::Value, CliError> {
         )));
     }
     Ok(spec)
+}
+
+/// serde_json's message, with what it leaves unsaid where it says little:
+/// an escape of a lone UTF-16 surrogate (`"\ud800"`) reads "unexpected end
+/// of hex escape" although the escape is whole (workflow audit).
+fn explain_json_error(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    if text.contains("hex escape") || text.contains("surrogate") {
+        return format!(
+            "{text} (a \\u escape is four hex digits, and one in \\uD800-\\uDBFF must be followed at once by \\uDC00-\\uDFFF: \
+             a lone surrogate is no character and JSON text cannot carry one; write the character itself or its whole pair)"
+        );
+    }
+    text
 }
 
 fn read_input(file: &str) -> Result<String, CliError> {
@@ -2628,6 +2642,27 @@ fn runs_text(runs: &[crate::db::RunSummary]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lone surrogate escape is named as one, whatever serde_json says of
+    /// it (its own words for one at the end of a string: "unexpected end of
+    /// hex escape"); other errors pass as they are.
+    #[test]
+    fn a_lone_surrogate_in_a_spec_is_named() {
+        for text in [r#"{"s":"\ud800"}"#, r#"{"s":"\ud800x"}"#, r#"{"\udc00":1}"#] {
+            let Err(CliError::NotJson(msg)) = parse_spec(text) else {
+                panic!("{text} parsed");
+            };
+            assert!(msg.contains("lone surrogate"), "{text}: {msg}");
+        }
+        let Err(CliError::NotJson(msg)) = parse_spec(r#"{"s":1"#) else {
+            panic!("a cut spec parsed");
+        };
+        assert!(!msg.contains("surrogate"), "{msg}");
+        assert!(
+            parse_spec(r#"{"s":"\ud83d\ude00"}"#).is_ok(),
+            "a whole pair"
+        );
+    }
 
     /// `status --json` writes its times as `runs --json` does: six
     /// fractional digits, also when they end in zeros.
