@@ -49,6 +49,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   waiting for EOF, as an SDK does after its `max_jobs_per_process`-th job).
 - `print_hang`: ACCEPTED, then a line of text on its stdout (as a stray `print` would write it),
   then sleeps (no terminal: ended by a cancel or a timeout).
+- `previous_id`: ACCEPTED, then a result with output = input under the job id of the job
+  this process served before (this job's own id on a process's first job): an executor
+  answering each job with the previous one's job_id.
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
@@ -105,6 +108,7 @@ MODES = [
     "stderr_cut_secret",
     "burst_exit",
     "print_hang",
+    "previous_id",
 ]
 
 
@@ -162,6 +166,7 @@ def main() -> int:
     seen_secrets: list[str] = []
     refused_steps: set[str] = set()
     stray_owed = False
+    previous_job_id = ""
     for _ in range(jobs):
         raw = read_frame(inp)
         if raw is None:
@@ -286,6 +291,12 @@ def main() -> int:
             # every secret value this process was handed, by any of its jobs
             event(pb.EVENT_KIND_ACCEPTED)
             result(json.dumps({"seen": " ".join(seen_secrets)}).encode())
+        elif mode == "previous_id":
+            # this job's ACCEPTED, then its result under the previous job's id
+            event(pb.EVENT_KIND_ACCEPTED)
+            seq += 1
+            answer_to = previous_job_id or job.job_id
+            send(result=pb.JobResult(job_id=answer_to, sequence=seq, output=job.input or b"{}"))
         elif mode == "late_frame":
             # a result, then (after the input's delay_ms) a progress event of
             # the same job: a frame after its terminal
@@ -366,6 +377,7 @@ def main() -> int:
                 result(job.input or b"{}")
         else:
             error("BAD_INPUT", "unknown mode " + mode, False)
+        previous_job_id = job.job_id
     # wait for EOF / shutdown, as an executor should
     while True:
         raw = read_frame(inp)

@@ -142,6 +142,75 @@ async fn a_late_frame_of_the_previous_job_does_not_fail_the_next_one() {
     );
 }
 
+/// A persistent executor that answers each job with the previous job's id
+/// (ACCEPTED under the right one, the result under the one before): the
+/// result of a process's second job is a terminal of a job that had its
+/// terminal already. That job goes back to the queue uncounted and runs on a
+/// process that served no job, where its answer is under its own id. Before,
+/// the frame was dropped as a late one of the previous job and the step
+/// stayed `running` until its timeout (here none: for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_answered_under_the_previous_jobs_id_is_given_back_not_left_running() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "previous id", "steps": [
+            step_spec("a", "hostile.previous_id", json!({"input": {"a": 1}})),
+            step_spec("b", "hostile.previous_id", json!({"input": {"b": 2}, "depends_on": ["a"]})),
+            step_spec("c", "hostile.previous_id", json!({"input": {"c": 3}, "depends_on": ["b"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(30)).await;
+    w.shutdown().await;
+    // max_attempts is 1: a counted attempt more would have failed the step
+    for (name, input) in [
+        ("a", json!({"a": 1})),
+        ("b", json!({"b": 2})),
+        ("c", json!({"c": 3})),
+    ] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+        assert_eq!(s.output, Some(input), "{name}");
+    }
+    let given_back = |name: &str| {
+        let id = step(&st, name).step_run_id;
+        let db = t.db.clone();
+        async move {
+            sqlx::query_as::<_, (i32, i32, String)>(
+                "SELECT attempt, uncounted_attempts,
+                        coalesce((SELECT string_agg(reason, ' | ') FROM durable.transitions
+                                   WHERE step_run_id = s.id AND to_state = 'retryable_failed'), '')
+                   FROM durable.step_runs s WHERE s.id = $1",
+            )
+            .bind(id)
+            .fetch_one(db.pool())
+            .await
+            .expect("attempts")
+        }
+    };
+    assert_eq!(
+        given_back("a").await,
+        (1, 0, String::new()),
+        "a ran first on its process"
+    );
+    for name in ["b", "c"] {
+        let (attempt, uncounted, reasons) = given_back(name).await;
+        assert_eq!(
+            (attempt, uncounted),
+            (2, 1),
+            "{name}: given back once, uncounted, then answered by a process that served no job"
+        );
+        assert_eq!(reasons, "EXECUTOR_CRASHED: given back uncounted", "{name}");
+    }
+    assert_ne!(
+        executor_pid(&t.db, step(&st, "a").step_run_id).await,
+        executor_pid(&t.db, step(&st, "b").step_run_id).await,
+        "b's answer came from the process that ran a"
+    );
+}
+
 /// A job refused by a persistent process and leased again (a refusal gives
 /// its attempt number back) goes to the same idle process with an id of its
 /// own: it had the refused job's id, its frames were dropped as a late

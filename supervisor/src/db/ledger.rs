@@ -158,6 +158,15 @@ pub struct ReleaseWrite {
     pub message: String,
 }
 
+/// A started attempt given back uncounted for a fault of its process, not of
+/// the step (`DbConn::give_back`): a release under `code`.
+#[derive(Debug, Clone)]
+pub struct GiveBackWrite {
+    pub lease: Lease,
+    pub code: String,
+    pub message: String,
+}
+
 /// A write of one lease that no set form carries: in a batch, each runs after
 /// the set-based part, in the order given, in a savepoint of its own.
 #[derive(Debug, Clone)]
@@ -168,6 +177,7 @@ pub enum LedgerWrite {
     Cancel(CancelWrite),
     Refuse(RefuseWrite),
     Release(ReleaseWrite),
+    GiveBack(GiveBackWrite),
 }
 
 impl LedgerWrite {
@@ -179,6 +189,7 @@ impl LedgerWrite {
             LedgerWrite::Cancel(w) => &w.lease,
             LedgerWrite::Refuse(w) => &w.lease,
             LedgerWrite::Release(w) => &w.lease,
+            LedgerWrite::GiveBack(w) => &w.lease,
         }
     }
 
@@ -191,6 +202,7 @@ impl LedgerWrite {
             LedgerWrite::Cancel(_) => "cancellation",
             LedgerWrite::Refuse(_) => "refusal",
             LedgerWrite::Release(_) => "release",
+            LedgerWrite::GiveBack(_) => "give-back",
         }
     }
 }
@@ -442,6 +454,11 @@ impl DbConn<'_> {
                 .map(Written::Refuse),
             LedgerWrite::Release(r) => {
                 self.release(&r.lease, worker, &r.message).await?;
+                Ok(Written::Release)
+            }
+            LedgerWrite::GiveBack(r) => {
+                self.give_back(&r.lease, worker, &r.code, &r.message)
+                    .await?;
                 Ok(Written::Release)
             }
         }

@@ -86,8 +86,8 @@ pub use inspect::{
 };
 pub use ledger::{
     Batch, BatchOutcome, CancelWrite, CheckpointEvent, CheckpointWrite, CompleteStoredWrite,
-    CompleteWrite, EventsWrite, FailWrite, LedgerOutcome, LedgerWrite, OwnedEvent, RefuseWrite,
-    ReleaseWrite, RowOutcome, StartWrite, Written,
+    CompleteWrite, EventsWrite, FailWrite, GiveBackWrite, LedgerOutcome, LedgerWrite, OwnedEvent,
+    RefuseWrite, ReleaseWrite, RowOutcome, StartWrite, Written,
 };
 pub use observe::QueueDepth;
 pub use retention::{

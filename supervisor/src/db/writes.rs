@@ -494,18 +494,35 @@ impl DbConn<'_> {
         worker_name: &str,
         message: &str,
     ) -> Result<(), DbError> {
+        self.give_back(lease, worker_name, "WORKER_SHUTDOWN", message)
+            .await
+    }
+
+    /// A release under another code than a drain's: a started attempt
+    /// whose process failed it in a way that is not the step's doing
+    /// (`EXECUTOR_CRASHED`: a warm process that answered this job under its
+    /// previous job's id). The step goes back uncounted, as a drained one,
+    /// and the code is its `error_code` (after `EXECUTOR_CRASHED` the next
+    /// attempt takes a process that served no job). Fenced.
+    pub async fn give_back(
+        &mut self,
+        lease: &Lease,
+        worker_name: &str,
+        code: &str,
+        message: &str,
+    ) -> Result<(), DbError> {
         let mut tx = begin_step_write(self.conn, lease.step_run_id).await?;
         let ended: Option<(String, String)> = sqlx::query_as(
             "UPDATE durable.step_runs s
                 SET state = CASE WHEN c.cancel THEN 'cancelled' ELSE 'retryable_failed' END,
                     uncounted_attempts = s.uncounted_attempts + CASE WHEN c.cancel THEN 0 ELSE 1 END,
-                    error_code = CASE WHEN c.cancel THEN 'CANCELLED' ELSE 'WORKER_SHUTDOWN' END,
+                    error_code = CASE WHEN c.cancel THEN 'CANCELLED' ELSE $5 END,
                     error_message = $4, error_retryable = NOT c.cancel, error_details = NULL,
                     owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
                     lease_token = CASE WHEN c.cancel THEN s.lease_token END,
-                    transition_reason = CASE WHEN c.cancel AND c.run_failed THEN 'RUN_FAILED (WORKER_SHUTDOWN)'
-                                             WHEN c.cancel THEN 'CANCEL_REQUESTED (WORKER_SHUTDOWN)'
-                                             ELSE 'WORKER_SHUTDOWN: given back uncounted' END,
+                    transition_reason = CASE WHEN c.cancel AND c.run_failed THEN 'RUN_FAILED (' || $5 || ')'
+                                             WHEN c.cancel THEN 'CANCEL_REQUESTED (' || $5 || ')'
+                                             ELSE $5 || ': given back uncounted' END,
                     transition_by = $3
                FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
                             durable.run_failed_it(s2.run_id) AS run_failed
@@ -518,6 +535,7 @@ impl DbConn<'_> {
         .bind(lease.token)
         .bind(worker_name)
         .bind(message)
+        .bind(code)
         .fetch_optional(&mut *tx)
         .await
         .ctx("releasing a step")?;

@@ -40,8 +40,8 @@ use super::{Control, ExecutorRuntime, LeaseView, Shared, DB_CALL_TIMEOUT};
 use crate::artifacts::{ArtifactStore, StoreError};
 use crate::db::{
     bounded, CancelWrite, CheckpointEvent, CheckpointWrite, CompleteStoredWrite, CompleteWrite,
-    DbError, EventsWrite, FailWrite, FailureReport, Lease, LeasedStep, NewArtifact, OwnedEvent,
-    RefuseWrite, ReleaseWrite, StartWrite,
+    DbError, EventsWrite, FailWrite, FailureReport, GiveBackWrite, Lease, LeasedStep, NewArtifact,
+    OwnedEvent, RefuseWrite, ReleaseWrite, StartWrite,
 };
 use crate::process::Child;
 use crate::state::Failure;
@@ -200,6 +200,15 @@ pub(crate) enum Outcome {
     Released {
         message: String,
     },
+    /// A started attempt ended by its process in a way that is not the
+    /// step's doing (a warm process answering this job under its previous
+    /// job's id): back to the queue at once, the attempt not counted, under
+    /// `code` (`EXECUTOR_CRASHED`: the next attempt takes a process that
+    /// served no job).
+    GivenBack {
+        code: String,
+        message: String,
+    },
     /// The lease is gone (or its clock ran out): nothing may be written.
     Abandoned {
         why: String,
@@ -213,7 +222,8 @@ impl Outcome {
         match &mut self {
             Outcome::Failed { message, .. }
             | Outcome::Cancelled { message }
-            | Outcome::Released { message } => message.push_str(note),
+            | Outcome::Released { message }
+            | Outcome::GivenBack { message, .. } => message.push_str(note),
             _ => {}
         }
         self
@@ -237,6 +247,7 @@ impl Outcome {
             Outcome::Cancelled { .. } => "cancelled".into(),
             Outcome::Refused { code, .. } => format!("refused ({code})"),
             Outcome::Released { .. } => "released (worker shutdown)".into(),
+            Outcome::GivenBack { code, .. } => format!("given back ({code})"),
             Outcome::Abandoned { .. } => "abandoned (lease lost)".into(),
         }
     }
@@ -399,6 +410,10 @@ impl Redact {
             },
             Outcome::Refused { code, message } => Outcome::Refused {
                 code: self.text(&code),
+                message: self.text(&message),
+            },
+            Outcome::GivenBack { code, message } => Outcome::GivenBack {
+                code,
                 message: self.text(&message),
             },
             other => other,
@@ -1640,7 +1655,7 @@ async fn converse(
         warn!(
             pid = session.child.pid,
             frames = machine.stale_frames(),
-            "the executor wrote frames of its previous job during this one (after that job's terminal): they were dropped, and the process is replaced after this job"
+            "the executor wrote frames of its previous job during this one (after that job's terminal): the process is replaced after this job (a terminal of it after this job's first frame gave this job back; other frames were dropped)"
         );
     }
 
@@ -2553,6 +2568,16 @@ async fn write_outcome(
                 .ledger
                 .release(ReleaseWrite {
                     lease: lease.clone(),
+                    message: message.clone(),
+                })
+                .await
+        }
+        Outcome::GivenBack { code, message } => {
+            shared
+                .ledger
+                .give_back(GiveBackWrite {
+                    lease: lease.clone(),
+                    code: code.clone(),
                     message: message.clone(),
                 })
                 .await

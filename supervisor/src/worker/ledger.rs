@@ -43,8 +43,8 @@ use uuid::Uuid;
 
 use crate::db::{
     Batch, CancelWrite, CheckpointWrite, CompleteStoredWrite, CompleteWrite, Db, DbConnection,
-    DbError, EventsWrite, FailWrite, Lease, LedgerWrite, OwnedEvent, RefuseWrite, ReleaseWrite,
-    StartWrite, Written,
+    DbError, EventsWrite, FailWrite, GiveBackWrite, Lease, LedgerWrite, OwnedEvent, RefuseWrite,
+    ReleaseWrite, StartWrite, Written,
 };
 use crate::state::FailureDecision;
 
@@ -269,6 +269,7 @@ enum Request {
     Cancel(CancelWrite, Reply),
     Refuse(RefuseWrite, Reply<String>),
     Release(ReleaseWrite, Reply),
+    GiveBack(GiveBackWrite, Reply),
 }
 
 impl Request {
@@ -283,6 +284,7 @@ impl Request {
             Request::Cancel(w, _) => &w.lease,
             Request::Refuse(w, _) => &w.lease,
             Request::Release(w, _) => &w.lease,
+            Request::GiveBack(w, _) => &w.lease,
         }
     }
 
@@ -303,7 +305,8 @@ impl Request {
             | Request::Complete { reply: r, .. }
             | Request::Checkpoint(_, r)
             | Request::Cancel(_, r)
-            | Request::Release(_, r) => r.is_closed(),
+            | Request::Release(_, r)
+            | Request::GiveBack(_, r) => r.is_closed(),
             Request::CompleteStored(_, r) => r.is_closed(),
             Request::Fail(_, r) => r.is_closed(),
             Request::Refuse(_, r) => r.is_closed(),
@@ -636,6 +639,13 @@ impl Ledger {
 
     pub(crate) async fn release(&self, w: ReleaseWrite) -> Result<(), DbError> {
         self.submit(|r| Request::Release(w, r))
+            .await?
+            .answer()
+            .await
+    }
+
+    pub(crate) async fn give_back(&self, w: GiveBackWrite) -> Result<(), DbError> {
+        self.submit(|r| Request::GiveBack(w, r))
             .await?
             .answer()
             .await
@@ -1016,6 +1026,10 @@ fn shape(requests: Vec<Request>) -> Shaped {
             }
             Request::Release(w, reply) => {
                 writes.push(LedgerWrite::Release(w));
+                write_replies.push(WriteReply::Unit(reply));
+            }
+            Request::GiveBack(w, reply) => {
+                writes.push(LedgerWrite::GiveBack(w));
                 write_replies.push(WriteReply::Unit(reply));
             }
         }

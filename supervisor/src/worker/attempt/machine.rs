@@ -598,14 +598,49 @@ impl Machine {
     }
 
     /// Checks one frame: a frame of the previous job is counted and
-    /// dropped; any other goes through [`on_frame`].
+    /// dropped; any other goes through [`on_frame`]. A terminal of the
+    /// previous job once this job has begun answering (its first frame came)
+    /// is not dropped: that job had its terminal already, and an executor
+    /// that answers each job under the job before's id wrote exactly this,
+    /// its real answer, which would never come under this job's id (the
+    /// step stayed `running` until a timeout or a cancel; third-party audit,
+    /// 4 of 4 such jobs). Either way the process broke the protocol and is
+    /// not this job's doing: the job goes back to the queue uncounted, for a
+    /// process that served no job, and this one is replaced.
     fn check(&mut self, f: FromExecutor) -> FrameVerdict {
         let job = job_frame(&f).map(|(job, _)| job);
         if job.is_some() && job == self.previous_job.as_deref() {
             self.stale_frames += 1;
+            if self.frames.last_seq > 0
+                && matches!(f, FromExecutor::Result(_) | FromExecutor::Error(_))
+            {
+                let previous = self.previous_job.as_deref().unwrap_or_default();
+                return FrameVerdict::Impose(Outcome::GivenBack {
+                    code: "EXECUTOR_CRASHED".into(),
+                    message: format!(
+                        "the warm process wrote a terminal ({}) of its previous job {previous:?} after its first frame for this job {:?}: \
+                         is the executor answering each job with the previous one's job_id? The job goes back to the queue, \
+                         uncounted, for a process that served no job, and this one is replaced",
+                        f.name(),
+                        self.job_id
+                    ),
+                });
+            }
             return FrameVerdict::Continue;
         }
         on_frame(&mut self.frames, &self.job_id, self.pid, f)
+    }
+
+    /// What a timeout's message adds when the process wrote frames of its
+    /// previous job during this one (dropped): it was not silent, it
+    /// answered under another job's id.
+    fn stale_note(&self) -> String {
+        match (self.stale_frames, self.previous_job.as_deref()) {
+            (0, _) | (_, None) => String::new(),
+            (n, Some(previous)) => format!(
+                "; it wrote {n} frame(s) of its previous job {previous:?} meanwhile, which were dropped: is the executor answering this job with the previous one's job_id?"
+            ),
+        }
     }
 
     /// Whether a frame names this job (job ids are never reused: a frame
@@ -741,7 +776,7 @@ impl Machine {
             }
             Input::Silent => {
                 let ms = self.limits.silence_ms.unwrap_or(0);
-                let why = self.unfinished_note();
+                let why = self.unfinished_note() + &self.stale_note();
                 self.impose_and_cancel(
                     Outcome::failed(
                         "HEARTBEAT_TIMEOUT",
@@ -765,10 +800,11 @@ impl Machine {
                          The worker's log shows their first bytes"
                     ),
                 };
+                let stale = self.stale_note();
                 self.imposed = Some(Outcome::Refused {
                     code: "EXECUTOR_UNRESPONSIVE".into(),
                     message: format!(
-                        "the executor {what}; its process is replaced and the job goes back to the queue, uncounted"
+                        "the executor {what}{stale}; its process is replaced and the job goes back to the queue, uncounted"
                     ),
                 });
                 self.finish(false, false)
