@@ -224,6 +224,48 @@ async fn an_executor_that_exits_before_its_hello_refuses_and_pauses() {
     w.shutdown().await;
 }
 
+/// An executor whose processes give no valid hello once the worker runs (a
+/// banner printed to stdout before it, or no hello at all within
+/// handshake_timeout_ms) has not been sent a job either: as for one that
+/// exits first, the step is refused uncounted (SPAWN_FAILED) and the
+/// executor paused until a probe process says a valid hello. It counted as
+/// an attempt (HANDSHAKE_FAILED, retryable): one broken deploy failed a
+/// run's steps in seconds (third-party audit: an 8-step run failed in 4 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_that_gives_no_valid_hello_refuses_and_pauses() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mode = dir.path().join("mode");
+    let ecfg = go_demo_after(&format!(
+        "m=$(cat '{f}' 2>/dev/null)\n\
+         [ \"$m\" = banner ] && printf 'starting up...\\n'\n\
+         [ \"$m\" = silent ] && exec sleep 30",
+        f = mode.display()
+    ));
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.refusal_delay_ms = 300;
+    cfg.handshake_timeout_ms = 700;
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    for (n, how) in ["banner", "silent"].into_iter().enumerate() {
+        std::fs::write(&mode, how).expect("mode");
+        let run = t
+            .submit(json!({"name": format!("no valid hello: {how}"), "steps": [
+                {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {"x": n},
+                 "retry": {"max_attempts": 2, "initial_interval_ms": 50}}]}))
+            .await;
+        tokio::time::sleep(Duration::from_millis(3_000)).await;
+        let a = waits_refused_uncounted(&t, run).await;
+        let e = a.error.as_ref().expect("the refusal's error");
+        assert_eq!(e.code, "SPAWN_FAILED", "{how}: {e:?}");
+        std::fs::remove_file(&mode).expect("a valid hello again");
+        let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+        assert_eq!(st.state, "succeeded", "{how}");
+        assert_eq!(tests::step(&st, "a").output, Some(json!({"x": n})), "{how}");
+    }
+    w.shutdown().await;
+}
+
 /// A work_dir that takes no directory (full, read-only, gone) pauses the
 /// worker's leasing until a probe directory can be made: only the steps in
 /// flight are refused (WORK_DIR_UNAVAILABLE, uncounted), the rest wait.

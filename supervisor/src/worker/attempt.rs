@@ -1532,29 +1532,37 @@ async fn hello_of(
         }
         r = handshake => r,
     };
-    let gone = read
-        .as_ref()
-        .is_err_and(wire::HandshakeError::gone_before_hello);
     match read {
         Ok(h) => {
             session.hello = Some(h.clone());
             exec.process_started(shared);
             Ok(h)
         }
-        Err(e) if gone => {
+        Err(e) => {
             // no job was sent, and what ended it is not the step's (the job
             // comes after the hello; a banner printed before a crash is a
             // cut frame): a start that failed here, as a command that cannot
             // be run is — a refusal, and the executor's breaker opens
             // (resource audit: a process limit used a step's attempts in two
-            // seconds). The raw bytes stay in the log.
+            // seconds). So is a process that gives no valid hello at all (none
+            // within handshake_timeout_ms, another frame first, bytes that
+            // are no frame): it counted as an attempt (HANDSHAKE_FAILED) and
+            // one broken deploy failed the queue's steps in seconds, where
+            // one that exited first paused the executor (third-party audit).
+            // The raw bytes stay in the log.
+            let gone = e.gone_before_hello();
             let msg = match &e {
                 HandshakeError::Wire(w) => wire_failure(w).1,
                 other => other.stored_message(),
             };
             let tail = one_line(&redactor.text(&child.stderr().tail_marked()));
-            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
-                  "the executor exited before its hello: it cannot be started here (SPAWN_FAILED)");
+            if gone {
+                warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
+                      "the executor exited before its hello: it cannot be started here (SPAWN_FAILED)");
+            } else {
+                warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
+                      "the executor gave no valid hello: it cannot be started here (SPAWN_FAILED)");
+            }
             exec.process_failed(
                 shared,
                 Duration::from_millis(cfg.refusal_delay_ms),
@@ -1567,15 +1575,6 @@ async fn hello_of(
                 ),
             };
             Err(stop_now(child, cfg, out).await)
-        }
-        Err(e) => {
-            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %one_line(&redactor.text(&child.stderr().tail_marked())), "handshake failed");
-            // the raw evidence stays in the log; the stored message describes it
-            let msg = match &e {
-                HandshakeError::Wire(w) => wire_failure(w).1,
-                other => other.stored_message(),
-            };
-            Err(stop_now(child, cfg, Outcome::failed("HANDSHAKE_FAILED", true, msg)).await)
         }
     }
 }
