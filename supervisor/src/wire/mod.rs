@@ -410,6 +410,21 @@ impl HandshakeError {
         )
     }
 
+    /// What to say beside a hello that came as bytes that are no hello frame
+    /// (a cut or undecodable frame, an oversized length, a first frame never
+    /// completed): most often text printed to stdout before the hello, whose
+    /// first bytes read as a frame's length (third-party audit: "failed to
+    /// decode Protobuf message: unexpected end group tag", with no word of
+    /// stdout). Empty for the rest.
+    pub fn stdout_hint(&self) -> &'static str {
+        match self {
+            HandshakeError::Wire(_) | HandshakeError::Timeout(_, 1.., _) => {
+                "; did the executor print something to stdout before its hello? stdout carries frames only (logs go to stderr)"
+            }
+            _ => "",
+        }
+    }
+
     /// The failure as a stored step error may carry it: what happened, never
     /// the executor's raw bytes (CONTRACT §5: evidence goes to the log).
     pub fn stored_message(&self) -> String {
@@ -594,6 +609,42 @@ mod handshake_tests {
             .await
             .expect_err("no hello");
         assert_eq!(err.to_string(), "no hello within 50 ms");
+        assert_eq!(
+            err.stdout_hint(),
+            "",
+            "nothing arrived: nothing was printed"
+        );
+        drop(w);
+    }
+
+    /// Text printed to stdout before the hello (its first bytes read as a
+    /// length) is named as the likely cause, whichever way the frame breaks;
+    /// a process that ends with nothing written is not.
+    #[tokio::test]
+    async fn bytes_before_the_hello_suggest_a_print_to_stdout() {
+        // "s" reads as a length of 115: the rest of the line and more
+        // bytes make a frame that is no protobuf message
+        let (mut w, r) = tokio::io::duplex(4096);
+        w.write_all(b"starting up...\n").await.expect("write");
+        w.write_all(&[0x08; 120]).await.expect("write");
+        let mut frames = FramedRead::new(r, executor_decoder(1 << 20));
+        let err = read_hello(&mut frames, Duration::from_millis(200))
+            .await
+            .expect_err("no hello");
+        assert!(
+            err.stdout_hint()
+                .contains("print something to stdout before its hello"),
+            "{err}"
+        );
+        // a clean end before any byte
+        let (w2, r2) = tokio::io::duplex(1024);
+        drop(w2);
+        let mut frames = FramedRead::new(r2, executor_decoder(1 << 20));
+        let err = read_hello(&mut frames, Duration::from_millis(200))
+            .await
+            .expect_err("no hello");
+        assert!(err.gone_before_hello(), "{err}");
+        assert_eq!(err.stdout_hint(), "", "{err}");
         drop(w);
     }
 }

@@ -107,9 +107,8 @@ impl Agreement {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NegotiationError {
     #[error(
-        "no protocol revision in common: the executor speaks {}, this supervisor speaks {}. \
-         Upgrade the executor's SDK or the supervisor",
-        list(.executor), list(.supervisor)
+        "no protocol revision in common: the executor speaks {}, this supervisor speaks {}. {}",
+        list(.executor), list(.supervisor), no_common_advice(.executor)
     )]
     NoCommonRevision {
         executor: Vec<String>,
@@ -159,6 +158,26 @@ fn too_large_hint(checkpoint: u64) -> String {
 /// Revisions for a message: each as it is when it looks like one (`1.0`),
 /// else quoted, so that an empty or odd string shows (SDK audit: `["", ""]`
 /// read "the executor speaks , ,").
+/// What to do when no revision is in common: fix the entries that are no
+/// revision at all (`"v1.1"`, `"1.1.0"`: third-party audit, told to upgrade
+/// an SDK that was not the problem), else upgrade one side.
+fn no_common_advice(executor: &[String]) -> String {
+    let bad: Vec<String> = executor
+        .iter()
+        .filter(|v| Revision::parse(v.trim()).is_none())
+        .cloned()
+        .collect();
+    if bad.is_empty() {
+        "Upgrade the executor's SDK or the supervisor".into()
+    } else {
+        format!(
+            "{} {} no revision: Hello.protocol_versions lists \"MAJOR.MINOR\" strings, such as \"1.0\" and \"1.1\"",
+            bad.iter().map(|v| format!("{v:?}")).collect::<Vec<_>>().join(", "),
+            if bad.len() == 1 { "is" } else { "are" }
+        )
+    }
+}
+
 fn list(v: &[String]) -> String {
     if v.is_empty() {
         return "nothing".into();
@@ -251,6 +270,26 @@ pub fn prepare_job(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Entries that are no revision are named with the format revisions
+    /// have; real revisions with none in common ask for an upgrade.
+    #[test]
+    fn no_common_revision_says_what_a_revision_looks_like() {
+        let offer = SupervisorOffer::new(1 << 20);
+        let e = negotiate(&hello(&["v1.1", "1.1.0"], &[], 0), &offer).expect_err("none");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("\"v1.1\", \"1.1.0\" are no revision") && msg.contains("\"MAJOR.MINOR\""),
+            "{msg}"
+        );
+        assert!(!msg.contains("Upgrade"), "{msg}");
+        let e = negotiate(&hello(&["2.0"], &[], 0), &offer).expect_err("none");
+        assert!(
+            e.to_string()
+                .ends_with("Upgrade the executor's SDK or the supervisor"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn revisions_that_are_not_ones_are_quoted_in_messages() {

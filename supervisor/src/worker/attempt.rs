@@ -1554,7 +1554,7 @@ async fn hello_of(
             let msg = match &e {
                 HandshakeError::Wire(w) => wire_failure(w).1,
                 other => other.stored_message(),
-            };
+            } + e.stdout_hint();
             let tail = one_line(&redactor.text(&child.stderr().tail_marked()));
             if gone {
                 warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,

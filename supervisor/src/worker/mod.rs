@@ -647,7 +647,7 @@ pub async fn probe(
                 Duration::from_millis(wcfg.handshake_timeout_ms),
             )
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string() + e.stdout_hint())
         }
     };
     if let Some(w) = stdin.as_mut() {
