@@ -52,6 +52,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `previous_id`: ACCEPTED, then a result with output = input under the job id of the job
   this process served before (this job's own id on a process's first job): an executor
   answering each job with the previous one's job_id.
+- `all_previous_id`: ACCEPTED and a result with output = input, both under the previous job's id
+  (this job's own on a process's first job).
 - `stderr_chatty`: ACCEPTED, writes `secret <values>` (every secret value it
   got) and then `chatter <i>` for i in 1..=input's `lines` (default 2000) to
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
@@ -109,6 +111,7 @@ MODES = [
     "burst_exit",
     "print_hang",
     "previous_id",
+    "all_previous_id",
 ]
 
 
@@ -296,6 +299,13 @@ def main() -> int:
             event(pb.EVENT_KIND_ACCEPTED)
             seq += 1
             answer_to = previous_job_id or job.job_id
+            send(result=pb.JobResult(job_id=answer_to, sequence=seq, output=job.input or b"{}"))
+        elif mode == "all_previous_id":
+            # every frame of this job under the previous job's id
+            answer_to = previous_job_id or job.job_id
+            seq += 1
+            send(event=pb.ProgressEvent(job_id=answer_to, sequence=seq, kind=pb.EVENT_KIND_ACCEPTED))
+            seq += 1
             send(result=pb.JobResult(job_id=answer_to, sequence=seq, output=job.input or b"{}"))
         elif mode == "late_frame":
             # a result, then (after the input's delay_ms) a progress event of

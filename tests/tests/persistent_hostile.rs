@@ -211,6 +211,78 @@ async fn a_job_answered_under_the_previous_jobs_id_is_given_back_not_left_runnin
     );
 }
 
+/// A persistent executor whose every frame for a job names the job before
+/// (its ACCEPTED too) has answered nothing of this job: once
+/// handshake_timeout_ms has passed the job goes back to the queue uncounted
+/// (EXECUTOR_UNRESPONSIVE, the dropped frames named) and runs on a new
+/// process. Before, the dropped frames stopped the clock of the first
+/// answer and the step stayed `leased` for ever (re-check audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_answered_only_under_the_previous_jobs_id_is_given_back() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![persistent_hostile()]);
+    cfg.handshake_timeout_ms = 1_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "all previous id", "steps": [
+            step_spec("a", "hostile.all_previous_id", json!({"input": {"a": 1}})),
+            step_spec("b", "hostile.all_previous_id", json!({"input": {"b": 2}, "depends_on": ["a"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(40)).await;
+    w.shutdown().await;
+    for (name, input) in [("a", json!({"a": 1})), ("b", json!({"b": 2}))] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+        assert_eq!(s.attempt, 1, "{name}: the give-back is uncounted");
+        assert_eq!(s.output, Some(input), "{name}");
+    }
+    let (refusals, reason): (i32, String) = sqlx::query_as(
+        "SELECT s.refusals, (SELECT t.reason FROM durable.transitions t
+                              WHERE t.step_run_id = s.id AND t.to_state = 'retryable_failed')
+           FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(step(&st, "b").step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("b's refusal");
+    assert_eq!(refusals, 1, "b was given back once");
+    assert!(reason.contains("EXECUTOR_UNRESPONSIVE"), "{reason}");
+}
+
+/// A job that got no frame at all (a frozen process) when the step's
+/// heartbeat_timeout_ms runs out, before handshake_timeout_ms, was never
+/// answered: its process is replaced and the job given back uncounted
+/// (EXECUTOR_UNRESPONSIVE), as when handshake_timeout_ms runs out first.
+/// Before, which bound came first decided: a counted HEARTBEAT_TIMEOUT here
+/// (third-party audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_unanswered_past_its_heartbeat_timeout_is_given_back_uncounted() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![persistent_hostile()]);
+    cfg.handshake_timeout_ms = 10_000;
+    cfg.max_refusals = 1;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "mute", "steps": [
+            step_spec("a", "hostile.mute", json!({"heartbeat_timeout_ms": 500}))]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(30)).await;
+    w.shutdown().await;
+    let a = step(&st, "a");
+    assert_eq!(a.state, "terminal_failed", "{:?}", a.error);
+    assert_eq!(a.attempt, 0, "no attempt is counted: {a:?}");
+    let e = a.error.as_ref().expect("an error");
+    assert_eq!(e.code, "EXECUTOR_REFUSED", "{e:?}");
+    assert!(
+        e.message.contains("EXECUTOR_UNRESPONSIVE")
+            && e.message.contains("heartbeat_timeout_ms = 500"),
+        "{e:?}"
+    );
+}
+
 /// A job refused by a persistent process and leased again (a refusal gives
 /// its attempt number back) goes to the same idle process with an id of its
 /// own: it had the refused job's id, its frames were dropped as a late

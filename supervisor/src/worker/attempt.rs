@@ -1654,7 +1654,7 @@ async fn converse(
         warn!(
             pid = session.child.pid,
             frames = machine.stale_frames(),
-            "the executor wrote frames of its previous job during this one (after that job's terminal): the process is replaced after this job (a terminal of it after this job's first frame gave this job back; other frames were dropped)"
+            "the executor wrote frames of its previous job during this one (after that job's terminal): the process is replaced after this job"
         );
     }
 
@@ -2078,10 +2078,18 @@ impl Conversation<'_> {
                         continue;
                     }
                     frame = self.frames.next(), if room => {
-                        if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
-                            c.silence_at = instant_in(s);
+                        let frame = frame.map(|r| r.map(FromExecutor::from));
+                        // a frame of the previous job neither answers this
+                        // one nor keeps it alive: a process whose every
+                        // frame for a job named the job before held the
+                        // step leased for ever (re-check audit)
+                        let stale = matches!(&frame, Some(Ok(f)) if machine.names_previous_job(f));
+                        if !stale {
+                            if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
+                                c.silence_at = instant_in(s);
+                            }
+                            c.answer_at = None;
                         }
-                        c.answer_at = None;
                         return self.frame_input(frame);
                     }
                 }

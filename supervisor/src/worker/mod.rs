@@ -70,6 +70,8 @@ fn probe_advice(why: &str) -> &'static str {
         "The host refused a process or thread: raise the worker user's process limit (`ulimit -u`, systemd's TasksMax=/LimitNPROC=, a container's pids limit) or lower the executors' concurrency"
     } else if why.contains("os error 28") {
         "A filesystem it needs is full: free space (or inodes) there, or set work_dir elsewhere"
+    } else if why.contains("print something to stdout") {
+        "Its stdout carries frames only, the hello first: write banners and logs to stderr"
     } else if why.contains("before its hello") {
         "It exited before its hello: its stderr, where it wrote any, says why — a crash at start, a missing library or module, a host limit"
     } else {
@@ -2071,6 +2073,12 @@ mod tests {
             (
                 "the executor's first frame was a job, not a hello",
                 "Check its command",
+            ),
+            // text before the hello, then an exit 0 once stdin closed: no
+            // crash (re-check audit: it read "a crash at start")
+            (
+                "no hello within 3000 ms (83 bytes of an incomplete frame arrived); did the executor print something to stdout before its hello? stdout carries frames only (logs go to stderr); then it exited with code 0",
+                "write banners and logs to stderr",
             ),
         ];
         for (why, fix) in table {

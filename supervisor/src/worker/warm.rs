@@ -244,7 +244,7 @@ async fn handshake(
         .is_err_and(wire::HandshakeError::gone_before_hello);
     let usable = match read {
         Ok(h) => super::usable_hello(h, shared.cfg.max_frame_bytes),
-        Err(e) => Err(format!("handshake failed: {e}")),
+        Err(e) => Err(format!("{e}{}", e.stdout_hint())),
     };
     match usable {
         Ok(h) => {

@@ -592,6 +592,12 @@ impl Machine {
         self.previous_job.as_deref()
     }
 
+    /// Whether `f` is a frame of the job this process served before this
+    /// one (it says nothing of this job: no answer, no sign of life).
+    pub(crate) fn names_previous_job(&self, f: &FromExecutor) -> bool {
+        job_frame(f).is_some_and(|(job, _)| Some(job) == self.previous_job.as_deref())
+    }
+
     /// Frames of the previous job seen during this one.
     pub(crate) fn stale_frames(&self) -> u32 {
         self.stale_frames
@@ -710,6 +716,30 @@ impl Machine {
         }
     }
 
+    /// A process that answers nothing to its job (frozen, deadlocked,
+    /// stopped) within `bound` is replaced, and the job, which never
+    /// started, goes back to the queue uncounted, as a refusal does; a
+    /// frozen warm process held its job leased for ever when the step set
+    /// no heartbeat_timeout_ms (throughput-core audit).
+    fn unanswered(&mut self, bound: &str) -> Vec<Action> {
+        let what = match self.unfinished {
+            0 => format!("answered nothing to the job within {bound}"),
+            n => format!(
+                "wrote {n} bytes to stdout that never became a frame within {bound}: \
+                 did it print something there (stdout carries frames only; logs go to stderr)? \
+                 The worker's log shows their first bytes"
+            ),
+        };
+        let stale = self.stale_note();
+        self.imposed = Some(Outcome::Refused {
+            code: "EXECUTOR_UNRESPONSIVE".into(),
+            message: format!(
+                "the executor {what}{stale}; its process is replaced and the job goes back to the queue, uncounted"
+            ),
+        });
+        self.finish(false, false)
+    }
+
     fn finish(&mut self, reusable: bool, wait_exit_first: bool) -> Vec<Action> {
         self.phase = Phase::Finished;
         vec![Action::Finish(Finish {
@@ -774,6 +804,15 @@ impl Machine {
                     CancelReason::AttemptTimeout,
                 )
             }
+            // a job that got no frame at all when the step's heartbeat
+            // timeout runs out is the same unanswered job, whichever bound
+            // comes first (third-party audit: HEARTBEAT_TIMEOUT, counted,
+            // with heartbeat_timeout_ms at or below handshake_timeout_ms;
+            // EXECUTOR_UNRESPONSIVE, uncounted, above it)
+            Input::Silent if self.frames.last_seq == 0 && self.terminal.is_none() => {
+                let ms = self.limits.silence_ms.unwrap_or(0);
+                self.unanswered(&format!("heartbeat_timeout_ms = {ms}"))
+            }
             Input::Silent => {
                 let ms = self.limits.silence_ms.unwrap_or(0);
                 let why = self.unfinished_note() + &self.stale_note();
@@ -786,28 +825,9 @@ impl Machine {
                     CancelReason::AttemptTimeout,
                 )
             }
-            // a process that answers nothing to its job (frozen, deadlocked,
-            // stopped) is replaced, and the job, which never started, goes
-            // back to the queue uncounted, as a refusal does; a frozen warm
-            // process held its job leased for ever when the step set no
-            // heartbeat_timeout_ms (throughput-core audit)
+            // see `unanswered`
             Input::Unanswered { after_ms } if self.frames.last_seq == 0 && self.terminal.is_none() => {
-                let what = match self.unfinished {
-                    0 => format!("answered nothing to the job within handshake_timeout_ms = {after_ms}"),
-                    n => format!(
-                        "wrote {n} bytes to stdout that never became a frame within handshake_timeout_ms = {after_ms}: \
-                         did it print something there (stdout carries frames only; logs go to stderr)? \
-                         The worker's log shows their first bytes"
-                    ),
-                };
-                let stale = self.stale_note();
-                self.imposed = Some(Outcome::Refused {
-                    code: "EXECUTOR_UNRESPONSIVE".into(),
-                    message: format!(
-                        "the executor {what}{stale}; its process is replaced and the job goes back to the queue, uncounted"
-                    ),
-                });
-                self.finish(false, false)
+                self.unanswered(&format!("handshake_timeout_ms = {after_ms}"))
             }
             Input::Unanswered { .. } => Vec::new(),
             Input::Exited => {

@@ -862,6 +862,22 @@ fn attempt_machine_table() {
             Some("given back (EXECUTOR_CRASHED)"),
         ),
         (
+            "no frame at all when the heartbeat timeout runs out: the job was never answered, given back uncounted",
+            false,
+            vec![Silent],
+            vec!["finish"],
+            Phase::Finished,
+            Some("refused (EXECUTOR_UNRESPONSIVE)"),
+        ),
+        (
+            "the same on a warm process, after late frames of its previous job",
+            true,
+            vec![of_job("prev", ev(9, EventKind::Progress, "late")), Silent],
+            vec!["finish"],
+            Phase::Finished,
+            Some("refused (EXECUTOR_UNRESPONSIVE)"),
+        ),
+        (
             "a frame of a job this process did not serve last is a violation",
             true,
             vec![accepted(), of_job("other", ev(2, EventKind::Progress, "?"))],
@@ -881,6 +897,30 @@ fn attempt_machine_table() {
 /// A heartbeat timeout with a frame begun and never completed on stdout
 /// says so (text printed to stdout reads as a frame's length): the message
 /// names the bytes, not what they are (those go to the log).
+/// A job that got no frame at all says which bound ran out, and names the
+/// dropped frames of the previous job when there were some.
+#[test]
+fn an_unanswered_job_names_its_bound_and_stale_frames() {
+    let limits = Limits {
+        timeout_ms: None,
+        silence_ms: Some(3000),
+    };
+    let mut m = Machine::new("j", 7, true, limits).after_job(Some("prev".into()));
+    m.on(of_job("prev", ev(9, EventKind::Progress, "late")));
+    m.on(Input::Silent);
+    match m.verdict(false, "exited with code 0") {
+        Verdict::Outcome(Outcome::Refused { code, message }) => {
+            assert_eq!(code, "EXECUTOR_UNRESPONSIVE");
+            assert!(
+                message.contains("within heartbeat_timeout_ms = 3000")
+                    && message.contains("1 frame(s) of its previous job \"prev\""),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
     let limits = Limits {
