@@ -27,6 +27,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   secret value this process was handed, by this job or an earlier one.
 - `late_frame`: ACCEPTED, a result, then after the input's `delay_ms` a PROGRESS event
   of the same job (a frame after its terminal).
+- `late_frame_thread`: as `late_frame`, but the late event is written by a thread while the
+  process goes on to its next jobs (it lands in whichever job runs then).
 - `checkpoint_flood`: ACCEPTED, then PROGRESS events each carrying a checkpoint of
   the input's `size` bytes (`%08d` of its number, repeated), back to back for the
   input's `ms`, then a result `{"checkpoints": n}`; with the input's `count`,
@@ -75,6 +77,7 @@ received).
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "executors-python"))
@@ -101,6 +104,7 @@ MODES = [
     "close_stdout",
     "secret_memory",
     "late_frame",
+    "late_frame_thread",
     "stray_bytes",
     "refuse_once",
     "crash_at_once",
@@ -307,6 +311,23 @@ def main() -> int:
             send(event=pb.ProgressEvent(job_id=answer_to, sequence=seq, kind=pb.EVENT_KIND_ACCEPTED))
             seq += 1
             send(result=pb.JobResult(job_id=answer_to, sequence=seq, output=job.input or b"{}"))
+        elif mode == "late_frame_thread":
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(b'{"late": true}')
+            late = encode_frame(
+                pb.ExecutorFrame(
+                    event=pb.ProgressEvent(
+                        job_id=job.job_id, sequence=seq + 1, kind=pb.EVENT_KIND_PROGRESS, message="late"
+                    )
+                ).SerializeToString()
+            )
+            delay = json.loads(job.input or b"{}").get("delay_ms", 0) / 1000
+
+            def write_late(frame: bytes = late, after: float = delay) -> None:
+                time.sleep(after)
+                out.write(frame)  # one write: whole between the main thread's frames
+
+            threading.Thread(target=write_late, daemon=True).start()
         elif mode == "late_frame":
             # a result, then (after the input's delay_ms) a progress event of
             # the same job: a frame after its terminal

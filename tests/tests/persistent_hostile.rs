@@ -283,6 +283,43 @@ async fn a_job_unanswered_past_its_heartbeat_timeout_is_given_back_uncounted() {
     );
 }
 
+/// A late frame of a job that reaches the job after next on the same
+/// process (the job in between was short) is the process's fault as one of
+/// the previous job is: dropped, and the job is not failed for it. Before,
+/// only the previous job's id was known, and the frame failed that job for
+/// good (PROTOCOL_UNEXPECTED_FRAME, not retryable; persistent-pool audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_frame_that_reaches_the_job_after_next_does_not_fail_it() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "late, two jobs on", "steps": [
+            step_spec("a", "hostile.late_frame_thread", json!({"input": {"delay_ms": 700}})),
+            step_spec("b", "hostile.echo", json!({"input": {"b": 1}, "depends_on": ["a"]})),
+            step_spec("c", "hostile.sleep", json!({"input": {"ms": 2500}, "depends_on": ["b"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    for name in ["a", "b", "c"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+        assert_eq!(s.attempt, 1, "{name}");
+    }
+    let pid = |name: &str| {
+        let id = step(&st, name).step_run_id;
+        let db = t.db.clone();
+        async move { executor_pid(&db, id).await }
+    };
+    assert_eq!(
+        pid("a").await,
+        pid("c").await,
+        "c ran in a's process (else the late frame met no job)"
+    );
+}
+
 /// A job refused by a persistent process and leased again (a refusal gives
 /// its attempt number back) goes to the same idle process with an id of its
 /// own: it had the refused job's id, its frames were dropped as a late

@@ -1627,8 +1627,13 @@ async fn converse(
             silence_ms: clocks.silence,
         },
     )
-    .reused(reused)
-    .after_job(session.last_job.replace(job.job_id.clone()));
+    .reused(reused);
+    let (previous, earlier) = super::session::sent(
+        &mut session.last_job,
+        &mut session.earlier_jobs,
+        &job.job_id,
+    );
+    let machine = machine.after_jobs(previous, earlier);
     let writer = Writer::spawn(
         shared.clone(),
         step.run_id,

@@ -37,6 +37,10 @@ pub(crate) struct Session {
     pub jobs: u32,
     /// The id of the last job it was sent.
     pub last_job: Option<String>,
+    /// The ids of the jobs it was sent before that one, the latest
+    /// [`EARLIER_JOBS`] of them: a late frame of any of them is the
+    /// process's fault, not the current job's.
+    pub earlier_jobs: std::collections::VecDeque<String>,
     /// The session's own working directory (persistent sessions; a one-shot
     /// session runs in its attempt's directory).
     pub _dir: Option<tempfile::TempDir>,
@@ -50,6 +54,29 @@ pub(crate) struct Session {
     /// Set while the process serves its last job (`max_jobs_per_process`):
     /// counted in its executor's [`LastJobs`] until the session is gone.
     pub last_job_mark: Option<LastJobMark>,
+}
+
+/// How many job ids before its last a session remembers (a late frame of
+/// an older job than these is a violation of the job it lands in).
+pub(crate) const EARLIER_JOBS: usize = 32;
+
+/// Records `job` as sent to a session (its `last_job` and `earlier_jobs`,
+/// borrowed apart from its child): the previous job, and the ones before
+/// it, for the attempt machine.
+pub(crate) fn sent(
+    last_job: &mut Option<String>,
+    earlier_jobs: &mut std::collections::VecDeque<String>,
+    job: &str,
+) -> (Option<String>, Vec<String>) {
+    let earlier: Vec<String> = earlier_jobs.iter().cloned().collect();
+    let previous = last_job.replace(job.to_owned());
+    if let Some(p) = &previous {
+        if earlier_jobs.len() == EARLIER_JOBS {
+            earlier_jobs.pop_front();
+        }
+        earlier_jobs.push_back(p.clone());
+    }
+    (previous, earlier)
 }
 
 /// How many of an executor's busy processes serve their last job: they
@@ -149,6 +176,7 @@ impl Session {
             hello: None,
             jobs: 0,
             last_job: None,
+            earlier_jobs: Default::default(),
             _dir: dir,
             reusable: false,
             handed_secrets: Vec::new(),

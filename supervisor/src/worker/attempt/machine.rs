@@ -524,6 +524,9 @@ pub(crate) struct Machine {
     /// The job this process served before this one: a frame of it is the
     /// process's fault, not this job's.
     previous_job: Option<String>,
+    /// The jobs it served before the previous one (its latest few): a
+    /// late frame of one of them is the process's fault too.
+    earlier_jobs: Vec<String>,
     /// Frames of the previous job seen during this one (dropped; the
     /// process is not trusted with another job).
     stale_frames: u32,
@@ -551,6 +554,7 @@ impl Machine {
             reused: false,
             violated: false,
             previous_job: None,
+            earlier_jobs: Vec::new(),
             stale_frames: 0,
             unfinished: 0,
             asked_to_stop: false,
@@ -561,9 +565,25 @@ impl Machine {
     /// arrives during this job (written after its terminal, once this job
     /// was already sent) is dropped and retires the process after this job,
     /// which is not failed for it: the frame is not this job's doing.
+    #[cfg(test)]
     pub(crate) fn after_job(mut self, previous: Option<String>) -> Machine {
         self.previous_job = previous;
         self
+    }
+
+    /// [`after_job`](Self::after_job), with the jobs the process served
+    /// before that one: a late frame of any of them is treated as one of the
+    /// previous job's (persistent-pool audit: one that reached the job after
+    /// next failed it for good, PROTOCOL_UNEXPECTED_FRAME).
+    pub(crate) fn after_jobs(mut self, previous: Option<String>, earlier: Vec<String>) -> Machine {
+        self.previous_job = previous;
+        self.earlier_jobs = earlier;
+        self
+    }
+
+    /// Whether `job` is one this process served before this one.
+    fn served_before(&self, job: &str) -> bool {
+        Some(job) == self.previous_job.as_deref() || self.earlier_jobs.iter().any(|j| j == job)
     }
 
     /// How many bytes of a frame begun and never completed the executor's
@@ -595,7 +615,7 @@ impl Machine {
     /// Whether `f` is a frame of the job this process served before this
     /// one (it says nothing of this job: no answer, no sign of life).
     pub(crate) fn names_previous_job(&self, f: &FromExecutor) -> bool {
-        job_frame(f).is_some_and(|(job, _)| Some(job) == self.previous_job.as_deref())
+        job_frame(f).is_some_and(|(job, _)| self.served_before(job))
     }
 
     /// Frames of the previous job seen during this one.
@@ -615,12 +635,12 @@ impl Machine {
     /// process that served no job, and this one is replaced.
     fn check(&mut self, f: FromExecutor) -> FrameVerdict {
         let job = job_frame(&f).map(|(job, _)| job);
-        if job.is_some() && job == self.previous_job.as_deref() {
+        if let Some(stale) = job.filter(|j| self.served_before(j)) {
             self.stale_frames += 1;
             if self.frames.last_seq > 0
                 && matches!(f, FromExecutor::Result(_) | FromExecutor::Error(_))
             {
-                let previous = self.previous_job.as_deref().unwrap_or_default();
+                let previous = stale;
                 return FrameVerdict::Impose(Outcome::GivenBack {
                     code: "EXECUTOR_CRASHED".into(),
                     message: format!(

@@ -897,6 +897,53 @@ fn attempt_machine_table() {
 /// A heartbeat timeout with a frame begun and never completed on stdout
 /// says so (text printed to stdout reads as a frame's length): the message
 /// names the bytes, not what they are (those go to the log).
+/// A late frame of a job the process served before the previous one (it
+/// reached the job after next) is the process's fault as the previous
+/// job's is: dropped (its terminal after this job's first frame gives the
+/// job back uncounted), never this job's violation; a job the process never
+/// served is one.
+#[test]
+fn a_late_frame_of_an_earlier_job_is_the_processs_fault() {
+    let run = |inputs: Vec<Input>| {
+        let mut m = Machine::new(
+            "j",
+            7,
+            true,
+            Limits {
+                timeout_ms: None,
+                silence_ms: None,
+            },
+        )
+        .after_jobs(Some("prev".into()), vec!["older".into(), "oldest".into()]);
+        for i in inputs {
+            m.on(i);
+        }
+        label(&m.verdict(false, "exit status: 0"))
+    };
+    assert_eq!(
+        run(vec![
+            accepted(),
+            of_job("oldest", ev(99, EventKind::Progress, "late")),
+            result_frame(2)
+        ]),
+        "verify"
+    );
+    assert_eq!(
+        run(vec![
+            accepted(),
+            of_job("older", FromExecutor::Result(res(5)))
+        ]),
+        "given back (EXECUTOR_CRASHED)"
+    );
+    assert_eq!(
+        run(vec![
+            accepted(),
+            of_job("never", ev(2, EventKind::Progress, "?"))
+        ]),
+        "failed (PROTOCOL_UNEXPECTED_FRAME)"
+    );
+}
+
 /// A job that got no frame at all says which bound ran out, and names the
 /// dropped frames of the previous job when there were some.
 #[test]
