@@ -260,8 +260,13 @@ pub struct ExecutorConfig {
     /// its grace; then it is replaced. Default: one process per job.
     #[serde(default)]
     pub persistent: bool,
-    /// Caps the jobs one persistent process serves (default: what its hello says).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Caps the jobs one persistent process serves (default, or -1: what its
+    /// hello says).
+    #[serde(
+        default,
+        deserialize_with = "jobs_cap",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub max_jobs_per_process: Option<u32>,
     /// Persistent executors: processes kept started and handshaken ahead of
     /// jobs, at most `concurrency`. The worker starts them when it starts and
@@ -893,6 +898,26 @@ impl ExecutorConfig {
 
 /// `metrics_addr` as a socket address: `IP:PORT` (`127.0.0.1:9464`,
 /// `0.0.0.0:9464`, `[::1]:9464`); the error names the key and what to write.
+/// `max_jobs_per_process`: a number of jobs, or -1 for no cap of the
+/// config's (as the SDKs and the hello say "unlimited"; it read "invalid
+/// value: integer -1, expected u32", persistent-pool audit). 0 is refused
+/// by `validate`, with the executor's name.
+fn jobs_cap<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    use serde::de::Error;
+    match Option::<i64>::deserialize(d)? {
+        None | Some(-1) => Ok(None),
+        Some(n) if n >= 0 => u32::try_from(n).map(Some).map_err(|_| {
+            D::Error::custom(format!(
+                "max_jobs_per_process = {n} is more than {}: leave it out (or -1) for no cap but the executor's hello",
+                u32::MAX
+            ))
+        }),
+        Some(n) => Err(D::Error::custom(format!(
+            "max_jobs_per_process = {n}: give a number of jobs (at least 1), or -1 (or leave it out) for no cap but the executor's hello"
+        ))),
+    }
+}
+
 pub fn parse_metrics_addr(addr: &str) -> Result<std::net::SocketAddr, String> {
     addr.trim().parse().map_err(|_| {
         format!(
@@ -1116,7 +1141,7 @@ const EXECUTOR_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "max_jobs_per_process",
-        "Persistent executors: caps the jobs one process serves (default: what its hello says).",
+        "Persistent executors: caps the jobs one process serves (default, or -1: what its hello says).",
         Some("100"),
     ),
     (
@@ -1467,6 +1492,30 @@ mod tests {
             env_involved(&applied, "name and metrics_addr clash"),
             vec!["DURABLE_METRICS_ADDR", "DURABLE_NAME"]
         );
+    }
+
+    /// `max_jobs_per_process`: -1 is "no cap of the config's", as the SDKs
+    /// say unlimited; other negative or too large values name the key.
+    #[test]
+    fn max_jobs_per_process_takes_minus_one_for_no_cap() {
+        let with = |v: &str| {
+            toml::from_str::<WorkerConfig>(&format!(
+                "[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\npersistent = true\n{v}"
+            ))
+        };
+        let cap = |v: &str| with(v).expect("parses").executors[0].max_jobs_per_process;
+        assert_eq!(cap(""), None);
+        assert_eq!(cap("max_jobs_per_process = -1"), None);
+        assert_eq!(cap("max_jobs_per_process = 7"), Some(7));
+        for bad in ["-2", "99999999999"] {
+            let e = with(&format!("max_jobs_per_process = {bad}"))
+                .expect_err("refused")
+                .to_string();
+            assert!(
+                e.contains(&format!("max_jobs_per_process = {bad}")) && e.contains("-1"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
