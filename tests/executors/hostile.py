@@ -29,6 +29,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   of the same job (a frame after its terminal).
 - `late_frame_thread`: as `late_frame`, but the late event is written by a thread while the
   process goes on to its next jobs (it lands in whichever job runs then).
+- `stray_thread`: ACCEPTED, a result, then a thread writes bytes that are no frame
+  (`\xffgarbage`, a stray print) after the input's `delay_ms`, while the process goes on.
 - `checkpoint_flood`: ACCEPTED, then PROGRESS events each carrying a checkpoint of
   the input's `size` bytes (`%08d` of its number, repeated), back to back for the
   input's `ms`, then a result `{"checkpoints": n}`; with the input's `count`,
@@ -105,6 +107,7 @@ MODES = [
     "secret_memory",
     "late_frame",
     "late_frame_thread",
+    "stray_thread",
     "stray_bytes",
     "refuse_once",
     "crash_at_once",
@@ -328,6 +331,16 @@ def main() -> int:
                 out.write(frame)  # one write: whole between the main thread's frames
 
             threading.Thread(target=write_late, daemon=True).start()
+        elif mode == "stray_thread":
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(b'{"stray": true}')
+            pause = json.loads(job.input or b"{}").get("delay_ms", 0) / 1000
+
+            def write_stray(after: float = pause) -> None:
+                time.sleep(after)
+                out.write(b"\xffgarbage printed after a terminal\n")
+
+            threading.Thread(target=write_stray, daemon=True).start()
         elif mode == "late_frame":
             # a result, then (after the input's delay_ms) a progress event of
             # the same job: a frame after its terminal

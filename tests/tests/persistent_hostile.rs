@@ -320,6 +320,49 @@ async fn a_late_frame_that_reaches_the_job_after_next_does_not_fail_it() {
     );
 }
 
+/// Bytes a warm process prints after a job's terminal that arrive once its
+/// next job began answering are read as the start of a frame whose length
+/// swallows that job's own frames, its result too. The stall is found (no
+/// byte more for 10–20 s while stdout is read) and the job goes back to the
+/// queue uncounted, for a process that served no job. Before, it stayed
+/// `running` for ever without a heartbeat_timeout_ms (persistent-pool
+/// audit: 7 minutes, six runs queued behind it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stray_bytes_that_hide_a_jobs_answer_give_it_back() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "stray mid-job", "steps": [
+            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 150}})),
+            step_spec("b", "hostile.sleep", json!({"input": {"ms": 800}, "depends_on": ["a"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    for name in ["a", "b"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+    }
+    let (attempt, uncounted, reason): (i32, i32, String) = sqlx::query_as(
+        "SELECT s.attempt, s.uncounted_attempts,
+                coalesce((SELECT string_agg(t.reason, ' | ') FROM durable.transitions t
+                           WHERE t.step_run_id = s.id AND t.to_state = 'retryable_failed'), '')
+           FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(step(&st, "b").step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("b");
+    assert_eq!(
+        (attempt, uncounted),
+        (2, 1),
+        "b given back once, uncounted ({reason})"
+    );
+    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+}
+
 /// A job refused by a persistent process and leased again (a refusal gives
 /// its attempt number back) goes to the same idle process with an id of its
 /// own: it had the refused job's id, its frames were dropped as a late

@@ -2066,20 +2066,28 @@ impl Conversation<'_> {
                         if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
                         return Input::Exited;
                     }
-                    _ = self.writer.room(), if !room => continue,
+                    // while it was not read, stdout could not move: the
+                    // stall check starts again
+                    _ = self.writer.room(), if !room => {
+                        c.stall_len = 0;
+                        continue;
+                    }
                     _ = c.stall_check.as_mut(), if !c.stall_said => {
                         c.stall_check.as_mut().reset(Instant::now() + STALL_WARN_AFTER);
                         let buffered = self.frames.read_buffer();
-                        if !buffered.is_empty() && buffered.len() == c.stall_len {
+                        // only while stdout was read (the writer had room) is
+                        // a buffer that did not grow a stall
+                        if room && !buffered.is_empty() && buffered.len() == c.stall_len {
                             c.stall_said = true;
                             warn!(
                                 bytes = buffered.len(),
                                 first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
-                                "the executor's stdout has held a frame that does not complete for {} s: did it print something there? stdout carries frames only (logs go to stderr); without a heartbeat_timeout_ms the attempt waits for it",
+                                "the executor's stdout has held a frame that does not complete for {} s: did it print something there? stdout carries frames only (logs go to stderr); a warm process's job that began answering goes back to the queue uncounted, any other waits for its timeout (heartbeat_timeout_ms)",
                                 STALL_WARN_AFTER.as_secs()
                             );
+                            return Input::Stalled { bytes: buffered.len() };
                         }
-                        c.stall_len = buffered.len();
+                        c.stall_len = if room { buffered.len() } else { 0 };
                         continue;
                     }
                     frame = self.frames.next(), if room => {

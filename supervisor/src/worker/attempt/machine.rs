@@ -444,6 +444,12 @@ pub(crate) enum Input {
     Unanswered {
         after_ms: u64,
     },
+    /// The executor's stdout has held `bytes` of a frame that does not
+    /// complete, with no byte more while the supervisor read, for the stall
+    /// check's time (10 s at least).
+    Stalled {
+        bytes: usize,
+    },
     /// The process group's leader exited.
     Exited,
     Frame(FromExecutor),
@@ -850,6 +856,29 @@ impl Machine {
                 self.unanswered(&format!("handshake_timeout_ms = {after_ms}"))
             }
             Input::Unanswered { .. } => Vec::new(),
+            // a warm process's stdout stuck inside a "frame" after this job
+            // began answering: most often bytes an earlier job left (a print
+            // after its terminal) that arrived once this job ran, read as a
+            // length that swallowed this job's own frames, its terminal too
+            // (persistent-pool audit: the job stayed running for 7 minutes,
+            // six others queued behind it). The job goes back uncounted for
+            // a process that served no job; on a process's first job the
+            // bytes are its own (a timeout, if the step has one, decides)
+            Input::Stalled { bytes }
+                if self.reused && self.terminal.is_none() && self.frames.last_seq > 0 =>
+            {
+                self.imposed = Some(Outcome::GivenBack {
+                    code: "EXECUTOR_CRASHED".into(),
+                    message: format!(
+                        "the warm process's stdout has held {bytes} bytes of a frame that never completed since this job began answering: \
+                         most likely bytes an earlier job printed after its terminal (stdout carries frames only; logs go to stderr), \
+                         which hid this job's own frames; the worker's log shows their first bytes. The job goes back to the queue, \
+                         uncounted, for a process that served no job"
+                    ),
+                });
+                self.finish(false, false)
+            }
+            Input::Stalled { .. } => Vec::new(),
             Input::Exited => {
                 // its last frames may still be in the pipe: those before a
                 // stream error count, then the error does

@@ -944,6 +944,55 @@ fn a_late_frame_of_an_earlier_job_is_the_processs_fault() {
     );
 }
 
+/// A warm process's stdout stuck inside a "frame" once its job began
+/// answering (bytes an earlier job printed, read as a length that hid this
+/// job's frames) gives the job back uncounted; on a process's first job the
+/// stall is the job's own and changes nothing (its timeout decides).
+#[test]
+fn a_stalled_stdout_gives_a_warm_processs_job_back() {
+    let run = |reused: bool, inputs: Vec<Input>| {
+        let mut m = Machine::new(
+            "j",
+            7,
+            true,
+            Limits {
+                timeout_ms: None,
+                silence_ms: None,
+            },
+        )
+        .reused(reused)
+        .after_jobs(reused.then(|| "prev".to_string()), Vec::new());
+        let mut finished = false;
+        for i in inputs {
+            finished |= m.on(i).iter().any(|a| matches!(a, Action::Finish(_)));
+        }
+        (
+            finished,
+            m.phase(),
+            label(&m.verdict(false, "exit status: 0")),
+        )
+    };
+    let stalled = || Input::Stalled { bytes: 468 };
+    assert_eq!(
+        run(true, vec![accepted(), stalled()]),
+        (
+            true,
+            Phase::Finished,
+            "given back (EXECUTOR_CRASHED)".into()
+        )
+    );
+    let (finished, phase, _) = run(false, vec![accepted(), stalled()]);
+    assert!(
+        !finished && phase == Phase::Running,
+        "a first job's own stall waits"
+    );
+    let (finished, phase, _) = run(true, vec![stalled()]);
+    assert!(
+        !finished && phase == Phase::Running,
+        "before any frame the unanswered-job clock decides"
+    );
+}
+
 /// A job that got no frame at all says which bound ran out, and names the
 /// dropped frames of the previous job when there were some.
 #[test]
