@@ -19,6 +19,21 @@ fn persistent_hostile() -> ExecutorConfig {
     e
 }
 
+/// A step's attempts, its uncounted ones, and the reasons of its moves to
+/// `retryable_failed` (joined by " | "; empty when none).
+async fn give_backs(t: &TestDb, id: uuid::Uuid) -> (i32, i32, String) {
+    sqlx::query_as(
+        "SELECT attempt, uncounted_attempts,
+                coalesce((SELECT string_agg(reason, ' | ') FROM durable.transitions
+                           WHERE step_run_id = s.id AND to_state = 'retryable_failed'), '')
+           FROM durable.step_runs s WHERE s.id = $1",
+    )
+    .bind(id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("attempts")
+}
+
 fn step_spec(name: &str, kind: &str, extra: Value) -> Value {
     let mut s = json!({"name": name, "executor_kind": "hostile", "kind": kind,
                        "input": {}, "retry": {"max_attempts": 1}});
@@ -174,22 +189,7 @@ async fn a_job_answered_under_the_previous_jobs_id_is_given_back_not_left_runnin
         assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
         assert_eq!(s.output, Some(input), "{name}");
     }
-    let given_back = |name: &str| {
-        let id = step(&st, name).step_run_id;
-        let db = t.db.clone();
-        async move {
-            sqlx::query_as::<_, (i32, i32, String)>(
-                "SELECT attempt, uncounted_attempts,
-                        coalesce((SELECT string_agg(reason, ' | ') FROM durable.transitions
-                                   WHERE step_run_id = s.id AND to_state = 'retryable_failed'), '')
-                   FROM durable.step_runs s WHERE s.id = $1",
-            )
-            .bind(id)
-            .fetch_one(db.pool())
-            .await
-            .expect("attempts")
-        }
-    };
+    let given_back = |name: &str| give_backs(&t, step(&st, name).step_run_id);
     assert_eq!(
         given_back("a").await,
         (1, 0, String::new()),
@@ -345,16 +345,7 @@ async fn stray_bytes_that_hide_a_jobs_answer_give_it_back() {
         let s = step(&st, name);
         assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
     }
-    let (attempt, uncounted, reason): (i32, i32, String) = sqlx::query_as(
-        "SELECT s.attempt, s.uncounted_attempts,
-                coalesce((SELECT string_agg(t.reason, ' | ') FROM durable.transitions t
-                           WHERE t.step_run_id = s.id AND t.to_state = 'retryable_failed'), '')
-           FROM durable.step_runs s WHERE s.id = $1",
-    )
-    .bind(step(&st, "b").step_run_id)
-    .fetch_one(t.db.pool())
-    .await
-    .expect("b");
+    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
     assert_eq!(
         (attempt, uncounted),
         (2, 1),

@@ -1556,13 +1556,13 @@ async fn hello_of(
                 other => other.stored_message(),
             } + e.stdout_hint();
             let tail = one_line(&redactor.text(&child.stderr().tail_marked()));
-            if gone {
-                warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
-                      "the executor exited before its hello: it cannot be started here (SPAWN_FAILED)");
+            let what = if gone {
+                "exited before its hello"
             } else {
-                warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
-                      "the executor gave no valid hello: it cannot be started here (SPAWN_FAILED)");
-            }
+                "gave no valid hello"
+            };
+            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
+                  "the executor {what}: it cannot be started here (SPAWN_FAILED)");
             exec.process_failed(
                 shared,
                 Duration::from_millis(cfg.refusal_delay_ms),
@@ -2092,11 +2092,11 @@ impl Conversation<'_> {
                     }
                     frame = self.frames.next(), if room => {
                         let frame = frame.map(|r| r.map(FromExecutor::from));
-                        // a frame of the previous job neither answers this
+                        // a frame of an earlier job neither answers this
                         // one nor keeps it alive: a process whose every
                         // frame for a job named the job before held the
                         // step leased for ever (re-check audit)
-                        let stale = matches!(&frame, Some(Ok(f)) if machine.names_previous_job(f));
+                        let stale = matches!(&frame, Some(Ok(f)) if machine.names_a_served_job(f));
                         if !stale {
                             if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
                                 c.silence_at = instant_in(s);

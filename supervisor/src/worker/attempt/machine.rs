@@ -618,9 +618,9 @@ impl Machine {
         self.previous_job.as_deref()
     }
 
-    /// Whether `f` is a frame of the job this process served before this
-    /// one (it says nothing of this job: no answer, no sign of life).
-    pub(crate) fn names_previous_job(&self, f: &FromExecutor) -> bool {
+    /// Whether `f` is a frame of a job this process served before this one
+    /// (it says nothing of this job: no answer, no sign of life).
+    pub(crate) fn names_a_served_job(&self, f: &FromExecutor) -> bool {
         job_frame(f).is_some_and(|(job, _)| self.served_before(job))
     }
 
