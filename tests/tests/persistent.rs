@@ -617,6 +617,77 @@ async fn a_warm_process_that_dies_while_idle_is_reaped_and_replaced() {
     w.shutdown().await;
 }
 
+/// Warm processes stopped by a signal while idle (SIGSTOP, SIGTSTP, a
+/// debugger) are not handed a job: each is taken out of the pool, ended and
+/// replaced. Before, a job went to a stopped process, waited there for
+/// `handshake_timeout_ms` and the stop's graces, and was given back; two such
+/// processes kept a step waiting 34 s (persistent-pool audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_idle_warm_processes_are_replaced_not_handed_a_job() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    let name = "warm-stopped";
+    let mut e = demo("go", name, &[], None);
+    e.persistent = true;
+    e.concurrency = 2;
+    e.warm_processes = 2;
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    cfg.handshake_timeout_ms = 1_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let warm = wait_sessions(work.path(), 2, |_| true, "two warm processes").await;
+    wait_ready(name, 2.0, "two warm processes").await;
+    for pid in &warm {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGSTOP,
+        )
+        .expect("stop an idle process");
+    }
+
+    let run = t
+        .submit(
+            json!({"name": "after-stop", "steps": [{"name": "s", "executor_kind": "go",
+                       "kind": "demo.echo", "input": {"i": 1}, "retry": {"max_attempts": 1}}]}),
+        )
+        .await;
+    let st = t.wait_terminal(run, LONG).await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "succeeded");
+    let (attempt, refusals, uncounted): (i32, i32, i32) = sqlx::query_as(
+        "SELECT attempt, refusals, uncounted_attempts FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(s.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("the step's counters");
+    assert_eq!(
+        (attempt, refusals, uncounted),
+        (1, 0, 0),
+        "the job went to a process that could answer it at once"
+    );
+    let pid = executor_pid(&t.db, s.step_run_id).await.expect("its pid");
+    assert!(
+        !warm.contains(&pid),
+        "a stopped process ({pid}) took the job"
+    );
+    // the stopped ones are ended and reaped, the pool refilled
+    let until = std::time::Instant::now() + LONG;
+    while warm
+        .iter()
+        .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "a stopped idle process is left: {warm:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_ready(name, 2.0, "the pool refilled").await;
+    w.shutdown().await;
+}
+
 /// With `max_jobs_per_process = 1` and a warm process, a chain of jobs
 /// longer than a process start never waits for one: a process serving its
 /// last job is not counted as coming back, so the keeper starts its

@@ -214,6 +214,12 @@ impl StatFields {
     pub(crate) fn is_dead(&self) -> bool {
         matches!(self.state, 'Z' | 'X' | 'x')
     }
+
+    /// Stopped by a signal (`T`: SIGSTOP, SIGTSTP, SIGTTIN/OU) or by a
+    /// tracer at a stop (`t`): it runs no code until a SIGCONT.
+    pub(crate) fn is_stopped(&self) -> bool {
+        matches!(self.state, 'T' | 't')
+    }
 }
 
 /// Parses `pid (comm) state ppid pgrp session ... starttime ...`; `comm` may

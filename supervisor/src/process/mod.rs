@@ -387,6 +387,13 @@ impl Child {
         self.stderr.clone()
     }
 
+    /// Whether the leader is stopped (SIGSTOP, SIGTSTP, a debugger): alive,
+    /// but it reads, writes and answers nothing until a SIGCONT. False once
+    /// it exited, or when its `/proc` entry cannot be read.
+    pub fn is_stopped(&self) -> bool {
+        !self.has_exited() && group::read_stat(self.guard.pid).is_some_and(|s| s.is_stopped())
+    }
+
     /// Whether the leader has exited (is a zombie or reaped). Never blocks, never reaps.
     pub fn has_exited(&self) -> bool {
         if self.guard.is_reaped() || self.exited.load(Ordering::Acquire) {
@@ -464,6 +471,8 @@ impl Child {
             return Ok(report);
         }
         self.guard.signal(Signal::SIGTERM)?;
+        // a stopped process acts on no SIGTERM until it runs again
+        self.guard.signal(Signal::SIGCONT)?;
         let escalated = match tokio::time::timeout(term_grace, self.exited()).await {
             Ok(result) => {
                 result?;

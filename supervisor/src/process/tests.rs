@@ -122,6 +122,31 @@ async fn terminate_escalates_when_term_is_ignored() {
     assert_group_empty(pid).await;
 }
 
+/// A stopped child (SIGSTOP, SIGTSTP) is seen as stopped, and `terminate`
+/// wakes it so that it acts on its SIGTERM: without the SIGCONT it took the
+/// whole grace and a SIGKILL, its own SIGTERM handling never ran.
+#[tokio::test]
+async fn terminate_wakes_a_stopped_child_to_act_on_its_sigterm() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let child = spawner()
+        .spawn(sh(r#"trap "exit 5" TERM; while :; do sleep 0.05; done"#))
+        .await
+        .unwrap();
+    let pid = child.pid;
+    wait_group_size(pid, 2).await; // the trap is set: its loop's sleep runs
+    assert!(!child.is_stopped(), "a running child is not stopped");
+    child.signal_group(Signal::SIGSTOP).unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    while !child.is_stopped() {
+        assert!(Instant::now() < until, "the child never read as stopped");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let report = child.terminate(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Exited(5));
+    assert!(!report.escalated_to_kill);
+    assert_group_empty(pid).await;
+}
+
 #[tokio::test]
 async fn exited_does_not_need_stdout_eof() {
     let _shared = KILL_ALL_LOCK.read().await;

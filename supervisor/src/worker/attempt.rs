@@ -3029,8 +3029,9 @@ async fn stop_now(
     outcome
 }
 
-/// SIGTERM to the group if the leader still runs, a grace, SIGKILL to the
-/// group (always: grandchildren go too), reap. Signals the group before
+/// SIGTERM (and SIGCONT, for stopped members) to the group if the leader
+/// still runs, a grace, SIGKILL to the group (always: grandchildren go too),
+/// reap. Signals the group before
 /// reaping its leader, never after.
 pub(crate) async fn stop_child(
     child: &mut Child,
@@ -3047,6 +3048,11 @@ pub(crate) async fn stop_child(
         );
         if let Err(e) = child.signal_group(Signal::SIGTERM) {
             debug!(error = %e, "SIGTERM to the group failed");
+        }
+        // a stopped member (SIGSTOP, SIGTSTP) acts on no SIGTERM until it
+        // runs again: without this it took the whole grace and a SIGKILL
+        if let Err(e) = child.signal_group(Signal::SIGCONT) {
+            debug!(error = %e, "SIGCONT to the group failed");
         }
         crate::metrics::executor_signal("SIGTERM");
         let grace = if super::forced() {

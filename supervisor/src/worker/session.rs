@@ -216,11 +216,21 @@ impl Session {
             .min(from_hello)
     }
 
-    /// Whether an idle session can take a job: still running, and it wrote
-    /// nothing while idle (a frame between jobs is a protocol violation; the
+    /// Whether an idle session can take a job: still running (not exited,
+    /// not stopped by a signal), and it wrote nothing while idle (a frame between jobs is a protocol violation; the
     /// session is not trusted with another job).
     fn healthy(&mut self) -> bool {
         if self.child.has_exited() {
+            return false;
+        }
+        if self.child.is_stopped() {
+            // handed a job, it answered nothing until `handshake_timeout_ms`
+            // and the stop's graces ran out, and the job was given back: two
+            // such processes kept a step waiting 34 s (persistent-pool audit)
+            warn!(
+                pid = self.child.pid,
+                "an idle executor process is stopped (SIGSTOP, SIGTSTP or a debugger) and cannot take a job; it is replaced"
+            );
             return false;
         }
         match self.frames.next().now_or_never() {

@@ -21,8 +21,9 @@
 //! A second task per persistent executor with `idle_timeout_ms > 0` retires
 //! the processes idle that long beyond the `warm_processes` kept warm. A
 //! third, per persistent executor, looks at the idle processes every
-//! [`IDLE_CHECK`]: one that ended (or wrote) between jobs is reaped and taken
-//! out of the pool, and the keeper replaces it.
+//! [`IDLE_CHECK`]: one that ended (or wrote, or was stopped by a signal)
+//! between jobs is reaped and taken out of the pool, and the keeper replaces
+//! it.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -72,8 +73,8 @@ pub(crate) fn start(
     keepers
 }
 
-/// Takes the idle processes that ended (or wrote) between jobs out of the
-/// pool, reaps them, and wakes the keeper to replace them.
+/// Takes the idle processes that ended (or wrote, or were stopped) between
+/// jobs out of the pool, reaps them, and wakes the keeper to replace them.
 async fn reap_dead_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
     loop {
         tokio::select! {
@@ -85,8 +86,9 @@ async fn reap_dead_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: C
             continue;
         }
         for mut s in dead {
-            // one that wrote between jobs was named as it was found (and is
-            // stopped here); only one that ended on its own is news: the
+            // one that wrote between jobs, or was stopped by a signal, was
+            // named as it was found (and is ended here); only one that ended
+            // on its own is news: the
             // stop's own SIGTERM read as a second, different reason (audit)
             let ended_on_its_own = s.child.has_exited();
             let status = super::attempt::stop_child(&mut s.child, &shared.cfg)
@@ -96,7 +98,7 @@ async fn reap_dead_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: C
             if ended_on_its_own {
                 warn!(pid = s.child.pid, jobs = s.jobs, %status, "an idle executor process ended between jobs; it is replaced");
             } else {
-                debug!(pid = s.child.pid, jobs = s.jobs, %status, "the idle executor process that wrote between jobs is stopped");
+                debug!(pid = s.child.pid, jobs = s.jobs, %status, "the unhealthy idle executor process is ended");
             }
         }
         exec.slot_back.notify_one();
