@@ -64,6 +64,8 @@ fn only_prints(command: &Command) -> bool {
 /// is left a zombie. Logging is not set up yet (`main_with` does it): the
 /// reaper thread logs its state once it is; a failure here is printed.
 fn start_reaping() {
+    // before the first large block: one already kept is not given back
+    supervisor::process::return_large_frees_to_the_system();
     if let Err(e) = supervisor::process::become_subreaper() {
         eprintln!("warning: {e}; orphans of executors will be re-parented to init");
     }

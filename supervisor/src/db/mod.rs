@@ -412,7 +412,8 @@ impl Drop for BeginInFlight {
     }
 }
 
-/// The pools' check of a connection given back (`after_release`): within
+/// The pools' check of a connection given back (`after_release`): its
+/// buffers shrunk back to their default size; and within
 /// [`CUT_OFF_CHECK_WINDOW_MS`] of a BEGIN cut off, a connection inside a
 /// transaction no caller holds is closed (the server rolls it back) instead
 /// of being handed out again. In a transaction block `now()` is when it
@@ -421,6 +422,10 @@ impl Drop for BeginInFlight {
 fn close_if_left_in_a_transaction(
     conn: &mut PgConnection,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<bool, sqlx::Error>> + Send + '_>> {
+    // a batch of large outputs (or a lease of large inputs) grew this
+    // connection's buffers to its size, kept for as long as it lives, per
+    // connection: given back here (cheap when they are small already)
+    conn.shrink_buffers();
     Box::pin(async move {
         let cut = BEGIN_CUT_OFF_AT_MS.load(std::sync::atomic::Ordering::SeqCst);
         if cut == 0 || unix_ms().saturating_sub(cut) > CUT_OFF_CHECK_WINDOW_MS {

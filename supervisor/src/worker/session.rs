@@ -24,6 +24,18 @@ use crate::config::{ExecutorConfig, WorkerConfig};
 use crate::process::{Child, ProcessError, Spawner};
 use crate::wire::{self, Hello, ToExecutor};
 
+/// The most read-buffer capacity an idle session keeps (a frame of a few
+/// progress events needs a few hundred bytes; a large result is rare).
+const KEPT_READ_BUFFER: usize = 64 * 1024;
+
+/// Replaces an empty buffer holding more than [`KEPT_READ_BUFFER`] of
+/// capacity with a new one (which grows again as a frame needs).
+fn shrink_if_empty(buf: &mut bytes::BytesMut) {
+    if buf.is_empty() && buf.capacity() > KEPT_READ_BUFFER {
+        *buf = bytes::BytesMut::new();
+    }
+}
+
 pub(crate) type Frames = wire::ExecutorFrames<tokio::process::ChildStdout>;
 
 /// One executor process and its framed stdio.
@@ -249,6 +261,16 @@ impl Session {
         }
     }
 
+    /// Gives back the memory of a large frame read for the last job: the
+    /// read buffer kept the capacity of the largest frame the process ever
+    /// wrote (up to `max_frame_bytes`, twice over as it grew), per idle
+    /// process, for as long as it lives (persistent-pool audit: worker RSS
+    /// ~250 MB after outputs near the frame limit). An unread byte (a write
+    /// between jobs) keeps the buffer as it is, for `healthy` to see.
+    fn shrink_read_buffer(&mut self) {
+        shrink_if_empty(self.frames.read_buffer_mut());
+    }
+
     /// Ends the session in order: `Shutdown`, EOF on stdin, the cancel grace
     /// to exit, then the usual stop (SIGTERM, grace, SIGKILL to the group, reap).
     pub async fn retire(mut self, cfg: &WorkerConfig, why: &str) {
@@ -339,7 +361,8 @@ impl Pool {
     }
 
     /// Keeps `s` idle, unless `cap` sessions already are: then it is retired.
-    pub async fn put(&self, s: Session, cfg: &WorkerConfig) {
+    pub async fn put(&self, mut s: Session, cfg: &WorkerConfig) {
+        s.shrink_read_buffer();
         let surplus = {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             if idle.len() >= self.cap {
@@ -400,5 +423,33 @@ impl Pool {
 
     pub fn idle(&self) -> usize {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_sessions_read_buffer_gives_back_a_large_frames_capacity() {
+        // what a large result left: empty, with its capacity
+        let mut buf = bytes::BytesMut::with_capacity(8 << 20);
+        buf.extend_from_slice(&[7; 1024]);
+        let _frame = buf.split_to(1024);
+        assert!(buf.is_empty() && buf.capacity() > KEPT_READ_BUFFER);
+        shrink_if_empty(&mut buf);
+        assert!(buf.capacity() <= KEPT_READ_BUFFER, "{}", buf.capacity());
+
+        // bytes written between jobs stay for `healthy` to see
+        let mut stray = bytes::BytesMut::with_capacity(8 << 20);
+        stray.extend_from_slice(b"stray");
+        shrink_if_empty(&mut stray);
+        assert_eq!(&stray[..], b"stray");
+
+        // a small buffer is kept as it is
+        let mut small = bytes::BytesMut::with_capacity(4096);
+        let before = small.capacity();
+        shrink_if_empty(&mut small);
+        assert_eq!(small.capacity(), before);
     }
 }
