@@ -129,11 +129,14 @@ async fn terminate_escalates_when_term_is_ignored() {
 async fn terminate_wakes_a_stopped_child_to_act_on_its_sigterm() {
     let _shared = KILL_ALL_LOCK.read().await;
     let child = spawner()
-        .spawn(sh(r#"trap "exit 5" TERM; while :; do sleep 0.05; done"#))
+        // no short-lived member: the exit of one while the group is stopped
+        // (an orphaned group: the child has a session of its own) makes the
+        // kernel send the group SIGHUP and SIGCONT
+        .spawn(sh(r#"trap "exit 5" TERM; sleep 60 & wait"#))
         .await
         .unwrap();
     let pid = child.pid;
-    wait_group_size(pid, 2).await; // the trap is set: its loop's sleep runs
+    wait_group_size(pid, 2).await; // the trap is set: its sleep runs
     assert!(!child.is_stopped(), "a running child is not stopped");
     child.signal_group(Signal::SIGSTOP).unwrap();
     let until = Instant::now() + Duration::from_secs(5);

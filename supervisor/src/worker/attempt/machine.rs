@@ -663,9 +663,9 @@ impl Machine {
         on_frame(&mut self.frames, &self.job_id, self.pid, f)
     }
 
-    /// What a timeout's message adds when the process wrote frames of its
-    /// previous job during this one (dropped): it was not silent, it
-    /// answered under another job's id.
+    /// What a timeout's (or an unanswered stop's) message adds when the
+    /// process wrote frames of its previous job during this one (dropped):
+    /// it was not silent, it answered under another job's id.
     fn stale_note(&self) -> String {
         match (self.stale_frames, self.previous_job.as_deref()) {
             (0, _) | (_, None) => String::new(),
@@ -1114,8 +1114,12 @@ impl Machine {
                 Some(Terminal::Error(e)) => handler_error(&e.details)
                     .map(|h| format!("; the handler's own error after the stop: {h}")),
                 Some(_) => None,
+                // frames of the job before, dropped, may have been this
+                // job's answer under the wrong id (re-check audit: the
+                // message alone read like a hang)
                 None => Some(format!(
-                    "; the executor gave no terminal within its grace ({exit_text})"
+                    "; the executor gave no terminal within its grace ({exit_text}){}",
+                    self.stale_note()
                 )),
             });
         let verdict = precedence(

@@ -1017,6 +1017,35 @@ fn an_unanswered_job_names_its_bound_and_stale_frames() {
     }
 }
 
+/// A stop (cancel, drain) of a job whose every frame named the job before,
+/// its terminal too: "no terminal within its grace" alone sent its author
+/// looking for a hang (re-check audit); the dropped frames are named.
+#[test]
+fn a_stop_unanswered_but_under_an_earlier_id_names_the_dropped_frames() {
+    let limits = Limits {
+        timeout_ms: None,
+        silence_ms: None,
+    };
+    let mut m = Machine::new("j", 7, true, limits).after_job(Some("prev".into()));
+    m.on(of_job("prev", ev(1, EventKind::Accepted, "")));
+    m.on(Input::Cancel);
+    m.on(of_job(
+        "prev",
+        FromExecutor::Error(err(2, "CANCELLED", false)),
+    ));
+    m.on(Input::GraceEnded);
+    m.on(Input::Exited);
+    let message = match m.verdict(false, "killed by SIGKILL") {
+        Verdict::Outcome(Outcome::Cancelled { message }) => message,
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        message.contains("gave no terminal within its grace (killed by SIGKILL)")
+            && message.contains("2 frame(s) of its previous job \"prev\""),
+        "{message}"
+    );
+}
+
 #[test]
 fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
     let limits = Limits {
