@@ -251,6 +251,13 @@ impl Session {
             // jobs too: left in the buffer, the next job's frames were read
             // after it and that innocent job failed, or waited for ever
             None if self.frames.read_buffer().is_empty() => true,
+            Some(None) if self.frames.read_buffer().is_empty() => {
+                warn!(
+                    pid = self.child.pid,
+                    "an idle executor closed its stdout between jobs; it is replaced"
+                );
+                false
+            }
             _ => {
                 warn!(
                     pid = self.child.pid,
