@@ -24,14 +24,13 @@ use crate::config::{ExecutorConfig, WorkerConfig};
 use crate::process::{Child, ProcessError, Spawner};
 use crate::wire::{self, Hello, ToExecutor};
 
-/// The most read-buffer capacity an idle session keeps (a frame of a few
-/// progress events needs a few hundred bytes; a large result is rare).
-const KEPT_READ_BUFFER: usize = 64 * 1024;
-
-/// Replaces an empty buffer holding more than [`KEPT_READ_BUFFER`] of
-/// capacity with a new one (which grows again as a frame needs).
+/// Replaces an empty buffer with a new one (which grows again as a frame
+/// needs). Whatever its capacity reads: a frame split off the front leaves
+/// a buffer of small capacity that still holds the whole allocation the
+/// frame was read into (re-check audit: an idle process kept ~8 MiB after an
+/// output near the frame limit, its buffer's capacity reading a few KiB).
 fn shrink_if_empty(buf: &mut bytes::BytesMut) {
-    if buf.is_empty() && buf.capacity() > KEPT_READ_BUFFER {
+    if buf.is_empty() {
         *buf = bytes::BytesMut::new();
     }
 }
@@ -268,10 +267,10 @@ impl Session {
         }
     }
 
-    /// Gives back the memory of a large frame read for the last job: the
-    /// read buffer kept the capacity of the largest frame the process ever
-    /// wrote (up to `max_frame_bytes`, twice over as it grew), per idle
-    /// process, for as long as it lives (persistent-pool audit: worker RSS
+    /// Gives back the memory of the frames read for the last job: the read
+    /// buffer kept the allocation of the largest frame the process wrote
+    /// (up to `max_frame_bytes`, twice over as it grew), per idle process,
+    /// until its next job (persistent-pool audit: worker RSS
     /// ~250 MB after outputs near the frame limit). An unread byte (a write
     /// between jobs) keeps the buffer as it is, for `healthy` to see.
     fn shrink_read_buffer(&mut self) {
@@ -438,25 +437,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_idle_sessions_read_buffer_gives_back_a_large_frames_capacity() {
-        // what a large result left: empty, with its capacity
+    fn an_idle_sessions_read_buffer_gives_back_a_large_frames_allocation() {
+        // what a large result left: its frame split off (and since freed),
+        // the rest empty, of small capacity, on the frame's allocation
         let mut buf = bytes::BytesMut::with_capacity(8 << 20);
-        buf.extend_from_slice(&[7; 1024]);
-        let _frame = buf.split_to(1024);
-        assert!(buf.is_empty() && buf.capacity() > KEPT_READ_BUFFER);
+        buf.extend_from_slice(&vec![7; (8 << 20) - 100]);
+        drop(buf.split_to((8 << 20) - 100));
+        assert!(
+            buf.is_empty() && buf.capacity() <= 100,
+            "{}",
+            buf.capacity()
+        );
+        let held = buf.as_ptr();
         shrink_if_empty(&mut buf);
-        assert!(buf.capacity() <= KEPT_READ_BUFFER, "{}", buf.capacity());
+        assert_eq!(buf.capacity(), 0, "a new, unallocated buffer");
+        assert_ne!(buf.as_ptr(), held, "off the frame's allocation");
 
         // bytes written between jobs stay for `healthy` to see
         let mut stray = bytes::BytesMut::with_capacity(8 << 20);
         stray.extend_from_slice(b"stray");
         shrink_if_empty(&mut stray);
         assert_eq!(&stray[..], b"stray");
-
-        // a small buffer is kept as it is
-        let mut small = bytes::BytesMut::with_capacity(4096);
-        let before = small.capacity();
-        shrink_if_empty(&mut small);
-        assert_eq!(small.capacity(), before);
     }
 }
