@@ -688,6 +688,51 @@ async fn stopped_idle_warm_processes_are_replaced_not_handed_a_job() {
     w.shutdown().await;
 }
 
+/// A worker stopping with idle warm processes stopped by a signal ends them
+/// at once: a stopped process reads no `Shutdown`, so no grace is waited for
+/// it, and the idle processes are retired together. Before, each one added
+/// its `cancel_grace_ms` to the stop, one after the other (re-check audit:
+/// 4 stopped processes, 8 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_waits_no_grace_for_stopped_idle_processes() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    let name = "warm-stopped-at-stop";
+    let mut e = demo("go", name, &[], None);
+    e.persistent = true;
+    e.concurrency = 2;
+    e.warm_processes = 2;
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    // far above what the stop takes without a grace
+    cfg.cancel_grace_ms = 5_000;
+    cfg.lease_ttl_ms = 10_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let warm = wait_sessions(work.path(), 2, |_| true, "two warm processes").await;
+    wait_ready(name, 2.0, "two warm processes").await;
+    for pid in &warm {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGSTOP,
+        )
+        .expect("stop an idle process");
+    }
+    let started = std::time::Instant::now();
+    w.shutdown().await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(4),
+        "the stop took {took:?}: a cancel grace was waited for a stopped process"
+    );
+    for pid in &warm {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "the stopped process {pid} outlived the worker"
+        );
+    }
+}
+
 /// With `max_jobs_per_process = 1` and a warm process, a chain of jobs
 /// longer than a process start never waits for one: a process serving its
 /// last job is not counted as coming back, so the keeper starts its

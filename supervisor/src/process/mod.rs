@@ -394,6 +394,21 @@ impl Child {
         !self.has_exited() && group::read_stat(self.guard.pid).is_some_and(|s| s.is_stopped())
     }
 
+    /// The pid of the process tracing the leader (a debugger, `strace`), if
+    /// one does: it holds the leader at each stop, SIGTERM and SIGCONT
+    /// included, until it lets go. `None` when none does, or once it exited.
+    pub fn tracer(&self) -> Option<i32> {
+        if self.has_exited() {
+            return None;
+        }
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.guard.pid)).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("TracerPid:"))
+            .and_then(|v| v.trim().parse::<i32>().ok())
+            .filter(|&p| p != 0)
+    }
+
     /// Whether the leader has exited (is a zombie or reaped). Never blocks, never reaps.
     pub fn has_exited(&self) -> bool {
         if self.guard.is_reaped() || self.exited.load(Ordering::Acquire) {

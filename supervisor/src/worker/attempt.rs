@@ -3042,10 +3042,17 @@ pub(crate) async fn stop_child(
     } else {
         // the metric counted these without a word in the log (soak audit:
         // six SIGTERMs, none of them traceable to a process or a step)
-        info!(
-            pid = child.pid,
-            "the executor is still running: SIGTERM to its process group"
-        );
+        if child.is_stopped() {
+            info!(
+                pid = child.pid,
+                "the executor is stopped by a signal (SIGSTOP, SIGTSTP) or a debugger: SIGTERM and SIGCONT to its process group"
+            );
+        } else {
+            info!(
+                pid = child.pid,
+                "the executor is still running: SIGTERM to its process group"
+            );
+        }
         if let Err(e) = child.signal_group(Signal::SIGTERM) {
             debug!(error = %e, "SIGTERM to the group failed");
         }
@@ -3067,6 +3074,14 @@ pub(crate) async fn stop_child(
                 info!(
                     pid = child.pid,
                     "forced stop: SIGKILL to the executor's process group without a grace"
+                );
+            } else if let Some(tracer) = child.tracer() {
+                // not the executor's doing (re-check audit: a gdb attached
+                // read as an executor that ignored SIGTERM)
+                warn!(
+                    pid = child.pid,
+                    tracer,
+                    "the executor is held by a debugger or tracer (pid {tracer}) and did not act on SIGTERM; sending SIGKILL to its group"
                 );
             } else {
                 warn!(

@@ -944,11 +944,15 @@ impl Worker {
         // warm processes: Shutdown, EOF, their grace, then the usual stop
         // (the keepers stopped with the drain; none puts a process back now)
         while keepers.join_next().await.is_some() {}
-        for exec in &self.executors {
-            for s in exec.pool.drain() {
-                s.retire(&cfg, "the worker is stopping").await;
-            }
-        }
+        // all at once: one at a time, each idle process that does not end
+        // on its Shutdown (a stopped one, a hung one) added its graces to
+        // the worker's stop
+        let idle: Vec<_> = self.executors.iter().flat_map(|e| e.pool.drain()).collect();
+        futures::future::join_all(
+            idle.into_iter()
+                .map(|s| s.retire(&cfg, "the worker is stopping")),
+        )
+        .await;
         loops_stop.cancel();
         stop_loops(&mut vital, &mut background).await;
         mark_stopped(&shared).await;

@@ -278,7 +278,8 @@ impl Session {
     }
 
     /// Ends the session in order: `Shutdown`, EOF on stdin, the cancel grace
-    /// to exit, then the usual stop (SIGTERM, grace, SIGKILL to the group, reap).
+    /// to exit (none for a process stopped by a signal), then the usual stop
+    /// (SIGTERM with SIGCONT, grace, SIGKILL to the group, reap).
     pub async fn retire(mut self, cfg: &WorkerConfig, why: &str) {
         if let Some(w) = self.stdin.as_mut() {
             use tokio::io::AsyncWriteExt;
@@ -286,7 +287,10 @@ impl Session {
             let _ = tokio::time::timeout(Duration::from_millis(500), w.write_all(&bytes)).await;
         }
         drop(self.stdin.take());
-        if !self.child.has_exited() {
+        // a stopped process reads no Shutdown: its grace would only delay
+        // the SIGTERM (re-check audit: stopped idle processes took the worker
+        // 2 s each to stop)
+        if !self.child.has_exited() && !self.child.is_stopped() {
             let _ = tokio::time::timeout(
                 Duration::from_millis(cfg.cancel_grace_ms),
                 self.child.exited(),
