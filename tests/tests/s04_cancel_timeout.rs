@@ -435,3 +435,51 @@ async fn a_step_no_worker_can_run_fails_by_its_deadline() {
     assert_eq!(st.steps[0].state, "pending");
     w.shutdown().await;
 }
+
+/// A running executor stopped by a signal (SIGSTOP) is ended by the step's
+/// heartbeat_timeout_ms like a hung one, and the error says it was stopped
+/// (stop audit: the message read like the executor's own hang); SIGCONT
+/// with the SIGTERM ends it within the graces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_executors_heartbeat_timeout_says_it_was_stopped() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let cfg = worker_config("go");
+    let bound = stop_bound(&cfg);
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "stopped",
+            "go",
+            "demo.sleep",
+            json!({"ms": 60000, "steps": 600}),
+            json!({"heartbeat_timeout_ms": 1000, "retry": {"max_attempts": 1}}),
+        ))
+        .await;
+    wait_running(&t, run, 2).await;
+    let st = t.status(run).await;
+    let s = &st.steps[0];
+    let pid = executor_pid(&t.db, s.step_run_id)
+        .await
+        .expect("the executor's pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .expect("stop the executor");
+
+    let st = t.wait_terminal(run, LONG).await;
+    let s = &st.steps[0];
+    assert_eq!(s.state, "terminal_failed");
+    let err = s.error.as_ref().expect("error");
+    assert_eq!(err.code, "HEARTBEAT_TIMEOUT", "{}", err.message);
+    assert!(
+        err.message.contains(
+            "its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger"
+        ),
+        "{}",
+        err.message
+    );
+    assert_gone_after(s.step_run_id, Some(pid), bound).await;
+    w.shutdown().await;
+}

@@ -1901,6 +1901,8 @@ struct Clocks {
     stall_check: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall_len: usize,
     stall_said: bool,
+    /// The process was found stopped by the stall check, and it was said.
+    stopped_said: bool,
     /// Until the job's first frame: when its silence means a stuck process
     /// (`handshake_timeout_ms` after the job is sent), and that bound.
     answer_at: Option<Instant>,
@@ -1957,6 +1959,7 @@ impl Clocks {
             stall_check: Box::pin(tokio::time::sleep(STALL_WARN_AFTER)),
             stall_len: 0,
             stall_said: false,
+            stopped_said: false,
         }
     }
 
@@ -2002,6 +2005,12 @@ impl Conversation<'_> {
             } else {
                 self.frames.read_buffer().len()
             });
+            if matches!(
+                input,
+                Input::Silent | Input::AttemptTimedOut | Input::Unanswered { .. }
+            ) {
+                machine.saw_stopped(self.child.is_stopped());
+            }
             let stale_before = machine.stale_frames();
             for action in machine.on(input) {
                 if let Some(finish) = self.act(action).await {
@@ -2074,6 +2083,16 @@ impl Conversation<'_> {
                     }
                     _ = c.stall_check.as_mut(), if !c.stall_said => {
                         c.stall_check.as_mut().reset(Instant::now() + STALL_WARN_AFTER);
+                        // said once: with no heartbeat_timeout_ms nothing
+                        // else tells of a job that cannot move (stop audit:
+                        // 40 s and more without a line)
+                        if !c.stopped_said && self.child.is_stopped() {
+                            c.stopped_said = true;
+                            warn!(
+                                pid = self.child.pid,
+                                "the executor's process is stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger: the job cannot move until it is continued; its timeout_ms or heartbeat_timeout_ms, a cancel or the deadline still end it"
+                            );
+                        }
                         let buffered = self.frames.read_buffer();
                         // only while stdout was read (the writer had room) is
                         // a buffer that did not grow a stall

@@ -538,6 +538,9 @@ pub(crate) struct Machine {
     stale_frames: u32,
     /// Bytes of an unfinished frame on stdout ([`Machine::saw_unfinished`]).
     unfinished: usize,
+    /// The process was stopped by a signal or a debugger when a bound ran
+    /// out ([`Machine::saw_stopped`]).
+    stopped: bool,
     /// The supervisor sent the job a cancel (its imposed outcome waits for
     /// the owed terminal, or the grace).
     asked_to_stop: bool,
@@ -563,6 +566,7 @@ impl Machine {
             earlier_jobs: Vec::new(),
             stale_frames: 0,
             unfinished: 0,
+            stopped: false,
             asked_to_stop: false,
         }
     }
@@ -596,6 +600,23 @@ impl Machine {
     /// stdout holds now (the driver says so before each input).
     pub(crate) fn saw_unfinished(&mut self, bytes: usize) {
         self.unfinished = bytes;
+    }
+
+    /// Whether the process is stopped (SIGSTOP, SIGTSTP, a debugger), as
+    /// read when a bound runs out: its silence is no hang of the executor's
+    /// (stop audit: a stopped busy process's HEARTBEAT_TIMEOUT did not say
+    /// so).
+    pub(crate) fn saw_stopped(&mut self, stopped: bool) {
+        self.stopped = stopped;
+    }
+
+    /// What a bound's message adds when the process was stopped.
+    fn stopped_note(&self) -> &'static str {
+        if self.stopped {
+            "; its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger"
+        } else {
+            ""
+        }
     }
 
     /// What a timeout's message adds when a frame was begun and never
@@ -756,7 +777,7 @@ impl Machine {
                  The worker's log shows their first bytes"
             ),
         };
-        let stale = self.stale_note();
+        let stale = self.stale_note() + self.stopped_note();
         self.imposed = Some(Outcome::Refused {
             code: "EXECUTOR_UNRESPONSIVE".into(),
             message: format!(
@@ -820,7 +841,7 @@ impl Machine {
             ),
             Input::AttemptTimedOut => {
                 let ms = self.limits.timeout_ms.unwrap_or(0);
-                let why = self.unfinished_note();
+                let why = self.unfinished_note() + self.stopped_note();
                 self.impose_and_cancel(
                     Outcome::failed(
                         "ATTEMPT_TIMEOUT",
@@ -841,7 +862,7 @@ impl Machine {
             }
             Input::Silent => {
                 let ms = self.limits.silence_ms.unwrap_or(0);
-                let why = self.unfinished_note() + &self.stale_note();
+                let why = self.unfinished_note() + &self.stale_note() + self.stopped_note();
                 self.impose_and_cancel(
                     Outcome::failed(
                         "HEARTBEAT_TIMEOUT",

@@ -1046,6 +1046,40 @@ fn a_stop_unanswered_but_under_an_earlier_id_names_the_dropped_frames() {
     );
 }
 
+/// A bound that ran out on a process stopped by a signal says so: its
+/// silence is not the executor's hang (stop audit).
+#[test]
+fn a_bound_run_out_on_a_stopped_process_says_it_was_stopped() {
+    let limits = Limits {
+        timeout_ms: Some(9000),
+        silence_ms: Some(3000),
+    };
+    let message = |input: Input, stopped: bool| {
+        let mut m = Machine::new("j", 7, false, limits);
+        m.on(accepted());
+        m.saw_stopped(stopped);
+        m.on(input);
+        m.on(Input::Exited);
+        match m.verdict(false, "killed by SIGTERM") {
+            Verdict::Outcome(Outcome::Failed { message, .. }) => message,
+            other => panic!("{other:?}"),
+        }
+    };
+    let said = "its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger";
+    for input in [|| Input::Silent, || Input::AttemptTimedOut] {
+        assert!(
+            message(input(), true).contains(said),
+            "{}",
+            message(input(), true)
+        );
+        assert!(
+            !message(input(), false).contains("stopped"),
+            "{}",
+            message(input(), false)
+        );
+    }
+}
+
 #[test]
 fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
     let limits = Limits {
