@@ -104,7 +104,8 @@ pub const MMAP_THRESHOLD: usize = 128 * 1024;
 /// size of each mapped block freed (up to 32 MiB), after which blocks that
 /// large are taken from and kept in its heaps: a worker that wrote outputs
 /// near the frame limit at concurrency 4 stayed at ~270 MB for the rest of
-/// its life (persistent-pool audit; 44 MB with this and the buffers shrunk).
+/// its life (persistent-pool audit; ~14 MB, a fresh worker's, with this and
+/// the buffers given back).
 /// A `MALLOC_MMAP_THRESHOLD_` in the environment is the operator's choice and
 /// is left as it is. Returns whether the threshold was set.
 pub fn return_large_frees_to_the_system() -> bool {
