@@ -512,3 +512,36 @@ async fn a_step_that_crashes_every_process_fails_while_other_steps_flow() {
     );
     assert!(refusals <= 2, "{refusals} uncounted refusals");
 }
+
+/// A warm process that ends right after its hello, before any job, is not
+/// restarted at once for ever: the keeper waits 0.5 s before the next warm
+/// start, doubling while it keeps happening, as for starts that fail. Before,
+/// it started a process a second per warm slot, each with a warning (stop
+/// audit: 20 processes in 10 s with `warm_processes = 2`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_processes_that_end_after_their_hello_are_restarted_with_a_back_off() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("spawns");
+    let mut e = hostile(
+        "hostile",
+        Some(&log),
+        &[("HOSTILE_JOBS", "20"), ("HOSTILE_EXIT_AFTER_HELLO", "1")],
+    );
+    e.persistent = true;
+    e.concurrency = 1;
+    e.warm_processes = 1;
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    w.shutdown().await;
+    let starts = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .count();
+    // at once: ~9 in 8 s (one per idle check); backing off 0.5, 1, 2 s: ~4
+    assert!(
+        (2..=6).contains(&starts),
+        "{starts} processes started in 8 s"
+    );
+}

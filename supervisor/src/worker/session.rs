@@ -311,6 +311,10 @@ pub(crate) struct Pool {
     cap: usize,
     /// Idle sessions with the time each was put back, the most recent last.
     idle: Mutex<Vec<(Session, std::time::Instant)>>,
+    /// Sessions found unhealthy before they served a job (ended, stopped
+    /// or wrote right after their hello), since the keeper last asked
+    /// ([`Pool::take_lost_unused`]).
+    lost_unused: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Pool {
@@ -325,6 +329,7 @@ impl Pool {
             executor: executor.to_owned(),
             cap,
             idle: Mutex::new(Vec::new()),
+            lost_unused: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
@@ -351,6 +356,7 @@ impl Pool {
             if s.healthy() {
                 return Some(s);
             }
+            self.lost(&s);
         }
     }
 
@@ -367,6 +373,7 @@ impl Pool {
             if s.healthy() {
                 return Some(s);
             }
+            self.lost(&s);
         }
     }
 
@@ -401,11 +408,29 @@ impl Pool {
             if idle[i].0.healthy() {
                 i += 1;
             } else {
-                out.push(idle.remove(i).0);
+                let (s, _) = idle.remove(i);
+                self.lost(&s);
+                out.push(s);
             }
         }
         crate::metrics::idle_processes(&self.executor, -(out.len() as i64));
         out
+    }
+
+    /// Counts `s`, found unhealthy, if it served no job.
+    fn lost(&self, s: &Session) {
+        if s.jobs == 0 {
+            self.lost_unused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// How many sessions were found unhealthy before they served a job since
+    /// the last call: processes that end, stop or write right after their
+    /// hello, which the warm keeper must not restart at once for ever.
+    pub fn take_lost_unused(&self) -> u32 {
+        self.lost_unused
+            .swap(0, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Every idle session, for retirement at shutdown.

@@ -132,7 +132,26 @@ fn missing(want: u32, idle: usize, busy: u32) -> u32 {
 async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
     let want = exec.cfg.warm_processes;
     let mut backoff = MIN_BACKOFF;
+    // for processes that say their hello and then end, stop or write before
+    // any job: restarted at once, one such executor churned a process a
+    // second per warm slot, each with a warning (stop audit)
+    let mut lost_backoff = MIN_BACKOFF;
     loop {
+        let lost = exec.pool.take_lost_unused();
+        if lost > 0 {
+            warn!(
+                lost,
+                retry_in_ms = lost_backoff.as_millis() as u64,
+                "warm executor processes ended, were stopped or wrote before serving any job; the next warm start waits (jobs start their own processes meanwhile)"
+            );
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(lost_backoff) => {}
+            }
+            lost_backoff = (lost_backoff * 2).min(MAX_BACKOFF);
+        } else {
+            lost_backoff = MIN_BACKOFF;
+        }
         // a busy process on its last job will not come back: not counted
         while missing(
             want,
