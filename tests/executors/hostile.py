@@ -63,7 +63,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
   stderr as fast as it can, then a result with output `{"lines": n + 1}`.
 
 Environment: HOSTILE_DEAF (set: after the hello the process never reads its stdin, and
-sleeps), HOSTILE_EXIT_AFTER_HELLO (set: the process exits 0 right after its hello), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
+sleeps), HOSTILE_EXIT_AFTER_HELLO (set: the process exits 0 right after its hello),
+HOSTILE_STOP_AFTER_HELLO (set: the process SIGSTOPs itself right after its hello), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1; a file named by
 HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
 (comma separated kinds offered; default every mode above; a file named by
@@ -78,6 +79,7 @@ received).
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -172,6 +174,8 @@ def main() -> int:
     write_frame(out, hello.SerializeToString())
     if os.environ.get("HOSTILE_EXIT_AFTER_HELLO"):
         return 0  # a crash right after the hello, before any job
+    if os.environ.get("HOSTILE_STOP_AFTER_HELLO"):
+        os.kill(os.getpid(), signal.SIGSTOP)  # until a SIGCONT
     if os.environ.get("HOSTILE_DEAF"):
         time.sleep(3600)  # never reads its stdin
         return 0

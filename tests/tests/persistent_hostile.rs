@@ -545,3 +545,32 @@ async fn warm_processes_that_end_after_their_hello_are_restarted_with_a_back_off
         "{starts} processes started in 8 s"
     );
 }
+
+/// A start-up probe that stops itself (SIGSTOP) right after its hello does
+/// not hold the worker's start for `cancel_grace_ms`: a stopped process
+/// reads no Shutdown, so no grace is waited for it, one-shot or persistent.
+/// Before, each such executor added its cancel grace to the start, one after
+/// the other (re-check audit: two executors, 8.5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_stops_after_its_hello_does_not_hold_the_start() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let one_shot = hostile("stops", None, &[("HOSTILE_STOP_AFTER_HELLO", "1")]);
+    let mut persistent = hostile(
+        "stops-warm",
+        None,
+        &[("HOSTILE_STOP_AFTER_HELLO", "1"), ("HOSTILE_JOBS", "5")],
+    );
+    persistent.persistent = true;
+    let mut cfg = fast_config(vec![one_shot, persistent]);
+    cfg.cancel_grace_ms = 5_000;
+    cfg.lease_ttl_ms = 10_000;
+    let started = std::time::Instant::now();
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let took = started.elapsed();
+    w.shutdown().await;
+    assert!(
+        took < Duration::from_secs(4),
+        "the start took {took:?}: a cancel grace was waited for a stopped probe"
+    );
+}

@@ -483,3 +483,56 @@ async fn a_stopped_executors_heartbeat_timeout_says_it_was_stopped() {
     assert_gone_after(s.step_run_id, Some(pid), bound).await;
     w.shutdown().await;
 }
+
+/// A cancel of a step whose executor is stopped by a signal waits no cancel
+/// grace (a stopped process answers nothing within it), and the step's
+/// message says the process was stopped: "gave no terminal within its
+/// grace" alone blamed the executor (re-check audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_of_a_stopped_executor_waits_no_grace_and_says_it_was_stopped() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = worker_config("go");
+    // far above what the cancel takes without a grace
+    cfg.cancel_grace_ms = 5_000;
+    cfg.lease_ttl_ms = 10_000;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    let run = t
+        .submit(spec(
+            "cancel-stopped",
+            "go",
+            "demo.sleep",
+            json!({"ms": 60000, "steps": 600}),
+            json!({}),
+        ))
+        .await;
+    wait_running(&t, run, 2).await;
+    let step = only_step_id(&t, run).await;
+    let pid = executor_pid(&t.db, step).await.expect("executor pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .expect("stop the executor");
+
+    let asked = Instant::now();
+    t.db.cancel(run, None).await.expect("cancel");
+    let st = t.wait_terminal(run, LONG).await;
+    let took = asked.elapsed();
+    assert_eq!(st.state, "cancelled");
+    let s = &st.steps[0];
+    let err = s.error.as_ref().expect("the cancel's message");
+    assert!(
+        err.message.contains(
+            "its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger"
+        ),
+        "{}",
+        err.message
+    );
+    assert!(
+        took < Duration::from_secs(4),
+        "the cancel took {took:?}: the grace was waited for a stopped process"
+    );
+    tests::assert_no_survivors(step, Some(pid), Duration::from_secs(2)).await;
+    w.shutdown().await;
+}

@@ -64,6 +64,12 @@ const EXIT_DRAIN_MAX: Duration = Duration::from_secs(2);
 /// that never completes, and with no heartbeat timeout the step stayed
 /// `running` for ever with nothing in the log (new developer's audit).
 const STALL_WARN_AFTER: Duration = Duration::from_secs(10);
+/// How often a grace looks whether its process is stopped by a signal (it
+/// waits for no answer from one).
+const STOP_CHECK: Duration = Duration::from_millis(100);
+/// How long a SIGKILLed process may take to end before the wait says
+/// which tracer holds it.
+const TRACED_REAP_NOTE: Duration = Duration::from_secs(1);
 /// A pipe's capacity when it cannot be asked (Linux's default).
 const PIPE_CAPACITY_DEFAULT: u64 = 64 * 1024;
 /// Intents queued between the attempt's loop and its writer task.
@@ -2007,7 +2013,10 @@ impl Conversation<'_> {
             });
             if matches!(
                 input,
-                Input::Silent | Input::AttemptTimedOut | Input::Unanswered { .. }
+                Input::Silent
+                    | Input::AttemptTimedOut
+                    | Input::Unanswered { .. }
+                    | Input::GraceEnded
             ) {
                 machine.saw_stopped(self.child.is_stopped());
             }
@@ -2148,14 +2157,24 @@ impl Conversation<'_> {
             Phase::AfterTerminal { .. } | Phase::Cancelling { .. } => {
                 let reading = machine.wants_frames();
                 let grace_until = self.clocks.grace_until;
-                tokio::select! {
-                    biased;
-                    _ = sleep_opt(grace_until) => Input::GraceEnded,
-                    res = self.child.exited(), if !machine.exited() => {
-                        if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
-                        Input::Exited
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = sleep_opt(grace_until) => return Input::GraceEnded,
+                        res = self.child.exited(), if !machine.exited() => {
+                            if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
+                            return Input::Exited;
+                        }
+                        // a stopped process answers nothing within its grace:
+                        // it ends at once (re-check audit: a cancel of one
+                        // waited the whole grace)
+                        _ = tokio::time::sleep(STOP_CHECK), if !machine.exited() => {
+                            if self.child.is_stopped() {
+                                return Input::GraceEnded;
+                            }
+                        }
+                        frame = self.frames.next(), if reading => return self.frame_input(frame),
                     }
-                    frame = self.frames.next(), if reading => self.frame_input(frame),
                 }
             }
             Phase::Finished => Input::DrainEnded,
@@ -3011,11 +3030,35 @@ fn artifact_file(
     Ok((real, on_disk))
 }
 
-async fn wait_exit(child: &mut Child, grace: Duration) -> bool {
-    if child.has_exited() {
-        return true;
+/// Waits up to `grace` for the child to exit; whether it did. A child
+/// stopped by a signal (or a debugger) is not waited for: it reads no
+/// Shutdown and acts on no cancel until it runs again (re-check audit: a
+/// start-up probe that stopped itself after its hello held the worker's
+/// start `cancel_grace_ms` per executor).
+pub(crate) async fn wait_exit(child: &mut Child, grace: Duration) -> bool {
+    let until = Instant::now() + grace;
+    loop {
+        if child.has_exited() {
+            return true;
+        }
+        if child.is_stopped() {
+            debug!(
+                pid = child.pid,
+                "the executor is stopped by a signal or a debugger: no grace is waited for it"
+            );
+            return false;
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        if tokio::time::timeout(left.min(STOP_CHECK), child.exited())
+            .await
+            .is_ok()
+        {
+            return true;
+        }
     }
-    tokio::time::timeout(grace, child.exited()).await.is_ok()
 }
 
 /// Sends no job after all: asks the executor to shut down, gives it the
@@ -3094,9 +3137,11 @@ pub(crate) async fn stop_child(
                     pid = child.pid,
                     "forced stop: SIGKILL to the executor's process group without a grace"
                 );
-            } else if let Some(tracer) = child.tracer() {
+            } else if let Some(tracer) = child.tracer().filter(|_| child.is_stopped()) {
                 // not the executor's doing (re-check audit: a gdb attached
-                // read as an executor that ignored SIGTERM)
+                // read as an executor that ignored SIGTERM); a tracer that
+                // lets it run (strace) holds nothing: the executor's own
+                // doing then
                 warn!(
                     pid = child.pid,
                     tracer,
@@ -3125,6 +3170,21 @@ async fn kill_and_reap(
 ) -> Result<crate::process::ExitReport, crate::process::ProcessError> {
     if let Err(e) = child.signal_group(Signal::SIGKILL) {
         debug!(error = %e, "SIGKILL to the group failed");
+    }
+    // a traced process's end reaches its parent once the tracer lets it go:
+    // the wait said nothing (re-check audit: a drain stood 20 s, silent,
+    // behind a gdb attached to an idle process)
+    if tokio::time::timeout(TRACED_REAP_NOTE, child.exited())
+        .await
+        .is_err()
+    {
+        if let Some(tracer) = child.tracer() {
+            warn!(
+                pid = child.pid,
+                tracer,
+                "the executor's process is held by a debugger or tracer (pid {tracer}): killed, it ends when the tracer lets it go; waiting for that"
+            );
+        }
     }
     child.reap().await
 }

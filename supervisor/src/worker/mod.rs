@@ -662,7 +662,7 @@ pub async fn probe(
     }
     drop(stdin);
     let grace = Duration::from_millis(wcfg.cancel_grace_ms);
-    let report = if tokio::time::timeout(grace, child.exited()).await.is_ok() {
+    let report = if attempt::wait_exit(&mut child, grace).await {
         child.finish().await
     } else {
         child

@@ -290,13 +290,9 @@ impl Session {
         // a stopped process reads no Shutdown: its grace would only delay
         // the SIGTERM (re-check audit: stopped idle processes took the worker
         // 2 s each to stop)
-        if !self.child.has_exited() && !self.child.is_stopped() {
-            let _ = tokio::time::timeout(
-                Duration::from_millis(cfg.cancel_grace_ms),
-                self.child.exited(),
-            )
-            .await;
-        }
+        let _ =
+            super::attempt::wait_exit(&mut self.child, Duration::from_millis(cfg.cancel_grace_ms))
+                .await;
         let _ = super::attempt::stop_child(&mut self.child, cfg).await;
         debug!(jobs = self.jobs, why, "executor session retired");
     }

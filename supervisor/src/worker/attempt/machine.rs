@@ -1139,8 +1139,9 @@ impl Machine {
                 // job's answer under the wrong id (re-check audit: the
                 // message alone read like a hang)
                 None => Some(format!(
-                    "; the executor gave no terminal within its grace ({exit_text}){}",
-                    self.stale_note()
+                    "; the executor gave no terminal within its grace ({exit_text}){}{}",
+                    self.stale_note(),
+                    self.stopped_note()
                 )),
             });
         let verdict = precedence(

@@ -1078,6 +1078,26 @@ fn a_bound_run_out_on_a_stopped_process_says_it_was_stopped() {
             message(input(), false)
         );
     }
+    // a cancel's grace that ended on a stopped process (re-check audit:
+    // "gave no terminal within its grace" alone blamed the executor)
+    let cancelled = |stopped: bool| {
+        let mut m = Machine::new("j", 7, false, limits);
+        m.on(accepted());
+        m.on(Input::Cancel);
+        m.saw_stopped(stopped);
+        m.on(Input::GraceEnded);
+        m.on(Input::Exited);
+        match m.verdict(false, "killed by SIGTERM") {
+            Verdict::Outcome(Outcome::Cancelled { message }) => message,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(cancelled(true).contains(said), "{}", cancelled(true));
+    assert!(
+        !cancelled(false).contains("stopped"),
+        "{}",
+        cancelled(false)
+    );
 }
 
 #[test]
