@@ -617,6 +617,34 @@ async fn a_warm_process_that_dies_while_idle_is_reaped_and_replaced() {
     w.shutdown().await;
 }
 
+/// A worker whose Go executor `name` keeps two warm processes (concurrency
+/// 2, `tweak` applied to its config), both SIGSTOPped once ready; their pids.
+async fn stopped_warm_pool(
+    t: &TestDb,
+    work_dir: &std::path::Path,
+    name: &str,
+    tweak: impl FnOnce(&mut supervisor::config::WorkerConfig),
+) -> (RunningWorker, Vec<i32>) {
+    let mut e = demo("go", name, &[], None);
+    e.persistent = true;
+    e.concurrency = 2;
+    e.warm_processes = 2;
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work_dir.to_path_buf());
+    tweak(&mut cfg);
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let warm = wait_sessions(work_dir, 2, |_| true, "two warm processes").await;
+    wait_ready(name, 2.0, "two warm processes").await;
+    for pid in &warm {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGSTOP,
+        )
+        .expect("stop an idle process");
+    }
+    (w, warm)
+}
+
 /// Warm processes stopped by a signal while idle (SIGSTOP, SIGTSTP, a
 /// debugger) are not handed a job: each is taken out of the pool, ended and
 /// replaced. Before, a job went to a stopped process, waited there for
@@ -628,23 +656,10 @@ async fn stopped_idle_warm_processes_are_replaced_not_handed_a_job() {
     let t = TestDb::new().await;
     let work = tempfile::tempdir().expect("work dir");
     let name = "warm-stopped";
-    let mut e = demo("go", name, &[], None);
-    e.persistent = true;
-    e.concurrency = 2;
-    e.warm_processes = 2;
-    let mut cfg = fast_config(vec![e]);
-    cfg.work_dir = Some(work.path().to_path_buf());
-    cfg.handshake_timeout_ms = 1_000;
-    let w = RunningWorker::start(t.connect(10).await, cfg).await;
-    let warm = wait_sessions(work.path(), 2, |_| true, "two warm processes").await;
-    wait_ready(name, 2.0, "two warm processes").await;
-    for pid in &warm {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(*pid),
-            nix::sys::signal::Signal::SIGSTOP,
-        )
-        .expect("stop an idle process");
-    }
+    let (w, warm) = stopped_warm_pool(&t, work.path(), name, |cfg| {
+        cfg.handshake_timeout_ms = 1_000;
+    })
+    .await;
 
     let run = t
         .submit(
@@ -698,26 +713,12 @@ async fn a_stopping_worker_waits_no_grace_for_stopped_idle_processes() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let work = tempfile::tempdir().expect("work dir");
-    let name = "warm-stopped-at-stop";
-    let mut e = demo("go", name, &[], None);
-    e.persistent = true;
-    e.concurrency = 2;
-    e.warm_processes = 2;
-    let mut cfg = fast_config(vec![e]);
-    cfg.work_dir = Some(work.path().to_path_buf());
-    // far above what the stop takes without a grace
-    cfg.cancel_grace_ms = 5_000;
-    cfg.lease_ttl_ms = 10_000;
-    let w = RunningWorker::start(t.connect(10).await, cfg).await;
-    let warm = wait_sessions(work.path(), 2, |_| true, "two warm processes").await;
-    wait_ready(name, 2.0, "two warm processes").await;
-    for pid in &warm {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(*pid),
-            nix::sys::signal::Signal::SIGSTOP,
-        )
-        .expect("stop an idle process");
-    }
+    let (w, warm) = stopped_warm_pool(&t, work.path(), "warm-stopped-at-stop", |cfg| {
+        // far above what the stop takes without a grace
+        cfg.cancel_grace_ms = 5_000;
+        cfg.lease_ttl_ms = 10_000;
+    })
+    .await;
     let started = std::time::Instant::now();
     w.shutdown().await;
     let took = started.elapsed();
