@@ -64,7 +64,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 
 Environment: HOSTILE_DEAF (set: after the hello the process never reads its stdin, and
 sleeps), HOSTILE_EXIT_AFTER_HELLO (set: the process exits 0 right after its hello),
-HOSTILE_STOP_AFTER_HELLO (set: the process SIGSTOPs itself right after its hello), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
+HOSTILE_STOP_AFTER_HELLO (set: the process SIGSTOPs itself right after its hello),
+HOSTILE_IGNORE_TERM (set: SIGTERM is ignored from the hello on), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1; a file named by
 HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
 (comma separated kinds offered; default every mode above; a file named by
@@ -174,6 +175,8 @@ def main() -> int:
     write_frame(out, hello.SerializeToString())
     if os.environ.get("HOSTILE_EXIT_AFTER_HELLO"):
         return 0  # a crash right after the hello, before any job
+    if os.environ.get("HOSTILE_IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.environ.get("HOSTILE_STOP_AFTER_HELLO"):
         os.kill(os.getpid(), signal.SIGSTOP)  # until a SIGCONT
     if os.environ.get("HOSTILE_DEAF"):

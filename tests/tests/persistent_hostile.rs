@@ -574,3 +574,58 @@ async fn a_probe_that_stops_after_its_hello_does_not_hold_the_start() {
         "the start took {took:?}: a cancel grace was waited for a stopped probe"
     );
 }
+
+/// A job sent to a process that is stopped (SIGSTOP) and never answered is
+/// given back as never run (`EXECUTOR_UNRESPONSIVE`, uncounted), so the
+/// process must never read it: it is SIGKILLed where it stands. Woken with
+/// a SIGCONT beside its SIGTERM, one that ignores SIGTERM read the job from
+/// its stdin and ran the handler before the SIGKILL came, and the next
+/// attempt ran it again (re-check audit: the side effect twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_process_never_reads_the_job_given_back_as_never_run() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let jobs = dir.path().join("jobs");
+    let jobs_text = jobs.to_string_lossy().into_owned();
+    let e = hostile(
+        "hostile",
+        None,
+        &[
+            ("HOSTILE_STOP_AFTER_HELLO", "1"),
+            ("HOSTILE_IGNORE_TERM", "1"),
+            ("HOSTILE_JOB_LOG", &jobs_text),
+        ],
+    );
+    let mut cfg = fast_config(vec![e]);
+    cfg.handshake_timeout_ms = 1_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "stopped", "steps": [step_spec("s", "hostile.sleep", json!({}))]}))
+        .await;
+    // refused at least once (unanswered), its process stopped for good
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        let refusals: i32 =
+            sqlx::query_scalar("SELECT refusals FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("refusals");
+        if refusals >= 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "never refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // longer than the stop's graces: a woken process would have read the job
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    t.db.cancel(run, None).await.expect("cancel");
+    t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    let received = std::fs::read_to_string(&jobs).unwrap_or_default();
+    assert!(
+        received.is_empty(),
+        "a stopped process read the job it was given back for: {received:?}"
+    );
+}

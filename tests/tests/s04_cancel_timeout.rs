@@ -438,8 +438,8 @@ async fn a_step_no_worker_can_run_fails_by_its_deadline() {
 
 /// A running executor stopped by a signal (SIGSTOP) is ended by the step's
 /// heartbeat_timeout_ms like a hung one, and the error says it was stopped
-/// (stop audit: the message read like the executor's own hang); SIGCONT
-/// with the SIGTERM ends it within the graces.
+/// (stop audit: the message read like the executor's own hang); it is
+/// SIGKILLed where it stands, within the graces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_executors_heartbeat_timeout_says_it_was_stopped() {
     let _serial = tests::exclusive().await;

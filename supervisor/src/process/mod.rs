@@ -481,13 +481,18 @@ impl Child {
     /// Graceful stop: SIGTERM to the group, wait up to `term_grace` for the
     /// leader to exit, then SIGKILL the group (always, for grandchildren) and
     /// reap. `escalated_to_kill` tells whether the leader outlived the grace.
+    /// A leader stopped by a signal or a debugger acts on no SIGTERM: it is
+    /// SIGKILLed at once, not woken (woken, it would run what it was sent).
     pub async fn terminate(mut self, term_grace: Duration) -> Result<ExitReport, ProcessError> {
         if let Some(report) = self.report.take() {
             return Ok(report);
         }
+        if self.is_stopped() {
+            self.guard.signal(Signal::SIGKILL)?;
+            self.exited().await?;
+            return self.reap_after_exit(true).await;
+        }
         self.guard.signal(Signal::SIGTERM)?;
-        // a stopped process acts on no SIGTERM until it runs again
-        self.guard.signal(Signal::SIGCONT)?;
         let escalated = match tokio::time::timeout(term_grace, self.exited()).await {
             Ok(result) => {
                 result?;

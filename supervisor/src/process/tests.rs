@@ -123,16 +123,22 @@ async fn terminate_escalates_when_term_is_ignored() {
 }
 
 /// A stopped child (SIGSTOP, SIGTSTP) is seen as stopped, and `terminate`
-/// wakes it so that it acts on its SIGTERM: without the SIGCONT it took the
-/// whole grace and a SIGKILL, its own SIGTERM handling never ran.
+/// kills it where it stands, without its grace and without waking it: woken
+/// (SIGCONT), one that handles SIGTERM ran code it had been sent while
+/// stopped (re-check audit: a handler ran for a job given back as never run).
 #[tokio::test]
-async fn terminate_wakes_a_stopped_child_to_act_on_its_sigterm() {
+async fn terminate_kills_a_stopped_child_without_waking_it() {
     let _shared = KILL_ALL_LOCK.read().await;
+    let dir = tempfile::tempdir().unwrap();
+    let woke = dir.path().join("woke");
     let child = spawner()
         // no short-lived member: the exit of one while the group is stopped
         // (an orphaned group: the child has a session of its own) makes the
         // kernel send the group SIGHUP and SIGCONT
-        .spawn(sh(r#"trap "exit 5" TERM; sleep 60 & wait"#))
+        .spawn(sh(&format!(
+            r#"trap "touch {}; exit 5" TERM; sleep 60 & wait"#,
+            woke.display()
+        )))
         .await
         .unwrap();
     let pid = child.pid;
@@ -144,9 +150,12 @@ async fn terminate_wakes_a_stopped_child_to_act_on_its_sigterm() {
         assert!(Instant::now() < until, "the child never read as stopped");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let report = child.terminate(Duration::from_secs(5)).await.unwrap();
-    assert_eq!(report.status, ExitStatusKind::Exited(5));
-    assert!(!report.escalated_to_kill);
+    let grace = Duration::from_secs(5);
+    let start = Instant::now();
+    let report = child.terminate(grace).await.unwrap();
+    assert_eq!(report.status, ExitStatusKind::Signaled("SIGKILL".into()));
+    assert!(start.elapsed() < grace, "the grace was waited");
+    assert!(!woke.exists(), "the stopped child ran its SIGTERM trap");
     assert_group_empty(pid).await;
 }
 

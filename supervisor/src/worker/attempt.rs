@@ -3091,9 +3091,9 @@ async fn stop_now(
     outcome
 }
 
-/// SIGTERM (and SIGCONT, for stopped members) to the group if the leader
-/// still runs, a grace, SIGKILL to the group (always: grandchildren go too),
-/// reap. Signals the group before
+/// SIGTERM to the group if the leader still runs, a grace, SIGKILL to the
+/// group (always: grandchildren go too), reap; a leader stopped by a signal
+/// or a debugger gets the SIGKILL at once. Signals the group before
 /// reaping its leader, never after.
 pub(crate) async fn stop_child(
     child: &mut Child,
@@ -3101,27 +3101,26 @@ pub(crate) async fn stop_child(
 ) -> Option<crate::process::ExitReport> {
     let res = if child.has_exited() {
         kill_and_reap(child).await
+    } else if child.is_stopped() {
+        // it acts on no SIGTERM while stopped, and woken (SIGCONT) one that
+        // ignores SIGTERM read the job it had been sent and never answered
+        // and ran its handler, while that attempt was given back as never
+        // run (re-check audit: the side effect twice): killed as it stands
+        info!(
+            pid = child.pid,
+            "the executor is stopped by a signal (SIGSTOP, SIGTSTP) or a debugger: SIGKILL to its process group, without waking it"
+        );
+        crate::metrics::executor_signal("SIGKILL");
+        kill_and_reap(child).await
     } else {
         // the metric counted these without a word in the log (soak audit:
         // six SIGTERMs, none of them traceable to a process or a step)
-        if child.is_stopped() {
-            info!(
-                pid = child.pid,
-                "the executor is stopped by a signal (SIGSTOP, SIGTSTP) or a debugger: SIGTERM and SIGCONT to its process group"
-            );
-        } else {
-            info!(
-                pid = child.pid,
-                "the executor is still running: SIGTERM to its process group"
-            );
-        }
+        info!(
+            pid = child.pid,
+            "the executor is still running: SIGTERM to its process group"
+        );
         if let Err(e) = child.signal_group(Signal::SIGTERM) {
             debug!(error = %e, "SIGTERM to the group failed");
-        }
-        // a stopped member (SIGSTOP, SIGTSTP) acts on no SIGTERM until it
-        // runs again: without this it took the whole grace and a SIGKILL
-        if let Err(e) = child.signal_group(Signal::SIGCONT) {
-            debug!(error = %e, "SIGCONT to the group failed");
         }
         crate::metrics::executor_signal("SIGTERM");
         let grace = if super::forced() {

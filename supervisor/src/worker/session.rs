@@ -279,7 +279,8 @@ impl Session {
 
     /// Ends the session in order: `Shutdown`, EOF on stdin, the cancel grace
     /// to exit (none for a process stopped by a signal), then the usual stop
-    /// (SIGTERM with SIGCONT, grace, SIGKILL to the group, reap).
+    /// (SIGTERM, grace, SIGKILL to the group, reap; SIGKILL at once for a
+    /// stopped one).
     pub async fn retire(mut self, cfg: &WorkerConfig, why: &str) {
         if let Some(w) = self.stdin.as_mut() {
             use tokio::io::AsyncWriteExt;

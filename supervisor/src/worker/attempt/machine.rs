@@ -1138,10 +1138,15 @@ impl Machine {
                 // frames of the job before, dropped, may have been this
                 // job's answer under the wrong id (re-check audit: the
                 // message alone read like a hang)
+                // no grace is waited for a stopped process (re-check audit:
+                // "within its grace" read as if one had been)
+                None if self.stopped => Some(format!(
+                    "; the executor gave no terminal: its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger ({exit_text}){}",
+                    self.stale_note()
+                )),
                 None => Some(format!(
-                    "; the executor gave no terminal within its grace ({exit_text}){}{}",
-                    self.stale_note(),
-                    self.stopped_note()
+                    "; the executor gave no terminal within its grace ({exit_text}){}",
+                    self.stale_note()
                 )),
             });
         let verdict = precedence(
