@@ -65,7 +65,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 Environment: HOSTILE_DEAF (set: after the hello the process never reads its stdin, and
 sleeps), HOSTILE_EXIT_AFTER_HELLO (set: the process exits 0 right after its hello),
 HOSTILE_STOP_AFTER_HELLO (set: the process SIGSTOPs itself right after its hello),
-HOSTILE_IGNORE_TERM (set: SIGTERM is ignored from the hello on), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
+HOSTILE_IGNORE_TERM (set: SIGTERM is ignored from the hello on),
+HOSTILE_SLOW_AFTER_HELLO_MS (the process sleeps that long after its hello before it
+reads its first job: an unresponsive one), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1; a file named by
 HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
 (comma separated kinds offered; default every mode above; a file named by
@@ -179,6 +181,9 @@ def main() -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.environ.get("HOSTILE_STOP_AFTER_HELLO"):
         os.kill(os.getpid(), signal.SIGSTOP)  # until a SIGCONT
+    slow_ms = int(os.environ.get("HOSTILE_SLOW_AFTER_HELLO_MS", "0"))
+    if slow_ms:
+        time.sleep(slow_ms / 1000)  # unresponsive, then reads its job
     if os.environ.get("HOSTILE_DEAF"):
         time.sleep(3600)  # never reads its stdin
         return 0

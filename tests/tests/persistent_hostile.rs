@@ -629,3 +629,67 @@ async fn a_stopped_process_never_reads_the_job_given_back_as_never_run() {
         "a stopped process read the job it was given back for: {received:?}"
     );
 }
+
+/// A job its process never answered goes back to the queue as never run
+/// (`EXECUTOR_UNRESPONSIVE`, uncounted), so that process must never read it
+/// afterwards: one that is only slow and ignores SIGTERM read it during the
+/// SIGTERM's grace and ran the handler, and the next attempt ran it again.
+/// It is SIGKILLed at once, without a grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unresponsive_process_never_reads_the_job_given_back_as_never_run() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let jobs = dir.path().join("jobs");
+    let jobs_text = jobs.to_string_lossy().into_owned();
+    let e = hostile(
+        "hostile",
+        None,
+        &[
+            // it reads its first job 1.8 s after its hello: after the 1 s
+            // bound, within the 3 s SIGTERM grace
+            ("HOSTILE_SLOW_AFTER_HELLO_MS", "1800"),
+            ("HOSTILE_IGNORE_TERM", "1"),
+            ("HOSTILE_JOB_LOG", &jobs_text),
+        ],
+    );
+    let mut cfg = fast_config(vec![e]);
+    cfg.handshake_timeout_ms = 1_000;
+    cfg.term_grace_ms = 3_000;
+    cfg.lease_ttl_ms = 6_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "slow", "steps": [step_spec("s", "hostile.echo", json!({}))]}))
+        .await;
+    let until = std::time::Instant::now() + LONG;
+    let started = std::time::Instant::now();
+    loop {
+        let refusals: i32 =
+            sqlx::query_scalar("SELECT refusals FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("refusals");
+        if refusals >= 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "never refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let refused_after = started.elapsed();
+    // past the first process's 1.8 s: read then, were it alive
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let received = std::fs::read_to_string(&jobs).unwrap_or_default();
+    t.db.cancel(run, None).await.expect("cancel");
+    t.wait_terminal(run, LONG).await;
+    w.shutdown().await;
+    assert!(
+        received.is_empty(),
+        "a process read the job it was given back for (as never run): {received:?}"
+    );
+    // no SIGTERM grace was waited before the refusal was committed
+    assert!(
+        refused_after < Duration::from_millis(2_800),
+        "refused after {refused_after:?}"
+    );
+}

@@ -1794,7 +1794,12 @@ async fn release_process(
     if finish.wait_exit_first {
         let _ = wait_exit(child, Duration::from_millis(cfg.cancel_grace_ms)).await;
     }
-    match stop_child(child, cfg).await {
+    let stopped = if finish.kill_at_once {
+        kill_unanswered(child).await
+    } else {
+        stop_child(child, cfg).await
+    };
+    match stopped {
         Some(r) => {
             debug!(status = %r.status, escalated = r.escalated_to_kill, stderr_bytes = r.stderr_total_bytes, "executor reaped");
             // marked when cut at its start, for the redactor
@@ -3156,6 +3161,26 @@ pub(crate) async fn stop_child(
         kill_and_reap(child).await
     };
     match res {
+        Ok(r) => Some(r),
+        Err(e) => {
+            error!(error = %e, "cannot reap the executor");
+            None
+        }
+    }
+}
+
+/// The process of a job given back as never run: SIGKILL to its group at
+/// once, with no SIGTERM grace in which it could still read the job and run
+/// it while the next attempt does too.
+async fn kill_unanswered(child: &mut Child) -> Option<crate::process::ExitReport> {
+    if !child.has_exited() {
+        info!(
+            pid = child.pid,
+            "the executor never answered its job, which goes back to the queue as never run: SIGKILL to its process group at once, so that it cannot read the job later"
+        );
+        crate::metrics::executor_signal("SIGKILL");
+    }
+    match kill_and_reap(child).await {
         Ok(r) => Some(r),
         Err(e) => {
             error!(error = %e, "cannot reap the executor");

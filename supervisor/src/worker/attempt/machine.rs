@@ -474,6 +474,11 @@ pub(crate) struct Finish {
     /// Give the leader the grace to exit on its own (stdin closed) before the
     /// group is signalled: it answered its cancel and is winding down.
     pub wait_exit_first: bool,
+    /// SIGKILL the group at once, no SIGTERM and no grace: the job went back
+    /// as never run, so its process must not read it afterwards (one that
+    /// was only slow and ignored SIGTERM read it in that grace and ran it,
+    /// and so did the next attempt).
+    pub kill_at_once: bool,
 }
 
 /// What the driver must do, in order.
@@ -784,7 +789,12 @@ impl Machine {
                 "the executor {what}{stale}; its process is replaced and the job goes back to the queue, uncounted"
             ),
         });
-        self.finish(false, false)
+        self.phase = Phase::Finished;
+        vec![Action::Finish(Finish {
+            reusable: false,
+            wait_exit_first: false,
+            kill_at_once: true,
+        })]
     }
 
     fn finish(&mut self, reusable: bool, wait_exit_first: bool) -> Vec<Action> {
@@ -792,6 +802,7 @@ impl Machine {
         vec![Action::Finish(Finish {
             reusable: reusable && self.stale_frames == 0,
             wait_exit_first,
+            kill_at_once: false,
         })]
     }
 

@@ -1411,8 +1411,9 @@ fn a_stop_records_how_the_executor_took_it() {
 }
 
 /// A job answered by nothing within `handshake_timeout_ms` (a frozen or
-/// deadlocked process) is given back uncounted and its process replaced;
-/// once any frame of the job came, the bound no longer applies.
+/// deadlocked process) is given back uncounted and its process replaced,
+/// SIGKILLed at once (it must not read the job later); once any frame of the
+/// job came, the bound no longer applies.
 #[test]
 fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
     let run = |persistent: bool, inputs: Vec<Input>| {
@@ -1426,7 +1427,8 @@ fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
                 a,
                 Action::Finish(Finish {
                     reusable: false,
-                    ..
+                    wait_exit_first: false,
+                    kill_at_once: true,
                 })
             )
         });
@@ -1439,6 +1441,21 @@ fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
             "persistent {persistent}"
         );
     }
+    // a job that was answered, then stopped, gets the SIGTERM and its grace
+    let mut m = Machine::new("j", 7, false, Limits::default());
+    m.on(accepted());
+    m.on(Input::Cancel);
+    let finish = m.on(Input::GraceEnded);
+    assert!(
+        matches!(
+            finish.as_slice(),
+            [Action::Finish(Finish {
+                kill_at_once: false,
+                ..
+            })]
+        ),
+        "{finish:?}"
+    );
     // accepted first: the bound is over, the job runs on
     let mut m = Machine::new("j", 7, true, Limits::default());
     m.on(accepted());
