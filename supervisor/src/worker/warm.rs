@@ -124,6 +124,42 @@ async fn retire_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Canc
     }
 }
 
+/// How long no warm process may be lost before its back-off starts over.
+const LOSS_QUIET: Duration = Duration::from_secs(60);
+
+/// The keeper's wait after warm processes were lost before serving any job
+/// (ended, stopped, or wrote after their hello): [`MIN_BACKOFF`] doubling to
+/// [`MAX_BACKOFF`] with each loss, back to the start only after
+/// [`LOSS_QUIET`] without one. The keeper also wakes for every slot that
+/// comes back; that once reset the back-off, so under steady job traffic a
+/// pool that kept losing its processes waited no more than a second or so
+/// (stop re-check audit).
+#[derive(Debug, Default)]
+struct LossBackoff {
+    next: Option<Duration>,
+    last_loss: Option<std::time::Instant>,
+}
+
+impl LossBackoff {
+    /// `lost` processes were found since the last wake: the wait before the
+    /// next start, if any.
+    fn on_wake(&mut self, lost: u32, now: std::time::Instant) -> Option<Duration> {
+        if lost == 0 {
+            return None;
+        }
+        let quiet = self
+            .last_loss
+            .is_none_or(|t| now.saturating_duration_since(t) >= LOSS_QUIET);
+        let wait = match self.next {
+            Some(w) if !quiet => w,
+            _ => MIN_BACKOFF,
+        };
+        self.next = Some((wait * 2).min(MAX_BACKOFF));
+        self.last_loss = Some(now);
+        Some(wait)
+    }
+}
+
 /// Processes to start now: `want` minus the idle ones and the slots in use.
 fn missing(want: u32, idle: usize, busy: u32) -> u32 {
     want.saturating_sub(u32::try_from(idle).unwrap_or(u32::MAX).saturating_add(busy))
@@ -135,22 +171,19 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
     // for processes that say their hello and then end, stop or write before
     // any job: restarted at once, one such executor churned a process a
     // second per warm slot, each with a warning (stop audit)
-    let mut lost_backoff = MIN_BACKOFF;
+    let mut losses = LossBackoff::default();
     loop {
         let lost = exec.pool.take_lost_unused();
-        if lost > 0 {
+        if let Some(wait) = losses.on_wake(lost, std::time::Instant::now()) {
             warn!(
                 lost,
-                retry_in_ms = lost_backoff.as_millis() as u64,
+                retry_in_ms = wait.as_millis() as u64,
                 "warm executor processes ended, were stopped or wrote before serving any job; the next warm start waits (jobs start their own processes meanwhile)"
             );
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(lost_backoff) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
-            lost_backoff = (lost_backoff * 2).min(MAX_BACKOFF);
-        } else {
-            lost_backoff = MIN_BACKOFF;
         }
         // a busy process on its last job will not come back: not counted
         while missing(
@@ -282,7 +315,46 @@ async fn handshake(
 
 #[cfg(test)]
 mod tests {
-    use super::missing;
+    use super::{missing, LossBackoff, LOSS_QUIET, MAX_BACKOFF, MIN_BACKOFF};
+    use std::time::{Duration, Instant};
+
+    /// Losses double the wait; wakes without a loss (a slot that came back,
+    /// a job done) leave it as it is; only a quiet spell starts it over.
+    #[test]
+    fn the_loss_back_off_doubles_and_starts_over_only_after_a_quiet_spell() {
+        let t0 = Instant::now();
+        let s = |secs: u64| t0 + Duration::from_secs(secs);
+        let mut b = LossBackoff::default();
+        // (seconds since t0, processes lost) -> the wait
+        let steps: &[(u64, u32, Option<u64>)] = &[
+            (0, 0, None),
+            (1, 1, Some(500)),
+            (2, 0, None), // a slot came back: no wait, no reset
+            (3, 0, None),
+            (4, 2, Some(1_000)),
+            (5, 0, None),
+            (6, 1, Some(2_000)),
+            (7, 1, Some(4_000)),
+            (8, 1, Some(8_000)),
+            (9, 1, Some(16_000)),
+            (10, 1, Some(30_000)),
+            (11, 1, Some(30_000)),
+            (40, 0, None),
+            (70, 1, Some(30_000)), // 59 s after the last loss: not quiet yet
+            (131, 1, Some(500)),   // 61 s: quiet, starts over
+            (132, 1, Some(1_000)),
+        ];
+        for &(at, lost, want) in steps {
+            assert_eq!(
+                b.on_wake(lost, s(at)),
+                want.map(Duration::from_millis),
+                "at {at} s, {lost} lost"
+            );
+        }
+        assert_eq!(MIN_BACKOFF, Duration::from_millis(500));
+        assert_eq!(MAX_BACKOFF, Duration::from_secs(30));
+        assert_eq!(LOSS_QUIET, Duration::from_secs(60));
+    }
 
     #[test]
     fn tops_up_to_the_wanted_count_of_idle_and_busy_processes() {
