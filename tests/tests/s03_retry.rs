@@ -407,3 +407,45 @@ async fn a_deadline_that_ends_a_step_before_it_runs_counts_no_attempt() {
         );
     }
 }
+
+/// A retry's lease forgets the previous attempt's process: until the new
+/// attempt's executor accepts its job, `executor_pid` and `started_at` say
+/// nothing (they named the previous attempt's process, long gone).
+#[tokio::test]
+async fn a_retrys_lease_forgets_the_previous_attempts_process() {
+    let t = TestDb::new().await;
+    let w = Uuid::new_v4();
+    t.db.register_worker(w, "w", "test", &json!([]))
+        .await
+        .expect("register");
+    t.submit(
+        json!({"name": "pid", "steps": [{"name": "s", "executor_kind": "go", "kind": "k",
+        "retry": {"max_attempts": 3, "initial_interval_ms": 1, "max_interval_ms": 1}}]}),
+    )
+    .await;
+    let s = lease_and_start(&t, w).await;
+    let id = s.lease.step_run_id();
+    assert_eq!(tests::executor_pid(&t.db, id).await, Some(1));
+    t.db.fail(&s.lease, "w", &failure("FLAKY", true, Some(0)), 0.0)
+        .await
+        .expect("fail");
+    let again = loop {
+        let mut got =
+            t.db.lease(w, "w", &tests::route_go_k(), 1, Duration::from_secs(30))
+                .await
+                .expect("lease");
+        if let Some(s) = got.pop() {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(again.lease.attempt(), 2);
+    let (state, pid, started): (String, Option<i32>, bool) = sqlx::query_as(
+        "SELECT state, executor_pid, started_at IS NOT NULL FROM durable.step_runs WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("row");
+    assert_eq!((state.as_str(), pid, started), ("leased", None, false));
+}

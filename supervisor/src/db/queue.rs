@@ -401,7 +401,7 @@ static LEASE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
              UPDATE durable.step_runs s
                 SET state = 'leased', owner_worker_id = $1, lease_token = gen_random_uuid(),
                     lease_expires_at = now() + make_interval(secs => $7::double precision / 1000.0),
-                    leased_at = now(), started_at = NULL, attempt = s.attempt + 1,
+                    leased_at = now(), started_at = NULL, executor_pid = NULL, attempt = s.attempt + 1,
                     transition_reason = 'LEASED', transition_by = $2
               -- the picks' keys probed (as a join with the picks the
               -- planner read a small step_runs whole and hashed it)
