@@ -575,6 +575,39 @@ async fn a_probe_that_stops_after_its_hello_does_not_hold_the_start() {
     );
 }
 
+/// A hostile executor that ignores SIGTERM and logs every job it reads to
+/// the file returned (in the directory returned: keep it), with `env`.
+fn logging_jobs(env: &[(&str, &str)]) -> (tempfile::TempDir, std::path::PathBuf, ExecutorConfig) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let jobs = dir.path().join("jobs");
+    let jobs_text = jobs.to_string_lossy().into_owned();
+    let mut all = vec![
+        ("HOSTILE_IGNORE_TERM", "1"),
+        ("HOSTILE_JOB_LOG", jobs_text.as_str()),
+    ];
+    all.extend_from_slice(env);
+    let e = hostile("hostile", None, &all);
+    (dir, jobs, e)
+}
+
+/// Waits until the run's step was refused at least once.
+async fn wait_for_a_refusal(t: &TestDb, run: uuid::Uuid) {
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        let refusals: i32 =
+            sqlx::query_scalar("SELECT refusals FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("refusals");
+        if refusals >= 1 {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "never refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A job sent to a process that is stopped (SIGSTOP) and never answered is
 /// given back as never run (`EXECUTOR_UNRESPONSIVE`, uncounted), so the
 /// process must never read it: it is SIGKILLed where it stands. Woken with
@@ -585,18 +618,7 @@ async fn a_probe_that_stops_after_its_hello_does_not_hold_the_start() {
 async fn a_stopped_process_never_reads_the_job_given_back_as_never_run() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let jobs = dir.path().join("jobs");
-    let jobs_text = jobs.to_string_lossy().into_owned();
-    let e = hostile(
-        "hostile",
-        None,
-        &[
-            ("HOSTILE_STOP_AFTER_HELLO", "1"),
-            ("HOSTILE_IGNORE_TERM", "1"),
-            ("HOSTILE_JOB_LOG", &jobs_text),
-        ],
-    );
+    let (_dir, jobs, e) = logging_jobs(&[("HOSTILE_STOP_AFTER_HELLO", "1")]);
     let mut cfg = fast_config(vec![e]);
     cfg.handshake_timeout_ms = 1_000;
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
@@ -604,20 +626,7 @@ async fn a_stopped_process_never_reads_the_job_given_back_as_never_run() {
         .submit(json!({"name": "stopped", "steps": [step_spec("s", "hostile.sleep", json!({}))]}))
         .await;
     // refused at least once (unanswered), its process stopped for good
-    let until = std::time::Instant::now() + LONG;
-    loop {
-        let refusals: i32 =
-            sqlx::query_scalar("SELECT refusals FROM durable.step_runs WHERE run_id = $1")
-                .bind(run)
-                .fetch_one(t.db.pool())
-                .await
-                .expect("refusals");
-        if refusals >= 1 {
-            break;
-        }
-        assert!(std::time::Instant::now() < until, "never refused");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_a_refusal(&t, run).await;
     // longer than the stop's graces: a woken process would have read the job
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     t.db.cancel(run, None).await.expect("cancel");
@@ -639,20 +648,9 @@ async fn a_stopped_process_never_reads_the_job_given_back_as_never_run() {
 async fn an_unresponsive_process_never_reads_the_job_given_back_as_never_run() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let jobs = dir.path().join("jobs");
-    let jobs_text = jobs.to_string_lossy().into_owned();
-    let e = hostile(
-        "hostile",
-        None,
-        &[
-            // it reads its first job 1.8 s after its hello: after the 1 s
-            // bound, within the 3 s SIGTERM grace
-            ("HOSTILE_SLOW_AFTER_HELLO_MS", "1800"),
-            ("HOSTILE_IGNORE_TERM", "1"),
-            ("HOSTILE_JOB_LOG", &jobs_text),
-        ],
-    );
+    // it reads its first job 1.8 s after its hello: after the 1 s bound,
+    // within the 3 s SIGTERM grace
+    let (_dir, jobs, e) = logging_jobs(&[("HOSTILE_SLOW_AFTER_HELLO_MS", "1800")]);
     let mut cfg = fast_config(vec![e]);
     cfg.handshake_timeout_ms = 1_000;
     cfg.term_grace_ms = 3_000;
@@ -661,21 +659,8 @@ async fn an_unresponsive_process_never_reads_the_job_given_back_as_never_run() {
     let run = t
         .submit(json!({"name": "slow", "steps": [step_spec("s", "hostile.echo", json!({}))]}))
         .await;
-    let until = std::time::Instant::now() + LONG;
     let started = std::time::Instant::now();
-    loop {
-        let refusals: i32 =
-            sqlx::query_scalar("SELECT refusals FROM durable.step_runs WHERE run_id = $1")
-                .bind(run)
-                .fetch_one(t.db.pool())
-                .await
-                .expect("refusals");
-        if refusals >= 1 {
-            break;
-        }
-        assert!(std::time::Instant::now() < until, "never refused");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_a_refusal(&t, run).await;
     let refused_after = started.elapsed();
     // past the first process's 1.8 s: read then, were it alive
     tokio::time::sleep(Duration::from_millis(1_000)).await;
