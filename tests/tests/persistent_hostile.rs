@@ -679,3 +679,62 @@ async fn an_unresponsive_process_never_reads_the_job_given_back_as_never_run() {
         "refused after {refused_after:?}"
     );
 }
+
+/// A drain of a job its process has not answered yet gives the job back, so
+/// that process must not read it afterwards either: a slow one that ignores
+/// SIGTERM read it during the SIGTERM's grace after the drain's own grace
+/// and ran the handler, and the next worker ran it again (re-check audit).
+/// With no answer at the end of the drain's grace it is SIGKILLed at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_job_never_answered_is_not_read_by_its_process_later() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let spawns = tempfile::NamedTempFile::new().expect("spawn log");
+    // it reads its first job 2.5 s after its hello: after the drain's 0.3 s
+    // and the cancel grace's 0.5 s, within the 3 s SIGTERM grace
+    let (_dir, jobs, mut e) = logging_jobs(&[("HOSTILE_SLOW_AFTER_HELLO_MS", "2500")]);
+    e.env.insert(
+        "HOSTILE_SPAWN_LOG".into(),
+        spawns.path().to_string_lossy().into_owned(),
+    );
+    let mut cfg = fast_config(vec![e]);
+    cfg.handshake_timeout_ms = 10_000;
+    cfg.drain_timeout_ms = 300;
+    cfg.term_grace_ms = 3_000;
+    cfg.lease_ttl_ms = 6_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "drained", "steps": [step_spec("s", "hostile.echo", json!({}))]}))
+        .await;
+    // its process started (the job follows its hello at once)
+    let until = std::time::Instant::now() + LONG;
+    while std::fs::read_to_string(spawns.path())
+        .unwrap_or_default()
+        .is_empty()
+    {
+        assert!(std::time::Instant::now() < until, "no process started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let drained = std::time::Instant::now();
+    w.shutdown().await;
+    let drain_took = drained.elapsed();
+    // past the process's 2.5 s: read then, were it alive
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let received = std::fs::read_to_string(&jobs).unwrap_or_default();
+    let (state, uncounted): (String, i32) =
+        sqlx::query_as("SELECT state, uncounted_attempts FROM durable.step_runs WHERE run_id = $1")
+            .bind(run)
+            .fetch_one(t.db.pool())
+            .await
+            .expect("step");
+    assert!(
+        received.is_empty(),
+        "the process read the job the drain gave back: {received:?}"
+    );
+    assert_eq!((state.as_str(), uncounted), ("retryable_failed", 1));
+    assert!(
+        drain_took < Duration::from_millis(2_500),
+        "drain took {drain_took:?}"
+    );
+}

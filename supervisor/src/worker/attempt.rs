@@ -2170,6 +2170,11 @@ impl Conversation<'_> {
                             if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
                             return Input::Exited;
                         }
+                        // the first answer's bound runs on during a stop
+                        _ = sleep_opt(self.clocks.answer_at) => {
+                            self.clocks.answer_at = None;
+                            return Input::Unanswered { after_ms: self.clocks.answer_ms };
+                        }
                         // a stopped process answers nothing within its grace:
                         // it ends at once (re-check audit: a cancel of one
                         // waited the whole grace)

@@ -789,12 +789,27 @@ impl Machine {
                 "the executor {what}{stale}; its process is replaced and the job goes back to the queue, uncounted"
             ),
         });
+        self.kill_unanswered()
+    }
+
+    /// No frame of this job came (nor its terminal): the process has not
+    /// read it, or is frozen. It is SIGKILLed at once, with no SIGTERM grace
+    /// in which a process that was only slow could still read the job and
+    /// run its handler after the attempt ended (given back, cancelled or
+    /// released: re-check audit, a drain's job ran in the old process
+    /// during that grace and again in the next attempt).
+    fn kill_unanswered(&mut self) -> Vec<Action> {
         self.phase = Phase::Finished;
         vec![Action::Finish(Finish {
             reusable: false,
             wait_exit_first: false,
             kill_at_once: true,
         })]
+    }
+
+    /// Nothing of this job came from the executor: no frame, no terminal.
+    fn unanswered_yet(&self) -> bool {
+        self.frames.last_seq == 0 && self.terminal.is_none()
     }
 
     fn finish(&mut self, reusable: bool, wait_exit_first: bool) -> Vec<Action> {
@@ -884,7 +899,7 @@ impl Machine {
                 )
             }
             // see `unanswered`
-            Input::Unanswered { after_ms } if self.frames.last_seq == 0 && self.terminal.is_none() => {
+            Input::Unanswered { after_ms } if self.unanswered_yet() => {
                 self.unanswered(&format!("handshake_timeout_ms = {after_ms}"))
             }
             Input::Unanswered { .. } => Vec::new(),
@@ -1049,6 +1064,9 @@ impl Machine {
 
     fn cancelling(&mut self, input: Input, reason: CancelReason) -> Vec<Action> {
         match input {
+            // the bound of the first answer runs on during a stop: one that
+            // ran out with nothing answered ends the stop's grace at once
+            Input::Unanswered { .. } if self.unanswered_yet() => self.kill_unanswered(),
             Input::GraceEnded | Input::StdoutClosed | Input::StreamError { .. } => {
                 self.cancel_done(reason)
             }
@@ -1075,6 +1093,9 @@ impl Machine {
     /// answered a cancel or an imposed timeout in time may serve again; one
     /// that did not is killed and replaced.
     fn cancel_done(&mut self, reason: CancelReason) -> Vec<Action> {
+        if !self.exited && self.unanswered_yet() {
+            return self.kill_unanswered();
+        }
         let answered = self.terminal.is_some() && !self.exited;
         let may_serve = matches!(
             reason,

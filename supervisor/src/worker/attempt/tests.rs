@@ -1456,6 +1456,44 @@ fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
         ),
         "{finish:?}"
     );
+    // a stop (cancel, drain, lease lost, timeout) of a job with no answer
+    // kills it at once too, at the bound or at the end of the stop's grace:
+    // a slow process read the job in the SIGTERM grace and ran it while the
+    // attempt ended without it (re-check audit: a drain's job ran twice)
+    let kills_at_once = |actions: &[Action]| {
+        matches!(
+            actions,
+            [Action::Finish(Finish {
+                reusable: false,
+                wait_exit_first: false,
+                kill_at_once: true,
+            })]
+        )
+    };
+    type Stop = fn() -> Input;
+    let stops: [(&str, Stop); 4] = [
+        ("cancel", || Input::Cancel),
+        ("drain", || Input::Abort),
+        ("lease lost", || Input::LeaseLost),
+        ("timeout", || Input::AttemptTimedOut),
+    ];
+    for (stop, input) in stops {
+        for persistent in [true, false] {
+            let mut m = Machine::new("j", 7, persistent, Limits::default());
+            m.on(input());
+            let finish = m.on(Input::Unanswered { after_ms: 1000 });
+            assert!(kills_at_once(&finish), "{stop}, bound: {finish:?}");
+            let mut m = Machine::new("j", 7, persistent, Limits::default());
+            m.on(input());
+            let finish = m.on(Input::GraceEnded);
+            assert!(kills_at_once(&finish), "{stop}, grace: {finish:?}");
+        }
+    }
+    // answered during the stop's grace: the bound is over
+    let mut m = Machine::new("j", 7, true, Limits::default());
+    m.on(Input::Abort);
+    m.on(accepted());
+    assert!(m.on(Input::Unanswered { after_ms: 1000 }).is_empty());
     // accepted first: the bound is over, the job runs on
     let mut m = Machine::new("j", 7, true, Limits::default());
     m.on(accepted());
