@@ -546,6 +546,9 @@ pub(crate) struct Machine {
     /// The process was stopped by a signal or a debugger when a bound ran
     /// out ([`Machine::saw_stopped`]).
     stopped: bool,
+    /// The imposed outcome's message already names the stop
+    /// ([`Machine::stopped_note`]): the stop's own note does not again.
+    stop_named: bool,
     /// The supervisor sent the job a cancel (its imposed outcome waits for
     /// the owed terminal, or the grace).
     asked_to_stop: bool,
@@ -572,6 +575,7 @@ impl Machine {
             stale_frames: 0,
             unfinished: 0,
             stopped: false,
+            stop_named: false,
             asked_to_stop: false,
         }
     }
@@ -616,8 +620,9 @@ impl Machine {
     }
 
     /// What a bound's message adds when the process was stopped.
-    fn stopped_note(&self) -> &'static str {
+    fn stopped_note(&mut self) -> &'static str {
         if self.stopped {
+            self.stop_named = true;
             "; its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger"
         } else {
             ""
@@ -1172,6 +1177,11 @@ impl Machine {
                 // message alone read like a hang)
                 // no grace is waited for a stopped process (re-check audit:
                 // "within its grace" read as if one had been)
+                // said once (stop audit: a heartbeat timeout's message named
+                // the stop twice)
+                None if self.stopped && self.stop_named => {
+                    Some(format!("; the executor gave no terminal ({exit_text}){}", self.stale_note()))
+                }
                 None if self.stopped => Some(format!(
                     "; the executor gave no terminal: its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger ({exit_text}){}",
                     self.stale_note()
