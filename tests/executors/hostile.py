@@ -67,7 +67,9 @@ sleeps), HOSTILE_EXIT_AFTER_HELLO (set: the process exits 0 right after its hell
 HOSTILE_STOP_AFTER_HELLO (set: the process SIGSTOPs itself right after its hello),
 HOSTILE_IGNORE_TERM (set: SIGTERM is ignored from the hello on),
 HOSTILE_SLOW_AFTER_HELLO_MS (the process sleeps that long after its hello before it
-reads its first job: an unresponsive one), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
+reads its first job: an unresponsive one), HOSTILE_WRITE_AFTER_HELLO_MS (a thread writes
+bytes that are no frame to stdout that long after the hello, while the process waits
+for its first job), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
 HOSTILE_PROTOCOL_VERSION (the hello's version, default 1; a file named by
 HOSTILE_PROTOCOL_VERSION_FILE, read at each start, overrides it), HOSTILE_KINDS
 (comma separated kinds offered; default every mode above; a file named by
@@ -181,6 +183,14 @@ def main() -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.environ.get("HOSTILE_STOP_AFTER_HELLO"):
         os.kill(os.getpid(), signal.SIGSTOP)  # until a SIGCONT
+    stray_ms = int(os.environ.get("HOSTILE_WRITE_AFTER_HELLO_MS", "0"))
+    if stray_ms:
+
+        def write_stray() -> None:
+            time.sleep(stray_ms / 1000)
+            out.write(b"\xffstray bytes while idle\n")
+
+        threading.Thread(target=write_stray, daemon=True).start()
     slow_ms = int(os.environ.get("HOSTILE_SLOW_AFTER_HELLO_MS", "0"))
     if slow_ms:
         time.sleep(slow_ms / 1000)  # unresponsive, then reads its job

@@ -738,3 +738,67 @@ async fn a_drained_job_never_answered_is_not_read_by_its_process_later() {
         "drain took {drain_took:?}"
     );
 }
+
+/// Idle processes found unhealthy together are ended together: one after
+/// another, each that ignored SIGTERM held the next one's end (and its
+/// replacement) by its whole grace (stop audit: 2 s apart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unhealthy_idle_processes_are_ended_together_not_one_after_another() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("spawns");
+    let mut e = hostile(
+        "hostile",
+        Some(&log),
+        &[
+            ("HOSTILE_JOBS", "20"),
+            ("HOSTILE_IGNORE_TERM", "1"),
+            ("HOSTILE_WRITE_AFTER_HELLO_MS", "300"),
+        ],
+    );
+    e.persistent = true;
+    e.concurrency = 2;
+    e.warm_processes = 2;
+    let mut cfg = fast_config(vec![e]);
+    cfg.term_grace_ms = 3_000;
+    cfg.lease_ttl_ms = 8_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let pids =
+        |text: String| -> Vec<i32> { text.lines().filter_map(|l| l.trim().parse().ok()).collect() };
+    // the start-up probe's, stopped before the worker started, come first
+    let probes = pids(std::fs::read_to_string(&log).unwrap_or_default()).len();
+    let until = std::time::Instant::now() + LONG;
+    let first: Vec<i32> = loop {
+        let got = pids(std::fs::read_to_string(&log).unwrap_or_default());
+        if got.len() >= probes + 2 {
+            break got[probes..probes + 2].to_vec();
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "fewer than two processes started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // each writes 0.3 s after its hello, is found within the second after,
+    // ignores its SIGTERM and is killed 3 s later
+    let mut ended: Vec<Option<std::time::Instant>> = vec![None; first.len()];
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while ended.iter().any(Option::is_none) && std::time::Instant::now() < until {
+        for (i, pid) in first.iter().enumerate() {
+            if ended[i].is_none() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                ended[i] = Some(std::time::Instant::now());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.shutdown().await;
+    let [Some(a), Some(b)] = ended[..] else {
+        panic!("not both ended within 15 s: {ended:?}");
+    };
+    let apart = if a > b { a - b } else { b - a };
+    assert!(
+        apart < Duration::from_millis(2_000),
+        "ended {apart:?} apart (one SIGTERM grace is 3 s)"
+    );
+}

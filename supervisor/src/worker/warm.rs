@@ -74,35 +74,42 @@ pub(crate) fn start(
 }
 
 /// Takes the idle processes that ended (or wrote, or were stopped) between
-/// jobs out of the pool, reaps them, and wakes the keeper to replace them.
+/// jobs out of the pool, ends and reaps each in a task of its own, and wakes
+/// the keeper to replace each once it is gone. One after another, each that
+/// ignored SIGTERM held the next one's end, and the keeper's replacement,
+/// by its grace (stop audit: 2 s apart); and the look every second waited
+/// for them. The ends still running when the worker stops are waited for.
 async fn reap_dead_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
+    let mut ending = JoinSet::new();
     loop {
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => break,
             _ = tokio::time::sleep(IDLE_CHECK) => {}
+            Some(_) = ending.join_next(), if !ending.is_empty() => continue,
         }
-        let dead = exec.pool.take_unhealthy();
-        if dead.is_empty() {
-            continue;
+        for s in exec.pool.take_unhealthy() {
+            ending.spawn(end_unhealthy(shared.clone(), exec.clone(), s).in_current_span());
         }
-        for mut s in dead {
-            // one that wrote between jobs, or was stopped by a signal, was
-            // named as it was found (and is ended here); only one that ended
-            // on its own is news: the
-            // stop's own SIGTERM read as a second, different reason (audit)
-            let ended_on_its_own = s.child.has_exited();
-            let status = super::attempt::stop_child(&mut s.child, &shared.cfg)
-                .await
-                .map(|r| r.status.to_string())
-                .unwrap_or_else(|| "unknown status".into());
-            if ended_on_its_own {
-                warn!(pid = s.child.pid, jobs = s.jobs, %status, "an idle executor process ended between jobs; it is replaced");
-            } else {
-                debug!(pid = s.child.pid, jobs = s.jobs, %status, "the unhealthy idle executor process is ended");
-            }
-        }
-        exec.slot_back.notify_one();
     }
+    while ending.join_next().await.is_some() {}
+}
+
+/// Ends an idle process found unhealthy, then wakes the keeper.
+async fn end_unhealthy(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, mut s: Session) {
+    // one that wrote between jobs, or was stopped by a signal, was named as
+    // it was found (and is ended here); only one that ended on its own is
+    // news: the stop's own SIGTERM read as a second, different reason (audit)
+    let ended_on_its_own = s.child.has_exited();
+    let status = super::attempt::stop_child(&mut s.child, &shared.cfg)
+        .await
+        .map(|r| r.status.to_string())
+        .unwrap_or_else(|| "unknown status".into());
+    if ended_on_its_own {
+        warn!(pid = s.child.pid, jobs = s.jobs, %status, "an idle executor process ended between jobs; it is replaced");
+    } else {
+        debug!(pid = s.child.pid, jobs = s.jobs, %status, "the unhealthy idle executor process is ended");
+    }
+    exec.slot_back.notify_one();
 }
 
 /// Retires the processes idle for `idle_timeout_ms` beyond the
