@@ -30,7 +30,9 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `late_frame_thread`: as `late_frame`, but the late event is written by a thread while the
   process goes on to its next jobs (it lands in whichever job runs then).
 - `stray_thread`: ACCEPTED, a result, then a thread writes bytes that are no frame
-  (`\xffgarbage`, a stray print) after the input's `delay_ms`, while the process goes on.
+  (`\xffgarbage`, a stray print) after the input's `delay_ms`, while the process goes on;
+  with the input's `short` true, `\x05GARB`: a length of 5 and 4 bytes, completed by the
+  first byte the process writes next.
 - `checkpoint_flood`: ACCEPTED, then PROGRESS events each carrying a checkpoint of
   the input's `size` bytes (`%08d` of its number, repeated), back to back for the
   input's `ms`, then a result `{"checkpoints": n}`; with the input's `count`,
@@ -65,7 +67,8 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 Environment: HOSTILE_DEAF (set: after the hello the process never reads its stdin, and
 sleeps), HOSTILE_EXIT_AFTER_HELLO (set: the process exits 0 right after its hello),
 HOSTILE_STOP_AFTER_HELLO (set: the process SIGSTOPs itself right after its hello),
-HOSTILE_IGNORE_TERM (set: SIGTERM is ignored from the hello on),
+HOSTILE_IGNORE_TERM (set: SIGTERM is ignored from the hello on), HOSTILE_LINGER (set:
+neither EOF on stdin nor a Shutdown ends the process; it sleeps),
 HOSTILE_SLOW_AFTER_HELLO_MS (the process sleeps that long after its hello before it
 reads its first job: an unresponsive one), HOSTILE_WRITE_AFTER_HELLO_MS (a thread writes
 bytes that are no frame to stdout that long after the hello, while the process waits
@@ -201,13 +204,15 @@ def main() -> int:
     refused_steps: set[str] = set()
     stray_owed = False
     previous_job_id = ""
+    linger = bool(os.environ.get("HOSTILE_LINGER"))
     for _ in range(jobs):
         raw = read_frame(inp)
-        if raw is None:
-            return 0
         frame = pb.SupervisorFrame()
-        frame.ParseFromString(raw)
-        if frame.WhichOneof("frame") != "job":
+        if raw is not None:
+            frame.ParseFromString(raw)
+        if raw is None or frame.WhichOneof("frame") != "job":
+            if linger:
+                time.sleep(3600)  # neither EOF nor a Shutdown ends it
             return 0
         job = frame.job
         if stray_owed:
@@ -358,11 +363,15 @@ def main() -> int:
         elif mode == "stray_thread":
             event(pb.EVENT_KIND_ACCEPTED)
             result(b'{"stray": true}')
-            pause = json.loads(job.input or b"{}").get("delay_ms", 0) / 1000
+            spec = json.loads(job.input or b"{}")
+            pause = spec.get("delay_ms", 0) / 1000
+            # short: a 5-byte "frame" of which 4 bytes come, completed by
+            # whatever the process writes next (the next job's own frame)
+            stray = b"\x05GARB" if spec.get("short") else b"\xffgarbage printed after a terminal\n"
 
             def write_stray(after: float = pause) -> None:
                 time.sleep(after)
-                out.write(b"\xffgarbage printed after a terminal\n")
+                out.write(stray)
 
             threading.Thread(target=write_stray, daemon=True).start()
         elif mode == "late_frame":

@@ -354,6 +354,47 @@ async fn stray_bytes_that_hide_a_jobs_answer_give_it_back() {
     assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
 }
 
+/// A short stray (a length and fewer bytes than it names) that a warm
+/// process prints after a job's terminal, arriving once its next job has
+/// answered ACCEPTED, is completed by that job's own result: the two read as
+/// one malformed frame. The job did nothing wrong: it goes back to the queue
+/// uncounted and runs on a process that served no job. Before, it failed for
+/// good (PROTOCOL_MALFORMED_FRAME, not retryable) and its run with it
+/// (outside audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_stray_read_with_the_next_jobs_answer_gives_that_job_back() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    // b is leased and ACCEPTED within the 400 ms; the stray comes while it
+    // sleeps, and its result completes it
+    let run = t
+        .submit(json!({"name": "short stray", "steps": [
+            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 400, "short": true}})),
+            step_spec("b", "hostile.sleep", json!({"input": {"ms": 1500}, "depends_on": ["a"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    for name in ["a", "b"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+    }
+    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
+    assert_eq!(
+        (attempt, uncounted),
+        (2, 1),
+        "b given back once, uncounted ({reason})"
+    );
+    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+    assert_ne!(
+        executor_pid(&t.db, step(&st, "a").step_run_id).await,
+        executor_pid(&t.db, step(&st, "b").step_run_id).await,
+        "b's second attempt ran on the process that wrote the bytes"
+    );
+}
+
 /// A job refused by a persistent process and leased again (a refusal gives
 /// its attempt number back) goes to the same idle process with an id of its
 /// own: it had the refused job's id, its frames were dropped as a late
@@ -800,5 +841,73 @@ async fn unhealthy_idle_processes_are_ended_together_not_one_after_another() {
     assert!(
         apart < Duration::from_millis(2_000),
         "ended {apart:?} apart (one SIGTERM grace is 3 s)"
+    );
+}
+
+/// Processes idle past `idle_timeout_ms` are retired together: one after
+/// another, each that ignored its Shutdown and SIGTERM held the next one's
+/// retirement by both graces, and a drain waited for them all (outside
+/// audit: six such processes took a worker with nothing running 24 s to
+/// stop).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_idle_too_long_are_retired_together_not_one_after_another() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut e = hostile(
+        "hostile",
+        None,
+        &[
+            ("HOSTILE_JOBS", "20"),
+            ("HOSTILE_IGNORE_TERM", "1"),
+            ("HOSTILE_LINGER", "1"),
+        ],
+    );
+    e.persistent = true;
+    e.concurrency = 3;
+    e.idle_timeout_ms = 300;
+    let mut cfg = fast_config(vec![e]);
+    cfg.cancel_grace_ms = 700;
+    cfg.term_grace_ms = 700;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    // three jobs at once: three processes, idle together afterwards
+    let steps: Vec<Value> = (0..3)
+        .map(|i| {
+            step_spec(
+                &format!("s{i}"),
+                "hostile.sleep",
+                json!({"input": {"ms": 300}}),
+            )
+        })
+        .collect();
+    let run = t.submit(json!({"name": "idle", "steps": steps})).await;
+    let st = t.wait_terminal(run, LONG).await;
+    let mut pids = Vec::new();
+    for s in &st.steps {
+        assert_eq!(s.state, "succeeded", "{}: {:?}", s.name, s.error);
+        pids.push(executor_pid(&t.db, s.step_run_id).await.expect("a pid"));
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    assert_eq!(pids.len(), 3, "three processes: {pids:?}");
+    // each ignores its Shutdown and its SIGTERM: 1.4 s to retire
+    let mut ended: Vec<Option<std::time::Instant>> = vec![None; pids.len()];
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while ended.iter().any(Option::is_none) && std::time::Instant::now() < until {
+        for (i, pid) in pids.iter().enumerate() {
+            if ended[i].is_none() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                ended[i] = Some(std::time::Instant::now());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.shutdown().await;
+    let ends: Vec<std::time::Instant> = ended.iter().flatten().copied().collect();
+    assert_eq!(ends.len(), pids.len(), "not all retired within 15 s");
+    let spread = ends.iter().max().copied().zip(ends.iter().min().copied());
+    let (last, first) = spread.expect("ends");
+    assert!(
+        last - first < Duration::from_millis(1_000),
+        "retired {:?} apart (one retirement is 1.4 s)",
+        last - first
     );
 }

@@ -956,7 +956,7 @@ impl Machine {
                 }
             }
             Input::StreamError { code, message } => {
-                self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
+                self.imposed = Some(self.stream_failure(code, message));
                 self.violated = true;
                 self.finish(false, false)
             }
@@ -967,6 +967,37 @@ impl Machine {
             Input::StdoutClosed => self.finish(false, true),
             Input::DrainEnded | Input::GraceEnded => Vec::new(),
         }
+    }
+
+    /// What bytes on stdout that are no frame make of this job. On a warm
+    /// process, after this job's first frame and before its terminal, they
+    /// may as well be what an earlier job printed after its terminal: a
+    /// short stray (`\x05GARB`) is completed by this job's own next frame
+    /// and the two read as one malformed frame (outside audit: the next job,
+    /// innocent, failed for good, PROTOCOL_MALFORMED_FRAME, and its run with
+    /// it). The job goes back to the queue uncounted, for a process that
+    /// served no job, where such bytes are the job's own and count; so a
+    /// handler that prints to stdout costs one attempt more, never a
+    /// failure of a job that did nothing wrong. Before the first frame the
+    /// verdict gives the job back (as a refusal); elsewhere they count.
+    fn stream_failure(&self, code: &'static str, message: String) -> Outcome {
+        if self.reused
+            && self.terminal.is_none()
+            && self.frames.last_seq > 0
+            && code.starts_with("PROTOCOL_")
+        {
+            return Outcome::GivenBack {
+                code: "EXECUTOR_CRASHED".into(),
+                message: format!(
+                    "the warm process wrote what is no frame after this job began answering ({code}: {message}): \
+                     on a process that served earlier jobs these may be bytes one of them printed after its terminal \
+                     (stdout carries frames only; logs go to stderr), read together with this job's own frame; \
+                     the worker's log shows their first bytes. The job goes back to the queue, uncounted, for a \
+                     process that served no job, and this one is replaced"
+                ),
+            };
+        }
+        Outcome::failed(code, code == "EXECUTOR_CRASHED", message)
     }
 
     /// The terminal came while the process runs: a persistent process waits
@@ -1012,7 +1043,7 @@ impl Machine {
                 if self.terminal.is_some() {
                     self.after_terminal_violation = true;
                 } else if self.imposed.is_none() {
-                    self.imposed = Some(Outcome::failed(code, code == "EXECUTOR_CRASHED", message));
+                    self.imposed = Some(self.stream_failure(code, message));
                     self.violated = true;
                 }
                 self.finish(false, false)

@@ -1278,8 +1278,10 @@ fn a_reused_process_that_ends_before_answering_is_a_refusal() {
 }
 
 /// A warm process that breaks the protocol before one frame of its job
-/// (bytes left from its previous job) gives the job back uncounted; a fresh
-/// process's violation, and one after the job's first frame, are the job's.
+/// (bytes left from its previous job) gives the job back uncounted, as a
+/// refusal; bytes that are no frame after its first frame, before its
+/// terminal, give it back uncounted too (they may be an earlier job's); a
+/// fresh process's violations are the job's.
 #[test]
 fn a_reused_process_that_breaks_the_protocol_before_answering_is_a_refusal() {
     let limits = || Limits {
@@ -1311,10 +1313,30 @@ fn a_reused_process_that_breaks_the_protocol_before_answering_is_a_refusal() {
             vec![wrong_job()],
             "failed (PROTOCOL_UNEXPECTED_FRAME)",
         ),
+        // after its first frame: bytes an earlier job printed may have
+        // been read with this job's own frame (outside audit), so the job
+        // goes back uncounted for a process that served no job
         (
             true,
             vec![accepted(), malformed()],
+            "given back (EXECUTOR_CRASHED)",
+        ),
+        (
+            true,
+            vec![accepted(), Input::Exited, malformed()],
+            "given back (EXECUTOR_CRASHED)",
+        ),
+        // where a fresh process's are the job's own
+        (
+            false,
+            vec![accepted(), malformed()],
             "failed (PROTOCOL_MALFORMED_FRAME)",
+        ),
+        // a reused process's after the job's terminal: the job stands
+        (
+            true,
+            vec![accepted(), result_frame(2), Input::Exited, malformed()],
+            "verify",
         ),
         (
             true,
