@@ -1433,11 +1433,32 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
                 .unwrap_or_default();
             format!(
                 "line {line}, column {column}{key}: {}",
-                e.message().trim_end()
+                plain_types(e.message().trim_end())
             )
         }
-        None => e.message().trim_end().to_owned(),
+        None => plain_types(e.message().trim_end()),
     }
+}
+
+/// serde's Rust type names in a parse error, in words an operator reads:
+/// `warm_processes = -1` said "expected u32" (outside audit).
+fn plain_types(message: &str) -> String {
+    const WORDS: [(&str, &str); 8] = [
+        ("u8", "a whole number from 0 to 255"),
+        ("u16", "a whole number from 0 to 65535"),
+        ("u32", "a whole number from 0 to 4294967295"),
+        ("u64", "a whole number from 0 to 18446744073709551615"),
+        ("usize", "a whole number from 0 to 18446744073709551615"),
+        ("i32", "a whole number from -2147483648 to 2147483647"),
+        ("i64", "a whole number"),
+        ("f64", "a number"),
+    ];
+    for (rust, words) in WORDS {
+        if let Some(head) = message.strip_suffix(&format!("expected {rust}")) {
+            return format!("{head}expected {words}");
+        }
+    }
+    message.to_owned()
 }
 
 /// The `DURABLE_<KEY>` variables of `applied` whose key a validation
@@ -1467,6 +1488,34 @@ fn env_involved(applied: &[String], message: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A value of the wrong type or range names what the key takes in
+    /// words, not as a Rust type.
+    #[test]
+    fn a_parse_error_names_the_type_in_words() {
+        let exec = "[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\npersistent = true\n";
+        for (line, want) in [
+            (
+                "warm_processes = -1",
+                "(key warm_processes): invalid value: integer `-1`, expected a whole number from 0 to 4294967295",
+            ),
+            (
+                "idle_timeout_ms = -5",
+                "(key idle_timeout_ms): invalid value: integer `-5`, expected a whole number from 0 to 18446744073709551615",
+            ),
+            (
+                "concurrency = \"4\"",
+                "(key concurrency): invalid type: string \"4\", expected a whole number from 0 to 4294967295",
+            ),
+        ] {
+            let text = format!("{exec}{line}\n");
+            let e = toml::from_str::<WorkerConfig>(&text).expect_err(line);
+            let got = parse_error(&text, &e);
+            assert!(got.ends_with(want), "{line}: {got}");
+            assert!(!got.contains(" u32") && !got.contains(" u64"), "{got}");
+        }
+        assert_eq!(plain_types("expected a boolean"), "expected a boolean");
+    }
 
     #[test]
     fn a_config_error_names_only_the_variables_it_is_about() {
