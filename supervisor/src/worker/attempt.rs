@@ -630,11 +630,16 @@ async fn session_for(
     fresh: bool,
 ) -> Result<Session, Outcome> {
     if exec.cfg.persistent {
-        let taken = if fresh {
+        let mut taken = if fresh {
             exec.pool.take_unused()
         } else {
             exec.pool.take()
         };
+        if taken.is_none() && exec.cfg.warm_processes > 0 {
+            // the keeper's start in flight is ready sooner than one of our own
+            let bound = Duration::from_millis(shared.cfg.handshake_timeout_ms);
+            taken = exec.warm_starts.wait_for(&exec.pool, fresh, bound).await;
+        }
         if let Some(mut s) = taken {
             debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");
             if s.jobs.saturating_add(1) >= s.job_limit(exec.cfg.max_jobs_per_process) {

@@ -134,6 +134,8 @@ pub struct ExecutorRuntime {
     slot_back: Notify,
     /// Busy processes serving their last job (see [`session::LastJobs`]).
     last_jobs: session::LastJobs,
+    /// The warm keeper's starts in flight, which a job may wait for.
+    warm_starts: warm::WarmStarts,
     /// The routes its probe at start gave.
     initial_routes: Vec<Route>,
     /// While the routes are narrower than at start (a hello that dropped a
@@ -805,6 +807,7 @@ impl Worker {
                 job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
                 slot_back: Notify::new(),
                 last_jobs: Default::default(),
+                warm_starts: Default::default(),
                 initial_routes: routes,
                 reprobe: Default::default(),
                 breaker: Default::default(),

@@ -9,8 +9,10 @@
 //! started while it runs) (at start; after a process was
 //! retired at `max_jobs_per_process`, killed after a violation, or found dead
 //! while idle), it starts one more, reads its hello, and puts it in the pool.
-//! It never starts more than that: an attempt that finds the pool empty still
-//! starts its own process, as without a warm pool, and the pool never keeps
+//! It never starts more than that: an attempt that finds the pool empty
+//! waits for a start of the keeper's in flight (one attempt per start:
+//! [`WarmStarts`]), else starts its own process, as without a warm pool, and
+//! the pool never keeps
 //! more idle sessions than the executor's concurrency. A process that cannot
 //! be started (or says no usable hello) is logged, and the keeper tries again
 //! after a back-off that doubles up to [`MAX_BACKOFF`]; jobs are unaffected
@@ -142,6 +144,90 @@ async fn retire_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Canc
     while retiring.join_next().await.is_some() {}
 }
 
+/// The keeper's starts in flight, and the jobs waiting for them. A job
+/// that finds the pool empty while the keeper is starting a process waits
+/// for that one instead of starting its own: the keeper's started earlier,
+/// so it is ready sooner, and a second start wasted a process (the
+/// keeper's, retired unused as surplus; outside audit: 5 processes where 4
+/// served). Only as many jobs wait as starts are in flight; the others
+/// start their own at once.
+#[derive(Debug, Default)]
+pub(crate) struct WarmStarts {
+    in_flight: std::sync::atomic::AtomicU32,
+    waiting: std::sync::atomic::AtomicU32,
+    /// told when a start in flight ends (its process in the pool, or failed)
+    ended: tokio::sync::Notify,
+}
+
+/// One start of the keeper's, in flight while it lives.
+struct InFlight<'a>(&'a WarmStarts);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.ended.notify_waiters();
+    }
+}
+
+/// A job's claim on a start in flight.
+struct Waiting<'a>(&'a WarmStarts);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl WarmStarts {
+    fn begin(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(self)
+    }
+
+    /// A session of `pool` (one that served no job where `fresh`) once a
+    /// start in flight put it there, waiting up to `bound`; `None` at once
+    /// when no start is in flight or as many jobs wait for those as there
+    /// are, and when the starts ended and another job took their process.
+    pub(crate) async fn wait_for(
+        &self,
+        pool: &super::session::Pool,
+        fresh: bool,
+        bound: Duration,
+    ) -> Option<Session> {
+        let claimed = self
+            .waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                (w < self.in_flight.load(Ordering::SeqCst)).then_some(w + 1)
+            })
+            .is_ok();
+        if !claimed {
+            return None;
+        }
+        let _claim = Waiting(self);
+        let until = tokio::time::Instant::now() + bound;
+        loop {
+            let ended = self.ended.notified();
+            tokio::pin!(ended);
+            // registered before the look: an end between the two is not missed
+            ended.as_mut().enable();
+            let taken = if fresh {
+                pool.take_unused()
+            } else {
+                pool.take()
+            };
+            if taken.is_some() {
+                return taken;
+            }
+            if self.in_flight.load(Ordering::SeqCst) == 0 {
+                return None;
+            }
+            if tokio::time::timeout_at(until, ended).await.is_err() {
+                return None;
+            }
+        }
+    }
+}
+
 /// How long no warm process may be lost before its back-off starts over.
 const LOSS_QUIET: Duration = Duration::from_secs(60);
 
@@ -212,6 +298,8 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
                 .saturating_sub(exec.last_jobs.get()),
         ) > 0
         {
+            // ends once its process is in the pool (or the start failed)
+            let in_flight = exec.warm_starts.begin();
             let started = tokio::select! {
                 _ = stop.cancelled() => return,
                 s = start_one(&shared, &exec) => s,
@@ -221,12 +309,15 @@ async fn keep_warm(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: Cancel
                     backoff = MIN_BACKOFF;
                     debug!(pid = session.child.pid, "warm executor process ready");
                     if stop.is_cancelled() {
+                        drop(in_flight);
                         session.retire(&shared.cfg, "the worker is stopping").await;
                         return;
                     }
                     exec.pool.put(session, &shared.cfg).await;
+                    drop(in_flight);
                 }
                 Err(why) => {
+                    drop(in_flight);
                     warn!(error = %why, retry_in_ms = backoff.as_millis() as u64,
                           "cannot start a warm executor process; jobs start their own meanwhile");
                     tokio::select! {
@@ -333,8 +424,54 @@ async fn handshake(
 
 #[cfg(test)]
 mod tests {
-    use super::{missing, LossBackoff, LOSS_QUIET, MAX_BACKOFF, MIN_BACKOFF};
+    use super::{missing, LossBackoff, WarmStarts, LOSS_QUIET, MAX_BACKOFF, MIN_BACKOFF};
+    use crate::worker::session::Pool;
     use std::time::{Duration, Instant};
+
+    /// Only as many jobs wait as the keeper has starts in flight; a waiter
+    /// is let go when the start ends (here: its process went to another
+    /// job), and none waits when no start is in flight.
+    #[tokio::test]
+    async fn as_many_jobs_wait_as_starts_are_in_flight() {
+        let starts = WarmStarts::default();
+        let pool = Pool::new("x", 2);
+        let long = Duration::from_secs(30);
+        let t0 = Instant::now();
+        assert!(starts.wait_for(&pool, false, long).await.is_none());
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "none in flight: no wait"
+        );
+
+        let in_flight = starts.begin();
+        let first = starts.wait_for(&pool, false, long);
+        tokio::pin!(first);
+        // the first claims the start and waits
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), first.as_mut())
+                .await
+                .is_err(),
+            "the first waits for the start in flight"
+        );
+        // a second finds it claimed
+        let t1 = Instant::now();
+        assert!(starts.wait_for(&pool, false, long).await.is_none());
+        assert!(t1.elapsed() < Duration::from_secs(1), "claimed: no wait");
+        // the start ends, its process taken by someone else: let go
+        drop(in_flight);
+        let t2 = Instant::now();
+        assert!(first.await.is_none());
+        assert!(t2.elapsed() < Duration::from_secs(1), "let go at the end");
+        // and the claim is given back
+        let _again = starts.begin();
+        let waiter = starts.wait_for(&pool, false, Duration::from_millis(100));
+        let t3 = Instant::now();
+        assert!(waiter.await.is_none());
+        assert!(
+            t3.elapsed() >= Duration::from_millis(100),
+            "waited its bound"
+        );
+    }
 
     /// Losses double the wait; wakes without a loss (a slot that came back,
     /// a job done) leave it as it is; only a quiet spell starts it over.
