@@ -69,7 +69,8 @@ sleeps), HOSTILE_EXIT_AFTER_HELLO (set: the process exits 0 right after its hell
 HOSTILE_STOP_AFTER_HELLO (set: the process SIGSTOPs itself right after its hello),
 HOSTILE_IGNORE_TERM (set: SIGTERM is ignored from the hello on), HOSTILE_LINGER (set:
 neither EOF on stdin nor a Shutdown ends the process; it sleeps),
-HOSTILE_SLOW_AFTER_HELLO_MS (the process sleeps that long after its hello before it
+HOSTILE_SLOW_HELLO_FILE (a file: while it exists, a process sleeps the milliseconds it
+holds before its hello: a slow start), HOSTILE_SLOW_AFTER_HELLO_MS (the process sleeps that long after its hello before it
 reads its first job: an unresponsive one), HOSTILE_WRITE_AFTER_HELLO_MS (a thread writes
 bytes that are no frame to stdout that long after the hello, while the process waits
 for its first job), HOSTILE_SPAWN_LOG (a file: one line appended per process start),
@@ -179,6 +180,10 @@ def main() -> int:
             max_frame_bytes=int(os.environ.get("HOSTILE_MAX_FRAME_BYTES", "0")),
         )
     )
+    slow_hello = os.environ.get("HOSTILE_SLOW_HELLO_FILE")
+    if slow_hello and os.path.exists(slow_hello):
+        with open(slow_hello) as f:
+            time.sleep(int(f.read().strip() or "0") / 1000)  # a slow start
     write_frame(out, hello.SerializeToString())
     if os.environ.get("HOSTILE_EXIT_AFTER_HELLO"):
         return 0  # a crash right after the hello, before any job

@@ -464,7 +464,7 @@ async fn execute(
     // every process it meets went round for as long as other steps kept
     // the warm processes busy (re-check audit: 111 refusals in 2 minutes)
     let fresh = step.last_error.as_deref() == Some("EXECUTOR_CRASHED");
-    let mut session = match session_for(shared, exec, &workdir, fresh).await {
+    let mut session = match session_for(shared, exec, &workdir, fresh, &mut control).await {
         Ok(s) => s,
         Err(o) => return o,
     };
@@ -628,6 +628,7 @@ async fn session_for(
     exec: &ExecutorRuntime,
     workdir: &tempfile::TempDir,
     fresh: bool,
+    control: &mut watch::Receiver<LeaseView>,
 ) -> Result<Session, Outcome> {
     if exec.cfg.persistent {
         let mut taken = if fresh {
@@ -636,9 +637,31 @@ async fn session_for(
             exec.pool.take()
         };
         if taken.is_none() && exec.cfg.warm_processes > 0 {
-            // the keeper's start in flight is ready sooner than one of our own
+            // the keeper's start in flight is ready sooner than one of our
+            // own; a cancel or a lost lease ends the wait, and the attempt
+            // with it (re-check audit: a cancel waited for the keeper's
+            // slow start, up to handshake_timeout_ms)
             let bound = Duration::from_millis(shared.cfg.handshake_timeout_ms);
-            taken = exec.warm_starts.wait_for(&exec.pool, fresh, bound).await;
+            let stopped = async {
+                while control.borrow().control == Control::Run {
+                    if control.changed().await.is_err() {
+                        // the worker forgot the lease: nothing will say more
+                        std::future::pending::<()>().await;
+                    }
+                }
+            };
+            taken = exec
+                .warm_starts
+                .wait_for(&exec.pool, fresh, bound, stopped)
+                .await;
+            let now = control.borrow().control;
+            if now != Control::Run {
+                if let Some(s) = taken {
+                    // back, unused by this job
+                    exec.pool.put(s, &shared.cfg).await;
+                }
+                return Err(before_job_outcome(now));
+            }
         }
         if let Some(mut s) = taken {
             debug!(pid = s.child.pid, jobs = s.jobs, "warm executor reused");

@@ -185,14 +185,16 @@ impl WarmStarts {
     }
 
     /// A session of `pool` (one that served no job where `fresh`) once a
-    /// start in flight put it there, waiting up to `bound`; `None` at once
-    /// when no start is in flight or as many jobs wait for those as there
-    /// are, and when the starts ended and another job took their process.
+    /// start in flight put it there, waiting up to `bound` or until
+    /// `stopped` resolves (the job's cancel); `None` at once when no start
+    /// is in flight or as many jobs wait for those as there are, and when
+    /// the starts ended and another job took their process.
     pub(crate) async fn wait_for(
         &self,
         pool: &super::session::Pool,
         fresh: bool,
         bound: Duration,
+        stopped: impl std::future::Future<Output = ()>,
     ) -> Option<Session> {
         let claimed = self
             .waiting
@@ -205,6 +207,7 @@ impl WarmStarts {
         }
         let _claim = Waiting(self);
         let until = tokio::time::Instant::now() + bound;
+        tokio::pin!(stopped);
         loop {
             let ended = self.ended.notified();
             tokio::pin!(ended);
@@ -221,8 +224,10 @@ impl WarmStarts {
             if self.in_flight.load(Ordering::SeqCst) == 0 {
                 return None;
             }
-            if tokio::time::timeout_at(until, ended).await.is_err() {
-                return None;
+            tokio::select! {
+                _ = ended => {}
+                _ = tokio::time::sleep_until(until) => return None,
+                _ = &mut stopped => return None,
             }
         }
     }
@@ -437,14 +442,14 @@ mod tests {
         let pool = Pool::new("x", 2);
         let long = Duration::from_secs(30);
         let t0 = Instant::now();
-        assert!(starts.wait_for(&pool, false, long).await.is_none());
+        assert!(starts.wait_for(&pool, false, long, never()).await.is_none());
         assert!(
             t0.elapsed() < Duration::from_secs(1),
             "none in flight: no wait"
         );
 
         let in_flight = starts.begin();
-        let first = starts.wait_for(&pool, false, long);
+        let first = starts.wait_for(&pool, false, long, never());
         tokio::pin!(first);
         // the first claims the start and waits
         assert!(
@@ -455,7 +460,7 @@ mod tests {
         );
         // a second finds it claimed
         let t1 = Instant::now();
-        assert!(starts.wait_for(&pool, false, long).await.is_none());
+        assert!(starts.wait_for(&pool, false, long, never()).await.is_none());
         assert!(t1.elapsed() < Duration::from_secs(1), "claimed: no wait");
         // the start ends, its process taken by someone else: let go
         drop(in_flight);
@@ -464,13 +469,34 @@ mod tests {
         assert!(t2.elapsed() < Duration::from_secs(1), "let go at the end");
         // and the claim is given back
         let _again = starts.begin();
-        let waiter = starts.wait_for(&pool, false, Duration::from_millis(100));
+        let waiter = starts.wait_for(&pool, false, Duration::from_millis(100), never());
         let t3 = Instant::now();
         assert!(waiter.await.is_none());
         assert!(
             t3.elapsed() >= Duration::from_millis(100),
             "waited its bound"
         );
+        // a stop (the job's cancel) ends the wait at once
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let cancelled = async move {
+            let _ = rx.await;
+        };
+        let waiter = starts.wait_for(&pool, false, long, cancelled);
+        tokio::pin!(waiter);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), waiter.as_mut())
+                .await
+                .is_err(),
+            "waits until the stop"
+        );
+        let _ = tx.send(());
+        let t4 = Instant::now();
+        assert!(waiter.await.is_none());
+        assert!(t4.elapsed() < Duration::from_secs(1), "let go at the stop");
+    }
+
+    fn never() -> std::future::Pending<()> {
+        std::future::pending()
     }
 
     /// Losses double the wait; wakes without a loss (a slot that came back,
