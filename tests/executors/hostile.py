@@ -32,7 +32,7 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `stray_thread`: ACCEPTED, a result, then a thread writes bytes that are no frame
   (`\xffgarbage`, a stray print) after the input's `delay_ms`, while the process goes on;
   with the input's `short` true, `\x05GARB`: a length of 5 and 4 bytes, completed by the
-  first byte the process writes next.
+  first byte the process writes next.  With `empty_frame` true, `\x00`: a whole frame, an empty message of no known kind.
 - `checkpoint_flood`: ACCEPTED, then PROGRESS events each carrying a checkpoint of
   the input's `size` bytes (`%08d` of its number, repeated), back to back for the
   input's `ms`, then a result `{"checkpoints": n}`; with the input's `count`,
@@ -373,6 +373,8 @@ def main() -> int:
             # short: a 5-byte "frame" of which 4 bytes come, completed by
             # whatever the process writes next (the next job's own frame)
             stray = b"\x05GARB" if spec.get("short") else b"\xffgarbage printed after a terminal\n"
+            if spec.get("empty_frame"):
+                stray = b"\x00"  # a whole frame: an empty message, of no known kind
 
             def write_stray(after: float = pause) -> None:
                 time.sleep(after)

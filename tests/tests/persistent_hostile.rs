@@ -395,6 +395,39 @@ async fn a_short_stray_read_with_the_next_jobs_answer_gives_that_job_back() {
     );
 }
 
+/// A stray that happens to decode as a frame (`\x00`: an empty message of
+/// no known kind), printed by a warm process after a job's terminal and
+/// arriving once its next job has answered ACCEPTED, is no more that job's
+/// doing than bytes that decode to nothing: the job goes back uncounted for
+/// a process that served no job. Before, it failed for good
+/// (PROTOCOL_UNEXPECTED_FRAME) and its run with it (re-check audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_that_decodes_as_a_frame_gives_the_next_job_back() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "empty frame", "steps": [
+            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 400, "empty_frame": true}})),
+            step_spec("b", "hostile.sleep", json!({"input": {"ms": 1500}, "depends_on": ["a"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    for name in ["a", "b"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+    }
+    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
+    assert_eq!(
+        (attempt, uncounted),
+        (2, 1),
+        "b given back once, uncounted ({reason})"
+    );
+    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+}
+
 /// A job refused by a persistent process and leased again (a refusal gives
 /// its attempt number back) goes to the same idle process with an id of its
 /// own: it had the refused job's id, its frames were dropped as a late

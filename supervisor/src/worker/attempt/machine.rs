@@ -948,7 +948,7 @@ impl Machine {
                         self.job_done()
                     }
                     FrameVerdict::Impose(o) => {
-                        self.imposed = Some(o);
+                        self.imposed = Some(self.not_named(o, own));
                         // a frame naming this job is this job's doing
                         self.violated = !own;
                         self.finish(false, false)
@@ -1000,6 +1000,32 @@ impl Machine {
         Outcome::failed(code, code == "EXECUTOR_CRASHED", message)
     }
 
+    /// What a violation by a frame that does not name this job makes of it.
+    /// On a warm process, after this job's first frame and before its
+    /// terminal, such a frame may as well be bytes an earlier job printed
+    /// that happen to decode (`\x00` is an empty frame "of no known kind";
+    /// re-check audit: the next job, innocent, failed for good,
+    /// PROTOCOL_UNEXPECTED_FRAME): given back uncounted, as bytes that are
+    /// no frame are ([`Machine::stream_failure`]), for a process that served
+    /// no job, where it counts.
+    fn not_named(&self, o: Outcome, own: bool) -> Outcome {
+        let Outcome::Failed { code, message, .. } = &o else {
+            return o;
+        };
+        if own || !self.reused || self.terminal.is_some() || self.frames.last_seq == 0 {
+            return o;
+        }
+        Outcome::GivenBack {
+            code: "EXECUTOR_CRASHED".into(),
+            message: format!(
+                "the warm process wrote a frame that is not this job's after this job began answering ({code}: {message}): \
+                 on a process that served earlier jobs it may be bytes one of them printed after its terminal \
+                 (stdout carries frames only; logs go to stderr). The job goes back to the queue, uncounted, for a \
+                 process that served no job, and this one is replaced"
+            ),
+        }
+    }
+
     /// The terminal came while the process runs: a persistent process waits
     /// for its next job (a frame it writes between jobs is caught when the
     /// session is taken again); any other gets EOF and must exit cleanly.
@@ -1033,7 +1059,7 @@ impl Machine {
                         Vec::new()
                     }
                     FrameVerdict::Impose(o) => {
-                        self.imposed = Some(o);
+                        self.imposed = Some(self.not_named(o, own));
                         self.violated = !own;
                         Vec::new()
                     }

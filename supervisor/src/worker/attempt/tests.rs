@@ -1332,6 +1332,23 @@ fn a_reused_process_that_breaks_the_protocol_before_answering_is_a_refusal() {
             vec![accepted(), malformed()],
             "failed (PROTOCOL_MALFORMED_FRAME)",
         ),
+        // so is a frame that is not this job's (a stray `\x00` decodes as
+        // an empty frame; re-check audit)
+        (
+            true,
+            vec![accepted(), wrong_job()],
+            "given back (EXECUTOR_CRASHED)",
+        ),
+        (
+            true,
+            vec![accepted(), Input::Exited, wrong_job()],
+            "given back (EXECUTOR_CRASHED)",
+        ),
+        (
+            false,
+            vec![accepted(), wrong_job()],
+            "failed (PROTOCOL_UNEXPECTED_FRAME)",
+        ),
         // a reused process's after the job's terminal: the job stands
         (
             true,
