@@ -428,6 +428,40 @@ async fn a_stray_that_decodes_as_a_frame_gives_the_next_job_back() {
     assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
 }
 
+/// A long stray (a length that swallows the next job's frames) arriving once
+/// the next job answered ACCEPTED hides its result; when that job's
+/// `heartbeat_timeout_ms` runs out before the stall is found (10–20 s), the
+/// job goes back uncounted for a process that served no job, not
+/// HEARTBEAT_TIMEOUT: with one attempt allowed, an innocent step failed so
+/// (re-check audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_timeout_over_a_long_stray_gives_the_job_back() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let run = t
+        .submit(json!({"name": "long stray", "steps": [
+            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 400}})),
+            step_spec("b", "hostile.sleep", json!({"input": {"ms": 800}, "depends_on": ["a"],
+                                                   "heartbeat_timeout_ms": 2000})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    for name in ["a", "b"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+    }
+    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
+    assert_eq!(
+        (attempt, uncounted),
+        (2, 1),
+        "b given back once, uncounted ({reason})"
+    );
+    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+}
+
 /// A job refused by a persistent process and leased again (a refusal gives
 /// its attempt number back) goes to the same idle process with an id of its
 /// own: it had the refused job's id, its frames were dropped as a late

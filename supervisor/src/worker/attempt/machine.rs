@@ -779,6 +779,25 @@ impl Machine {
     /// frozen warm process held its job leased for ever when the step set
     /// no heartbeat_timeout_ms (throughput-core audit).
     fn unanswered(&mut self, bound: &str) -> Vec<Action> {
+        if self.reused && self.unfinished > 0 {
+            // bytes came, but no frame: on a warm process most likely what
+            // an earlier job printed after its terminal, not this job's
+            // silence, so it is not counted toward max_refusals either
+            // (re-check audit: such strays refused an innocent step until
+            // REFUSALS_EXHAUSTED); the next attempt takes a process that
+            // served no job, where bytes so are its own
+            self.imposed = Some(Outcome::Refused {
+                code: "EXECUTOR_CRASHED".into(),
+                message: format!(
+                    "the warm process wrote {} bytes to stdout that never became a frame within {bound}, before any frame of this job: \
+                     most likely what an earlier job printed after its terminal (stdout carries frames only; logs go to stderr); \
+                     the worker's log shows their first bytes. Its process is replaced and the job goes back to the queue, uncounted, \
+                     for a process that served no job",
+                    self.unfinished
+                ),
+            });
+            return self.kill_unanswered();
+        }
         let what = match self.unfinished {
             0 => format!("answered nothing to the job within {bound}"),
             n => format!(
@@ -795,6 +814,32 @@ impl Machine {
             ),
         });
         self.kill_unanswered()
+    }
+
+    /// A warm process's stdout holds an unfinished "frame" after this job
+    /// began answering: as with [`Input::Stalled`], most likely bytes an
+    /// earlier job printed, whose length swallowed this job's own frames.
+    fn hidden_by_stray(&self) -> bool {
+        self.reused && self.unfinished > 0 && self.terminal.is_none() && self.frames.last_seq > 0
+    }
+
+    /// A bound ran out while [`Machine::hidden_by_stray`]: the job's frames
+    /// may be what is hidden, so it goes back to the queue uncounted (not
+    /// HEARTBEAT_TIMEOUT or ATTEMPT_TIMEOUT, counted: re-check audit, an
+    /// innocent step failed so with `heartbeat_timeout_ms` under the 10–20 s
+    /// a stall takes to be found), for a process that served no job.
+    fn give_back_hidden(&mut self, bound: &str) -> Vec<Action> {
+        self.imposed = Some(Outcome::GivenBack {
+            code: "EXECUTOR_CRASHED".into(),
+            message: format!(
+                "the warm process's stdout has held {} bytes of a frame that never completed when {bound} ran out, since this job began answering: \
+                 most likely bytes an earlier job printed after its terminal (stdout carries frames only; logs go to stderr), \
+                 which hid this job's own frames; the worker's log shows their first bytes. The job goes back to the queue, \
+                 uncounted, for a process that served no job",
+                self.unfinished
+            ),
+        });
+        self.finish(false, false)
     }
 
     /// No frame of this job came (nor its terminal): the process has not
@@ -870,6 +915,10 @@ impl Machine {
                 ),
                 CancelReason::Deadline,
             ),
+            Input::AttemptTimedOut if self.hidden_by_stray() => {
+                let ms = self.limits.timeout_ms.unwrap_or(0);
+                self.give_back_hidden(&format!("timeout_ms = {ms}"))
+            }
             Input::AttemptTimedOut => {
                 let ms = self.limits.timeout_ms.unwrap_or(0);
                 let why = self.unfinished_note() + self.stopped_note();
@@ -890,6 +939,10 @@ impl Machine {
             Input::Silent if self.frames.last_seq == 0 && self.terminal.is_none() => {
                 let ms = self.limits.silence_ms.unwrap_or(0);
                 self.unanswered(&format!("heartbeat_timeout_ms = {ms}"))
+            }
+            Input::Silent if self.hidden_by_stray() => {
+                let ms = self.limits.silence_ms.unwrap_or(0);
+                self.give_back_hidden(&format!("heartbeat_timeout_ms = {ms}"))
             }
             Input::Silent => {
                 let ms = self.limits.silence_ms.unwrap_or(0);

@@ -1565,6 +1565,94 @@ fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
     }
 }
 
+/// Bytes of an unfinished frame pending on a warm process when a bound runs
+/// out are most likely an earlier job's stray, not this job's doing: before
+/// the job's first frame the job is refused as EXECUTOR_CRASHED (which
+/// `max_refusals` does not count), after it given back uncounted; on a
+/// process's first job, and with nothing pending, the bounds count as
+/// before (re-check audit: strays refused an innocent step until
+/// REFUSALS_EXHAUSTED, or failed it with HEARTBEAT_TIMEOUT).
+#[test]
+fn a_bound_run_out_on_a_warm_process_holding_stray_bytes_is_no_fault_of_the_job() {
+    let limits = || Limits {
+        timeout_ms: Some(5000),
+        silence_ms: Some(3000),
+    };
+    let run = |reused: bool, pending: usize, answered: bool, bound: Input| {
+        let mut m = Machine::new("j", 7, true, limits()).reused(reused);
+        if answered {
+            m.on(accepted());
+        }
+        m.saw_unfinished(pending);
+        m.on(bound);
+        if m.phase() != Phase::Finished {
+            // a cancel's grace: the executor gives nothing more
+            m.on(Input::GraceEnded);
+        }
+        label(&m.verdict(false, "killed by SIGKILL"))
+    };
+    let unanswered = || Input::Unanswered { after_ms: 3000 };
+    for (reused, pending, answered, bound, want) in [
+        (true, 117, false, unanswered(), "refused (EXECUTOR_CRASHED)"),
+        (
+            true,
+            117,
+            false,
+            Input::Silent,
+            "refused (EXECUTOR_CRASHED)",
+        ),
+        (
+            true,
+            0,
+            false,
+            unanswered(),
+            "refused (EXECUTOR_UNRESPONSIVE)",
+        ),
+        (
+            false,
+            117,
+            false,
+            unanswered(),
+            "refused (EXECUTOR_UNRESPONSIVE)",
+        ),
+        (
+            true,
+            117,
+            true,
+            Input::Silent,
+            "given back (EXECUTOR_CRASHED)",
+        ),
+        (
+            true,
+            117,
+            true,
+            Input::AttemptTimedOut,
+            "given back (EXECUTOR_CRASHED)",
+        ),
+        (true, 0, true, Input::Silent, "failed (HEARTBEAT_TIMEOUT)"),
+        (
+            false,
+            117,
+            true,
+            Input::Silent,
+            "failed (HEARTBEAT_TIMEOUT)",
+        ),
+        (
+            false,
+            117,
+            true,
+            Input::AttemptTimedOut,
+            "failed (ATTEMPT_TIMEOUT)",
+        ),
+    ] {
+        assert_eq!(
+            run(reused, pending, answered, bound),
+            want,
+            "reused {reused}, {pending} bytes pending, answered {answered}"
+        );
+    }
+}
+
 /// An attempt's checkpoint bytes count against its own budget and its
 /// worker's: one attempt below its own is held back while the worker's is
 /// used up by others, and goes on once another attempt's bytes are freed.
