@@ -1094,3 +1094,64 @@ async fn a_job_waiting_for_a_warm_start_is_cancelled_at_once() {
         "cancelled after {took:?}"
     );
 }
+
+/// A stopping worker retires its idle processes while its attempts drain,
+/// not after them: an idle process that ignores its Shutdown and SIGTERM
+/// added both graces to the drain's, past the README's stop budget
+/// (`drain_timeout_ms + cancel_grace_ms + term_grace_ms + 5 s`; re-check
+/// audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_processes_are_retired_while_the_attempts_drain() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut e = hostile(
+        "hostile",
+        None,
+        &[
+            ("HOSTILE_JOBS", "20"),
+            ("HOSTILE_IGNORE_TERM", "1"),
+            ("HOSTILE_LINGER", "1"),
+        ],
+    );
+    e.persistent = true;
+    e.concurrency = 2;
+    let mut cfg = fast_config(vec![e]);
+    cfg.drain_timeout_ms = 1_000;
+    cfg.cancel_grace_ms = 1_000;
+    cfg.term_grace_ms = 1_000;
+    cfg.lease_ttl_ms = 6_000;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    // one process busy with a job that outlasts the drain, then one idle
+    // after its job (started beside it)
+    let slow = t
+        .submit(json!({"name": "slow", "steps": [step_spec("s", "hostile.sleep", json!({"input": {"ms": 60000}}))]}))
+        .await;
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        let state: String =
+            sqlx::query_scalar("SELECT state::text FROM durable.step_runs WHERE run_id = $1")
+                .bind(slow)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("state");
+        if state == "running" {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "never running ({state})");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let quick = t
+        .submit(json!({"name": "quick", "steps": [step_spec("s", "hostile.echo", json!({}))]}))
+        .await;
+    let st = t.wait_terminal(quick, LONG).await;
+    assert_eq!(st.steps[0].state, "succeeded", "{:?}", st.steps[0].error);
+    let stopping = std::time::Instant::now();
+    w.shutdown().await;
+    let took = stopping.elapsed();
+    // the busy one: the drain's 1 s, then its 1 s + 1 s; the idle one's
+    // 1 s + 1 s within them (after them: 5 s)
+    assert!(
+        took < Duration::from_millis(4_300),
+        "the stop took {took:?}"
+    );
+}

@@ -943,7 +943,20 @@ impl Worker {
             .unrecorded
             .load(Ordering::Relaxed)
             .min(shared.unrecorded_at_stop.load(Ordering::Relaxed));
-        drain(&shared, &mut attempts, &mut vital, &mut died).await;
+        // the idle processes are retired while the attempts drain, not
+        // after them: one that does not end on its Shutdown added its graces
+        // to the drain's (re-check audit: a stop past the README's budget)
+        shared.draining.cancel();
+        let idle_at_drain: Vec<_> = self.executors.iter().flat_map(|e| e.pool.drain()).collect();
+        let retiring = futures::future::join_all(
+            idle_at_drain
+                .into_iter()
+                .map(|s| s.retire(&cfg, "the worker is stopping")),
+        );
+        tokio::join!(
+            drain(&shared, &mut attempts, &mut vital, &mut died),
+            retiring
+        );
         // warm processes: Shutdown, EOF, their grace, then the usual stop
         // (the keepers stopped with the drain; none puts a process back now)
         while keepers.join_next().await.is_some() {}
