@@ -477,7 +477,7 @@ impl WorkerConfig {
                 .try_into::<WorkerConfig>()
                 .map_err(|e| ConfigError::Env {
                     var: applied.join(", "),
-                    message: e.to_string(),
+                    message: env_type_error(&e),
                 })?
         };
         cfg.resolve_paths(
@@ -1372,7 +1372,10 @@ pub fn apply_env(
                 _ => {
                     return Err(ConfigError::Env {
                         var,
-                        message: format!("{value:?} is not a boolean: {key} takes true or false"),
+                        message: format!(
+                            "{:?} is not a boolean: {key} takes true or false",
+                            crate::db::redact_url(value)
+                        ),
                     })
                 }
             },
@@ -1386,8 +1389,11 @@ pub fn apply_env(
                     } else {
                         ", like 10"
                     };
+                    // a URL set in the wrong variable is shown without its
+                    // password (re-check audit: printed as it was)
                     let message = format!(
-                        "{value:?} is not a whole number: {key} takes a non-negative integer{unit}"
+                        "{:?} is not a whole number: {key} takes a non-negative integer{unit}",
+                        crate::db::redact_url(value)
                     );
                     return Err(ConfigError::Env { var, message });
                 }
@@ -1440,15 +1446,34 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
     }
 }
 
+/// A config built from the file and the environment that does not fit its
+/// types, on one line: toml's message (in words, [`plain_types`]) and the
+/// key it names ("expected u32" and "in `max_refusals`" on a line of its
+/// own; re-check audit).
+fn env_type_error(e: &toml::de::Error) -> String {
+    let text = e.to_string();
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = plain_types(lines.next().unwrap_or_default());
+    let rest: Vec<&str> = lines.collect();
+    if rest.is_empty() {
+        first
+    } else {
+        format!("{first} ({})", rest.join(", "))
+    }
+}
+
 /// serde's Rust type names in a parse error, in words an operator reads:
 /// `warm_processes = -1` said "expected u32" (outside audit).
 fn plain_types(message: &str) -> String {
     const WORDS: [(&str, &str); 8] = [
         ("u8", "a whole number from 0 to 255"),
         ("u16", "a whole number from 0 to 65535"),
-        ("u32", "a whole number from 0 to 4294967295"),
-        ("u64", "a whole number from 0 to 18446744073709551615"),
-        ("usize", "a whole number from 0 to 18446744073709551615"),
+        // the keys' own limits (a day of milliseconds, a concurrency above
+        // 0) are checked after, each named: no range here that contradicts
+        // them (re-check audit)
+        ("u32", "a whole number, 0 or more"),
+        ("u64", "a whole number, 0 or more"),
+        ("usize", "a whole number, 0 or more"),
         ("i32", "a whole number from -2147483648 to 2147483647"),
         ("i64", "a whole number"),
         ("f64", "a number"),
@@ -1497,15 +1522,15 @@ mod tests {
         for (line, want) in [
             (
                 "warm_processes = -1",
-                "(key warm_processes): invalid value: integer `-1`, expected a whole number from 0 to 4294967295",
+                "(key warm_processes): invalid value: integer `-1`, expected a whole number, 0 or more",
             ),
             (
                 "idle_timeout_ms = -5",
-                "(key idle_timeout_ms): invalid value: integer `-5`, expected a whole number from 0 to 18446744073709551615",
+                "(key idle_timeout_ms): invalid value: integer `-5`, expected a whole number, 0 or more",
             ),
             (
                 "concurrency = \"4\"",
-                "(key concurrency): invalid type: string \"4\", expected a whole number from 0 to 4294967295",
+                "(key concurrency): invalid type: string \"4\", expected a whole number, 0 or more",
             ),
         ] {
             let text = format!("{exec}{line}\n");
@@ -1515,6 +1540,34 @@ mod tests {
             assert!(!got.contains(" u32") && !got.contains(" u64"), "{got}");
         }
         assert_eq!(plain_types("expected a boolean"), "expected a boolean");
+    }
+
+    /// From the environment: the same words, the key on the same line, and
+    /// a URL set in the wrong variable without its password.
+    #[test]
+    fn an_environment_error_names_the_type_in_words_and_hides_passwords() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("w.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://u@h/db\"\n[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n",
+        )
+        .expect("config");
+        let err = |var: &str, value: &str| {
+            WorkerConfig::load_with_env(&path, [(var.into(), value.into())])
+                .expect_err(var)
+                .to_string()
+        };
+        let big = err("DURABLE_MAX_REFUSALS", "4294967296");
+        assert!(
+            big.contains("expected a whole number, 0 or more") && big.contains("max_refusals"),
+            "{big}"
+        );
+        assert!(!big.contains("u32") && !big.contains('\n'), "{big}");
+        let url = err("DURABLE_DB_MAX_CONNECTIONS", "postgres://u:hunter2@h/db");
+        assert!(!url.contains("hunter2") && url.contains("u:***@h"), "{url}");
+        let flag = err("DURABLE_RETENTION_VACUUM", "postgres://u:hunter2@h/db");
+        assert!(!flag.contains("hunter2"), "{flag}");
     }
 
     #[test]
