@@ -561,6 +561,50 @@ async fn leftovers_of_earlier_jobs_never_fail_a_later_step() {
     );
 }
 
+/// A refusal the step cannot have caused (an earlier job's leftover read
+/// with its job: EXECUTOR_CRASHED) does not count toward `max_refusals`,
+/// also beside later refusals of the step's own: with `max_refusals = 2`
+/// the step ended after one refusal of its own (re-check audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_the_step_did_not_cause_leaves_it_all_its_refusals() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![persistent_hostile()]);
+    cfg.max_refusals = 2;
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let run = t
+        .submit(json!({"name": "exempt", "steps": [
+            step_spec("a", "hostile.stray_bytes", json!({"input": {"on_next_job": true}})),
+            step_spec("b", "hostile.refuse_retryable", json!({"depends_on": ["a"]})),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    let b = step(&st, "b");
+    assert_eq!(b.state, "terminal_failed", "{:?}", b.error);
+    let reasons: String = sqlx::query_scalar(
+        "SELECT string_agg(reason, ' | ' ORDER BY id) FROM durable.transitions
+          WHERE step_run_id = $1 AND from_state = 'leased'",
+    )
+    .bind(b.step_run_id)
+    .fetch_one(t.db.pool())
+    .await
+    .expect("reasons");
+    assert_eq!(
+        reasons, "EXECUTOR_CRASHED | TEMPORARILY_UNAVAILABLE | REFUSALS_EXHAUSTED",
+        "the leftover, then two refusals of its own"
+    );
+    let message = b
+        .error
+        .as_ref()
+        .map(|e| e.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.starts_with("refused 2 times (max_refusals = 2; and 1 more"),
+        "{message}"
+    );
+}
+
 /// A step that crashes every process it meets, before any frame, while
 /// other steps keep the warm processes busy: each crash of a process that
 /// had served a job was an uncounted refusal, and the step came back to

@@ -440,26 +440,38 @@ impl DbConn<'_> {
         let state: Option<String> = sqlx::query_scalar(
             "UPDATE durable.step_runs s
                 SET state = CASE WHEN c.cancel THEN 'cancelled'
-                                 WHEN s.refusals + 1 >= $7 THEN 'terminal_failed' ELSE 'retryable_failed' END,
+                                 WHEN s.refusals - c.exempt + 1 >= $7 THEN 'terminal_failed' ELSE 'retryable_failed' END,
                     refusals = s.refusals + 1,
                     attempt = s.attempt - 1,
                     next_attempt_at = now() + make_interval(secs => $6::double precision / 1000.0),
                     error_code = CASE WHEN c.cancel THEN 'CANCELLED'
-                                      WHEN s.refusals + 1 >= $7 THEN 'EXECUTOR_REFUSED' ELSE $4 END,
+                                      WHEN s.refusals - c.exempt + 1 >= $7 THEN 'EXECUTOR_REFUSED' ELSE $4 END,
                     error_message = CASE WHEN c.cancel
                         THEN 'cancellation was requested; the executor refused the job before running it (' || $4 || ': ' || $5 || ')'
-                        WHEN s.refusals + 1 >= $7
-                        THEN 'refused ' || (s.refusals + 1) || ' times (max_refusals = ' || $7 || '); last: ' || $4 || ': ' || $5
+                        WHEN s.refusals - c.exempt + 1 >= $7
+                        THEN 'refused ' || (s.refusals - c.exempt + 1) || ' times (max_refusals = ' || $7
+                             || CASE WHEN c.exempt > 0 THEN '; and ' || c.exempt || ' more the step cannot have caused, not counted' ELSE '' END
+                             || '); last: ' || $4 || ': ' || $5
                         ELSE $5 END,
-                    error_retryable = NOT c.cancel AND s.refusals + 1 < $7, error_details = NULL,
+                    error_retryable = NOT c.cancel AND s.refusals - c.exempt + 1 < $7, error_details = NULL,
                     owner_worker_id = CASE WHEN c.cancel THEN s.owner_worker_id END,
                     lease_token = CASE WHEN c.cancel THEN s.lease_token END,
                     transition_reason = CASE WHEN c.cancel AND c.run_failed THEN 'RUN_FAILED (' || $4 || ')'
                                              WHEN c.cancel THEN 'CANCEL_REQUESTED (' || $4 || ')'
-                                             WHEN s.refusals + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
+                                             WHEN s.refusals - c.exempt + 1 >= $7 THEN 'REFUSALS_EXHAUSTED' ELSE $4 END,
                     transition_by = $3
                FROM (SELECT s2.id, s2.cancel_requested OR r.cancel_requested AS cancel,
-                            durable.run_failed_it(s2.run_id) AS run_failed
+                            durable.run_failed_it(s2.run_id) AS run_failed,
+                            -- the refusals nothing of the step can have
+                            -- caused never count toward max_refusals, not
+                            -- even beside a later one that does (re-check
+                            -- audit: an EXECUTOR_CRASHED left by an earlier
+                            -- job, then one refusal of the step's own,
+                            -- ended it at max_refusals = 2)
+                            (SELECT count(*) FROM durable.transitions t
+                              WHERE t.step_run_id = s2.id AND t.from_state = 'leased'
+                                AND t.to_state = 'retryable_failed'
+                                AND t.reason IN ('SPAWN_FAILED', 'WORK_DIR_UNAVAILABLE', 'EXECUTOR_CRASHED'))::integer AS exempt
                        FROM durable.step_runs s2 JOIN durable.workflow_runs r ON r.id = s2.run_id
                       WHERE s2.id = $1) c
               WHERE s.id = c.id AND s.lease_token = $2 AND s.state = 'leased'

@@ -2544,7 +2544,9 @@ fn refusals_allowed(code: &str, max_refusals: u32) -> u32 {
 }
 
 /// A refusal nothing of the step can have caused (see [`refusals_allowed`]):
-/// it never fails the step, nor leaves it to other workers.
+/// it never fails the step, nor leaves it to other workers, nor counts
+/// beside a later refusal that does (the same codes are left out of the
+/// count in `db::writes`' `refuse`).
 fn not_the_steps_doing(code: &str) -> bool {
     matches!(
         code,

@@ -810,7 +810,7 @@ impl Machine {
         self.imposed = Some(Outcome::Refused {
             code: "EXECUTOR_UNRESPONSIVE".into(),
             message: format!(
-                "the executor {what}{stale}; its process is replaced and the job goes back to the queue, uncounted"
+                "the executor {what}{stale}; its process is replaced and the job goes back to the queue as a refusal (no attempt counted)"
             ),
         });
         self.kill_unanswered()
