@@ -22,6 +22,54 @@ pub enum ConfigError {
     Env { var: String, message: String },
 }
 
+impl ConfigError {
+    /// The error with every URL's password masked: a message quotes the
+    /// value it is about, and a database URL put in the wrong key or
+    /// variable (`metrics_addr`, `DURABLE_WORK_DIR`) was printed with its
+    /// password (re-check audit).
+    fn without_passwords(self) -> ConfigError {
+        match self {
+            ConfigError::Parse { path, message } => ConfigError::Parse {
+                path,
+                message: mask_url_passwords(&message),
+            },
+            ConfigError::Invalid(m) => ConfigError::Invalid(mask_url_passwords(&m)),
+            ConfigError::Env { var, message } => ConfigError::Env {
+                var,
+                message: mask_url_passwords(&message),
+            },
+            read @ ConfigError::Read { .. } => read,
+        }
+    }
+}
+
+/// `text` with the password of every `scheme://user:password@` in it as
+/// `***`.
+fn mask_url_passwords(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        // the authority ends at the first character no URL has there
+        let end = tail
+            .find(|c: char| c.is_whitespace() || "\"'`/?#,;)".contains(c))
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match (authority.rfind('@'), authority.find(':')) {
+            (Some(at), Some(colon)) if colon < at => {
+                out.push_str(&authority[..colon]);
+                out.push_str(":***");
+                out.push_str(&authority[at..]);
+            }
+            _ => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 fn d_lease_ttl() -> u64 {
     10_000
 }
@@ -456,6 +504,14 @@ impl WorkerConfig {
         vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
         probe_only: bool,
     ) -> Result<WorkerConfig, ConfigError> {
+        Self::load_unmasked(path, vars, probe_only).map_err(ConfigError::without_passwords)
+    }
+
+    fn load_unmasked(
+        path: &Path,
+        vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+        probe_only: bool,
+    ) -> Result<WorkerConfig, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -514,6 +570,14 @@ impl WorkerConfig {
     /// `supervisor dev`'s built-in config, so that two of them on one host
     /// can be given names (process slots) of their own.
     pub fn with_env(
+        self,
+        vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+    ) -> Result<WorkerConfig, ConfigError> {
+        self.with_env_unmasked(vars)
+            .map_err(ConfigError::without_passwords)
+    }
+
+    fn with_env_unmasked(
         self,
         vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
     ) -> Result<WorkerConfig, ConfigError> {
@@ -1540,6 +1604,65 @@ mod tests {
             assert!(!got.contains(" u32") && !got.contains(" u64"), "{got}");
         }
         assert_eq!(plain_types("expected a boolean"), "expected a boolean");
+    }
+
+    #[test]
+    fn passwords_of_urls_in_a_message_are_masked() {
+        for (text, want) in [
+            (
+                "metrics_addr = \"postgres://u:pw@h/db\" is not an IP:PORT address",
+                "metrics_addr = \"postgres://u:***@h/db\" is not an IP:PORT address",
+            ),
+            (
+                "a postgres://u:p:w@h:5432 and b http://x:y@z?q",
+                "a postgres://u:***@h:5432 and b http://x:***@z?q",
+            ),
+            (
+                "no user postgres://h:5432/db",
+                "no user postgres://h:5432/db",
+            ),
+            ("user only postgres://u@h/db", "user only postgres://u@h/db"),
+            ("not a url: a:b@c", "not a url: a:b@c"),
+            ("ends ://", "ends ://"),
+        ] {
+            assert_eq!(mask_url_passwords(text), want, "{text}");
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("w.toml");
+        std::fs::write(
+            &path,
+            "metrics_addr = \"postgres://u:hunter2@h/db\"\n[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n",
+        )
+        .expect("config");
+        let file = WorkerConfig::load_with_env(
+            &path,
+            Vec::<(std::ffi::OsString, std::ffi::OsString)>::new(),
+        )
+        .expect_err("a URL for metrics_addr")
+        .to_string();
+        assert!(
+            !file.contains("hunter2") && file.contains("metrics_addr"),
+            "{file}"
+        );
+        std::fs::write(
+            &path,
+            "[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n",
+        )
+        .expect("config");
+        for var in [
+            "DURABLE_METRICS_ADDR",
+            "DURABLE_WORK_DIR",
+            "DURABLE_RETENTION",
+        ] {
+            let e = WorkerConfig::load_with_env(
+                &path,
+                [(var.into(), "postgres://u:hunter2@h/db".into())],
+            );
+            if let Err(e) = e {
+                let e = e.to_string();
+                assert!(!e.contains("hunter2"), "{var}: {e}");
+            }
+        }
     }
 
     /// From the environment: the same words, the key on the same line, and
