@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use supervisor::config::ExecutorConfig;
+use supervisor::db::RunStatus;
 use tests::{executor_pid, fast_config, hostile, step, RunningWorker, TestDb};
 
 const LONG: Duration = Duration::from_secs(60);
@@ -320,6 +321,62 @@ async fn a_late_frame_that_reaches_the_job_after_next_does_not_fail_it() {
     );
 }
 
+/// Runs `a` (`hostile.stray_thread` with input `stray`: its stray comes
+/// after its terminal) and then `b` (`hostile.sleep` with `b_extra`) on one
+/// warm process; both must succeed, `b` given back once, uncounted, by the
+/// stray that met it. Returns the run's status.
+async fn a_stray_gives_the_next_job_back(
+    t: &TestDb,
+    name: &str,
+    stray: Value,
+    b_extra: Value,
+) -> RunStatus {
+    let w =
+        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
+    let mut b = json!({"depends_on": ["a"]});
+    if let (Some(o), Some(e)) = (b.as_object_mut(), b_extra.as_object()) {
+        o.extend(e.clone());
+    }
+    let run = t
+        .submit(json!({"name": name, "steps": [
+            step_spec("a", "hostile.stray_thread", json!({"input": stray})),
+            step_spec("b", "hostile.sleep", b),
+        ]}))
+        .await;
+    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
+    w.shutdown().await;
+    for name in ["a", "b"] {
+        let s = step(&st, name);
+        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
+    }
+    let (attempt, uncounted, reason) = give_backs(t, step(&st, "b").step_run_id).await;
+    assert_eq!(
+        (attempt, uncounted),
+        (2, 1),
+        "b given back once, uncounted ({reason})"
+    );
+    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+    st
+}
+
+/// Polls until the step of the one-step run `run` is in `state`.
+async fn wait_for_state(t: &TestDb, run: uuid::Uuid, state: &str) {
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        let now: String =
+            sqlx::query_scalar("SELECT state::text FROM durable.step_runs WHERE run_id = $1")
+                .bind(run)
+                .fetch_one(t.db.pool())
+                .await
+                .expect("state");
+        if now == state {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "never {state} ({now})");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Bytes a warm process prints after a job's terminal that arrive once its
 /// next job began answering are read as the start of a frame whose length
 /// swallows that job's own frames, its result too. The stall is found (no
@@ -331,27 +388,13 @@ async fn a_late_frame_that_reaches_the_job_after_next_does_not_fail_it() {
 async fn stray_bytes_that_hide_a_jobs_answer_give_it_back() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let w =
-        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
-    let run = t
-        .submit(json!({"name": "stray mid-job", "steps": [
-            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 150}})),
-            step_spec("b", "hostile.sleep", json!({"input": {"ms": 800}, "depends_on": ["a"]})),
-        ]}))
-        .await;
-    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
-    w.shutdown().await;
-    for name in ["a", "b"] {
-        let s = step(&st, name);
-        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
-    }
-    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
-    assert_eq!(
-        (attempt, uncounted),
-        (2, 1),
-        "b given back once, uncounted ({reason})"
-    );
-    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+    a_stray_gives_the_next_job_back(
+        &t,
+        "stray mid-job",
+        json!({"delay_ms": 150}),
+        json!({"input": {"ms": 800}}),
+    )
+    .await;
 }
 
 /// A short stray (a length and fewer bytes than it names) that a warm
@@ -365,29 +408,15 @@ async fn stray_bytes_that_hide_a_jobs_answer_give_it_back() {
 async fn a_short_stray_read_with_the_next_jobs_answer_gives_that_job_back() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let w =
-        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
     // b is leased and ACCEPTED within the 400 ms; the stray comes while it
     // sleeps, and its result completes it
-    let run = t
-        .submit(json!({"name": "short stray", "steps": [
-            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 400, "short": true}})),
-            step_spec("b", "hostile.sleep", json!({"input": {"ms": 1500}, "depends_on": ["a"]})),
-        ]}))
-        .await;
-    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
-    w.shutdown().await;
-    for name in ["a", "b"] {
-        let s = step(&st, name);
-        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
-    }
-    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
-    assert_eq!(
-        (attempt, uncounted),
-        (2, 1),
-        "b given back once, uncounted ({reason})"
-    );
-    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+    let st = a_stray_gives_the_next_job_back(
+        &t,
+        "short stray",
+        json!({"delay_ms": 400, "short": true}),
+        json!({"input": {"ms": 1500}}),
+    )
+    .await;
     assert_ne!(
         executor_pid(&t.db, step(&st, "a").step_run_id).await,
         executor_pid(&t.db, step(&st, "b").step_run_id).await,
@@ -405,27 +434,13 @@ async fn a_short_stray_read_with_the_next_jobs_answer_gives_that_job_back() {
 async fn a_stray_that_decodes_as_a_frame_gives_the_next_job_back() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let w =
-        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
-    let run = t
-        .submit(json!({"name": "empty frame", "steps": [
-            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 400, "empty_frame": true}})),
-            step_spec("b", "hostile.sleep", json!({"input": {"ms": 1500}, "depends_on": ["a"]})),
-        ]}))
-        .await;
-    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
-    w.shutdown().await;
-    for name in ["a", "b"] {
-        let s = step(&st, name);
-        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
-    }
-    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
-    assert_eq!(
-        (attempt, uncounted),
-        (2, 1),
-        "b given back once, uncounted ({reason})"
-    );
-    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+    a_stray_gives_the_next_job_back(
+        &t,
+        "empty frame",
+        json!({"delay_ms": 400, "empty_frame": true}),
+        json!({"input": {"ms": 1500}}),
+    )
+    .await;
 }
 
 /// A long stray (a length that swallows the next job's frames) arriving once
@@ -438,28 +453,13 @@ async fn a_stray_that_decodes_as_a_frame_gives_the_next_job_back() {
 async fn a_heartbeat_timeout_over_a_long_stray_gives_the_job_back() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let w =
-        RunningWorker::start(t.connect(10).await, fast_config(vec![persistent_hostile()])).await;
-    let run = t
-        .submit(json!({"name": "long stray", "steps": [
-            step_spec("a", "hostile.stray_thread", json!({"input": {"delay_ms": 400}})),
-            step_spec("b", "hostile.sleep", json!({"input": {"ms": 800}, "depends_on": ["a"],
-                                                   "heartbeat_timeout_ms": 2000})),
-        ]}))
-        .await;
-    let st = t.wait_terminal(run, Duration::from_secs(60)).await;
-    w.shutdown().await;
-    for name in ["a", "b"] {
-        let s = step(&st, name);
-        assert_eq!(s.state, "succeeded", "{name}: {:?}", s.error);
-    }
-    let (attempt, uncounted, reason) = give_backs(&t, step(&st, "b").step_run_id).await;
-    assert_eq!(
-        (attempt, uncounted),
-        (2, 1),
-        "b given back once, uncounted ({reason})"
-    );
-    assert_eq!(reason, "EXECUTOR_CRASHED: given back uncounted");
+    a_stray_gives_the_next_job_back(
+        &t,
+        "long stray",
+        json!({"delay_ms": 400}),
+        json!({"input": {"ms": 800}, "heartbeat_timeout_ms": 2000}),
+    )
+    .await;
 }
 
 /// A job refused by a persistent process and leased again (a refusal gives
@@ -1106,23 +1106,7 @@ async fn a_job_waiting_for_a_warm_start_is_cancelled_at_once() {
         .submit(json!({"name": "b", "steps": [step_spec("s", "hostile.echo", json!({}))]}))
         .await;
     // b is leased and waits for the keeper's start
-    let until = std::time::Instant::now() + LONG;
-    loop {
-        let state: String =
-            sqlx::query_scalar("SELECT state::text FROM durable.step_runs WHERE run_id = $1")
-                .bind(b)
-                .fetch_one(t.db.pool())
-                .await
-                .expect("state");
-        if state == "leased" {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "b never leased ({state})"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_state(&t, b, "leased").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let cancelled = std::time::Instant::now();
     t.db.cancel(b, None).await.expect("cancel b");
@@ -1170,20 +1154,7 @@ async fn idle_processes_are_retired_while_the_attempts_drain() {
     let slow = t
         .submit(json!({"name": "slow", "steps": [step_spec("s", "hostile.sleep", json!({"input": {"ms": 60000}}))]}))
         .await;
-    let until = std::time::Instant::now() + LONG;
-    loop {
-        let state: String =
-            sqlx::query_scalar("SELECT state::text FROM durable.step_runs WHERE run_id = $1")
-                .bind(slow)
-                .fetch_one(t.db.pool())
-                .await
-                .expect("state");
-        if state == "running" {
-            break;
-        }
-        assert!(std::time::Instant::now() < until, "never running ({state})");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_state(&t, slow, "running").await;
     let quick = t
         .submit(json!({"name": "quick", "steps": [step_spec("s", "hostile.echo", json!({}))]}))
         .await;
