@@ -891,6 +891,47 @@ async fn a_drained_job_never_answered_is_not_read_by_its_process_later() {
     );
 }
 
+/// A persistent executor whose processes end neither on EOF, nor on a
+/// Shutdown, nor on SIGTERM: each costs both graces to end.
+fn lingering() -> ExecutorConfig {
+    let mut e = hostile(
+        "hostile",
+        None,
+        &[
+            ("HOSTILE_JOBS", "20"),
+            ("HOSTILE_IGNORE_TERM", "1"),
+            ("HOSTILE_LINGER", "1"),
+        ],
+    );
+    e.persistent = true;
+    e
+}
+
+/// Waits (up to 15 s) until every process of `pids` is gone; how far apart
+/// the first and the last ended.
+async fn ended_apart(pids: &[i32]) -> Duration {
+    let mut ended: Vec<Option<std::time::Instant>> = vec![None; pids.len()];
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while ended.iter().any(Option::is_none) && std::time::Instant::now() < until {
+        for (i, pid) in pids.iter().enumerate() {
+            if ended[i].is_none() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                ended[i] = Some(std::time::Instant::now());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ends: Vec<std::time::Instant> = ended.iter().flatten().copied().collect();
+    assert_eq!(
+        ends.len(),
+        pids.len(),
+        "not all ended within 15 s: {ended:?}"
+    );
+    let (Some(last), Some(first)) = (ends.iter().max(), ends.iter().min()) else {
+        return Duration::ZERO;
+    };
+    *last - *first
+}
+
 /// Idle processes found unhealthy together are ended together: one after
 /// another, each that ignored SIGTERM held the next one's end (and its
 /// replacement) by its whole grace (stop audit: 2 s apart).
@@ -934,21 +975,8 @@ async fn unhealthy_idle_processes_are_ended_together_not_one_after_another() {
     };
     // each writes 0.3 s after its hello, is found within the second after,
     // ignores its SIGTERM and is killed 3 s later
-    let mut ended: Vec<Option<std::time::Instant>> = vec![None; first.len()];
-    let until = std::time::Instant::now() + Duration::from_secs(15);
-    while ended.iter().any(Option::is_none) && std::time::Instant::now() < until {
-        for (i, pid) in first.iter().enumerate() {
-            if ended[i].is_none() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                ended[i] = Some(std::time::Instant::now());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let apart = ended_apart(&first).await;
     w.shutdown().await;
-    let [Some(a), Some(b)] = ended[..] else {
-        panic!("not both ended within 15 s: {ended:?}");
-    };
-    let apart = if a > b { a - b } else { b - a };
     assert!(
         apart < Duration::from_millis(2_000),
         "ended {apart:?} apart (one SIGTERM grace is 3 s)"
@@ -964,16 +992,7 @@ async fn unhealthy_idle_processes_are_ended_together_not_one_after_another() {
 async fn processes_idle_too_long_are_retired_together_not_one_after_another() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let mut e = hostile(
-        "hostile",
-        None,
-        &[
-            ("HOSTILE_JOBS", "20"),
-            ("HOSTILE_IGNORE_TERM", "1"),
-            ("HOSTILE_LINGER", "1"),
-        ],
-    );
-    e.persistent = true;
+    let mut e = lingering();
     e.concurrency = 3;
     e.idle_timeout_ms = 300;
     let mut cfg = fast_config(vec![e]);
@@ -1001,25 +1020,11 @@ async fn processes_idle_too_long_are_retired_together_not_one_after_another() {
     pids.dedup();
     assert_eq!(pids.len(), 3, "three processes: {pids:?}");
     // each ignores its Shutdown and its SIGTERM: 1.4 s to retire
-    let mut ended: Vec<Option<std::time::Instant>> = vec![None; pids.len()];
-    let until = std::time::Instant::now() + Duration::from_secs(15);
-    while ended.iter().any(Option::is_none) && std::time::Instant::now() < until {
-        for (i, pid) in pids.iter().enumerate() {
-            if ended[i].is_none() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                ended[i] = Some(std::time::Instant::now());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let apart = ended_apart(&pids).await;
     w.shutdown().await;
-    let ends: Vec<std::time::Instant> = ended.iter().flatten().copied().collect();
-    assert_eq!(ends.len(), pids.len(), "not all retired within 15 s");
-    let spread = ends.iter().max().copied().zip(ends.iter().min().copied());
-    let (last, first) = spread.expect("ends");
     assert!(
-        last - first < Duration::from_millis(1_000),
-        "retired {:?} apart (one retirement is 1.4 s)",
-        last - first
+        apart < Duration::from_millis(1_000),
+        "retired {apart:?} apart (one retirement is 1.4 s)"
     );
 }
 
@@ -1132,16 +1137,7 @@ async fn a_job_waiting_for_a_warm_start_is_cancelled_at_once() {
 async fn idle_processes_are_retired_while_the_attempts_drain() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
-    let mut e = hostile(
-        "hostile",
-        None,
-        &[
-            ("HOSTILE_JOBS", "20"),
-            ("HOSTILE_IGNORE_TERM", "1"),
-            ("HOSTILE_LINGER", "1"),
-        ],
-    );
-    e.persistent = true;
+    let mut e = lingering();
     e.concurrency = 2;
     let mut cfg = fast_config(vec![e]);
     cfg.drain_timeout_ms = 1_000;

@@ -76,21 +76,42 @@ pub(crate) fn start(
 }
 
 /// Takes the idle processes that ended (or wrote, or were stopped) between
-/// jobs out of the pool, ends and reaps each in a task of its own, and wakes
-/// the keeper to replace each once it is gone. One after another, each that
-/// ignored SIGTERM held the next one's end, and the keeper's replacement,
-/// by its grace (stop audit: 2 s apart); and the look every second waited
-/// for them. The ends still running when the worker stops are waited for.
+/// jobs out of the pool, ends and reaps each apart ([`end_each_apart`]), and
+/// wakes the keeper to replace each once it is gone.
 async fn reap_dead_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
+    let taken_from = exec.clone();
+    end_each_apart(
+        &stop,
+        IDLE_CHECK,
+        move || taken_from.pool.take_unhealthy(),
+        move |s| end_unhealthy(shared.clone(), exec.clone(), s),
+    )
+    .await;
+}
+
+/// Every `every` until `stop`, ends each session `take` hands out in a task
+/// of its own (`end`), and waits for the ends still running at `stop`. One
+/// after another, each process that ignored its Shutdown or SIGTERM held the
+/// next one's end by its graces, and the next look waited for them all
+/// (stop audit: 2 s apart; outside audit: six idle processes retired so
+/// took a worker with nothing running 24 s to stop).
+async fn end_each_apart<Fut>(
+    stop: &CancellationToken,
+    every: Duration,
+    mut take: impl FnMut() -> Vec<Session>,
+    end: impl Fn(Session) -> Fut,
+) where
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let mut ending = JoinSet::new();
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(IDLE_CHECK) => {}
+            _ = tokio::time::sleep(every) => {}
             Some(_) = ending.join_next(), if !ending.is_empty() => continue,
         }
-        for s in exec.pool.take_unhealthy() {
-            ending.spawn(end_unhealthy(shared.clone(), exec.clone(), s).in_current_span());
+        for s in take() {
+            ending.spawn(end(s).in_current_span());
         }
     }
     while ending.join_next().await.is_some() {}
@@ -120,28 +141,18 @@ async fn end_unhealthy(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, mut s: S
 async fn retire_idle(shared: Arc<Shared>, exec: Arc<ExecutorRuntime>, stop: CancellationToken) {
     let idle_for = Duration::from_millis(exec.cfg.idle_timeout_ms);
     let every = (idle_for / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
-    // each retirement in a task of its own: one after another, each process
-    // that ignored its Shutdown and SIGTERM held the next one's retirement,
-    // and a drain waited for them all, by both graces each (outside audit:
-    // six such processes, 24 s for a worker with nothing running)
-    let mut retiring = JoinSet::new();
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(every) => {}
-            Some(_) = retiring.join_next(), if !retiring.is_empty() => continue,
-        }
-        let keep = exec.cfg.warm_processes as usize;
-        for s in exec.pool.expired(keep, idle_for) {
+    let keep = exec.cfg.warm_processes as usize;
+    end_each_apart(
+        &stop,
+        every,
+        move || exec.pool.expired(keep, idle_for),
+        move |s| {
             debug!(pid = s.child.pid, "retiring an idle executor process");
-            let cfg = shared.clone();
-            retiring.spawn(
-                async move { s.retire(&cfg.cfg, "idle for idle_timeout_ms").await }
-                    .in_current_span(),
-            );
-        }
-    }
-    while retiring.join_next().await.is_some() {}
+            let shared = shared.clone();
+            async move { s.retire(&shared.cfg, "idle for idle_timeout_ms").await }
+        },
+    )
+    .await;
 }
 
 /// The keeper's starts in flight, and the jobs waiting for them. A job
