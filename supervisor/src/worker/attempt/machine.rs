@@ -26,6 +26,23 @@ pub(crate) enum Terminal {
     Error(JobError),
 }
 
+/// The job's outcome when its warm process `what` (after "the warm
+/// process") since the job began answering: most likely an earlier job's
+/// stray (see `Machine::strays_may_be_read`), so the job goes back to the
+/// queue uncounted, for a process that served no job, and this one is
+/// replaced.
+fn given_back_for_stray(what: &str) -> Outcome {
+    Outcome::GivenBack {
+        code: "EXECUTOR_CRASHED".into(),
+        message: format!(
+            "the warm process{what} since this job began answering: on a process that served earlier jobs, \
+             most likely bytes one of them printed after its terminal (stdout carries frames only; logs go to \
+             stderr), read with or hiding this job's own frames; the worker's log shows their first bytes. The \
+             job goes back to the queue, uncounted, for a process that served no job, and this one is replaced"
+        ),
+    }
+}
+
 pub(crate) fn wire_failure(e: &WireError) -> (&'static str, String) {
     match e {
         WireError::TooLarge { len, cap } => (
@@ -820,7 +837,17 @@ impl Machine {
     /// began answering: as with [`Input::Stalled`], most likely bytes an
     /// earlier job printed, whose length swallowed this job's own frames.
     fn hidden_by_stray(&self) -> bool {
-        self.reused && self.unfinished > 0 && self.terminal.is_none() && self.frames.last_seq > 0
+        self.unfinished > 0 && self.strays_may_be_read()
+    }
+
+    /// After this job's first frame and before its terminal, on a process
+    /// that served jobs before: what it writes then may be bytes an earlier
+    /// job printed after its terminal, arriving only now. Each violation
+    /// that bytes so can cause ([`Input::Stalled`], [`Machine::stream_failure`],
+    /// [`Machine::not_named`], [`Machine::give_back_hidden`]) gives the job
+    /// back uncounted ([`given_back_for_stray`]) rather than failing it.
+    fn strays_may_be_read(&self) -> bool {
+        self.reused && self.terminal.is_none() && self.frames.last_seq > 0
     }
 
     /// A bound ran out while [`Machine::hidden_by_stray`]: the job's frames
@@ -829,16 +856,10 @@ impl Machine {
     /// innocent step failed so with `heartbeat_timeout_ms` under the 10–20 s
     /// a stall takes to be found), for a process that served no job.
     fn give_back_hidden(&mut self, bound: &str) -> Vec<Action> {
-        self.imposed = Some(Outcome::GivenBack {
-            code: "EXECUTOR_CRASHED".into(),
-            message: format!(
-                "the warm process's stdout has held {} bytes of a frame that never completed when {bound} ran out, since this job began answering: \
-                 most likely bytes an earlier job printed after its terminal (stdout carries frames only; logs go to stderr), \
-                 which hid this job's own frames; the worker's log shows their first bytes. The job goes back to the queue, \
-                 uncounted, for a process that served no job",
-                self.unfinished
-            ),
-        });
+        self.imposed = Some(given_back_for_stray(&format!(
+            "'s stdout held {} bytes of a frame that never completed when {bound} ran out",
+            self.unfinished
+        )));
         self.finish(false, false)
     }
 
@@ -969,18 +990,10 @@ impl Machine {
             // six others queued behind it). The job goes back uncounted for
             // a process that served no job; on a process's first job the
             // bytes are its own (a timeout, if the step has one, decides)
-            Input::Stalled { bytes }
-                if self.reused && self.terminal.is_none() && self.frames.last_seq > 0 =>
-            {
-                self.imposed = Some(Outcome::GivenBack {
-                    code: "EXECUTOR_CRASHED".into(),
-                    message: format!(
-                        "the warm process's stdout has held {bytes} bytes of a frame that never completed since this job began answering: \
-                         most likely bytes an earlier job printed after its terminal (stdout carries frames only; logs go to stderr), \
-                         which hid this job's own frames; the worker's log shows their first bytes. The job goes back to the queue, \
-                         uncounted, for a process that served no job"
-                    ),
-                });
+            Input::Stalled { bytes } if self.strays_may_be_read() => {
+                self.imposed = Some(given_back_for_stray(&format!(
+                    "'s stdout has held {bytes} bytes of a frame that never completed"
+                )));
                 self.finish(false, false)
             }
             Input::Stalled { .. } => Vec::new(),
@@ -1034,21 +1047,8 @@ impl Machine {
     /// failure of a job that did nothing wrong. Before the first frame the
     /// verdict gives the job back (as a refusal); elsewhere they count.
     fn stream_failure(&self, code: &'static str, message: String) -> Outcome {
-        if self.reused
-            && self.terminal.is_none()
-            && self.frames.last_seq > 0
-            && code.starts_with("PROTOCOL_")
-        {
-            return Outcome::GivenBack {
-                code: "EXECUTOR_CRASHED".into(),
-                message: format!(
-                    "the warm process wrote what is no frame after this job began answering ({code}: {message}): \
-                     on a process that served earlier jobs these may be bytes one of them printed after its terminal \
-                     (stdout carries frames only; logs go to stderr), read together with this job's own frame; \
-                     the worker's log shows their first bytes. The job goes back to the queue, uncounted, for a \
-                     process that served no job, and this one is replaced"
-                ),
-            };
+        if self.strays_may_be_read() && code.starts_with("PROTOCOL_") {
+            return given_back_for_stray(&format!(" wrote what is no frame ({code}: {message})"));
         }
         Outcome::failed(code, code == "EXECUTOR_CRASHED", message)
     }
@@ -1065,18 +1065,12 @@ impl Machine {
         let Outcome::Failed { code, message, .. } = &o else {
             return o;
         };
-        if own || !self.reused || self.terminal.is_some() || self.frames.last_seq == 0 {
+        if own || !self.strays_may_be_read() {
             return o;
         }
-        Outcome::GivenBack {
-            code: "EXECUTOR_CRASHED".into(),
-            message: format!(
-                "the warm process wrote a frame that is not this job's after this job began answering ({code}: {message}): \
-                 on a process that served earlier jobs it may be bytes one of them printed after its terminal \
-                 (stdout carries frames only; logs go to stderr). The job goes back to the queue, uncounted, for a \
-                 process that served no job, and this one is replaced"
-            ),
-        }
+        given_back_for_stray(&format!(
+            " wrote a frame that is not this job's ({code}: {message})"
+        ))
     }
 
     /// The terminal came while the process runs: a persistent process waits
