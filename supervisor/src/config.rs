@@ -813,6 +813,13 @@ impl WorkerConfig {
                 self.min_db_connections()
             ));
         }
+        if self.db_max_connections > MAX_DB_CONNECTIONS {
+            return bad(format!(
+                "db_max_connections = {} is above {MAX_DB_CONNECTIONS}: the pool sets aside room for every connection at start, and PostgreSQL's own max_connections is far smaller (100 by default); give what the executors' concurrency needs, like {}",
+                self.db_max_connections,
+                self.min_db_connections().max(8)
+            ));
+        }
         if self.max_refusals == 0 {
             return bad("max_refusals = 0 must be at least 1".into());
         }
@@ -862,6 +869,20 @@ impl WorkerConfig {
             if name.trim().is_empty() {
                 return bad(format!(
                     "name = {name:?} is blank: give the worker a name of its own (it is its process slot on this host), or remove name to use host:pid"
+                ));
+            }
+            // the name is logged and put in every child's environment: a
+            // database URL set in the wrong place must not carry its
+            // password there (outside re-check), nor a newline forge a line
+            let shown = crate::db::redact_url(name);
+            if shown != *name {
+                return bad(format!(
+                    "name = {shown:?} holds a password (it reads as a URL with credentials): the name is logged and given to every executor; give a plain name like ingest-1"
+                ));
+            }
+            if name.chars().count() > MAX_NAME_CHARS || name.chars().any(char::is_control) {
+                return bad(format!(
+                    "name = {name:?} must be at most {MAX_NAME_CHARS} characters with no control characters (like ingest-1)"
                 ));
             }
         }
@@ -995,6 +1016,13 @@ pub const MAX_STDERR_LOG_LINES_PER_SEC: u32 = 10_000;
 
 /// The longest any `_ms` setting may be: one day.
 pub const MAX_MS: u64 = 86_400_000;
+/// The longest worker name (its process slot, logged and in every child's
+/// environment).
+pub const MAX_NAME_CHARS: usize = 128;
+/// The largest `db_max_connections`: sqlx sets aside a slot per connection
+/// when the pool is made (4294967295 aborted the worker on a 200 GB
+/// allocation; outside re-check).
+pub const MAX_DB_CONNECTIONS: u32 = 10_000;
 /// The largest `max_frame_bytes`: 1 GiB.
 pub const MAX_FRAME_BYTES: usize = 1024 * 1024 * 1024;
 /// The largest `stderr_tail_bytes`: 64 MiB.
@@ -1074,7 +1102,7 @@ const WORKER_KEYS: &[(&str, &str, Option<&str>)] = &[
     ),
     (
         "db_max_connections",
-        "The worker's connection pool; at least the executors' total concurrency + 1 (the heartbeat has a connection of its own).",
+        "The worker's connection pool; at least the executors' total concurrency + 1 (the heartbeat has a connection of its own); at most 10000.",
         None,
     ),
     (
@@ -1332,6 +1360,33 @@ fn whole_number(text: &str) -> Option<i64> {
     text.parse::<u64>().ok().and_then(|n| i64::try_from(n).ok())
 }
 
+/// The largest value an integer setting takes: its own bound where it has
+/// one (a day of milliseconds, 1 GiB frames), else its type's. Checked
+/// where a `DURABLE_*` value is read, so a number too large names it; the
+/// config's own checks name the same bounds (a test holds them together).
+fn integer_limit(key: &str) -> u64 {
+    match key {
+        "max_frame_bytes" => MAX_FRAME_BYTES as u64,
+        "stderr_tail_bytes" => MAX_STDERR_TAIL_BYTES as u64,
+        "artifact_chunk_bytes" => MAX_ARTIFACT_CHUNK_BYTES as u64,
+        "stderr_log_lines_per_sec" => u64::from(MAX_STDERR_LOG_LINES_PER_SEC),
+        "db_max_connections" => u64::from(MAX_DB_CONNECTIONS),
+        "max_refusals" | "retention_batch_runs" | "retention_batch_steps" => u64::from(u32::MAX),
+        k if k.ends_with("_ms") => MAX_MS,
+        _ => i64::MAX as u64,
+    }
+}
+
+/// What [`integer_limit`] is, where it is not a plain count.
+fn limit_in_words(key: &str) -> &'static str {
+    match key {
+        "max_frame_bytes" => " (1 GiB)",
+        "stderr_tail_bytes" | "artifact_chunk_bytes" => " (64 MiB)",
+        k if k.ends_with("_ms") => " (one day of milliseconds)",
+        _ => "",
+    }
+}
+
 /// Applies `DURABLE_<KEY>` overrides to the top-level keys of a parsed
 /// config file; returns the variables applied. A variable whose key is not a
 /// top-level setting is left alone (other `DURABLE_*` variables exist); one
@@ -1444,8 +1499,22 @@ pub fn apply_env(
                 }
             },
             Some(toml::Value::Integer(_)) => match whole_number(value) {
-                Some(n) => toml::Value::Integer(n),
-                None => {
+                Some(n) if n.unsigned_abs() <= integer_limit(&key) => toml::Value::Integer(n),
+                // a number too large for the key names the key's largest
+                // value (outside re-check: "is not a whole number" for
+                // 18446744073709551615, "expected a whole number, 0 or
+                // more" for 4294967296)
+                _ if value.bytes().all(|b| b.is_ascii_digit()) => {
+                    let limit = integer_limit(&key);
+                    return Err(ConfigError::Env {
+                        var,
+                        message: format!(
+                            "{value} is above {limit}, the largest {key} takes{}",
+                            limit_in_words(&key)
+                        ),
+                    });
+                }
+                _ => {
                     let unit = if key.ends_with("_ms") {
                         " of milliseconds, like 5000 for 5 s"
                     } else if key.ends_with("_bytes") {
@@ -1529,6 +1598,25 @@ fn env_type_error(e: &toml::de::Error) -> String {
 /// serde's Rust type names in a parse error, in words an operator reads:
 /// `warm_processes = -1` said "expected u32" (outside audit).
 fn plain_types(message: &str) -> String {
+    // a number too large for its type names the type's largest value
+    // (outside re-check: `max_refusals = 4294967296` said "expected a whole
+    // number, 0 or more"); the keys' own, smaller bounds are checked after
+    if let Some((n, rust)) = message
+        .strip_prefix("invalid value: integer `")
+        .and_then(|rest| rest.split_once("`, expected "))
+    {
+        let largest = match rust {
+            "u8" => Some(u64::from(u8::MAX)),
+            "u16" => Some(u64::from(u16::MAX)),
+            "u32" => Some(u64::from(u32::MAX)),
+            _ => None,
+        };
+        if let (Some(largest), Ok(n)) = (largest, n.parse::<u64>()) {
+            if n > largest {
+                return format!("{n} is above {largest}, the largest this setting takes");
+            }
+        }
+    }
     const WORDS: [(&str, &str); 8] = [
         ("u8", "a whole number from 0 to 255"),
         ("u16", "a whole number from 0 to 65535"),
@@ -1591,6 +1679,10 @@ mod tests {
             (
                 "idle_timeout_ms = -5",
                 "(key idle_timeout_ms): invalid value: integer `-5`, expected a whole number, 0 or more",
+            ),
+            (
+                "concurrency = 4294967296",
+                "(key concurrency): 4294967296 is above 4294967295, the largest this setting takes",
             ),
             (
                 "concurrency = \"4\"",
@@ -1683,7 +1775,7 @@ mod tests {
         };
         let big = err("DURABLE_MAX_REFUSALS", "4294967296");
         assert!(
-            big.contains("expected a whole number, 0 or more") && big.contains("max_refusals"),
+            big.contains("4294967296 is above 4294967295, the largest max_refusals takes"),
             "{big}"
         );
         assert!(!big.contains("u32") && !big.contains('\n'), "{big}");
@@ -1691,6 +1783,91 @@ mod tests {
         assert!(!url.contains("hunter2") && url.contains("u:***@h"), "{url}");
         let flag = err("DURABLE_RETENTION_VACUUM", "postgres://u:hunter2@h/db");
         assert!(!flag.contains("hunter2"), "{flag}");
+    }
+
+    #[test]
+    fn a_number_too_large_names_the_largest_its_setting_takes() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("w.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://u@h/db\"\n[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n",
+        )
+        .expect("config");
+        let load = |var: &str, value: &str| {
+            WorkerConfig::load_with_env(&path, [(var.into(), value.into())])
+                .err()
+                .map(|e| e.to_string())
+        };
+        let defaults = toml::Table::try_from(WorkerConfig::default()).expect("defaults");
+        let mut checked = 0;
+        for (key, value) in &defaults {
+            if !matches!(value, toml::Value::Integer(_)) {
+                continue;
+            }
+            let var = format!("{ENV_PREFIX}{}", key.to_ascii_uppercase());
+            let limit = integer_limit(key);
+            // one above the limit is refused, naming the limit
+            for above in [u128::from(limit) + 1, u128::from(u64::MAX) + 1] {
+                let e = load(&var, &above.to_string()).expect("above the limit");
+                assert!(
+                    e.contains(&format!(
+                        "{above} is above {limit}, the largest {key} takes"
+                    )),
+                    "{key}: {e}"
+                );
+            }
+            // the limit itself fits the key's type (a list that forgot a
+            // u32 key would name a limit toml then refuses), and the
+            // config's own checks name no smaller bound for it (it may
+            // still break a rule between keys, like heartbeat < lease / 2)
+            if let Some(e) = load(&var, &limit.to_string()) {
+                assert!(!e.contains("expected"), "{key}: {e}");
+                assert!(
+                    !e.contains(&format!("{key} = {limit} is above")),
+                    "{key}: {e}"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked >= 15, "{checked} integer keys");
+        let many = load("DURABLE_DB_MAX_CONNECTIONS", "4294967295").expect("too many");
+        assert!(many.contains("is above 10000"), "{many}");
+    }
+
+    #[test]
+    fn a_worker_name_is_plain() {
+        let base = || WorkerConfig {
+            database_url: Some("postgres://u@h/db".into()),
+            executors: vec![ExecutorConfig {
+                name: "x".into(),
+                command: "/bin/true".into(),
+                ..ExecutorConfig::default()
+            }],
+            ..WorkerConfig::default()
+        };
+        let named = |name: String| {
+            let cfg = WorkerConfig {
+                name: Some(name),
+                ..base()
+            };
+            cfg.validate().err().map(|e| e.to_string())
+        };
+        assert_eq!(named("ingest-1".into()), None);
+        assert_eq!(named("host:1234".into()), None);
+        assert_eq!(named("é".repeat(MAX_NAME_CHARS)), None);
+        let url = named("postgres://u:hunter2@db/x".into()).expect("a URL with a password");
+        assert!(
+            !url.contains("hunter2") && url.contains("u:***@db") && url.contains("password"),
+            "{url}"
+        );
+        for bad in ["a\nb".to_string(), "x".repeat(MAX_NAME_CHARS + 1)] {
+            let e = named(bad.clone()).expect("refused");
+            assert!(
+                e.contains("at most 128 characters with no control"),
+                "{bad:?}: {e}"
+            );
+        }
     }
 
     #[test]
