@@ -2095,127 +2095,155 @@ impl Conversation<'_> {
     /// starve a cancel, a timeout, the deadline or the shutdown.
     async fn next_input(&mut self, machine: &Machine) -> Input {
         match machine.phase() {
-            Phase::Running => loop {
-                let room = self.writer.has_room();
-                let c = &mut self.clocks;
-                tokio::select! {
-                    biased;
-                    _ = self.shared.abort.cancelled() => return Input::Abort,
-                    ctl = until_stopped(self.control, self.budget) => match ctl {
-                        Control::Run => continue,
-                        Control::Cancel => return Input::Cancel,
-                        Control::LeaseLost => return Input::LeaseLost,
-                    },
-                    _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
-                    _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
-                    _ = sleep_opt(c.silence_at) => return Input::Silent,
-                    _ = sleep_opt(c.answer_at) => {
-                        c.answer_at = None;
-                        return Input::Unanswered { after_ms: c.answer_ms };
-                    }
-                    res = self.child.exited(), if !machine.exited() => {
-                        if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
-                        return Input::Exited;
-                    }
-                    // while it was not read, stdout could not move: the
-                    // stall check starts again
-                    _ = self.writer.room(), if !room => {
-                        c.stall_len = 0;
-                        continue;
-                    }
-                    _ = c.stall_check.as_mut(), if !c.stall_said => {
-                        c.stall_check.as_mut().reset(Instant::now() + STALL_WARN_AFTER);
-                        // said once: with no heartbeat_timeout_ms nothing
-                        // else tells of a job that cannot move (stop audit:
-                        // 40 s and more without a line)
-                        if !c.stopped_said && self.child.is_stopped() {
-                            c.stopped_said = true;
-                            warn!(
-                                pid = self.child.pid,
-                                "the executor's process is stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger: the job cannot move until it is continued; its timeout_ms or heartbeat_timeout_ms, a cancel or the deadline still end it"
-                            );
-                        }
-                        let buffered = self.frames.read_buffer();
-                        // only while stdout was read (the writer had room) is
-                        // a buffer that did not grow a stall
-                        if room && !buffered.is_empty() && buffered.len() == c.stall_len {
-                            c.stall_said = true;
-                            warn!(
-                                bytes = buffered.len(),
-                                first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
-                                "the executor's stdout has held a frame that does not complete for {} s: did it print something there? stdout carries frames only (logs go to stderr); a warm process's job that began answering goes back to the queue uncounted, any other waits for its timeout (heartbeat_timeout_ms)",
-                                STALL_WARN_AFTER.as_secs()
-                            );
-                            return Input::Stalled { bytes: buffered.len() };
-                        }
-                        c.stall_len = if room { buffered.len() } else { 0 };
-                        continue;
-                    }
-                    frame = self.frames.next(), if room => {
-                        let frame = frame.map(|r| r.map(FromExecutor::from));
-                        // a frame of an earlier job neither answers this
-                        // one nor keeps it alive: a process whose every
-                        // frame for a job named the job before held the
-                        // step leased for ever (re-check audit)
-                        let stale = matches!(&frame, Some(Ok(f)) if machine.names_a_served_job(f));
-                        if !stale {
-                            if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
-                                c.silence_at = instant_in(s);
-                            }
-                            c.answer_at = None;
-                        }
-                        return self.frame_input(frame);
-                    }
-                }
-            },
-            Phase::DrainingAfterExit | Phase::DrainingAfterTerminal => {
-                let Some(drain) = self.clocks.drain else {
-                    return Input::DrainEnded;
-                };
-                let consumed = self.frames.decoder().consumed();
-                if drain.done(consumed, Instant::now()) {
-                    warn!(
-                        bytes = consumed - drain.from,
-                        "stdout still busy after the executor exited; not reading further"
-                    );
-                    return Input::DrainEnded;
-                }
-                // what is in the pipe comes at once: a silence means the
-                // writers are done (or a grandchild holds it, silent)
-                match tokio::time::timeout(EXIT_DRAIN_IDLE, self.frames.next()).await {
-                    Ok(frame) => self.frame_input(frame),
-                    Err(_) => Input::DrainEnded,
-                }
-            }
+            Phase::Running => self.running_input(machine).await,
+            Phase::DrainingAfterExit | Phase::DrainingAfterTerminal => self.draining_input().await,
             Phase::AfterTerminal { .. } | Phase::Cancelling { .. } => {
-                let reading = machine.wants_frames();
-                let grace_until = self.clocks.grace_until;
-                loop {
-                    tokio::select! {
-                        biased;
-                        _ = sleep_opt(grace_until) => return Input::GraceEnded,
-                        res = self.child.exited(), if !machine.exited() => {
-                            if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
-                            return Input::Exited;
-                        }
-                        // the first answer's bound runs on during a stop
-                        _ = sleep_opt(self.clocks.answer_at) => {
-                            self.clocks.answer_at = None;
-                            return Input::Unanswered { after_ms: self.clocks.answer_ms };
-                        }
-                        // a stopped process answers nothing within its grace:
-                        // it ends at once (re-check audit: a cancel of one
-                        // waited the whole grace)
-                        _ = tokio::time::sleep(STOP_CHECK), if !machine.exited() => {
-                            if self.child.is_stopped() {
-                                return Input::GraceEnded;
-                            }
-                        }
-                        frame = self.frames.next(), if reading => return self.frame_input(frame),
-                    }
-                }
+                self.stopping_input(machine).await
             }
             Phase::Finished => Input::DrainEnded,
+        }
+    }
+
+    /// While the job runs: control, clocks, the exit, then frames.
+    async fn running_input(&mut self, machine: &Machine) -> Input {
+        loop {
+            let room = self.writer.has_room();
+            let c = &mut self.clocks;
+            tokio::select! {
+                biased;
+                _ = self.shared.abort.cancelled() => return Input::Abort,
+                ctl = until_stopped(self.control, self.budget) => match ctl {
+                    Control::Run => continue,
+                    Control::Cancel => return Input::Cancel,
+                    Control::LeaseLost => return Input::LeaseLost,
+                },
+                _ = sleep_opt(c.deadline_at) => return Input::DeadlinePassed,
+                _ = sleep_opt(c.attempt_end) => return Input::AttemptTimedOut,
+                _ = sleep_opt(c.silence_at) => return Input::Silent,
+                _ = sleep_opt(c.answer_at) => {
+                    c.answer_at = None;
+                    return Input::Unanswered { after_ms: c.answer_ms };
+                }
+                res = self.child.exited(), if !machine.exited() => {
+                    if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
+                    return Input::Exited;
+                }
+                // while it was not read, stdout could not move: the
+                // stall check starts again
+                _ = self.writer.room(), if !room => {
+                    c.stall_len = 0;
+                    continue;
+                }
+                _ = c.stall_check.as_mut(), if !c.stall_said => {
+                    if let Some(stalled) = self.check_stall(room) {
+                        return stalled;
+                    }
+                    continue;
+                }
+                frame = self.frames.next(), if room => {
+                    let frame = frame.map(|r| r.map(FromExecutor::from));
+                    // a frame of an earlier job neither answers this
+                    // one nor keeps it alive: a process whose every
+                    // frame for a job named the job before held the
+                    // step leased for ever (re-check audit)
+                    let stale = matches!(&frame, Some(Ok(f)) if machine.names_a_served_job(f));
+                    if !stale {
+                        if let (Some(Ok(_)), Some(s)) = (&frame, c.silence) {
+                            c.silence_at = instant_in(s);
+                        }
+                        c.answer_at = None;
+                    }
+                    return self.frame_input(frame);
+                }
+            }
+        }
+    }
+
+    /// The periodic look at a job that may not move: a stopped process is
+    /// said once; a frame begun that did not grow while stdout was read is
+    /// a stall (the machine decides what it costs).
+    fn check_stall(&mut self, room: bool) -> Option<Input> {
+        let c = &mut self.clocks;
+        c.stall_check
+            .as_mut()
+            .reset(Instant::now() + STALL_WARN_AFTER);
+        // said once: with no heartbeat_timeout_ms nothing else tells of a
+        // job that cannot move (stop audit: 40 s and more without a line)
+        if !c.stopped_said && self.child.is_stopped() {
+            c.stopped_said = true;
+            warn!(
+                pid = self.child.pid,
+                "the executor's process is stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger: the job cannot move until it is continued; its timeout_ms or heartbeat_timeout_ms, a cancel or the deadline still end it"
+            );
+        }
+        let buffered = self.frames.read_buffer();
+        // only while stdout was read (the writer had room) is a buffer that
+        // did not grow a stall
+        if room && !buffered.is_empty() && buffered.len() == c.stall_len {
+            c.stall_said = true;
+            warn!(
+                bytes = buffered.len(),
+                first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
+                "the executor's stdout has held a frame that does not complete for {} s: did it print something there? stdout carries frames only (logs go to stderr); a warm process's job that began answering goes back to the queue uncounted, any other waits for its timeout (heartbeat_timeout_ms)",
+                STALL_WARN_AFTER.as_secs()
+            );
+            return Some(Input::Stalled {
+                bytes: buffered.len(),
+            });
+        }
+        c.stall_len = if room { buffered.len() } else { 0 };
+        None
+    }
+
+    /// After the exit or the terminal: what is left in the pipe, briefly.
+    async fn draining_input(&mut self) -> Input {
+        let Some(drain) = self.clocks.drain else {
+            return Input::DrainEnded;
+        };
+        let consumed = self.frames.decoder().consumed();
+        if drain.done(consumed, Instant::now()) {
+            warn!(
+                bytes = consumed - drain.from,
+                "stdout still busy after the executor exited; not reading further"
+            );
+            return Input::DrainEnded;
+        }
+        // what is in the pipe comes at once: a silence means the writers
+        // are done (or a grandchild holds it, silent)
+        match tokio::time::timeout(EXIT_DRAIN_IDLE, self.frames.next()).await {
+            Ok(frame) => self.frame_input(frame),
+            Err(_) => Input::DrainEnded,
+        }
+    }
+
+    /// During a stop (a cancel's, or after the terminal): its grace, the
+    /// exit, the first answer's bound, a stopped process, frames.
+    async fn stopping_input(&mut self, machine: &Machine) -> Input {
+        let reading = machine.wants_frames();
+        let grace_until = self.clocks.grace_until;
+        loop {
+            tokio::select! {
+                biased;
+                _ = sleep_opt(grace_until) => return Input::GraceEnded,
+                res = self.child.exited(), if !machine.exited() => {
+                    if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
+                    return Input::Exited;
+                }
+                // the first answer's bound runs on during a stop
+                _ = sleep_opt(self.clocks.answer_at) => {
+                    self.clocks.answer_at = None;
+                    return Input::Unanswered { after_ms: self.clocks.answer_ms };
+                }
+                // a stopped process answers nothing within its grace: it
+                // ends at once (re-check audit: a cancel of one waited the
+                // whole grace)
+                _ = tokio::time::sleep(STOP_CHECK), if !machine.exited() => {
+                    if self.child.is_stopped() {
+                        return Input::GraceEnded;
+                    }
+                }
+                frame = self.frames.next(), if reading => return self.frame_input(frame),
+            }
         }
     }
 
@@ -2577,26 +2605,7 @@ async fn write_outcome(
             output,
             artifacts,
             sequence,
-        } if artifacts.is_empty() => {
-            shared
-                .ledger
-                .complete(complete_write(step, output, *sequence))
-                .await
-        }
-        Outcome::Succeeded {
-            output,
-            artifacts,
-            sequence,
-        } => shared
-            .ledger
-            .complete_stored(CompleteStoredWrite {
-                lease: lease.clone(),
-                output: output.clone(),
-                artifacts: artifacts.clone(),
-                sequence: Some(*sequence),
-            })
-            .await
-            .map(|_| ()),
+        } => write_success(shared, step, output, artifacts, *sequence).await,
         Outcome::Failed {
             code,
             message,
@@ -2626,41 +2635,7 @@ async fn write_outcome(
                 })
                 .await
         }
-        Outcome::Refused { code, message } => {
-            if code == "WORK_DIR_UNAVAILABLE" {
-                shared.work_dir_failed(message);
-            }
-            let state = shared
-                .ledger
-                .refuse(RefuseWrite {
-                    lease: lease.clone(),
-                    code: code.clone(),
-                    message: message.clone(),
-                    delay: Duration::from_millis(shared.cfg.refusal_delay_ms),
-                    max_refusals: refusals_allowed(code, shared.cfg.max_refusals),
-                })
-                .await?;
-            log_refusal_end(&state, code, shared.cfg.max_refusals);
-            if state == "retryable_failed" {
-                // leasable again after the refusal's delay (by the database's
-                // clock; a little late here is a little late for all)
-                let due = Utc::now() + retry_delay(shared.cfg.refusal_delay_ms);
-                shared.due_at(&step.executor_kind, due);
-            }
-            // a warm process that died between jobs is no reason to leave
-            // the step to others, nor is a host fault: its breaker keeps
-            // this worker from leasing for the executor until a probe
-            // starts one (other workers take the step meanwhile), and a
-            // persistent executor's probe process waits in the pool for
-            // the next job; held off past the pool's idle_timeout_ms (5 s
-            // at least), the step came back after the probe was retired
-            // and met a failing start again, for ever (re-check audit).
-            // Any other refusal says this worker can't.
-            if !not_the_steps_doing(code) {
-                shared.leave_to_others(lease.step_run_id());
-            }
-            Ok(())
-        }
+        Outcome::Refused { code, message } => write_refusal(shared, step, code, message).await,
         Outcome::Released { message } => {
             shared
                 .ledger
@@ -2683,6 +2658,78 @@ async fn write_outcome(
         // commit() never writes it (nothing may be written without the lease)
         Outcome::Abandoned { .. } => Ok(()),
     }
+}
+
+/// A success's write: plain, or with its artifacts' rows (stored by the
+/// attempt before, attached here under the lease).
+async fn write_success(
+    shared: &Shared,
+    step: &LeasedStep,
+    output: &serde_json::Value,
+    artifacts: &[NewArtifact],
+    sequence: u64,
+) -> Result<(), DbError> {
+    if artifacts.is_empty() {
+        return shared
+            .ledger
+            .complete(complete_write(step, output, sequence))
+            .await;
+    }
+    shared
+        .ledger
+        .complete_stored(CompleteStoredWrite {
+            lease: step.lease.clone(),
+            output: output.clone(),
+            artifacts: artifacts.to_vec(),
+            sequence: Some(sequence),
+        })
+        .await
+        .map(|_| ())
+}
+
+/// A refusal's write: the database decides back to the queue after
+/// `refusal_delay_ms` or ended (`max_refusals`, a cancel request); the
+/// worker wakes its leasing when it is due, and leaves the step to other
+/// workers when the refusal says this one cannot run it.
+async fn write_refusal(
+    shared: &Shared,
+    step: &LeasedStep,
+    code: &str,
+    message: &str,
+) -> Result<(), DbError> {
+    if code == "WORK_DIR_UNAVAILABLE" {
+        shared.work_dir_failed(message);
+    }
+    let state = shared
+        .ledger
+        .refuse(RefuseWrite {
+            lease: step.lease.clone(),
+            code: code.to_owned(),
+            message: message.to_owned(),
+            delay: Duration::from_millis(shared.cfg.refusal_delay_ms),
+            max_refusals: refusals_allowed(code, shared.cfg.max_refusals),
+        })
+        .await?;
+    log_refusal_end(&state, code, shared.cfg.max_refusals);
+    if state == "retryable_failed" {
+        // leasable again after the refusal's delay (by the database's
+        // clock; a little late here is a little late for all)
+        let due = Utc::now() + retry_delay(shared.cfg.refusal_delay_ms);
+        shared.due_at(&step.executor_kind, due);
+    }
+    // a warm process that died between jobs is no reason to leave
+    // the step to others, nor is a host fault: its breaker keeps
+    // this worker from leasing for the executor until a probe
+    // starts one (other workers take the step meanwhile), and a
+    // persistent executor's probe process waits in the pool for
+    // the next job; held off past the pool's idle_timeout_ms (5 s
+    // at least), the step came back after the probe was retired
+    // and met a failing start again, for ever (re-check audit).
+    // Any other refusal says this worker can't.
+    if !not_the_steps_doing(code) {
+        shared.leave_to_others(step.lease.step_run_id());
+    }
+    Ok(())
 }
 
 /// A failure's write: the database decides retry or terminal (the state

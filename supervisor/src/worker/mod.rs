@@ -751,6 +751,54 @@ pub struct Worker {
     ledger_queue: ledger::LedgerQueue,
 }
 
+/// Ends what a killed predecessor of the same slot left behind (found by
+/// its marker in /proc; a live worker's children are spared).
+async fn sweep_previous_incarnations(slot: String, id: Uuid) {
+    let (s2, i2) = (slot.clone(), id.to_string());
+    match tokio::task::spawn_blocking(move || crate::process::sweep_previous_incarnations(&s2, &i2))
+        .await
+    {
+        Ok(r) if r.processes_killed > 0 || r.cgroups_killed > 0 => {
+            warn!(slot = %slot, report = ?r, "ended what a previous incarnation of this worker left running")
+        }
+        Ok(r) => debug!(slot = %slot, report = ?r, "no leftovers of a previous incarnation"),
+        Err(e) => warn!(error = %e, "the sweep of previous incarnations failed"),
+    }
+}
+
+impl ExecutorRuntime {
+    /// Probes the executor (its hello), checks what it offers against its
+    /// config, and makes its runtime: routes, pool, job directories.
+    async fn probed(
+        spawner: &Spawner,
+        ecfg: &ExecutorConfig,
+        cfg: &WorkerConfig,
+    ) -> Result<ExecutorRuntime, WorkerError> {
+        let hello = probe(spawner, ecfg, cfg).await?;
+        let routes = routing::routes(&hello, ecfg);
+        check_kinds(ecfg, &hello, &routes)?;
+        info!(executor = %ecfg.name, executor_kind = %hello.executor_kind, kinds = ?hello.kinds,
+              leased_kinds = ?routes.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
+              labels = ?routing::effective_labels(&hello, ecfg), sdk = %hello.sdk_name, "executor ready");
+        Ok(ExecutorRuntime {
+            cfg: ecfg.clone(),
+            routes: RwLock::new(routes.clone()),
+            running: AtomicU32::new(0),
+            held: AtomicU32::new(0),
+            pool: session::Pool::new(&ecfg.name, ecfg.concurrency as usize),
+            // an attempt keeps its directory until its outcome is
+            // committed, and up to twice the concurrency hold a lease
+            job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
+            slot_back: Notify::new(),
+            last_jobs: Default::default(),
+            warm_starts: Default::default(),
+            initial_routes: routes,
+            reprobe: Default::default(),
+            breaker: Default::default(),
+        })
+    }
+}
+
 impl Worker {
     /// Checks the schema and the setup, probes every executor, registers the
     /// worker. It does not migrate: `supervisor migrate` does (rolling
@@ -775,43 +823,13 @@ impl Worker {
             instance: id.to_string(),
         })
         .map_err(WorkerError::Spawner)?;
-        let (s2, i2) = (slot.clone(), id.to_string());
-        match tokio::task::spawn_blocking(move || {
-            crate::process::sweep_previous_incarnations(&s2, &i2)
-        })
-        .await
-        {
-            Ok(r) if r.processes_killed > 0 || r.cgroups_killed > 0 => {
-                warn!(slot = %slot, report = ?r, "ended what a previous incarnation of this worker left running")
-            }
-            Ok(r) => debug!(slot = %slot, report = ?r, "no leftovers of a previous incarnation"),
-            Err(e) => warn!(error = %e, "the sweep of previous incarnations failed"),
-        }
+        sweep_previous_incarnations(slot, id).await;
         let work = open_work_dir(&cfg, id).await?;
         let mut executors = Vec::with_capacity(cfg.executors.len());
         for ecfg in &cfg.executors {
-            let hello = probe(&spawner, ecfg, &cfg).await?;
-            let routes = routing::routes(&hello, ecfg);
-            check_kinds(ecfg, &hello, &routes)?;
-            info!(executor = %ecfg.name, executor_kind = %hello.executor_kind, kinds = ?hello.kinds,
-                  leased_kinds = ?routes.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
-                  labels = ?routing::effective_labels(&hello, ecfg), sdk = %hello.sdk_name, "executor ready");
-            executors.push(Arc::new(ExecutorRuntime {
-                cfg: ecfg.clone(),
-                routes: RwLock::new(routes.clone()),
-                running: AtomicU32::new(0),
-                held: AtomicU32::new(0),
-                pool: session::Pool::new(&ecfg.name, ecfg.concurrency as usize),
-                // an attempt keeps its directory until its outcome is
-                // committed, and up to twice the concurrency hold a lease
-                job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
-                slot_back: Notify::new(),
-                last_jobs: Default::default(),
-                warm_starts: Default::default(),
-                initial_routes: routes,
-                reprobe: Default::default(),
-                breaker: Default::default(),
-            }));
+            executors.push(Arc::new(
+                ExecutorRuntime::probed(&spawner, ecfg, &cfg).await?,
+            ));
         }
         let name = cfg
             .name
@@ -900,42 +918,19 @@ impl Worker {
             note_unrecorded_at_stop(shared.clone(), shutdown.clone(), loops_stop.clone())
                 .in_current_span(),
         );
-        let mut died: Option<&'static str> = None;
         info!(executors = self.executors.len(), "worker running");
         crate::metrics::worker_running(&cfg);
         // warm pools: processes started ahead of jobs, until the drain starts
         let mut keepers = warm::start(&shared, &self.executors, &shared.draining);
-        let poll = Duration::from_millis(cfg.poll_interval_ms);
-        let ttl = Duration::from_millis(cfg.lease_ttl_ms);
-        while !shutdown.is_cancelled() && !stop_signalled() {
-            // a vital loop that ended is noticed on every pass, also while a
-            // backlog keeps the loop from ever waiting below
-            if let Some(res) = vital.try_join_next() {
-                died = Some(vital_loop_died(res, &shared));
-                break;
-            }
-            let pass = lease_pass(&shared, &self.executors, &slot_freed, &mut attempts, ttl);
-            let leased_any_full = unless_stopped_for_long(&shutdown, pass).await;
-            // reap finished attempt tasks (a panic in one is logged, never fatal)
-            while let Some(res) = attempts.try_join_next() {
-                if let Err(e) = res {
-                    error!(error = %e, "an attempt task panicked");
-                }
-            }
-            if leased_any_full {
-                continue; // backlog: lease again right away
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => {}
-                _ = shared.wake.notified() => {}
-                _ = slot_freed.notified() => {}
-                _ = tokio::time::sleep(poll) => {}
-                Some(res) = vital.join_next() => {
-                    died = Some(vital_loop_died(res, &shared));
-                    break;
-                }
-            }
-        }
+        let mut died = lease_until_stopped(
+            &shared,
+            &self.executors,
+            &shutdown,
+            &mut vital,
+            &slot_freed,
+            &mut attempts,
+        )
+        .await;
 
         // outcomes given up on between the stop signal and the drain's start
         // belong to this stop as well
@@ -947,28 +942,15 @@ impl Worker {
         // after them: one that does not end on its Shutdown added its graces
         // to the drain's (re-check audit: a stop past the README's budget)
         shared.draining.cancel();
-        let idle_at_drain: Vec<_> = self.executors.iter().flat_map(|e| e.pool.drain()).collect();
-        let retiring = futures::future::join_all(
-            idle_at_drain
-                .into_iter()
-                .map(|s| s.retire(&cfg, "the worker is stopping")),
-        );
         tokio::join!(
             drain(&shared, &mut attempts, &mut vital, &mut died),
-            retiring
+            retire_idle(&self.executors, &cfg)
         );
         // warm processes: Shutdown, EOF, their grace, then the usual stop
         // (the keepers stopped with the drain; none puts a process back now)
         while keepers.join_next().await.is_some() {}
-        // all at once: one at a time, each idle process that does not end
-        // on its Shutdown (a stopped one, a hung one) added its graces to
-        // the worker's stop
-        let idle: Vec<_> = self.executors.iter().flat_map(|e| e.pool.drain()).collect();
-        futures::future::join_all(
-            idle.into_iter()
-                .map(|s| s.retire(&cfg, "the worker is stopping")),
-        )
-        .await;
+        // and those the drain's attempts put back
+        retire_idle(&self.executors, &cfg).await;
         loops_stop.cancel();
         stop_loops(&mut vital, &mut background).await;
         mark_stopped(&shared).await;
@@ -989,6 +971,60 @@ impl Worker {
         info!("worker stopped");
         Ok(())
     }
+}
+
+/// Leases and reaps ended attempt tasks until the stop (a signal or
+/// `shutdown`); the name of a vital loop that ended before it, if one did.
+async fn lease_until_stopped(
+    shared: &Arc<Shared>,
+    executors: &[Arc<ExecutorRuntime>],
+    shutdown: &CancellationToken,
+    vital: &mut JoinSet<&'static str>,
+    slot_freed: &Arc<Notify>,
+    attempts: &mut JoinSet<()>,
+) -> Option<&'static str> {
+    let poll = Duration::from_millis(shared.cfg.poll_interval_ms);
+    let ttl = Duration::from_millis(shared.cfg.lease_ttl_ms);
+    while !shutdown.is_cancelled() && !stop_signalled() {
+        // a vital loop that ended is noticed on every pass, also while a
+        // backlog keeps the loop from ever waiting below
+        if let Some(res) = vital.try_join_next() {
+            return Some(vital_loop_died(res, shared));
+        }
+        let pass = lease_pass(shared, executors, slot_freed, attempts, ttl);
+        let leased_any_full = unless_stopped_for_long(shutdown, pass).await;
+        // reap finished attempt tasks (a panic in one is logged, never fatal)
+        while let Some(res) = attempts.try_join_next() {
+            if let Err(e) = res {
+                error!(error = %e, "an attempt task panicked");
+            }
+        }
+        if leased_any_full {
+            continue; // backlog: lease again right away
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = shared.wake.notified() => {}
+            _ = slot_freed.notified() => {}
+            _ = tokio::time::sleep(poll) => {}
+            Some(res) = vital.join_next() => {
+                return Some(vital_loop_died(res, shared));
+            }
+        }
+    }
+    None
+}
+
+/// Retires every idle process of every pool, all at once: one at a time,
+/// each that does not end on its Shutdown (a stopped one, a hung one) added
+/// its graces to the worker's stop.
+async fn retire_idle(executors: &[Arc<ExecutorRuntime>], cfg: &WorkerConfig) {
+    let idle: Vec<_> = executors.iter().flat_map(|e| e.pool.drain()).collect();
+    futures::future::join_all(
+        idle.into_iter()
+            .map(|s| s.retire(cfg, "the worker is stopping")),
+    )
+    .await;
 }
 
 /// Starts the loops a worker cannot run without: the heartbeat, the reclaim
