@@ -1315,24 +1315,40 @@ async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Resul
         }
         (r, _) => r.map_err(explain)?,
     };
-    match (step, step_before) {
+    let ended = |s: &str| {
+        s.parse::<crate::state::StepState>()
+            .is_ok_and(|s| s.is_terminal())
+    };
+    // a step that ended between the read before and the cancel (the read
+    // before is stale then): read after, it ended with no cancel request
+    let step_ended_first = match (step, &step_before) {
+        (Some(name), Some(s)) if !ended(s) => readable(db.status(id).await)?
+            .and_then(|st| st.steps.into_iter().find(|s| s.name == name))
+            .filter(|s| ended(&s.state) && !s.cancel_requested)
+            .map(|s| s.state),
+        _ => None,
+    };
+    match (step, step_before, step_ended_first) {
         _ if before.is_some_and(|b| b.is_terminal()) => {
             eprintln!("run {id} already {state}; nothing to cancel")
         }
-        (Some(name), Some(s))
-            if s.parse::<crate::state::StepState>()
-                .is_ok_and(|s| s.is_terminal()) =>
-        {
+        (Some(name), Some(s), _) if ended(&s) => {
             eprintln!("step {name} already {s}; nothing to cancel (run is {state})")
         }
-        // not read before (a role without SELECT): a run cancel_run found
-        // ended otherwise was over already (re-check audit: "cancellation
-        // requested; run is succeeded")
-        _ if before.is_none()
+        (Some(name), _, Some(s)) => {
+            eprintln!("step {name} already {s}; nothing to cancel (run is {state})")
+        }
+        // a run cancel_run found ended otherwise than cancelled was over
+        // before it: it requests nothing then (its own request ends a run
+        // cancelled, or leaves it running). Not read before (a role without
+        // SELECT; re-check audit), or read before it ended (outside audit:
+        // "cancellation requested; run is succeeded" for a run whose last
+        // step ended between the read and the cancel)
+        _ if step.is_none()
             && state.is_terminal()
             && state != crate::state::RunState::Cancelled =>
         {
-            eprintln!("run {id} is {state}; nothing to cancel")
+            eprintln!("run {id} already {state}; nothing to cancel")
         }
         _ => eprintln!("cancellation requested; run is {state}"),
     }
@@ -2428,10 +2444,15 @@ fn status_text(
         st.run_id,
         cell(&st.name, 80),
         st.state,
-        if st.cancel_requested && !matches!(st.state.as_str(), "cancelled") {
-            "  (cancel requested)"
-        } else {
-            ""
+        match (st.cancel_requested, st.state.as_str()) {
+            (false, _) | (true, "cancelled") => "",
+            // an ended run the cancel did not end: its running steps
+            // answered first, and their outcomes are kept (outside audit:
+            // nothing said the cancel was lost)
+            (true, "succeeded" | "failed") => {
+                "  (cancel requested too late: the steps still running then ended first, their outcomes kept)"
+            }
+            (true, _) => "  (cancel requested)",
         }
     );
     out.push_str(&format!("created {}", when(&st.created_at)));
@@ -2686,6 +2707,43 @@ mod tests {
             serde_json::from_str(&status_json(&st, &Default::default(), &[], &[])).expect("json");
         assert_eq!(v["created_at"], "2026-12-06T05:50:05.219000Z");
         assert_eq!(v["finished_at"], "2026-12-06T05:50:05.219000Z");
+    }
+
+    /// The header says a cancel was requested while the run is open, and
+    /// that it came too late for a run that ended otherwise (outside audit:
+    /// a succeeded run with a lost cancel said nothing of it).
+    #[test]
+    fn the_status_header_says_what_became_of_a_cancel_request() {
+        let at = chrono::Utc::now();
+        let header = |state: &str, cancel_requested: bool| {
+            let st = crate::db::RunStatus {
+                run_id: Uuid::nil(),
+                name: "r".into(),
+                state: state.into(),
+                idempotency_key: None,
+                cancel_requested,
+                created_at: at,
+                finished_at: None,
+                steps: vec![],
+                waiting: vec![],
+            };
+            status_text(&st, &Default::default())
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert!(header("running", true).ends_with("running  (cancel requested)"));
+        assert!(header("cancelled", true).ends_with("cancelled"));
+        assert!(header("running", false).ends_with("running"));
+        for ended in ["succeeded", "failed"] {
+            let h = header(ended, true);
+            assert!(
+                h.contains(&format!("{ended}  (cancel requested too late:"))
+                    && h.contains("outcomes kept"),
+                "{h}"
+            );
+        }
     }
 
     /// A retry's time to come is a schedule; once passed, the step waits

@@ -1197,3 +1197,104 @@ fn submit_to(url: &str, spec: &Value, stdout: std::process::Stdio) -> std::proce
         .expect("write the spec");
     child.wait_with_output().expect("wait")
 }
+
+/// A `cancel` whose run (or named step) ends between the command's first
+/// read and its cancel says nothing was cancelled: before, it worded its
+/// answer from the stale read ("cancellation requested; run is succeeded",
+/// outside audit 76 #1). The step's completion holds the run's row in a
+/// transaction while the command reads; its cancel waits for that row and
+/// finds the run (or step) ended.
+#[tokio::test]
+async fn cancel_of_a_run_that_ends_while_asked_says_nothing_was_cancelled() {
+    for step_name in [None, Some("a")] {
+        let t = TestDb::new().await;
+        let run = t
+            .submit(json!({"name": "two", "steps": [
+                {"name": "a", "executor_kind": "go", "kind": "k"},
+                {"name": "b", "executor_kind": "go", "kind": "k"}]}))
+            .await;
+        let wid = uuid::Uuid::new_v4();
+        t.db.register_worker(wid, "w", "test", &json!([]))
+            .await
+            .expect("register");
+        let leased =
+            t.db.lease(
+                wid,
+                "w",
+                &tests::route_go_k(),
+                2,
+                std::time::Duration::from_secs(30),
+            )
+            .await
+            .expect("lease");
+        assert_eq!(leased.len(), 2);
+        let by_name = |n: &str| {
+            leased
+                .iter()
+                .find(|l| l.name == n)
+                .expect("leased step")
+                .lease
+                .clone()
+        };
+        // a run cancel races the last step's end; a step cancel its step's
+        let (first, last) = match step_name {
+            None => (Some(by_name("a")), by_name("b")),
+            Some(_) => (None, by_name("a")),
+        };
+        if let Some(first) = first {
+            t.db.complete(&first, "w", &json!({}), &[], Some(2))
+                .await
+                .expect("complete a");
+        }
+        let mut tx = t.db.begin().await.expect("begin");
+        tx.conn()
+            .complete(&last, "w", &json!({}), &[], Some(2))
+            .await
+            .expect("complete inside the transaction");
+        let mut args = vec!["cancel".to_string(), run.to_string()];
+        if let Some(name) = step_name {
+            args.extend(["--step".into(), name.into()]);
+        }
+        let cli = tokio::process::Command::new(tests::supervisor_bin())
+            .args(&args)
+            .env("DATABASE_URL", &t.url)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("cancel");
+        // the command has read the run (running) and waits in cancel_run
+        // for the run's row
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE wait_event_type = 'Lock' AND query LIKE '%cancel_run%'",
+            )
+            .fetch_one(t.db.pool())
+            .await
+            .expect("pg_stat_activity");
+            if n > 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "the cancel never waited for the run's row"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        tx.commit().await.expect("commit");
+        let out = cli.wait_with_output().await.expect("cancel output");
+        let msg = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{msg}");
+        let want = match step_name {
+            None => format!("run {run} already succeeded; nothing to cancel"),
+            Some(name) => {
+                format!("step {name} already succeeded; nothing to cancel (run is running)")
+            }
+        };
+        assert!(msg.contains(&want), "{step_name:?}: {msg}");
+        assert!(!msg.contains("cancellation requested"), "{msg}");
+        let st = t.status(run).await;
+        assert!(!st.cancel_requested, "{step_name:?}");
+    }
+}
