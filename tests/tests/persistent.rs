@@ -527,6 +527,58 @@ async fn persistent_jobs_get_clean_job_directories(lang: &str) {
 
 tests::for_each_lang!(persistent_jobs_get_clean_job_directories);
 
+/// No two jobs of a warm process share a job directory path: a thread an
+/// earlier job left running, writing into that job's `output_dir` by its
+/// path after the job ended, writes nowhere, not into the next job's
+/// results (outside audit 77 #1: the next job's artifact was replaced and
+/// the step failed for good with ARTIFACT_DIGEST_MISMATCH, 4 runs in 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_jobs_late_writer_cannot_touch_the_next_jobs_output() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let work = tempfile::tempdir().expect("work dir");
+    let e = supervisor::config::ExecutorConfig {
+        name: "leftover".into(),
+        command: tests::python().to_string_lossy().into_owned(),
+        args: vec![tests::repo_root()
+            .join("tests/executors/leftover.py")
+            .to_string_lossy()
+            .into_owned()],
+        persistent: true,
+        concurrency: 1,
+        ..supervisor::config::ExecutorConfig::default()
+    };
+    let mut cfg = fast_config(vec![e]);
+    cfg.work_dir = Some(work.path().to_path_buf());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    for i in 0..2 {
+        let run = t
+            .submit(json!({"name": format!("late-{i}"), "steps": [
+                {"name": "leave", "executor_kind": "leftover", "kind": "leftover.leave",
+                 "input": {"after_ms": 300}},
+                {"name": "victim", "executor_kind": "leftover", "kind": "leftover.victim",
+                 "input": {"hold_ms": 900}, "depends_on": ["leave"]}]}))
+            .await;
+        let st = t.wait_terminal(run, LONG).await;
+        assert_eq!(st.state, "succeeded", "{st:?}");
+        let (leave, victim) = (step(&st, "leave"), step(&st, "victim"));
+        let dir = |s: &supervisor::db::StepStatus| {
+            s.output
+                .as_ref()
+                .and_then(|o| o["dir"].as_str())
+                .map(str::to_owned)
+                .expect("dir")
+        };
+        assert_ne!(dir(leave), dir(victim), "one path for two jobs");
+        assert_eq!(victim.artifacts.len(), 1, "{st:?}");
+        assert_eq!(
+            victim.artifacts[0].size, 4,
+            "the artifact is not the job's own"
+        );
+    }
+    w.shutdown().await;
+}
+
 /// `idle_timeout_ms`: after a burst, the processes idle that long beyond
 /// `warm_processes` are retired, so the pool shrinks back instead of keeping
 /// `concurrency` processes for ever; the warm one stays and serves the next

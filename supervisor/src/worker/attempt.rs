@@ -34,6 +34,7 @@ mod machine;
 
 use machine::*;
 
+use super::jobdir::JobDir;
 use super::ledger::Pending;
 use super::workdir::WorkDir;
 use super::{Control, ExecutorRuntime, LeaseView, Shared, DB_CALL_TIMEOUT};
@@ -558,11 +559,11 @@ fn attempt_workdir(
     shared: &Arc<Shared>,
     exec: &ExecutorRuntime,
     step: &LeasedStep,
-) -> Result<tempfile::TempDir, Outcome> {
+) -> Result<JobDir, Outcome> {
     let workdir = if exec.cfg.persistent {
         exec.job_dirs.take(&shared.work)
     } else {
-        fresh_attempt_dir(&shared.work, step.lease.step_run_id())
+        fresh_attempt_dir(&shared.work, step.lease.step_run_id()).map(JobDir::from)
     };
     workdir.map_err(|e| Outcome::Refused {
         code: "WORK_DIR_UNAVAILABLE".into(),
@@ -626,7 +627,7 @@ fn job_for(
 async fn session_for(
     shared: &Arc<Shared>,
     exec: &ExecutorRuntime,
-    workdir: &tempfile::TempDir,
+    workdir: &JobDir,
     fresh: bool,
     control: &mut watch::Receiver<LeaseView>,
 ) -> Result<Session, Outcome> {

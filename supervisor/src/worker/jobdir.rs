@@ -13,21 +13,57 @@
 //! is committed, after its slot went to the next job) and handed to the next
 //! job, after the same check again. Any other is removed, as before. So
 //! every job still starts with an empty `out/` and no `in/`.
+//!
+//! A spare is renamed when it is handed out (one `rename`, no inode made or
+//! freed), so no two jobs share a path: a process an earlier job left
+//! running that writes into that job's `output_dir` by its path finds it
+//! gone, instead of writing into the next job's results (outside audit: a
+//! file written there half a second after the earlier job ended replaced
+//! the next job's artifact, which then failed for good on its digest).
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use tempfile::TempDir;
 
 use super::workdir::WorkDir;
 
+/// A job's (or a one-shot attempt's) directory, removed with all it holds
+/// when dropped.
+#[derive(Debug)]
+pub(crate) struct JobDir {
+    path: PathBuf,
+}
+
+impl JobDir {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl From<TempDir> for JobDir {
+    fn from(d: TempDir) -> JobDir {
+        JobDir { path: d.keep() }
+    }
+}
+
+impl Drop for JobDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            if e.kind() != io::ErrorKind::NotFound {
+                tracing::debug!(path = %self.path.display(), error = %e, "cannot remove a job directory");
+            }
+        }
+    }
+}
+
 /// The spare job directories of one persistent executor.
 #[derive(Debug)]
 pub(crate) struct JobDirs {
     prefix: String,
     cap: usize,
-    spare: Mutex<Vec<TempDir>>,
+    spare: Mutex<Vec<JobDir>>,
 }
 
 impl JobDirs {
@@ -42,16 +78,30 @@ impl JobDirs {
 
     /// A clean spare, or a new directory in `work_dir` with an empty `out/`.
     /// A spare that is no longer clean is removed on the way.
-    pub fn take(&self, work: &WorkDir) -> io::Result<TempDir> {
+    pub fn take(&self, work: &WorkDir) -> io::Result<JobDir> {
         loop {
             let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
             match spare {
-                Some(d) if is_clean(d.path()) => return Ok(d),
+                Some(mut d) if is_clean(d.path()) => {
+                    // a path of its own for this job (never one that exists)
+                    let to = work.fresh_name(&self.prefix);
+                    let moved = rustix::fs::renameat_with(
+                        rustix::fs::CWD,
+                        d.path(),
+                        rustix::fs::CWD,
+                        &to,
+                        rustix::fs::RenameFlags::NOREPLACE,
+                    );
+                    if moved.is_ok() {
+                        d.path = to;
+                        return Ok(d);
+                    }
+                }
                 Some(d) => drop(d),
                 None => break,
             }
         }
-        let d = work.tempdir(&self.prefix)?;
+        let d = JobDir::from(work.tempdir(&self.prefix)?);
         let out = d.path().join("out");
         std::fs::create_dir(&out)?;
         // the mode a clean one has (the umask's would be lost on reuse)
@@ -64,7 +114,7 @@ impl JobDirs {
 
     /// Keeps `d` for a later job if it is clean and fewer than `cap` are
     /// kept; removes it otherwise.
-    pub fn give_back(&self, d: TempDir) {
+    pub fn give_back(&self, d: JobDir) {
         if !is_clean(d.path()) {
             return;
         }
@@ -181,7 +231,7 @@ mod tests {
 
     #[test]
     fn a_clean_directory_is_reused_and_any_other_removed() {
-        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
         let base = tempfile::tempdir().expect("base");
         let work = WorkDir::open(base.path().to_path_buf(), uuid::Uuid::new_v4()).expect("work");
         let dirs = JobDirs::new("py demo", 2);
@@ -194,11 +244,25 @@ mod tests {
             .file_name()
             .is_some_and(|n| n.to_string_lossy().starts_with("durable-job-py_demo-")));
 
-        // clean: kept and handed out again
+        // clean: kept and handed out again, under a path of its own: what
+        // the earlier job's leftovers write by its old path goes nowhere
+        let out_ino = std::fs::metadata(a_path.join("out")).expect("out").ino();
         dirs.give_back(a);
         assert_eq!(dirs.spares(), 1);
         let a = dirs.take(&work).expect("take");
-        assert_eq!(a.path(), a_path);
+        assert_ne!(a.path(), a_path);
+        assert!(!a_path.exists(), "the old path is still there");
+        assert!(std::fs::write(a_path.join("out/late.txt"), b"x").is_err());
+        assert_eq!(
+            std::fs::metadata(a.path().join("out")).expect("out").ino(),
+            out_ino,
+            "not reused"
+        );
+        assert!(is_clean(a.path()));
+        assert!(a
+            .path()
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("durable-job-py_demo-")));
 
         // for each way of not being clean: not kept, removed, the next is new
         type Dirty = fn(&Path);

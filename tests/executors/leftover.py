@@ -1,0 +1,58 @@
+"""A test executor (Python SDK) whose jobs leave a writer behind.
+
+Kinds:
+  leftover.leave   {"after_ms": N}: starts a thread that, N ms after the job
+                   returned, writes out.txt into that job's output_dir (by its
+                   path, as a late background writer would); returns the dir.
+  leftover.victim  {"hold_ms": N}: writes out.txt ("good") into its own
+                   output_dir, declares it as an artifact, waits N ms, returns.
+Used by tests/tests/persistent.rs: a warm process serves both, one after the
+other, and the second job's artifact must be its own bytes.
+"""
+
+import os
+import sys
+import threading
+import time
+
+from durable_executor import Executor, Job, Result
+
+
+def _ms(job: Job, key: str) -> float:
+    value = job.input.get(key, 0) if isinstance(job.input, dict) else 0
+    return float(value) / 1000.0
+
+
+def leave(job: Job) -> dict:
+    target = job.output_path("out.txt")
+    delay = _ms(job, "after_ms")
+
+    def late() -> None:
+        time.sleep(delay)
+        try:
+            with open(target, "wb") as f:
+                f.write(b"written late by an earlier job's thread")
+        except OSError as e:
+            sys.stderr.write(f"leftover: the late write failed: {e}\n")
+
+    threading.Thread(target=late, daemon=True).start()
+    return {"dir": job.output_dir}
+
+
+def victim(job: Job) -> Result:
+    with open(job.output_path("out.txt"), "wb") as f:
+        f.write(b"good")
+    entry = job.artifact("out.txt", name="out.txt", media_type="text/plain")
+    time.sleep(_ms(job, "hold_ms"))
+    return Result({"dir": job.output_dir, "pid": os.getpid()}, [entry])
+
+
+def main() -> int:
+    ex = Executor("leftover", {})
+    ex.add_handler("leftover.leave", leave)
+    ex.add_handler("leftover.victim", victim)
+    return ex.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
