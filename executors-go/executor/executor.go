@@ -74,7 +74,8 @@ type Options struct {
 	// SDKName and SDKVersion default to SDKName and Version().
 	SDKName    string
 	SDKVersion string
-	// MaxJobsPerProcess: N > 0 serves N jobs, then Serve returns (Hello says
+	// MaxJobsPerProcess: N > 0 serves N jobs (a job refused for its kind
+	// counts, as the supervisor counts it), then Serve returns (Hello says
 	// N); 0 (the default) or negative serves jobs until stdin ends or a
 	// Shutdown arrives (Hello says -1, unlimited). The Python SDK's
 	// max_jobs_per_process means the same. (On the wire a Hello saying 0 means
@@ -197,7 +198,7 @@ func (e *Executor) Run() int {
 		return 2
 	}
 	if err := e.Serve(in, out); err != nil {
-		e.log.Error("the frame stream broke", "err", err)
+		e.log.Error("executor: serving ended on an error", "err", err)
 		return 1
 	}
 	return 0
@@ -336,6 +337,12 @@ func (s *session) serve(in io.Reader) error {
 					if err := s.refuse(f.Job, CodeUnsupportedKind, fmt.Sprintf("no handler for kind %q (this executor handles: %s)", f.Job.GetKind(), strings.Join(s.e.Kinds(), ", ")),
 						// as the Python SDK's refusal says it (SDK audit)
 						map[string]any{"kind": f.Job.GetKind(), "handled_kinds": s.e.Kinds()}); err != nil {
+						return err
+					}
+					// a refused job is a job answered: it counts toward
+					// MaxJobsPerProcess, as the supervisor and the Python
+					// SDK count it (SDK audit: Go served N more after it)
+					if stop, err := finish(); stop {
 						return err
 					}
 					continue

@@ -705,6 +705,23 @@ func TestMaxJobsPerProcess(t *testing.T) {
 	}
 }
 
+// A job refused for its kind counts toward MaxJobsPerProcess, as the
+// supervisor and the Python SDK count it.
+func TestARefusedJobCountsTowardMaxJobsPerProcess(t *testing.T) {
+	ex := newExecutor(executor.Options{MaxJobsPerProcess: 2})
+	ex.Handle("demo.echo", echoHandler)
+	h := executortest.Start(t, ex)
+	h.Hello()
+	h.SendJob(job("j1", "no.such.kind", `1`))
+	h.JobError("j1", 1, executor.CodeUnsupportedKind)
+	h.SendJob(job("j2", "demo.echo", `1`))
+	h.Started("j2")
+	h.Result("j2", 3)
+	if err := h.Wait(); err != nil { // two jobs answered: Serve returns
+		t.Fatalf("Serve = %v", err)
+	}
+}
+
 func TestNoFrameAfterTerminal(t *testing.T) {
 	leaked := make(chan *executor.Job, 1)
 	ex := newExecutor(executor.Options{})

@@ -1741,6 +1741,19 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                         "protocol_versions": h.protocol_versions,
                         "features": h.features,
                         "max_frame_bytes": h.max_frame_bytes,
+                        // jobs a process serves before it is retired (null:
+                        // no limit; a one-shot process serves one)
+                        "max_jobs_per_process": if e.persistent {
+                            match crate::worker::job_limit(
+                                Some(h.max_jobs_per_process),
+                                e.max_jobs_per_process,
+                            ) {
+                                u32::MAX => None,
+                                n => Some(n),
+                            }
+                        } else {
+                            Some(1)
+                        },
                         "persistent": e.persistent,
                         "concurrency": e.concurrency,
                         "routes": routes.len(),
@@ -1767,6 +1780,7 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                         "protocol_versions": null,
                         "features": null,
                         "max_frame_bytes": null,
+                        "max_jobs_per_process": null,
                         "persistent": e.persistent,
                         "concurrency": e.concurrency,
                         "routes": 0,

@@ -896,6 +896,34 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
     assert_eq!(v["error"], serde_json::Value::Null, "{v}");
 }
 
+/// `executors` says how many jobs one process serves: the smaller of the
+/// hello's and the config's for a persistent executor (`null`: no limit),
+/// one for a one-shot one (SDK audit: the effective cap was nowhere to see).
+#[test]
+fn executors_says_how_many_jobs_a_process_serves() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let demo = tests::go_demo("go", &[], None).command;
+    for (extra, want) in [
+        ("", serde_json::json!(1)),
+        ("persistent = true\n", serde_json::Value::Null),
+        (
+            "persistent = true\nmax_jobs_per_process = 7\n",
+            serde_json::json!(7),
+        ),
+    ] {
+        let file = write(
+            dir.path(),
+            "jobs.toml",
+            &format!("[[executors]]\nname = \"go\"\ncommand = {demo:?}\n{extra}"),
+        );
+        let o = executors_with(&file);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).expect("json line");
+        assert_eq!(v["max_jobs_per_process"], want, "{extra:?}: {v}");
+    }
+}
+
 /// An executor that does not answer still gets its JSON line, with its
 /// error and `null` for what its hello would have said (docs audit: stdout
 /// had a line for the working entry only, so a script reading it lost the

@@ -10,6 +10,7 @@ mod ledger;
 mod pauses;
 pub mod routing;
 mod session;
+pub(crate) use session::job_limit;
 mod warm;
 mod workdir;
 

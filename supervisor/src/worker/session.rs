@@ -135,6 +135,21 @@ pub(crate) enum StartError {
     NoPipes,
 }
 
+/// How many jobs a persistent process serves: its hello's
+/// `max_jobs_per_process` (1 or 0 or none: one; negative: unlimited, as
+/// `u32::MAX`) capped by the config's.
+pub(crate) fn job_limit(from_hello: Option<i32>, configured: Option<u32>) -> u32 {
+    let from_hello = match from_hello {
+        Some(n) if n < 0 => u32::MAX,
+        Some(n) if n > 1 => n as u32,
+        _ => 1,
+    };
+    configured
+        .map(|c| c.max(1))
+        .unwrap_or(u32::MAX)
+        .min(from_hello)
+}
+
 impl Session {
     /// Starts a process of `ecfg`: a one-shot one in `attempt_dir`, a
     /// persistent one in a directory of its own (under `work_dir`) that lives
@@ -216,15 +231,10 @@ impl Session {
     /// How many jobs this process may serve: the hello's `max_jobs_per_process`
     /// (1 or 0: one; negative: unlimited) capped by the config's.
     pub fn job_limit(&self, configured: Option<u32>) -> u32 {
-        let from_hello = match self.hello.as_ref().map(|h| h.max_jobs_per_process) {
-            Some(n) if n < 0 => u32::MAX,
-            Some(n) if n > 1 => n as u32,
-            _ => 1,
-        };
-        configured
-            .map(|c| c.max(1))
-            .unwrap_or(u32::MAX)
-            .min(from_hello)
+        job_limit(
+            self.hello.as_ref().map(|h| h.max_jobs_per_process),
+            configured,
+        )
     }
 
     /// Whether an idle session can take a job: still running (not exited,
