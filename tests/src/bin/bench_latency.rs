@@ -138,11 +138,13 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
                 .map(|w| format!("{w}-prestarted")),
         );
     }
+    let mut breakdown = Vec::new();
     for which in &cells {
-        let mut lat = in_own_database(&admin, &args.database_url, &created, |url| async move {
-            measure(&url, which, args.runs).await
-        })
-        .await?;
+        let (mut lat, parts) =
+            in_own_database(&admin, &args.database_url, &created, |url| async move {
+                measure(&url, which, args.runs).await
+            })
+            .await?;
         lat.sort_by(|a, b| a.total_cmp(b));
         println!(
             "{:<26} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>12.2}",
@@ -171,6 +173,14 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
             setup.clone(),
         );
         report.figure("submit→accepted p95", pct(&lat, 95.0), "ms", setup.clone());
+        for (name, v) in [
+            ("submit call (client) p50", &parts.submit_call),
+            ("SUBMITTED→leased p50", &parts.to_leased),
+            ("leased→running p50", &parts.to_running),
+        ] {
+            report.figure(name, pct(v, 50.0), "ms", setup.clone());
+        }
+        breakdown.push((which.clone(), parts));
         for (p, limit) in [(50.0, 5.0), (99.0, 25.0)] {
             report.figure(
                 &format!("submit→accepted p{p}"),
@@ -189,8 +199,28 @@ async fn run(args: &Args, created: std::sync::Arc<std::sync::Mutex<Vec<String>>>
             );
         }
     }
-    first_jobs(args, &admin, &mut report, &created).await?;
     println!("   p50/baseline = the cell's p50 over the plain-SQL p50 of this run");
+    println!();
+    println!("-- where the time goes (p50 of each part, ms; the parts' p50s need not add up to the whole's)");
+    println!(
+        "{:<26} {:>14} {:>18} {:>16}",
+        "executor", "submit call", "SUBMITTED→leased", "leased→running"
+    );
+    for (which, parts) in &breakdown {
+        println!(
+            "{:<26} {:>14.2} {:>18.2} {:>16.2}",
+            which,
+            pct(&parts.submit_call, 50.0),
+            pct(&parts.to_leased, 50.0),
+            pct(&parts.to_running, 50.0)
+        );
+    }
+    println!("   submit call: Db::submit as the client timed it (durable.submit_run; its history row SUBMITTED,");
+    println!("   where the figure starts, is written partway through it). SUBMITTED→leased: the rest of the");
+    println!("   submit, its commit and NOTIFY, the worker's wake-up and its lease statement (each history row's");
+    println!("   time is clock_timestamp() when its statement's trigger ran). leased→running: the lease's commit,");
+    println!("   the job to the executor (a process started for it, one-shot), its answer, the ledger's start write.");
+    first_jobs(args, &admin, &mut report, &created).await?;
     println!();
     report.print_targets();
     report.write(args.json_out.as_deref())?;
@@ -369,14 +399,41 @@ async fn next_process_ready(which: &str) -> Result<()> {
     Ok(())
 }
 
-async fn measure(url: &str, which: &str, runs: u32) -> Result<Vec<f64>> {
+/// Where one run's submit → accepted went, in ms: the submit call as its
+/// client timed it, then by the database clock its `SUBMITTED` history row →
+/// the step's `leased` row (the rest of the submit, its commit, the worker's
+/// wake-up and its lease statement), and `leased` → `running` (the job to
+/// the executor, its answer, the ledger's start write).
+#[derive(Default)]
+struct Parts {
+    submit_call: Vec<f64>,
+    to_leased: Vec<f64>,
+    to_running: Vec<f64>,
+}
+
+impl Parts {
+    fn sort(&mut self) {
+        for v in [
+            &mut self.submit_call,
+            &mut self.to_leased,
+            &mut self.to_running,
+        ] {
+            v.sort_by(|a, b| a.total_cmp(b));
+        }
+    }
+}
+
+async fn measure(url: &str, which: &str, runs: u32) -> Result<(Vec<f64>, Parts)> {
     let (db, w) = start(url, which, 0).await?;
     let base = base_of(which);
     let mut out = Vec::with_capacity(runs as usize);
+    let mut parts = Parts::default();
     for i in 0..runs + 5 {
         next_process_ready(which).await?;
         let spec = tests::one_step(&format!("l{i}"), base, "demo.echo", serde_json::json!(i));
+        let called = std::time::Instant::now();
         let run = db.submit(&spec).await?;
+        let submit_call = called.elapsed().as_secs_f64() * 1e3;
         // wait until it is done, so the worker is idle again
         wait_succeeded(&db, run).await?;
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -384,9 +441,24 @@ async fn measure(url: &str, which: &str, runs: u32) -> Result<Vec<f64>> {
             continue; // warm-up: connections open, the warm process started
         }
         out.push(accepted_after_submit(&db, run).await?);
+        let (to_leased, to_running): (f64, f64) = sqlx::query_as(
+            "SELECT (extract(epoch FROM (l.at - s.at)) * 1000)::float8,
+                    (extract(epoch FROM (a.at - l.at)) * 1000)::float8
+               FROM durable.transitions s, durable.transitions l, durable.transitions a
+              WHERE s.run_id = $1 AND s.step_run_id IS NULL AND s.reason = 'SUBMITTED'
+                AND l.run_id = $1 AND l.to_state = 'leased' AND l.step_run_id IS NOT NULL
+                AND a.run_id = $1 AND a.to_state = 'running' AND a.step_run_id IS NOT NULL",
+        )
+        .bind(run)
+        .fetch_one(db.pool())
+        .await?;
+        parts.submit_call.push(submit_call);
+        parts.to_leased.push(to_leased);
+        parts.to_running.push(to_running);
     }
     w.shutdown().await;
-    Ok(out)
+    parts.sort();
+    Ok((out, parts))
 }
 
 /// The database's limit for submit → accepted, measured the same way: one
