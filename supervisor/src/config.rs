@@ -1757,10 +1757,9 @@ mod tests {
         }
     }
 
-    /// From the environment: the same words, the key on the same line, and
-    /// a URL set in the wrong variable without its password.
-    #[test]
-    fn an_environment_error_names_the_type_in_words_and_hides_passwords() {
+    /// A minimal config file (kept by the returned directory) and a loader of
+    /// it with one `DURABLE_*` variable set: its error, if any.
+    fn minimal_config_with_env() -> (tempfile::TempDir, impl Fn(&str, &str) -> Option<String>) {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("w.toml");
         std::fs::write(
@@ -1768,11 +1767,20 @@ mod tests {
             "database_url = \"postgres://u@h/db\"\n[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n",
         )
         .expect("config");
-        let err = |var: &str, value: &str| {
+        let load = move |var: &str, value: &str| {
             WorkerConfig::load_with_env(&path, [(var.into(), value.into())])
-                .expect_err(var)
-                .to_string()
+                .err()
+                .map(|e| e.to_string())
         };
+        (dir, load)
+    }
+
+    /// From the environment: the same words, the key on the same line, and
+    /// a URL set in the wrong variable without its password.
+    #[test]
+    fn an_environment_error_names_the_type_in_words_and_hides_passwords() {
+        let (_dir, load) = minimal_config_with_env();
+        let err = |var: &str, value: &str| load(var, value).expect(var);
         let big = err("DURABLE_MAX_REFUSALS", "4294967296");
         assert!(
             big.contains("4294967296 is above 4294967295, the largest max_refusals takes"),
@@ -1787,18 +1795,7 @@ mod tests {
 
     #[test]
     fn a_number_too_large_names_the_largest_its_setting_takes() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let path = dir.path().join("w.toml");
-        std::fs::write(
-            &path,
-            "database_url = \"postgres://u@h/db\"\n[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n",
-        )
-        .expect("config");
-        let load = |var: &str, value: &str| {
-            WorkerConfig::load_with_env(&path, [(var.into(), value.into())])
-                .err()
-                .map(|e| e.to_string())
-        };
+        let (_dir, load) = minimal_config_with_env();
         let defaults = toml::Table::try_from(WorkerConfig::default()).expect("defaults");
         let mut checked = 0;
         for (key, value) in &defaults {

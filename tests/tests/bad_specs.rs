@@ -829,12 +829,9 @@ async fn a_known_idempotency_key_says_whether_this_spec_was_submitted() {
     tx.rollback().await.expect("rollback");
 }
 
-/// `cancel RUN --step NAME` of a step that already ended says so, and the run
-/// goes on: before, it answered "cancellation requested; run is running" as
-/// if the finished step had been cancelled.
-#[tokio::test]
-async fn cancel_of_a_finished_step_says_nothing_was_cancelled() {
-    let t = TestDb::new().await;
+/// A run of two steps `a` and `b` (executor_kind go, kind k), `n` of them
+/// leased by a worker named `w`.
+async fn two_steps_leased(t: &TestDb, n: u32) -> (uuid::Uuid, Vec<supervisor::db::LeasedStep>) {
     let run = t
         .submit(json!({"name": "two", "steps": [
             {"name": "a", "executor_kind": "go", "kind": "k"},
@@ -849,11 +846,21 @@ async fn cancel_of_a_finished_step_says_nothing_was_cancelled() {
             wid,
             "w",
             &tests::route_go_k(),
-            1,
+            n,
             std::time::Duration::from_secs(30),
         )
         .await
         .expect("lease");
+    (run, leased)
+}
+
+/// `cancel RUN --step NAME` of a step that already ended says so, and the run
+/// goes on: before, it answered "cancellation requested; run is running" as
+/// if the finished step had been cancelled.
+#[tokio::test]
+async fn cancel_of_a_finished_step_says_nothing_was_cancelled() {
+    let t = TestDb::new().await;
+    let (run, leased) = two_steps_leased(&t, 1).await;
     let a = &leased[0];
     t.db.complete(&a.lease, "w", &json!({}), &[], Some(2))
         .await
@@ -1208,25 +1215,7 @@ fn submit_to(url: &str, spec: &Value, stdout: std::process::Stdio) -> std::proce
 async fn cancel_of_a_run_that_ends_while_asked_says_nothing_was_cancelled() {
     for step_name in [None, Some("a")] {
         let t = TestDb::new().await;
-        let run = t
-            .submit(json!({"name": "two", "steps": [
-                {"name": "a", "executor_kind": "go", "kind": "k"},
-                {"name": "b", "executor_kind": "go", "kind": "k"}]}))
-            .await;
-        let wid = uuid::Uuid::new_v4();
-        t.db.register_worker(wid, "w", "test", &json!([]))
-            .await
-            .expect("register");
-        let leased =
-            t.db.lease(
-                wid,
-                "w",
-                &tests::route_go_k(),
-                2,
-                std::time::Duration::from_secs(30),
-            )
-            .await
-            .expect("lease");
+        let (run, leased) = two_steps_leased(&t, 2).await;
         assert_eq!(leased.len(), 2);
         let by_name = |n: &str| {
             leased
