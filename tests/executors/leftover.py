@@ -1,9 +1,10 @@
 """A test executor (Python SDK) whose jobs leave a writer behind.
 
 Kinds:
-  leftover.leave   {"after_ms": N}: starts a thread that, N ms after the job
-                   returned, writes out.txt into that job's output_dir (by its
-                   path, as a late background writer would); returns the dir.
+  leftover.leave   {"after_ms": N, "how": "path" | "cwd"}: N ms after the job
+                   returned, out.txt is written into that job's output_dir: by
+                   its path from a thread ("path", the default), or by a child
+                   process started in it ("cwd"); returns the dir.
   leftover.victim  {"hold_ms": N}: writes out.txt ("good") into its own
                    output_dir, declares it as an artifact, waits N ms, returns.
 Used by tests/tests/persistent.rs: a warm process serves both, one after the
@@ -11,6 +12,7 @@ other, and the second job's artifact must be its own bytes.
 """
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +28,16 @@ def _ms(job: Job, key: str) -> float:
 def leave(job: Job) -> dict:
     target = job.output_path("out.txt")
     delay = _ms(job, "after_ms")
+    if isinstance(job.input, dict) and job.input.get("how") == "cwd":
+        # a child that runs in the job's output_dir and writes there by a
+        # relative path after the job returned
+        subprocess.Popen(
+            ["sh", "-c", f"sleep {delay}; echo written-late-by-a-child > out.txt"],
+            cwd=job.output_dir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return {"dir": job.output_dir}
 
     def late() -> None:
         time.sleep(delay)

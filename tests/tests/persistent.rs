@@ -527,11 +527,12 @@ async fn persistent_jobs_get_clean_job_directories(lang: &str) {
 
 tests::for_each_lang!(persistent_jobs_get_clean_job_directories);
 
-/// No two jobs of a warm process share a job directory path: a thread an
-/// earlier job left running, writing into that job's `output_dir` by its
-/// path after the job ended, writes nowhere, not into the next job's
-/// results (outside audit 77 #1: the next job's artifact was replaced and
-/// the step failed for good with ARTIFACT_DIGEST_MISMATCH, 4 runs in 4).
+/// No two jobs of a warm process share a job directory path or an `out/`:
+/// a thread an earlier job left running, writing into that job's
+/// `output_dir` by its path after the job ended, or a child it started in
+/// that directory, writes nowhere, not into the next job's results
+/// (outside audits 77 #1 and 79 #1: the next job's artifact was replaced
+/// and the step failed for good with ARTIFACT_DIGEST_MISMATCH).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_earlier_jobs_late_writer_cannot_touch_the_next_jobs_output() {
     let _serial = tests::exclusive().await;
@@ -551,16 +552,16 @@ async fn an_earlier_jobs_late_writer_cannot_touch_the_next_jobs_output() {
     let mut cfg = fast_config(vec![e]);
     cfg.work_dir = Some(work.path().to_path_buf());
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
-    for i in 0..2 {
+    for (i, how) in ["path", "cwd", "path"].iter().enumerate() {
         let run = t
             .submit(json!({"name": format!("late-{i}"), "steps": [
                 {"name": "leave", "executor_kind": "leftover", "kind": "leftover.leave",
-                 "input": {"after_ms": 300}},
+                 "input": {"after_ms": 300, "how": how}},
                 {"name": "victim", "executor_kind": "leftover", "kind": "leftover.victim",
                  "input": {"hold_ms": 900}, "depends_on": ["leave"]}]}))
             .await;
         let st = t.wait_terminal(run, LONG).await;
-        assert_eq!(st.state, "succeeded", "{st:?}");
+        assert_eq!(st.state, "succeeded", "{how}: {st:?}");
         let (leave, victim) = (step(&st, "leave"), step(&st, "victim"));
         let dir = |s: &supervisor::db::StepStatus| {
             s.output

@@ -14,12 +14,15 @@
 //! job, after the same check again. Any other is removed, as before. So
 //! every job still starts with an empty `out/` and no `in/`.
 //!
-//! A spare is renamed when it is handed out (one `rename`, no inode made or
-//! freed), so no two jobs share a path: a process an earlier job left
-//! running that writes into that job's `output_dir` by its path finds it
-//! gone, instead of writing into the next job's results (outside audit: a
-//! file written there half a second after the earlier job ended replaced
-//! the next job's artifact, which then failed for good on its digest).
+//! A spare is renamed when it is handed out, and its `out/` made anew, so no
+//! two jobs share a path or an `out/`: a process an earlier job left running
+//! that writes into that job's `output_dir`, by its path or from inside it
+//! (its working directory, a descriptor held open), finds it gone, instead
+//! of writing into the next job's results (outside audits 77, 79: a file
+//! written there after the earlier job ended replaced the next job's
+//! artifact, which then failed for good on its digest). One directory is
+//! still reused, the job directory itself: half the inodes a fresh pair
+//! costs.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -94,7 +97,13 @@ impl JobDirs {
                     );
                     if moved.is_ok() {
                         d.path = to;
-                        return Ok(d);
+                        // and an `out/` of its own: the old one removed (it
+                        // is empty; something written there since makes
+                        // this fail, and the spare goes), so a process
+                        // that runs in it or holds it open writes nowhere
+                        if renew_out(d.path()).is_ok() {
+                            return Ok(d);
+                        }
                     }
                 }
                 Some(d) => drop(d),
@@ -102,13 +111,7 @@ impl JobDirs {
             }
         }
         let d = JobDir::from(work.tempdir(&self.prefix)?);
-        let out = d.path().join("out");
-        std::fs::create_dir(&out)?;
-        // the mode a clean one has (the umask's would be lost on reuse)
-        std::fs::set_permissions(
-            &out,
-            std::os::unix::fs::PermissionsExt::from_mode(CLEAN_MODE),
-        )?;
+        make_out(d.path())?;
         Ok(d)
     }
 
@@ -128,6 +131,27 @@ impl JobDirs {
     fn spares(&self) -> usize {
         self.spare.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
+}
+
+/// Makes `dir`'s empty `out/`, with the mode a clean one has (the umask's
+/// would be lost on reuse).
+fn make_out(dir: &Path) -> io::Result<()> {
+    let out = dir.join("out");
+    std::fs::create_dir(&out)?;
+    std::fs::set_permissions(
+        &out,
+        std::os::unix::fs::PermissionsExt::from_mode(CLEAN_MODE),
+    )
+}
+
+/// Replaces `dir`'s empty `out/` by a new one. The old one goes only while
+/// empty (`rmdir`): a process of an earlier job that runs in it (its working
+/// directory) or holds it open can create nothing in a removed directory,
+/// where the new one would have been its to write (outside audit 79: a child
+/// started with `cwd=output_dir` replaced the next job's artifact).
+fn renew_out(dir: &Path) -> io::Result<()> {
+    std::fs::remove_dir(dir.join("out"))?;
+    make_out(dir)
 }
 
 /// The mode of a clean job directory and of its `out/`.
@@ -231,7 +255,7 @@ mod tests {
 
     #[test]
     fn a_clean_directory_is_reused_and_any_other_removed() {
-        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        use std::os::unix::fs::PermissionsExt;
         let base = tempfile::tempdir().expect("base");
         let work = WorkDir::open(base.path().to_path_buf(), uuid::Uuid::new_v4()).expect("work");
         let dirs = JobDirs::new("py demo", 2);
@@ -245,19 +269,28 @@ mod tests {
             .is_some_and(|n| n.to_string_lossy().starts_with("durable-job-py_demo-")));
 
         // clean: kept and handed out again, under a path of its own: what
-        // the earlier job's leftovers write by its old path goes nowhere
-        let out_ino = std::fs::metadata(a_path.join("out")).expect("out").ino();
+        // the earlier job's leftovers write by its old path goes nowhere,
+        // and a process still inside the old out/ (its working directory,
+        // a descriptor) creates nothing in the new one
+        let held = rustix::fs::open(
+            a_path.join("out"),
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .expect("hold out/");
         dirs.give_back(a);
         assert_eq!(dirs.spares(), 1);
         let a = dirs.take(&work).expect("take");
         assert_ne!(a.path(), a_path);
         assert!(!a_path.exists(), "the old path is still there");
         assert!(std::fs::write(a_path.join("out/late.txt"), b"x").is_err());
-        assert_eq!(
-            std::fs::metadata(a.path().join("out")).expect("out").ino(),
-            out_ino,
-            "not reused"
+        let late = rustix::fs::openat(
+            &held,
+            "late.txt",
+            rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CREATE,
+            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
         );
+        assert!(late.is_err(), "a file made through the old out/");
         assert!(is_clean(a.path()));
         assert!(a
             .path()
