@@ -2054,6 +2054,7 @@ async fn listen_loop(shared: Arc<Shared>, heartbeat_now: Arc<Notify>, stop: Canc
         }
     }
     let mut backoff = Duration::from_millis(200);
+    let mut reconnecting = false;
     loop {
         let mut listener = match listen_db.listener().await {
             Ok(l) => l,
@@ -2071,14 +2072,28 @@ async fn listen_loop(shared: Arc<Shared>, heartbeat_now: Arc<Notify>, stop: Canc
         backoff = Duration::from_millis(200);
         // a step that became leasable before LISTEN took effect (the worker
         // was starting, or the connection was being replaced) sent its
-        // NOTIFY to nobody: one lease pass now finds it, instead of the poll
+        // NOTIFY to nobody: one lease pass now finds it, instead of the poll;
+        // after a loss, one renewal too, for the cancels missed likewise
         shared.wake.notify_one();
+        if reconnecting {
+            heartbeat_now.notify_one();
+            info!("LISTEN is back: one lease pass and one renewal for what was notified meanwhile");
+        }
+        reconnecting = true;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                n = listener.recv() => match n {
-                    Ok(n) if n.channel() == crate::db::CHANNEL_CANCEL => heartbeat_now.notify_one(),
-                    Ok(_) => shared.wake.notify_one(),
+                // try_recv, not recv: recv reconnects on its own and says
+                // nothing, and the NOTIFYs sent meanwhile were missed without
+                // a word or a lease pass (outside audit: a lost LISTEN was
+                // silent); a new listener (above) makes up for them
+                n = listener.try_recv() => match n {
+                    Ok(Some(n)) if n.channel() == crate::db::CHANNEL_CANCEL => heartbeat_now.notify_one(),
+                    Ok(Some(_)) => shared.wake.notify_one(),
+                    Ok(None) => {
+                        warn!("LISTEN connection lost (closed by the server or the network); reconnecting");
+                        break;
+                    }
                     Err(e) => {
                         let e = DbError::Query { context: "listening for wake-ups", source: e };
                         let why = listen_db.server_reason(&e, Duration::from_secs(1)).await;
