@@ -1567,16 +1567,41 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
                         && k.len() <= 100
                         && k.chars()
                             .all(|c| c.is_ascii_alphanumeric() || "_-.\" ".contains(c))
-                })
-                .map(|k| format!(" (key {k})"))
-                .unwrap_or_default();
-            format!(
-                "line {line}, column {column}{key}: {}",
-                plain_types(e.message().trim_end())
-            )
+                });
+            let message = e.message().trim_end();
+            let message = key
+                .and_then(|k| too_large_for(k.trim_matches('"'), message))
+                .unwrap_or_else(|| plain_types(message));
+            let key = key.map(|k| format!(" (key {k})")).unwrap_or_default();
+            format!("line {line}, column {column}{key}: {message}")
         }
         None => plain_types(e.message().trim_end()),
     }
+}
+
+/// toml's message for a number too large for `key`, in words that name the
+/// largest `key` takes where it has a bound of its own (outside re-check: the
+/// file's `db_max_connections = 4294967296` named the type's 4294967295, and
+/// a number above 2^63 only "number too large to fit in target type").
+fn too_large_for(key: &str, message: &str) -> Option<String> {
+    let own = WORKER_KEYS.iter().any(|(k, _, _)| *k == key) || key.ends_with("_ms");
+    if !own {
+        return None;
+    }
+    let limit = integer_limit(key);
+    let words = limit_in_words(key);
+    if message.contains("number too large to fit in target type") {
+        return Some(format!(
+            "the number is above {limit}, the largest {key} takes{words}"
+        ));
+    }
+    let n: u64 = message
+        .strip_prefix("invalid value: integer `")?
+        .split_once('`')?
+        .0
+        .parse()
+        .ok()?;
+    (n > limit).then(|| format!("{n} is above {limit}, the largest {key} takes{words}"))
 }
 
 /// A config built from the file and the environment that does not fit its
@@ -1830,6 +1855,36 @@ mod tests {
         assert!(checked >= 15, "{checked} integer keys");
         let many = load("DURABLE_DB_MAX_CONNECTIONS", "4294967295").expect("too many");
         assert!(many.contains("is above 10000"), "{many}");
+    }
+
+    /// In the file too, a number too large names the largest its key takes
+    /// (its own bound, not its type's), also above 2^63.
+    #[test]
+    fn a_number_too_large_in_the_file_names_its_keys_limit() {
+        let exec = "\n[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n";
+        for (line, want) in [
+            (
+                "db_max_connections = 4294967296",
+                "4294967296 is above 10000, the largest db_max_connections takes",
+            ),
+            (
+                "lease_ttl_ms = 18446744073709551616",
+                "the number is above 86400000, the largest lease_ttl_ms takes (one day of milliseconds)",
+            ),
+            (
+                "max_frame_bytes = 18446744073709551615",
+                "the number is above 1073741824, the largest max_frame_bytes takes (1 GiB)",
+            ),
+            (
+                "max_refusals = 4294967296",
+                "4294967296 is above 4294967295, the largest max_refusals takes",
+            ),
+        ] {
+            let text = format!("{line}{exec}");
+            let e = toml::from_str::<WorkerConfig>(&text).expect_err(line);
+            let got = parse_error(&text, &e);
+            assert!(got.ends_with(want), "{line}: {got}");
+        }
     }
 
     #[test]
