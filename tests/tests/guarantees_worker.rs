@@ -1407,6 +1407,50 @@ async fn a_run_row_held_by_another_transaction_delays_that_run_alone() {
     w.shutdown().await;
 }
 
+/// A run row held past 15 s is said in the worker's span (its name), and so
+/// is its release (outside audit 79 #5: the warning carried no worker, and
+/// nothing said when the row was free again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_held_run_row_and_its_release_are_said_in_the_workers_span() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.name = Some("row-holder-watch".into());
+    let w = RunningWorker::start(t.connect(10).await, cfg).await;
+    let held = t
+        .submit(
+            json!({"name": "held", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.sleep", "input": {"ms": 300, "steps": 1}}]}),
+        )
+        .await;
+    t.wait_run(held, LONG, |s| step(s, "s").state == "running")
+        .await;
+    let holder = t.hold_run(held).await;
+    let run = held.to_string();
+    let until = Instant::now() + Duration::from_secs(30);
+    while tests::logged(&[
+        "row-holder-watch",
+        &run,
+        "still held by another transaction",
+    ])
+    .is_empty()
+    {
+        assert!(
+            Instant::now() < until,
+            "the held row was never said, in the worker's span"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    holder.rollback().await.expect("let the row go");
+    let st = t.wait_terminal(held, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded");
+    let until = Instant::now() + Duration::from_secs(10);
+    while tests::logged(&["row-holder-watch", &run, "row is free again"]).is_empty() {
+        assert!(Instant::now() < until, "the release was never said");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.shutdown().await;
+}
+
 /// An executor that closes its stdout without a terminal and exits 0 on its
 /// own is a crash (no terminal can come), and its evidence is its own exit:
 /// the leader gets the cancel grace to exit before its group is signalled.

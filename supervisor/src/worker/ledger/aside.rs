@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, warn, Instrument};
 use uuid::Uuid;
 
 use super::{shape, LeaseKey, Request, Shaped, Tainted, LOCK_WAIT};
@@ -43,6 +43,8 @@ struct RunQueue {
     since: Instant,
     /// When it was last said to be still held.
     told: Instant,
+    /// Whether it was said to be held (its release is said then too).
+    said: bool,
 }
 
 impl RunQueue {
@@ -52,6 +54,7 @@ impl RunQueue {
             units: VecDeque::new(),
             since: now,
             told: now,
+            said: false,
         }
     }
 
@@ -59,6 +62,7 @@ impl RunQueue {
     fn still_held(&mut self, run: Uuid) {
         if self.told.elapsed() >= STILL_HELD_EVERY {
             self.told = Instant::now();
+            self.said = true;
             warn!(%run, writes = self.units.len(), held_for_s = self.since.elapsed().as_secs(), "this run's row is still held by another transaction; its writes wait (and a drain waits for them): look for a long transaction in pg_stat_activity");
         }
     }
@@ -123,7 +127,9 @@ impl Aside {
     pub(super) fn start(db: Db, worker: String) -> Aside {
         let (tx, rx) = mpsc::unbounded_channel();
         let (done_tx, answered) = mpsc::unbounded_channel();
-        let task = tokio::spawn(writer(db, worker, rx, done_tx));
+        // in the worker's span (its name and id), as every ledger line
+        // (outside audit: the "still held" warning had none)
+        let task = tokio::spawn(writer(db, worker, rx, done_tx).in_current_span());
         Aside {
             tx: Some(tx),
             answered,
@@ -284,7 +290,13 @@ async fn writer(
                 }
             }
         }
-        queues.retain(|_, q| !q.units.is_empty());
+        queues.retain(|run, q| {
+            if q.units.is_empty() && q.said {
+                // the warning said it was held: say it is over
+                info!(%run, held_for_s = q.since.elapsed().as_secs(), "this run's row is free again: its writes set aside are made");
+            }
+            !q.units.is_empty()
+        });
         if !open {
             // the last try was made: what is left is answered as not written
             for (run, q) in std::mem::take(&mut queues) {
