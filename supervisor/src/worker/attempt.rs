@@ -1306,7 +1306,7 @@ async fn write_loop(
                         return;
                     }
                     Err(e) => {
-                        error!(error = %e, "a progress write failed for good; it is dropped (the outcome still commits)")
+                        error!(error = %e, "a progress write failed for good; it is dropped (the outcome is written on its own, and says so if it cannot be)")
                     }
                 }
             }
