@@ -4,7 +4,8 @@ Kinds:
   leftover.leave   {"after_ms": N, "how": "path" | "cwd"}: N ms after the job
                    returned, out.txt is written into that job's output_dir: by
                    its path from a thread ("path", the default), or by a child
-                   process started in it ("cwd"); returns the dir.
+                   process started in it ("cwd") or in its parent ("parent",
+                   writing out/out.txt); returns the dir.
   leftover.victim  {"hold_ms": N}: writes out.txt ("good") into its own
                    output_dir, declares it as an artifact, waits N ms, returns.
 Used by tests/tests/persistent.rs: a warm process serves both, one after the
@@ -28,12 +29,16 @@ def _ms(job: Job, key: str) -> float:
 def leave(job: Job) -> dict:
     target = job.output_path("out.txt")
     delay = _ms(job, "after_ms")
-    if isinstance(job.input, dict) and job.input.get("how") == "cwd":
-        # a child that runs in the job's output_dir and writes there by a
-        # relative path after the job returned
+    how = job.input.get("how") if isinstance(job.input, dict) else None
+    if how in ("cwd", "parent"):
+        # a child that runs in the job's output_dir (or in its parent) and
+        # writes there by a relative path after the job returned
+        cwd, name = (
+            (job.output_dir, "out.txt") if how == "cwd" else (os.path.dirname(job.output_dir), "out/out.txt")
+        )
         subprocess.Popen(
-            ["sh", "-c", f"sleep {delay}; echo written-late-by-a-child > out.txt"],
-            cwd=job.output_dir,
+            ["sh", "-c", f"sleep {delay}; for i in 1 2 3 4 5 6; do echo late-child > {name}; sleep 0.2; done"],
+            cwd=cwd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -452,11 +452,12 @@ async fn a_success_rides_in_the_flush_of_its_start() {
     }
 }
 
-/// A persistent executor's jobs reuse clean job directories: artifacts and
-/// input artifacts still come out right job after job (nothing of an earlier
+/// A persistent executor's jobs get clean job directories: artifacts and
+/// input artifacts come out right job after job (nothing of an earlier
 /// job's `out/` or `in/` reaches a later one), and what stays in `work_dir`
-/// between jobs is at most twice `concurrency` directories, each holding an empty
-/// `out/` and nothing else.
+/// between jobs is at most twice `concurrency` directories, each holding an
+/// empty `out/` and nothing else (none since job directories are no longer
+/// reused).
 async fn persistent_jobs_get_clean_job_directories(lang: &str) {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
@@ -530,9 +531,9 @@ tests::for_each_lang!(persistent_jobs_get_clean_job_directories);
 /// No two jobs of a warm process share a job directory path or an `out/`:
 /// a thread an earlier job left running, writing into that job's
 /// `output_dir` by its path after the job ended, or a child it started in
-/// that directory, writes nowhere, not into the next job's results
-/// (outside audits 77 #1 and 79 #1: the next job's artifact was replaced
-/// and the step failed for good with ARTIFACT_DIGEST_MISMATCH).
+/// that directory or in its parent, writes nowhere, not into the next job's
+/// results (outside audits 77 #1, 79 #1, 80 #1: the next job's artifact was
+/// replaced and the step failed for good with ARTIFACT_DIGEST_MISMATCH).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_earlier_jobs_late_writer_cannot_touch_the_next_jobs_output() {
     let _serial = tests::exclusive().await;
@@ -552,7 +553,7 @@ async fn an_earlier_jobs_late_writer_cannot_touch_the_next_jobs_output() {
     let mut cfg = fast_config(vec![e]);
     cfg.work_dir = Some(work.path().to_path_buf());
     let w = RunningWorker::start(t.connect(10).await, cfg).await;
-    for (i, how) in ["path", "cwd", "path"].iter().enumerate() {
+    for (i, how) in ["path", "cwd", "parent", "path"].iter().enumerate() {
         let run = t
             .submit(json!({"name": format!("late-{i}"), "steps": [
                 {"name": "leave", "executor_kind": "leftover", "kind": "leftover.leave",

@@ -499,9 +499,8 @@ async fn execute(
             o
         }
     };
-    if exec.cfg.persistent {
-        exec.job_dirs.give_back(workdir);
-    }
+    // the job's directory goes with the attempt: never handed to another
+    drop(workdir);
     outcome
 }
 
@@ -552,9 +551,9 @@ async fn deadline_during(step: &LeasedStep, before: &str) -> Outcome {
 /// The attempt's own directory: out/ for results, in/ for input artifacts
 /// (made only when there are any: most steps have none, and every directory
 /// made and removed costs the filesystem an inode). A one-shot process runs
-/// in it, so it is always fresh; a persistent executor's jobs reuse a clean
-/// one (worker/jobdir.rs). Failing to make it is "this worker can't", not
-/// the step's failure.
+/// in it; a persistent executor's job gets one of its own too, never an
+/// earlier job's (worker/jobdir.rs). Failing to make it is "this worker
+/// can't", not the step's failure.
 fn attempt_workdir(
     shared: &Arc<Shared>,
     exec: &ExecutorRuntime,

@@ -787,9 +787,7 @@ impl ExecutorRuntime {
             running: AtomicU32::new(0),
             held: AtomicU32::new(0),
             pool: session::Pool::new(&ecfg.name, ecfg.concurrency as usize),
-            // an attempt keeps its directory until its outcome is
-            // committed, and up to twice the concurrency hold a lease
-            job_dirs: jobdir::JobDirs::new(&ecfg.name, 2 * ecfg.concurrency as usize),
+            job_dirs: jobdir::JobDirs::new(&ecfg.name),
             slot_back: Notify::new(),
             last_jobs: Default::default(),
             warm_starts: Default::default(),

@@ -83,14 +83,6 @@ impl WorkDir {
         &self.base
     }
 
-    /// A name `<prefix><random>.<tag>` in `work_dir` that nothing has yet
-    /// (for a spare job directory handed to its next job).
-    pub fn fresh_name(&self, prefix: &str) -> PathBuf {
-        let random = Uuid::new_v4().simple().to_string();
-        self.base
-            .join(format!("{prefix}{}.{}", &random[..12], self.tag))
-    }
-
     /// A new directory `<prefix>XXXXXX.<tag>` in `work_dir`, for this
     /// worker's user alone (0700): a job's inputs and outputs are nobody
     /// else's to read, and `work_dir` is the shared temporary directory
