@@ -805,6 +805,13 @@ impl WorkerConfig {
             return bad("no [[executors]]: a worker needs at least one".into());
         }
         self.check_stop_budget().map_err(ConfigError::Invalid)?;
+        if self.min_db_connections() > MAX_DB_CONNECTIONS {
+            return bad(format!(
+                "the executors' total concurrency ({}) is above {}, the most one worker can run (each running attempt may need a connection, and db_max_connections is at most {MAX_DB_CONNECTIONS}): lower concurrency, or run more workers",
+                self.total_concurrency(),
+                MAX_DB_CONNECTIONS - 1
+            ));
+        }
         if self.db_max_connections < self.min_db_connections() {
             return bad(format!(
                 "db_max_connections = {} is smaller than the executors' total concurrency ({}) + 1: every running attempt may need a connection at once for its artifacts (reading its inputs, storing its outputs' bytes), and the worker's one writer and its leasing share one more. Raise db_max_connections to at least {}",
@@ -1225,7 +1232,7 @@ const EXECUTOR_KEYS: &[(&str, &str, Option<&str>)] = &[
         "Restricts the kinds leased for this executor (default: every kind its hello offers).",
         Some("[\"demo.echo\", \"demo.sleep\"]"),
     ),
-    ("concurrency", "Attempts run at once with this executor.", None),
+    ("concurrency", "Attempts run at once with this executor; the executors' total is at most 9999 (each may need a connection of db_max_connections).", None),
     (
         "persistent",
         "Keep processes warm between jobs: one process serves jobs one at a time until max_jobs_per_process, a protocol violation or an unanswered cancel; then it is replaced. false: one process per job.",
@@ -1584,11 +1591,14 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
 /// file's `db_max_connections = 4294967296` named the type's 4294967295, and
 /// a number above 2^63 only "number too large to fit in target type").
 fn too_large_for(key: &str, message: &str) -> Option<String> {
-    let own = WORKER_KEYS.iter().any(|(k, _, _)| *k == key) || key.ends_with("_ms");
-    if !own {
-        return None;
-    }
-    let limit = integer_limit(key);
+    let limit = match key {
+        // an executor's concurrency (and its warm processes, at most it) is
+        // bounded by the worker's connections: total + 1 ≤ db_max_connections
+        "concurrency" | "warm_processes" => u64::from(MAX_DB_CONNECTIONS - 1),
+        "max_jobs_per_process" => u64::from(u32::MAX),
+        k if WORKER_KEYS.iter().any(|(w, _, _)| *w == k) || k.ends_with("_ms") => integer_limit(k),
+        _ => return None,
+    };
     let words = limit_in_words(key);
     if message.contains("number too large to fit in target type") {
         return Some(format!(
@@ -1707,7 +1717,7 @@ mod tests {
             ),
             (
                 "concurrency = 4294967296",
-                "(key concurrency): 4294967296 is above 4294967295, the largest this setting takes",
+                "(key concurrency): 4294967296 is above 9999, the largest concurrency takes",
             ),
             (
                 "concurrency = \"4\"",
@@ -1721,6 +1731,10 @@ mod tests {
             assert!(!got.contains(" u32") && !got.contains(" u64"), "{got}");
         }
         assert_eq!(plain_types("expected a boolean"), "expected a boolean");
+        assert_eq!(
+            plain_types("invalid value: integer `4294967296`, expected u32"),
+            "4294967296 is above 4294967295, the largest this setting takes"
+        );
     }
 
     #[test]
@@ -1885,6 +1899,44 @@ mod tests {
             let got = parse_error(&text, &e);
             assert!(got.ends_with(want), "{line}: {got}");
         }
+        // an executor's keys too: concurrency is bounded by the connections
+        for (line, want) in [
+            (
+                "concurrency = 4294967296",
+                "4294967296 is above 9999, the largest concurrency takes",
+            ),
+            (
+                "warm_processes = 9223372036854775808",
+                "the number is above 9999, the largest warm_processes takes",
+            ),
+        ] {
+            let text = format!("[[executors]]\nname = \"x\"\ncommand = \"/bin/true\"\n{line}\n");
+            let e = toml::from_str::<WorkerConfig>(&text).expect_err(line);
+            let got = parse_error(&text, &e);
+            assert!(got.ends_with(want), "{line}: {got}");
+        }
+    }
+
+    /// A concurrency no worker can serve says so, not "raise
+    /// db_max_connections" past its own limit (outside audit 80 #2).
+    #[test]
+    fn a_concurrency_beyond_any_pool_says_so() {
+        let cfg = WorkerConfig {
+            database_url: Some("postgres://u@h/db".into()),
+            executors: vec![ExecutorConfig {
+                name: "x".into(),
+                command: "/bin/true".into(),
+                concurrency: 4_294_967_295,
+                ..ExecutorConfig::default()
+            }],
+            ..WorkerConfig::default()
+        };
+        let e = cfg.validate().expect_err("too many").to_string();
+        assert!(
+            e.contains("total concurrency (4294967295) is above 9999")
+                && !e.contains("at least 4294967"),
+            "{e}"
+        );
     }
 
     #[test]
