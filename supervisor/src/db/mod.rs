@@ -210,7 +210,7 @@ pub enum DbError {
     Retry { context: &'static str },
     #[error("corrupt row: {0}")]
     Corrupt(String),
-    #[error("the database did not answer within {ms} ms while {context} (it is down, unreachable, or busy)")]
+    #[error("the database did not answer within {ms} ms while {context}")]
     Timeout { context: &'static str, ms: u64 },
     #[error("the database schema is at version {have}; this binary needs at least {need}. Run `supervisor migrate` with a binary at least this new, then run this command again")]
     SchemaTooOld { have: i64, need: i64 },
