@@ -1355,6 +1355,19 @@ async fn cancel(url: &Option<String>, run_id: &str, step: Option<&str>) -> Resul
     Ok(0)
 }
 
+/// The jobs one process of `e` serves before it is retired, for `executors`
+/// (`None`: no limit): a persistent one's, from its hello's and its config's
+/// (as the worker counts them); a one-shot process serves one.
+fn jobs_per_process(e: &ExecutorConfig, from_hello: i32) -> Option<u32> {
+    if !e.persistent {
+        return Some(1);
+    }
+    match crate::worker::job_limit(Some(from_hello), e.max_jobs_per_process) {
+        u32::MAX => None,
+        n => Some(n),
+    }
+}
+
 /// What `supervisor dev` was asked to do.
 struct DevOptions {
     print_config: bool,
@@ -1741,19 +1754,7 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                         "protocol_versions": h.protocol_versions,
                         "features": h.features,
                         "max_frame_bytes": h.max_frame_bytes,
-                        // jobs a process serves before it is retired (null:
-                        // no limit; a one-shot process serves one)
-                        "max_jobs_per_process": if e.persistent {
-                            match crate::worker::job_limit(
-                                Some(h.max_jobs_per_process),
-                                e.max_jobs_per_process,
-                            ) {
-                                u32::MAX => None,
-                                n => Some(n),
-                            }
-                        } else {
-                            Some(1)
-                        },
+                        "max_jobs_per_process": jobs_per_process(e, h.max_jobs_per_process),
                         "persistent": e.persistent,
                         "concurrency": e.concurrency,
                         "routes": routes.len(),

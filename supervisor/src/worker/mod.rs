@@ -956,8 +956,8 @@ impl Worker {
         if let Some(name) = died {
             return Err(WorkerError::LoopDied(name));
         }
-        // every attempt and session directory is gone with its attempt or
-        // process (the spare job directories go with the executors, below)
+        // every attempt, job and session directory is gone with its
+        // attempt or process
         shared.work.release();
         let unrecorded = shared.unrecorded.load(Ordering::Relaxed) - unrecorded_before;
         if unrecorded > 0 {

@@ -2,7 +2,7 @@
 //! in it.
 //!
 //! Every directory a worker makes there (an attempt's, a persistent
-//! session's, a spare job directory) ends in `.<tag>`, the worker
+//! session's, a persistent job's) ends in `.<tag>`, the worker
 //! instance's tag (12 hex digits of its id). While the worker lives it holds
 //! an exclusive `flock` on `.durable-<tag>.lock` in the same place; the
 //! kernel lets go of it when the process dies, however it dies (the file is
