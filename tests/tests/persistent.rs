@@ -454,10 +454,9 @@ async fn a_success_rides_in_the_flush_of_its_start() {
 
 /// A persistent executor's jobs get clean job directories: artifacts and
 /// input artifacts come out right job after job (nothing of an earlier
-/// job's `out/` or `in/` reaches a later one), and what stays in `work_dir`
-/// between jobs is at most twice `concurrency` directories, each holding an
-/// empty `out/` and nothing else (none since job directories are no longer
-/// reused).
+/// job's output_dir or inputs reaches a later one), and no job's directory
+/// stays in `work_dir` after it (at most one per lease while one runs, each
+/// empty).
 async fn persistent_jobs_get_clean_job_directories(lang: &str) {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
@@ -511,8 +510,7 @@ async fn persistent_jobs_get_clean_job_directories(lang: &str) {
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
-        assert_eq!(names, vec!["out".to_string()], "{}", d.display());
-        assert_eq!(std::fs::read_dir(d.join("out")).expect("out").count(), 0);
+        assert!(names.is_empty(), "{}: {names:?}", d.display());
     }
     w.shutdown().await;
     let left: Vec<_> = std::fs::read_dir(work.path())

@@ -453,8 +453,8 @@ async fn execute(
         Ok(d) => d,
         Err(o) => return o,
     };
-    let out_dir = workdir.path().join("out");
-    let in_dir = workdir.path().join("in");
+    let out_dir = workdir.out().to_path_buf();
+    let in_dir = workdir.inputs().to_path_buf();
     let inputs = match materialize_inputs(shared, step, &in_dir).await {
         Ok(v) => v,
         Err(o) => return o,
@@ -562,7 +562,7 @@ fn attempt_workdir(
     let workdir = if exec.cfg.persistent {
         exec.job_dirs.take(&shared.work)
     } else {
-        fresh_attempt_dir(&shared.work, step.lease.step_run_id()).map(JobDir::from)
+        fresh_attempt_dir(&shared.work, step.lease.step_run_id()).map(JobDir::attempt)
     };
     workdir.map_err(|e| Outcome::Refused {
         code: "WORK_DIR_UNAVAILABLE".into(),
@@ -794,6 +794,16 @@ async fn materialize_inputs(
             }
         }
     };
+    if !arts.is_empty() {
+        // the job's user's alone, as its directory is (in `work_dir`
+        // itself, beside a persistent job's output_dir)
+        if let Err(e) = make_private_dir(in_dir) {
+            return Err(Outcome::Refused {
+                code: "WORK_DIR_UNAVAILABLE".into(),
+                message: format!("cannot make {}: {e}", in_dir.display()),
+            });
+        }
+    }
     let store = ArtifactStore::new(shared.db.clone(), &shared.cfg);
     let mut out = Vec::with_capacity(arts.len());
     let paths = input_paths(
@@ -829,6 +839,16 @@ async fn materialize_inputs(
         });
     }
     Ok(out)
+}
+
+/// `dir`, made for this worker's user alone (0700); one already there is
+/// taken as it is.
+fn make_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// Where each input artifact (step, name) is written, in order: a name and
