@@ -143,6 +143,17 @@ async fn a_second_sigterm_stops_attempts_at_once_and_gives_their_steps_back() {
         s.error.as_ref().map(|e| e.code.as_str()),
         Some("WORKER_SHUTDOWN")
     );
+    // no grace was given, and the message does not say one was (audit 81)
+    let message = s
+        .error
+        .as_ref()
+        .map(|e| e.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.contains("the executor gave no terminal: a second stop signal left it no grace")
+            && !message.contains("within its grace"),
+        "{message}"
+    );
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
 }
 
@@ -220,10 +231,17 @@ async fn a_forced_exit_names_the_outcomes_it_leaves_unrecorded() {
     let err = w.stderr();
     holder.rollback().await.expect("let go");
     assert_eq!(code, Some(1), "{err}");
+    // the line names the step as `status` shows it: its run and its name
+    // (audit 81: the step run's id alone)
+    let line = err
+        .lines()
+        .find(|l| l.contains("exiting with this step's outcome not recorded"))
+        .unwrap_or_else(|| panic!("no such line: {err}"));
     assert!(
-        err.contains("exiting with this step's outcome not recorded")
-            && err.contains(&step.to_string()),
-        "{err}"
+        line.contains(&step.to_string())
+            && line.contains(&run.to_string())
+            && line.contains("step=s "),
+        "{line}"
     );
 }
 

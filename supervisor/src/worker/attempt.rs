@@ -2075,6 +2075,9 @@ impl Conversation<'_> {
             }
             let stale_before = machine.stale_frames();
             for action in machine.on(input) {
+                if matches!(action, Action::ArmGrace) && super::forced() {
+                    machine.saw_no_grace();
+                }
                 if let Some(finish) = self.act(action).await {
                     if !broke {
                         self.log_unfinished_frame();

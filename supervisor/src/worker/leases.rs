@@ -22,6 +22,8 @@ use crate::db::{HeartbeatReport, Lease};
 
 struct Entry {
     lease: Lease,
+    /// The step's run and name, for the last word of a forced exit.
+    step: StepName,
     tx: watch::Sender<LeaseView>,
     /// The attempt's outcome is decided and being committed: its own fenced
     /// write, not the heartbeat, says whether the lease still held.
@@ -62,6 +64,22 @@ pub(crate) struct Applied {
     pub ended: Vec<Uuid>,
 }
 
+/// A step as a person finds it: its run and its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StepName {
+    pub run_id: Uuid,
+    pub name: String,
+}
+
+/// An attempt that holds a lease (see [`LeaseSet::attempts`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub step_run_id: Uuid,
+    pub step: StepName,
+    /// Its outcome is decided and being committed.
+    pub committing: bool,
+}
+
 /// One entry per step: the newest attempt of it that this worker holds.
 #[derive(Default)]
 pub(crate) struct LeaseSet {
@@ -78,7 +96,12 @@ impl LeaseSet {
     /// An older attempt of the same step still in the set has already
     /// resolved its outcome (the step could not be leased again otherwise),
     /// so the new lease takes its place.
-    pub fn insert(&self, lease: Lease, valid_until: Instant) -> watch::Receiver<LeaseView> {
+    pub fn insert(
+        &self,
+        lease: Lease,
+        step: StepName,
+        valid_until: Instant,
+    ) -> watch::Receiver<LeaseView> {
         let (tx, rx) = watch::channel(LeaseView {
             control: Control::Run,
             valid_until,
@@ -87,6 +110,7 @@ impl LeaseSet {
             lease.step_run_id(),
             Entry {
                 lease,
+                step,
                 tx,
                 committing: false,
             },
@@ -125,10 +149,14 @@ impl LeaseSet {
     }
 
     /// Each attempt's step, and whether its outcome is being committed.
-    pub fn attempts(&self) -> Vec<(Uuid, bool)> {
+    pub fn attempts(&self) -> Vec<Held> {
         self.map()
             .values()
-            .map(|e| (e.lease.step_run_id(), e.committing))
+            .map(|e| Held {
+                step_run_id: e.lease.step_run_id(),
+                step: e.step.clone(),
+                committing: e.committing,
+            })
             .collect()
     }
 
@@ -230,6 +258,13 @@ mod tests {
         Lease::for_test(Uuid::from_u128(step), Uuid::from_u128(token), 1)
     }
 
+    fn named(step: u128) -> StepName {
+        StepName {
+            run_id: Uuid::from_u128(1000 + step),
+            name: format!("s{step}"),
+        }
+    }
+
     fn report(renewed: &[u128], cancel: &[u128], lost: &[u128]) -> HeartbeatReport {
         let ids = |v: &[u128]| v.iter().map(|&s| Uuid::from_u128(s)).collect::<Vec<_>>();
         HeartbeatReport {
@@ -257,8 +292,8 @@ mod tests {
         let set = LeaseSet::default();
         let (old, retry) = (lease(1, 10), lease(1, 11));
         let t0 = Instant::now();
-        let _rx_old = set.insert(old.clone(), t0 + TTL);
-        let _rx_retry = set.insert(retry.clone(), t0 + TTL);
+        let _rx_old = set.insert(old.clone(), named(1), t0 + TTL);
+        let _rx_retry = set.insert(retry.clone(), named(1), t0 + TTL);
         set.forget(&old);
         assert_eq!(steps(&set), vec![(Uuid::from_u128(1), Uuid::from_u128(11))]);
         set.forget(&retry);
@@ -324,13 +359,13 @@ mod tests {
         for row in rows {
             let set = LeaseSet::default();
             let t0 = Instant::now();
-            let _old = set.insert(lease(1, 10), t0 + TTL);
-            let rx_other = set.insert(lease(2, 20), t0 + TTL);
+            let _old = set.insert(lease(1, 10), named(1), t0 + TTL);
+            let rx_other = set.insert(lease(2, 20), named(2), t0 + TTL);
             let sent: Vec<Lease> = row.sent.iter().map(|&(s, t)| lease(s, t)).collect();
             // the old attempt resolves and the retry is leased while the
             // heartbeat is in flight
             set.forget(&lease(1, 10));
-            let rx_retry = set.insert(lease(1, 11), t0 + TTL);
+            let rx_retry = set.insert(lease(1, 11), named(1), t0 + TTL);
             let sent_at = t0 + Duration::from_millis(300);
             let (renewed, cancel, lost) = row.answer;
             set.apply(&sent, &report(renewed, cancel, lost), sent_at, TTL);
@@ -356,7 +391,7 @@ mod tests {
     fn a_lost_lease_is_reported_once() {
         let set = LeaseSet::default();
         let l = lease(1, 10);
-        let _rx = set.insert(l.clone(), Instant::now() + TTL);
+        let _rx = set.insert(l.clone(), named(3), Instant::now() + TTL);
         let sent = set.snapshot();
         let first = set.apply(&sent, &report(&[], &[], &[1]), Instant::now(), TTL);
         assert_eq!(first.lost.len(), 1);
@@ -368,8 +403,8 @@ mod tests {
     fn a_step_gone_while_its_outcome_commits_is_not_a_lost_lease() {
         let set = LeaseSet::default();
         let t0 = Instant::now();
-        let rx_done = set.insert(lease(1, 10), t0 + TTL);
-        let rx_running = set.insert(lease(2, 20), t0 + TTL);
+        let rx_done = set.insert(lease(1, 10), named(1), t0 + TTL);
+        let rx_running = set.insert(lease(2, 20), named(2), t0 + TTL);
         let sent = set.snapshot();
         set.committing(&lease(1, 10));
         // a stale token's call changes nothing
@@ -390,8 +425,8 @@ mod tests {
     fn a_write_that_lost_the_old_lease_does_not_stop_the_retry() {
         let set = LeaseSet::default();
         let t0 = Instant::now();
-        let _old = set.insert(lease(1, 10), t0 + TTL);
-        let rx = set.insert(lease(1, 11), t0 + TTL);
+        let _old = set.insert(lease(1, 10), named(1), t0 + TTL);
+        let rx = set.insert(lease(1, 11), named(1), t0 + TTL);
         set.lease_lost(&lease(1, 10));
         assert_eq!(rx.borrow().control, Control::Run);
         set.lease_lost(&lease(1, 11));
@@ -407,8 +442,8 @@ mod tests {
         let set = LeaseSet::default();
         let (held, quiet) = (lease(1, 10), lease(2, 20));
         let t0 = Instant::now();
-        let rx_held = set.insert(held.clone(), t0 + Duration::from_millis(100));
-        let rx_quiet = set.insert(quiet.clone(), t0 + Duration::from_millis(100));
+        let rx_held = set.insert(held.clone(), named(4), t0 + Duration::from_millis(100));
+        let rx_quiet = set.insert(quiet.clone(), named(5), t0 + Duration::from_millis(100));
         let mut r = report(&[], &[], &[]);
         r.busy = vec![held.step_run_id()];
         r.busy_valid_for
@@ -448,7 +483,7 @@ mod tests {
         let set = LeaseSet::default();
         let (l, retry) = (lease(1, 10), lease(1, 11));
         let t0 = Instant::now();
-        let rx = set.insert(l.clone(), t0 + Duration::from_secs(1));
+        let rx = set.insert(l.clone(), named(6), t0 + Duration::from_secs(1));
         set.renewed_by_write(&l, t0 + Duration::from_secs(5));
         assert_eq!(rx.borrow().valid_until, t0 + Duration::from_secs(5));
         set.renewed_by_write(&l, t0 + Duration::from_secs(3));
@@ -459,7 +494,7 @@ mod tests {
         // a clock that ran out stays out: the write may not have renewed
         let out = lease(2, 20);
         let past = Instant::now();
-        let rx_out = set.insert(out.clone(), past);
+        let rx_out = set.insert(out.clone(), named(7), past);
         set.renewed_by_write(&out, past + Duration::from_secs(9));
         assert_eq!(rx_out.borrow().valid_until, past);
     }

@@ -1179,11 +1179,14 @@ pub fn log_abandoned_attempts() {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     for shared in workers.iter().filter_map(std::sync::Weak::upgrade) {
-        for (step_run_id, committing) in shared.leases.attempts() {
-            if committing {
-                error!(worker = %shared.name, %step_run_id, "exiting with this step's outcome not recorded: it runs again once its lease expires");
+        // the run and the step's name, as `status` shows them (audit 81:
+        // the step run's id alone named nothing a person could look up)
+        for h in shared.leases.attempts() {
+            let (run_id, step, step_run_id) = (h.step.run_id, &h.step.name, h.step_run_id);
+            if h.committing {
+                error!(worker = %shared.name, %run_id, step = %step, %step_run_id, "exiting with this step's outcome not recorded: it runs again once its lease expires");
             } else {
-                error!(worker = %shared.name, %step_run_id, "exiting with this step's attempt unfinished: it runs again once its lease expires");
+                error!(worker = %shared.name, %run_id, step = %step, %step_run_id, "exiting with this step's attempt unfinished: it runs again once its lease expires");
             }
         }
     }
@@ -1577,7 +1580,7 @@ async fn drain(
             },
             _ = tokio::time::sleep_until(drain_until), if !shared.abort.is_cancelled() => {
                 // an attempt whose outcome is decided only waits for its write
-                let recording = shared.leases.attempts().iter().filter(|(_, c)| *c).count();
+                let recording = shared.leases.attempts().iter().filter(|h| h.committing).count();
                 let running = attempts.len().saturating_sub(recording);
                 warn!(running, recording, "drain timeout: stopping running attempts; those recording their outcome go on");
                 shared.abort.cancel();
@@ -1601,7 +1604,11 @@ fn start_attempt(
     step: crate::db::LeasedStep,
     valid_until: Instant,
 ) {
-    let rx = shared.leases.insert(step.lease.clone(), valid_until);
+    let name = leases::StepName {
+        run_id: step.run_id,
+        name: step.name.clone(),
+    };
+    let rx = shared.leases.insert(step.lease.clone(), name, valid_until);
     exec.running.fetch_add(1, Ordering::SeqCst);
     exec.held.fetch_add(1, Ordering::SeqCst);
     let span = info_span!("attempt", run_id = %step.run_id, step = %step.name,

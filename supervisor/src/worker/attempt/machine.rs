@@ -569,6 +569,9 @@ pub(crate) struct Machine {
     /// The supervisor sent the job a cancel (its imposed outcome waits for
     /// the owed terminal, or the grace).
     asked_to_stop: bool,
+    /// A second stop signal left the stop no grace
+    /// ([`Machine::saw_no_grace`]).
+    no_grace: bool,
 }
 
 impl Machine {
@@ -594,6 +597,7 @@ impl Machine {
             stopped: false,
             stop_named: false,
             asked_to_stop: false,
+            no_grace: false,
         }
     }
 
@@ -634,6 +638,14 @@ impl Machine {
     /// so).
     pub(crate) fn saw_stopped(&mut self, stopped: bool) {
         self.stopped = stopped;
+    }
+
+    /// The driver armed the stop's grace as none: a second stop signal
+    /// (the worker's forced stop). An executor that gave no terminal was
+    /// given no time to (audit 81: "within its grace" read as if it had
+    /// been, after a forced stop that sent no cancel and waited nothing).
+    pub(crate) fn saw_no_grace(&mut self) {
+        self.no_grace = true;
     }
 
     /// What a bound's message adds when the process was stopped.
@@ -1288,6 +1300,10 @@ impl Machine {
                 }
                 None if self.stopped => Some(format!(
                     "; the executor gave no terminal: its process was stopped by a signal (SIGSTOP, SIGTSTP) or held by a debugger ({exit_text}){}",
+                    self.stale_note()
+                )),
+                None if self.no_grace => Some(format!(
+                    "; the executor gave no terminal: a second stop signal left it no grace ({exit_text}){}",
                     self.stale_note()
                 )),
                 None => Some(format!(

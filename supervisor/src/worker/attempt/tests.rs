@@ -1435,6 +1435,30 @@ fn a_stop_records_how_the_executor_took_it() {
         ),
         "cancelled on request; the executor gave no terminal within its grace (killed by SIGKILL)"
     );
+    // a forced stop (a second stop signal) gives no grace, and says so
+    // (audit 81)
+    let mut m = Machine::new(
+        "j",
+        7,
+        false,
+        Limits {
+            timeout_ms: None,
+            silence_ms: None,
+        },
+    );
+    m.on(accepted());
+    m.on(Input::Abort);
+    m.saw_no_grace();
+    m.on(Input::Exited);
+    match m.verdict(false, "exit status: 0") {
+        Verdict::Outcome(Outcome::Released { message }) => assert!(
+            message.ends_with(
+                "; the executor gave no terminal: a second stop signal left it no grace (exit status: 0)"
+            ),
+            "{message}"
+        ),
+        v => panic!("{v:?}"),
+    }
     assert_eq!(
         message(
             vec![accepted(), Input::AttemptTimedOut, error_frame(2, "BUSY")],
