@@ -449,13 +449,12 @@ async fn execute(
         Err(o) => return o,
     };
     redactor.set(&secrets);
-    let workdir = match attempt_workdir(shared, exec, step) {
+    let mut workdir = match attempt_workdir(shared, exec, step) {
         Ok(d) => d,
         Err(o) => return o,
     };
     let out_dir = workdir.out().to_path_buf();
-    let in_dir = workdir.inputs().to_path_buf();
-    let inputs = match materialize_inputs(shared, step, &in_dir).await {
+    let inputs = match materialize_inputs(shared, step, &mut workdir).await {
         Ok(v) => v,
         Err(o) => return o,
     };
@@ -754,12 +753,12 @@ const INPUT_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(250);
 const INPUT_RETRY_MAX_PAUSE: Duration = Duration::from_secs(5);
 
 /// Streams the input artifacts from the artifact store to
-/// `in/<step>/<name>`, chunk by chunk, checked against their size and sha256,
-/// read-only.
+/// `<inputs>/<step>/<name>` (the job directory's inputs, made for them),
+/// chunk by chunk, checked against their size and sha256, read-only.
 async fn materialize_inputs(
     shared: &Shared,
     step: &LeasedStep,
-    in_dir: &Path,
+    workdir: &mut JobDir,
 ) -> Result<Vec<wire::InputArtifact>, Outcome> {
     if !step.has_dependencies {
         // no dependency, no input artifact: no query
@@ -794,16 +793,23 @@ async fn materialize_inputs(
             }
         }
     };
-    if !arts.is_empty() {
-        // the job's user's alone, as its directory is (in `work_dir`
-        // itself, beside a persistent job's output_dir)
-        if let Err(e) = make_private_dir(in_dir) {
+    if arts.is_empty() {
+        return Ok(Vec::new());
+    }
+    // made now, for this job alone (0700)
+    let in_dir = match workdir.make_inputs(&shared.work) {
+        Ok(d) => d,
+        Err(e) => {
             return Err(Outcome::Refused {
                 code: "WORK_DIR_UNAVAILABLE".into(),
-                message: format!("cannot make {}: {e}", in_dir.display()),
-            });
+                message: format!(
+                    "cannot make a directory for input artifacts in {}: {e}",
+                    shared.work.base().display()
+                ),
+            })
         }
-    }
+    };
+    let in_dir = in_dir.as_path();
     let store = ArtifactStore::new(shared.db.clone(), &shared.cfg);
     let mut out = Vec::with_capacity(arts.len());
     let paths = input_paths(
@@ -839,16 +845,6 @@ async fn materialize_inputs(
         });
     }
     Ok(out)
-}
-
-/// `dir`, made for this worker's user alone (0700); one already there is
-/// taken as it is.
-fn make_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
-        _ => Ok(()),
-    }
 }
 
 /// Where each input artifact (step, name) is written, in order: a name and
