@@ -1384,6 +1384,7 @@ async fn dev(url: Option<String>, opts: DevOptions) -> Result<u8, CliError> {
     let builtin = dev_config(&repo_root());
     let dev_name = builtin.name.clone();
     let cfg = builtin.with_env(std::env::vars_os())?;
+    crate::process::announce_reaper();
     if opts.print_config {
         // not dev's own name: a worker's name is its process slot, and a
         // plain worker started from this beside `dev` must not share it
@@ -1605,6 +1606,7 @@ async fn worker(
         CliError::Usage("supervisor worker needs --config FILE (`supervisor worker --print-default-config` prints one to start from)".into())
     })?;
     let cfg = WorkerConfig::load(&config)?;
+    crate::process::announce_reaper();
     for ignored in cfg.ignored_settings() {
         tracing::warn!("{ignored}");
     }

@@ -178,6 +178,13 @@ fn assert_invalid(o: &Output, fragments: &[&str], what: &str) {
         "{what}: accepted: {}",
         stderr(o)
     );
+    // nothing of a start before the refusal (audit 79: the reaper's
+    // start-up line came first, as if the worker had started)
+    assert!(
+        !stderr(o).contains("orphan reaper running"),
+        "{what}: {}",
+        stderr(o)
+    );
     for f in fragments {
         assert!(
             stderr(o).contains(f),
@@ -1072,4 +1079,32 @@ fn an_empty_database_url_leaves_the_configs() {
         err.contains(&format!("127.0.0.1:{port}/cfgdb")) && !err.contains("no database"),
         "{err}"
     );
+}
+
+/// The probe's directory in work_dir is the worker's user's alone (0700),
+/// as every directory a worker makes there (audit 83: 0755, listable by
+/// any user of a shared work_dir). The executor records the mode of the
+/// directory it runs in before it fails its handshake.
+#[test]
+fn the_probes_directory_is_private() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).expect("work dir");
+    let mode_file = dir.path().join("mode");
+    let file = write(
+        dir.path(),
+        "probe.toml",
+        &format!(
+            "work_dir = {work:?}\n[[executors]]\nname = \"x\"\ncommand = \"/bin/sh\"\nargs = [\"-c\", \"stat -c %a . > {}\"]\n",
+            mode_file.display()
+        ),
+    );
+    let o = executors_with(&file);
+    assert!(
+        !o.status.success(),
+        "no hello, a failed probe: {}",
+        stderr(&o)
+    );
+    let mode = std::fs::read_to_string(&mode_file).expect("the executor ran");
+    assert_eq!(mode.trim(), "700", "the probe's directory");
 }

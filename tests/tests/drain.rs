@@ -150,8 +150,66 @@ async fn a_second_sigterm_stops_attempts_at_once_and_gives_their_steps_back() {
         .map(|e| e.message.clone())
         .unwrap_or_default();
     assert!(
-        message.contains("the executor gave no terminal: a second stop signal left it no grace")
+        message
+            .contains("the executor gave no terminal before a second stop signal ended its grace")
             && !message.contains("within its grace"),
+        "{message}"
+    );
+    tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
+}
+
+/// A second SIGTERM also ends a grace that already runs: here the drain
+/// timeout stopped the attempt first and its 20 s cancel grace was running
+/// (audit 83: the grace ran on, and past the forced exit's 10 s the worker
+/// exited 1 with the step left `running` until its lease expired).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_ends_a_grace_the_drain_timeout_started() {
+    let t = TestDb::new().await;
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.drain_timeout_ms = 500;
+    cfg.lease_ttl_ms = 60_000;
+    cfg.cancel_grace_ms = 20_000;
+    cfg.term_grace_ms = 20_000;
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(
+            json!({"name": "long", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.misbehave", "input": {"mode": "ignore_cancel"},
+            "retry": {"max_attempts": 1}}]}),
+        )
+        .await;
+    let step = wait_running(&t, run).await;
+    let pgid = tests::executor_pid(&t.db, step).await;
+    w.signal(Signal::SIGTERM);
+    // the drain timeout passes and the attempt's cancel grace starts
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while !w.stderr().contains("drain timeout") {
+        assert!(std::time::Instant::now() < until, "{}", w.stderr());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = std::time::Instant::now();
+    w.signal(Signal::SIGTERM);
+    let code = w.wait(Duration::from_secs(30)).await;
+    let took = asked.elapsed();
+    assert_eq!(code, Some(0), "stderr: {}", w.stderr());
+    assert!(
+        took < Duration::from_secs(5),
+        "the running grace was not ended: {took:?}"
+    );
+    let st = t.status(run).await;
+    let s = &st.steps[0];
+    assert_eq!(
+        s.state, "retryable_failed",
+        "given back, not left running: {s:?}"
+    );
+    let message = s
+        .error
+        .as_ref()
+        .map(|e| e.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.contains("before a second stop signal ended its grace"),
         "{message}"
     );
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;

@@ -75,7 +75,8 @@ pub use group::{group_members, kill_all_groups, live_groups};
 pub use limits::{raise_open_file_limit, return_large_frees_to_the_system, OpenFileLimit};
 pub use marker::{Marker, INSTANCE_ENV, SLOT_ENV, SUPERVISOR_ENV};
 pub use reaper::{
-    become_subreaper, is_subreaper, orphans_reaped, reap_orphans, start_orphan_reaper, ReapPass,
+    announce_reaper, become_subreaper, is_subreaper, orphans_reaped, reap_orphans,
+    start_orphan_reaper, ReapPass,
 };
 pub use spawner::Spawner;
 pub use stderr::{

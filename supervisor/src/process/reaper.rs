@@ -60,7 +60,7 @@
 //! `ECHILD`). Nothing in the supervisor does.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -76,6 +76,20 @@ const DEFER_RETRY: Duration = Duration::from_millis(50);
 /// How long the reaper thread waits for a tracing subscriber before its
 /// start-up log line (the CLI installs one right after starting it).
 const LOG_READY_WAIT: Duration = Duration::from_secs(2);
+
+/// How long the start-up line then waits for [`announce_reaper`]: a
+/// command that never calls it still says that its reaper runs.
+const ANNOUNCE_WAIT: Duration = Duration::from_secs(30);
+
+/// Set by [`announce_reaper`].
+static ANNOUNCED: AtomicBool = AtomicBool::new(false);
+
+/// The command's configuration is accepted: the reaper's start-up line may
+/// be logged now. Before, a worker refused for its configuration logged
+/// "orphan reaper running" first, as if it had started (audit 79).
+pub fn announce_reaper() {
+    ANNOUNCED.store(true, Ordering::Release);
+}
 
 /// Total orphans reaped by this process.
 static REAPED: AtomicU64 = AtomicU64::new(0);
@@ -286,6 +300,10 @@ fn reaper_thread(ready: std::sync::mpsc::Sender<io::Result<()>>) {
             // Started before the CLI sets up logging: wait for it (bounded).
             let until = tokio::time::Instant::now() + LOG_READY_WAIT;
             while !tracing::dispatcher::has_been_set() && tokio::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let until = tokio::time::Instant::now() + ANNOUNCE_WAIT;
+            while !ANNOUNCED.load(Ordering::Acquire) && tokio::time::Instant::now() < until {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             if is_subreaper() {

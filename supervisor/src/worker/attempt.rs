@@ -1947,6 +1947,8 @@ struct Clocks {
     silence_at: Option<Instant>,
     grace: Duration,
     grace_until: Option<Instant>,
+    /// A second stop signal ended the grace (or left none).
+    grace_forced: bool,
     /// A drain of stdout in progress.
     drain: Option<Drain>,
     /// The next stall check: one timer for the attempt, reset as it fires
@@ -2010,6 +2012,7 @@ impl Clocks {
             silence_at: silence.and_then(instant_in),
             grace: Duration::from_millis(cancel_grace_ms),
             grace_until: None,
+            grace_forced: false,
             drain: None,
             stall_check: Box::pin(tokio::time::sleep(STALL_WARN_AFTER)),
             stall_len: 0,
@@ -2069,9 +2072,13 @@ impl Conversation<'_> {
             ) {
                 machine.saw_stopped(self.child.is_stopped());
             }
+            if matches!(input, Input::GraceEnded) && self.clocks.grace_forced {
+                machine.saw_no_grace();
+            }
             let stale_before = machine.stale_frames();
             for action in machine.on(input) {
                 if matches!(action, Action::ArmGrace) && super::forced() {
+                    self.clocks.grace_forced = true;
                     machine.saw_no_grace();
                 }
                 if let Some(finish) = self.act(action).await {
@@ -2244,6 +2251,11 @@ impl Conversation<'_> {
             tokio::select! {
                 biased;
                 _ = sleep_opt(grace_until) => return Input::GraceEnded,
+                // a second stop signal ends a grace that runs
+                _ = super::until_forced(), if grace_until.is_some() && !self.clocks.grace_forced => {
+                    self.clocks.grace_forced = true;
+                    return Input::GraceEnded;
+                }
                 res = self.child.exited(), if !machine.exited() => {
                     if let Err(e) = res { error!(error = %e, "cannot watch the executor's exit"); }
                     return Input::Exited;
@@ -3234,9 +3246,14 @@ pub(crate) async fn stop_child(
         } else {
             Duration::from_millis(cfg.term_grace_ms)
         };
-        if tokio::time::timeout(grace, child.exited()).await.is_err() {
+        // a second stop signal ends the grace then (audit 83)
+        let exited = tokio::select! {
+            res = tokio::time::timeout(grace, child.exited()) => res.is_ok(),
+            _ = super::until_forced(), if !grace.is_zero() => false,
+        };
+        if !exited {
             crate::metrics::executor_signal("SIGKILL");
-            if grace.is_zero() {
+            if grace.is_zero() || super::forced() {
                 // a second stop signal: no grace was given, nothing ignored
                 info!(
                     pid = child.pid,

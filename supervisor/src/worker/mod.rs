@@ -635,8 +635,11 @@ pub async fn probe(
     };
     // in work_dir, as every attempt's directory (it went to /tmp whatever
     // work_dir said)
+    // for this worker's user alone, as every directory it makes in work_dir
+    // (audit 83: 0755, listable by any user of a shared work_dir)
     let dir = tempfile::Builder::new()
         .prefix("durable-probe-")
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
         .tempdir_in(wcfg.work_base())
         .map_err(|e| fail(format!("cannot create a temp dir: {e}")))?;
     let spec = cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes);
@@ -1233,6 +1236,16 @@ pub fn force_stop() {
 /// Whether a second stop signal asked for children to be stopped without grace.
 pub(crate) fn forced() -> bool {
     *force_channel().borrow()
+}
+
+/// Resolves once a second stop signal came (at once if one did): a grace
+/// already running ends then, not when it would have (audit 83: a cancel's
+/// grace armed by the drain timeout ran its whole length after the second
+/// signal, and past the forced exit's 10 s the step was left running).
+pub(crate) async fn until_forced() {
+    let mut rx = force_channel().subscribe();
+    // the sender lives in a static: it is never dropped
+    let _ = rx.wait_for(|forced| *forced).await;
 }
 
 /// One pass of the lease loop: each executor leases up to its free slots

@@ -640,10 +640,10 @@ impl Machine {
         self.stopped = stopped;
     }
 
-    /// The driver armed the stop's grace as none: a second stop signal
-    /// (the worker's forced stop). An executor that gave no terminal was
-    /// given no time to (audit 81: "within its grace" read as if it had
-    /// been, after a forced stop that sent no cancel and waited nothing).
+    /// A second stop signal (the worker's forced stop) left the stop no
+    /// grace, or ended the one that ran: an executor that gave no terminal
+    /// was not given its grace (audit 81: "within its grace" read as if it
+    /// had been, after a forced stop that sent no cancel and waited nothing).
     pub(crate) fn saw_no_grace(&mut self) {
         self.no_grace = true;
     }
@@ -1303,7 +1303,7 @@ impl Machine {
                     self.stale_note()
                 )),
                 None if self.no_grace => Some(format!(
-                    "; the executor gave no terminal: a second stop signal left it no grace ({exit_text}){}",
+                    "; the executor gave no terminal before a second stop signal ended its grace ({exit_text}){}",
                     self.stale_note()
                 )),
                 None => Some(format!(

@@ -1453,7 +1453,7 @@ fn a_stop_records_how_the_executor_took_it() {
     match m.verdict(false, "exit status: 0") {
         Verdict::Outcome(Outcome::Released { message }) => assert!(
             message.ends_with(
-                "; the executor gave no terminal: a second stop signal left it no grace (exit status: 0)"
+                "; the executor gave no terminal before a second stop signal ended its grace (exit status: 0)"
             ),
             "{message}"
         ),
