@@ -1607,8 +1607,12 @@ async fn worker(
     })?;
     let cfg = WorkerConfig::load(&config)?;
     crate::process::announce_reaper();
-    for ignored in cfg.ignored_settings() {
-        tracing::warn!("{ignored}");
+    for warning in cfg
+        .ignored_settings()
+        .into_iter()
+        .chain(cfg.host_warnings())
+    {
+        tracing::warn!("{warning}");
     }
     for (var, near) in crate::config::unknown_env_settings(std::env::vars_os()) {
         match near {

@@ -477,6 +477,30 @@ impl WorkerConfig {
         out
     }
 
+    /// What the worker warns of at start about the host, not the config's
+    /// keys: a `work_dir` every user may write to without the sticky bit
+    /// lets another user rename this worker's directories there and put
+    /// links to its own in their place, which the worker then writes a
+    /// job's inputs and outputs into (audit 83). Not refused: a directory
+    /// shared on purpose is the operator's call.
+    pub fn host_warnings(&self) -> Vec<String> {
+        use std::os::unix::fs::PermissionsExt;
+        let base = self.work_base();
+        let Ok(meta) = std::fs::metadata(&base) else {
+            return Vec::new();
+        };
+        let mode = meta.permissions().mode();
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+            vec![format!(
+                "work_dir {} is writable by every user and not sticky (mode {:o}): another user can replace this worker's directories there with links of its own; chmod +t it (as /tmp is) or 0700, or set work_dir to a directory of the worker's user",
+                base.display(),
+                mode & 0o7777
+            )]
+        } else {
+            Vec::new()
+        }
+    }
+
     /// Reads, overrides from the environment (`DURABLE_<KEY>`, see
     /// [`WorkerConfig::apply_env`]), resolves and validates a worker config.
     pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {

@@ -1108,3 +1108,39 @@ fn the_probes_directory_is_private() {
     let mode = std::fs::read_to_string(&mode_file).expect("the executor ran");
     assert_eq!(mode.trim(), "700", "the probe's directory");
 }
+
+/// A work_dir every user may write to without the sticky bit is named at
+/// start, with what to do (audit 83: another user renamed the worker's
+/// fresh directories there and put links to its own in their place, and
+/// the worker wrote a job's inputs into them); a sticky one (as /tmp) or
+/// a private one is not.
+#[test]
+fn a_work_dir_any_user_may_rename_in_is_warned_of() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).expect("work dir");
+    let file = write(
+        dir.path(),
+        "w.toml",
+        &format!("work_dir = {work:?}\n{EXEC}"),
+    );
+    let start_warn = || {
+        tests::supervisor_clean("warn")
+            .args(["worker", "--config", &file])
+            .output()
+            .expect("run supervisor")
+    };
+    for (mode, warned) in [(0o777, true), (0o1777, false), (0o700, false)] {
+        std::fs::set_permissions(&work, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        let o = start_warn();
+        let err = stderr(&o);
+        assert!(err.contains("no database"), "{mode:o}: {err}");
+        assert_eq!(
+            err.contains("is writable by every user and not sticky (mode 777)")
+                && err.contains("chmod +t"),
+            warned,
+            "{mode:o}: {err}"
+        );
+    }
+}
