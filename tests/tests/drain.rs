@@ -102,6 +102,31 @@ async fn drain_timeout_stops_the_child_and_the_step_goes_back_to_the_queue() {
     tests::assert_no_survivors(step, pgid, Duration::from_secs(1)).await;
 }
 
+/// A worker (20 s graces, a 60 s lease, the given drain timeout) running a
+/// step whose executor ignores cancels: the worker, the run, the step and
+/// the executor's process group.
+async fn ignoring_cancels(
+    t: &TestDb,
+    drain_timeout_ms: u64,
+) -> (WorkerProcess, uuid::Uuid, uuid::Uuid, Option<i32>) {
+    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
+    cfg.drain_timeout_ms = drain_timeout_ms;
+    cfg.lease_ttl_ms = 60_000;
+    cfg.cancel_grace_ms = 20_000;
+    cfg.term_grace_ms = 20_000;
+    let w = WorkerProcess::spawn(&t.url, &cfg);
+    let run = t
+        .submit(
+            json!({"name": "long", "steps": [{"name": "s", "executor_kind": "go",
+            "kind": "demo.misbehave", "input": {"mode": "ignore_cancel"},
+            "retry": {"max_attempts": 1}}]}),
+        )
+        .await;
+    let step = wait_running(t, run).await;
+    let pgid = tests::executor_pid(&t.db, step).await;
+    (w, run, step, pgid)
+}
+
 /// A second SIGTERM stops running attempts at once, without the graces, and
 /// still gives their steps back (uncounted, WORKER_SHUTDOWN) before the
 /// worker exits 0; no child survives. Before, the second signal SIGKILLed
@@ -110,21 +135,7 @@ async fn drain_timeout_stops_the_child_and_the_step_goes_back_to_the_queue() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_sigterm_stops_attempts_at_once_and_gives_their_steps_back() {
     let t = TestDb::new().await;
-    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
-    cfg.drain_timeout_ms = 60_000;
-    cfg.lease_ttl_ms = 60_000;
-    cfg.cancel_grace_ms = 20_000;
-    cfg.term_grace_ms = 20_000;
-    let mut w = WorkerProcess::spawn(&t.url, &cfg);
-    let run = t
-        .submit(
-            json!({"name": "long", "steps": [{"name": "s", "executor_kind": "go",
-            "kind": "demo.misbehave", "input": {"mode": "ignore_cancel"},
-            "retry": {"max_attempts": 1}}]}),
-        )
-        .await;
-    let step = wait_running(&t, run).await;
-    let pgid = tests::executor_pid(&t.db, step).await;
+    let (mut w, run, step, pgid) = ignoring_cancels(&t, 60_000).await;
     let asked = std::time::Instant::now();
     w.signal(Signal::SIGTERM);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -165,21 +176,7 @@ async fn a_second_sigterm_stops_attempts_at_once_and_gives_their_steps_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_sigterm_ends_a_grace_the_drain_timeout_started() {
     let t = TestDb::new().await;
-    let mut cfg = fast_config(vec![go_demo("go", &[], None)]);
-    cfg.drain_timeout_ms = 500;
-    cfg.lease_ttl_ms = 60_000;
-    cfg.cancel_grace_ms = 20_000;
-    cfg.term_grace_ms = 20_000;
-    let mut w = WorkerProcess::spawn(&t.url, &cfg);
-    let run = t
-        .submit(
-            json!({"name": "long", "steps": [{"name": "s", "executor_kind": "go",
-            "kind": "demo.misbehave", "input": {"mode": "ignore_cancel"},
-            "retry": {"max_attempts": 1}}]}),
-        )
-        .await;
-    let step = wait_running(&t, run).await;
-    let pgid = tests::executor_pid(&t.db, step).await;
+    let (mut w, run, step, pgid) = ignoring_cancels(&t, 500).await;
     w.signal(Signal::SIGTERM);
     // the drain timeout passes and the attempt's cancel grace starts
     let until = std::time::Instant::now() + Duration::from_secs(30);
