@@ -1144,3 +1144,43 @@ fn a_work_dir_any_user_may_rename_in_is_warned_of() {
         );
     }
 }
+
+/// A worker's probe runs in a directory of its own that carries the
+/// worker's tag (`durable-probe-XXXXXX.<tag>`), as every directory it makes
+/// in work_dir: a worker killed during a probe leaves nothing the next
+/// one's sweep misses (audit 83: the probe's directory had no tag).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_probe_directory_carries_its_tag() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).expect("work dir");
+    let record = dir.path().join("cwds");
+    let mut e = tests::go_demo("go", &[], None);
+    let mut args = vec![
+        "-c".to_string(),
+        format!("pwd >> {}; exec \"$0\" \"$@\"", record.display()),
+        e.command.clone(),
+    ];
+    args.extend(e.args.clone());
+    e.command = "/bin/sh".into();
+    e.args = args;
+    let mut cfg = tests::fast_config(vec![e]);
+    cfg.work_dir = Some(work.clone());
+    let w = tests::RunningWorker::start(t.connect(10).await, cfg).await;
+    w.shutdown().await;
+    let cwds = std::fs::read_to_string(&record).expect("the executor ran");
+    let probe = cwds.lines().next().expect("the probe's directory");
+    let name = Path::new(probe)
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .into_owned();
+    let (stem, tag) = name.rsplit_once('.').expect("a tag");
+    assert!(stem.starts_with("durable-probe-"), "{probe}");
+    assert!(
+        tag.len() == 12 && tag.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{probe}"
+    );
+    assert_eq!(Path::new(probe).parent(), Some(work.as_path()), "{probe}");
+}

@@ -333,7 +333,7 @@ impl ExecutorRuntime {
         shared: &Shared,
     ) -> Result<(wire::Hello, Option<session::Session>), String> {
         if !self.cfg.persistent {
-            return probe(&shared.spawner, &self.cfg, &shared.cfg)
+            return probe_in(&shared.spawner, &self.cfg, &shared.cfg, Some(&shared.work))
                 .await
                 .map(|h| (h, None))
                 .map_err(|e| e.to_string());
@@ -622,11 +622,24 @@ fn leasable(concurrency: u32, running: u32, held: u32) -> u32 {
         .min(concurrency.saturating_mul(2).saturating_sub(held))
 }
 
-/// Probes one executor: spawn, read its hello, ask it to shut down, reap.
+/// Probes one executor: spawn, read its hello, ask it to shut down, reap
+/// (the `executors` command's probe, outside a worker).
 pub async fn probe(
     spawner: &Spawner,
     cfg: &ExecutorConfig,
     wcfg: &WorkerConfig,
+) -> Result<Hello, WorkerError> {
+    probe_in(spawner, cfg, wcfg, None).await
+}
+
+/// [`probe`], in a directory of `work` when a worker probes: it carries the
+/// worker's tag, so the sweep of a worker killed during a probe removes it
+/// (audit 83).
+async fn probe_in(
+    spawner: &Spawner,
+    cfg: &ExecutorConfig,
+    wcfg: &WorkerConfig,
+    work: Option<&workdir::WorkDir>,
 ) -> Result<Hello, WorkerError> {
     let fail = |why: String| WorkerError::Probe {
         name: cfg.name.clone(),
@@ -634,14 +647,16 @@ pub async fn probe(
         why: why + &cfg.relative_args_note(),
     };
     // in work_dir, as every attempt's directory (it went to /tmp whatever
-    // work_dir said)
-    // for this worker's user alone, as every directory it makes in work_dir
-    // (audit 83: 0755, listable by any user of a shared work_dir)
-    let dir = tempfile::Builder::new()
-        .prefix("durable-probe-")
-        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
-        .tempdir_in(wcfg.work_base())
-        .map_err(|e| fail(format!("cannot create a temp dir: {e}")))?;
+    // work_dir said), for this worker's user alone (audit 83: it was 0755,
+    // listable by any user of a shared work_dir)
+    let dir = match work {
+        Some(w) => w.tempdir("durable-probe-"),
+        None => tempfile::Builder::new()
+            .prefix("durable-probe-")
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .tempdir_in(wcfg.work_base()),
+    }
+    .map_err(|e| fail(format!("cannot create a temp dir: {e}")))?;
     let spec = cfg.spawn_spec(dir.path(), wcfg.stderr_tail_bytes);
     let mut child = spawner.spawn(spec).await.map_err(|e| fail(e.to_string()))?;
     let stdout = child.take_stdout();
@@ -777,8 +792,9 @@ impl ExecutorRuntime {
         spawner: &Spawner,
         ecfg: &ExecutorConfig,
         cfg: &WorkerConfig,
+        work: &workdir::WorkDir,
     ) -> Result<ExecutorRuntime, WorkerError> {
-        let hello = probe(spawner, ecfg, cfg).await?;
+        let hello = probe_in(spawner, ecfg, cfg, Some(work)).await?;
         let routes = routing::routes(&hello, ecfg);
         check_kinds(ecfg, &hello, &routes)?;
         info!(executor = %ecfg.name, executor_kind = %hello.executor_kind, kinds = ?hello.kinds,
@@ -830,7 +846,7 @@ impl Worker {
         let mut executors = Vec::with_capacity(cfg.executors.len());
         for ecfg in &cfg.executors {
             executors.push(Arc::new(
-                ExecutorRuntime::probed(&spawner, ecfg, &cfg).await?,
+                ExecutorRuntime::probed(&spawner, ecfg, &cfg, &work).await?,
             ));
         }
         let name = cfg
@@ -1421,7 +1437,7 @@ async fn routes_to_lease(
         breaker::Lease::Yes if exec.reprobe_due() => {
             // narrowed routes: does a new process offer more again?
             let base = Duration::from_millis(shared.cfg.refusal_delay_ms);
-            match probe(&shared.spawner, &exec.cfg, &shared.cfg).await {
+            match probe_in(&shared.spawner, &exec.cfg, &shared.cfg, Some(&shared.work)).await {
                 Ok(hello) => {
                     let routes = routing::routes(&hello, &exec.cfg);
                     if !routes.is_empty() {
