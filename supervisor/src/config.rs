@@ -1629,12 +1629,18 @@ fn too_large_for(key: &str, message: &str) -> Option<String> {
             "the number is above {limit}, the largest {key} takes{words}"
         ));
     }
-    let n: u64 = message
+    let (raw, rest) = message
         .strip_prefix("invalid value: integer `")?
-        .split_once('`')?
-        .0
-        .parse()
-        .ok()?;
+        .split_once('`')?;
+    // a negative number for a count: what the key takes, without a
+    // smallest value that its own check (after) may contradict (audit 80:
+    // `db_max_connections = -1` said "0 or more", and 0 is refused after)
+    if raw.starts_with('-') && rest.starts_with(", expected u") {
+        return Some(format!(
+            "{raw} is negative: {key} takes a whole number, at most {limit}{words}"
+        ));
+    }
+    let n: u64 = raw.parse().ok()?;
     (n > limit).then(|| format!("{n} is above {limit}, the largest {key} takes{words}"))
 }
 
@@ -1733,12 +1739,13 @@ mod tests {
         for (line, want) in [
             (
                 "warm_processes = -1",
-                "(key warm_processes): invalid value: integer `-1`, expected a whole number, 0 or more",
+                "(key warm_processes): -1 is negative: warm_processes takes a whole number, at most 9999",
             ),
             (
                 "idle_timeout_ms = -5",
-                "(key idle_timeout_ms): invalid value: integer `-5`, expected a whole number, 0 or more",
+                "(key idle_timeout_ms): -5 is negative: idle_timeout_ms takes a whole number, at most 86400000 (one day of milliseconds)",
             ),
+
             (
                 "concurrency = 4294967296",
                 "(key concurrency): 4294967296 is above 9999, the largest concurrency takes",
@@ -1754,6 +1761,17 @@ mod tests {
             assert!(got.ends_with(want), "{line}: {got}");
             assert!(!got.contains(" u32") && !got.contains(" u64"), "{got}");
         }
+        // no smallest value that its own check contradicts (audit 80: "0
+        // or more", and 0 is refused after)
+        let text = format!("db_max_connections = -1\n{exec}");
+        let e = toml::from_str::<WorkerConfig>(&text).expect_err("negative");
+        assert!(
+            parse_error(&text, &e).ends_with(
+                "(key db_max_connections): -1 is negative: db_max_connections takes a whole number, at most 10000"
+            ),
+            "{}",
+            parse_error(&text, &e)
+        );
         assert_eq!(plain_types("expected a boolean"), "expected a boolean");
         assert_eq!(
             plain_types("invalid value: integer `4294967296`, expected u32"),
