@@ -49,7 +49,7 @@ async fn read_failure(db: &Db, id: Uuid, e: StoreError, sink: Sink) -> CliError 
         && matches!(db.artifact_blob(id).await, Err(DbError::NotFound(_)))
     {
         return CliError::Db(DbError::NotFound(format!(
-            "artifact {id} was removed while it was being read (its run was older than the retention age) {}",
+            "artifact {id} was removed while it was being read (its run was removed: by a worker's retention or by `gc`) {}",
             left_behind(sink)
         )));
     }
