@@ -1601,7 +1601,7 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
                 });
             let message = e.message().trim_end();
             let message = key
-                .and_then(|k| too_large_for(k.trim_matches('"'), message))
+                .and_then(|k| out_of_range_for(k.trim_matches('"'), message))
                 .unwrap_or_else(|| plain_types(message));
             let key = key.map(|k| format!(" (key {k})")).unwrap_or_default();
             format!("line {line}, column {column}{key}: {message}")
@@ -1610,11 +1610,12 @@ fn parse_error(text: &str, e: &toml::de::Error) -> String {
     }
 }
 
-/// toml's message for a number too large for `key`, in words that name the
-/// largest `key` takes where it has a bound of its own (outside re-check: the
-/// file's `db_max_connections = 4294967296` named the type's 4294967295, and
-/// a number above 2^63 only "number too large to fit in target type").
-fn too_large_for(key: &str, message: &str) -> Option<String> {
+/// toml's message for a number out of `key`'s range, in words that name the
+/// largest `key` takes where it has a bound of its own: too large (outside
+/// re-check: the file's `db_max_connections = 4294967296` named the type's
+/// 4294967295, and a number above 2^63 only "number too large to fit in
+/// target type"), or negative for a count.
+fn out_of_range_for(key: &str, message: &str) -> Option<String> {
     let limit = match key {
         // an executor's concurrency (and its warm processes, at most it) is
         // bounded by the worker's connections: total + 1 ≤ db_max_connections

@@ -2072,18 +2072,15 @@ impl Conversation<'_> {
             ) {
                 machine.saw_stopped(self.child.is_stopped());
             }
-            if matches!(input, Input::GraceEnded) && self.clocks.grace_forced {
-                machine.saw_no_grace();
-            }
             let stale_before = machine.stale_frames();
             for action in machine.on(input) {
-                if matches!(action, Action::ArmGrace) && super::forced() {
-                    self.clocks.grace_forced = true;
-                    machine.saw_no_grace();
-                }
                 if let Some(finish) = self.act(action).await {
                     if !broke {
                         self.log_unfinished_frame();
+                    }
+                    if self.clocks.grace_forced {
+                        // for the outcome's message (the verdict comes next)
+                        machine.saw_no_grace();
                     }
                     return (machine, finish);
                 }
@@ -2322,7 +2319,8 @@ impl Conversation<'_> {
             Action::CloseStdin => drop(self.stdin.take()),
             Action::ArmGrace => {
                 // a second stop signal: no grace
-                let grace = if super::forced() {
+                self.clocks.grace_forced = super::forced();
+                let grace = if self.clocks.grace_forced {
                     Duration::ZERO
                 } else {
                     self.clocks.grace
