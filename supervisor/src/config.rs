@@ -478,27 +478,40 @@ impl WorkerConfig {
     }
 
     /// What the worker warns of at start about the host, not the config's
-    /// keys: a `work_dir` every user may write to without the sticky bit
-    /// lets another user rename this worker's directories there and put
-    /// links to its own in their place, which the worker then writes a
-    /// job's inputs and outputs into (audit 83). Not refused: a directory
-    /// shared on purpose is the operator's call.
+    /// keys:
+    /// - a `work_dir` every user may write to without the sticky bit lets
+    ///   another user rename this worker's directories there and put links
+    ///   to its own in their place, which the worker then writes a job's
+    ///   inputs and outputs into (audit 83). Not refused: a directory shared
+    ///   on purpose is the operator's call;
+    /// - a `work_dir` on ext4 without a journal makes each job's directory
+    ///   slower to make than the last at a high job rate ([`crate::hostfs`]).
     pub fn host_warnings(&self) -> Vec<String> {
         use std::os::unix::fs::PermissionsExt;
         let base = self.work_base();
         let Ok(meta) = std::fs::metadata(&base) else {
             return Vec::new();
         };
+        let mut out = Vec::new();
         let mode = meta.permissions().mode();
         if mode & 0o002 != 0 && mode & 0o1000 == 0 {
-            vec![format!(
+            out.push(format!(
                 "work_dir {} is writable by every user and not sticky (mode {:o}): another user can replace this worker's directories there with links of its own; chmod +t it (as /tmp is) or 0700, or set work_dir to a directory of the worker's user",
                 base.display(),
                 mode & 0o7777
-            )]
-        } else {
-            Vec::new()
+            ));
         }
+        if let Some(fs) = crate::hostfs::Filesystem::of(&base) {
+            if fs.slow_to_remake_directories() {
+                out.push(format!(
+                    "work_dir {} is on ext4 without a journal ({} on {}): there each job directory made and removed makes the next one slower to make (the kernel steps over recently freed inodes), which costs a busy worker much of its CPU; for many short jobs set work_dir to a tmpfs (e.g. /dev/shm, if job outputs fit in memory) or a journaled filesystem",
+                    base.display(),
+                    fs.source,
+                    fs.mount_point.display()
+                ));
+            }
+        }
+        out
     }
 
     /// Reads, overrides from the environment (`DURABLE_<KEY>`, see

@@ -7,6 +7,7 @@ pub mod conformance;
 pub mod db;
 pub mod dev;
 pub mod fault;
+pub mod hostfs;
 pub mod json;
 pub mod metrics;
 pub mod process;

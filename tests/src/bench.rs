@@ -174,6 +174,13 @@ pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
         .map(|o| !o.stdout.is_empty())
         .unwrap_or(false);
+    // where the worker's job directories go (its default work_dir: the temp
+    // dir, TMPDIR), and on what: on ext4 without a journal each one made and
+    // removed slows the next (supervisor::hostfs)
+    let work_dir = std::env::temp_dir();
+    let work_fs = supervisor::hostfs::Filesystem::of(&work_dir)
+        .map(|f| f.describe())
+        .unwrap_or_else(|| "unknown".into());
     Ok(json!({
         "cpu_model": cpu_model,
         "cores": nproc,
@@ -187,6 +194,8 @@ pub async fn setup_json(admin: &Db, url: &str) -> Result<Value> {
         "build_profile": if cfg!(debug_assertions) { "debug" } else { "release" },
         "git_commit": commit,
         "git_dirty": dirty,
+        "work_dir": work_dir.display().to_string(),
+        "work_dir_filesystem": work_fs,
     }))
 }
 
@@ -246,6 +255,11 @@ pub async fn print_setup(admin: &Db, url: &str) -> Result<Value> {
             ""
         },
         st("postgresql_host"),
+    );
+    println!(
+        "work_dir    : {} on {} (the worker's default, the temp dir: set TMPDIR to move it)",
+        st("work_dir"),
+        st("work_dir_filesystem"),
     );
     Ok(s)
 }

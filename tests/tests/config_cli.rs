@@ -1145,6 +1145,48 @@ fn a_work_dir_any_user_may_rename_in_is_warned_of() {
     }
 }
 
+/// A work_dir on ext4 without a journal is named at start with what to do
+/// (there each job directory made and removed slows the next `mkdir`: a
+/// third of a busy worker's CPU in a profile of persistent no-op jobs); a
+/// tmpfs one is not. Which the host's temp dir is, the kernel says
+/// (`supervisor::hostfs`); both cases are run where the host has them.
+#[test]
+fn a_work_dir_on_ext4_without_a_journal_is_warned_of() {
+    let mut bases = vec![std::env::temp_dir()];
+    if std::path::Path::new("/dev/shm").is_dir() {
+        bases.push("/dev/shm".into());
+    }
+    for base in bases {
+        let dir = tempfile::tempdir_in(&base).expect("tempdir");
+        let work = dir.path().join("work");
+        std::fs::create_dir(&work).expect("work dir");
+        let fs = supervisor::hostfs::Filesystem::of(&work).expect("its filesystem");
+        let file = write(
+            dir.path(),
+            "w.toml",
+            &format!("work_dir = {work:?}\n{EXEC}"),
+        );
+        let o = tests::supervisor_clean("warn")
+            .args(["worker", "--config", &file])
+            .output()
+            .expect("run supervisor");
+        let err = stderr(&o);
+        assert!(err.contains("no database"), "{}: {err}", base.display());
+        let warned =
+            err.contains("is on ext4 without a journal") && err.contains("set work_dir to a tmpfs");
+        assert_eq!(
+            warned,
+            fs.slow_to_remake_directories(),
+            "{} is {}: {err}",
+            base.display(),
+            fs.describe()
+        );
+        if fs.fstype == "tmpfs" {
+            assert!(!warned, "{err}");
+        }
+    }
+}
+
 /// A worker's probe runs in a directory of its own that carries the
 /// worker's tag (`durable-probe-XXXXXX.<tag>`), as every directory it makes
 /// in work_dir: a worker killed during a probe leaves nothing the next
