@@ -266,7 +266,7 @@ pub enum CliError {
         "no database: pass --database-url or set DATABASE_URL (e.g. postgres://user@localhost/db); a worker also reads database_url from its config or DURABLE_DATABASE_URL"
     )]
     NoDatabase,
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {source}{}", read_hint(source))]
     Read {
         path: String,
         #[source]
@@ -1250,26 +1250,34 @@ async fn watch(
         let db = connect_checked(url).await?;
         let mut opts = crate::watch::WatchOptions::for_stdout(plain);
         opts.interval = std::time::Duration::from_millis(interval_ms);
-        crate::watch::watch(
+        let watched = crate::watch::watch(
             &db,
             id,
             &mut std::io::stdout(),
             &opts,
             crate::watch::stop_signal(),
         )
-        .await
-        .map_err(|e| {
-            if e.is_transient() {
+        .await;
+        match watched {
+            Ok(end) => Ok(end),
+            Err(e) if e.is_transient() => {
                 // what the user needs to know first: the database went away
                 // (operator audit: only "pool timed out while waiting for an
-                // open connection" was printed)
-                CliError::Other(format!(
-                    "the database stopped answering while watching the run ({e})"
-                ))
-            } else {
-                explain(e)
+                // open connection" was printed), for how long, and the
+                // server's own reason where a new connection gets one
+                // (audit 87: "Connection refused" was hidden)
+                let why = db
+                    .server_reason(&e, std::time::Duration::from_secs(2))
+                    .await
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default();
+                Err(CliError::Other(format!(
+                    "the database stopped answering while watching the run, for {} s ({e}){why}",
+                    opts.patience.as_secs()
+                )))
             }
-        })
+            Err(e) => Err(explain(e)),
+        }
     };
     match followed.await {
         Ok(crate::watch::WatchEnd::OutputFailed(e)) => Err(CliError::Watching(Box::new(
@@ -2031,6 +2039,21 @@ fn read_input(file: &str) -> Result<String, CliError> {
 /// is refused without reading it all (`submit /dev/zero` read until the
 /// machine's memory ran out; audit of the operator's tools).
 const MAX_SPEC_INPUT: u64 = 64 * 1024 * 1024;
+
+/// What to do about a spec file that cannot be read (audit 87: a path
+/// that does not exist said so and no more).
+fn read_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            ": give the path of a workflow spec (a JSON file), or - to read it from stdin"
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            ": make the file readable by this user, or pipe it in with -"
+        }
+        std::io::ErrorKind::IsADirectory => ": give the path of a spec file, not a directory",
+        _ => "",
+    }
+}
 
 fn read_raw_input(file: &str) -> Result<String, CliError> {
     let (path, reader): (&str, Box<dyn Read>) = if file == "-" {

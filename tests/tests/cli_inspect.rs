@@ -733,9 +733,18 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
     expect_exit(
         &o,
         2,
-        &["cannot read /nonexistent/spec.json"],
-        "missing file",
+        &[
+            "cannot read /nonexistent/spec.json",
+            "give the path of a workflow spec (a JSON file), or - to read it from stdin",
+        ],
+        "missing file: what it is and what to do",
     );
+    let dir = tempfile::tempdir().expect("tmp");
+    let o = cli(
+        Some(&t.url),
+        &["submit", dir.path().to_str().expect("path")],
+    );
+    expect_exit(&o, 2, &["not a directory"], "a directory");
 
     // 2: usage
     let o = cli(Some(&t.url), &["runs", "--bogus"]);

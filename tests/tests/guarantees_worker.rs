@@ -1838,6 +1838,68 @@ async fn narrowed_routes_are_probed_again_without_other_work() {
     w.shutdown().await;
 }
 
+/// An idle process of a persistent executor whose hello is older than the
+/// executor's routes is retired, not handed a step its hello does not offer
+/// (audit 86): the probe process kept idle while the routes were narrowed
+/// (its hello offered only `hostile.sleep`) took the `hostile.echo` step
+/// once a later probe widened the routes again, and refused it: a second
+/// EXECUTOR_REFUSED, counted toward `max_refusals`, where a new process ran
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_process_older_than_the_routes_is_not_handed_a_step_it_does_not_offer() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kinds = dir.path().join("kinds");
+    let mut e = hostile(
+        "hostile",
+        None,
+        &[("HOSTILE_KINDS_FILE", kinds.to_str().expect("utf-8 path"))],
+    );
+    // one job per process (HOSTILE_JOBS' default): the start's probe
+    // process, which offers every kind, serves the first step and retires
+    e.persistent = true;
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
+    let first = t
+        .submit(spec("hostile.sleep", json!({"input": {"ms": 10}})))
+        .await;
+    let st = t.wait_terminal(first, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    // the upgrade: new processes offer only hostile.sleep; the echo step's
+    // process refuses it, the routes narrow to a probe's, and that probe's
+    // process stays idle in the pool
+    std::fs::write(&kinds, "hostile.sleep").expect("kinds");
+    let echo = t
+        .submit(spec("hostile.echo", json!({"retry": {"max_attempts": 3}})))
+        .await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while t
+        .db
+        .unroutable_steps(echo)
+        .await
+        .expect("unroutable")
+        .is_empty()
+    {
+        assert!(Instant::now() < until, "the routes never narrowed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // the rollback: the next probe widens the routes, and the step runs on
+    // a process whose hello offers it
+    std::fs::remove_file(&kinds).expect("rollback");
+    let st = t.wait_terminal(echo, Duration::from_secs(30)).await;
+    w.shutdown().await;
+    let s = step(&st, "s");
+    assert_eq!(s.state, "succeeded", "{st:?}");
+    let refusals: i32 = sqlx::query_scalar("SELECT refusals FROM durable.step_runs WHERE id = $1")
+        .bind(s.step_run_id)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("refusals");
+    assert_eq!(
+        refusals, 1,
+        "refused by the upgraded process alone, not again by an idle one older than the routes"
+    );
+}
+
 /// A secret that straddles a cut is not logged in part (observability
 /// audit): a stderr line is cut at 1024 bytes and a crashed executor's tail
 /// to its last `stderr_tail_bytes`, and each was cut before the redactor

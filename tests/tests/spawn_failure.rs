@@ -525,3 +525,48 @@ async fn an_idle_warm_process_closes_the_breaker_its_probes_cannot() {
     }
     w.shutdown().await;
 }
+
+/// A persistent executor's process that exits before its hello with
+/// nothing on stderr: the pause says how it ended (audit 86: "exited or
+/// closed stdout before its hello; stderr: ." gave no exit status, where
+/// the worker's start-up probe's message did), the step's start and the
+/// breaker's probes alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_start_that_exits_before_its_hello_says_how_it_ended() {
+    let _serial = tests::exclusive().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let count = dir.path().join("starts");
+    // the worker's probe (the first start) says its hello; every later
+    // start exits 3 first, silently
+    let mut ecfg = go_demo_after(&format!(
+        "n=$(cat '{c}' 2>/dev/null || echo 0); n=$((n + 1)); echo $n > '{c}'\n\
+         [ $n -ge 2 ] && exit 3",
+        c = count.display()
+    ));
+    ecfg.persistent = true;
+    let mut cfg = fast_config(vec![ecfg]);
+    cfg.name = Some("w-exit3".into());
+    let t = TestDb::new().await;
+    let w = RunningWorker::start(t.connect(5).await, cfg).await;
+    // its start exits 3 (a refusal: SPAWN_FAILED), the breaker's probes too
+    t.submit(json!({"name": "one", "steps": [
+        {"name": "a", "executor_kind": "go", "kind": "demo.echo", "input": {}}]}))
+        .await;
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    let why = loop {
+        let paused: serde_json::Value =
+            sqlx::query_scalar("SELECT paused FROM durable.workers WHERE name = 'w-exit3'")
+                .fetch_one(t.db.pool())
+                .await
+                .expect("paused");
+        let text = paused.to_string();
+        if text.contains("then it exited with code 3") {
+            break text;
+        }
+        assert!(std::time::Instant::now() < until, "never paused: {paused}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    w.shutdown().await;
+    assert!(why.contains("before its hello"), "{why}");
+    assert!(!why.contains("stderr: ."), "{why}");
+}

@@ -464,7 +464,7 @@ async fn execute(
     // every process it meets went round for as long as other steps kept
     // the warm processes busy (re-check audit: 111 refusals in 2 minutes)
     let fresh = step.last_error.as_deref() == Some("EXECUTOR_CRASHED");
-    let mut session = match session_for(shared, exec, &workdir, fresh, &mut control).await {
+    let mut session = match session_for(shared, exec, step, &workdir, fresh, &mut control).await {
         Ok(s) => s,
         Err(o) => return o,
     };
@@ -625,16 +625,13 @@ fn job_for(
 async fn session_for(
     shared: &Arc<Shared>,
     exec: &ExecutorRuntime,
+    step: &LeasedStep,
     workdir: &JobDir,
     fresh: bool,
     control: &mut watch::Receiver<LeaseView>,
 ) -> Result<Session, Outcome> {
     if exec.cfg.persistent {
-        let mut taken = if fresh {
-            exec.pool.take_unused()
-        } else {
-            exec.pool.take()
-        };
+        let mut taken = idle_session_for(shared, exec, step, fresh);
         if taken.is_none() && exec.cfg.warm_processes > 0 {
             // the keeper's start in flight is ready sooner than one of our
             // own; a cancel or a lost lease ends the wait, and the attempt
@@ -675,6 +672,46 @@ async fn session_for(
     exec.start_process(shared, workdir.path(), "job")
         .await
         .map_err(start_failed)
+}
+
+/// An idle process of the pool whose hello offers the step. One whose hello
+/// does not is out of date (the executor's routes are a later probe's, and
+/// the step was leased by them) and is retired, not handed the job: it
+/// refused it (EXECUTOR_REFUSED, counted toward `max_refusals`) while a new
+/// process would have run it (audit 86: a probe process kept idle from a
+/// narrowed hello refused a step after the executor offered its kind again).
+fn idle_session_for(
+    shared: &Arc<Shared>,
+    exec: &ExecutorRuntime,
+    step: &LeasedStep,
+    fresh: bool,
+) -> Option<Session> {
+    loop {
+        let s = if fresh {
+            exec.pool.take_unused()
+        } else {
+            exec.pool.take()
+        }?;
+        let offers = s.hello.as_ref().is_some_and(|h| {
+            super::routing::check(h, &exec.cfg, &step.executor_kind, &step.kind, &step.labels)
+                .is_ok()
+        });
+        if offers {
+            return Some(s);
+        }
+        info!(
+            pid = s.child.pid,
+            "an idle executor process's hello does not offer this step (it is older than the executor's routes): retired, not handed the job"
+        );
+        let cfg = shared.cfg.clone();
+        tokio::spawn(async move {
+            s.retire(
+                &cfg,
+                "its hello does not offer what the executor is leased for now",
+            )
+            .await;
+        });
+    }
 }
 
 /// A new directory `durable-<step_run_id>-…` in `work_dir`, with an empty `out/`.
@@ -1613,18 +1650,23 @@ async fn hello_of(
             };
             warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
                   "the executor {what}: it cannot be started here (SPAWN_FAILED)");
+            // stopped first: how it ended is part of why (audit 86: an
+            // exit code 3 with nothing on stderr was said nowhere)
+            let how = stop_child(child, cfg)
+                .await
+                .map(|r| super::how_it_ended(&r, ""))
+                .unwrap_or_default();
             exec.process_failed(
                 shared,
                 Duration::from_millis(cfg.refusal_delay_ms),
-                &format!("{msg} (stderr: {tail})"),
+                &format!("{msg}{how} (stderr: {tail})"),
             );
-            let out = Outcome::Refused {
+            Err(Outcome::Refused {
                 code: "SPAWN_FAILED".into(),
                 message: format!(
-                    "{msg}: the executor could not be started here (the worker's log has its stderr)"
+                    "{msg}{how}: the executor could not be started here (the worker's log has its stderr)"
                 ),
-            };
-            Err(stop_now(child, cfg, out).await)
+            })
         }
     }
 }

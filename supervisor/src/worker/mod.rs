@@ -692,19 +692,22 @@ async fn probe_in(
     };
     match (hello, report) {
         (Ok(h), _) => usable_hello(h, wcfg.max_frame_bytes).map_err(fail),
-        (Err(why), Ok(r)) => {
-            // "exited with code 1" / "was killed by SIGTERM"
-            let end = match r.status {
-                crate::process::ExitStatusKind::Exited(_) => r.status.to_string(),
-                crate::process::ExitStatusKind::Signaled(_) => format!("was {}", r.status),
-            };
-            let stderr = match r.stderr_tail.trim() {
-                "" => String::new(),
-                tail => format!("; stderr: {tail}"),
-            };
-            Err(fail(format!("{why}; then it {end}{stderr}")))
-        }
+        (Err(why), Ok(r)) => Err(fail(why + &how_it_ended(&r, &r.stderr_tail))),
         (Err(why), Err(_)) => Err(fail(why)),
+    }
+}
+
+/// How a process that gave no hello ended, and its stderr where it wrote
+/// any, to follow why: "; then it exited with code 3", "; then it was
+/// killed by SIGTERM; stderr: …".
+pub(crate) fn how_it_ended(r: &crate::process::ExitReport, stderr_tail: &str) -> String {
+    let end = match r.status {
+        crate::process::ExitStatusKind::Exited(_) => r.status.to_string(),
+        crate::process::ExitStatusKind::Signaled(_) => format!("was {}", r.status),
+    };
+    match stderr_tail.trim() {
+        "" => format!("; then it {end}"),
+        tail => format!("; then it {end}; stderr: {tail}"),
     }
 }
 

@@ -432,8 +432,14 @@ async fn handshake(
         }
         Err(why) => {
             let tail = session.child.stderr().tail_string();
-            let _ = super::attempt::stop_child(&mut session.child, &shared.cfg).await;
-            Err((format!("{why}; stderr: {}", tail.trim()), gone))
+            // its exit status is part of why (audit 86: "exited before its
+            // hello; stderr: ." said nothing of its exit code 3)
+            let how = match super::attempt::stop_child(&mut session.child, &shared.cfg).await {
+                Some(r) => super::how_it_ended(&r, &tail),
+                None if tail.trim().is_empty() => String::new(),
+                None => format!("; stderr: {}", tail.trim()),
+            };
+            Err((why + &how, gone))
         }
     }
 }
