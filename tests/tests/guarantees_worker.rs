@@ -1745,6 +1745,25 @@ async fn steps_of_a_lease_whose_answer_was_lost_run_uncounted() {
     );
 }
 
+/// Waits (20 s at most) until `status` says that no live worker offers a
+/// step of `run`: the executor's routes narrowed to a probe's hello.
+async fn until_no_live_worker_offers(t: &TestDb, run: Uuid) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while t
+        .db
+        .unroutable_steps(run)
+        .await
+        .expect("unroutable")
+        .is_empty()
+    {
+        assert!(
+            Instant::now() < until,
+            "the routes never narrowed: status never said that no live worker offers the dropped kind"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// An executor upgrade that drops a kind, then a rollback that brings it
 /// back (routing and redeploy audits): the dropped kind's step is refused
 /// and the routes narrow to what a probe offers, and `status` says that no
@@ -1770,18 +1789,7 @@ async fn routes_narrowed_by_an_upgrade_widen_again_after_a_rollback() {
     let echo = t
         .submit(spec("hostile.echo", json!({"retry": {"max_attempts": 3}})))
         .await;
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let unroutable = t.db.unroutable_steps(echo).await.expect("unroutable");
-        if !unroutable.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "status never said that no live worker offers the dropped kind"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_live_worker_offers(&t, echo).await;
     // the rollback: a new process's hello offers every kind again
     std::fs::remove_file(&kinds).expect("rollback");
     let sleep = t
@@ -1820,17 +1828,7 @@ async fn narrowed_routes_are_probed_again_without_other_work() {
     let echo = t
         .submit(spec("hostile.echo", json!({"retry": {"max_attempts": 3}})))
         .await;
-    let until = Instant::now() + Duration::from_secs(20);
-    while t
-        .db
-        .unroutable_steps(echo)
-        .await
-        .expect("unroutable")
-        .is_empty()
-    {
-        assert!(Instant::now() < until, "the routes never narrowed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_live_worker_offers(&t, echo).await;
     // the rollback, and nothing else submitted
     std::fs::remove_file(&kinds).expect("rollback");
     let st = t.wait_terminal(echo, Duration::from_secs(30)).await;
@@ -1871,17 +1869,7 @@ async fn an_idle_process_older_than_the_routes_is_not_handed_a_step_it_does_not_
     let echo = t
         .submit(spec("hostile.echo", json!({"retry": {"max_attempts": 3}})))
         .await;
-    let until = Instant::now() + Duration::from_secs(20);
-    while t
-        .db
-        .unroutable_steps(echo)
-        .await
-        .expect("unroutable")
-        .is_empty()
-    {
-        assert!(Instant::now() < until, "the routes never narrowed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_live_worker_offers(&t, echo).await;
     // the rollback: the next probe widens the routes, and the step runs on
     // a process whose hello offers it
     std::fs::remove_file(&kinds).expect("rollback");
