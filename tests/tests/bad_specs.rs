@@ -131,6 +131,55 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             })),
             "steps[0].labels: a label name must not be empty or blank",
         ),
+        // routing fields are matched byte for byte against hellos (audit
+        // 91: these were accepted and the step waited for ever), and labels
+        // go into the routing index (a large set was refused by it with a
+        // raw database error, exit 1)
+        (
+            "executor_kind with a trailing space",
+            v(with_step(|m| {
+                m.insert("executor_kind".into(), json!("go "));
+            })),
+            "steps[0].executor_kind: must not contain control characters nor begin or end with whitespace",
+        ),
+        (
+            "executor_kind with a C1 control",
+            v(with_step(|m| {
+                m.insert("executor_kind".into(), json!("go\u{85}"));
+            })),
+            "steps[0].executor_kind: must not contain control characters",
+        ),
+        (
+            "kind with a tab",
+            v(with_step(|m| {
+                m.insert("kind".into(), json!("demo.\techo"));
+            })),
+            "steps[0].kind: must not contain control characters nor begin or end with whitespace",
+        ),
+        (
+            "a label name with a newline",
+            v(with_step(|m| {
+                m.insert("labels".into(), json!({"a\nb": "x"}));
+            })),
+            r#"steps[0].labels: a label name must not contain control characters nor begin or end with whitespace: "a\nb""#,
+        ),
+        (
+            "a label value with a bell",
+            v(with_step(|m| {
+                m.insert("labels".into(), json!({"gpu": "a\u{7}"}));
+            })),
+            "steps[0].labels.gpu: must not contain control characters",
+        ),
+        (
+            "labels over 1 KiB",
+            v(with_step(|m| {
+                let many: serde_json::Map<String, Value> = (0..200)
+                    .map(|i| (format!("l{i}"), json!("v")))
+                    .collect();
+                m.insert("labels".into(), Value::Object(many));
+            })),
+            "steps[0].labels: is larger than 1 KiB as stored (",
+        ),
         (
             "labels not strings",
             v(with_step(|m| {
