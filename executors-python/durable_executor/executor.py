@@ -1274,7 +1274,50 @@ class Executor:
         except OSError as e:
             _log(f"cannot set up the frame streams: {e}")
             return 2
-        return _Session(self, in_stream, out_stream, exit_when_stuck=True).run()
+        code = _Session(self, in_stream, out_stream, exit_when_stuck=True).run()
+        _end_without_stray_threads(code)
+        return code
+
+
+def _end_without_stray_threads(code: int) -> None:
+    """End the process now, with ``code``, when a thread a handler started (not a
+    daemon) is still running once serving is over.
+
+    Python's exit waits for every such thread, so one a handler left behind (a
+    ``threading.Thread`` sleeping 20 s) held an idle executor for 20 s after its
+    stdin closed: the supervisor, done with the process, waited out its grace and
+    signalled the group, and a later job waited on that (SDK audit 89). The
+    protocol asks an idle executor to exit at once on EOF, as the Go SDK does
+    (goroutines never hold up an exit). ``atexit`` functions still run, and the
+    standard streams are flushed. Only on the main thread (where :meth:`run` is
+    meant to be called): elsewhere the caller decides when the process ends.
+    """
+    threading = sys.modules.get("threading")
+    if threading is None:  # nothing imported it: no thread of that kind exists
+        return
+    me = threading.current_thread()
+    if me is not threading.main_thread():
+        return
+    stray = [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+    if not stray:
+        return
+    names = ", ".join(repr(t.name) for t in stray[:5]) + (", ..." if len(stray) > 5 else "")
+    _log(
+        f"{len(stray)} thread(s) a handler started still run ({names}); the executor ends "
+        "without waiting for them (make such threads daemons, or join them in the handler)"
+    )
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 _claimed: tuple[io.RawIOBase | io.BytesIO, io.FileIO] | None = None

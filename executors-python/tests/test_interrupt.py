@@ -176,3 +176,37 @@ def test_interrupt_needs_the_main_thread():
     finally:
         s.close()
     assert threading.current_thread() is threading.main_thread()
+
+
+STRAY_THREAD_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from durable_executor import Executor, Job
+
+    ex = Executor("python")
+
+    @ex.handler("linger")
+    def linger(job: Job) -> str:
+        threading.Thread(target=time.sleep, args=(30,), name="lingering").start()
+        return "started"
+
+    sys.exit(ex.run())
+    """
+)
+
+
+def test_a_thread_a_handler_left_running_does_not_hold_an_idle_executor(executor_process, tmp_path):
+    """EOF on stdin while idle ends the process at once, with exit 0, even with a
+    non-daemon thread a handler started still running: Python's exit waited for it
+    (30 s here; SDK audit 89: 20 s, and the supervisor signalled the group)."""
+    script = tmp_path / "stray_thread.py"
+    script.write_text(STRAY_THREAD_SCRIPT)
+    proc, frames, stderr = executor_process(script)
+    send(proc, job_frame("linger"))
+    assert frames.until_terminal()[-1].result.output == b'"started"'
+    t0 = time.monotonic()
+    proc.stdin.close()
+    assert proc.wait(10) == 0
+    assert time.monotonic() - t0 < 5.0
+    stderr.wait_eof(5)
+    assert b"1 thread(s) a handler started still run ('lingering')" in stderr.data
