@@ -1888,6 +1888,56 @@ async fn an_idle_process_older_than_the_routes_is_not_handed_a_step_it_does_not_
     );
 }
 
+/// Kinds added to a persistent executor's program are leased once a warm
+/// process started after the change says them in its hello (audit 89: the
+/// warm pool's replacements never widened the routes, only a job's own new
+/// process did, and with a warm process always idle none was started: the
+/// new kinds waited for a worker restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kinds_a_warm_replacement_offers_are_leased_without_a_restart() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kinds = dir.path().join("kinds");
+    let log = dir.path().join("spawns");
+    std::fs::write(&kinds, "hostile.sleep").expect("kinds");
+    let mut e = hostile(
+        "hostile",
+        Some(&log),
+        &[("HOSTILE_KINDS_FILE", kinds.to_str().expect("utf-8 path"))],
+    );
+    // one job per process (HOSTILE_JOBS' default), one kept warm
+    e.persistent = true;
+    e.warm_processes = 1;
+    let w = RunningWorker::start(t.connect(10).await, fast_config(vec![e])).await;
+    let sleep = || t.submit(spec("hostile.sleep", json!({"input": {"ms": 10}})));
+    // the first warm process serves a step and retires; its replacement
+    // (the third process, after the worker's probe) says the old hello
+    let st = t.wait_terminal(sleep().await, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    let until = Instant::now() + Duration::from_secs(20);
+    while std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .count()
+        < 3
+    {
+        assert!(Instant::now() < until, "no replacement was started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // (its hello read the kinds file)
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // the release: processes started from now on offer every kind
+    std::fs::remove_file(&kinds).expect("release");
+    // served by that replacement, which retires: the keeper's next one
+    // says the new hello
+    let st = t.wait_terminal(sleep().await, LONG).await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+    let echo = t.submit(spec("hostile.echo", json!({}))).await;
+    let st = t.wait_terminal(echo, Duration::from_secs(30)).await;
+    w.shutdown().await;
+    assert_eq!(step(&st, "s").state, "succeeded", "{st:?}");
+}
+
 /// A secret that straddles a cut is not logged in part (observability
 /// audit): a stderr line is cut at 1024 bytes and a crashed executor's tail
 /// to its last `stderr_tail_bytes`, and each was cut before the redactor

@@ -361,8 +361,13 @@ async fn start_one(shared: &Shared, exec: &ExecutorRuntime) -> Result<Session, S
         .await
         .map_err(|e| e.to_string())?;
     match handshake(shared, session).await {
-        Ok((_, session)) => {
+        Ok((hello, session)) => {
             exec.process_started(shared);
+            // a new process's hello may offer more than the routes (kinds
+            // added to the program): as a job's own new process widens them
+            // (audit 89: a warm pool's replacements never did, and the new
+            // kinds waited for a worker restart)
+            exec.widen_routes(shared, &hello);
             Ok(session)
         }
         Err((why, gone)) => {
