@@ -1645,7 +1645,15 @@ async fn worker(
     let starting = async {
         let db = connect(&url, cfg.db_max_connections, false).await?;
         serve_metrics(&cfg, &db).await?;
-        Ok::<_, CliError>(Worker::start(db, cfg).await?)
+        // a setup the config decides names its file, as a config error does
+        // (audit 90: "invalid worker setup: executor … kinds = …" did not)
+        Worker::start(db, cfg).await.map_err(|e| match e {
+            WorkerError::Setup(why) => CliError::Worker(WorkerError::Setup(format!(
+                "{why} (config {})",
+                config.display()
+            ))),
+            other => CliError::Worker(other),
+        })
     };
     // a stop signal during start-up (a database away, a probe that never
     // says hello) stops it at once: it waited out the connect or handshake

@@ -1226,3 +1226,39 @@ async fn a_workers_probe_directory_carries_its_tag() {
     );
     assert_eq!(Path::new(probe).parent(), Some(work.as_path()), "{probe}");
 }
+
+/// A worker refused at start for what its config says of an executor (a
+/// `kinds` list matching none of the kinds its hello offers) names the
+/// config file, as every other config error does (audit 90: "invalid worker
+/// setup: …" did not), exit 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refused_for_its_kinds_list_names_the_config_file() {
+    let t = TestDb::new().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let demo = tests::go_demo("go", &[], None).command;
+    let file = write(
+        dir.path(),
+        "kinds.toml",
+        &format!("[[executors]]\nname = \"go\"\ncommand = {demo:?}\nkinds = [\"demo.nope\"]\n"),
+    );
+    let o = tokio::task::spawn_blocking({
+        let url = t.url.clone();
+        let file = file.clone();
+        move || {
+            tests::supervisor_clean("kinds")
+                .args(["worker", "--config", &file])
+                .env("DATABASE_URL", url)
+                .output()
+                .expect("run supervisor")
+        }
+    })
+    .await
+    .expect("join");
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("matches none of the kinds it offers")
+            && err.contains(&format!("(config {file})")),
+        "{err}"
+    );
+}
