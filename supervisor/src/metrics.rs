@@ -466,6 +466,12 @@ pub fn executor_process_started(executor: &str, by: &'static str) {
 
 /// `delta` processes of `executor` went into (+) or out of (-) its pool of idle ones.
 pub fn idle_processes(executor: &str, delta: i64) {
+    if delta == 0 {
+        // no series for an executor that never had an idle process (audit
+        // 90: a one-shot executor's showed up, at 0, when the health pass
+        // found none to take)
+        return;
+    }
     let l = ExecutorLabel {
         executor: clean(executor),
     };
@@ -948,6 +954,20 @@ async fn respond(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An executor whose pool never held an idle process (a one-shot one,
+    /// looked at by the health pass) has no idle-processes series; one that
+    /// did has it, back at 0 when the pool is empty (audit 90).
+    #[test]
+    fn an_idle_processes_series_appears_with_the_first_idle_process() {
+        let line = |name: &str| format!("durable_executor_idle_processes{{executor=\"{name}\"}}");
+        idle_processes("metrics-test-one-shot", 0);
+        assert!(!render().contains(&line("metrics-test-one-shot")));
+        idle_processes("metrics-test-pool", 1);
+        idle_processes("metrics-test-pool", 0);
+        idle_processes("metrics-test-pool", -1);
+        assert!(render().contains(&format!("{} 0", line("metrics-test-pool"))));
+    }
 
     #[test]
     fn outcome_labels_split_into_outcome_and_code() {
