@@ -20,13 +20,16 @@ CREATE FUNCTION durable.check_routing_fields() RETURNS trigger LANGUAGE plpgsql 
 DECLARE
     p text := 'steps[' || NEW.position || ']';
     bad constant text := '[\u0001-\u001f\u007f-\u009f]';
+    -- Unicode's White_Space, whatever the database's locale ([[:space:]]
+    -- is the locale's: a C-locale database took U+3000 for a letter, a92)
+    edge constant text := '^[\t\n\u000b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]|[\t\n\u000b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]$';
     k text; v jsonb;
 BEGIN
-    IF NEW.executor_kind ~ bad OR NEW.executor_kind ~ '^[[:space:]]|[[:space:]]$' THEN
+    IF NEW.executor_kind ~ bad OR NEW.executor_kind ~ edge THEN
         PERFORM durable.spec_error(p || '.executor_kind',
             'must not contain control characters nor begin or end with whitespace: it is matched as it is against the executor_kind an executor''s hello names');
     END IF;
-    IF NEW.kind ~ bad OR NEW.kind ~ '^[[:space:]]|[[:space:]]$' THEN
+    IF NEW.kind ~ bad OR NEW.kind ~ edge THEN
         PERFORM durable.spec_error(p || '.kind',
             'must not contain control characters nor begin or end with whitespace: it is matched as it is against the kinds an executor''s hello offers');
     END IF;
@@ -36,7 +39,7 @@ BEGIN
             || ' bytes of JSON): labels say what a step needs of a worker (a few short names and values); pass data in input');
     END IF;
     FOR k, v IN SELECT * FROM jsonb_each(NEW.labels) LOOP
-        IF k ~ bad OR k ~ '^[[:space:]]|[[:space:]]$' THEN
+        IF k ~ bad OR k ~ edge THEN
             PERFORM durable.spec_error(p || '.labels',
                 'a label name must not contain control characters nor begin or end with whitespace: '
                 || to_jsonb(k)::text);
@@ -51,6 +54,6 @@ END $$;
 CREATE TRIGGER step_defs_routing_checked BEFORE INSERT ON durable.step_defs
     FOR EACH ROW
     WHEN (NEW.labels <> '{}'::jsonb
-          OR NEW.executor_kind ~ '[\u0001-\u001f\u007f-\u009f]|^[[:space:]]|[[:space:]]$'
-          OR NEW.kind ~ '[\u0001-\u001f\u007f-\u009f]|^[[:space:]]|[[:space:]]$')
+          OR NEW.executor_kind ~ '[\u0001-\u001f\u007f-\u009f]|^[\t\n\u000b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]|[\t\n\u000b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]$'
+          OR NEW.kind ~ '[\u0001-\u001f\u007f-\u009f]|^[\t\n\u000b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]|[\t\n\u000b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]$')
     EXECUTE FUNCTION durable.check_routing_fields();

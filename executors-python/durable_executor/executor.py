@@ -1280,8 +1280,9 @@ class Executor:
 
 
 def _end_without_stray_threads(code: int) -> None:
-    """End the process now, with ``code``, when a thread a handler started (not a
-    daemon) is still running once serving is over.
+    """End the process now, with ``code``, when a thread (not a daemon) that a
+    handler, or the program before :meth:`run`, started is still running once
+    serving is over.
 
     Python's exit waits for every such thread, so one a handler left behind (a
     ``threading.Thread`` sleeping 20 s) held an idle executor for 20 s after its
@@ -1303,8 +1304,8 @@ def _end_without_stray_threads(code: int) -> None:
         return
     names = ", ".join(repr(t.name) for t in stray[:5]) + (", ..." if len(stray) > 5 else "")
     _log(
-        f"{len(stray)} thread(s) a handler started still run ({names}); the executor ends "
-        "without waiting for them (make such threads daemons, or join them in the handler)"
+        f"{len(stray)} thread(s) still run ({names}); the executor ends without waiting "
+        "for them (make such threads daemons, or join them before the handler returns)"
     )
     import atexit
 

@@ -209,4 +209,4 @@ def test_a_thread_a_handler_left_running_does_not_hold_an_idle_executor(executor
     assert proc.wait(10) == 0
     assert time.monotonic() - t0 < 5.0
     stderr.wait_eof(5)
-    assert b"1 thread(s) a handler started still run ('lingering')" in stderr.data
+    assert b"1 thread(s) still run ('lingering')" in stderr.data

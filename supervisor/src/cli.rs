@@ -1751,7 +1751,16 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                 // the line still says what the executor offers (what the
                 // list should name), and names the error: a script reading
                 // stdout alone does not take it for a usable executor
-                let refused = crate::worker::check_kinds(e, &h, &routes).err();
+                // naming the file, as the worker's refusal does (a92)
+                let refused =
+                    crate::worker::check_kinds(e, &h, &routes)
+                        .err()
+                        .map(|err| match err {
+                            WorkerError::Setup(why) => {
+                                WorkerError::Setup(format!("{why} (config {})", config.display()))
+                            }
+                            other => other,
+                        });
                 if let Some(err) = &refused {
                     misconfigured = true;
                     eprintln!("error: {err}");
@@ -2059,6 +2068,9 @@ fn read_hint(e: &std::io::Error) -> &'static str {
             ": make the file readable by this user, or pipe it in with -"
         }
         std::io::ErrorKind::IsADirectory => ": give the path of a spec file, not a directory",
+        std::io::ErrorKind::NotADirectory => {
+            ": a part of the path before the file's name is a file, not a directory: give the path of a spec file"
+        }
         _ => "",
     }
 }

@@ -28,6 +28,9 @@ pub struct WatchOptions {
     pub interval: Duration,
     /// How long the database may stay unreachable before `watch` gives up.
     pub patience: Duration,
+    /// The longest one read of the run may take before it counts as a
+    /// failed read (those are tried again until `patience` runs out).
+    pub read_bound: Duration,
 }
 
 impl WatchOptions {
@@ -43,6 +46,7 @@ impl WatchOptions {
             unicode: utf8_locale(),
             interval: Duration::from_millis(250),
             patience: Duration::from_secs(30),
+            read_bound: Duration::from_secs(10),
         }
     }
 }
@@ -140,7 +144,22 @@ pub async fn watch<W: Write>(
     let mut first = true;
     let mut stuck_asked: Option<Instant> = None;
     let end = loop {
-        match read(db, run_id, &view).await {
+        // each read bounded (a92: a server that hangs, stopped or cut off
+        // by the network, answered nothing and the watch waited for ever),
+        // and a stop signal heard while it is on its way
+        let polled = tokio::select! {
+            r = tokio::time::timeout(opts.read_bound, read(db, run_id, &view)) => {
+                r.unwrap_or_else(|_| Err(DbError::Timeout {
+                    context: "reading the run",
+                    ms: opts.read_bound.as_millis() as u64,
+                }))
+            }
+            sig = &mut interrupted => {
+                let _ = write_all(out, &view.abandon());
+                break WatchEnd::Interrupted(sig);
+            }
+        };
+        match polled {
             Ok((snap, hops)) => {
                 failing_since = None;
                 first = false;
@@ -154,7 +173,9 @@ pub async fn watch<W: Write>(
                 } else if stuck_asked.is_none_or(|t| t.elapsed() >= STUCK_EVERY) {
                     stuck_asked = Some(Instant::now());
                     // a failed ask keeps what the last one said
-                    if let Ok(stuck) = db.unroutable_steps(run_id).await {
+                    if let Ok(Ok(stuck)) =
+                        tokio::time::timeout(opts.read_bound, db.unroutable_steps(run_id)).await
+                    {
                         view.stuck = stuck.iter().map(|s| (s.step.clone(), s.needs())).collect();
                     }
                 }
@@ -797,6 +818,7 @@ mod tests {
             unicode: false,
             interval: Duration::from_millis(1),
             patience: Duration::from_secs(1),
+            read_bound: Duration::from_secs(10),
         }
     }
 

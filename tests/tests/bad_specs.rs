@@ -149,6 +149,22 @@ fn cases() -> Vec<(&'static str, String, &'static str)> {
             })),
             "steps[0].executor_kind: must not contain control characters",
         ),
+        // Unicode's whitespace, whatever the database's locale (a92: a
+        // C-locale database took U+3000 for a letter)
+        (
+            "kind ending in an ideographic space",
+            v(with_step(|m| {
+                m.insert("kind".into(), json!("demo.echo\u{3000}"));
+            })),
+            "steps[0].kind: must not contain control characters nor begin or end with whitespace",
+        ),
+        (
+            "executor_kind starting with a no-break space",
+            v(with_step(|m| {
+                m.insert("executor_kind".into(), json!("\u{a0}go"));
+            })),
+            "steps[0].executor_kind: must not contain control characters nor begin or end with whitespace",
+        ),
         (
             "kind with a tab",
             v(with_step(|m| {

@@ -745,6 +745,17 @@ async fn every_failure_has_its_exit_code_and_a_message_naming_the_fix() {
         &["submit", dir.path().to_str().expect("path")],
     );
     expect_exit(&o, 2, &["not a directory"], "a directory");
+    let through_a_file = spec.path().join("x");
+    let o = cli(
+        Some(&t.url),
+        &["submit", through_a_file.to_str().expect("path")],
+    );
+    expect_exit(
+        &o,
+        2,
+        &["is a file, not a directory"],
+        "a path through a file",
+    );
 
     // 2: usage
     let o = cli(Some(&t.url), &["runs", "--bogus"]);

@@ -881,6 +881,8 @@ fn executors_checks_the_kinds_list_as_the_worker_does() {
     let (code, out, err) = run(r#"["demo.nope"]"#);
     assert_eq!(code, Some(2), "a config error, as for the worker: {err}");
     assert!(err.contains("matches none of the kinds it offers"), "{err}");
+    // naming its file, as the worker does (a92)
+    assert!(err.contains("kinds.toml)"), "{err}");
     // stdout still says what the executor offers, and that it is refused
     // (routing audit: the line read as a usable executor's)
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json line");

@@ -727,3 +727,47 @@ async fn a_watch_that_cannot_write_exits_5_naming_stdout() {
         "{stderr}"
     );
 }
+
+/// A database that stops answering mid-watch (a server that hangs, or a
+/// network cut: here a lock that stalls every read) ends the watch once
+/// its patience runs out, with a timeout: each read is bounded (audit 92:
+/// with no bound the watch waited as long as the server did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_stops_answering_ends_the_watch_after_its_patience() {
+    let t = TestDb::new().await;
+    let run = t
+        .submit(tests::one_step("w", "go", "demo.echo", json!({})))
+        .await;
+    let opts = supervisor::watch::WatchOptions {
+        live: false,
+        color: false,
+        unicode: false,
+        interval: Duration::from_millis(50),
+        patience: Duration::from_secs(1),
+        read_bound: Duration::from_millis(300),
+    };
+    let db = t.connect(4).await;
+    let watching = tokio::spawn(async move {
+        let mut out = Vec::new();
+        let end =
+            supervisor::watch::watch(&db, run, &mut out, &opts, std::future::pending::<i32>())
+                .await;
+        (end, String::from_utf8_lossy(&out).into_owned())
+    });
+    // the first read went well: the run is drawn
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.workflow_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    let ended = tokio::time::timeout(Duration::from_secs(10), watching).await;
+    holder.rollback().await.expect("rollback");
+    let (end, out) = ended
+        .expect("the watch waited as long as the stalled reads")
+        .expect("join");
+    assert!(out.contains("s: pending"), "{out}");
+    let e = end.expect_err("the watch gave up");
+    assert!(e.is_transient(), "{e}");
+    assert!(e.to_string().contains("reading the run"), "{e}");
+}

@@ -1644,22 +1644,26 @@ async fn hello_of(
             } + e.stdout_hint();
             let tail = one_line(&redactor.text(&child.stderr().tail_marked()));
             let what = if gone {
-                "exited before its hello"
+                "exited or closed its stdout before its hello"
             } else {
                 "gave no valid hello"
             };
-            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
-                  "the executor {what}: it cannot be started here (SPAWN_FAILED)");
             // stopped first: how it ended is part of why (audit 86: an
             // exit code 3 with nothing on stderr was said nowhere)
             let how = stop_child(child, cfg)
                 .await
                 .map(|r| super::how_it_ended(&r, ""))
                 .unwrap_or_default();
+            warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
+                  "the executor {what}{how}: it cannot be started here (SPAWN_FAILED)");
             exec.process_failed(
                 shared,
                 Duration::from_millis(cfg.refusal_delay_ms),
-                &format!("{msg}{how} (stderr: {tail})"),
+                &if tail.is_empty() {
+                    format!("{msg}{how}")
+                } else {
+                    format!("{msg}{how} (stderr: {tail})")
+                },
             );
             Err(Outcome::Refused {
                 code: "SPAWN_FAILED".into(),

@@ -74,7 +74,7 @@ fn probe_advice(why: &str) -> &'static str {
     } else if why.contains("print something to stdout") {
         "Its stdout carries frames only, the hello first: write banners and logs to stderr"
     } else if why.contains("before its hello") {
-        "It exited before its hello: its stderr, where it wrote any, says why — a crash at start, a missing library or module, a host limit"
+        "It exited or closed its stdout before its hello: its stderr, where it wrote any, says why — a crash at start, a missing library or module, a host limit"
     } else {
         "Check its command and that it speaks the executor protocol (proto/PROTOCOL.md)"
     }
