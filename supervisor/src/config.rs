@@ -1272,8 +1272,10 @@ const EXECUTOR_KEYS: &[(&str, &str, Option<&str>)] = &[
     ("concurrency", "Attempts run at once with this executor; the executors' total is at most 9999 (each may need a connection of db_max_connections).", None),
     (
         "persistent",
-        "Keep processes warm between jobs: one process serves jobs one at a time until max_jobs_per_process, a protocol violation or an unanswered cancel; then it is replaced. false: one process per job.",
-        None,
+        "Keep processes warm between jobs: one process serves jobs one at a time until max_jobs_per_process, a protocol violation or an unanswered cancel; then it is replaced. Default: false, one process per job.",
+        // the example's: with the persistent-only keys below, uncommented
+        // as it is, it warns of nothing (audit 90 #6)
+        Some("true"),
     ),
     (
         "max_jobs_per_process",
