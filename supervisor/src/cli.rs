@@ -1645,15 +1645,9 @@ async fn worker(
     let starting = async {
         let db = connect(&url, cfg.db_max_connections, false).await?;
         serve_metrics(&cfg, &db).await?;
-        // a setup the config decides names its file, as a config error does
-        // (audit 90: "invalid worker setup: executor … kinds = …" did not)
-        Worker::start(db, cfg).await.map_err(|e| match e {
-            WorkerError::Setup(why) => CliError::Worker(WorkerError::Setup(format!(
-                "{why} (config {})",
-                config.display()
-            ))),
-            other => CliError::Worker(other),
-        })
+        Worker::start(db, cfg)
+            .await
+            .map_err(|e| CliError::Worker(naming_config(e, &config)))
     };
     // a stop signal during start-up (a database away, a probe that never
     // says hello) stops it at once: it waited out the connect or handshake
@@ -1728,6 +1722,18 @@ async fn conformance(
     })
 }
 
+/// A setup the config decides (an executor's `kinds` list) names its file,
+/// as a config error does (audits 90 and 92: "invalid worker setup:
+/// executor … kinds = …" did not, in `worker` and `executors` alike).
+fn naming_config(e: WorkerError, config: &std::path::Path) -> WorkerError {
+    match e {
+        WorkerError::Setup(why) => {
+            WorkerError::Setup(format!("{why} (config {})", config.display()))
+        }
+        other => other,
+    }
+}
+
 /// `supervisor executors`: probes every configured executor.
 async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
     let cfg = WorkerConfig::load_for_probe(config)?;
@@ -1751,16 +1757,9 @@ async fn executors(config: &std::path::Path) -> Result<u8, CliError> {
                 // the line still says what the executor offers (what the
                 // list should name), and names the error: a script reading
                 // stdout alone does not take it for a usable executor
-                // naming the file, as the worker's refusal does (a92)
-                let refused =
-                    crate::worker::check_kinds(e, &h, &routes)
-                        .err()
-                        .map(|err| match err {
-                            WorkerError::Setup(why) => {
-                                WorkerError::Setup(format!("{why} (config {})", config.display()))
-                            }
-                            other => other,
-                        });
+                let refused = crate::worker::check_kinds(e, &h, &routes)
+                    .err()
+                    .map(|err| naming_config(err, config));
                 if let Some(err) = &refused {
                     misconfigured = true;
                     eprintln!("error: {err}");

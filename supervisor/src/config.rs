@@ -1761,7 +1761,6 @@ mod tests {
                 "idle_timeout_ms = -5",
                 "(key idle_timeout_ms): -5 is negative: idle_timeout_ms takes a whole number, at most 86400000 (one day of milliseconds)",
             ),
-
             (
                 "concurrency = 4294967296",
                 "(key concurrency): 4294967296 is above 9999, the largest concurrency takes",

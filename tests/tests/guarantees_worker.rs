@@ -1877,11 +1877,12 @@ async fn an_idle_process_older_than_the_routes_is_not_handed_a_step_it_does_not_
     w.shutdown().await;
     let s = step(&st, "s");
     assert_eq!(s.state, "succeeded", "{st:?}");
-    let refusals: i32 = sqlx::query_scalar("SELECT refusals FROM durable.step_runs WHERE id = $1")
-        .bind(s.step_run_id)
-        .fetch_one(t.db.pool())
-        .await
-        .expect("refusals");
+    let refusals = t
+        .scalar_i64(&format!(
+            "SELECT refusals::int8 FROM durable.step_runs WHERE id = '{}'",
+            s.step_run_id
+        ))
+        .await;
     assert_eq!(
         refusals, 1,
         "refused by the upgraded process alone, not again by an idle one older than the routes"

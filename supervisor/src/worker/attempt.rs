@@ -1650,10 +1650,7 @@ async fn hello_of(
             };
             // stopped first: how it ended is part of why (audit 86: an
             // exit code 3 with nothing on stderr was said nowhere)
-            let how = stop_child(child, cfg)
-                .await
-                .map(|r| super::how_it_ended(&r, ""))
-                .unwrap_or_default();
+            let how = super::how_it_ended(stop_child(child, cfg).await.as_ref(), "");
             warn!(error = %redactor.text(&e.to_string()), stderr_tail = %tail,
                   "the executor {what}{how}: it cannot be started here (SPAWN_FAILED)");
             exec.process_failed(

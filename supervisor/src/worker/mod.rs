@@ -692,22 +692,22 @@ async fn probe_in(
     };
     match (hello, report) {
         (Ok(h), _) => usable_hello(h, wcfg.max_frame_bytes).map_err(fail),
-        (Err(why), Ok(r)) => Err(fail(why + &how_it_ended(&r, &r.stderr_tail))),
+        (Err(why), Ok(r)) => Err(fail(why + &how_it_ended(Some(&r), &r.stderr_tail))),
         (Err(why), Err(_)) => Err(fail(why)),
     }
 }
 
-/// How a process that gave no hello ended, and its stderr where it wrote
-/// any, to follow why: "; then it exited with code 3", "; then it was
-/// killed by SIGTERM; stderr: …".
-pub(crate) fn how_it_ended(r: &crate::process::ExitReport, stderr_tail: &str) -> String {
-    let end = match r.status {
-        crate::process::ExitStatusKind::Exited(_) => r.status.to_string(),
-        crate::process::ExitStatusKind::Signaled(_) => format!("was {}", r.status),
-    };
+/// How a process that gave no hello ended (when it was reaped), and its
+/// stderr where it wrote any, to follow why: "; then it exited with code
+/// 3", "; then it was killed by SIGTERM; stderr: …".
+pub(crate) fn how_it_ended(r: Option<&crate::process::ExitReport>, stderr_tail: &str) -> String {
+    let end = r.map(|r| match r.status {
+        crate::process::ExitStatusKind::Exited(_) => format!("; then it {}", r.status),
+        crate::process::ExitStatusKind::Signaled(_) => format!("; then it was {}", r.status),
+    });
     match stderr_tail.trim() {
-        "" => format!("; then it {end}"),
-        tail => format!("; then it {end}; stderr: {tail}"),
+        "" => end.unwrap_or_default(),
+        tail => format!("{}; stderr: {tail}", end.unwrap_or_default()),
     }
 }
 

@@ -439,11 +439,8 @@ async fn handshake(
             let tail = session.child.stderr().tail_string();
             // its exit status is part of why (audit 86: "exited before its
             // hello; stderr: ." said nothing of its exit code 3)
-            let how = match super::attempt::stop_child(&mut session.child, &shared.cfg).await {
-                Some(r) => super::how_it_ended(&r, &tail),
-                None if tail.trim().is_empty() => String::new(),
-                None => format!("; stderr: {}", tail.trim()),
-            };
+            let ended = super::attempt::stop_child(&mut session.child, &shared.cfg).await;
+            let how = super::how_it_ended(ended.as_ref(), &tail);
             Err((why + &how, gone))
         }
     }
