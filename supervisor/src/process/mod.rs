@@ -99,6 +99,26 @@ const STDERR_DRAIN_GRACE: Duration = Duration::from_millis(500);
 
 /// Poll interval when no pidfd is available (kernel < 5.3) or it misbehaves.
 const EXIT_POLL_INTERVAL: Duration = Duration::from_millis(20);
+/// How long a SIGKILLed process may take to end before a stop says which
+/// tracer holds it.
+const TRACED_REAP_NOTE: Duration = Duration::from_secs(1);
+
+/// A step of a child's stop escalation ([`Child::stop`], [`Child::kill_now`]),
+/// told to its caller as it is taken: the caller's log and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopStep {
+    /// The leader is stopped by a signal or a debugger: SIGKILL to its group
+    /// at once, without waking it.
+    KillStopped,
+    /// The leader runs: SIGTERM to its group; the grace begins.
+    Term,
+    /// The grace ran out, or was cut short (a forced stop), with the leader
+    /// still running: SIGKILL to its group.
+    KillAfterGrace { cut_short: bool },
+    /// SIGKILLed, the leader has not ended within a second: this tracer (a
+    /// debugger) holds it, and it ends once let go; the stop waits for that.
+    HeldByTracer(i32),
+}
 
 /// Errors of the process-supervision module.
 #[derive(Debug, thiserror::Error)]
@@ -485,43 +505,97 @@ impl Child {
     /// A leader stopped by a signal or a debugger acts on no SIGTERM: it is
     /// SIGKILLed at once, not woken (woken, it would run what it was sent).
     pub async fn terminate(mut self, term_grace: Duration) -> Result<ExitReport, ProcessError> {
-        if let Some(report) = self.report.take() {
-            return Ok(report);
+        self.stop(term_grace, std::future::pending(), |_, _| {})
+            .await
+    }
+
+    /// The one stop escalation of a child (CONTRACT §6 after the cancel
+    /// frame), for [`terminate`](Self::terminate) and the worker alike: a
+    /// leader that already exited is reaped (its group SIGKILLed first); a
+    /// leader stopped by a signal or a debugger is SIGKILLed with its group
+    /// at once, without waking it; a running one gets SIGTERM to its group,
+    /// `term_grace` to exit (ended early by `cut_short`: a forced stop), then
+    /// SIGKILL to the group. Always signals the group before reaping its
+    /// leader, never after. `on` hears each step as it is taken, for the
+    /// caller's log and metrics. Keeps the handle, as [`reap`](Self::reap).
+    pub async fn stop(
+        &mut self,
+        term_grace: Duration,
+        cut_short: impl std::future::Future<Output = ()>,
+        mut on: impl FnMut(&Child, StopStep),
+    ) -> Result<ExitReport, ProcessError> {
+        if let Some(report) = &self.report {
+            return Ok(report.clone());
         }
-        if self.is_stopped() {
-            self.guard.signal(Signal::SIGKILL)?;
-            self.exited().await?;
-            return self.reap_after_exit(true).await;
-        }
-        self.guard.signal(Signal::SIGTERM)?;
-        let escalated = match tokio::time::timeout(term_grace, self.exited()).await {
-            Ok(result) => {
-                result?;
-                false
+        let escalated = if self.has_exited() {
+            false
+        } else if self.is_stopped() {
+            on(self, StopStep::KillStopped);
+            true
+        } else {
+            on(self, StopStep::Term);
+            self.signal_quietly(Signal::SIGTERM);
+            let mut cut = false;
+            let exited = tokio::select! {
+                res = tokio::time::timeout(term_grace, self.exited()) => match res {
+                    Ok(r) => { r?; true }
+                    Err(_elapsed) => false,
+                },
+                _ = cut_short, if !term_grace.is_zero() => { cut = true; false }
+            };
+            if !exited {
+                on(self, StopStep::KillAfterGrace { cut_short: cut });
             }
-            Err(_elapsed) => {
-                tracing::debug!(
-                    pid = self.guard.pid,
-                    ?term_grace,
-                    "child ignored SIGTERM; escalating to SIGKILL"
-                );
-                self.guard.signal(Signal::SIGKILL)?;
-                self.exited().await?;
-                true
-            }
+            !exited
         };
-        self.reap_after_exit(escalated).await
+        self.kill_group_and_reap(escalated, &mut on).await
+    }
+
+    /// SIGKILL to the group at once, without a SIGTERM grace, and reap
+    /// (keeps the handle, as [`reap`](Self::reap)); `on` hears a tracer that
+    /// holds the killed leader.
+    pub async fn kill_now(
+        &mut self,
+        mut on: impl FnMut(&Child, StopStep),
+    ) -> Result<ExitReport, ProcessError> {
+        if let Some(report) = &self.report {
+            return Ok(report.clone());
+        }
+        let was_running = !self.has_exited();
+        self.kill_group_and_reap(was_running, &mut on).await
     }
 
     /// SIGKILL the group and reap.
     pub async fn kill(mut self) -> Result<ExitReport, ProcessError> {
-        if let Some(report) = self.report.take() {
-            return Ok(report);
+        self.kill_now(|_, _| {}).await
+    }
+
+    /// A signal to the group whose failure is only logged: the reap that
+    /// follows finds out how the process ended whatever the signal did.
+    fn signal_quietly(&self, sig: Signal) {
+        if let Err(e) = self.guard.signal(sig) {
+            tracing::debug!(pid = self.guard.pid, error = %e, signal = %sig, "signal to the group failed");
         }
-        let was_running = !self.has_exited();
-        self.guard.signal(Signal::SIGKILL)?;
+    }
+
+    async fn kill_group_and_reap(
+        &mut self,
+        escalated: bool,
+        on: &mut impl FnMut(&Child, StopStep),
+    ) -> Result<ExitReport, ProcessError> {
+        self.signal_quietly(Signal::SIGKILL);
+        // a traced process's end reaches its parent once the tracer lets it
+        // go: a wait that said nothing stood silent behind a debugger
+        if tokio::time::timeout(TRACED_REAP_NOTE, self.exited())
+            .await
+            .is_err()
+        {
+            if let Some(tracer) = self.tracer() {
+                on(self, StopStep::HeldByTracer(tracer));
+            }
+        }
         self.exited().await?;
-        self.reap_after_exit(was_running).await
+        self.reap_after_exit(escalated).await
     }
 
     /// Wait for the leader to exit (if it has not yet), SIGKILL what is left

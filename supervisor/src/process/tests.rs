@@ -122,6 +122,52 @@ async fn terminate_escalates_when_term_is_ignored() {
     assert_group_empty(pid).await;
 }
 
+/// `stop` tells its caller each step it takes, and a forced stop ends the
+/// grace there and then: SIGTERM, then SIGKILL as soon as `cut_short`
+/// resolves, not after the grace, grandchildren included.
+#[tokio::test]
+async fn stop_tells_its_steps_and_a_forced_stop_cuts_the_grace_short() {
+    let _shared = KILL_ALL_LOCK.read().await;
+    let mut child = spawner()
+        .spawn(sh(r#"trap "" TERM; sleep 60 & wait"#))
+        .await
+        .unwrap();
+    let pid = child.pid;
+    wait_group_size(pid, 2).await;
+    let mut steps = Vec::new();
+    let start = Instant::now();
+    let report = child
+        .stop(
+            Duration::from_secs(30),
+            tokio::time::sleep(Duration::from_millis(300)),
+            |_, step| steps.push(step),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        steps,
+        vec![StopStep::Term, StopStep::KillAfterGrace { cut_short: true }]
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(report.status, ExitStatusKind::Signaled("SIGKILL".into()));
+    assert!(report.escalated_to_kill);
+    assert_group_empty(pid).await;
+    // the handle is kept: a second stop answers the same report, no step
+    let mut again = Vec::new();
+    let second = child
+        .stop(Duration::from_secs(1), std::future::pending(), |_, s| {
+            again.push(s)
+        })
+        .await
+        .unwrap();
+    assert_eq!(second, report);
+    assert!(again.is_empty(), "{again:?}");
+}
+
 /// A stopped child (SIGSTOP, SIGTSTP) is seen as stopped, and `terminate`
 /// kills it where it stands, without its grace and without waking it: woken
 /// (SIGCONT), one that handles SIGTERM ran code it had been sent while

@@ -22,7 +22,6 @@ use std::time::Duration;
 
 use chrono::Utc;
 use futures::{FutureExt, StreamExt};
-use nix::sys::signal::Signal;
 use tokio::io::AsyncWriteExt;
 use tokio::process::ChildStdin;
 use tokio::sync::{mpsc, watch};
@@ -44,7 +43,7 @@ use crate::db::{
     DbError, EventsWrite, FailWrite, FailureReport, GiveBackWrite, Lease, LeasedStep, NewArtifact,
     OwnedEvent, RefuseWrite, ReleaseWrite, StartWrite,
 };
-use crate::process::Child;
+use crate::process::{Child, StopStep};
 use crate::state::Failure;
 use crate::wire::{self, FromExecutor, HandshakeError, Hello, JobResult, ToExecutor, WireError};
 
@@ -68,9 +67,6 @@ const STALL_WARN_AFTER: Duration = Duration::from_secs(10);
 /// How often a grace looks whether its process is stopped by a signal (it
 /// waits for no answer from one).
 const STOP_CHECK: Duration = Duration::from_millis(100);
-/// How long a SIGKILLed process may take to end before the wait says
-/// which tracer holds it.
-const TRACED_REAP_NOTE: Duration = Duration::from_secs(1);
 /// A pipe's capacity when it cannot be asked (Linux's default).
 const PIPE_CAPACITY_DEFAULT: u64 = 64 * 1024;
 /// Intents queued between the attempt's loop and its writer task.
@@ -3250,52 +3246,58 @@ async fn stop_now(
     outcome
 }
 
-/// SIGTERM to the group if the leader still runs, a grace, SIGKILL to the
-/// group (always: grandchildren go too), reap; a leader stopped by a signal
-/// or a debugger gets the SIGKILL at once. Signals the group before
-/// reaping its leader, never after.
+/// The stop escalation of CONTRACT §6 after the cancel frame
+/// ([`crate::process::Child::stop`]): SIGTERM to the group if the leader
+/// still runs, the `term_grace_ms` (none in a forced stop, and a second stop
+/// signal ends it), SIGKILL to the group (always: grandchildren go too),
+/// reap; a leader stopped by a signal or a debugger gets the SIGKILL at once.
+/// Says in the log what it did and why.
 pub(crate) async fn stop_child(
     child: &mut Child,
     cfg: &crate::config::WorkerConfig,
 ) -> Option<crate::process::ExitReport> {
-    let res = if child.has_exited() {
-        kill_and_reap(child).await
-    } else if child.is_stopped() {
-        // it acts on no SIGTERM while stopped, and woken (SIGCONT) one that
-        // ignores SIGTERM read the job it had been sent and never answered
-        // and ran its handler, while that attempt was given back as never
-        // run (re-check audit: the side effect twice): killed as it stands
-        info!(
-            pid = child.pid,
-            "the executor is stopped by a signal (SIGSTOP, SIGTSTP) or a debugger: SIGKILL to its process group, without waking it"
-        );
-        crate::metrics::executor_signal("SIGKILL");
-        kill_and_reap(child).await
+    let grace = if super::forced() {
+        Duration::ZERO
     } else {
-        // the metric counted these without a word in the log (soak audit:
-        // six SIGTERMs, none of them traceable to a process or a step)
-        info!(
-            pid = child.pid,
-            "the executor is still running: SIGTERM to its process group"
-        );
-        if let Err(e) = child.signal_group(Signal::SIGTERM) {
-            debug!(error = %e, "SIGTERM to the group failed");
-        }
-        crate::metrics::executor_signal("SIGTERM");
-        let grace = if super::forced() {
-            Duration::ZERO
-        } else {
-            Duration::from_millis(cfg.term_grace_ms)
-        };
-        // a second stop signal ends the grace then (audit 83)
-        let exited = tokio::select! {
-            res = tokio::time::timeout(grace, child.exited()) => res.is_ok(),
-            _ = super::until_forced(), if !grace.is_zero() => false,
-        };
-        if !exited {
+        Duration::from_millis(cfg.term_grace_ms)
+    };
+    let res = child
+        .stop(grace, super::until_forced(), |child, step| {
+            stop_step(child, step)
+        })
+        .await;
+    reaped_or_logged(res)
+}
+
+/// The log line and the metric of a step of a stop.
+fn stop_step(child: &Child, step: StopStep) {
+    match step {
+        StopStep::KillStopped => {
+            // it acts on no SIGTERM while stopped, and woken (SIGCONT) one
+            // that ignores SIGTERM read the job it had been sent and never
+            // answered and ran its handler, while that attempt was given
+            // back as never run (re-check audit: the side effect twice)
+            info!(
+                pid = child.pid,
+                "the executor is stopped by a signal (SIGSTOP, SIGTSTP) or a debugger: SIGKILL to its process group, without waking it"
+            );
             crate::metrics::executor_signal("SIGKILL");
-            if grace.is_zero() || super::forced() {
-                // a second stop signal: no grace was given, nothing ignored
+        }
+        StopStep::Term => {
+            // the metric counted these without a word in the log (soak
+            // audit: six SIGTERMs, none of them traceable to a process or a
+            // step)
+            info!(
+                pid = child.pid,
+                "the executor is still running: SIGTERM to its process group"
+            );
+            crate::metrics::executor_signal("SIGTERM");
+        }
+        StopStep::KillAfterGrace { cut_short } => {
+            crate::metrics::executor_signal("SIGKILL");
+            if cut_short || super::forced() {
+                // a second stop signal (audit 83): no grace was given,
+                // nothing ignored
                 info!(
                     pid = child.pid,
                     "forced stop: SIGKILL to the executor's process group without a grace"
@@ -3317,8 +3319,19 @@ pub(crate) async fn stop_child(
                 );
             }
         }
-        kill_and_reap(child).await
-    };
+        // the wait said nothing (re-check audit: a drain stood 20 s,
+        // silent, behind a gdb attached to an idle process)
+        StopStep::HeldByTracer(tracer) => warn!(
+            pid = child.pid,
+            tracer,
+            "the executor's process is held by a debugger or tracer (pid {tracer}): killed, it ends when the tracer lets it go; waiting for that"
+        ),
+    }
+}
+
+fn reaped_or_logged(
+    res: Result<crate::process::ExitReport, crate::process::ProcessError>,
+) -> Option<crate::process::ExitReport> {
     match res {
         Ok(r) => Some(r),
         Err(e) => {
@@ -3339,37 +3352,7 @@ async fn kill_unanswered(child: &mut Child) -> Option<crate::process::ExitReport
         );
         crate::metrics::executor_signal("SIGKILL");
     }
-    match kill_and_reap(child).await {
-        Ok(r) => Some(r),
-        Err(e) => {
-            error!(error = %e, "cannot reap the executor");
-            None
-        }
-    }
-}
-
-async fn kill_and_reap(
-    child: &mut Child,
-) -> Result<crate::process::ExitReport, crate::process::ProcessError> {
-    if let Err(e) = child.signal_group(Signal::SIGKILL) {
-        debug!(error = %e, "SIGKILL to the group failed");
-    }
-    // a traced process's end reaches its parent once the tracer lets it go:
-    // the wait said nothing (re-check audit: a drain stood 20 s, silent,
-    // behind a gdb attached to an idle process)
-    if tokio::time::timeout(TRACED_REAP_NOTE, child.exited())
-        .await
-        .is_err()
-    {
-        if let Some(tracer) = child.tracer() {
-            warn!(
-                pid = child.pid,
-                tracer,
-                "the executor's process is held by a debugger or tracer (pid {tracer}): killed, it ends when the tracer lets it go; waiting for that"
-            );
-        }
-    }
-    child.reap().await
+    reaped_or_logged(child.kill_now(stop_step).await)
 }
 
 #[cfg(test)]
