@@ -3,6 +3,7 @@
 //! body; a clean EOF (between frames) is told apart from a truncated frame.
 
 use std::marker::PhantomData;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use prost::Message;
@@ -19,6 +20,11 @@ pub struct FrameDecoder<M> {
     max: usize,
     /// Bytes of the whole frames decoded so far, prefixes included.
     consumed: u64,
+    /// Bytes buffered at the last decode, and when that number last
+    /// changed: a frame begun that still grows is on its way, one that
+    /// stopped is stuck (most often text printed to stdout).
+    seen: usize,
+    changed_at: Option<Instant>,
     _m: PhantomData<fn() -> M>,
 }
 
@@ -27,8 +33,26 @@ impl<M> FrameDecoder<M> {
         FrameDecoder {
             max,
             consumed: 0,
+            seen: 0,
+            changed_at: None,
             _m: PhantomData,
         }
+    }
+
+    /// How long the bytes buffered (a frame begun, not complete) have been
+    /// as they are: `None` with nothing buffered. Short while a frame is
+    /// still arriving; long for one that stopped.
+    pub fn unchanged_for(&self) -> Option<Duration> {
+        self.changed_at.map(|t| t.elapsed())
+    }
+
+    fn note_buffered(&mut self, len: usize) {
+        if len == 0 {
+            self.changed_at = None;
+        } else if len != self.seen || self.changed_at.is_none() {
+            self.changed_at = Some(Instant::now());
+        }
+        self.seen = len;
     }
 
     /// Bytes of the whole frames decoded so far (prefixes included).
@@ -61,6 +85,25 @@ impl<M: Message + Default> Decoder for FrameDecoder<M> {
     type Error = WireError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<M>, WireError> {
+        let res = self.decode_one(src);
+        self.note_buffered(src.len());
+        res
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<M>, WireError> {
+        match self.decode(src)? {
+            Some(m) => Ok(Some(m)),
+            None if src.is_empty() => Ok(None),
+            None => Err(WireError::Truncated {
+                buffered: src.len(),
+                first_bytes: first_bytes(src, 32),
+            }),
+        }
+    }
+}
+
+impl<M: Message + Default> FrameDecoder<M> {
+    fn decode_one(&mut self, src: &mut BytesMut) -> Result<Option<M>, WireError> {
         let (len, prefix) = match read_varint(src) {
             Ok(Some(v)) => v,
             Ok(None) => return Ok(None),
@@ -91,17 +134,6 @@ impl<M: Message + Default> Decoder for FrameDecoder<M> {
                 first_bytes: evidence,
             })
     }
-
-    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<M>, WireError> {
-        match self.decode(src)? {
-            Some(m) => Ok(Some(m)),
-            None if src.is_empty() => Ok(None),
-            None => Err(WireError::Truncated {
-                buffered: src.len(),
-                first_bytes: first_bytes(src, 32),
-            }),
-        }
-    }
 }
 
 /// Encodes one message as a delimited frame.
@@ -123,6 +155,30 @@ mod tests {
                 ..Default::default()
             })),
         }
+    }
+
+    /// A frame begun is timed from its last growth, so a stop can tell one
+    /// on its way from one that stopped; nothing buffered, nothing timed.
+    #[test]
+    fn a_begun_frame_is_timed_from_its_last_growth() {
+        let bytes = encode_frame(&hello());
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1024);
+        assert_eq!(d.unchanged_for(), None);
+        let mut buf = BytesMut::from(&bytes[..3]);
+        assert!(d.decode(&mut buf).expect("decode").is_none());
+        let first = d.unchanged_for().expect("a frame begun is timed");
+        std::thread::sleep(Duration::from_millis(30));
+        // no new byte: the same frame, older
+        assert!(d.decode(&mut buf).expect("decode").is_none());
+        assert!(d.unchanged_for().expect("timed") >= first + Duration::from_millis(30));
+        // it grows: timed afresh
+        buf.extend_from_slice(&bytes[3..bytes.len() - 1]);
+        assert!(d.decode(&mut buf).expect("decode").is_none());
+        assert!(d.unchanged_for().expect("timed") < Duration::from_millis(30));
+        // complete: nothing buffered, nothing timed
+        buf.extend_from_slice(&bytes[bytes.len() - 1..]);
+        assert!(d.decode(&mut buf).expect("decode").is_some());
+        assert_eq!(d.unchanged_for(), None);
     }
 
     #[test]

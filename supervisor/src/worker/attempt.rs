@@ -67,6 +67,8 @@ const STALL_WARN_AFTER: Duration = Duration::from_secs(10);
 /// How often a grace looks whether its process is stopped by a signal (it
 /// waits for no answer from one).
 const STOP_CHECK: Duration = Duration::from_millis(100);
+/// A frame begun whose bytes grew this recently is on its way, not stuck.
+const FRAME_ARRIVING_WITHIN: Duration = Duration::from_millis(250);
 /// A pipe's capacity when it cannot be asked (Linux's default).
 const PIPE_CAPACITY_DEFAULT: u64 = 64 * 1024;
 /// Intents queued between the attempt's loop and its writer task.
@@ -2097,11 +2099,19 @@ impl Conversation<'_> {
             // the stall check compares two reads with no input between
             self.clocks.stall_len = 0;
             broke |= matches!(input, Input::StreamError { .. });
-            machine.saw_unfinished(if broke {
-                0
-            } else {
-                self.frames.read_buffer().len()
-            });
+            let arriving = self
+                .frames
+                .decoder()
+                .unchanged_for()
+                .is_some_and(|d| d < FRAME_ARRIVING_WITHIN);
+            machine.saw_unfinished(
+                if broke {
+                    0
+                } else {
+                    self.frames.read_buffer().len()
+                },
+                arriving,
+            );
             if matches!(
                 input,
                 Input::Silent
@@ -2115,7 +2125,7 @@ impl Conversation<'_> {
             for action in machine.on(input) {
                 if let Some(finish) = self.act(action).await {
                     if !broke {
-                        self.log_unfinished_frame();
+                        self.log_unfinished_frame(machine.frame_cut_off());
                     }
                     if self.clocks.grace_forced {
                         // for the outcome's message (the verdict comes next)
@@ -2140,9 +2150,19 @@ impl Conversation<'_> {
     /// The evidence of a frame begun and never completed when the attempt
     /// ends (at EOF the stream error shows it; a timeout, a cancel or a
     /// kill said nothing of it): most often text printed to stdout.
-    fn log_unfinished_frame(&self) {
+    /// A frame that was on its way when the job was stopped (`cut_off`)
+    /// is the stop's doing, said as such (audit 93: a large checkpoint cut
+    /// by a timeout's SIGTERM read as a print).
+    fn log_unfinished_frame(&self, cut_off: bool) {
         let buffered = self.frames.read_buffer();
         if buffered.is_empty() {
+            return;
+        }
+        if cut_off {
+            info!(
+                bytes = buffered.len(),
+                "the stop cut off a frame the executor was writing"
+            );
             return;
         }
         warn!(

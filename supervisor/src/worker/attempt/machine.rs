@@ -560,6 +560,14 @@ pub(crate) struct Machine {
     stale_frames: u32,
     /// Bytes of an unfinished frame on stdout ([`Machine::saw_unfinished`]).
     unfinished: usize,
+    /// That frame was still growing (on its way, not stuck).
+    arriving: bool,
+    /// A frame was on its way when the job last ran (before a stop began):
+    /// one left unfinished at the end was cut off by the stop, not stuck.
+    arriving_while_running: bool,
+    /// The executor closed its stdout while its process still ran, with
+    /// no terminal.
+    closed_stdout: bool,
     /// The process was stopped by a signal or a debugger when a bound ran
     /// out ([`Machine::saw_stopped`]).
     stopped: bool,
@@ -594,6 +602,9 @@ impl Machine {
             earlier_jobs: Vec::new(),
             stale_frames: 0,
             unfinished: 0,
+            arriving: false,
+            arriving_while_running: false,
+            closed_stdout: false,
             stopped: false,
             stop_named: false,
             asked_to_stop: false,
@@ -627,9 +638,20 @@ impl Machine {
     }
 
     /// How many bytes of a frame begun and never completed the executor's
-    /// stdout holds now (the driver says so before each input).
-    pub(crate) fn saw_unfinished(&mut self, bytes: usize) {
+    /// stdout holds now, and whether they still grow (the driver says so
+    /// before each input).
+    pub(crate) fn saw_unfinished(&mut self, bytes: usize, arriving: bool) {
         self.unfinished = bytes;
+        self.arriving = bytes > 0 && arriving;
+        if self.phase == Phase::Running {
+            self.arriving_while_running = self.arriving;
+        }
+    }
+
+    /// The frame left unfinished at the end was on its way when the job
+    /// was stopped: the stop cut it off, the executor printed nothing.
+    pub(crate) fn frame_cut_off(&self) -> bool {
+        self.arriving_while_running
     }
 
     /// Whether the process is stopped (SIGSTOP, SIGTSTP, a debugger), as
@@ -667,6 +689,10 @@ impl Machine {
     fn unfinished_note(&self) -> String {
         match self.unfinished {
             0 => String::new(),
+            // a large frame on its way when the bound ran out is no stray
+            // text (audit 93: a 200 KB checkpoint cut by a timeout read as
+            // a print)
+            n if self.arriving => format!("; a frame was still arriving ({n} bytes of it so far)"),
             n => format!(
                 "; {n} bytes of a frame never completed are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes"
             ),
@@ -1042,7 +1068,10 @@ impl Machine {
             // leader gets the grace to exit on its own first: one that closes
             // stdout is usually exiting, and its own exit status is the
             // evidence (signalled at once, it read "killed by SIGTERM")
-            Input::StdoutClosed => self.finish(false, true),
+            Input::StdoutClosed => {
+                self.closed_stdout = true;
+                self.finish(false, true)
+            }
             Input::DrainEnded | Input::GraceEnded => Vec::new(),
         }
     }
@@ -1230,6 +1259,16 @@ impl Machine {
 
     /// The attempt's verdict once the child is gone (or kept).
     pub(crate) fn verdict(self, own_cancel: bool, exit_text: &str) -> Verdict {
+        // how it ended says nothing of the stdout it closed first (audit
+        // 93: "ended without a terminal (killed by SIGTERM)" for a handler
+        // that closed its frames' descriptor and ran on)
+        let closed;
+        let exit_text = if self.closed_stdout {
+            closed = format!("{exit_text}, after it closed its stdout while it still ran");
+            closed.as_str()
+        } else {
+            exit_text
+        };
         // a warm process that ended without one frame for this job ended
         // on its own (it may have been on its way out as it was taken): the
         // job is not to blame, so it goes back to the queue uncounted, as a

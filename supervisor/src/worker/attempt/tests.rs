@@ -1108,6 +1108,79 @@ fn a_bound_run_out_on_a_stopped_process_says_it_was_stopped() {
     );
 }
 
+/// A large frame still on its way when a bound runs out is no stray text
+/// (audit 93: a 200 KB checkpoint cut by a timeout was blamed on a print),
+/// and one left unfinished by the stop was cut off by it; a frame that
+/// stopped growing before the stop is still named as a possible print.
+#[test]
+fn a_frame_on_its_way_when_the_job_is_stopped_is_not_called_a_print() {
+    let limits = Limits {
+        timeout_ms: Some(7000),
+        silence_ms: None,
+    };
+    for (arriving, note, cut_off) in [
+        (
+            true,
+            "; a frame was still arriving (61440 bytes of it so far)",
+            true,
+        ),
+        (false, "; 61440 bytes of a frame never completed", false),
+    ] {
+        let mut m = Machine::new("j", 7, false, limits);
+        m.on(accepted());
+        m.saw_unfinished(61440, arriving);
+        m.on(Input::AttemptTimedOut);
+        // during the grace the frame stops growing: the process is killed
+        m.saw_unfinished(61440, false);
+        m.on(Input::GraceEnded);
+        m.on(Input::Exited);
+        assert_eq!(m.frame_cut_off(), cut_off, "arriving {arriving}");
+        match m.verdict(false, "killed by SIGTERM") {
+            Verdict::Outcome(Outcome::Failed { code, message, .. }) => {
+                assert_eq!(code, "ATTEMPT_TIMEOUT");
+                assert!(
+                    message.starts_with(&format!("the attempt ran past timeout_ms = 7000{note}")),
+                    "{message}"
+                );
+                assert_eq!(message.contains("did it print"), !arriving, "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// An executor that closes its stdout and runs on is said to have done so,
+/// not only how it was ended (audit 93).
+#[test]
+fn a_stdout_closed_while_the_process_runs_is_named() {
+    let mut m = Machine::new("j", 7, false, Limits::default());
+    m.on(accepted());
+    m.on(Input::StdoutClosed);
+    m.on(Input::Exited);
+    match m.verdict(false, "killed by SIGTERM") {
+        Verdict::Outcome(Outcome::Failed { code, message, .. }) => {
+            assert_eq!(code, "EXECUTOR_CRASHED");
+            assert_eq!(
+                message,
+                "the executor ended without a terminal (killed by SIGTERM, after it closed its stdout while it still ran)"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // one that exits and so closes stdout is told as before
+    let mut m = Machine::new("j", 7, false, Limits::default());
+    m.on(accepted());
+    m.on(Input::Exited);
+    m.on(Input::StdoutClosed);
+    match m.verdict(false, "exited with code 3") {
+        Verdict::Outcome(Outcome::Failed { message, .. }) => assert_eq!(
+            message,
+            "the executor ended without a terminal (exited with code 3)"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
     let limits = Limits {
@@ -1117,7 +1190,7 @@ fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
     let message = |unfinished| {
         let mut m = Machine::new("j", 7, false, limits);
         m.on(accepted());
-        m.saw_unfinished(unfinished);
+        m.saw_unfinished(unfinished, false);
         m.on(Input::Silent);
         m.on(Input::Exited);
         match m.verdict(false, "exited with code 0") {
@@ -1573,7 +1646,7 @@ fn a_job_answered_by_nothing_is_given_back_and_its_process_replaced() {
     // bytes that never became a frame (text printed to stdout) are named,
     // not called "answered nothing" (re-check audit)
     let mut m = Machine::new("j", 7, false, Limits::default());
-    m.saw_unfinished(113);
+    m.saw_unfinished(113, false);
     m.on(Input::Unanswered { after_ms: 3000 });
     match m.verdict(false, "killed by SIGKILL") {
         Verdict::Outcome(Outcome::Refused { code, message }) => {
@@ -1607,7 +1680,7 @@ fn a_bound_run_out_on_a_warm_process_holding_stray_bytes_is_no_fault_of_the_job(
         if answered {
             m.on(accepted());
         }
-        m.saw_unfinished(pending);
+        m.saw_unfinished(pending, false);
         m.on(bound);
         if m.phase() != Phase::Finished {
             // a cancel's grace: the executor gives nothing more
