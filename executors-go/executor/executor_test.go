@@ -497,7 +497,7 @@ func TestCheckpoints(t *testing.T) {
 		if err := j.Progress("unknown fraction", executor.NoFraction); err != nil {
 			return nil, err
 		}
-		for _, f := range []float64{1.5, -0.25, math.Inf(1), math.NaN()} { // clamped; NaN: none
+		for _, f := range []float64{1.5, -0.25, math.Inf(1), math.Inf(-1), math.NaN()} { // clamped; ±Inf, NaN: none
 			if err := j.Progress("out of range", f); err != nil {
 				return nil, err
 			}
@@ -526,16 +526,16 @@ func TestCheckpoints(t *testing.T) {
 		if ev = h.Event(c.id, 5, pb.EventKind_EVENT_KIND_PROGRESS); ev.Fraction != nil || ev.Checkpoint != nil {
 			t.Fatalf("progress without fraction = %v", ev)
 		}
-		for i, want := range []float64{1, 0, 1, -1} {
+		for i, want := range []float64{1, 0, -1, -1, -1} {
 			ev = h.Event(c.id, uint64(6+i), pb.EventKind_EVENT_KIND_PROGRESS)
 			if (want < 0) != (ev.Fraction == nil) || (want >= 0 && *ev.Fraction != want) {
 				t.Fatalf("out-of-range fraction %d: event %v, want fraction %v (-1: none)", i, ev, want)
 			}
 		}
-		if ev = h.Event(c.id, 10, pb.EventKind_EVENT_KIND_HEARTBEAT); ev.Checkpoint != nil || ev.AtUnixMs == 0 {
+		if ev = h.Event(c.id, 11, pb.EventKind_EVENT_KIND_HEARTBEAT); ev.Checkpoint != nil || ev.AtUnixMs == 0 {
 			t.Fatalf("heartbeat = %v", ev)
 		}
-		h.Result(c.id, 11)
+		h.Result(c.id, 12)
 		s := <-got
 		if s.has != (c.cp != nil) || string(s.cp) != string(c.cp) || (s.has && s.cp == nil) {
 			t.Fatalf("job %s: handler saw checkpoint %q (present %v), want %q (present %v)", c.id, s.cp, s.has, c.cp, c.cp != nil)

@@ -201,7 +201,7 @@ var NoFraction = math.NaN()
 
 // Progress sends a PROGRESS event: a message and the fraction done. A
 // fraction outside 0..1 is clamped into it (a computation that overshoots is
-// not worth failing a job for); NaN (NoFraction) sends no fraction. Invalid
+// not worth failing a job for); NaN (NoFraction) and ±Inf send no fraction. Invalid
 // UTF-8 and NUL in message are sent as U+FFFD (see wireText).
 func (j *Job) Progress(message string, fraction float64) error {
 	return j.send(pb.EventKind_EVENT_KIND_PROGRESS, message, fraction, nil)
@@ -270,7 +270,8 @@ func (j *Job) send(kind pb.EventKind, message string, fraction float64, checkpoi
 		Message:    wireText(j.redact(message)),
 		Checkpoint: checkpoint,
 	}
-	if !math.IsNaN(fraction) {
+	// ±Inf (x/0) sends none too: a division by zero is no 100 % (PROTOCOL.md)
+	if !math.IsNaN(fraction) && !math.IsInf(fraction, 0) {
 		f := min(max(fraction, 0), 1)
 		ev.Fraction = &f
 	}

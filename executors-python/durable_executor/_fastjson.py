@@ -49,39 +49,84 @@ class _Context:
         return {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}[name]
 
 
+def _no_number(_text: str) -> None:
+    return None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+class _CheckContext:
+    """Settings of a scan that only checks: numbers are not converted (an integer longer
+    than ``sys.get_int_max_str_digits()`` is valid JSON, which ``int()`` refuses), and
+    ``NaN``/``Infinity``, which ``json`` accepts, are not JSON."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = staticmethod(_no_number)
+    parse_int = staticmethod(_no_number)
+    parse_constant = staticmethod(_no_constant)
+
+
 _scanner: Callable[[str, int], tuple[Any, int]] | None = None
+_checker: Callable[[str, int], tuple[Any, int]] | None = None
+
+
+def check(data: bytes | bytearray | str) -> None:
+    """Raise ``ValueError`` unless ``data`` is one JSON value (RFC 8259: no ``NaN``, any
+    number of digits), ``RecursionError`` when it nests deeper than the interpreter parses.
+    """
+    global _checker
+    if _OK:
+        if _checker is None:
+            _checker = _C_SCANNER(_CheckContext())
+        if _scan(data, _checker) is not None:
+            return
+    import json
+
+    json.loads(data, parse_int=_no_number, parse_float=_no_number, parse_constant=_no_constant)
+
+
+def _scan(data: bytes | bytearray | str, scanner: Callable[[str, int], tuple[Any, int]]) -> Any:
+    """The value the C scanner reads from the whole of ``data``, boxed in a 1-tuple; ``None``
+    where ``json`` must say what it makes of it (an error, a BOM, UTF-16/32). A recursion
+    error is raised as it is."""
+    text: str | None
+    if isinstance(data, str):
+        text = data
+    else:
+        raw = bytes(data)
+        # json.loads decodes UTF-8 with surrogatepass unless a BOM or a NUL in
+        # the first bytes says otherwise (json.detect_encoding)
+        if raw[:3] == b"\xef\xbb\xbf" or b"\x00" in raw[:4]:
+            return None
+        try:
+            text = raw.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            return None
+    body = text.strip(_WS)
+    if not body or body.startswith("\ufeff"):
+        return None
+    try:
+        value, end = scanner(body, 0)
+    except RecursionError:
+        raise
+    except Exception:  # json below says what is wrong
+        return None
+    return (value,) if end == len(body) else None
 
 
 def loads(data: bytes | bytearray | str) -> Any:
     """``json.loads(data)``: the same value, or ``json``'s own error."""
     global _scanner
     if _OK:
-        text: str | None
-        if isinstance(data, str):
-            text = data
-        else:
-            raw = bytes(data)
-            # json.loads decodes UTF-8 with surrogatepass unless a BOM or a NUL in
-            # the first bytes says otherwise (json.detect_encoding)
-            if raw[:3] == b"\xef\xbb\xbf" or b"\x00" in raw[:4]:
-                text = None
-            else:
-                try:
-                    text = raw.decode("utf-8", "surrogatepass")
-                except UnicodeDecodeError:
-                    text = None
-        if text is not None:
-            body = text.strip(_WS)
-            if body and not body.startswith("\ufeff"):
-                if _scanner is None:
-                    _scanner = _C_SCANNER(_Context())
-                try:
-                    value, end = _scanner(body, 0)
-                except Exception:  # json below says what is wrong
-                    pass
-                else:
-                    if end == len(body):
-                        return value
+        if _scanner is None:
+            _scanner = _C_SCANNER(_Context())
+        found = _scan(data, _scanner)
+        if found is not None:
+            return found[0]
     import json
 
     return json.loads(data)

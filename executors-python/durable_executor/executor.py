@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import _thread
 import io
+import math
 import os
 import sys
 import time
@@ -122,6 +123,18 @@ def _log(message: str) -> None:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _input_error(e: ValueError) -> str:
+    """BAD_INPUT's message for an input ``json`` refused: valid JSON whose integer has
+    more digits than ``int()`` converts here is said to be that, not invalid JSON."""
+    if "int_max_str_digits" in str(e) or "Exceeds the limit" in str(e):
+        return (
+            f"job input has an integer of more digits than this interpreter converts "
+            f"(sys.get_int_max_str_digits() = {sys.get_int_max_str_digits()}): call "
+            f"sys.set_int_max_str_digits() in the executor to raise the limit ({e})"
+        )
+    return f"job input is not valid JSON: {e}"
 
 
 def _json_text(value: object, what: str) -> str:
@@ -650,9 +663,7 @@ class Job:
                 try:
                     self._input = _fastjson.loads(self.input_bytes)
                 except ValueError as e:
-                    raise ExecutorError(
-                        BAD_INPUT, f"job input is not valid JSON: {e}", retryable=False
-                    ) from None
+                    raise ExecutorError(BAD_INPUT, _input_error(e), retryable=False) from None
         return self._input
 
     # -- cancellation ------------------------------------------------------
@@ -828,7 +839,9 @@ class Job:
             event.message = _clean_text(self._scrub(str(message)))
         if fraction is not None:
             fraction = float(fraction)
-            if fraction == fraction:  # NaN (0/0) sends no fraction, as None
+            # NaN (0/0) and ±infinity (x/0) send no fraction, as None: a
+            # division by zero is no 100 % (PROTOCOL.md, audit 94)
+            if math.isfinite(fraction):
                 event.fraction = min(max(fraction, 0.0), 1.0)
         if checkpoint is not None:
             if isinstance(checkpoint, str):
@@ -985,12 +998,22 @@ class Job:
                     kind = type(result.output_json).__name__
                     raise _TerminalError(OUTPUT_INVALID, f"output_json must be bytes, not {kind}")
                 output = bytes(result.output_json)
+                # empty is `null`, as the supervisor and the Go SDK take it
                 try:
-                    _fastjson.loads(output)
+                    if output:
+                        _fastjson.check(output)
                 except ValueError as e:
                     raise _TerminalError(
                         OUTPUT_INVALID,
                         f"the handler's output is not valid JSON ({len(output)} bytes): {e}",
+                    ) from None
+                except RecursionError:
+                    # a process that crashed on it failed every attempt alike,
+                    # EXECUTOR_CRASHED (audit 94)
+                    raise _TerminalError(
+                        OUTPUT_INVALID,
+                        f"the handler's output nests deeper than any JSON the supervisor stores "
+                        f"({len(output)} bytes; a value may nest 128 levels)",
                     ) from None
             else:
                 try:

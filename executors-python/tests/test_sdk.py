@@ -434,6 +434,40 @@ def test_bad_json_input_is_bad_input_and_bad_output_is_output_invalid(session_fa
     assert s.frames.until_terminal()[-1].error.code == "OUTPUT_INVALID"
 
 
+def test_raw_output_is_checked_as_the_supervisor_checks_it(session_factory):
+    """``output_json`` bytes are refused as OUTPUT_INVALID where the supervisor would refuse
+    them, never by a crash of the process (audit 94: nesting past Python's recursion limit
+    ended the process, EXECUTOR_CRASHED, retried), and kept where it keeps them: empty
+    bytes are ``null``, an integer of any length is JSON."""
+    ex = Executor("python")
+    deep = b"[" * 5000 + b"]" * 5000
+    big = b'{"x": 1' + b"0" * 5000 + b"}"
+    ex.handler("deep")(lambda job: Result(output_json=deep))
+    ex.handler("empty")(lambda job: Result(output_json=b""))
+    ex.handler("big")(lambda job: Result(output_json=big))
+    ex.handler("nan")(lambda job: Result(output_json=b"[NaN]"))
+    ex.handler("reads")(lambda job: job.input)
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("deep", job_id="deep"))
+    err = s.frames.until_terminal()[-1].error
+    assert (err.code, err.retryable) == ("OUTPUT_INVALID", False), err
+    assert "nests deeper" in err.message
+    s.send(job_frame("empty", job_id="empty"))
+    res = s.frames.until_terminal()[-1]
+    assert res.WhichOneof("frame") == "result" and res.result.output == b""
+    s.send(job_frame("big", job_id="big"))
+    assert s.frames.until_terminal()[-1].result.output == big
+    s.send(job_frame("nan", job_id="nan"))
+    err = s.frames.until_terminal()[-1].error
+    assert err.code == "OUTPUT_INVALID" and "NaN is not JSON" in err.message, err
+    # valid JSON beyond int()'s digits is not called invalid JSON
+    s.send(job_frame("reads", job_id="reads", raw_input=b'{"x": 1' + b"0" * 5000 + b"}"))
+    err = s.frames.until_terminal()[-1].error
+    assert err.code == "BAD_INPUT" and "not valid JSON" not in err.message, err
+    assert "sys.set_int_max_str_digits()" in err.message
+
+
 def test_sequences_strictly_increase_with_events_from_several_threads(session_factory):
     ex = Executor("python")
 
@@ -818,6 +852,10 @@ def test_progress_validates_fraction(session_factory):
     def frac(job: Job):
         job.progress("too far", fraction=1.5)  # clamped
         job.progress("ok", fraction=1)
+        # a division by zero is no 100 %: no fraction, as NaN (PROTOCOL.md)
+        job.progress("x/0", fraction=float("inf"))
+        job.progress("-x/0", fraction=float("-inf"))
+        job.progress("0/0", fraction=float("nan"))
         return "ok"
 
     s = session_factory(ex)
@@ -825,7 +863,10 @@ def test_progress_validates_fraction(session_factory):
     s.send(job_frame("frac"))
     frames = s.frames.until_terminal()
     assert frames[-1].result.output == b'"ok"'
-    assert [e.fraction for e in events(frames, pb.EVENT_KIND_PROGRESS)] == [1.0, 1.0]
+    progress = events(frames, pb.EVENT_KIND_PROGRESS)
+    assert [e.fraction for e in progress[:2]] == [1.0, 1.0]
+    assert [e.message for e in progress[2:]] == ["x/0", "-x/0", "0/0"]
+    assert not any(e.HasField("fraction") for e in progress[2:])
 
 
 def test_artifact_helper_hashes_files_and_refuses_escapes(session_factory, tmp_path):

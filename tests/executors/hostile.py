@@ -12,6 +12,7 @@ The job's kind selects the behaviour (`hostile.<mode>`):
 - `huge_number_output`: ACCEPTED, a result whose output holds 1e999999 (beyond
   PostgreSQL's numeric).
 - `huge_number_details`: ACCEPTED, a non-retryable error whose details hold 1e999999.
+- `duplicate_key_output`: ACCEPTED, a result whose output gives one key twice.
 - `chatty`: ACCEPTED, then PROGRESS events as fast as the pipe takes them,
   forever (a cancel frame is never read).
 - `huge_retry_delay`: ACCEPTED, a retryable error with next_retry_delay_ms = 2^64-1.
@@ -106,6 +107,7 @@ MODES = [
     "nul_output",
     "huge_number_output",
     "huge_number_details",
+    "duplicate_key_output",
     "chatty",
     "huge_retry_delay",
     "echo",
@@ -272,6 +274,9 @@ def main() -> int:
         elif mode == "huge_number_output":
             event(pb.EVENT_KIND_ACCEPTED)
             result(b'{"n": [1, 1e999999]}')
+        elif mode == "duplicate_key_output":
+            event(pb.EVENT_KIND_ACCEPTED)
+            result(b'{"a": 1, "b": {"x": 1, "x": 2}}')
         elif mode == "huge_number_details":
             event(pb.EVENT_KIND_ACCEPTED)
             error("BIG", "details beyond numeric", False, details=b'{"n": 1e999999, "ok": 2}')

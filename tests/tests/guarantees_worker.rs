@@ -55,6 +55,8 @@ async fn unstorable_outcomes_end_with_their_own_code() {
         // a number beyond numeric: jsonb refused the whole commit
         ("hostile.huge_number_output", "OUTPUT_INVALID"),
         ("hostile.huge_number_details", "BIG"),
+        // stored, only the last value would have stood (audit 94)
+        ("hostile.duplicate_key_output", "OUTPUT_INVALID"),
     ];
     let mut runs = Vec::new();
     for (kind, code) in cases {
@@ -81,6 +83,12 @@ async fn unstorable_outcomes_end_with_their_own_code() {
                     e.message
                 )
             }
+            "hostile.duplicate_key_output" => assert!(
+                e.message
+                    .contains("gives a key twice in one object (duplicate key \"x\" at line 1"),
+                "{}",
+                e.message
+            ),
             // evidence is kept: the number as its text
             "hostile.huge_number_details" => assert_eq!(
                 e.details,

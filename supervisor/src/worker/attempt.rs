@@ -3110,6 +3110,17 @@ fn result_output(raw: &[u8]) -> Result<serde_json::Value, Outcome> {
             )
         })?
     };
+    // stored, the last value of such a key would stand without a word
+    // (audit 94: `{"a":1,"a":2}` became `{"a":2}`); a spec is refused alike
+    if let Some(dup) = crate::json::duplicate_key(raw) {
+        return Err(Outcome::failed(
+            "OUTPUT_INVALID",
+            false,
+            format!(
+                "the result's output gives a key twice in one object ({dup}): stored, only its last value would be kept"
+            ),
+        ));
+    }
     match crate::json::unstorable(&output, "output") {
         None => {}
         Some((_, crate::json::Unstorable::Nul)) => {
