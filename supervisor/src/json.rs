@@ -23,8 +23,21 @@ pub enum ParseError {
          deeply structured data as an artifact"
     )]
     TooDeep { depth: usize, max: usize },
-    #[error("{0}")]
+    #[error("{0}{hint}", hint = surrogate_hint(.0))]
     Json(#[from] serde_json::Error),
+}
+
+/// serde_json's words for a lone UTF-16 surrogate escape (`"\ud800"`:
+/// "unexpected end of hex escape") say nothing of a surrogate (audit 94).
+fn surrogate_hint(e: &serde_json::Error) -> &'static str {
+    let text = e.to_string();
+    if text.contains("hex escape")
+        && (text.contains("surrogate") || text.contains("unexpected end"))
+    {
+        " (a \\uD800–\\uDBFF escape must be followed by a \\uDC00–\\uDFFF one: JSON text holds no lone UTF-16 surrogate)"
+    } else {
+        ""
+    }
 }
 
 /// Parses `bytes` as one JSON value nested at most `max_depth` levels (an
@@ -346,6 +359,25 @@ mod tests {
     use super::*;
 
     /// A number as `jsonb` spells it, when that is not as written.
+    /// A lone surrogate escape is said to be one; serde_json's own words
+    /// ("unexpected end of hex escape") stay beside the hint.
+    #[test]
+    fn a_lone_surrogate_escape_is_named() {
+        for text in [r#""\ud800""#, r#""\ud800x""#, r#"{"a": "\udbff\u0041"}"#] {
+            let e = parse_bounded(text.as_bytes(), MAX_VALUE_DEPTH).expect_err(text);
+            let said = e.to_string();
+            assert!(said.contains("hex escape"), "{text}: {said}");
+            assert!(said.contains("no lone UTF-16 surrogate"), "{text}: {said}");
+        }
+        let e = parse_bounded(b"{nope", MAX_VALUE_DEPTH).expect_err("invalid");
+        assert!(!e.to_string().contains("surrogate"), "{e}");
+        // a pair is text
+        assert_eq!(
+            parse_bounded(r#""\ud83d\ude00""#.as_bytes(), MAX_VALUE_DEPTH).expect("pair"),
+            Value::String("\u{1f600}".into())
+        );
+    }
+
     #[test]
     fn a_numbers_stored_spelling() {
         for (text, stored) in [

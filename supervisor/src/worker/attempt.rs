@@ -3180,12 +3180,22 @@ fn artifact_file(
     max_artifact_bytes: u64,
 ) -> Result<(std::path::PathBuf, u64), Outcome> {
     let rel = Path::new(&m.path);
-    if m.path.is_empty()
-        || rel.is_absolute()
-        || rel.components().any(|c| !matches!(c, Component::Normal(_)))
-    {
+    // what is wrong with it, said as such (audit 94: "." was told it
+    // had a '..')
+    let wrong = if m.path.is_empty() {
+        Some("is empty: it names the file, relative to output_dir")
+    } else if rel.is_absolute() {
+        Some("is absolute: it must be relative to output_dir")
+    } else if rel.components().any(|c| c == Component::ParentDir) {
+        Some("must stay below output_dir, without '..'")
+    } else if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        Some("must name a file below output_dir, not '.'")
+    } else {
+        None
+    };
+    if let Some(wrong) = wrong {
         return Err(artifact_invalid(format!(
-            "artifact {:?}: path {:?} must be relative to output_dir, without '..'",
+            "artifact {:?}: path {:?} {wrong}",
             m.name, m.path
         )));
     }

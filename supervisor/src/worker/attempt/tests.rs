@@ -1326,6 +1326,41 @@ fn an_artifact_path_that_is_not_a_regular_file_is_invalid_whatever_its_declared_
     assert_eq!(got, Ok(3));
 }
 
+/// A manifest path that names no file below the output directory is refused
+/// saying what is wrong with it (audit 94: "." was told it had a '..').
+#[test]
+fn a_manifest_path_that_names_no_file_below_the_output_dir_says_why() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let real_out = std::fs::canonicalize(out.path()).expect("canonical");
+    for (path, says) in [
+        ("", "is empty"),
+        ("/etc/passwd", "is absolute"),
+        ("../x", "without '..'"),
+        ("a/../../x", "without '..'"),
+        (".", "not '.'"),
+    ] {
+        let entry = wire::ManifestEntry {
+            name: "n".into(),
+            path: path.into(),
+            sha256: String::new(),
+            size: 1,
+            media_type: String::new(),
+            derived_from: vec![],
+        };
+        match artifact_file(out.path(), &real_out, &entry, 1 << 20) {
+            Err(Outcome::Failed { code, message, .. }) => {
+                assert_eq!(code, "ARTIFACT_INVALID", "{path:?}");
+                assert!(
+                    message.starts_with(&format!("artifact \"n\": path {path:?} "))
+                        && message.contains(says),
+                    "{path:?}: {message}"
+                );
+            }
+            other => panic!("{path:?}: {other:?}"),
+        }
+    }
+}
+
 /// A warm process that ends without a frame for its job is not the job's
 /// fault: a refusal (uncounted), where a fresh process's end is a crash; once
 /// the process answered the job, its end is the job's crash either way.
