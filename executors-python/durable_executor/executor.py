@@ -125,16 +125,22 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _input_error(e: ValueError) -> str:
-    """BAD_INPUT's message for an input ``json`` refused: valid JSON whose integer has
-    more digits than ``int()`` converts here is said to be that, not invalid JSON."""
+def _json_error(what: str, e: ValueError | RecursionError) -> str:
+    """The message for JSON ``json`` could not read (the input, a checkpoint): valid JSON
+    whose integer has more digits than ``int()`` converts here, or that nests deeper than
+    the interpreter's recursion limit, is said to be that, not invalid JSON."""
+    if isinstance(e, RecursionError):
+        return (
+            f"{what} nests deeper than this interpreter parses (sys.getrecursionlimit() = "
+            f"{sys.getrecursionlimit()})"
+        )
     if "int_max_str_digits" in str(e) or "Exceeds the limit" in str(e):
         return (
-            f"job input has an integer of more digits than this interpreter converts "
+            f"{what} has an integer of more digits than this interpreter converts "
             f"(sys.get_int_max_str_digits() = {sys.get_int_max_str_digits()}): call "
             f"sys.set_int_max_str_digits() in the executor to raise the limit ({e})"
         )
-    return f"job input is not valid JSON: {e}"
+    return f"{what} is not valid JSON: {e}"
 
 
 def _json_text(value: object, what: str) -> str:
@@ -662,8 +668,10 @@ class Job:
             else:
                 try:
                     self._input = _fastjson.loads(self.input_bytes)
-                except ValueError as e:
-                    raise ExecutorError(BAD_INPUT, _input_error(e), retryable=False) from None
+                except (ValueError, RecursionError) as e:
+                    raise ExecutorError(
+                        BAD_INPUT, _json_error("job input", e), retryable=False
+                    ) from None
         return self._input
 
     # -- cancellation ------------------------------------------------------
@@ -801,10 +809,11 @@ class Job:
             return default
         try:
             return _fastjson.loads(self.checkpoint)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
+            # a RecursionError was HANDLER_ERROR, retried to fail alike (audit 95)
             raise ExecutorError(
                 BAD_CHECKPOINT,
-                f"the previous checkpoint of {self.kind!r} is not JSON: {e}",
+                _json_error(f"the previous checkpoint of {self.kind!r}", e),
                 retryable=False,
             ) from None
 
@@ -838,7 +847,12 @@ class Job:
         if message:
             event.message = _clean_text(self._scrub(str(message)))
         if fraction is not None:
-            fraction = float(fraction)
+            try:
+                fraction = float(fraction)
+            except OverflowError:
+                # an integer past a float (10**400) is past 1 or below 0:
+                # clamped as any other (audit 95: it failed the handler)
+                fraction = 1.0 if fraction > 0 else 0.0
             # NaN (0/0) and ±infinity (x/0) send no fraction, as None: a
             # division by zero is no 100 % (PROTOCOL.md, audit 94)
             if math.isfinite(fraction):

@@ -468,6 +468,39 @@ def test_raw_output_is_checked_as_the_supervisor_checks_it(session_factory):
     assert "sys.set_int_max_str_digits()" in err.message
 
 
+def test_json_the_interpreter_cannot_read_is_said_to_be_so_not_a_handler_error(session_factory):
+    """A checkpoint (or an input) nested past the recursion limit is BAD_CHECKPOINT (or
+    BAD_INPUT), not retried: as a RecursionError it was HANDLER_ERROR, retried to fail alike
+    (audit 95); one with a long integer names the interpreter's digit limit; a fraction of
+    an integer past a float is clamped, not a handler error."""
+    ex = Executor("python")
+    ex.handler("resume")(lambda job: job.checkpoint_json())
+    ex.handler("reads")(lambda job: job.input)
+
+    @ex.handler("huge-fraction")
+    def huge(job: Job) -> str:
+        job.progress("past", fraction=10**400)
+        job.progress("below", fraction=-(10**400))
+        return "ok"
+
+    s = session_factory(ex)
+    s.hello()
+    s.send(job_frame("resume", job_id="deep-cp", checkpoint=b"[" * 5000 + b"]" * 5000))
+    err = s.frames.until_terminal()[-1].error
+    assert (err.code, err.retryable) == ("BAD_CHECKPOINT", False), err
+    assert "nests deeper than this interpreter parses" in err.message
+    s.send(job_frame("resume", job_id="big-cp", checkpoint=b"[1" + b"0" * 5000 + b"]"))
+    err = s.frames.until_terminal()[-1].error
+    assert err.code == "BAD_CHECKPOINT" and "sys.set_int_max_str_digits()" in err.message, err
+    s.send(job_frame("reads", job_id="deep-in", raw_input=b"[" * 5000 + b"]" * 5000))
+    err = s.frames.until_terminal()[-1].error
+    assert (err.code, err.retryable) == ("BAD_INPUT", False), err
+    s.send(job_frame("huge-fraction", job_id="frac"))
+    frames = s.frames.until_terminal()
+    assert frames[-1].result.output == b'"ok"'
+    assert [e.fraction for e in events(frames, pb.EVENT_KIND_PROGRESS)] == [1.0, 0.0]
+
+
 def test_sequences_strictly_increase_with_events_from_several_threads(session_factory):
     ex = Executor("python")
 

@@ -63,7 +63,7 @@ impl<M> FrameDecoder<M> {
 
 /// Reads a varint prefix: `Ok(None)` when more bytes are needed,
 /// `Ok(Some((value, prefix_len)))` when complete.
-fn read_varint(buf: &[u8]) -> Result<Option<(u64, usize)>, String> {
+pub(super) fn read_varint(buf: &[u8]) -> Result<Option<(u64, usize)>, String> {
     let mut value: u64 = 0;
     for (i, &b) in buf.iter().enumerate().take(10) {
         if i == 9 && b > 1 {

@@ -484,6 +484,35 @@ pub fn executor_decoder(max_frame_bytes: usize) -> FrameDecoder<pb::ExecutorFram
     FrameDecoder::new(max_frame_bytes)
 }
 
+/// Whether `buf`, the start of a frame not complete yet, may be an
+/// executor's frame: its body (once a byte of it came) begins with the tag
+/// of one of `ExecutorFrame`'s fields. Text printed to stdout reads as a
+/// length too, but its next byte is no such tag (`étape` is a length of
+/// ~1.9 MB, then `a`): a diagnostic's judgement, never the protocol's.
+pub fn may_begin_an_executor_frame(buf: &[u8]) -> bool {
+    let (len, prefix) = match codec::read_varint(buf) {
+        Ok(Some(v)) => v,
+        // a prefix not complete yet tells nothing
+        Ok(None) => return true,
+        Err(_) => return false,
+    };
+    let body = &buf[prefix..];
+    // the body is one of the oneof's fields 1–4, each a message (wire type
+    // 2: tags 0x0a, 0x12, 0x1a, 0x22), whose own length fills the frame
+    // (tested against the generated type)
+    let Some((&tag, rest)) = body.split_first() else {
+        return true;
+    };
+    if tag & 7 != 2 || !(1..=4).contains(&(tag >> 3)) {
+        return false;
+    }
+    match codec::read_varint(rest) {
+        Ok(Some((inner, n))) => 1 + n as u64 + inner == len,
+        Ok(None) => true,
+        Err(_) => false,
+    }
+}
+
 /// Renders the first bytes of a buffer as evidence for logs: printable ASCII
 /// as is, the rest as \xNN, at most `n` bytes.
 pub fn first_bytes(buf: &[u8], n: usize) -> String {
@@ -568,6 +597,53 @@ mod fraction_tests {
         assert_eq!(fraction_of(Some(f64::NAN)), None);
         assert_eq!(fraction_of(Some(f64::INFINITY)), None);
         assert_eq!(fraction_of(None), None);
+    }
+}
+
+#[cfg(test)]
+mod frame_start_tests {
+    use super::*;
+
+    /// Every frame an executor can send begins with a tag the check takes;
+    /// printed text does not.
+    #[test]
+    fn a_begun_frame_is_told_from_printed_text() {
+        use pb::executor_frame::Frame;
+        for frame in [
+            Frame::Hello(pb::Hello::default()),
+            Frame::Event(pb::ProgressEvent::default()),
+            Frame::Result(pb::JobResult::default()),
+            Frame::Error(pb::JobError::default()),
+        ] {
+            let bytes = encode_frame(&pb::ExecutorFrame { frame: Some(frame) });
+            for cut in 0..bytes.len() {
+                assert!(
+                    may_begin_an_executor_frame(&bytes[..cut]),
+                    "{bytes:?} cut at {cut}"
+                );
+            }
+        }
+        // a large one: lengths of several bytes
+        let big = encode_frame(&pb::ExecutorFrame {
+            frame: Some(Frame::Event(pb::ProgressEvent {
+                job_id: "j".into(),
+                checkpoint: Some(vec![7; 200_000]),
+                ..Default::default()
+            })),
+        });
+        for cut in (0..16).chain([4096, 65_536, big.len() - 1]) {
+            assert!(may_begin_an_executor_frame(&big[..cut]), "cut at {cut}");
+        }
+        let long = format!("{{\"x\": \"{}\"}}\n", "y".repeat(300));
+        for text in [
+            "étape 1\n",
+            "debug: hello\n",
+            "Ready.\n",
+            "{\"x\": 1}\n",
+            &long,
+        ] {
+            assert!(!may_begin_an_executor_frame(text.as_bytes()), "{text:?}");
+        }
     }
 }
 

@@ -2099,11 +2099,14 @@ impl Conversation<'_> {
             // the stall check compares two reads with no input between
             self.clocks.stall_len = 0;
             broke |= matches!(input, Input::StreamError { .. });
+            // growing lately, and no text a print left (that grows too,
+            // audit 95: a progress line printed every 200 ms)
             let arriving = self
                 .frames
                 .decoder()
                 .unchanged_for()
-                .is_some_and(|d| d < FRAME_ARRIVING_WITHIN);
+                .is_some_and(|d| d < FRAME_ARRIVING_WITHIN)
+                && wire::may_begin_an_executor_frame(self.frames.read_buffer());
             machine.saw_unfinished(
                 if broke {
                     0

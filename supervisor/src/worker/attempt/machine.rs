@@ -562,8 +562,9 @@ pub(crate) struct Machine {
     unfinished: usize,
     /// That frame was still growing (on its way, not stuck).
     arriving: bool,
-    /// A frame was on its way when the job last ran (before a stop began):
-    /// one left unfinished at the end was cut off by the stop, not stuck.
+    /// A frame was on its way when the job last ran (before a stop began),
+    /// or when its process ended: one left unfinished at the end was cut
+    /// off, not stuck.
     arriving_while_running: bool,
     /// The executor closed its stdout while its process still ran, with
     /// no terminal.
@@ -692,7 +693,9 @@ impl Machine {
             // a large frame on its way when the bound ran out is no stray
             // text (audit 93: a 200 KB checkpoint cut by a timeout read as
             // a print)
-            n if self.arriving => format!("; a frame was still arriving ({n} bytes of it so far)"),
+            // (how many bytes came by then is in the log at the end: by
+            // then more had come, audit 95)
+            _ if self.arriving => "; a frame was still arriving".into(),
             n => format!(
                 "; {n} bytes of a frame never completed are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes"
             ),
@@ -818,6 +821,11 @@ impl Machine {
 
     /// Feeds one input; returns what to do.
     pub(crate) fn on(&mut self, input: Input) -> Vec<Action> {
+        if matches!(input, Input::Exited) && self.arriving {
+            // a frame growing up to the process's end was cut off by it
+            // (audit 95: one begun during the cancel grace, then SIGTERM)
+            self.arriving_while_running = true;
+        }
         match self.phase {
             Phase::Running => self.running(input),
             Phase::DrainingAfterExit => self.draining_after_exit(input),

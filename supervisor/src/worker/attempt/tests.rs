@@ -1119,11 +1119,7 @@ fn a_frame_on_its_way_when_the_job_is_stopped_is_not_called_a_print() {
         silence_ms: None,
     };
     for (arriving, note, cut_off) in [
-        (
-            true,
-            "; a frame was still arriving (61440 bytes of it so far)",
-            true,
-        ),
+        (true, "; a frame was still arriving", true),
         (false, "; 61440 bytes of a frame never completed", false),
     ] {
         let mut m = Machine::new("j", 7, false, limits);
@@ -1146,6 +1142,32 @@ fn a_frame_on_its_way_when_the_job_is_stopped_is_not_called_a_print() {
             }
             other => panic!("{other:?}"),
         }
+    }
+}
+
+/// A frame begun after the stop began (during the cancel grace) and growing
+/// until the process was killed was cut off by the kill, not printed
+/// (audit 95); one that stopped growing long before the exit was not.
+#[test]
+fn a_frame_growing_until_the_process_ends_was_cut_off() {
+    let limits = Limits {
+        timeout_ms: Some(1500),
+        silence_ms: None,
+    };
+    for (arriving_at_exit, cut_off) in [(true, true), (false, false)] {
+        let mut m = Machine::new("j", 7, false, limits);
+        m.on(accepted());
+        m.saw_unfinished(0, false);
+        m.on(Input::AttemptTimedOut);
+        m.saw_unfinished(2_228_224, true);
+        m.on(Input::GraceEnded);
+        m.saw_unfinished(2_228_224, arriving_at_exit);
+        m.on(Input::Exited);
+        assert_eq!(
+            m.frame_cut_off(),
+            cut_off,
+            "arriving at exit {arriving_at_exit}"
+        );
     }
 }
 
