@@ -460,3 +460,62 @@ async fn a_frame_that_never_completes_is_said_while_the_attempt_waits() {
         "once"
     );
 }
+
+/// A heartbeat held up by a lock another session holds (here a LOCK TABLE
+/// on the steps) says so, with the server's own words, and leasing resumes
+/// once the lock goes: it was cut off by the worker's own bound and logged
+/// as "the database did not answer within 5000 ms", with a hint about the
+/// database's reachability, while the server answered everything else
+/// (database-chaos audit 96).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_held_up_by_a_lock_says_so() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    // the heartbeat's bound is 5 s (half the 10 s TTL): locks are waited
+    // for 4 s of it
+    let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
+    let until = std::time::Instant::now() + LONG;
+    while !w.stderr().contains("worker running") {
+        assert!(std::time::Instant::now() < until, "{}", w.stderr());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    let said = loop {
+        let log = w.stderr();
+        if let Some(l) = log.lines().find(|l| l.contains("heartbeat failed")) {
+            break l.to_owned();
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no failed heartbeat: {log}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    holder.rollback().await.expect("rollback");
+    assert!(
+        said.contains("waited for a lock another session holds") && said.contains("lock timeout"),
+        "{said}"
+    );
+    assert!(!said.contains("did not answer"), "{said}");
+    let log = w.stderr();
+    assert!(
+        log.contains("the renewals wait for a lock: end the session that holds it"),
+        "{log}"
+    );
+    // it recovers without a restart, and runs a step
+    let run = t
+        .submit(one("after", "go", "demo.echo", json!({"input": {"x": 1}})))
+        .await;
+    assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
+    assert!(
+        w.stderr().contains("leases are renewed again"),
+        "{}",
+        w.stderr()
+    );
+    stop(&mut w).await;
+}

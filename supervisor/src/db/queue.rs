@@ -152,10 +152,24 @@ impl Db {
         leases: &[Lease],
         ttl: StdDuration,
     ) -> Result<HeartbeatReport, DbError> {
+        self.heartbeat_within(worker_id, leases, ttl, None).await
+    }
+
+    /// [`Db::heartbeat`] that waits for any lock at most `lock_bound`: a
+    /// lock another session holds then ends the call with the server's own
+    /// `lock_not_available` (55P03), not a silence the caller's time bound
+    /// cuts off (the worker passes one below its own bound).
+    pub async fn heartbeat_within(
+        &self,
+        worker_id: Uuid,
+        leases: &[Lease],
+        ttl: StdDuration,
+        lock_bound: Option<StdDuration>,
+    ) -> Result<HeartbeatReport, DbError> {
         self.connection("renewing leases")
             .await?
             .conn()
-            .heartbeat(worker_id, leases, ttl)
+            .heartbeat_within(worker_id, leases, ttl, lock_bound)
             .await
     }
 
@@ -584,17 +598,30 @@ impl DbConn<'_> {
         leases: &[Lease],
         ttl: StdDuration,
     ) -> Result<HeartbeatReport, DbError> {
+        self.heartbeat_within(worker_id, leases, ttl, None).await
+    }
+
+    /// See [`Db::heartbeat_within`].
+    pub async fn heartbeat_within(
+        &mut self,
+        worker_id: Uuid,
+        leases: &[Lease],
+        ttl: StdDuration,
+        lock_bound: Option<StdDuration>,
+    ) -> Result<HeartbeatReport, DbError> {
         let ids: Vec<Uuid> = leases.iter().map(|l| l.step_run_id).collect();
         let tokens: Vec<Uuid> = leases.iter().map(|l| l.token).collect();
+        let bound = lock_bound.map(|d| format!("{}ms", d.as_millis().max(1)));
         let mut s = Scope::enter(self.conn).await?;
         let rows = sqlx::query(
-            "SELECT step_run_id, outcome, valid_ms FROM durable.renew_leases($1, $2, $3, $4, $5)",
+            "SELECT step_run_id, outcome, valid_ms FROM durable.renew_leases($1, $2, $3, $4, $5, $6)",
         )
         .bind(worker_id)
         .bind(&ids)
         .bind(&tokens)
         .bind(ttl.as_millis() as f64)
         .bind(HEARTBEAT_ROW_WAIT)
+        .bind(bound)
         .fetch_all(&mut *s)
         .await
         .ctx("renewing leases")?;

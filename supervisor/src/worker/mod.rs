@@ -1829,10 +1829,15 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
         next = sent + interval;
         // at the stop every attempt has ended (and left the renewal set):
         // a renewal still in flight is not waited for
+        // locks are waited for within four fifths of the call's bound: a
+        // lock then ends it with the server's word, not a silence (audit 96)
+        let bound = heartbeat_timeout(&shared.cfg);
         let renewal = bounded(
-            heartbeat_timeout(&shared.cfg),
+            bound,
             "renewing leases",
-            shared.hb_db.heartbeat(shared.id, &leases, ttl),
+            shared
+                .hb_db
+                .heartbeat_within(shared.id, &leases, ttl, Some(bound * 4 / 5)),
         );
         let Some(res) = unless_stopped(&stop, renewal).await else {
             return;
@@ -1872,14 +1877,22 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                 // a pool that timed out says nothing of why: the server's
                 // reason, from one connection attempt of its own
                 let why = shared.hb_db.server_reason(&e, Duration::from_secs(2)).await;
+                let locked = e.sqlstate().as_deref() == Some("55P03");
                 match why {
                     Some(why) => {
                         error!(error = %e, server_says = %why, leases = leases.len(), "heartbeat failed: no connection could be opened")
                     }
+                    None if locked => {
+                        error!(error = %e, leases = leases.len(), "heartbeat failed: it waited for a lock another session holds (a LOCK TABLE, or a long transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids)")
+                    }
                     None => error!(error = %e, leases = leases.len(), "heartbeat failed"),
                 }
                 if !shared.renewals_failing.swap(true, Ordering::SeqCst) {
-                    error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 3 per worker (+ 1 with metrics_addr) must fit in max_connections)");
+                    if locked {
+                        error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (the renewals wait for a lock: end the session that holds it)");
+                    } else {
+                        error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 3 per worker (+ 1 with metrics_addr) must fit in max_connections)");
+                    }
                 }
             }
         }
