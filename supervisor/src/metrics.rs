@@ -629,7 +629,18 @@ pub fn liveness() -> (bool, String) {
 pub async fn readiness(db: &Db) -> (bool, String) {
     let mut ready = true;
     let mut report = String::new();
-    match bounded(READY_DB_TIMEOUT, "checking readiness", db.ping()).await {
+    let mut pinged = bounded(READY_DB_TIMEOUT, "checking readiness", db.ping()).await;
+    if let Err(e) = &pinged {
+        // the connection the check keeps was ended (a restarted server,
+        // pg_terminate_backend): the pool drops it, and one new connection
+        // tells how the server is now (audit 96: "unreachable: terminating
+        // connection due to administrator command" of a server that
+        // answered again)
+        if !e.is_timeout() && !e.is_pool_timeout() && e.is_transient() {
+            pinged = bounded(READY_DB_TIMEOUT, "checking readiness", db.ping()).await;
+        }
+    }
+    match pinged {
         Ok(()) => report.push_str("database: ok\n"),
         Err(e) => {
             ready = false;

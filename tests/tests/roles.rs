@@ -390,6 +390,32 @@ async fn readiness_calls_a_busy_database_slow_not_unreachable() {
     db.pool().close().await;
 }
 
+/// The connection the readiness check keeps, ended by the server
+/// (`pg_terminate_backend`, as a restart does), is not reported as an
+/// unreachable database while the server answers: the check tries once
+/// more on a new connection (audit 96: `/readyz` said "unreachable:
+/// terminating connection due to administrator command").
+#[tokio::test]
+async fn readiness_is_not_fooled_by_its_own_connection_ended() {
+    let t = TestDb::new().await;
+    let db = Db::connect(&t.url, 1).await.expect("connect");
+    let (_, report) = supervisor::metrics::readiness(&db).await;
+    assert!(report.contains("database: ok"), "{report}");
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(db.pool())
+        .await
+        .expect("pid");
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
+        .bind(pid)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("terminate");
+    assert!(ended);
+    let (_, report) = supervisor::metrics::readiness(&db).await;
+    assert!(report.contains("database: ok"), "{report}");
+    db.pool().close().await;
+}
+
 /// The README's reader and submitter, granted as it says: a reader reads
 /// (`status`) and may not cancel; a submitter submits and cancels; a role
 /// with SELECT but not USAGE on the schema is told which GRANTs it needs
