@@ -636,7 +636,7 @@ pub async fn readiness(db: &Db) -> (bool, String) {
         // tells how the server is now (audit 96: "unreachable: terminating
         // connection due to administrator command" of a server that
         // answered again)
-        if !e.is_timeout() && !e.is_pool_timeout() && e.is_transient() {
+        if e.connection_ended() {
             pinged = bounded(READY_DB_TIMEOUT, "checking readiness", db.ping()).await;
         }
     }

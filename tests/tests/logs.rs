@@ -519,3 +519,49 @@ async fn a_heartbeat_held_up_by_a_lock_says_so() {
     );
     stop(&mut w).await;
 }
+
+/// A heartbeat whose connection the server ended (a restart,
+/// `pg_terminate_backend`) renews on a new connection at once: each such
+/// end cost a failed renewal, and an interval of leasing nothing
+/// (database-chaos audit 96).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_whose_connection_was_ended_renews_on_a_new_one() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
+    let until = std::time::Instant::now() + LONG;
+    let heartbeat_backend = loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity
+              WHERE datname = current_database() AND query LIKE '%durable.renew_leases(%'
+                AND pid <> pg_backend_pid() LIMIT 1",
+        )
+        .fetch_optional(t.db.pool())
+        .await
+        .expect("pg_stat_activity");
+        if let Some(pid) = pid {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no heartbeat: {}",
+            w.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
+        .bind(heartbeat_backend)
+        .fetch_one(t.db.pool())
+        .await
+        .expect("terminate");
+    assert!(ended);
+    // three heartbeats later (1 s apart), none failed
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let log = w.stderr();
+    assert!(!log.contains("heartbeat failed"), "{log}");
+    let run = t
+        .submit(one("after", "go", "demo.echo", json!({"input": {"x": 1}})))
+        .await;
+    assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
+    stop(&mut w).await;
+}

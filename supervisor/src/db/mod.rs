@@ -296,6 +296,22 @@ impl DbError {
 }
 
 impl DbError {
+    /// Whether the connection the call used is gone (a restarted server,
+    /// `pg_terminate_backend`, a network break): a new one may well work at
+    /// once, unlike a lock, a timeout or a refusal.
+    pub fn connection_ended(&self) -> bool {
+        match self {
+            DbError::Query { source, .. } | DbError::Connect { source, .. } => match source {
+                sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
+                sqlx::Error::Database(d) => d
+                    .code()
+                    .is_some_and(|c| c.starts_with("08") || c.starts_with("57P0")),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
     /// Whether the connection broke while a statement was on its way: the
     /// database may have committed it before the break (a submit's run may
     /// exist).
