@@ -2099,21 +2099,18 @@ impl Conversation<'_> {
             // the stall check compares two reads with no input between
             self.clocks.stall_len = 0;
             broke |= matches!(input, Input::StreamError { .. });
-            // growing lately, and no text a print left (that grows too,
-            // audit 95: a progress line printed every 200 ms)
-            let arriving = self
+            // growing lately, and whether it is no text a print left (that
+            // grows too, audit 95: a progress line printed every 200 ms)
+            let growing = self
                 .frames
                 .decoder()
                 .unchanged_for()
-                .is_some_and(|d| d < FRAME_ARRIVING_WITHIN)
-                && wire::may_begin_an_executor_frame(self.frames.read_buffer());
+                .is_some_and(|d| d < FRAME_ARRIVING_WITHIN);
+            let buffered = self.frames.read_buffer();
             machine.saw_unfinished(
-                if broke {
-                    0
-                } else {
-                    self.frames.read_buffer().len()
-                },
-                arriving,
+                if broke { 0 } else { buffered.len() },
+                growing,
+                wire::may_begin_an_executor_frame(buffered),
             );
             if matches!(
                 input,
@@ -2165,6 +2162,15 @@ impl Conversation<'_> {
             info!(
                 bytes = buffered.len(),
                 "the stop cut off a frame the executor was writing"
+            );
+            return;
+        }
+        if wire::may_begin_an_executor_frame(buffered) {
+            // a frame's start whose rest never came (audit 97)
+            warn!(
+                bytes = buffered.len(),
+                first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
+                "the executor's stdout holds the start of a frame it never completed: it stopped writing in the middle of it"
             );
             return;
         }

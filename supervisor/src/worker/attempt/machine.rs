@@ -562,6 +562,8 @@ pub(crate) struct Machine {
     unfinished: usize,
     /// That frame was still growing (on its way, not stuck).
     arriving: bool,
+    /// Its first bytes can begin a frame (else: most likely printed text).
+    frame_like: bool,
     /// A frame was on its way when the job last ran (before a stop began),
     /// or when its process ended: one left unfinished at the end was cut
     /// off, not stuck.
@@ -604,6 +606,7 @@ impl Machine {
             stale_frames: 0,
             unfinished: 0,
             arriving: false,
+            frame_like: false,
             arriving_while_running: false,
             closed_stdout: false,
             stopped: false,
@@ -641,9 +644,13 @@ impl Machine {
     /// How many bytes of a frame begun and never completed the executor's
     /// stdout holds now, and whether they still grow (the driver says so
     /// before each input).
-    pub(crate) fn saw_unfinished(&mut self, bytes: usize, arriving: bool) {
+    /// `growing`: its bytes grew lately; `frame_like`: they can begin a
+    /// frame (`wire::may_begin_an_executor_frame`), where printed text
+    /// most likely cannot.
+    pub(crate) fn saw_unfinished(&mut self, bytes: usize, growing: bool, frame_like: bool) {
         self.unfinished = bytes;
-        self.arriving = bytes > 0 && arriving;
+        self.frame_like = bytes > 0 && frame_like;
+        self.arriving = self.frame_like && growing;
         if self.phase == Phase::Running {
             self.arriving_while_running = self.arriving;
         }
@@ -652,7 +659,9 @@ impl Machine {
     /// The frame left unfinished at the end was on its way when the job
     /// was stopped: the stop cut it off, the executor printed nothing.
     pub(crate) fn frame_cut_off(&self) -> bool {
-        self.arriving_while_running
+        // or arriving now, as the process is about to be stopped (audit 97:
+        // one begun in the cancel grace, still growing when it ended)
+        self.arriving_while_running || self.arriving
     }
 
     /// Whether the process is stopped (SIGSTOP, SIGTSTP, a debugger), as
@@ -696,9 +705,10 @@ impl Machine {
             // (how many bytes came by then is in the log at the end: by
             // then more had come, audit 95)
             _ if self.arriving => "; a frame was still arriving".into(),
-            n => format!(
-                "; {n} bytes of a frame never completed are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes"
-            ),
+            // a frame's start whose rest never came is no print (audit 97)
+            _ if self.frame_like => "; the executor stopped writing in the middle of a frame (its stdout holds the start of one that never completed)".into(),
+            // no byte count: the log's, taken at the end, has more (audit 97)
+            _ => "; bytes that never became a frame are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes".into(),
         }
     }
 
