@@ -1261,6 +1261,17 @@ async fn a_worker_refuses_a_schema_with_a_failed_migration() {
             && err.contains("supervisor migrate"),
         "{err}"
     );
+    // and `migrate` says what to do about it, not sqlx's "partially
+    // applied; fix and remove row from `_sqlx_migrations` table" (audit 98)
+    let err = t.db.migrate().await.expect_err("refused").to_string();
+    assert!(
+        err.contains(&format!("migration {failed} is marked as failed"))
+            && err.contains(&format!("SET success = true WHERE version = {failed}"))
+            && err.contains(&format!(
+                "DELETE FROM durable._sqlx_migrations WHERE version = {failed}"
+            )),
+        "{err}"
+    );
 
     // one newer than this binary failed: its own binary's migrate names the
     // fix, this one's has nothing to apply (re-check audit)
@@ -1288,6 +1299,13 @@ async fn a_worker_refuses_a_schema_with_a_failed_migration() {
         err.contains(&format!("migration {future}"))
             && err.contains("newer than this binary")
             && err.contains("with the binary that has it"),
+        "{err}"
+    );
+    // `migrate` refuses it too: it said "up to date" with exit 0, while
+    // every other command refused the schema (audit 98)
+    let err = t.db.migrate().await.expect_err("refused").to_string();
+    assert!(
+        err.contains(&format!("migration {future}")) && err.contains("newer than this binary"),
         "{err}"
     );
 }

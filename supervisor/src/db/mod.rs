@@ -135,6 +135,43 @@ fn permission_denied(e: &sqlx::migrate::MigrateError) -> Option<String> {
     (db.code().as_deref() == Some("42501")).then(|| db.message().to_owned())
 }
 
+/// What a failed migration means and what to do, where sqlx's own words
+/// do not say (audit 98: "partially applied; fix and remove row from
+/// `_sqlx_migrations` table", a bare lock timeout, "previously applied but
+/// has been modified").
+fn migrate_advice(e: &sqlx::migrate::MigrateError) -> Option<String> {
+    use sqlx::migrate::MigrateError;
+    match e {
+        MigrateError::Dirty(v) => Some(format!(
+            "migration {v} is marked as failed in durable._sqlx_migrations (success is false): \
+             a migration applies whole or not at all, so the row was left or changed by hand. \
+             If the schema has that migration's changes, mark it done (UPDATE \
+             durable._sqlx_migrations SET success = true WHERE version = {v}); if it has none \
+             of them, remove the row (DELETE FROM durable._sqlx_migrations WHERE version = {v}); \
+             then run `supervisor migrate` again"
+        )),
+        MigrateError::VersionMismatch(v) => Some(format!(
+            "migration {v} as applied to the database differs from this binary's (its checksum): \
+             the schema was migrated by a build with another text of that migration. Use the \
+             binary that migrated it, or a release whose migrations match; an applied migration \
+             is never edited"
+        )),
+        MigrateError::ExecuteMigration(sqlx::Error::Database(db), v)
+            if matches!(db.code().as_deref(), Some("55P03") | Some("57014")) =>
+        {
+            Some(format!(
+                "migration {v} waited too long for a lock another session holds on a table it \
+                 changes ({}): the migrations before it are applied and it applied nothing. \
+                 Run `supervisor migrate` again once that session is done (a long transaction, \
+                 a LOCK TABLE: see pg_stat_activity); it is safe to run again, also while \
+                 workers run",
+                db.message()
+            ))
+        }
+        _ => None,
+    }
+}
+
 /// The `application_name` of this process's sessions ([`name_sessions`]).
 static APPLICATION_NAME: std::sync::RwLock<Option<String>> = std::sync::RwLock::new(None);
 
@@ -191,6 +228,10 @@ pub enum DbError {
     },
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A migration that failed for a reason the operator can act on, said
+    /// with what to do.
+    #[error("migration failed: {0}")]
+    MigrationAdvice(String),
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
     #[error("{0}")]
@@ -1235,6 +1276,19 @@ impl Db {
             return Err(DbError::Privileges(
                 "this role has no USAGE on schema durable: migrate as its owner (or GRANT USAGE, CREATE ON SCHEMA durable TO this role)".into(),
             ));
+        } else if let Some(version) = Self::failed_migration(conn).await {
+            // one this binary does not know was "up to date" with exit 0,
+            // while every other command refused the schema (audit 98)
+            if version > Db::schema_version_needed() {
+                return Err(DbError::SchemaFailed {
+                    version,
+                    fix: "It is newer than this binary: run `supervisor migrate` with the binary \
+                          that has it, which names what to fix",
+                });
+            }
+            return Err(DbError::MigrationAdvice(
+                migrate_advice(&sqlx::migrate::MigrateError::Dirty(version)).unwrap_or_default(),
+            ));
         } else if let Some(version) = Self::up_to_date(conn).await? {
             // nothing to apply: done without sqlx's CREATE TABLE IF NOT
             // EXISTS, which needs CREATE on the schema even when the table
@@ -1261,6 +1315,9 @@ impl Db {
             .await
             .ctx("resetting search_path")?;
         if let Err(e) = &res {
+            if let Some(advice) = migrate_advice(e) {
+                return Err(DbError::MigrationAdvice(advice));
+            }
             if let Some(denied) = permission_denied(e) {
                 // (re-check audit: a role with USAGE alone was told only
                 // "permission denied for schema durable")
@@ -1305,6 +1362,18 @@ impl Db {
             locking: MIGRATOR.locking,
             no_tx: MIGRATOR.no_tx,
         }
+    }
+
+    /// The oldest migration the schema records as failed, if any (none
+    /// when there is no bookkeeping table yet).
+    async fn failed_migration(conn: &mut sqlx::PgConnection) -> Option<i64> {
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT min(version) FROM durable._sqlx_migrations WHERE NOT success",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .ok()
+        .flatten()
     }
 
     /// How many migrations the schema records as applied (0 before the
