@@ -398,9 +398,11 @@ impl CliError {
             // the README's roles name what each command needs (security
             // audit: a reader with SELECT alone read only "permission denied
             // for schema durable")
-            CliError::Db(e) if e.sqlstate().as_deref() == Some("42501") => Some(
-                "this database role lacks a grant the command needs: readers need USAGE ON SCHEMA durable and SELECT ON ALL TABLES IN SCHEMA durable; submitters USAGE and EXECUTE on durable.submit_run and durable.cancel_run; gc and workers a worker's grants (SELECT, INSERT, UPDATE, DELETE on the schema's tables) (README \"Database roles\" has the GRANTs)",
-            ),
+            // the grant this command needs, by what it does (audit 98:
+            // every role's grants listed for any command)
+            CliError::Db(e) if e.sqlstate().as_deref() == Some("42501") => {
+                Some(privilege_hint(&subcommand_name()))
+            }
             CliError::Migrate(e) if e.sqlstate().as_deref() == Some("42501") => Some(
                 "migrate creates and changes the durable schema: run it as the schema's owner (README \"Database roles\", steps 1 and 2); the first migrate needs CREATE on the database, or a schema a DBA made for the owner (CREATE SCHEMA durable AUTHORIZATION <owner>)",
             ),
@@ -408,6 +410,25 @@ impl CliError {
                 "another transaction held the rows for over 10 s (an open psql session, a long cancel or gc): this command gave up waiting, and made no change if it was to make one; end that transaction, or try again",
             ),
             _ => None,
+        }
+    }
+}
+
+/// What a command refused for a privilege needs granted (README "Database
+/// roles"), by the command.
+fn privilege_hint(command: &str) -> &'static str {
+    match command {
+        "status" | "runs" | "events" | "watch" | "artifact" => {
+            "this command reads: its role needs USAGE on the schema and SELECT on its tables (as the schema's owner: GRANT USAGE ON SCHEMA durable TO <role>; GRANT SELECT ON ALL TABLES IN SCHEMA durable TO <role>; README \"Database roles\", the reader)"
+        }
+        "submit" | "cancel" => {
+            "this command submits or cancels through durable.submit_run / durable.cancel_run: its role needs USAGE on the schema and EXECUTE on them (as the schema's owner: GRANT USAGE ON SCHEMA durable TO <role>; GRANT EXECUTE ON FUNCTION durable.submit_run(jsonb), durable.cancel_run(uuid, text, text) TO <role>; README \"Database roles\", the submitter)"
+        }
+        "gc" => {
+            "gc removes old runs as a worker's retention does: its role needs a worker's grants (USAGE on the schema; SELECT, INSERT, UPDATE, DELETE on its tables; README \"Database roles\", the worker)"
+        }
+        _ => {
+            "this database role lacks a grant the command needs: readers need USAGE ON SCHEMA durable and SELECT ON ALL TABLES IN SCHEMA durable; submitters USAGE and EXECUTE on durable.submit_run and durable.cancel_run; gc and workers a worker's grants (SELECT, INSERT, UPDATE, DELETE on the schema's tables) (README \"Database roles\" has the GRANTs)"
         }
     }
 }

@@ -474,18 +474,28 @@ async fn the_readmes_reader_reads_and_its_submitter_submits_and_cancels() {
 
     let (code, said) = cli(&reader, &["status", &run]);
     assert_eq!(code, Some(0), "{said}");
+    // each refusal names the grant that command needs, not every role's
+    // (audit 98)
     let (code, said) = cli(&reader, &["cancel", &run]);
     assert_eq!(code, Some(1), "a reader may not cancel: {said}");
     assert!(said.contains("permission denied"), "{said}");
+    assert!(
+        said.contains("GRANT EXECUTE ON FUNCTION durable.submit_run(jsonb), durable.cancel_run(uuid, text, text) TO <role>")
+            && !said.contains("SELECT ON ALL TABLES"),
+        "{said}"
+    );
     let (code, said) = cli(&reader, &["submit", &path]);
     assert_eq!(code, Some(1), "a reader may not submit: {said}");
+    assert!(said.contains("GRANT EXECUTE ON FUNCTION"), "{said}");
 
     // a submitter may not read the run: watch cannot follow it (5, not the
     // run's 1), and its hint names the grants, not the database
     let (code, said) = cli(&app, &["watch", &run, "--plain"]);
     assert_eq!(code, Some(5), "{said}");
     assert!(
-        said.contains("lacks a grant") && !said.contains("DATABASE_URL"),
+        said.contains("this command reads: its role needs USAGE on the schema and SELECT")
+            && !said.contains("DATABASE_URL")
+            && !said.contains("EXECUTE"),
         "{said}"
     );
 
