@@ -425,7 +425,7 @@ fn privilege_hint(command: &str) -> &'static str {
             "this command submits or cancels through durable.submit_run / durable.cancel_run: its role needs USAGE on the schema and EXECUTE on them (as the schema's owner: GRANT USAGE ON SCHEMA durable TO <role>; GRANT EXECUTE ON FUNCTION durable.submit_run(jsonb), durable.cancel_run(uuid, text, text) TO <role>; README \"Database roles\", the submitter)"
         }
         "gc" => {
-            "gc removes old runs as a worker's retention does: its role needs a worker's grants (USAGE on the schema; SELECT, INSERT, UPDATE, DELETE on its tables; README \"Database roles\", the worker)"
+            "gc --dry-run only counts: its role needs USAGE on the schema and SELECT on its tables; gc removes old runs as a worker's retention does: its role needs a worker's grants (as the schema's owner: GRANT USAGE ON SCHEMA durable TO <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA durable TO <role>; README \"Database roles\", the worker)"
         }
         _ => {
             "this database role lacks a grant the command needs: readers need USAGE ON SCHEMA durable and SELECT ON ALL TABLES IN SCHEMA durable; submitters USAGE and EXECUTE on durable.submit_run and durable.cancel_run; gc and workers a worker's grants (SELECT, INSERT, UPDATE, DELETE on the schema's tables) (README \"Database roles\" has the GRANTs)"

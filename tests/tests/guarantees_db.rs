@@ -1308,6 +1308,54 @@ async fn a_worker_refuses_a_schema_with_a_failed_migration() {
         err.contains(&format!("migration {future}")) && err.contains("newer than this binary"),
         "{err}"
     );
+    // an older one no release has: remove the row, not "mark it done if its
+    // changes are there", which nobody can judge (audit 99)
+    sqlx::query("DELETE FROM durable._sqlx_migrations WHERE version = $1")
+        .bind(future)
+        .execute(t.db.pool())
+        .await
+        .expect("remove");
+    sqlx::query(
+        "INSERT INTO durable._sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (20200101000001, 'by hand', false, '\\x00'::bytea, 0)",
+    )
+    .execute(t.db.pool())
+    .await
+    .expect("an unknown older migration that failed");
+    let err = t.db.migrate().await.expect_err("refused").to_string();
+    assert!(
+        err.contains(
+            "migration 20200101000001, marked as failed, that no release of this binary has"
+        ) && err.contains("DELETE FROM durable._sqlx_migrations WHERE version = 20200101000001")
+            && !err.contains("SET success = true"),
+        "{err}"
+    );
+}
+
+/// `migrate` behind a lock on its own bookkeeping table says so and what to
+/// do, within the pool's 10 s lock bound: its checks went on silently and
+/// sqlx's read waited the lock out again, 40 s in all, then a bare "lock
+/// timeout" (audit 99).
+#[tokio::test]
+async fn migrate_behind_a_lock_on_its_bookkeeping_says_to_run_it_again() {
+    let t = TestDb::new().await;
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable._sqlx_migrations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    let db = t.connect(2).await;
+    let started = std::time::Instant::now();
+    let err = db.migrate().await.expect_err("refused").to_string();
+    let took = started.elapsed();
+    holder.rollback().await.expect("rollback");
+    assert!(
+        err.contains("waited too long for a lock another session holds")
+            && err.contains("Run `supervisor migrate` again"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    db.migrate().await.expect("once the lock is gone");
 }
 
 /// `migrate` is safe from several processes at once on a fresh database (a

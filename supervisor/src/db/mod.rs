@@ -135,6 +135,34 @@ fn permission_denied(e: &sqlx::migrate::MigrateError) -> Option<String> {
     (db.code().as_deref() == Some("42501")).then(|| db.message().to_owned())
 }
 
+/// A read of the migrations' bookkeeping table that failed: a lock another
+/// session holds on it is said with what to do (audit 99: the checks went
+/// on silently, and sqlx's own read waited out the lock again); the table
+/// missing, or any other error, leaves the decision to sqlx's migrator.
+fn bookkeeping_unreadable<T>(e: sqlx::Error) -> Result<Option<T>, DbError> {
+    match &e {
+        sqlx::Error::Database(db)
+            if matches!(db.code().as_deref(), Some("55P03") | Some("57014")) =>
+        {
+            Err(DbError::MigrationAdvice(locked_advice(
+                "reading the migrations' bookkeeping table durable._sqlx_migrations",
+                db.message(),
+            )))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// What to do when a migration waited too long for a lock.
+fn locked_advice(what: &str, server_says: &str) -> String {
+    format!(
+        "{what} waited too long for a lock another session holds ({server_says}): nothing of it \
+         was applied, and the migrations before it are. Run `supervisor migrate` again once that \
+         session is done (a long transaction, a LOCK TABLE: see pg_stat_activity); it is safe to \
+         run again, also while workers run"
+    )
+}
+
 /// What a failed migration means and what to do, where sqlx's own words
 /// do not say (audit 98: "partially applied; fix and remove row from
 /// `_sqlx_migrations` table", a bare lock timeout, "previously applied but
@@ -159,13 +187,17 @@ fn migrate_advice(e: &sqlx::migrate::MigrateError) -> Option<String> {
         MigrateError::ExecuteMigration(sqlx::Error::Database(db), v)
             if matches!(db.code().as_deref(), Some("55P03") | Some("57014")) =>
         {
-            Some(format!(
-                "migration {v} waited too long for a lock another session holds on a table it \
-                 changes ({}): the migrations before it are applied and it applied nothing. \
-                 Run `supervisor migrate` again once that session is done (a long transaction, \
-                 a LOCK TABLE: see pg_stat_activity); it is safe to run again, also while \
-                 workers run",
-                db.message()
+            Some(locked_advice(
+                &format!("migration {v} (on a table it changes)"),
+                db.message(),
+            ))
+        }
+        MigrateError::Execute(sqlx::Error::Database(db))
+            if matches!(db.code().as_deref(), Some("55P03") | Some("57014")) =>
+        {
+            Some(locked_advice(
+                "reading the migrations applied",
+                db.message(),
             ))
         }
         _ => None,
@@ -257,7 +289,7 @@ pub enum DbError {
     SchemaTooOld { have: i64, need: i64 },
     #[error("the database has no durable schema (no migrations applied). Run `supervisor migrate` first")]
     SchemaMissing,
-    #[error("migration {version} of the database schema is marked as failed (durable._sqlx_migrations.success is false): the schema is not what any binary expects. {fix}")]
+    #[error("migration {version} of the database schema is marked as failed (durable._sqlx_migrations.success is false): no binary runs on a schema so marked. {fix}")]
     SchemaFailed { version: i64, fix: &'static str },
     /// The connecting role lacks privileges the command needs (what to grant).
     #[error("missing privileges: {0}")]
@@ -1245,7 +1277,7 @@ impl Db {
         {
             Ok(rows) => rows,
             // no bookkeeping table yet (or not readable): let sqlx decide
-            Err(_) => return Ok(None),
+            Err(e) => return bookkeeping_unreadable(e),
         };
         let all = MIGRATOR.iter().all(|m| {
             applied
@@ -1276,7 +1308,7 @@ impl Db {
             return Err(DbError::Privileges(
                 "this role has no USAGE on schema durable: migrate as its owner (or GRANT USAGE, CREATE ON SCHEMA durable TO this role)".into(),
             ));
-        } else if let Some(version) = Self::failed_migration(conn).await {
+        } else if let Some(version) = Self::failed_migration(conn).await? {
             // one this binary does not know was "up to date" with exit 0,
             // while every other command refused the schema (audit 98)
             if version > Db::schema_version_needed() {
@@ -1285,6 +1317,16 @@ impl Db {
                     fix: "It is newer than this binary: run `supervisor migrate` with the binary \
                           that has it, which names what to fix",
                 });
+            }
+            if !MIGRATOR.iter().any(|m| m.version == version) {
+                // none of this binary's: nobody can say what it changed
+                // (audit 99: told to mark it done if its changes are there)
+                return Err(DbError::MigrationAdvice(format!(
+                    "durable._sqlx_migrations has a row for migration {version}, marked as \
+                     failed, that no release of this binary has: it was written by hand or by \
+                     another tool. Remove it (DELETE FROM durable._sqlx_migrations WHERE version \
+                     = {version}) and run `supervisor migrate` again"
+                )));
             }
             return Err(DbError::MigrationAdvice(
                 migrate_advice(&sqlx::migrate::MigrateError::Dirty(version)).unwrap_or_default(),
@@ -1366,14 +1408,16 @@ impl Db {
 
     /// The oldest migration the schema records as failed, if any (none
     /// when there is no bookkeeping table yet).
-    async fn failed_migration(conn: &mut sqlx::PgConnection) -> Option<i64> {
-        sqlx::query_scalar::<_, Option<i64>>(
+    async fn failed_migration(conn: &mut sqlx::PgConnection) -> Result<Option<i64>, DbError> {
+        match sqlx::query_scalar::<_, Option<i64>>(
             "SELECT min(version) FROM durable._sqlx_migrations WHERE NOT success",
         )
         .fetch_one(&mut *conn)
         .await
-        .ok()
-        .flatten()
+        {
+            Ok(v) => Ok(v),
+            Err(e) => bookkeeping_unreadable(e),
+        }
     }
 
     /// How many migrations the schema records as applied (0 before the
