@@ -565,3 +565,38 @@ async fn a_heartbeat_whose_connection_was_ended_renews_on_a_new_one() {
     assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
     stop(&mut w).await;
 }
+
+/// A lease call on a connection the server ended (a restart,
+/// `pg_terminate_backend`: the server says so, so nothing was leased) is
+/// made again at once on a new one: it was logged as "lease failed" and
+/// the worker leased nothing for a poll interval (audit 99).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_call_on_an_ended_connection_is_made_again_at_once() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
+    let until = std::time::Instant::now() + LONG;
+    while !w.stderr().contains("worker running") {
+        assert!(std::time::Instant::now() < until, "{}", w.stderr());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // every session of the worker, idle between its calls
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
+          WHERE datname = current_database() AND application_name LIKE 'durable worker%'",
+    )
+    .fetch_all(t.db.pool())
+    .await
+    .expect("terminate");
+    assert!(!ended.is_empty() && ended.iter().all(|e| *e), "{ended:?}");
+    // a step makes the lease loop lease at once (LISTEN too was ended)
+    let run = t
+        .submit(one("after", "go", "demo.echo", json!({"input": {"x": 1}})))
+        .await;
+    assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let log = w.stderr();
+    assert!(!log.contains("lease failed"), "{log}");
+    assert!(!log.contains("heartbeat failed"), "{log}");
+    stop(&mut w).await;
+}

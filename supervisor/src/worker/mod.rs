@@ -1320,7 +1320,18 @@ async fn lease_pass(
             .map(|x| (x.routes(), x.cfg.secrets.clone()))
             .collect();
         let filters = routing::secret_filters(&routes, &exec.cfg.secrets, &others);
-        let (steps, sent) = match lease_for(shared, &routes, &filters, free, ttl).await {
+        let mut leased = lease_for(shared, &routes, &filters, free, ttl).await;
+        if let Err(e) = &leased {
+            // the server ended the connection before the statement ran (a
+            // restart, pg_terminate_backend: it said so, so nothing was
+            // leased): once more on a new one, not a poll interval later
+            // with an error logged (audit 99)
+            if e.answered_by_the_server() && e.connection_ended() {
+                debug!(error = %e, "lease call on an ended connection: once more on a new one");
+                leased = lease_for(shared, &routes, &filters, free, ttl).await;
+            }
+        }
+        let (steps, sent) = match leased {
             Ok(Some(leased)) => {
                 crate::metrics::lease_call(true);
                 leased
