@@ -45,6 +45,27 @@ fn attempt_span(line: &Value) -> Option<&Value> {
 }
 
 /// Stops the worker (SIGTERM, drained) so every line is written.
+/// Waits until the worker's log has `what`.
+async fn until_logged(w: &WorkerProcess, what: &str) {
+    let until = std::time::Instant::now() + LONG;
+    while !w.stderr().contains(what) {
+        assert!(
+            std::time::Instant::now() < until,
+            "no {what:?}: {}",
+            w.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A step submitted now succeeds (the worker leases and commits).
+async fn runs_a_step(t: &TestDb) {
+    let run = t
+        .submit(one("after", "go", "demo.echo", json!({"input": {"x": 1}})))
+        .await;
+    assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
+}
+
 async fn stop(w: &mut WorkerProcess) {
     w.signal(nix::sys::signal::Signal::SIGTERM);
     assert_eq!(w.wait(LONG).await, Some(0), "{}", w.stderr());
@@ -474,11 +495,7 @@ async fn a_heartbeat_held_up_by_a_lock_says_so() {
     // the heartbeat's bound is 5 s (half the 10 s TTL): locks are waited
     // for 4 s of it
     let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
-    let until = std::time::Instant::now() + LONG;
-    while !w.stderr().contains("worker running") {
-        assert!(std::time::Instant::now() < until, "{}", w.stderr());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    until_logged(&w, "worker running").await;
     let mut holder = t.db.pool().begin().await.expect("begin");
     sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *holder)
@@ -508,10 +525,7 @@ async fn a_heartbeat_held_up_by_a_lock_says_so() {
         "{log}"
     );
     // it recovers without a restart, and runs a step
-    let run = t
-        .submit(one("after", "go", "demo.echo", json!({"input": {"x": 1}})))
-        .await;
-    assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
+    runs_a_step(&t).await;
     assert!(
         w.stderr().contains("leases are renewed again"),
         "{}",
@@ -559,10 +573,7 @@ async fn a_heartbeat_whose_connection_was_ended_renews_on_a_new_one() {
     tokio::time::sleep(Duration::from_millis(3_500)).await;
     let log = w.stderr();
     assert!(!log.contains("heartbeat failed"), "{log}");
-    let run = t
-        .submit(one("after", "go", "demo.echo", json!({"input": {"x": 1}})))
-        .await;
-    assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
+    runs_a_step(&t).await;
     stop(&mut w).await;
 }
 
@@ -575,11 +586,7 @@ async fn a_lease_call_on_an_ended_connection_is_made_again_at_once() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
-    let until = std::time::Instant::now() + LONG;
-    while !w.stderr().contains("worker running") {
-        assert!(std::time::Instant::now() < until, "{}", w.stderr());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    until_logged(&w, "worker running").await;
     // every session of the worker, idle between its calls
     let ended: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
@@ -590,10 +597,7 @@ async fn a_lease_call_on_an_ended_connection_is_made_again_at_once() {
     .expect("terminate");
     assert!(!ended.is_empty() && ended.iter().all(|e| *e), "{ended:?}");
     // a step makes the lease loop lease at once (LISTEN too was ended)
-    let run = t
-        .submit(one("after", "go", "demo.echo", json!({"input": {"x": 1}})))
-        .await;
-    assert_eq!(t.wait_terminal(run, LONG).await.state, "succeeded");
+    runs_a_step(&t).await;
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let log = w.stderr();
     assert!(!log.contains("lease failed"), "{log}");

@@ -1838,19 +1838,21 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
         let leases: Vec<Lease> = shared.leases.snapshot();
         let sent = Instant::now();
         next = sent + interval;
-        // at the stop every attempt has ended (and left the renewal set):
-        // a renewal still in flight is not waited for
         // locks are waited for within four fifths of the call's bound: a
         // lock then ends it with the server's word, not a silence (audit 96)
         let bound = heartbeat_timeout(&shared.cfg);
-        let renewal = bounded(
-            bound,
-            "renewing leases",
-            shared
-                .hb_db
-                .heartbeat_within(shared.id, &leases, ttl, Some(bound * 4 / 5)),
-        );
-        let Some(mut res) = unless_stopped(&stop, renewal).await else {
+        let renew = || {
+            bounded(
+                bound,
+                "renewing leases",
+                shared
+                    .hb_db
+                    .heartbeat_within(shared.id, &leases, ttl, Some(bound * 4 / 5)),
+            )
+        };
+        // at the stop every attempt has ended (and left the renewal set):
+        // a renewal still in flight is not waited for
+        let Some(mut res) = unless_stopped(&stop, renew()).await else {
             return;
         };
         if let Err(e) = &res {
@@ -1861,14 +1863,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
             // A renewal is idempotent, so one that may have run is no harm
             if e.connection_ended() {
                 debug!(error = %e, "renewal failed on a broken connection: trying once more on a new one");
-                let again = bounded(
-                    bound,
-                    "renewing leases",
-                    shared
-                        .hb_db
-                        .heartbeat_within(shared.id, &leases, ttl, Some(bound * 4 / 5)),
-                );
-                let Some(again) = unless_stopped(&stop, again).await else {
+                let Some(again) = unless_stopped(&stop, renew()).await else {
                     return;
                 };
                 res = again;
