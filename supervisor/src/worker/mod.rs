@@ -1320,18 +1320,7 @@ async fn lease_pass(
             .map(|x| (x.routes(), x.cfg.secrets.clone()))
             .collect();
         let filters = routing::secret_filters(&routes, &exec.cfg.secrets, &others);
-        let mut leased = lease_for(shared, &routes, &filters, free, ttl).await;
-        if let Err(e) = &leased {
-            // the server ended the connection before the statement ran (a
-            // restart, pg_terminate_backend: it said so, so nothing was
-            // leased): once more on a new one, not a poll interval later
-            // with an error logged (audit 99)
-            if e.answered_by_the_server() && e.connection_ended() {
-                debug!(error = %e, "lease call on an ended connection: once more on a new one");
-                leased = lease_for(shared, &routes, &filters, free, ttl).await;
-            }
-        }
-        let (steps, sent) = match leased {
+        let (steps, sent) = match lease_for(shared, &routes, &filters, free, ttl).await {
             Ok(Some(leased)) => {
                 crate::metrics::lease_call(true);
                 leased
@@ -1525,6 +1514,26 @@ async fn routes_to_lease(
 /// was sent (the start of its steps' lease clocks); `None` when the stop
 /// signal came first.
 async fn lease_for(
+    shared: &Arc<Shared>,
+    routes: &[Route],
+    filters: &[Option<crate::db::SecretFilter>],
+    free: u32,
+    ttl: Duration,
+) -> Result<Option<(Vec<crate::db::LeasedStep>, Instant)>, DbError> {
+    match lease_once(shared, routes, filters, free, ttl).await {
+        // the server ended the connection before the statement ran (a
+        // restart, pg_terminate_backend: it said so, so nothing was
+        // leased): once more on a new one, not a poll interval later with
+        // an error logged (audit 99)
+        Err(e) if e.answered_by_the_server() && e.connection_ended() => {
+            debug!(error = %e, "lease call on an ended connection: once more on a new one");
+            lease_once(shared, routes, filters, free, ttl).await
+        }
+        other => other,
+    }
+}
+
+async fn lease_once(
     shared: &Arc<Shared>,
     routes: &[Route],
     filters: &[Option<crate::db::SecretFilter>],
@@ -1897,31 +1906,34 @@ async fn heartbeat_loop(shared: Arc<Shared>, now: Arc<Notify>, stop: Cancellatio
                     "heartbeat"
                 );
             }
-            Err(e) => {
-                // the lease clocks stand still; each attempt stops its child
-                // before its own clock runs out
-                crate::metrics::heartbeat_failed();
-                // a pool that timed out says nothing of why: the server's
-                // reason, from one connection attempt of its own
-                let why = shared.hb_db.server_reason(&e, Duration::from_secs(2)).await;
-                let locked = e.sqlstate().as_deref() == Some("55P03");
-                match why {
-                    Some(why) => {
-                        error!(error = %e, server_says = %why, leases = leases.len(), "heartbeat failed: no connection could be opened")
-                    }
-                    None if locked => {
-                        error!(error = %e, leases = leases.len(), "heartbeat failed: it waited for a lock another session holds (a LOCK TABLE, or a long transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids)")
-                    }
-                    None => error!(error = %e, leases = leases.len(), "heartbeat failed"),
-                }
-                if !shared.renewals_failing.swap(true, Ordering::SeqCst) {
-                    if locked {
-                        error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (the renewals wait for a lock: end the session that holds it)");
-                    } else {
-                        error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 3 per worker (+ 1 with metrics_addr) must fit in max_connections)");
-                    }
-                }
-            }
+            Err(e) => renewal_failed(&shared, &e, leases.len()).await,
+        }
+    }
+}
+
+/// A renewal that failed: the lease clocks stand still (each attempt stops
+/// its child before its own clock runs out), and leasing pauses until one
+/// succeeds. Logged with the server's reason where it gives one.
+async fn renewal_failed(shared: &Shared, e: &DbError, leases: usize) {
+    crate::metrics::heartbeat_failed();
+    // a pool that timed out says nothing of why: the server's
+    // reason, from one connection attempt of its own
+    let why = shared.hb_db.server_reason(e, Duration::from_secs(2)).await;
+    let locked = e.sqlstate().as_deref() == Some("55P03");
+    match why {
+        Some(why) => {
+            error!(error = %e, server_says = %why, leases, "heartbeat failed: no connection could be opened")
+        }
+        None if locked => {
+            error!(error = %e, leases, "heartbeat failed: it waited for a lock another session holds (a LOCK TABLE, or a long transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids)")
+        }
+        None => error!(error = %e, leases, "heartbeat failed"),
+    }
+    if !shared.renewals_failing.swap(true, Ordering::SeqCst) {
+        if locked {
+            error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (the renewals wait for a lock: end the session that holds it)");
+        } else {
+            error!("no step is leased until a renewal succeeds: a step leased now would lose its lease (is the database reachable from this host, with a connection free for the heartbeat? db_max_connections + 3 per worker (+ 1 with metrics_addr) must fit in max_connections)");
         }
     }
 }
