@@ -275,6 +275,12 @@ pub(crate) fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
 
 /// Whether child `pid` has exited (is a zombie), WITHOUT reaping it (`WNOWAIT`).
 pub(crate) fn leader_exited(pid: i32) -> io::Result<bool> {
+    Ok(leader_exit(pid)?.is_some())
+}
+
+/// How the leader `pid` ended, if it has (it stays a zombie: `WNOWAIT`
+/// neither reaps it nor blocks), from the `siginfo_t` `waitid` fills.
+pub(crate) fn leader_exit(pid: i32) -> io::Result<Option<ExitStatusKind>> {
     loop {
         // SAFETY: siginfo_t is plain old data; all-zero is a valid value.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
@@ -290,7 +296,15 @@ pub(crate) fn leader_exited(pid: i32) -> io::Result<bool> {
         if ret == 0 {
             // With WNOHANG, si_pid stays 0 when the child has not exited.
             // SAFETY: waitid filled (or left zeroed) the structure.
-            return Ok(unsafe { info.si_pid() } != 0);
+            if unsafe { info.si_pid() } == 0 {
+                return Ok(None);
+            }
+            // SAFETY: as above; si_status is the exit code or the signal
+            let status = unsafe { info.si_status() };
+            return Ok(Some(match info.si_code {
+                libc::CLD_EXITED => ExitStatusKind::Exited(status),
+                _ => ExitStatusKind::Signaled(signal_name(status)),
+            }));
         }
         let err = io::Error::last_os_error();
         if err.kind() != io::ErrorKind::Interrupted {

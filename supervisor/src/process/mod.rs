@@ -448,6 +448,15 @@ impl Child {
         }
     }
 
+    /// How the leader ended, if it has and is not reaped yet (a zombie's
+    /// status, read without reaping it); `None` while it runs. Never blocks.
+    pub fn exit_status_if_ended(&self) -> Option<ExitStatusKind> {
+        if self.guard.is_reaped() {
+            return None;
+        }
+        group::leader_exit(self.guard.pid).ok().flatten()
+    }
+
     fn check_exited(&self) -> Result<bool, ProcessError> {
         if self.guard.is_reaped() || self.exited.load(Ordering::Acquire) {
             return Ok(true);

@@ -363,7 +363,7 @@ impl Pool {
             if s.healthy() {
                 return Some(s);
             }
-            self.lost(&s);
+            self.found_unhealthy(s);
         }
     }
 
@@ -380,7 +380,7 @@ impl Pool {
             if s.healthy() {
                 return Some(s);
             }
-            self.lost(&s);
+            self.found_unhealthy(s);
         }
     }
 
@@ -422,6 +422,25 @@ impl Pool {
         }
         crate::metrics::idle_processes(&self.executor, -(out.len() as i64));
         out
+    }
+
+    /// Drops `s`, found unhealthy as a job was about to be handed to it
+    /// (`Child`'s drop kills and reaps its group): one that ended on its own
+    /// is said so here, with how it ended (the sweep, `take_unhealthy`, says
+    /// it for those it finds first; one that was stopped or wrote between
+    /// jobs was named by `healthy`). Without it, an idle process killed by
+    /// the OOM killer was replaced without a word (soak audit).
+    fn found_unhealthy(&self, s: Session) {
+        self.lost(&s);
+        if let Some(status) = s.child.exit_status_if_ended() {
+            warn!(
+                executor = %self.executor,
+                pid = s.child.pid,
+                jobs = s.jobs,
+                %status,
+                "an idle executor process ended between jobs (found as a job was handed to it); it is replaced"
+            );
+        }
     }
 
     /// Counts `s`, found unhealthy, if it served no job.
@@ -471,6 +490,74 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `MakeWriter` into a shared buffer: what the pool logged.
+    #[derive(Clone, Default)]
+    struct Logged(std::sync::Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logged {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logged {
+        type Writer = Logged;
+        fn make_writer(&'a self) -> Logged {
+            self.clone()
+        }
+    }
+
+    /// An idle process that ended between jobs and is found so as a job is
+    /// handed to it (before the periodic sweep saw it) is replaced with a
+    /// warning that says how it ended: it was dropped without a word (soak
+    /// audit), so an executor killed by the OOM killer while idle left no
+    /// trace in the worker's log.
+    #[tokio::test]
+    async fn an_idle_process_found_dead_as_a_job_is_handed_to_it_is_logged() {
+        let spawner = crate::process::Spawner::start().expect("start spawner");
+        let mut spec = crate::process::SpawnSpec::new("/bin/sh", "/");
+        spec.args = vec!["-c".into(), "exit 3".into()];
+        let mut child = spawner.spawn(spec).await.expect("spawn");
+        child.exited().await.expect("exit");
+        let pid = child.pid;
+        let mut s = Session::new(child, 1 << 20, None).expect("pipes");
+        s.jobs = 2;
+        let pool = Pool::new("ex", 4);
+        pool.idle
+            .lock()
+            .unwrap()
+            .push((s, std::time::Instant::now()));
+
+        let logged = Logged::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logged.clone())
+            .with_ansi(false)
+            .finish();
+        let taken = tracing::subscriber::with_default(subscriber, || pool.take());
+        assert!(taken.is_none(), "a dead process is not handed a job");
+        assert_eq!(pool.idle(), 0);
+        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        assert!(
+            text.contains(
+                "an idle executor process ended between jobs (found as a job was handed to it)"
+            ) && text.contains("exited with code 3")
+                && text.contains(&format!("pid={pid}"))
+                && text.contains("executor=ex")
+                && text.contains("jobs=2"),
+            "{text}"
+        );
+        // nothing of its group is left (the drop kills and reaps it)
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while !crate::process::group_members(pid).is_empty() {
+            assert!(std::time::Instant::now() < until, "group {pid} left");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 
     #[test]
     fn an_idle_sessions_read_buffer_gives_back_a_large_frames_allocation() {
