@@ -1404,11 +1404,14 @@ async fn a_batch_with_a_lock_wait_gives_up_on_a_held_run_and_names_it() {
     }
 
     let held =
-        t.db.held_steps(&[
-            a.lease.step_run_id(),
-            b.lease.step_run_id(),
-            c.lease.step_run_id(),
-        ])
+        t.db.held_steps(
+            &[
+                a.lease.step_run_id(),
+                b.lease.step_run_id(),
+                c.lease.step_run_id(),
+            ],
+            Duration::from_millis(250),
+        )
         .await
         .expect("held steps");
     assert_eq!(held, vec![(b.lease.step_run_id(), b.run_id)]);
@@ -1426,7 +1429,7 @@ async fn a_batch_with_a_lock_wait_gives_up_on_a_held_run_and_names_it() {
     holder.rollback().await.expect("let go");
     assert!(t
         .db
-        .held_steps(&[b.lease.step_run_id()])
+        .held_steps(&[b.lease.step_run_id()], Duration::from_millis(250))
         .await
         .expect("held steps")
         .is_empty());

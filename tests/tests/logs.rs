@@ -534,6 +534,63 @@ async fn a_heartbeat_held_up_by_a_lock_says_so() {
     stop(&mut w).await;
 }
 
+/// An outcome whose write waits behind a lock on a whole table (a LOCK
+/// TABLE on the steps) is said to wait for a lock, and is written once the
+/// lock goes: the ledger's probe for the rows it waited for waited the
+/// pool's 10 s for the table itself, past the commit's own bound, and the
+/// outcome's retries read "the database did not answer within … ms while
+/// committing an outcome" (database-chaos audit 97).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_behind_a_table_lock_says_it_waits_for_a_lock() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
+    until_logged(&w, "worker running").await;
+    let run = t
+        .submit(one(
+            "slow",
+            "go",
+            "demo.sleep",
+            json!({"input": {"ms": 1500, "steps": 1}}),
+        ))
+        .await;
+    let until = std::time::Instant::now() + LONG;
+    while t.status(run).await.steps[0].state != "running" {
+        assert!(std::time::Instant::now() < until, "never running");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    // the attempt's writes (its progress, then its outcome) are retried,
+    // each saying why
+    until_logged(&w, "failed; retrying").await;
+    holder.rollback().await.expect("rollback");
+    let ended = t.wait_terminal(run, LONG).await.state;
+    let log = w.stderr();
+    assert_eq!(ended, "succeeded", "{log}");
+    let said = log
+        .lines()
+        .find(|l| l.contains("failed; retrying") && l.contains("attempt{"))
+        .unwrap_or_default();
+    assert!(
+        said.contains("waited for a lock another session holds"),
+        "{said}"
+    );
+    assert!(
+        !log.lines().any(|l| l.contains("did not answer")
+            && (l.contains("committing an outcome") || l.contains("finding the rows"))),
+        "{log}"
+    );
+    assert!(
+        log.contains("a ledger batch waits for a lock another session holds on a whole table"),
+        "{log}"
+    );
+    stop(&mut w).await;
+}
+
 /// A heartbeat whose connection the server ended (a restart,
 /// `pg_terminate_backend`) renews on a new connection at once: each such
 /// end cost a failed renewal, and an interval of leasing nothing

@@ -299,23 +299,55 @@ impl Db {
             .await
     }
 
+    /// See [`DbConn::held_steps`].
+    pub async fn held_steps(
+        &self,
+        steps: &[Uuid],
+        lock_wait: StdDuration,
+    ) -> Result<Vec<(Uuid, Uuid)>, DbError> {
+        self.connection("finding the rows another transaction holds")
+            .await?
+            .conn()
+            .held_steps(steps, lock_wait)
+            .await
+    }
+}
+
+impl DbConn<'_> {
     /// Of these steps, those whose run row or own row another transaction
-    /// holds right now, each with its run (it never waits: `SKIP LOCKED`).
-    /// What a batch that gave up on a held row asks to set its writes aside.
-    pub async fn held_steps(&self, steps: &[Uuid]) -> Result<Vec<(Uuid, Uuid)>, DbError> {
+    /// holds right now, each with its run (no row lock is waited for:
+    /// `SKIP LOCKED`). What a batch that gave up on a held row asks to set
+    /// its writes aside. A lock on a whole table (a `LOCK TABLE`) is waited
+    /// for `lock_wait` at most, as the batch waited: it then fails with
+    /// `lock_not_available` (55P03), the batch's own error (it waited the
+    /// pool's 10 s, and an outcome waiting for the batch read "the
+    /// database did not answer" after its lease clock: database-chaos
+    /// audit 97).
+    pub async fn held_steps(
+        &mut self,
+        steps: &[Uuid],
+        lock_wait: StdDuration,
+    ) -> Result<Vec<(Uuid, Uuid)>, DbError> {
+        let what = "finding the rows another transaction holds";
+        // a transaction (or a savepoint) of its own: the setting is local to it
+        let mut tx = super::begin(self.conn).await.ctx(what)?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(format!("{}ms", lock_wait.as_millis().max(1)))
+            .execute(&mut *tx)
+            .await
+            .ctx(what)?;
         let rows = sqlx::query("SELECT step_run_id, run_id FROM durable.held_steps($1)")
             .bind(steps)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await
-            .ctx("finding the rows another transaction holds")?;
+            .ctx(what)?;
+        tx.commit().await.ctx(what)?;
         Ok(rows
             .iter()
             .map(|r| (r.get("step_run_id"), r.get("run_id")))
             .collect())
     }
-}
 
-impl DbConn<'_> {
     /// See [`Db::write_batch`]. The batch is one statement: on a bare
     /// connection its own transaction, inside a caller's transaction a
     /// savepoint, so a batch that fails as a whole undoes only itself; a row

@@ -1112,28 +1112,47 @@ async fn flush(
         };
         // a failed call, or a write of it that failed alone (each is a few
         // statements of its own: the connection may have broken in one of
-        // them): back to the pool, whose check clears or closes it
-        if res
-            .as_ref()
-            .map_or(true, |out| out.writes.iter().any(Result::is_err))
+        // them): back to the pool, whose check clears or closes it; but
+        // one that gave up on a lock is sound, and finds the rows it
+        // waited for (from the pool, that probe waited behind every other
+        // user of it held up by the same lock: database-chaos audit 97)
+        let gave_up_on_a_lock = matches!(&res, Err(e) if aside::is_lock_wait(e));
+        if !gave_up_on_a_lock
+            && res
+                .as_ref()
+                .map_or(true, |out| out.writes.iter().any(Result::is_err))
         {
             *held = None;
         }
         // nor is the pool's last free connection kept: the lease, the reclaim
         // and the attempts' artifact transfers would wait for it
-        if held.is_some() && !db.has_spare_connection() {
+        if !gave_up_on_a_lock && held.is_some() && !db.has_spare_connection() {
             *held = None;
         }
         match res {
-            Err(e) if aside::is_lock_wait(&e) => {
+            Err(e) if gave_up_on_a_lock => {
                 let held_steps = crate::db::bounded(
                     super::DB_CALL_TIMEOUT,
                     "finding the rows another transaction holds",
-                    db.held_steps(&s.steps()),
+                    async {
+                        match held.as_mut() {
+                            Some(c) => c.conn().held_steps(&s.steps(), LOCK_WAIT).await,
+                            None => db.held_steps(&s.steps(), LOCK_WAIT).await,
+                        }
+                    },
                 )
                 .await;
+                if held_steps.is_err() || !db.has_spare_connection() {
+                    *held = None;
+                }
                 let held_steps: HashMap<Uuid, Uuid> = match held_steps {
                     Ok(h) => h.into_iter().collect(),
+                    Err(probe) if aside::is_lock_wait(&probe) => {
+                        // not a row: the probe itself waited for a table
+                        warn!(error = %e, size, "a ledger batch waits for a lock another session holds on a whole table (a LOCK TABLE, or a long transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids); its writers retry");
+                        s.fail(&e, tainted);
+                        return;
+                    }
                     Err(probe) => {
                         warn!(error = %probe, "could not find which rows a ledger batch waited for");
                         HashMap::new()
@@ -1382,6 +1401,13 @@ fn as_each(e: &DbError) -> DbError {
     match e {
         DbError::LeaseLost { step_run_id } => DbError::LeaseLost {
             step_run_id: *step_run_id,
+        },
+        // the cause a writer's retries name (they said only "failed as a
+        // whole" behind a LOCK TABLE: database-chaos audit 97)
+        e if aside::is_lock_wait(e) => DbError::Retry {
+            context:
+                "a ledger batch waited for a lock another session holds (a LOCK TABLE, or a long \
+                      transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids)",
         },
         e if e.is_transient() => DbError::Retry {
             context: "a ledger batch failed as a whole",
