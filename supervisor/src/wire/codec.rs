@@ -111,6 +111,7 @@ impl<M: Message + Default> FrameDecoder<M> {
                 return Err(WireError::Malformed {
                     reason,
                     first_bytes: first_bytes(src, 32),
+                    printed: false,
                 })
             }
         };
@@ -124,6 +125,7 @@ impl<M: Message + Default> FrameDecoder<M> {
             return Ok(None);
         }
         let evidence = first_bytes(&src[..(prefix + len).min(src.len())], 32);
+        let printed = super::looks_printed(&src[..prefix + len]);
         self.consumed += (prefix + len) as u64;
         src.advance(prefix);
         let body = src.split_to(len);
@@ -132,6 +134,7 @@ impl<M: Message + Default> FrameDecoder<M> {
             .map_err(|e| WireError::Malformed {
                 reason: e.to_string(),
                 first_bytes: evidence,
+                printed,
             })
     }
 }
@@ -232,6 +235,46 @@ mod tests {
             })
         ));
         assert_eq!(buf.capacity(), cap_before);
+    }
+
+    /// Lines printed to stdout now and then: the first byte (`s`, 115)
+    /// reads as a length, later lines fill it, and the "frame" fails to
+    /// decode. The error says it is all text, most likely printed (audit 99:
+    /// a print every 200 ms read as a malformed frame and nothing more);
+    /// binary garbage does not.
+    #[test]
+    fn a_malformed_frame_of_printed_lines_says_it_is_text() {
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut buf = BytesMut::new();
+        let mut n = 0;
+        let err = loop {
+            n += 1;
+            buf.extend_from_slice(format!("step {n} of 40: loading\n").as_bytes());
+            match d.decode(&mut buf) {
+                Ok(None) => assert!(n < 20, "never complete"),
+                Ok(Some(f)) => panic!("decoded text as {f:?}"),
+                Err(e) => break e,
+            }
+        };
+        assert!(
+            matches!(&err, WireError::Malformed { printed: true, first_bytes, .. }
+                     if first_bytes.starts_with("step 1 of 40")),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("it is all text, most likely printed to stdout"),
+            "{err}"
+        );
+
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut bin = BytesMut::from(&b"\x05\x0a\xff\xff\xff\xff"[..]);
+        let err = d.decode(&mut bin).expect_err("garbage");
+        assert!(
+            matches!(err, WireError::Malformed { printed: false, .. }),
+            "{err:?}"
+        );
+        assert!(!err.to_string().contains("printed"), "{err}");
     }
 
     #[test]

@@ -27,8 +27,15 @@ pub const PROTOCOL_VERSION: i32 = pb::ProtocolVersion::ProtocolVersion1 as i32;
 pub enum WireError {
     #[error("frame of {len} bytes is over the {cap}-byte cap")]
     TooLarge { len: u64, cap: usize },
-    #[error("malformed frame: {reason} (first bytes: {first_bytes})")]
-    Malformed { reason: String, first_bytes: String },
+    #[error("malformed frame: {reason} (first bytes: {first_bytes}){}", printed_note(*.printed))]
+    Malformed {
+        reason: String,
+        first_bytes: String,
+        /// Every byte of it is text (a diagnostic's judgement: lines
+        /// printed to stdout, whose first byte read as a length, filled
+        /// the "frame" that then failed to decode).
+        printed: bool,
+    },
     #[error("stream ended inside a frame ({buffered} bytes buffered; first bytes: {first_bytes})")]
     Truncated {
         buffered: usize,
@@ -508,6 +515,25 @@ pub fn may_begin_an_executor_frame(buf: &[u8]) -> bool {
         return false;
     }
     matches!(codec::read_varint(rest), Ok(Some((inner, n))) if 1 + n as u64 + inner == len)
+}
+
+fn printed_note(printed: bool) -> &'static str {
+    if printed {
+        ": it is all text, most likely printed to stdout (which carries frames only; logs go to stderr)"
+    } else {
+        ""
+    }
+}
+
+/// Whether `buf`, bytes that failed to decode as a frame, is text a
+/// program printed: UTF-8 without control characters other than tab, CR
+/// and LF. A diagnostic's judgement, never the protocol's.
+pub fn looks_printed(buf: &[u8]) -> bool {
+    !buf.is_empty()
+        && std::str::from_utf8(buf).is_ok_and(|t| {
+            t.chars()
+                .all(|c| !c.is_control() || matches!(c, '\t' | '\r' | '\n'))
+        })
 }
 
 /// Renders the first bytes of a buffer as evidence for logs: printable ASCII

@@ -53,6 +53,21 @@ pub(crate) fn wire_failure(e: &WireError) -> (&'static str, String) {
             "PROTOCOL_MALFORMED_FRAME",
             format!("the executor's stdout ended inside a frame ({buffered} bytes buffered)"),
         ),
+        // lines printed now and then fill the "frame" their first byte
+        // announced, which then fails to decode (audit 99: a print every
+        // 200 ms read as a malformed frame alone)
+        WireError::Malformed {
+            reason,
+            printed: true,
+            ..
+        } => (
+            "PROTOCOL_MALFORMED_FRAME",
+            format!(
+                "the executor wrote text to its stdout, which carries frames only (logs go to stderr): \
+                 did it print something there? Read as a frame, it is not one ({reason}); the worker's \
+                 log shows its first bytes"
+            ),
+        ),
         WireError::Malformed { reason, .. } => (
             "PROTOCOL_MALFORMED_FRAME",
             format!("the executor wrote bytes that are not a valid frame: {reason}"),

@@ -1860,3 +1860,32 @@ async fn checkpoint_bytes_are_bounded_per_attempt_and_per_worker() {
     b.free(40);
     assert_eq!(worker.n.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
+
+/// A malformed frame that is all text is said to be a print, with the
+/// usual question and where its bytes are (audit 99: a line printed every
+/// 200 ms completed a "frame" and the step read only "bytes that are not a
+/// valid frame"); other bytes keep the plain message.
+#[test]
+fn a_malformed_frame_of_text_asks_whether_it_printed() {
+    let malformed = |printed| WireError::Malformed {
+        reason: "invalid wire type".into(),
+        first_bytes: "step 1 of 40".into(),
+        printed,
+    };
+    let (code, message) = wire_failure(&malformed(true));
+    assert_eq!(code, "PROTOCOL_MALFORMED_FRAME");
+    assert!(
+        message.contains("wrote text to its stdout")
+            && message.contains("did it print something there")
+            && message.contains("invalid wire type")
+            && message.contains("the worker's log shows its first bytes"),
+        "{message}"
+    );
+    let (code, message) = wire_failure(&malformed(false));
+    assert_eq!(code, "PROTOCOL_MALFORMED_FRAME");
+    assert!(
+        message.starts_with("the executor wrote bytes that are not a valid frame")
+            && !message.contains("print"),
+        "{message}"
+    );
+}
