@@ -2533,8 +2533,15 @@ fn status_text(
             // an ended run the cancel did not end: its running steps
             // answered first, and their outcomes are kept (outside audit:
             // nothing said the cancel was lost)
-            (true, "succeeded" | "failed") => {
+            (true, "succeeded") => {
                 "  (cancel requested too late: the steps still running then ended first, their outcomes kept)"
+            }
+            // a failure recorded before the cancel: a cancel requested
+            // first wins over every later failure, so the run's failure came
+            // first (cancel-race audit: "the steps still running then ended
+            // first" beside a running step the cancel did end)
+            (true, "failed") => {
+                "  (cancel requested after a step had failed: the run keeps that failure; steps still open then were cancelled unless they ended first)"
             }
             (true, _) => "  (cancel requested)",
         }
@@ -2820,14 +2827,18 @@ mod tests {
         assert!(header("running", true).ends_with("running  (cancel requested)"));
         assert!(header("cancelled", true).ends_with("cancelled"));
         assert!(header("running", false).ends_with("running"));
-        for ended in ["succeeded", "failed"] {
-            let h = header(ended, true);
-            assert!(
-                h.contains(&format!("{ended}  (cancel requested too late:"))
-                    && h.contains("outcomes kept"),
-                "{h}"
-            );
-        }
+        let h = header("succeeded", true);
+        assert!(
+            h.contains("succeeded  (cancel requested too late:") && h.contains("outcomes kept"),
+            "{h}"
+        );
+        let h = header("failed", true);
+        assert!(
+            h.contains(
+                "failed  (cancel requested after a step had failed: the run keeps that failure"
+            ),
+            "{h}"
+        );
     }
 
     /// A retry's time to come is a schedule; once passed, the step waits
