@@ -591,6 +591,68 @@ async fn an_outcome_behind_a_table_lock_says_it_waits_for_a_lock() {
     stop(&mut w).await;
 }
 
+/// A lease call held up by a table lock for most of a lease's time does
+/// not bring steps whose lease clocks are nearly spent: it is cut off at
+/// half of what a clock has beyond the stop budget, and what it leased
+/// late is given back uncounted. It waited the pool's 10 s, and a step it
+/// brought with less than the stop budget left was stopped as its attempt
+/// began and counted (`LEASE_LOST`: one of `max_attempts` 1 failed its run;
+/// re-check audit 103).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_call_behind_a_table_lock_costs_no_attempt() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut exec = tests::go_demo("go", &[], None);
+    exec.concurrency = 1;
+    // stop budget 4.5 s (graces 2 s + 2 s, half a heartbeat): a lease call
+    // may take 2.75 s of the 10 s
+    let cfg = supervisor::config::WorkerConfig {
+        cancel_grace_ms: 2_000,
+        term_grace_ms: 2_000,
+        ..fast_config(vec![exec])
+    };
+    let mut w = WorkerProcess::spawn(&t.url, &cfg);
+    until_logged(&w, "worker running").await;
+    let run = t
+        .submit(json!({"name": "three", "steps": [
+            {"name": "a", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 1500, "steps": 1}, "retry": {"max_attempts": 1}},
+            {"name": "b", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 100, "steps": 1}, "retry": {"max_attempts": 1}},
+            {"name": "c", "executor_kind": "go", "kind": "demo.sleep",
+             "input": {"ms": 100, "steps": 1}, "retry": {"max_attempts": 1}}]}))
+        .await;
+    let until = std::time::Instant::now() + LONG;
+    while !t
+        .status(run)
+        .await
+        .steps
+        .iter()
+        .any(|s| s.state == "running")
+    {
+        assert!(std::time::Instant::now() < until, "never running");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // the one slot frees after ~1.5 s: the next lease call waits behind
+    // the lock until it goes, 8 s after it was taken
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    holder.rollback().await.expect("rollback");
+    let ended = t.wait_terminal(run, LONG).await;
+    let log = w.stderr();
+    assert_eq!(ended.state, "succeeded", "{log}");
+    assert!(
+        !log.contains("the lease could not be renewed in time"),
+        "{log}"
+    );
+    assert!(log.contains("lease failed"), "the call was cut off: {log}");
+    stop(&mut w).await;
+}
+
 /// A heartbeat whose connection the server ended (a restart,
 /// `pg_terminate_backend`) renews on a new connection at once: each such
 /// end cost a failed renewal, and an interval of leasing nothing

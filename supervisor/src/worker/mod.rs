@@ -575,6 +575,27 @@ impl Shared {
             self.cfg.cancel_grace_ms + self.cfg.term_grace_ms + self.cfg.heartbeat_interval_ms / 2,
         )
     }
+
+    /// How long a lease call may take: half of what a lease clock has
+    /// beyond the stop budget, at most [`DB_CALL_TIMEOUT`]. A lease clock
+    /// starts when its call is sent; a call that waited longer (behind a
+    /// `LOCK TABLE`, a lock a long transaction holds up) brought steps
+    /// whose clocks had less than the stop budget left, and each attempt
+    /// was stopped as it began and counted (`LEASE_LOST`: re-check audit,
+    /// an 8 s lock inside a 10 s lease failed a step of `max_attempts` 1).
+    /// Cut off, the call leases nothing that counts: what it leased late is
+    /// given back uncounted ([`revoke_lost_leases`]).
+    pub(crate) fn lease_call_bound(&self) -> Duration {
+        lease_call_bound(
+            Duration::from_millis(self.cfg.lease_ttl_ms),
+            self.stop_budget(),
+        )
+    }
+}
+
+/// See [`Shared::lease_call_bound`].
+fn lease_call_bound(ttl: Duration, stop_budget: Duration) -> Duration {
+    (ttl.saturating_sub(stop_budget) / 2).clamp(Duration::from_millis(100), DB_CALL_TIMEOUT)
 }
 
 /// An attempt's executor slot. Given back as soon as the attempt is done
@@ -1540,7 +1561,7 @@ async fn lease_once(
     free: u32,
     ttl: Duration,
 ) -> Result<Option<(Vec<crate::db::LeasedStep>, Instant)>, DbError> {
-    bounded(DB_CALL_TIMEOUT, "leasing steps", async {
+    bounded(shared.lease_call_bound(), "leasing steps", async {
         let mut conn = shared.db.connection("leasing steps").await?;
         // the flag again once the connection is here (acquiring it is a
         // round trip of its own): a step submitted after the signal was
@@ -1569,7 +1590,7 @@ async fn lease_once(
         if crate::fault::lease_answer_lost(&shared.name, steps.len()) {
             return Err(DbError::Timeout {
                 context: "leasing steps",
-                ms: DB_CALL_TIMEOUT.as_millis() as u64,
+                ms: shared.lease_call_bound().as_millis() as u64,
             });
         }
         Ok(Some((steps, sent)))
@@ -2204,7 +2225,30 @@ fn hostname() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{leasable, probe_advice, usable_hello};
+    use super::{leasable, lease_call_bound, probe_advice, usable_hello, DB_CALL_TIMEOUT};
+    use std::time::Duration;
+
+    /// A lease call gets half of what a lease clock has beyond the stop
+    /// budget (so a lease that arrives still has more than the budget plus
+    /// half the room for its first renewal), never more than a database
+    /// call's bound, never less than 100 ms.
+    #[test]
+    fn a_lease_call_leaves_its_steps_more_than_the_stop_budget() {
+        let ms = Duration::from_millis;
+        for (ttl, budget, bound) in [
+            (10_000, 4_500, 2_750),
+            (10_000, 1_500, 4_250),
+            (30_000, 10_000, 10_000),
+            (300_000, 20_000, DB_CALL_TIMEOUT.as_millis() as u64),
+            (1_000, 990, 100),
+        ] {
+            let got = lease_call_bound(ms(ttl), ms(budget));
+            assert_eq!(got, ms(bound), "ttl {ttl} budget {budget}");
+            if ttl - budget >= 200 {
+                assert!(ms(ttl) - got > ms(budget), "ttl {ttl} budget {budget}");
+            }
+        }
+    }
 
     /// A probe that failed on a host limit is answered with that limit's
     /// fix, not "check its command" (resource audit).
