@@ -116,7 +116,11 @@ impl<M: Message + Default> FrameDecoder<M> {
             }
         };
         if len > self.max as u64 {
-            return Err(WireError::TooLarge { len, cap: self.max });
+            return Err(WireError::TooLarge {
+                len,
+                cap: self.max,
+                printed: super::looks_printed(src),
+            });
         }
         let len = len as usize;
         if src.len() < prefix + len {
@@ -231,7 +235,8 @@ mod tests {
             d.decode(&mut buf),
             Err(WireError::TooLarge {
                 len: 67_108_864,
-                cap: 1024
+                cap: 1024,
+                printed: false
             })
         ));
         assert_eq!(buf.capacity(), cap_before);
@@ -266,6 +271,34 @@ mod tests {
                 .contains("it is all text, most likely printed to stdout"),
             "{err}"
         );
+
+        // a print, then the executor's real frame: one "frame" of text,
+        // then binary (`p` is a length of 112)
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut buf = BytesMut::new();
+        for n in 0..5 {
+            buf.extend_from_slice(format!("progress line {n}\n").as_bytes());
+        }
+        let result = hello();
+        for _ in 0..3 {
+            buf.extend_from_slice(&encode_frame(&result));
+        }
+        let err = d.decode(&mut buf).expect_err("text, then a frame");
+        assert!(
+            matches!(&err, WireError::Malformed { printed: true, .. }),
+            "{err:?}"
+        );
+        // a line that begins with a non-ASCII character announces 67 MB
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut tick = BytesMut::from("✓ step 1 done\n".as_bytes());
+        let err = d.decode(&mut tick).expect_err("too large");
+        assert!(
+            matches!(&err, WireError::TooLarge { printed: true, .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("most likely printed"), "{err}");
+        // a real frame's start is no print, whatever its bytes
+        assert!(!super::super::looks_printed(&encode_frame(&result)));
 
         let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
         let mut bin = BytesMut::from(&b"\x05\x0a\xff\xff\xff\xff"[..]);

@@ -25,8 +25,14 @@ pub const PROTOCOL_VERSION: i32 = pb::ProtocolVersion::ProtocolVersion1 as i32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
-    #[error("frame of {len} bytes is over the {cap}-byte cap")]
-    TooLarge { len: u64, cap: usize },
+    #[error("frame of {len} bytes is over the {cap}-byte cap{}", printed_note(*.printed))]
+    TooLarge {
+        len: u64,
+        cap: usize,
+        /// Its first bytes are text: the "length" was most likely printed
+        /// (`✓ done` reads as 67 MB).
+        printed: bool,
+    },
     #[error("malformed frame: {reason} (first bytes: {first_bytes}){}", printed_note(*.printed))]
     Malformed {
         reason: String,
@@ -525,15 +531,30 @@ fn printed_note(printed: bool) -> &'static str {
     }
 }
 
-/// Whether `buf`, bytes that failed to decode as a frame, is text a
-/// program printed: UTF-8 without control characters other than tab, CR
-/// and LF. A diagnostic's judgement, never the protocol's.
+/// Whether `buf`, the start of bytes that failed to decode as a frame (or
+/// announced one over the cap), is text a program printed: its first bytes
+/// (up to 16; at least 4) are UTF-8 without control characters other than
+/// tab, CR and LF, and they do not begin an executor's frame. Only the
+/// start: a print followed by the executor's real frame reads as one
+/// "frame", text then binary (re-check audit: `progress line 0\n…` and
+/// then a result had no print hint). A diagnostic's judgement, never the
+/// protocol's.
 pub fn looks_printed(buf: &[u8]) -> bool {
-    !buf.is_empty()
-        && std::str::from_utf8(buf).is_ok_and(|t| {
-            t.chars()
-                .all(|c| !c.is_control() || matches!(c, '\t' | '\r' | '\n'))
-        })
+    let head = &buf[..buf.len().min(16)];
+    // a character cut at the end of the head is still text
+    let text = match std::str::from_utf8(head) {
+        Ok(t) => t,
+        Err(e) if e.error_len().is_none() => match std::str::from_utf8(&head[..e.valid_up_to()]) {
+            Ok(t) => t,
+            Err(_) => return false,
+        },
+        Err(_) => return false,
+    };
+    text.len() >= 4
+        && text
+            .chars()
+            .all(|c| !c.is_control() || matches!(c, '\t' | '\r' | '\n'))
+        && !may_begin_an_executor_frame(buf)
 }
 
 /// Renders the first bytes of a buffer as evidence for logs: printable ASCII

@@ -1561,7 +1561,7 @@ async fn lease_once(
     free: u32,
     ttl: Duration,
 ) -> Result<Option<(Vec<crate::db::LeasedStep>, Instant)>, DbError> {
-    bounded(shared.lease_call_bound(), "leasing steps", async {
+    bounded(DB_CALL_TIMEOUT, "leasing steps", async {
         let mut conn = shared.db.connection("leasing steps").await?;
         // the flag again once the connection is here (acquiring it is a
         // round trip of its own): a step submitted after the signal was
@@ -1574,9 +1574,12 @@ async fn lease_once(
         // (its now() + TTL) is never earlier than this + TTL
         let sent = Instant::now();
         let except = shared.left_to_others();
-        let steps = conn
-            .conn()
-            .lease_routed(
+        // the statement, once sent, within the lease call's own bound (the
+        // wait for a connection above is no part of any lease clock)
+        let steps = bounded(
+            shared.lease_call_bound(),
+            "leasing steps",
+            conn.conn().lease_routed(
                 shared.id,
                 &shared.name,
                 routes,
@@ -1585,8 +1588,9 @@ async fn lease_once(
                 ttl,
                 &except,
                 Some(shared.lease_epoch.load(Ordering::SeqCst)),
-            )
-            .await?;
+            ),
+        )
+        .await?;
         if crate::fault::lease_answer_lost(&shared.name, steps.len()) {
             return Err(DbError::Timeout {
                 context: "leasing steps",

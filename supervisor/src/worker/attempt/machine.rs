@@ -45,7 +45,19 @@ fn given_back_for_stray(what: &str) -> Outcome {
 
 pub(crate) fn wire_failure(e: &WireError) -> (&'static str, String) {
     match e {
-        WireError::TooLarge { len, cap } => (
+        WireError::TooLarge {
+            len,
+            cap,
+            printed: true,
+        } => (
+            "PROTOCOL_FRAME_TOO_LARGE",
+            format!(
+                "the executor announced a frame of {len} bytes (the cap is {cap}) with bytes that are text: \
+                 did it print something there (stdout carries frames only; logs go to stderr)? The \
+                 worker's log shows their first bytes"
+            ),
+        ),
+        WireError::TooLarge { len, cap, .. } => (
             "PROTOCOL_FRAME_TOO_LARGE",
             format!("the executor announced a frame of {len} bytes; the cap is {cap}"),
         ),

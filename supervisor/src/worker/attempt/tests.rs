@@ -1881,6 +1881,17 @@ fn a_malformed_frame_of_text_asks_whether_it_printed() {
             && message.contains("the worker's log shows its first bytes"),
         "{message}"
     );
+    // a length read from text (`✓ done` announces 67 MB)
+    let (code, message) = wire_failure(&WireError::TooLarge {
+        len: 67_423_842,
+        cap: 8 << 20,
+        printed: true,
+    });
+    assert_eq!(code, "PROTOCOL_FRAME_TOO_LARGE");
+    assert!(
+        message.contains("67423842") && message.contains("did it print something there"),
+        "{message}"
+    );
     let (code, message) = wire_failure(&malformed(false));
     assert_eq!(code, "PROTOCOL_MALFORMED_FRAME");
     assert!(
