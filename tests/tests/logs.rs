@@ -591,6 +591,49 @@ async fn an_outcome_behind_a_table_lock_says_it_waits_for_a_lock() {
     stop(&mut w).await;
 }
 
+/// An outcome whose write waits behind a table lock past its lease clock
+/// gives up naming the lock its tries waited for, beside the last try's
+/// cut-off: it read only "the database did not answer within 1000 ms while
+/// committing an outcome" (re-check audit 103).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_given_up_behind_a_lock_names_the_lock() {
+    let _serial = tests::exclusive().await;
+    let t = TestDb::new().await;
+    let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
+    until_logged(&w, "worker running").await;
+    let run = t
+        .submit(one(
+            "slow",
+            "go",
+            "demo.sleep",
+            json!({"input": {"ms": 300, "steps": 1}}),
+        ))
+        .await;
+    let until = std::time::Instant::now() + LONG;
+    while t.status(run).await.steps[0].state != "running" {
+        assert!(std::time::Instant::now() < until, "never running");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    until_logged(&w, "commit failed and the lease clock ran out").await;
+    holder.rollback().await.expect("rollback");
+    let log = w.stderr();
+    let said = log
+        .lines()
+        .find(|l| l.contains("commit failed and the lease clock ran out"))
+        .unwrap_or_default();
+    assert!(
+        said.contains("waited for a lock another session holds"),
+        "{said}"
+    );
+    t.wait_terminal(run, LONG).await;
+    stop(&mut w).await;
+}
+
 /// A lease call held up by a table lock for most of a lease's time does
 /// not bring steps whose lease clocks are nearly spent: it is cut off at
 /// half of what a clock has beyond the stop budget, and what it leased

@@ -2483,6 +2483,11 @@ async fn commit(
     }
     let mut delay = Duration::from_millis(50);
     let committing_since = Instant::now();
+    // why the tries before the last failed, when the last was only cut
+    // off by what was left of the lease clock (re-check audit: behind a
+    // lock the give-up read "did not answer within 1000 ms", the lock
+    // named by the retries alone)
+    let mut earlier_cause: Option<String> = None;
     // the outcome is a COMMIT_REJECTED failure that replaced the attempt's own
     let mut instead = false;
     loop {
@@ -2516,10 +2521,21 @@ async fn commit(
                     // the last try's bound is in the error; how long the
                     // commit was tried in all is what says why (DB fault
                     // audit: "within 1000 ms" after 23 s of trying)
-                    error!(error = %e, outcome = %outcome.label(), tried_ms = committing_since.elapsed().as_millis() as u64, "commit failed and the lease clock ran out; the step will be reclaimed");
+                    let tried_ms = committing_since.elapsed().as_millis() as u64;
+                    match earlier_cause.filter(|_| e.is_timeout()) {
+                        Some(earlier) => {
+                            error!(error = %e, earlier_tries = %earlier, outcome = %outcome.label(), tried_ms, "commit failed and the lease clock ran out; the step will be reclaimed")
+                        }
+                        None => {
+                            error!(error = %e, outcome = %outcome.label(), tried_ms, "commit failed and the lease clock ran out; the step will be reclaimed")
+                        }
+                    }
                     return Recorded::GaveUp;
                 }
                 warn!(error = %e, "commit failed; retrying");
+                if !e.is_timeout() {
+                    earlier_cause = Some(e.to_string());
+                }
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(1));
             }

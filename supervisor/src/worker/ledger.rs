@@ -1165,7 +1165,7 @@ async fn flush(
                 if rest.size() == size {
                     // nothing held now (the holder let go, or it held another
                     // row): its writers retry, as for any transient error
-                    warn!(error = %e, size, "a ledger batch waited too long for a row lock; its writers retry");
+                    warn!(error = %e, size, "a ledger batch waited too long for a lock (a row's, or a whole table's: see pg_stat_activity and pg_blocking_pids); its writers retry");
                     rest.fail(&e, tainted);
                     return;
                 }

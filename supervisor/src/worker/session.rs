@@ -240,7 +240,7 @@ impl Session {
     /// Whether an idle session can take a job: still running (not exited,
     /// not stopped by a signal), and it wrote nothing while idle (a frame between jobs is a protocol violation; the
     /// session is not trusted with another job).
-    fn healthy(&mut self) -> bool {
+    fn healthy(&mut self, executor: &str) -> bool {
         if self.child.has_exited() {
             return false;
         }
@@ -249,7 +249,9 @@ impl Session {
             // and the stop's graces ran out, and the job was given back: two
             // such processes kept a step waiting 34 s (persistent-pool audit)
             warn!(
+                executor = %executor,
                 pid = self.child.pid,
+                jobs = self.jobs,
                 "an idle executor process is stopped (SIGSTOP, SIGTSTP or a debugger) and cannot take a job; it is replaced"
             );
             return false;
@@ -262,14 +264,18 @@ impl Session {
             None if self.frames.read_buffer().is_empty() => true,
             Some(None) if self.frames.read_buffer().is_empty() => {
                 warn!(
+                    executor = %executor,
                     pid = self.child.pid,
+                    jobs = self.jobs,
                     "an idle executor closed its stdout between jobs; it is replaced"
                 );
                 false
             }
             _ => {
                 warn!(
+                    executor = %executor,
                     pid = self.child.pid,
+                    jobs = self.jobs,
                     "an idle executor wrote to its stdout between jobs; it is replaced"
                 );
                 false
@@ -360,7 +366,7 @@ impl Pool {
                 }
             };
             crate::metrics::idle_processes(&self.executor, -1);
-            if s.healthy() {
+            if s.healthy(&self.executor) {
                 return Some(s);
             }
             self.found_unhealthy(s);
@@ -377,7 +383,7 @@ impl Pool {
                 idle.remove(i)
             };
             crate::metrics::idle_processes(&self.executor, -1);
-            if s.healthy() {
+            if s.healthy(&self.executor) {
                 return Some(s);
             }
             self.found_unhealthy(s);
@@ -412,7 +418,7 @@ impl Pool {
         let mut out = Vec::new();
         let mut i = 0;
         while i < idle.len() {
-            if idle[i].0.healthy() {
+            if idle[i].0.healthy(&self.executor) {
                 i += 1;
             } else {
                 let (s, _) = idle.remove(i);
@@ -557,6 +563,41 @@ mod tests {
             assert!(std::time::Instant::now() < until, "group {pid} left");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// An idle process that closed its stdout (and runs on) is named with
+    /// its executor and the jobs it served, as one that ended is (re-check
+    /// audit: its line had the pid alone).
+    #[tokio::test]
+    async fn an_idle_process_that_closed_its_stdout_is_named_with_its_executor() {
+        let spawner = crate::process::Spawner::start().expect("start spawner");
+        let mut spec = crate::process::SpawnSpec::new("/bin/sh", "/");
+        spec.args = vec!["-c".into(), "exec 1>&-; sleep 30".into()];
+        let child = spawner.spawn(spec).await.expect("spawn");
+        let mut s = Session::new(child, 1 << 20, None).expect("pipes");
+        // its stdout's EOF, read
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while s.frames.next().now_or_never().is_none() {
+            assert!(std::time::Instant::now() < until, "no EOF");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        s.jobs = 3;
+        let pool = Pool::new("ex", 4);
+        pool.idle.lock().unwrap().push((s, std::time::Instant::now()));
+        let logged = Logged::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logged.clone())
+            .with_ansi(false)
+            .finish();
+        let taken = tracing::subscriber::with_default(subscriber, || pool.take());
+        assert!(taken.is_none());
+        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        assert!(
+            text.contains("closed its stdout between jobs")
+                && text.contains("executor=ex")
+                && text.contains("jobs=3"),
+            "{text}"
+        );
     }
 
     #[test]
