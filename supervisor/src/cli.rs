@@ -100,6 +100,10 @@ pub enum Command {
         /// At most this many runs.
         #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         limit: u32,
+        /// Only runs listed after this one (created before it): the next
+        /// page, given the last run id of the one before.
+        #[arg(long, value_name = "RUN_ID")]
+        before: Option<String>,
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
@@ -874,13 +878,16 @@ async fn run(cli: Cli) -> Result<u8, CliError> {
             name,
             since,
             limit,
+            before,
             json,
         } => {
+            let before = before.as_deref().map(parse_run_id).transpose()?;
             let filter = RunFilter {
                 state,
                 name,
                 since,
                 limit,
+                before,
             };
             runs(&url, &filter, json).await
         }
@@ -1227,12 +1234,20 @@ fn print_events_page(page: &mut Vec<crate::db::EventRow>, first: bool) -> std::i
 /// `supervisor runs [filters]`.
 async fn runs(url: &Option<String>, filter: &RunFilter, json: bool) -> Result<u8, CliError> {
     let db = connect_checked(url).await?;
-    let runs = db.runs(filter).await.map_err(explain)?;
+    let (runs, more) = db.runs(filter).await.map_err(explain)?;
     if json {
-        let runs: Vec<RunJson> = runs.iter().map(RunJson::from).collect();
-        outln!("{}", pretty_json(&runs)?);
+        let page: Vec<RunJson> = runs.iter().map(RunJson::from).collect();
+        outln!("{}", pretty_json(&page)?);
     } else {
         out!("{}", runs_text(&runs));
+    }
+    // a page that is not the last says so, on stderr (stdout stays the
+    // table or the JSON array): 50 of 50,000 read as all of them (audit)
+    if let (true, Some(last)) = (more, runs.last()) {
+        say(format_args!(
+            "(more runs match: the next {} with `--before {}`)",
+            filter.limit, last.run_id
+        ));
     }
     Ok(0)
 }

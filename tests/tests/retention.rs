@@ -480,9 +480,11 @@ async fn a_run_partly_removed_is_not_read_as_a_half() {
             name: None,
             since: None,
             limit: 50,
+            before: None,
         })
         .await
         .expect("runs")
+        .0
         .into_iter()
         .map(|r| r.run_id)
         .collect();

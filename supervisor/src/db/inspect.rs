@@ -52,6 +52,9 @@ pub struct RunFilter {
     /// Only runs created at most this long ago (by the database clock).
     pub since: Option<StdDuration>,
     pub limit: u32,
+    /// Only runs listed after this one (older: `created_at`, then id): the
+    /// next page, keyed by the last run of the one before.
+    pub before: Option<Uuid>,
 }
 
 /// One line of `supervisor runs`.
@@ -191,7 +194,7 @@ impl Db {
     }
 
     /// Runs, newest first, with their step counts by state.
-    pub async fn runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, DbError> {
+    pub async fn runs(&self, filter: &RunFilter) -> Result<(Vec<RunSummary>, bool), DbError> {
         self.connection("listing runs")
             .await?
             .conn()
@@ -322,21 +325,41 @@ impl DbConn<'_> {
     }
 
     /// Runs, newest first, with their step counts by state.
-    pub async fn runs(&mut self, filter: &RunFilter) -> Result<Vec<RunSummary>, DbError> {
+    /// The runs the filter names, newest first, at most `limit` of them,
+    /// and whether more match (the next page: `before` the last of these).
+    pub async fn runs(&mut self, filter: &RunFilter) -> Result<(Vec<RunSummary>, bool), DbError> {
         let since_ms: Option<i64> = filter
             .since
             .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         let mut s = Scope::enter(self.conn).await?;
-        let rows = sqlx::query(RUNS_QUERY)
+        if let Some(before) = filter.before {
+            let known: Option<bool> =
+                sqlx::query_scalar("SELECT true FROM durable.workflow_runs WHERE id = $1")
+                    .bind(before)
+                    .fetch_optional(&mut *s)
+                    .await
+                    .ctx("listing runs")?;
+            if known.is_none() {
+                return Err(DbError::NotFound(format!(
+                    "unknown run {before} (--before takes a run id `runs` listed)"
+                )));
+            }
+        }
+        // one more than the page: whether another follows
+        let mut rows = sqlx::query(RUNS_QUERY)
             .bind(filter.state.as_deref())
             .bind(filter.name.as_deref())
             .bind(since_ms)
-            .bind(i64::from(filter.limit))
+            .bind(i64::from(filter.limit) + 1)
+            .bind(filter.before)
             .fetch_all(&mut *s)
             .await
             .ctx("listing runs")?;
         s.done().await?;
-        rows.into_iter()
+        let more = rows.len() > filter.limit as usize;
+        rows.truncate(filter.limit as usize);
+        let runs = rows
+            .into_iter()
             .map(|r| {
                 let mut steps: BTreeMap<String, i64> = serde_json::from_value(r.get("steps"))
                     .map_err(|e| DbError::Corrupt(format!("step counts: {e}")))?;
@@ -354,12 +377,13 @@ impl DbConn<'_> {
                     steps,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>, DbError>>()?;
+        Ok((runs, more))
     }
 }
 
 /// `runs`: the newest runs that pass the filter ($1 state, $2 name, $3 the
-/// age in milliseconds, $4 the limit), each with its step counts by state
+/// age in milliseconds, $4 the limit, $5 the run the page follows), each with its step counts by state
 /// and its definitions still waiting for their dependencies. The page is
 /// chosen first and its steps counted in one pass: counted per run by
 /// correlated subqueries, a plan made on stale statistics (taken while a
@@ -373,6 +397,10 @@ const RUNS_QUERY: &str = "
          WHERE ($1::text IS NULL OR r.state = $1)
            AND ($2::text IS NULL OR r.name = $2)
            AND ($3::bigint IS NULL OR r.created_at >= now() - $3::bigint * interval '1 millisecond')
+           -- the next page: after the given run in this order
+           AND ($5::uuid IS NULL OR (r.created_at, r.id) < (SELECT b.created_at, b.id
+                                                            FROM durable.workflow_runs b
+                                                           WHERE b.id = $5))
            -- a run retention has taken part of is gone already
            AND r.id <> ALL (ARRAY(SELECT durable.runs_being_removed_ids()))
          ORDER BY r.created_at DESC, r.id DESC

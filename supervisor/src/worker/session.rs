@@ -583,7 +583,10 @@ mod tests {
         }
         s.jobs = 3;
         let pool = Pool::new("ex", 4);
-        pool.idle.lock().unwrap().push((s, std::time::Instant::now()));
+        pool.idle
+            .lock()
+            .unwrap()
+            .push((s, std::time::Instant::now()));
         let logged = Logged::default();
         let subscriber = tracing_subscriber::fmt()
             .with_writer(logged.clone())
