@@ -602,7 +602,7 @@ async fn runs_are_listed_newest_first_and_filtered() {
     let a2s = a2.to_string();
     let a1s = a1.to_string();
     let (got, note) = page(&["--limit", "1"]);
-    assert_eq!(got, [a2s.clone()]);
+    assert_eq!(got, vec![a2s.clone()]);
     assert!(
         note.contains(&format!(
             "(more runs match: the next 1 with `--before {a2}`)"
@@ -610,10 +610,10 @@ async fn runs_are_listed_newest_first_and_filtered() {
         "{note}"
     );
     let (got, note) = page(&["--limit", "2", "--before", &a2s]);
-    assert_eq!(got, [a1s.clone(), old.to_string()]);
+    assert_eq!(got, vec![a1s.clone(), old.to_string()]);
     assert!(!note.contains("more runs match"), "the last page: {note}");
     let (got, note) = page(&["--name", "alpha", "--limit", "1", "--before", &a2s]);
-    assert_eq!(got, [a1s.clone()]);
+    assert_eq!(got, vec![a1s.clone()]);
     assert!(!note.contains("more runs match"), "{note}");
     let (got, _) = page(&["--before", &old.to_string()]);
     assert!(got.is_empty(), "{got:?}");
