@@ -341,7 +341,9 @@ impl DbConn<'_> {
                     .ctx("listing runs")?;
             if known.is_none() {
                 return Err(DbError::NotFound(format!(
-                    "unknown run {before} (--before takes a run id `runs` listed)"
+                    "unknown run {before} (--before takes a run id `runs` listed; one removed \
+                     since, by `gc` or a worker's retention, marks no place any more: list from \
+                     the first page again, or narrow with --since)"
                 )));
             }
         }

@@ -288,7 +288,16 @@ mod tests {
             matches!(&err, WireError::Malformed { printed: true, .. }),
             "{err:?}"
         );
-        // a line that begins with a non-ASCII character announces 67 MB
+        // a line that begins with a non-ASCII character announces 67 MB,
+        // a short one too, with the executor's real frame behind it
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut short =
+            BytesMut::from(&["✓ done\n".as_bytes(), &encode_frame(&result)].concat()[..]);
+        let err = d.decode(&mut short).expect_err("too large");
+        assert!(
+            matches!(&err, WireError::TooLarge { printed: true, .. }),
+            "{err:?}"
+        );
         let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
         let mut tick = BytesMut::from("✓ step 1 done\n".as_bytes());
         let err = d.decode(&mut tick).expect_err("too large");

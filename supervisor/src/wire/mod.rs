@@ -531,30 +531,44 @@ fn printed_note(printed: bool) -> &'static str {
     }
 }
 
-/// Whether `buf`, the start of bytes that failed to decode as a frame (or
-/// announced one over the cap), is text a program printed: its first bytes
-/// (up to 16; at least 4) are UTF-8 without control characters other than
-/// tab, CR and LF, and they do not begin an executor's frame. Only the
-/// start: a print followed by the executor's real frame reads as one
-/// "frame", text then binary (re-check audit: `progress line 0\n…` and
-/// then a result had no print hint). A diagnostic's judgement, never the
-/// protocol's.
-pub fn looks_printed(buf: &[u8]) -> bool {
+/// The text `buf` begins with: its first line (up to a newline within its
+/// first 16 bytes), else its first 16 bytes (a character cut at their end
+/// still counts), with whether a newline ended it; `None` when those bytes
+/// are no text (invalid UTF-8, control characters other than tab and CR).
+fn leading_text(buf: &[u8]) -> Option<(&str, bool)> {
     let head = &buf[..buf.len().min(16)];
-    // a character cut at the end of the head is still text
-    let text = match std::str::from_utf8(head) {
-        Ok(t) => t,
-        Err(e) if e.error_len().is_none() => match std::str::from_utf8(&head[..e.valid_up_to()]) {
-            Ok(t) => t,
-            Err(_) => return false,
-        },
-        Err(_) => return false,
+    let (line, ended) = match head.iter().position(|&b| b == b'\n') {
+        Some(i) => (&head[..i], true),
+        None => (head, false),
     };
-    text.len() >= 4
-        && text
-            .chars()
-            .all(|c| !c.is_control() || matches!(c, '\t' | '\r' | '\n'))
-        && !may_begin_an_executor_frame(buf)
+    let text = match std::str::from_utf8(line) {
+        Ok(t) => t,
+        Err(e) if e.error_len().is_none() => std::str::from_utf8(&line[..e.valid_up_to()]).ok()?,
+        Err(_) => return None,
+    };
+    text.chars()
+        .all(|c| !c.is_control() || matches!(c, '\t' | '\r'))
+        .then_some((text, ended))
+}
+
+/// Whether `buf`, the start of bytes that failed to decode as a frame (or
+/// announced one over the cap, or never completed), is text a program
+/// printed: a line of text (`#!`, `✓ done`) or 4 bytes of text at least, and
+/// no executor frame's start. Only its start counts: a print followed by
+/// the executor's real frame reads as one "frame", text then binary
+/// (re-check audits: `progress line 0\n…` and `✓ done\n` before a result
+/// had no print hint). A diagnostic's judgement, never the protocol's.
+pub fn looks_printed(buf: &[u8]) -> bool {
+    !may_begin_an_executor_frame(buf)
+        && leading_text(buf).is_some_and(|(t, ended)| !t.is_empty() && (ended || t.len() >= 4))
+}
+
+/// Whether `buf`, bytes that are no frame, begins with no text at all
+/// (`\xff\x00…`) and no executor frame's start: such bytes were not printed,
+/// and a message asking whether the executor printed misleads (re-check
+/// audit 105).
+pub fn looks_binary(buf: &[u8]) -> bool {
+    !buf.is_empty() && !may_begin_an_executor_frame(buf) && leading_text(buf).is_none()
 }
 
 /// Renders the first bytes of a buffer as evidence for logs: printable ASCII
@@ -693,6 +707,48 @@ mod frame_start_tests {
             "\n",
         ] {
             assert!(!may_begin_an_executor_frame(text.as_bytes()), "{text:?}");
+        }
+    }
+
+    /// Bytes on stdout that are no frame, told apart for the messages: a
+    /// print (a line of text, or 4 bytes of it, also when the executor's
+    /// real frame follows), bytes that are no text at all, and neither (too
+    /// short to tell). A frame's start is never either (re-check audit 105:
+    /// `✓ done` before a result had no print hint; binary garbage was asked
+    /// whether it printed).
+    #[test]
+    fn prints_and_binary_bytes_are_told_apart() {
+        use pb::executor_frame::Frame;
+        let frame = encode_frame(&pb::ExecutorFrame {
+            frame: Some(Frame::Result(pb::JobResult {
+                job_id: "j".into(),
+                ..Default::default()
+            })),
+        });
+        let then_frame = |text: &str| [text.as_bytes(), &frame].concat();
+        for (bytes, printed, binary) in [
+            (then_frame("\u{2713} done\n"), true, false),
+            (then_frame("#!\n"), true, false),
+            (then_frame("! done\n"), true, false),
+            (
+                then_frame("progress line 0\nprogress line 1\n"),
+                true,
+                false,
+            ),
+            (b"debug: hello".to_vec(), true, false),
+            (b"5\n".to_vec(), true, false),
+            (b".".to_vec(), false, false),
+            (b"\xff\x00\x13\x88\xff\x00\x13\x88".to_vec(), false, true),
+            (b"\x05GARB".to_vec(), false, true),
+            (frame.clone(), false, false),
+            (frame[..3].to_vec(), false, false),
+        ] {
+            assert_eq!(
+                (looks_printed(&bytes), looks_binary(&bytes)),
+                (printed, binary),
+                "{}",
+                first_bytes(&bytes, 24)
+            );
         }
     }
 }

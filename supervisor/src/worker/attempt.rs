@@ -2112,6 +2112,7 @@ impl Conversation<'_> {
                 growing,
                 wire::may_begin_an_executor_frame(buffered),
             );
+            machine.saw_binary(wire::looks_binary(buffered));
             if matches!(
                 input,
                 Input::Silent
@@ -2171,6 +2172,14 @@ impl Conversation<'_> {
                 bytes = buffered.len(),
                 first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
                 "the executor's stdout holds the start of a frame it never completed: it stopped writing in the middle of it"
+            );
+            return;
+        }
+        if wire::looks_binary(buffered) {
+            warn!(
+                bytes = buffered.len(),
+                first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
+                "the executor's stdout holds bytes that never became a frame, neither text nor the start of one"
             );
             return;
         }
@@ -2272,10 +2281,15 @@ impl Conversation<'_> {
         // did not grow a stall
         if room && !buffered.is_empty() && buffered.len() == c.stall_len {
             c.stall_said = true;
+            let what = if wire::looks_binary(buffered) {
+                "bytes that are neither text nor the start of a frame"
+            } else {
+                "did it print something there? stdout carries frames only (logs go to stderr)"
+            };
             warn!(
                 bytes = buffered.len(),
                 first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
-                "the executor's stdout has held a frame that does not complete for {} s: did it print something there? stdout carries frames only (logs go to stderr); a warm process's job that began answering goes back to the queue uncounted, any other waits for its timeout (heartbeat_timeout_ms)",
+                "the executor's stdout has held a frame that does not complete for {} s: {what}; a warm process's job that began answering goes back to the queue uncounted, any other waits for its timeout (heartbeat_timeout_ms)",
                 STALL_WARN_AFTER.as_secs()
             );
             return Some(Input::Stalled {

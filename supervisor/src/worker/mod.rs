@@ -593,6 +593,10 @@ impl Shared {
     }
 }
 
+/// The context of a lease statement sent and not answered within the
+/// lease call's bound (not a wait for a connection).
+const LEASE_STATEMENT: &str = "waiting for the lease statement's answer";
+
 /// See [`Shared::lease_call_bound`].
 fn lease_call_bound(ttl: Duration, stop_budget: Duration) -> Duration {
     (ttl.saturating_sub(stop_budget) / 2).clamp(Duration::from_millis(100), DB_CALL_TIMEOUT)
@@ -1348,7 +1352,18 @@ async fn lease_pass(
             }
             Ok(None) => return false,
             Err(e) => {
-                if e.is_pool_timeout() || e.is_timeout() {
+                if matches!(
+                    e,
+                    DbError::Timeout {
+                        context: LEASE_STATEMENT,
+                        ..
+                    }
+                ) {
+                    // sent, and no answer: not the pool's doing (re-check
+                    // audit 105: a LOCK TABLE read "the pool's connections
+                    // are all in use")
+                    error!(error = %e, why = "the statement waits on the server: most likely for a lock (a LOCK TABLE, or a long transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids), or the server is overloaded; what it leases late is given back uncounted", "lease failed; retrying after the poll interval");
+                } else if e.is_pool_timeout() || e.is_timeout() {
                     // the server's own word on why, where it refuses
                     // connections (the pool's error says "timed out")
                     let why = shared
@@ -1578,7 +1593,7 @@ async fn lease_once(
         // wait for a connection above is no part of any lease clock)
         let steps = bounded(
             shared.lease_call_bound(),
-            "leasing steps",
+            LEASE_STATEMENT,
             conn.conn().lease_routed(
                 shared.id,
                 &shared.name,

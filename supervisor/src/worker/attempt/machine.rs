@@ -587,6 +587,9 @@ pub(crate) struct Machine {
     stale_frames: u32,
     /// Bytes of an unfinished frame on stdout ([`Machine::saw_unfinished`]).
     unfinished: usize,
+    /// The unfinished bytes begin with no text and no frame's start
+    /// ([`wire::looks_binary`]): not asked about as a print.
+    unfinished_binary: bool,
     /// That frame was still growing (on its way, not stuck).
     arriving: bool,
     /// Its first bytes can begin a frame (else: most likely printed text).
@@ -632,6 +635,7 @@ impl Machine {
             earlier_jobs: Vec::new(),
             stale_frames: 0,
             unfinished: 0,
+            unfinished_binary: false,
             arriving: false,
             frame_like: false,
             arriving_while_running: false,
@@ -676,11 +680,18 @@ impl Machine {
     /// most likely cannot.
     pub(crate) fn saw_unfinished(&mut self, bytes: usize, growing: bool, frame_like: bool) {
         self.unfinished = bytes;
+        self.unfinished_binary = false;
         self.frame_like = bytes > 0 && frame_like;
         self.arriving = self.frame_like && growing;
         if self.phase == Phase::Running {
             self.arriving_while_running = self.arriving;
         }
+    }
+
+    /// The unfinished bytes last seen begin with no text and no frame's
+    /// start (after [`Machine::saw_unfinished`]).
+    pub(crate) fn saw_binary(&mut self, binary: bool) {
+        self.unfinished_binary = self.unfinished > 0 && binary;
     }
 
     /// The frame left unfinished at the end was on its way when the job
@@ -734,6 +745,7 @@ impl Machine {
             _ if self.arriving => "; a frame was still arriving".into(),
             // a frame's start whose rest never came is no print (audit 97)
             _ if self.frame_like => "; the executor stopped writing in the middle of a frame (its stdout holds the start of one that never completed)".into(),
+            _ if self.unfinished_binary => "; bytes that never became a frame are on its stdout, neither text nor the start of a frame (the worker's log shows their first bytes)".into(),
             // no byte count: the log's, taken at the end, has more (audit 97)
             _ => "; bytes that never became a frame are on its stdout: did it print something there (stdout carries frames only; logs go to stderr)? The worker's log shows their first bytes".into(),
         }
@@ -900,6 +912,10 @@ impl Machine {
         }
         let what = match self.unfinished {
             0 => format!("answered nothing to the job within {bound}"),
+            n if self.unfinished_binary => format!(
+                "wrote {n} bytes to stdout that never became a frame within {bound}, neither text nor \
+                 the start of a frame; the worker's log shows their first bytes"
+            ),
             n => format!(
                 "wrote {n} bytes to stdout that never became a frame within {bound}: \
                  did it print something there (stdout carries frames only; logs go to stderr)? \

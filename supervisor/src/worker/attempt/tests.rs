@@ -1227,10 +1227,11 @@ fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
         timeout_ms: None,
         silence_ms: Some(3000),
     };
-    let message = |unfinished| {
+    let message_of = |unfinished, binary| {
         let mut m = Machine::new("j", 7, false, limits);
         m.on(accepted());
         m.saw_unfinished(unfinished, false, false);
+        m.saw_binary(binary);
         m.on(Input::Silent);
         m.on(Input::Exited);
         match m.verdict(false, "exited with code 0") {
@@ -1241,12 +1242,21 @@ fn a_silence_behind_an_unfinished_frame_says_what_may_have_printed() {
             other => panic!("{other:?}"),
         }
     };
+    let message = |unfinished| message_of(unfinished, false);
     assert!(!message(0).contains("never became"), "{}", message(0));
     let m = message(89);
     assert!(
         m.starts_with(
             "no frame from the executor for 3000 ms; bytes that never became a frame are on its stdout"
         ) && m.contains("did it print something there"),
+        "{m}"
+    );
+    // bytes that are no text are not asked about as a print (audit 105)
+    let m = message_of(64, true);
+    assert!(
+        m.starts_with(
+            "no frame from the executor for 3000 ms; bytes that never became a frame are on its stdout, neither text nor the start of a frame"
+        ) && !m.contains("print"),
         "{m}"
     );
 }
