@@ -715,8 +715,12 @@ async fn a_heartbeat_whose_connection_was_ended_renews_on_a_new_one() {
     let until = std::time::Instant::now() + LONG;
     let heartbeat_backend = loop {
         let pid: Option<i32> = sqlx::query_scalar(
+            // the worker's sessions only: another connection of this
+            // test's pool, whose last query was this one, matches the
+            // pattern too (it was terminated instead, once, in CI)
             "SELECT pid FROM pg_stat_activity
               WHERE datname = current_database() AND query LIKE '%durable.renew_leases(%'
+                AND application_name LIKE 'durable worker%'
                 AND pid <> pg_backend_pid() LIMIT 1",
         )
         .fetch_optional(t.db.pool())

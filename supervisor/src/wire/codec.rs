@@ -133,13 +133,24 @@ impl<M: Message + Default> FrameDecoder<M> {
         self.consumed += (prefix + len) as u64;
         src.advance(prefix);
         let body = src.split_to(len);
-        M::decode(body.freeze())
-            .map(Some)
-            .map_err(|e| WireError::Malformed {
+        match M::decode(body.freeze()) {
+            // text that decodes, as fields no protocol has (`xx…`: field 15,
+            // 120, again and again), is no frame of an unknown kind but a
+            // print (re-check audit 106: a line of 300 `x` read as "a frame
+            // of no known kind"); a binary frame of a kind this supervisor
+            // does not know stays one
+            Ok(m) if len > 0 && printed && m.encoded_len() == 0 => Err(WireError::Malformed {
+                reason: "it holds no field of the protocol".into(),
+                first_bytes: evidence,
+                printed,
+            }),
+            Ok(m) => Ok(Some(m)),
+            Err(e) => Err(WireError::Malformed {
                 reason: e.to_string(),
                 first_bytes: evidence,
                 printed,
-            })
+            }),
+        }
     }
 }
 
@@ -306,6 +317,28 @@ mod tests {
             "{err:?}"
         );
         assert!(err.to_string().contains("most likely printed"), "{err}");
+        // a line that decodes as fields no protocol has (`x` is field 15)
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut xs = BytesMut::from(
+            &[
+                format!("{}\n", "x".repeat(300)).as_bytes(),
+                &encode_frame(&result),
+            ]
+            .concat()[..],
+        );
+        let err = d.decode(&mut xs).expect_err("a print");
+        assert!(
+            matches!(&err, WireError::Malformed { printed: true, .. }),
+            "{err:?}"
+        );
+        // an empty frame (no kind) and a frame of a kind to come stay frames
+        let mut d = FrameDecoder::<pb::ExecutorFrame>::new(1 << 20);
+        let mut empty = BytesMut::from(&b"\x00\x03\x2a\x01\x07"[..]);
+        assert!(matches!(d.decode(&mut empty), Ok(Some(_))));
+        assert!(
+            matches!(d.decode(&mut empty), Ok(Some(_))),
+            "field 5, a kind to come"
+        );
         // a real frame's start is no print, whatever its bytes
         assert!(!super::super::looks_printed(&encode_frame(&result)));
 

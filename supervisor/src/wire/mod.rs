@@ -559,8 +559,9 @@ fn leading_text(buf: &[u8]) -> Option<(&str, bool)> {
 /// (re-check audits: `progress line 0\n…` and `✓ done\n` before a result
 /// had no print hint). A diagnostic's judgement, never the protocol's.
 pub fn looks_printed(buf: &[u8]) -> bool {
+    // a line ended (an empty one too: `print()`), or 4 bytes of text
     !may_begin_an_executor_frame(buf)
-        && leading_text(buf).is_some_and(|(t, ended)| !t.is_empty() && (ended || t.len() >= 4))
+        && leading_text(buf).is_some_and(|(t, ended)| ended || t.len() >= 4)
 }
 
 /// Whether `buf`, bytes that are no frame, begins with no text at all
@@ -737,6 +738,7 @@ mod frame_start_tests {
             ),
             (b"debug: hello".to_vec(), true, false),
             (b"5\n".to_vec(), true, false),
+            (then_frame("\n"), true, false),
             (b".".to_vec(), false, false),
             (b"\xff\x00\x13\x88\xff\x00\x13\x88".to_vec(), false, true),
             (b"\x05GARB".to_vec(), false, true),

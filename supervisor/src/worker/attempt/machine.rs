@@ -36,7 +36,7 @@ fn given_back_for_stray(what: &str) -> Outcome {
         code: "EXECUTOR_CRASHED".into(),
         message: format!(
             "the warm process{what} since this job began answering: on a process that served earlier jobs, \
-             most likely bytes one of them printed after its terminal (stdout carries frames only; logs go to \
+             most likely bytes one of them wrote after its terminal (stdout carries frames only; logs go to \
              stderr), read with or hiding this job's own frames; the worker's log shows their first bytes. The \
              job goes back to the queue, uncounted, for a process that served no job, and this one is replaced"
         ),
@@ -902,7 +902,7 @@ impl Machine {
                 code: "EXECUTOR_CRASHED".into(),
                 message: format!(
                     "the warm process wrote {} bytes to stdout that never became a frame within {bound}, before any frame of this job: \
-                     most likely what an earlier job printed after its terminal (stdout carries frames only; logs go to stderr); \
+                     most likely what an earlier job wrote after its terminal (stdout carries frames only; logs go to stderr); \
                      the worker's log shows their first bytes. Its process is replaced and the job goes back to the queue, uncounted, \
                      for a process that served no job",
                     self.unfinished
