@@ -534,6 +534,36 @@ async fn a_heartbeat_held_up_by_a_lock_says_so() {
     stop(&mut w).await;
 }
 
+/// Once `w` runs: a run of one `demo.sleep` step of `ms`, running, and a
+/// transaction holding `LOCK TABLE durable.step_runs` (roll it back to let
+/// go).
+async fn running_behind_a_table_lock(
+    t: &TestDb,
+    w: &WorkerProcess,
+    ms: u64,
+) -> (uuid::Uuid, sqlx::Transaction<'static, sqlx::Postgres>) {
+    until_logged(w, "worker running").await;
+    let run = t
+        .submit(one(
+            "slow",
+            "go",
+            "demo.sleep",
+            json!({"input": {"ms": ms, "steps": 1}}),
+        ))
+        .await;
+    let until = std::time::Instant::now() + LONG;
+    while t.status(run).await.steps[0].state != "running" {
+        assert!(std::time::Instant::now() < until, "never running");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut holder = t.db.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    (run, holder)
+}
+
 /// An outcome whose write waits behind a lock on a whole table (a LOCK
 /// TABLE on the steps) is said to wait for a lock, and is written once the
 /// lock goes: the ledger's probe for the rows it waited for waited the
@@ -545,25 +575,7 @@ async fn an_outcome_behind_a_table_lock_says_it_waits_for_a_lock() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
-    until_logged(&w, "worker running").await;
-    let run = t
-        .submit(one(
-            "slow",
-            "go",
-            "demo.sleep",
-            json!({"input": {"ms": 1500, "steps": 1}}),
-        ))
-        .await;
-    let until = std::time::Instant::now() + LONG;
-    while t.status(run).await.steps[0].state != "running" {
-        assert!(std::time::Instant::now() < until, "never running");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let mut holder = t.db.pool().begin().await.expect("begin");
-    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut *holder)
-        .await
-        .expect("lock");
+    let (run, holder) = running_behind_a_table_lock(&t, &w, 1500).await;
     // the attempt's writes (its progress, then its outcome) are retried,
     // each saying why
     until_logged(&w, "failed; retrying").await;
@@ -600,25 +612,7 @@ async fn an_outcome_given_up_behind_a_lock_names_the_lock() {
     let _serial = tests::exclusive().await;
     let t = TestDb::new().await;
     let mut w = WorkerProcess::spawn(&t.url, &fast_config(vec![tests::go_demo("go", &[], None)]));
-    until_logged(&w, "worker running").await;
-    let run = t
-        .submit(one(
-            "slow",
-            "go",
-            "demo.sleep",
-            json!({"input": {"ms": 300, "steps": 1}}),
-        ))
-        .await;
-    let until = std::time::Instant::now() + LONG;
-    while t.status(run).await.steps[0].state != "running" {
-        assert!(std::time::Instant::now() < until, "never running");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut holder = t.db.pool().begin().await.expect("begin");
-    sqlx::query("LOCK TABLE durable.step_runs IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut *holder)
-        .await
-        .expect("lock");
+    let (run, holder) = running_behind_a_table_lock(&t, &w, 300).await;
     until_logged(&w, "commit failed and the lease clock ran out").await;
     holder.rollback().await.expect("rollback");
     let log = w.stderr();

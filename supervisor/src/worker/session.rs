@@ -518,6 +518,26 @@ mod tests {
         }
     }
 
+    /// Puts `s`, unusable, alone in a pool of executor `ex` and takes from
+    /// it, as a job does: nothing is handed out; what the pool logged.
+    fn taken_from_a_pool_of(s: Session) -> String {
+        let pool = Pool::new("ex", 4);
+        pool.idle
+            .lock()
+            .unwrap()
+            .push((s, std::time::Instant::now()));
+        let logged = Logged::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logged.clone())
+            .with_ansi(false)
+            .finish();
+        let taken = tracing::subscriber::with_default(subscriber, || pool.take());
+        assert!(taken.is_none(), "an unusable process is not handed a job");
+        assert_eq!(pool.idle(), 0);
+        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        text
+    }
+
     /// An idle process that ended between jobs and is found so as a job is
     /// handed to it (before the periodic sweep saw it) is replaced with a
     /// warning that says how it ended: it was dropped without a word (soak
@@ -533,21 +553,7 @@ mod tests {
         let pid = child.pid;
         let mut s = Session::new(child, 1 << 20, None).expect("pipes");
         s.jobs = 2;
-        let pool = Pool::new("ex", 4);
-        pool.idle
-            .lock()
-            .unwrap()
-            .push((s, std::time::Instant::now()));
-
-        let logged = Logged::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(logged.clone())
-            .with_ansi(false)
-            .finish();
-        let taken = tracing::subscriber::with_default(subscriber, || pool.take());
-        assert!(taken.is_none(), "a dead process is not handed a job");
-        assert_eq!(pool.idle(), 0);
-        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        let text = taken_from_a_pool_of(s);
         assert!(
             text.contains(
                 "an idle executor process ended between jobs (found as a job was handed to it)"
@@ -582,19 +588,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         s.jobs = 3;
-        let pool = Pool::new("ex", 4);
-        pool.idle
-            .lock()
-            .unwrap()
-            .push((s, std::time::Instant::now()));
-        let logged = Logged::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(logged.clone())
-            .with_ansi(false)
-            .finish();
-        let taken = tracing::subscriber::with_default(subscriber, || pool.take());
-        assert!(taken.is_none());
-        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        let text = taken_from_a_pool_of(s);
         assert!(
             text.contains("closed its stdout between jobs")
                 && text.contains("executor=ex")
