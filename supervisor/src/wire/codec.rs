@@ -102,6 +102,11 @@ impl<M: Message + Default> Decoder for FrameDecoder<M> {
     }
 }
 
+/// How many of a frame's first bytes its errors read: 32 shown (and
+/// whether there are more), and what [`super::looks_printed`] reads (16
+/// bytes of text, or a frame's length, tag and inner length: at most 21).
+const HEAD: usize = 33;
+
 impl<M: Message + Default> FrameDecoder<M> {
     fn decode_one(&mut self, src: &mut BytesMut) -> Result<Option<M>, WireError> {
         let (len, prefix) = match read_varint(src) {
@@ -128,8 +133,18 @@ impl<M: Message + Default> FrameDecoder<M> {
             src.reserve(prefix + len - src.len());
             return Ok(None);
         }
-        let evidence = first_bytes(&src[..(prefix + len).min(src.len())], 32);
-        let printed = super::looks_printed(&src[..prefix + len]);
+        // the frame's first bytes, kept for an error's evidence and its
+        // print judgement (both read at most this many): judged only when
+        // needed, not for every frame
+        let mut head = [0u8; HEAD];
+        let kept = (prefix + len).min(HEAD);
+        head[..kept].copy_from_slice(&src[..kept]);
+        let head = &head[..kept];
+        let malformed = |reason: String| WireError::Malformed {
+            reason,
+            first_bytes: first_bytes(head, 32),
+            printed: super::looks_printed(head),
+        };
         self.consumed += (prefix + len) as u64;
         src.advance(prefix);
         let body = src.split_to(len);
@@ -139,17 +154,11 @@ impl<M: Message + Default> FrameDecoder<M> {
             // print (re-check audit 106: a line of 300 `x` read as "a frame
             // of no known kind"); a binary frame of a kind this supervisor
             // does not know stays one
-            Ok(m) if len > 0 && printed && m.encoded_len() == 0 => Err(WireError::Malformed {
-                reason: "it holds no field of the protocol".into(),
-                first_bytes: evidence,
-                printed,
-            }),
+            Ok(m) if len > 0 && m.encoded_len() == 0 && super::looks_printed(head) => {
+                Err(malformed("it holds no field of the protocol".into()))
+            }
             Ok(m) => Ok(Some(m)),
-            Err(e) => Err(WireError::Malformed {
-                reason: e.to_string(),
-                first_bytes: evidence,
-                printed,
-            }),
+            Err(e) => Err(malformed(e.to_string())),
         }
     }
 }

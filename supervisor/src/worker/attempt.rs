@@ -2175,18 +2175,15 @@ impl Conversation<'_> {
             );
             return;
         }
-        if wire::looks_binary(buffered) {
-            warn!(
-                bytes = buffered.len(),
-                first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
-                "the executor's stdout holds bytes that never became a frame, neither text nor the start of one"
-            );
-            return;
-        }
+        let what = if wire::looks_binary(buffered) {
+            "bytes that never became a frame, neither text nor the start of one"
+        } else {
+            "a frame it never completed: did it print something there? stdout carries frames only (logs go to stderr)"
+        };
         warn!(
             bytes = buffered.len(),
             first_bytes = %self.redactor.text(&wire::first_bytes(buffered, 64)),
-            "the executor's stdout holds a frame it never completed: did it print something there? stdout carries frames only (logs go to stderr)"
+            "the executor's stdout holds {what}"
         );
     }
 
@@ -2471,6 +2468,20 @@ impl Recorded {
     }
 }
 
+/// Logs an outcome given up when the lease clock ran out, with why the tries
+/// before the last failed when the last was only cut off by the clock.
+fn gave_up(e: &DbError, earlier: Option<String>, outcome: &str, tried: Duration) {
+    let tried_ms = tried.as_millis() as u64;
+    match earlier {
+        Some(earlier) => {
+            error!(error = %e, earlier_tries = %earlier, outcome = %outcome, tried_ms, "commit failed and the lease clock ran out; the step will be reclaimed")
+        }
+        None => {
+            error!(error = %e, outcome = %outcome, tried_ms, "commit failed and the lease clock ran out; the step will be reclaimed")
+        }
+    }
+}
+
 /// Commits an outcome, fenced by the lease (which stays in the renewal set
 /// until this returns). Transient database errors are retried while the lease
 /// clock says the lease can be valid; a lost lease discards the outcome; a
@@ -2535,15 +2546,8 @@ async fn commit(
                     // the last try's bound is in the error; how long the
                     // commit was tried in all is what says why (DB fault
                     // audit: "within 1000 ms" after 23 s of trying)
-                    let tried_ms = committing_since.elapsed().as_millis() as u64;
-                    match earlier_cause.filter(|_| e.is_timeout()) {
-                        Some(earlier) => {
-                            error!(error = %e, earlier_tries = %earlier, outcome = %outcome.label(), tried_ms, "commit failed and the lease clock ran out; the step will be reclaimed")
-                        }
-                        None => {
-                            error!(error = %e, outcome = %outcome.label(), tried_ms, "commit failed and the lease clock ran out; the step will be reclaimed")
-                        }
-                    }
+                    let earlier = earlier_cause.filter(|_| e.is_timeout());
+                    gave_up(&e, earlier, &outcome.label(), committing_since.elapsed());
                     return Recorded::GaveUp;
                 }
                 warn!(error = %e, "commit failed; retrying");

@@ -1114,8 +1114,7 @@ async fn flush(
         // statements of its own: the connection may have broken in one of
         // them): back to the pool, whose check clears or closes it; but
         // one that gave up on a lock is sound, and finds the rows it
-        // waited for (from the pool, that probe waited behind every other
-        // user of it held up by the same lock: database-chaos audit 97)
+        // waited for (`probe_held`)
         let gave_up_on_a_lock = matches!(&res, Err(e) if aside::is_lock_wait(e));
         if !gave_up_on_a_lock
             && res
@@ -1131,20 +1130,7 @@ async fn flush(
         }
         match res {
             Err(e) if gave_up_on_a_lock => {
-                let held_steps = crate::db::bounded(
-                    super::DB_CALL_TIMEOUT,
-                    "finding the rows another transaction holds",
-                    async {
-                        match held.as_mut() {
-                            Some(c) => c.conn().held_steps(&s.steps(), LOCK_WAIT).await,
-                            None => db.held_steps(&s.steps(), LOCK_WAIT).await,
-                        }
-                    },
-                )
-                .await;
-                if held_steps.is_err() || !db.has_spare_connection() {
-                    *held = None;
-                }
+                let held_steps = probe_held(db, held, &s.steps()).await;
                 let held_steps: HashMap<Uuid, Uuid> = match held_steps {
                     Ok(h) => h.into_iter().collect(),
                     Err(probe) if aside::is_lock_wait(&probe) => {
@@ -1174,6 +1160,32 @@ async fn flush(
             res => return s.settle(res, db, worker, tainted).await,
         }
     }
+}
+
+/// Of `steps`, those whose rows another transaction holds, found on the
+/// batch's own connection where it kept one (from the pool, the probe
+/// waited behind every other user of it held up by the same lock:
+/// database-chaos audit 97), which is then kept as after a batch.
+async fn probe_held(
+    db: &Db,
+    held: &mut Option<DbConnection>,
+    steps: &[Uuid],
+) -> Result<Vec<(Uuid, Uuid)>, crate::db::DbError> {
+    let found = crate::db::bounded(
+        super::DB_CALL_TIMEOUT,
+        "finding the rows another transaction holds",
+        async {
+            match held.as_mut() {
+                Some(c) => c.conn().held_steps(steps, LOCK_WAIT).await,
+                None => db.held_steps(steps, LOCK_WAIT).await,
+            }
+        },
+    )
+    .await;
+    if found.is_err() || !db.has_spare_connection() {
+        *held = None;
+    }
+    found
 }
 
 impl Shaped {

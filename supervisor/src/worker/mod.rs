@@ -1352,31 +1352,7 @@ async fn lease_pass(
             }
             Ok(None) => return false,
             Err(e) => {
-                if matches!(
-                    e,
-                    DbError::Timeout {
-                        context: LEASE_STATEMENT,
-                        ..
-                    }
-                ) {
-                    // sent, and no answer: not the pool's doing (re-check
-                    // audit 105: a LOCK TABLE read "the pool's connections
-                    // are all in use")
-                    error!(error = %e, why = "the statement waits on the server: most likely for a lock (a LOCK TABLE, or a long transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids), or the server is overloaded; what it leases late is given back uncounted", "lease failed; retrying after the poll interval");
-                } else if e.is_pool_timeout() || e.is_timeout() {
-                    // the server's own word on why, where it refuses
-                    // connections (the pool's error says "timed out")
-                    let why = shared
-                        .db
-                        .connect_error(Duration::from_secs(1))
-                        .await
-                        .unwrap_or_else(|| {
-                            "a new connection opens: the pool's connections are all in use".into()
-                        });
-                    error!(error = %e, why = %why, "lease failed; retrying after the poll interval");
-                } else {
-                    error!(error = %e, "lease failed; retrying after the poll interval");
-                }
+                lease_failed(shared, &e).await;
                 crate::metrics::lease_call(false);
                 // unless the server answered with an error (the statement
                 // did not run), it may have reached the server all the same,
@@ -1544,6 +1520,30 @@ async fn routes_to_lease(
         return None;
     }
     Some((routes, free, false))
+}
+
+/// Logs a failed lease call with why, as far as the worker can tell.
+async fn lease_failed(shared: &Shared, e: &DbError) {
+    let why = match e {
+        // sent, and no answer: not the pool's doing (re-check audit 105: a
+        // LOCK TABLE read "the pool's connections are all in use")
+        DbError::Timeout {
+            context: LEASE_STATEMENT,
+            ..
+        } => "the statement waits on the server: most likely for a lock (a LOCK TABLE, or a long transaction a lock waits behind: see pg_stat_activity and pg_blocking_pids), or the server is overloaded; what it leases late is given back uncounted".into(),
+        // the server's own word on why, where it refuses connections (the
+        // pool's error says "timed out")
+        e if e.is_pool_timeout() || e.is_timeout() => shared
+            .db
+            .connect_error(Duration::from_secs(1))
+            .await
+            .unwrap_or_else(|| "a new connection opens: the pool's connections are all in use".into()),
+        _ => {
+            error!(error = %e, "lease failed; retrying after the poll interval");
+            return;
+        }
+    };
+    error!(error = %e, why = %why, "lease failed; retrying after the poll interval");
 }
 
 /// One lease call of at most `free` steps over `routes`, with the time it
